@@ -1,0 +1,6 @@
+"""jxformers: efficient transformers in pure JAX."""
+
+from jxformers import ops
+
+__version__ = "0.1.0"
+__all__ = ["ops"]

@@ -1,0 +1,258 @@
+"""Shared pieces of the attention ops: argument validation, grouped-query logits,
+the one masked softmax every op reduces to, and blocking helpers.
+
+Every op in this package ends in `attend`: a masked softmax over one or more *parts*
+(groups of keys gathered in whatever layout suits the pattern) normalised jointly, so a
+pattern that is a union of sub-patterns (window + global + random) is one softmax,
+exactly as the dense masked reference would compute it.
+
+Shape letters used internally: `n` query groups (blocks), `q` queries per group, `k`
+keys per group, `h` kv heads, `g` query heads per kv head, `d` features.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_positive(name: str, value: int, *, minimum: int = 1) -> None:
+    """Raise ValueError unless `value` is a Python int >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a Python int >= {minimum}; got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+
+
+def check_qkv(q: Array, k: Array, v: Array, *, self_attention: bool = False) -> None:
+    """Validate per-example q/k/v shapes (see DESIGN.md) and raise a named ValueError."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(
+                f"{name} must have shape [len, heads, features] (one example; batch with "
+                f"jax.vmap); got shape {x.shape}"
+            )
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k has d_k={k.shape[2]} but q has d_k={q.shape[2]}; they must match")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v has kv_len={v.shape[0]} but k has kv_len={k.shape[0]}; they must match")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has kv_heads={v.shape[1]} but k has kv_heads={k.shape[1]}; they must match")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"q heads ({q.shape[1]}) must be a positive multiple of k/v heads ({k.shape[1]}) "
+            "(grouped-query attention)"
+        )
+    if self_attention and q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"this op is self-attention: q_len ({q.shape[0]}) must equal kv_len ({k.shape[0]})"
+        )
+
+
+def check_mask_shape(name: str, mask: Array | None, shape: tuple[int, ...]) -> None:
+    if mask is None:
+        return
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(mask.shape)}")
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"{name} must be a boolean array (True = attend); got dtype {mask.dtype}")
+
+
+def default_scale(d_k: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+
+
+def out_dtype(q: Array, k: Array, v: Array) -> jnp.dtype:
+    return jnp.result_type(q.dtype, k.dtype, v.dtype)
+
+
+# ----------------------------------------------------------------------------- softmax
+
+
+def group_heads(q: Float[Array, "*lead heads d"], kv_heads: int) -> Float[Array, "*lead h g d"]:
+    """Split query heads into [kv_heads, group] so one key head serves `group` queries."""
+    *lead, heads, d = q.shape
+    return q.reshape(*lead, kv_heads, heads // kv_heads, d)
+
+
+def logits(
+    q: Float[Array, "*n q h g d"], k: Float[Array, "*n k h d"], scale: float
+) -> Float[Array, "*n h g q k"]:
+    """Scaled dot products in float32 (bf16 inputs accumulate in float32)."""
+    s = jnp.einsum("...qhgd,...khd->...hgqk", q, k, preferred_element_type=jnp.float32)
+    return s * jnp.float32(scale)
+
+
+def softmax_parts(
+    parts: list[tuple[Float[Array, "*n h g q _k"], Bool[Array, "*#n #h #g #q _k"]]],
+) -> list[Float[Array, "*n h g q _k"]]:
+    """Probabilities of a softmax taken jointly over several groups of keys.
+
+    Each part is `(logits, mask)`; masks broadcast against their logits. A query row
+    whose keys are all masked gets all-zero probabilities (never NaN), and gradients
+    through masked entries are exactly zero.
+    """
+    row_max = None
+    for s, m in parts:
+        part_max = jnp.max(jnp.where(m, s, -jnp.inf), axis=-1)
+        row_max = part_max if row_max is None else jnp.maximum(row_max, part_max)
+    # Shift invariance of softmax: the max carries no gradient; empty rows shift by 0.
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    exps = [jnp.where(m, jnp.exp(s - row_max[..., None]), 0.0) for s, m in parts]
+    denom = sum(e.sum(axis=-1) for e in exps)
+    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return [e * inv[..., None] for e in exps]
+
+
+def weighted_values(p: Float[Array, "*n h g q k"], v: Float[Array, "*n k h dv"]) -> Float[Array, "*n q h g dv"]:
+    """p @ v with float32 accumulation."""
+    return jnp.einsum("...hgqk,...khd->...qhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def attend(
+    q: Float[Array, "*n q heads d"],
+    parts: list[tuple[Float[Array, "*n _k h d"], Float[Array, "*n _k h dv"], Bool[Array, "..."]]],
+    scale: float,
+) -> Float[Array, "*n q heads dv"]:
+    """Masked softmax attention of `q` over several key groups `(k, v, mask)` jointly.
+
+    Arguments:
+        q: queries, `[*n, q, heads, d]`.
+        parts: `(k [*n, k_p, h, d], v [*n, k_p, h, dv], mask)`; `mask` broadcasts to
+            `[*n, h, g, q, k_p]` (commonly `[*n, 1, 1, q, k_p]`).
+        scale: multiplies the dot products.
+
+    Returns:
+        `[*n, q, heads, dv]` in float32; rows with no visible key are zero.
+    """
+    kv_heads = parts[0][0].shape[-2]
+    qg = group_heads(q, kv_heads)
+    scored = [(logits(qg, k, scale), m) for k, _, m in parts]
+    probs = softmax_parts(scored)
+    out = sum(weighted_values(p, v) for p, (_, v, _) in zip(probs, parts))
+    return out.reshape(*out.shape[:-3], q.shape[-2], out.shape[-1])
+
+
+def head_mask(mask: Bool[Array, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:
+    """Give a [*n, q, k] mask the two head axes of the logits."""
+    return mask[..., None, None, :, :]
+
+
+# ----------------------------------------------------------------------------- blocking
+
+
+def pad_to(x: Array, length: int, axis: int = 0, value=0) -> Array:
+    """Pad `x` at the end of `axis` up to `length`."""
+    extra = length - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def valid_keys(kv_mask: Bool[Array, "kv_len"] | None, kv_len: int, padded_len: int) -> Bool[Array, "padded"]:
+    """kv_mask (True = real) extended with False over the padding to `padded_len`."""
+    real = jnp.ones((kv_len,), bool) if kv_mask is None else kv_mask
+    return pad_to(real, padded_len, value=False)
+
+
+def to_blocks(x: Array, block: int) -> Array:
+    """[L, ...] -> [L // block, block, ...]; L must already be a multiple of `block`."""
+    return x.reshape(x.shape[0] // block, block, *x.shape[1:])
+
+
+def neighbour_blocks(x: Array, before: int, after: int) -> Array:
+    """For blocked `x` [n, b, ...] return [n, (before + 1 + after) * b, ...]: each block
+    concatenated with its `before` predecessors and `after` successors (zero-padded past
+    the ends; callers mask those slots by position)."""
+    n = x.shape[0]
+    widths = [(before, after)] + [(0, 0)] * (x.ndim - 1)
+    xp = jnp.pad(x, widths)
+    windows = [xp[i : i + n] for i in range(before + 1 + after)]
+    stacked = jnp.concatenate(windows, axis=1)
+    return stacked
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def positions(n: int) -> Int[Array, "n"]:
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+# ----------------------------------------------------------------------------- unions
+# A pattern that is a union of sub-patterns (window + global + random) gathers each
+# sub-pattern's keys in its own layout. A `Part` holds that sub-pattern's logits and mask
+# in one shared *row* layout `[h, g, L, k_p]` (query rows in position order), so the
+# softmax is taken jointly, and a function that applies the probabilities back to the
+# values in the part's own layout, returning `[L, h, g, dv]`.
+
+
+class Part(NamedTuple):
+    logits: Float[Array, "h g L _k"]
+    mask: Bool[Array, "..."]
+    apply: Callable[[Float[Array, "h g L _k"]], Float[Array, "L h g _dv"]]
+
+
+def dense_part(
+    qg: Float[Array, "L h g d"], k: Float[Array, "_k h d"], v: Float[Array, "_k h dv"], mask: Bool[Array, "L _k"], scale: float
+) -> Part:
+    """All query rows against one shared set of keys."""
+    return Part(logits(qg, k, scale), head_mask(mask), lambda p: weighted_values(p, v))
+
+
+def block_part(
+    qg: Float[Array, "n b h g d"],
+    k: Float[Array, "n _k h d"],
+    v: Float[Array, "n _k h dv"],
+    mask: Bool[Array, "n b _k"],
+    scale: float,
+    *,
+    interleaved: bool = False,
+) -> Part:
+    """Query blocks, each against its own gathered keys. Rows are block-major
+    (position = block * b + i) or, with `interleaved`, residue-major
+    (position = i * n + block: block n holds positions congruent to n mod `n`)."""
+    n, b = qg.shape[:2]
+    s = logits(qg, k, scale)  # [n, h, g, b, k]
+    m = head_mask(mask)
+
+    def to_rows(x):  # [n, h, g, b, k] -> [h, g, L, k]
+        x = jnp.moveaxis(x, 0, 2 if not interleaved else 3)
+        return x.reshape(*x.shape[:2], n * b, x.shape[-1])
+
+    def from_rows(x):
+        shape = (n, b) if not interleaved else (b, n)
+        x = x.reshape(*x.shape[:2], *shape, x.shape[-1])
+        return jnp.moveaxis(x, 2 if not interleaved else 3, 0)
+
+    def apply(p):
+        out = weighted_values(from_rows(p), v)  # [n, b, h, g, dv]
+        if interleaved:
+            out = jnp.swapaxes(out, 0, 1)
+        return out.reshape(n * b, *out.shape[2:])
+
+    return Part(to_rows(s), to_rows(jnp.broadcast_to(m, (n, 1, 1, b, m.shape[-1]))), apply)
+
+
+def attend_parts(parts: list[Part]) -> Float[Array, "L h g dv"]:
+    """Joint masked softmax over every part's keys, then the weighted sum of values."""
+    probs = softmax_parts([(p.logits, p.mask) for p in parts])
+    return sum(part.apply(p) for part, p in zip(parts, probs))
+
+
+def first_occurrence(idx: Int[Array, "m"]) -> Bool[Array, "m"]:
+    """True where idx[i] differs from every earlier entry (so a key listed twice counts once)."""
+    m = idx.shape[0]
+    same = idx[:, None] == idx[None, :]
+    earlier = jnp.tril(jnp.ones((m, m), bool), k=-1)
+    return ~jnp.any(same & earlier, axis=1)

@@ -1,0 +1,68 @@
+"""Axial attention (Ho et al., 2019): the sequence laid out row-major on a 2-D grid of
+`width` columns, attention along rows, then along columns.
+
+Row attention is `block_local_attention` with blocks of one row; column attention is
+full attention inside each residue class mod `width`, i.e. `dilated_attention` with a
+window covering every row. Both are exact masked softmax patterns; composed, every
+position reaches every other in two hops at O(N * (rows + width)) cost.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from jxformers.ops._common import ceil_div, check_mask_shape, check_positive, check_qkv
+from jxformers.ops.local import block_local_attention, dilated_attention
+
+
+def axial_attention(
+    q: Float[Array, "seq heads d_k"],
+    k: Float[Array, "_seq kv_heads _d_k"],
+    v: Float[Array, "_seq _kv_heads d_v"],
+    *,
+    width: int,
+    order: Literal["row", "column", "row_then_column"] = "row_then_column",
+    causal: bool = False,
+    kv_mask: Bool[Array, "_seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "seq heads d_v"]:
+    """Axial attention over a grid of `width` columns (rows = ceil(seq / width); a short
+    last row is padded and masked).
+
+    * "row": query (r, c) attends every key (r, c') of its row;
+    * "column": query (r, c) attends every key (r', c) of its column;
+    * "row_then_column": the column attention applied to the row attention's output,
+      `A_col @ (A_row @ v)` with the same q and k: full receptive field in two hops.
+    `causal=True` keeps only earlier positions in raster order in each pass (c' <= c in
+    a row, r' <= r in a column), so the composition never reads the future either.
+
+    Arguments:
+        q, k, v: self-attention inputs of one length `seq`.
+        width: grid columns, int >= 1.
+        order: which pass(es) to apply.
+        causal: restrict to the past.
+        kv_mask: optional `[seq]`, True for real tokens.
+        scale: default `1 / sqrt(d_k)`.
+
+    Returns:
+        `[seq, heads, d_v]`.
+
+    Time O(seq * (width + seq / width) * d): O(seq^1.5) for a square grid.
+    """
+    check_qkv(q, k, v, self_attention=True)
+    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
+    check_positive("width", width)
+    if order not in ("row", "column", "row_then_column"):
+        raise ValueError(f"order must be 'row', 'column' or 'row_then_column'; got {order!r}")
+    rows = ceil_div(q.shape[0], width)
+    common = dict(causal=causal, kv_mask=kv_mask, scale=scale)
+    if order in ("row", "row_then_column"):
+        v = block_local_attention(q, k, v, block_size=width, **common)
+        if order == "row":
+            return v
+        # The row pass gives one value per *query* head; the column pass needs keys to match.
+        k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
+    return dilated_attention(q, k, v, window=rows, dilation=width, **common)

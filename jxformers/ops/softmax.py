@@ -1,0 +1,192 @@
+"""Exact softmax attention: the dense reference and the memory-efficient chunked form.
+
+`softmax_attention` is the reference every other op in the zoo is tested against.
+`chunked_attention` computes the same function with O(N * chunk) memory by an online
+softmax over key chunks inside query chunks (Rabe & Staats, "Self-attention does not
+need O(n^2) memory", 2021), rematerialising each chunk in the backward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from jxformers.ops._common import (
+    ceil_div,
+    check_mask_shape,
+    check_positive,
+    check_qkv,
+    default_scale,
+    group_heads,
+    head_mask,
+    logits,
+    out_dtype,
+    pad_to,
+    positions,
+    softmax_parts,
+    to_blocks,
+    valid_keys,
+    weighted_values,
+)
+
+
+def causal_mask(q_len: int, kv_len: int) -> Bool[Array, "q_len kv_len"]:
+    """Causal mask aligned bottom-right: query i sits at position i + kv_len - q_len, so
+    with q_len < kv_len the queries are the *last* q_len positions (the decoding case)."""
+    offset = kv_len - q_len
+    return positions(q_len)[:, None] + offset >= positions(kv_len)[None, :]
+
+
+def softmax_attention(
+    q: Float[Array, "q_len heads d_k"],
+    k: Float[Array, "kv_len kv_heads _d_k"],
+    v: Float[Array, "_kv_len _kv_heads d_v"],
+    *,
+    mask: Bool[Array, "_q_len _kv_len"] | None = None,
+    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    bias: Float[Array, "_q_len _kv_len"] | Float[Array, "_heads _q_len _kv_len"] | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> Float[Array, "q_len heads d_v"]:
+    """Dense scaled dot-product attention (Vaswani et al., 2017), the reference op.
+
+    Arguments:
+        q: queries `[q_len, heads, d_k]`.
+        k: keys `[kv_len, kv_heads, d_k]`; `heads` must be a multiple of `kv_heads`
+            (grouped-query attention).
+        v: values `[kv_len, kv_heads, d_v]`.
+        mask: optional `[q_len, kv_len]`, True where query i may attend key j.
+        kv_mask: optional `[kv_len]`, True for real keys, False for padding.
+        bias: optional additive logits bias, `[q_len, kv_len]` or `[heads, q_len, kv_len]`.
+        causal: if True, query i attends keys j <= i + kv_len - q_len (bottom-right).
+        scale: logits multiplier; default `1 / sqrt(d_k)`.
+
+    Returns:
+        `[q_len, heads, d_v]`. A query with every key masked returns zeros.
+
+    Time O(q_len * kv_len * d), memory O(q_len * kv_len). Causal, cross attention and
+    decoding (q_len = 1 against a cache) are supported. Softmax runs in float32.
+    """
+    check_qkv(q, k, v)
+    q_len, heads, d_k = q.shape
+    kv_len = k.shape[0]
+    check_mask_shape("mask", mask, (q_len, kv_len))
+    check_mask_shape("kv_mask", kv_mask, (kv_len,))
+    if bias is not None and tuple(bias.shape) not in {(q_len, kv_len), (heads, q_len, kv_len)}:
+        raise ValueError(
+            f"bias must have shape {(q_len, kv_len)} or {(heads, q_len, kv_len)}; got {tuple(bias.shape)}"
+        )
+    scale = default_scale(d_k, scale)
+
+    full = jnp.ones((q_len, kv_len), bool)
+    if mask is not None:
+        full = full & mask
+    if kv_mask is not None:
+        full = full & kv_mask[None, :]
+    if causal:
+        full = full & causal_mask(q_len, kv_len)
+
+    kv_heads = k.shape[1]
+    qg = group_heads(q, kv_heads)
+    s = logits(qg, k, scale)  # [h, g, q, k]
+    if bias is not None:
+        b = bias.astype(jnp.float32)
+        b = b.reshape(1, 1, q_len, kv_len) if b.ndim == 2 else b.reshape(kv_heads, heads // kv_heads, q_len, kv_len)
+        s = s + b
+    (p,) = softmax_parts([(s, head_mask(full))])
+    out = weighted_values(p, v)
+    return out.reshape(q_len, heads, v.shape[2]).astype(out_dtype(q, k, v))
+
+
+def chunked_attention(
+    q: Float[Array, "q_len heads d_k"],
+    k: Float[Array, "kv_len kv_heads _d_k"],
+    v: Float[Array, "_kv_len _kv_heads d_v"],
+    *,
+    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    causal: bool = False,
+    chunk_size: int = 512,
+    scale: float | None = None,
+) -> Float[Array, "q_len heads d_v"]:
+    """Exact attention in O(N * chunk) memory (Rabe & Staats, 2021).
+
+    Queries are split into chunks of `chunk_size`; for each, keys are visited chunk by
+    chunk with an online (running max / running sum) softmax, and each chunk is
+    rematerialised in the backward pass, so neither direction holds an N x N matrix.
+    Equal to `softmax_attention` to float32 rounding for any length (the last chunk is
+    padded and masked).
+
+    Arguments:
+        q, k, v: as `softmax_attention` (grouped-query heads allowed, q_len may differ
+            from kv_len).
+        kv_mask: optional `[kv_len]`, True for real keys.
+        causal: bottom-right causal mask, as `softmax_attention`.
+        chunk_size: keys and queries per chunk (>= 1).
+        scale: default `1 / sqrt(d_k)`.
+
+    Returns:
+        `[q_len, heads, d_v]`; rows with no visible key are zero.
+
+    Time O(q_len * kv_len * d); memory O(chunk^2 + N * d). Supports causal, cross
+    attention and decoding.
+    """
+    check_qkv(q, k, v)
+    check_positive("chunk_size", chunk_size)
+    q_len, heads, d_k = q.shape
+    kv_len, kv_heads, d_v = v.shape
+    check_mask_shape("kv_mask", kv_mask, (kv_len,))
+    scale = default_scale(d_k, scale)
+
+    qc = min(chunk_size, q_len)
+    kc = min(chunk_size, kv_len)
+    nq, nk = ceil_div(q_len, qc), ceil_div(kv_len, kc)
+    q_blocks = to_blocks(pad_to(q, nq * qc), qc)
+    k_blocks = to_blocks(pad_to(k, nk * kc), kc)
+    v_blocks = to_blocks(pad_to(v, nk * kc), kc)
+    real_blocks = to_blocks(valid_keys(kv_mask, kv_len, nk * kc), kc)
+    offset = kv_len - q_len  # bottom-right causal alignment, as softmax_attention
+
+    def key_step(carry, xs):
+        acc, row_max, row_sum, qb, q_pos = carry
+        kb, vb, real, k_pos = xs
+        s = logits(group_heads(qb, kv_heads), kb, scale)  # [h, g, qc, kc]
+        m = real[None, :]
+        if causal:
+            m = m & (q_pos[:, None] + offset >= k_pos[None, :])
+        m = head_mask(m)
+        s = jnp.where(m, s, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        p = jnp.where(m, jnp.exp(s - safe_max[..., None]), 0.0)
+        correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, safe_max) - safe_max)
+        row_sum = row_sum * correction + p.sum(axis=-1)
+        pv = weighted_values(p, vb)  # [qc, h, g, dv]
+        acc = acc * jnp.moveaxis(correction, -1, 0)[..., None] + pv
+        return (acc, new_max, row_sum, qb, q_pos), None
+
+    # Rematerialise per key chunk: the scan then saves only its O(chunk * d) carries.
+    key_step = jax.checkpoint(key_step)
+
+    def query_chunk(args):
+        qb, q_pos = args
+        g = heads // kv_heads
+        init = (
+            jnp.zeros((qc, kv_heads, g, d_v), jnp.float32),
+            jnp.full((kv_heads, g, qc), -jnp.inf, jnp.float32),
+            jnp.zeros((kv_heads, g, qc), jnp.float32),
+            qb,
+            q_pos,
+        )
+        k_pos = to_blocks(positions(nk * kc), kc)
+        (acc, _, row_sum, _, _), _ = jax.lax.scan(key_step, init, (k_blocks, v_blocks, real_blocks, k_pos))
+        denom = jnp.moveaxis(row_sum, -1, 0)[..., None]
+        return jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+    q_pos = to_blocks(positions(nq * qc), qc)
+    out = jax.lax.map(jax.checkpoint(query_chunk), (q_blocks, q_pos))  # [nq, qc, h, g, dv]
+    out = out.reshape(nq * qc, heads, d_v)[:q_len]
+    return out.astype(out_dtype(q, k, v))
+
+
+__all__ = ["softmax_attention", "chunked_attention", "causal_mask"]

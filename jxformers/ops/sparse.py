@@ -1,0 +1,382 @@
+"""Fixed sparse patterns that combine several sub-patterns into one softmax:
+Sparse Transformer (strided and fixed), Longformer (window + global tokens) and BigBird
+(sliding blocks + global blocks + random blocks).
+
+Each sub-pattern is gathered in the layout that makes it cheap (blocks, residue
+classes, a shared set of global keys) and the softmax is taken jointly over the union,
+with keys that two sub-patterns share counted once, so each op equals dense
+`softmax_attention` under the pattern's mask (the tests build that mask independently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from jxformers.ops._common import (
+    attend_parts,
+    block_part,
+    ceil_div,
+    check_mask_shape,
+    check_positive,
+    check_qkv,
+    default_scale,
+    dense_part,
+    first_occurrence,
+    group_heads,
+    neighbour_blocks,
+    out_dtype,
+    pad_to,
+    positions,
+    to_blocks,
+    valid_keys,
+)
+from jxformers.ops.softmax import softmax_attention
+
+
+def _prepare(q, k, v, kv_mask, block):
+    """Pad to whole blocks; return padded length, grouped queries, keys, values, real."""
+    check_qkv(q, k, v, self_attention=True)
+    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
+    n = q.shape[0]
+    length = ceil_div(n, block) * block
+    qg = group_heads(pad_to(q, length), k.shape[1])
+    return length, qg, pad_to(k, length), pad_to(v, length), valid_keys(kv_mask, n, length)
+
+
+def _finish(rows, n, q, k, v):
+    return rows.reshape(rows.shape[0], -1, rows.shape[-1])[:n].astype(out_dtype(q, k, v))
+
+
+# ----------------------------------------------------------------------------- Sparse Transformer
+
+
+def sparse_transformer_attention(
+    q: Float[Array, "seq heads d_k"],
+    k: Float[Array, "_seq kv_heads _d_k"],
+    v: Float[Array, "_seq _kv_heads d_v"],
+    *,
+    stride: int,
+    pattern: Literal["strided", "fixed"] = "strided",
+    num_summary: int = 1,
+    causal: bool = False,
+    kv_mask: Bool[Array, "_seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "seq heads d_v"]:
+    """Sparse Transformer attention (Child et al., 2019), the union of its two heads.
+
+    With stride s:
+      * "strided": query i attends key j iff |i - j| < s or (i - j) mod s == 0;
+      * "fixed":   query i attends key j iff j // s == i // s or j mod s >= s - c,
+        with c = `num_summary` summary positions at the end of every block.
+    `causal=True` adds j <= i (the paper's autoregressive setting).
+
+    Arguments:
+        q, k, v: self-attention inputs of one length `seq`.
+        stride: s >= 1 (the paper uses about sqrt(seq)).
+        pattern: "strided" (images, periodic data) or "fixed" (text).
+        num_summary: c, 1 <= c <= stride; used by "fixed" only.
+        causal: restrict to the past.
+        kv_mask: optional `[seq]`, True for real tokens.
+        scale: default `1 / sqrt(d_k)`.
+
+    Returns:
+        `[seq, heads, d_v]`.
+
+    Time and memory O(seq * (s + seq / s) * d) for "strided" and
+    O(seq * (s + c * seq / s) * d) for "fixed": O(seq^1.5) at s = sqrt(seq).
+    """
+    check_positive("stride", stride)
+    if pattern not in ("strided", "fixed"):
+        raise ValueError(f"pattern must be 'strided' or 'fixed'; got {pattern!r}")
+    check_positive("num_summary", num_summary)
+    if num_summary > stride:
+        raise ValueError(f"num_summary must be <= stride ({stride}); got {num_summary}")
+    n = q.shape[0]
+    s = stride
+    length, qg, kp, vp, real = _prepare(q, k, v, kv_mask, s)
+    nb = length // s
+    scale = default_scale(q.shape[2], scale)
+    pos = positions(length)
+    q_blocks = to_blocks(qg, s)  # [nb, s, h, g, d]
+    q_pos = to_blocks(pos, s)
+
+    if pattern == "strided":
+        after = 0 if causal else 1
+        kb = neighbour_blocks(to_blocks(kp, s), 1, after)
+        vb = neighbour_blocks(to_blocks(vp, s), 1, after)
+        rb = neighbour_blocks(to_blocks(real, s), 1, after)
+        k_pos = q_pos[:, :1] - s + positions(kb.shape[1])[None, :]
+        delta = q_pos[:, :, None] - k_pos[:, None, :]
+        near = (delta >= 0) & (delta < s) if causal else jnp.abs(delta) < s
+        local = block_part(q_blocks, kb, vb, near & rb[:, None, :], scale)
+
+        # Column part, grouped by residue r = i mod s: keys r, r + s, r + 2s, ...; the
+        # key in the query's own row of the grid (j == i) is already in the local part.
+        def by_residue(x):
+            return jnp.swapaxes(to_blocks(x, s), 0, 1)
+
+        col_q, col_k, col_v, col_real = by_residue(qg), by_residue(kp), by_residue(vp), by_residue(real)
+        rows = positions(nb)
+        other = rows[:, None] != rows[None, :]
+        if causal:
+            other = other & (rows[None, :] < rows[:, None])
+        col_mask = other[None] & col_real[:, None, :]  # [s, nb(q), nb(k)]
+        column = block_part(col_q, col_k, col_v, col_mask, scale, interleaved=True)
+        out = attend_parts([local, column])
+    else:
+        c = num_summary
+        kb, vb, rb = to_blocks(kp, s), to_blocks(vp, s), to_blocks(real, s)
+        within = jnp.ones((s, s), bool) if not causal else jnp.tril(jnp.ones((s, s), bool))
+        block = block_part(q_blocks, kb, vb, within[None] & rb[:, None, :], scale)
+        # Summary keys: the last c positions of every block, shared by all queries;
+        # those in the query's own block are already in the block part.
+        sum_k = kb[:, s - c :].reshape(nb * c, *kb.shape[2:])
+        sum_v = vb[:, s - c :].reshape(nb * c, *vb.shape[2:])
+        sum_real = rb[:, s - c :].reshape(nb * c)
+        sum_pos = to_blocks(pos, s)[:, s - c :].reshape(nb * c)
+        mask = (sum_pos[None, :] // s != pos[:, None] // s) & sum_real[None, :]
+        if causal:
+            mask = mask & (sum_pos[None, :] <= pos[:, None])
+        out = attend_parts([block, dense_part(qg, sum_k, sum_v, mask, scale)])
+    return _finish(out, n, q, k, v)
+
+
+# ----------------------------------------------------------------------------- Longformer
+
+
+def longformer_attention(
+    q: Float[Array, "seq heads d_k"],
+    k: Float[Array, "_seq kv_heads _d_k"],
+    v: Float[Array, "_seq _kv_heads d_v"],
+    *,
+    window: int,
+    global_indices: Int[Array, "num_global"] | Sequence[int] = (0,),
+    causal: bool = False,
+    kv_mask: Bool[Array, "_seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "seq heads d_v"]:
+    """Longformer attention (Beltagy et al., 2020): a sliding window plus global tokens.
+
+    Query i attends key j iff |i - j| <= window, or i or j is a global position (global
+    tokens attend every key and every query attends them). `causal=True` intersects the
+    pattern with j <= i.
+
+    Arguments:
+        q, k, v: self-attention inputs of one length `seq`.
+        window: keys each side of the query (behind it when causal), int >= 0.
+        global_indices: positions of the global tokens (e.g. `(0,)` for [CLS]), a Python
+            sequence (checked against `seq`) or an int array (may differ per example under
+            vmap; entries outside [0, seq) are ignored). Repeats count once.
+        causal: restrict to the past.
+        kv_mask: optional `[seq]`, True for real tokens (padded global tokens are masked
+            as keys like any padding).
+        scale: default `1 / sqrt(d_k)`.
+
+    Returns:
+        `[seq, heads, d_v]`.
+
+    Time and memory O(seq * (window + num_global) * d).
+    """
+    check_qkv(q, k, v, self_attention=True)
+    check_positive("window", window, minimum=0)
+    n = q.shape[0]
+    if isinstance(global_indices, jax.Array):
+        if global_indices.ndim != 1 or not jnp.issubdtype(global_indices.dtype, jnp.integer):
+            raise ValueError(f"global_indices must be a 1-D int array; got {global_indices.dtype}{list(global_indices.shape)}")
+    else:
+        bad = [i for i in global_indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise ValueError(f"global_indices must be ints in [0, {n}); got {list(global_indices)}")
+    idx = jnp.asarray(global_indices, dtype=jnp.int32).reshape(-1)
+    block = min(max(window, 16), n)
+    length, qg, kp, vp, real = _prepare(q, k, v, kv_mask, block)
+    scale = default_scale(q.shape[2], scale)
+    pos = positions(length)
+
+    def near(i, j):
+        d = i - j
+        return (d >= 0) & (d <= window) if causal else jnp.abs(d) <= window
+
+    after = 0 if causal else 1
+    q_pos = to_blocks(pos, block)
+    kb = neighbour_blocks(to_blocks(kp, block), 1, after)
+    vb = neighbour_blocks(to_blocks(vp, block), 1, after)
+    rb = neighbour_blocks(to_blocks(real, block), 1, after)
+    k_pos = q_pos[:, :1] - block + positions(kb.shape[1])[None, :]
+    parts = [block_part(to_blocks(qg, block), kb, vb, near(q_pos[:, :, None], k_pos[:, None, :]) & rb[:, None, :], scale)]
+
+    in_range = (idx >= 0) & (idx < n)
+    safe = jnp.where(in_range, idx, 0)
+    if idx.shape[0] > 0:
+        g_ok = in_range & first_occurrence(idx) & real[safe]
+        # Global keys not already inside the query's window.
+        mask = g_ok[None, :] & ~near(pos[:, None], safe[None, :])
+        if causal:
+            mask = mask & (safe[None, :] <= pos[:, None])
+        parts.append(dense_part(qg, kp[safe], vp[safe], mask, scale))
+    out = _finish(attend_parts(parts), n, q, k, v)
+    if idx.shape[0] == 0:
+        return out
+
+    # Global queries attend every (real, and with causal: earlier) key.
+    rows_mask = jnp.ones((idx.shape[0], n), bool)
+    if causal:
+        rows_mask = positions(n)[None, :] <= safe[:, None]
+    g_out = softmax_attention(q[safe], k, v, mask=rows_mask, kv_mask=kv_mask, scale=scale)
+    return out.at[jnp.where(in_range, idx, n)].set(g_out.astype(out.dtype), mode="drop")
+
+
+# ----------------------------------------------------------------------------- BigBird
+
+
+def bigbird_global_blocks(num_blocks: int, num_global_blocks: int) -> tuple[int, ...]:
+    """BigBird-ITC global blocks: the first ceil(g/2) and the last floor(g/2) blocks
+    (g = 2, the paper's setting, is the first and the last block)."""
+    first = range(min(num_blocks, ceil_div(num_global_blocks, 2)))
+    last = range(max(0, num_blocks - num_global_blocks // 2), num_blocks)
+    return tuple(sorted(set(first) | set(last)))
+
+
+def _window_blocks(num_blocks: int, num_window_blocks: int) -> Bool[Array, "nb nb"]:
+    b = positions(num_blocks)
+    return jnp.abs(b[:, None] - b[None, :]) <= num_window_blocks // 2
+
+
+def bigbird_random_blocks(
+    key: PRNGKeyArray,
+    seq_len: int,
+    *,
+    block_size: int,
+    num_random_blocks: int = 2,
+    num_window_blocks: int = 3,
+    num_global_blocks: int = 2,
+) -> Int[Array, "num_blocks num_random_blocks"]:
+    """Draw BigBird's random key blocks for every query block, without replacement and
+    outside the query block's window and the global blocks (as in the paper's code).
+
+    Returns `[ceil(seq_len / block_size), num_random_blocks]` block indices; -1 marks a
+    slot with no block left to draw (short sequences) and the rows of global blocks.
+    """
+    check_positive("seq_len", seq_len)
+    check_positive("block_size", block_size)
+    check_positive("num_random_blocks", num_random_blocks, minimum=0)
+    nb = ceil_div(seq_len, block_size)
+    glob = jnp.zeros((nb,), bool).at[jnp.asarray(bigbird_global_blocks(nb, num_global_blocks), jnp.int32)].set(True)
+    allowed = ~_window_blocks(nb, num_window_blocks) & ~glob[None, :] & ~glob[:, None]
+    scores = jax.random.uniform(key, (nb, nb)) + jnp.where(allowed, 0.0, 2.0)
+    order = jnp.argsort(scores, axis=1)[:, :num_random_blocks]
+    if num_random_blocks > nb:
+        order = jnp.pad(order, ((0, 0), (0, num_random_blocks - nb)), constant_values=-1)
+    ok = jnp.take_along_axis(allowed, jnp.maximum(order, 0), axis=1) & (order >= 0)
+    return jnp.where(ok, order, -1).astype(jnp.int32)
+
+
+def bigbird_attention(
+    q: Float[Array, "seq heads d_k"],
+    k: Float[Array, "_seq kv_heads _d_k"],
+    v: Float[Array, "_seq _kv_heads d_v"],
+    *,
+    block_size: int,
+    random_blocks: Int[Array, "_num_blocks _r"] | None = None,
+    key: PRNGKeyArray | None = None,
+    num_random_blocks: int = 2,
+    num_window_blocks: int = 3,
+    num_global_blocks: int = 2,
+    kv_mask: Bool[Array, "_seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "seq heads d_v"]:
+    """BigBird-ITC attention (Zaheer et al., 2020), block-sparse and bidirectional.
+
+    The sequence is cut into blocks of `block_size`. Query block a attends key block b
+    iff |a - b| <= num_window_blocks // 2 (sliding), a or b is a global block
+    (`bigbird_global_blocks`), or b is one of a's random blocks. The random blocks are
+    `random_blocks` if given, else drawn from `key` with `bigbird_random_blocks` (the
+    same key gives the same pattern: fixed per call, redrawn only by a new key).
+    Padded keys (`kv_mask`) are masked in every part, global ones included.
+
+    Arguments:
+        q, k, v: self-attention inputs of one length `seq` (any length; the last block
+            is padded and masked).
+        block_size: tokens per block, int >= 1.
+        random_blocks: `[num_blocks, num_random_blocks]` block indices, -1 for none.
+        key: PRNG key to draw `random_blocks` when they are not given.
+        num_random_blocks, num_window_blocks (odd), num_global_blocks: the pattern.
+        kv_mask: optional `[seq]`, True for real tokens.
+        scale: default `1 / sqrt(d_k)`.
+
+    Returns:
+        `[seq, heads, d_v]`.
+
+    Time and memory O(seq * block_size * (window + global + random) * d). Not causal.
+    """
+    check_positive("block_size", block_size)
+    check_positive("num_window_blocks", num_window_blocks)
+    if num_window_blocks % 2 == 0:
+        raise ValueError(f"num_window_blocks must be odd (a centred window); got {num_window_blocks}")
+    check_positive("num_global_blocks", num_global_blocks, minimum=0)
+    check_positive("num_random_blocks", num_random_blocks, minimum=0)
+    n = q.shape[0]
+    nb = ceil_div(n, block_size)
+    if random_blocks is None and num_random_blocks > 0:
+        if key is None:
+            raise ValueError("bigbird_attention needs `key` (or `random_blocks`) to draw its random blocks")
+        random_blocks = bigbird_random_blocks(
+            key, n, block_size=block_size, num_random_blocks=num_random_blocks,
+            num_window_blocks=num_window_blocks, num_global_blocks=num_global_blocks,
+        )
+    if random_blocks is None:
+        random_blocks = jnp.zeros((nb, 0), jnp.int32)
+    if random_blocks.shape[0] != nb:
+        raise ValueError(
+            f"random_blocks must have shape [num_blocks={nb}, r] for seq={n}, block_size={block_size}; "
+            f"got {tuple(random_blocks.shape)}"
+        )
+    length, qg, kp, vp, real = _prepare(q, k, v, kv_mask, block_size)
+    scale = default_scale(q.shape[2], scale)
+    b = block_size
+    glob_ids = jnp.asarray(bigbird_global_blocks(nb, num_global_blocks), jnp.int32)
+    is_glob = jnp.zeros((nb,), bool).at[glob_ids].set(True)
+    half = num_window_blocks // 2
+    q_blocks = to_blocks(qg, b)
+    kb, vb, rb = to_blocks(kp, b), to_blocks(vp, b), to_blocks(real, b)
+
+    # Sliding blocks.
+    win_k, win_v = neighbour_blocks(kb, half, half), neighbour_blocks(vb, half, half)
+    win_real = neighbour_blocks(rb, half, half)
+    parts = [block_part(q_blocks, win_k, win_v, jnp.broadcast_to(win_real[:, None, :], (nb, b, win_k.shape[1])), scale)]
+
+    # Global key blocks outside the query block's window.
+    if glob_ids.shape[0] > 0:
+        g_k = kb[glob_ids].reshape(-1, *kb.shape[2:])
+        g_v = vb[glob_ids].reshape(-1, *vb.shape[2:])
+        g_real = rb[glob_ids].reshape(-1)
+        g_block = jnp.repeat(glob_ids, b)
+        q_block = positions(length) // b
+        mask = (jnp.abs(q_block[:, None] - g_block[None, :]) > half) & g_real[None, :]
+        parts.append(dense_part(qg, g_k, g_v, mask, scale))
+
+    # Random key blocks, each counted once and never one the other parts already hold.
+    r = random_blocks.shape[1]
+    if r > 0:
+        rnd = random_blocks.astype(jnp.int32)
+        safe = jnp.clip(rnd, 0, nb - 1)
+        own = positions(nb)[:, None]
+        usable = (rnd >= 0) & (rnd < nb) & (jnp.abs(safe - own) > half) & ~is_glob[safe]
+        usable = usable & jax.vmap(first_occurrence)(rnd)
+        r_k = kb[safe].reshape(nb, r * b, *kb.shape[2:])
+        r_v = vb[safe].reshape(nb, r * b, *vb.shape[2:])
+        r_real = (rb[safe] & usable[:, :, None]).reshape(nb, r * b)
+        parts.append(block_part(q_blocks, r_k, r_v, jnp.broadcast_to(r_real[:, None, :], (nb, b, r * b)), scale))
+
+    out = _finish(attend_parts(parts), n, q, k, v)
+    if glob_ids.shape[0] == 0:
+        return out
+    # Global query blocks attend every real key.
+    g_rows = (glob_ids[:, None] * b + positions(b)[None, :]).reshape(-1)
+    g_out = softmax_attention(jnp.take(q, g_rows, axis=0, mode="clip"), k, v, kv_mask=kv_mask, scale=scale)
+    return out.at[jnp.where(g_rows < n, g_rows, n)].set(g_out.astype(out.dtype), mode="drop")

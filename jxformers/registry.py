@@ -1,0 +1,240 @@
+"""The attention registry: name -> op, typed hyper-parameters, capabilities.
+
+    >>> from jxformers import registry
+    >>> registry.names()
+    ['softmax', 'chunked', 'local', ...]
+    >>> spec = registry.get("local")
+    >>> spec.causal, spec.kv_mask, spec.cross, spec.decode
+    (True, True, False, False)
+    >>> out = spec(q, k, v, causal=True, window=8)
+
+Every registered attention is called the same way through its spec:
+`spec(q, k, v, *, arrays=None, causal=False, kv_mask=None, **hyper_parameters)`, where
+`arrays` holds what the op needs besides q/k/v (learned kernels, a PRNG key for a random
+pattern) as made by `spec.init_arrays(key, ...)`. Unknown names, unknown or ill-typed
+hyper-parameters and unsupported capabilities are ValueErrors listing what exists.
+The generic test suite iterates over this registry, so a new attention is tested the
+moment it is registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from jxformers import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One hyper-parameter: a static Python value (never traced)."""
+
+    name: str
+    type: type
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] | None = None
+    init_only: bool = False  # shapes the arrays made by `init_arrays`; not passed to the op
+
+    def check(self, attention: str, value: Any) -> Any:
+        if self.type is tuple:
+            ok = isinstance(value, (tuple, list)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+            value = tuple(value) if ok else value
+        elif self.type is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, self.type) and not (self.type is int and isinstance(value, bool))
+        if not ok:
+            raise ValueError(
+                f"{attention}: hyper-parameter {self.name!r} must be {self.type.__name__}; got {value!r}"
+            )
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{attention}: {self.name} must be one of {list(self.choices)}; got {value!r}")
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What the registry knows about one attention.
+
+    Fields:
+        name: registry name. op: the pure function in `jxformers.ops`.
+        family: survey family (Tay et al.): "exact", "fixed pattern", "downsampling"...
+        paper: citation. complexity: time complexity in N (sequence length).
+        params: typed hyper-parameters with defaults.
+        causal / decode / kv_mask / cross: what the op supports: a causal mask,
+            incremental decoding (one query against a growing cache), padding masks,
+            queries and keys of different lengths.
+        exact: equals `softmax_attention` under some explicit mask (tested).
+        init_arrays: makes the op's array arguments (learned weights or a PRNG key) from
+            `(key, *, kv_heads, d_k, d_v, **hyper_parameters)`; None if it needs none.
+    """
+
+    name: str
+    op: Callable
+    family: str
+    paper: str
+    complexity: str
+    params: tuple[Param, ...] = ()
+    causal: bool = False
+    decode: bool = False
+    kv_mask: bool = True
+    cross: bool = False
+    exact: bool = True
+    init: Callable[..., dict[str, Any]] | None = None
+
+    def defaults(self) -> dict[str, Any]:
+        return {p.name: p.default for p in self.params}
+
+    def validate(self, hyper_parameters: Mapping[str, Any]) -> dict[str, Any]:
+        """Hyper-parameters filled with defaults and type-checked; ValueError otherwise."""
+        known = {p.name: p for p in self.params}
+        unknown = sorted(set(hyper_parameters) - set(known))
+        if unknown:
+            raise ValueError(
+                f"{self.name}: unknown hyper-parameter(s) {unknown}; known: {sorted(known) or 'none'}"
+            )
+        merged = self.defaults() | dict(hyper_parameters)
+        return {name: known[name].check(self.name, value) for name, value in merged.items()}
+
+    def init_arrays(self, key: jax.Array, *, kv_heads: int, d_k: int, d_v: int, **hyper_parameters) -> dict[str, Any]:
+        """The op's array arguments (empty when it needs none)."""
+        if self.init is None:
+            return {}
+        hp = self.validate(hyper_parameters)
+        return self.init(key, kv_heads=kv_heads, d_k=d_k, d_v=d_v, **hp)
+
+    def __call__(self, q, k, v, *, arrays: Mapping[str, Any] | None = None, causal: bool = False, kv_mask=None, **hyper_parameters):
+        hp = self.validate(hyper_parameters)
+        if causal and not self.causal:
+            raise ValueError(f"{self.name} attention does not support causal=True; causal ones: {names(causal=True)}")
+        if kv_mask is not None and not self.kv_mask:
+            raise ValueError(f"{self.name} attention does not support kv_mask; ones that do: {names(kv_mask=True)}")
+        passed = {p.name for p in self.params if not p.init_only}
+        kwargs = {n: v for n, v in hp.items() if n in passed} | dict(arrays or {})
+        if self.causal:
+            kwargs["causal"] = causal
+        if kv_mask is not None:
+            kwargs["kv_mask"] = kv_mask
+        return self.op(q, k, v, **kwargs)
+
+
+_REGISTRY: dict[str, AttentionSpec] = {}
+
+
+def register(spec: AttentionSpec) -> AttentionSpec:
+    """Add an attention; its name must be new."""
+    if spec.name in _REGISTRY:
+        raise ValueError(f"attention {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def names(**capabilities: bool) -> list[str]:
+    """Registered names in registration order, optionally filtered by capability flags,
+    e.g. `names(causal=True, decode=True)`."""
+    return [n for n, s in _REGISTRY.items() if all(getattr(s, c) == want for c, want in capabilities.items())]
+
+
+def get(name: str) -> AttentionSpec:
+    """The spec registered under `name`; ValueError listing the names otherwise."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention {name!r}; registered: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+# ----------------------------------------------------------------------------- entries
+
+
+def _conv_kernels(key, *, kv_heads, d_k, d_v, stride):
+    kk, kv = jax.random.split(key)
+    std_k = 1.0 / math.sqrt(stride * kv_heads * d_k)
+    std_v = 1.0 / math.sqrt(stride * kv_heads * d_v)
+    return {
+        "k_kernel": std_k * jax.random.normal(kk, (stride, kv_heads * d_k, kv_heads * d_k)),
+        "v_kernel": std_v * jax.random.normal(kv, (stride, kv_heads * d_v, kv_heads * d_v)),
+    }
+
+
+def _bigbird_key(key, **_):
+    return {"key": key}
+
+
+register(AttentionSpec(
+    "softmax", ops.softmax_attention, "exact", "Vaswani et al. 2017", "O(N^2)",
+    causal=True, decode=True, cross=True,
+))
+register(AttentionSpec(
+    "chunked", ops.chunked_attention, "exact", "Rabe & Staats 2021", "O(N^2) time, O(N*chunk) memory",
+    (Param("chunk_size", int, 512, "queries and keys per chunk"),),
+    causal=True, decode=True, cross=True,
+))
+register(AttentionSpec(
+    "local", ops.local_attention, "fixed pattern", "Parmar et al. 2018; Beltagy et al. 2020", "O(N*w)",
+    (Param("window", int, 128, "keys each side (behind when causal)"),),
+    causal=True,
+))
+register(AttentionSpec(
+    "block_local", ops.block_local_attention, "fixed pattern", "Parmar et al. 2018; Qiu et al. 2019", "O(N*b)",
+    (Param("block_size", int, 128, "tokens per block"),),
+    causal=True,
+))
+register(AttentionSpec(
+    "dilated", ops.dilated_attention, "fixed pattern", "Beltagy et al. 2020", "O(N*w)",
+    (Param("window", int, 64, "attended keys each side"), Param("dilation", int, 2, "stride between attended keys")),
+    causal=True,
+))
+register(AttentionSpec(
+    "sparse_transformer", ops.sparse_transformer_attention, "fixed pattern", "Child et al. 2019", "O(N*sqrt(N))",
+    (
+        Param("stride", int, 64, "s, about sqrt(N)"),
+        Param("pattern", str, "strided", "strided or fixed", choices=("strided", "fixed")),
+        Param("num_summary", int, 1, "c, summary positions per block (fixed)"),
+    ),
+    causal=True,
+))
+register(AttentionSpec(
+    "longformer", ops.longformer_attention, "fixed pattern", "Beltagy et al. 2020", "O(N*(w+g))",
+    (Param("window", int, 128, "keys each side"), Param("global_indices", tuple, (0,), "positions of global tokens")),
+    causal=True,
+))
+register(AttentionSpec(
+    "bigbird", ops.bigbird_attention, "fixed pattern", "Zaheer et al. 2020", "O(N*b*(w+g+r))",
+    (
+        Param("block_size", int, 64, "tokens per block"),
+        Param("num_random_blocks", int, 3, "random key blocks per query block"),
+        Param("num_window_blocks", int, 3, "sliding window in blocks (odd)"),
+        Param("num_global_blocks", int, 2, "global blocks (first and last)"),
+    ),
+    init=_bigbird_key,
+))
+register(AttentionSpec(
+    "axial", ops.axial_attention, "fixed pattern", "Ho et al. 2019", "O(N*(W+N/W))",
+    (
+        Param("width", int, 64, "grid columns"),
+        Param("order", str, "row_then_column", "passes", choices=("row", "column", "row_then_column")),
+    ),
+    causal=True,
+))
+register(AttentionSpec(
+    "memory_compressed", ops.memory_compressed_attention, "downsampling", "Liu et al. 2018", "O(N^2/s)",
+    (Param("stride", int, 3, "convolution stride and kernel size", init_only=True),),
+    causal=True, cross=True, exact=False, init=_conv_kernels,
+))
+
+
+def table() -> str:
+    """The registry as a plain-text table (what `jxformers list` prints)."""
+    head = ("name", "family", "causal", "kv_mask", "cross", "decode", "complexity", "hyper-parameters (defaults)")
+    rows = [head]
+    for s in _REGISTRY.values():
+        hp = ", ".join(f"{p.name}={p.default!r}" for p in s.params) or "-"
+        rows.append((s.name, s.family, *("yes" if f else "-" for f in (s.causal, s.kv_mask, s.cross, s.decode)), s.complexity, hp))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,32 @@
+"""Test configuration and shared helpers.
+
+Runtime shape/type checking of the package is on (pyproject's addopts:
+--jaxtyping-packages=jxformers,beartype.beartype) and implicit rank promotion raises.
+Hypothesis draws from a few fixed shapes: every new shape is a new XLA compilation.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, settings
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+settings.register_profile(
+    "jxformers", max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.load_profile("jxformers")
+
+
+def qkv(seed, n, heads=4, kv_heads=2, d=8, dv=6, kv_len=None, dtype=jnp.float32):
+    """Random q [n, heads, d], k [kv_len, kv_heads, d], v [kv_len, kv_heads, dv]."""
+    kv_len = n if kv_len is None else kv_len
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(k1, (n, heads, d), dtype)
+    k = jax.random.normal(k2, (kv_len, kv_heads, d), dtype)
+    v = jax.random.normal(k3, (kv_len, kv_heads, dv), dtype)
+    return q, k, v
+
+
+def assert_close(a, b, atol=1e-5, rtol=1e-5):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol, rtol=rtol)
