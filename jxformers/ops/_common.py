@@ -1,10 +1,10 @@
 """Shared pieces of the attention ops: argument validation, grouped-query logits,
 the one masked softmax every op reduces to, and blocking helpers.
 
-Every op in this package ends in `attend`: a masked softmax over one or more *parts*
-(groups of keys gathered in whatever layout suits the pattern) normalised jointly, so a
-pattern that is a union of sub-patterns (window + global + random) is one softmax,
-exactly as the dense masked reference would compute it.
+Every op in this package ends in `softmax_parts`: a masked softmax over one or more
+*parts* (groups of keys gathered in whatever layout suits the pattern) normalised
+jointly, so a pattern that is a union of sub-patterns (window + global + random) is one
+softmax, exactly as the dense masked reference would compute it.
 
 Shape letters used internally: `n` query groups (blocks), `q` queries per group, `k`
 keys per group, `h` kv heads, `g` query heads per kv head, `d` features.
@@ -114,30 +114,6 @@ def softmax_parts(
 def weighted_values(p: Float[Array, "*n h g q k"], v: Float[Array, "*n k h dv"]) -> Float[Array, "*n q h g dv"]:
     """p @ v with float32 accumulation."""
     return jnp.einsum("...hgqk,...khd->...qhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
-def attend(
-    q: Float[Array, "*n q heads d"],
-    parts: list[tuple[Float[Array, "*n _k h d"], Float[Array, "*n _k h dv"], Bool[Array, "..."]]],
-    scale: float,
-) -> Float[Array, "*n q heads dv"]:
-    """Masked softmax attention of `q` over several key groups `(k, v, mask)` jointly.
-
-    Arguments:
-        q: queries, `[*n, q, heads, d]`.
-        parts: `(k [*n, k_p, h, d], v [*n, k_p, h, dv], mask)`; `mask` broadcasts to
-            `[*n, h, g, q, k_p]` (commonly `[*n, 1, 1, q, k_p]`).
-        scale: multiplies the dot products.
-
-    Returns:
-        `[*n, q, heads, dv]` in float32; rows with no visible key are zero.
-    """
-    kv_heads = parts[0][0].shape[-2]
-    qg = group_heads(q, kv_heads)
-    scored = [(logits(qg, k, scale), m) for k, _, m in parts]
-    probs = softmax_parts(scored)
-    out = sum(weighted_values(p, v) for p, (_, v, _) in zip(probs, parts))
-    return out.reshape(*out.shape[:-3], q.shape[-2], out.shape[-1])
 
 
 def head_mask(mask: Bool[Array, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:
@@ -256,3 +232,54 @@ def first_occurrence(idx: Int[Array, "m"]) -> Bool[Array, "m"]:
     same = idx[:, None] == idx[None, :]
     earlier = jnp.tril(jnp.ones((m, m), bool), k=-1)
     return ~jnp.any(same & earlier, axis=1)
+
+
+# ----------------------------------------------------------------------------- patterns
+
+MIN_BLOCK = 16  # small windows still get blocks big enough to keep the matmuls busy
+
+
+def check_self(q: Array, k: Array, v: Array, kv_mask: Array | None) -> None:
+    """Validate self-attention inputs (one length, kv_mask of that length)."""
+    check_qkv(q, k, v, self_attention=True)
+    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
+
+
+def prepare_self(q: Array, k: Array, v: Array, kv_mask: Array | None, block: int):
+    """Validate self-attention inputs and pad them to whole blocks.
+
+    Returns `(length, qg [length, h, g, d], k, v, real [length])` where `real` is False
+    over padding and padded keys.
+    """
+    check_self(q, k, v, kv_mask)
+    n = q.shape[0]
+    length = ceil_div(n, block) * block
+    qg = group_heads(pad_to(q, length), k.shape[1])
+    return length, qg, pad_to(k, length), pad_to(v, length), valid_keys(kv_mask, n, length)
+
+
+def window_block(n: int, window: int) -> int:
+    """Block size for a sliding window: no smaller than the window, so a block's
+    neighbours hold every key it needs; one block when the window spans everything."""
+    return min(max(window, MIN_BLOCK), n)
+
+
+def sliding_window_part(
+    qg: Float[Array, "L h g d"], k: Float[Array, "L h d"], v: Float[Array, "L h dv"], real: Bool[Array, "L"],
+    *, block: int, window: int, causal: bool, scale: float,
+) -> Part:
+    """Query i against keys j with |i - j| <= window (0 <= i - j <= window if causal),
+    computed per block of queries against the neighbouring key blocks: O(L * block).
+    Inputs are padded to a multiple of `block` >= window (see `window_block`)."""
+    after = 0 if causal else 1
+    kb, vb, rb = (neighbour_blocks(to_blocks(x, block), 1, after) for x in (k, v, real))
+    q_pos = to_blocks(positions(k.shape[0]), block)  # [nb, block]
+    k_pos = q_pos[:, :1] - block + positions(kb.shape[1])[None, :]  # [nb, (2|3) * block]
+    delta = q_pos[:, :, None] - k_pos[:, None, :]
+    near = (delta >= 0) & (delta <= window) if causal else jnp.abs(delta) <= window
+    return block_part(to_blocks(qg, block), kb, vb, near & rb[:, None, :], scale)
+
+
+def rows_to_output(rows: Float[Array, "L h g dv"], n: int, dtype) -> Float[Array, "n heads dv"]:
+    """[L, h, g, dv] -> [n, h * g, dv] in `dtype` (drops the padding rows)."""
+    return rows.reshape(rows.shape[0], -1, rows.shape[-1])[:n].astype(dtype)

@@ -9,12 +9,11 @@ position reaches every other in two hops at O(N * (rows + width)) cost.
 
 from __future__ import annotations
 
-from typing import Literal
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from jxformers.ops._common import ceil_div, check_mask_shape, check_positive, check_qkv
+from jxformers.ops._common import ceil_div, check_positive, check_self
 from jxformers.ops.local import block_local_attention, dilated_attention
 
 
@@ -24,7 +23,7 @@ def axial_attention(
     v: Float[Array, "_seq _kv_heads d_v"],
     *,
     width: int,
-    order: Literal["row", "column", "row_then_column"] = "row_then_column",
+    order: str = "row_then_column",
     causal: bool = False,
     kv_mask: Bool[Array, "_seq"] | None = None,
     scale: float | None = None,
@@ -52,8 +51,7 @@ def axial_attention(
 
     Time O(seq * (width + seq / width) * d): O(seq^1.5) for a square grid.
     """
-    check_qkv(q, k, v, self_attention=True)
-    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
+    check_self(q, k, v, kv_mask)
     check_positive("width", width)
     if order not in ("row", "column", "row_then_column"):
         raise ValueError(f"order must be 'row', 'column' or 'row_then_column'; got {order!r}")

@@ -50,7 +50,7 @@ def memory_compressed_attention(
     v: Float[Array, "_kv_len _kv_heads d_v"],
     *,
     k_kernel: Float[Array, "stride _dk_in _dk_out"],
-    v_kernel: Float[Array, "stride _dv_in _dv_out"],
+    v_kernel: Float[Array, "_stride _dv_in _dv_out"],
     causal: bool = False,
     kv_mask: Bool[Array, "_kv_len"] | None = None,
     scale: float | None = None,

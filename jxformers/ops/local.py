@@ -14,27 +14,21 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from jxformers.ops._common import (
-    attend,
+    attend_parts,
+    block_part,
     ceil_div,
-    check_mask_shape,
     check_positive,
-    check_qkv,
+    check_self,
     default_scale,
-    head_mask,
-    neighbour_blocks,
     out_dtype,
     pad_to,
-    positions,
+    prepare_self,
+    rows_to_output,
+    sliding_window_part,
     to_blocks,
     valid_keys,
+    window_block,
 )
-
-_MIN_BLOCK = 16  # small windows still get blocks big enough to keep the matmuls busy
-
-
-def _check_self(q, k, v, kv_mask) -> None:
-    check_qkv(q, k, v, self_attention=True)
-    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
 
 
 def local_attention(
@@ -64,26 +58,12 @@ def local_attention(
     Time and memory O(seq * window * d). Causal supported; decoding keeps a ring buffer
     of the last `window` keys.
     """
-    _check_self(q, k, v, kv_mask)
     check_positive("window", window, minimum=0)
-    n = q.shape[0]
-    # Blocks no smaller than the window, so a block's neighbours cover every key it needs;
-    # a window wider than the sequence degenerates to one block holding everything.
-    block = min(max(window, _MIN_BLOCK), n)
-    nb = ceil_div(n, block)
-    after = 0 if causal else 1
-    qb = to_blocks(pad_to(q, nb * block), block)
-    kb = neighbour_blocks(to_blocks(pad_to(k, nb * block), block), 1, after)
-    vb = neighbour_blocks(to_blocks(pad_to(v, nb * block), block), 1, after)
-    real = neighbour_blocks(to_blocks(valid_keys(kv_mask, n, nb * block), block), 1, after)
-
-    q_pos = to_blocks(positions(nb * block), block)  # [nb, block]
-    k_pos = q_pos[:, :1] - block + positions(kb.shape[1])[None, :]  # [nb, (2|3) * block]
-    delta = q_pos[:, :, None] - k_pos[:, None, :]
-    near = (delta >= 0) & (delta <= window) if causal else jnp.abs(delta) <= window
-    mask = near & real[:, None, :]
-    out = attend(qb, [(kb, vb, head_mask(mask))], default_scale(q.shape[2], scale))
-    return out.reshape(nb * block, *out.shape[2:])[:n].astype(out_dtype(q, k, v))
+    block = window_block(q.shape[0], window)
+    _, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block)
+    scale = default_scale(q.shape[2], scale)
+    part = sliding_window_part(qg, kp, vp, real, block=block, window=window, causal=causal, scale=scale)
+    return rows_to_output(attend_parts([part]), q.shape[0], out_dtype(q, k, v))
 
 
 def block_local_attention(
@@ -113,18 +93,14 @@ def block_local_attention(
 
     Time and memory O(seq * block_size * d). Causal supported.
     """
-    _check_self(q, k, v, kv_mask)
     check_positive("block_size", block_size)
-    n = q.shape[0]
-    block = min(block_size, n)  # one block holding everything when the block is longer
-    nb = ceil_div(n, block)
-    qb, kb, vb = (to_blocks(pad_to(x, nb * block), block) for x in (q, k, v))
-    real = to_blocks(valid_keys(kv_mask, n, nb * block), block)
-    mask = jnp.broadcast_to(real[:, None, :], (nb, block, block))
+    block = min(block_size, q.shape[0])  # one block holding everything when the block is longer
+    _, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block)
+    mask = jnp.broadcast_to(to_blocks(real, block)[:, None, :], (real.shape[0] // block, block, block))
     if causal:
         mask = mask & jnp.tril(jnp.ones((block, block), bool))[None]
-    out = attend(qb, [(kb, vb, head_mask(mask))], default_scale(q.shape[2], scale))
-    return out.reshape(nb * block, *out.shape[2:])[:n].astype(out_dtype(q, k, v))
+    part = block_part(to_blocks(qg, block), to_blocks(kp, block), to_blocks(vp, block), mask, default_scale(q.shape[2], scale))
+    return rows_to_output(attend_parts([part]), q.shape[0], out_dtype(q, k, v))
 
 
 def dilated_attention(
@@ -160,9 +136,9 @@ def dilated_attention(
     Returns:
         `[seq, heads, d_v]`.
     """
-    _check_self(q, k, v, kv_mask)
     check_positive("window", window, minimum=0)
     check_positive("dilation", dilation)
+    check_self(q, k, v, kv_mask)
     n = q.shape[0]
     length = ceil_div(n, dilation) * dilation
 

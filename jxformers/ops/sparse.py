@@ -11,7 +11,6 @@ with keys that two sub-patterns share counted once, so each op equals dense
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -21,35 +20,21 @@ from jxformers.ops._common import (
     attend_parts,
     block_part,
     ceil_div,
-    check_mask_shape,
     check_positive,
-    check_qkv,
+    check_self,
     default_scale,
     dense_part,
     first_occurrence,
-    group_heads,
     neighbour_blocks,
     out_dtype,
-    pad_to,
     positions,
+    prepare_self,
+    rows_to_output,
+    sliding_window_part,
     to_blocks,
-    valid_keys,
+    window_block,
 )
 from jxformers.ops.softmax import softmax_attention
-
-
-def _prepare(q, k, v, kv_mask, block):
-    """Pad to whole blocks; return padded length, grouped queries, keys, values, real."""
-    check_qkv(q, k, v, self_attention=True)
-    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
-    n = q.shape[0]
-    length = ceil_div(n, block) * block
-    qg = group_heads(pad_to(q, length), k.shape[1])
-    return length, qg, pad_to(k, length), pad_to(v, length), valid_keys(kv_mask, n, length)
-
-
-def _finish(rows, n, q, k, v):
-    return rows.reshape(rows.shape[0], -1, rows.shape[-1])[:n].astype(out_dtype(q, k, v))
 
 
 # ----------------------------------------------------------------------------- Sparse Transformer
@@ -61,7 +46,7 @@ def sparse_transformer_attention(
     v: Float[Array, "_seq _kv_heads d_v"],
     *,
     stride: int,
-    pattern: Literal["strided", "fixed"] = "strided",
+    pattern: str = "strided",
     num_summary: int = 1,
     causal: bool = False,
     kv_mask: Bool[Array, "_seq"] | None = None,
@@ -98,22 +83,14 @@ def sparse_transformer_attention(
         raise ValueError(f"num_summary must be <= stride ({stride}); got {num_summary}")
     n = q.shape[0]
     s = stride
-    length, qg, kp, vp, real = _prepare(q, k, v, kv_mask, s)
+    length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, s)
     nb = length // s
     scale = default_scale(q.shape[2], scale)
     pos = positions(length)
     q_blocks = to_blocks(qg, s)  # [nb, s, h, g, d]
-    q_pos = to_blocks(pos, s)
 
     if pattern == "strided":
-        after = 0 if causal else 1
-        kb = neighbour_blocks(to_blocks(kp, s), 1, after)
-        vb = neighbour_blocks(to_blocks(vp, s), 1, after)
-        rb = neighbour_blocks(to_blocks(real, s), 1, after)
-        k_pos = q_pos[:, :1] - s + positions(kb.shape[1])[None, :]
-        delta = q_pos[:, :, None] - k_pos[:, None, :]
-        near = (delta >= 0) & (delta < s) if causal else jnp.abs(delta) < s
-        local = block_part(q_blocks, kb, vb, near & rb[:, None, :], scale)
+        local = sliding_window_part(qg, kp, vp, real, block=s, window=s - 1, causal=causal, scale=scale)
 
         # Column part, grouped by residue r = i mod s: keys r, r + s, r + 2s, ...; the
         # key in the query's own row of the grid (j == i) is already in the local part.
@@ -143,7 +120,7 @@ def sparse_transformer_attention(
         if causal:
             mask = mask & (sum_pos[None, :] <= pos[:, None])
         out = attend_parts([block, dense_part(qg, sum_k, sum_v, mask, scale)])
-    return _finish(out, n, q, k, v)
+    return rows_to_output(out, n, out_dtype(q, k, v))
 
 
 # ----------------------------------------------------------------------------- Longformer
@@ -182,7 +159,7 @@ def longformer_attention(
 
     Time and memory O(seq * (window + num_global) * d).
     """
-    check_qkv(q, k, v, self_attention=True)
+    check_self(q, k, v, kv_mask)
     check_positive("window", window, minimum=0)
     n = q.shape[0]
     if isinstance(global_indices, jax.Array):
@@ -193,8 +170,8 @@ def longformer_attention(
         if bad:
             raise ValueError(f"global_indices must be ints in [0, {n}); got {list(global_indices)}")
     idx = jnp.asarray(global_indices, dtype=jnp.int32).reshape(-1)
-    block = min(max(window, 16), n)
-    length, qg, kp, vp, real = _prepare(q, k, v, kv_mask, block)
+    block = window_block(n, window)
+    length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block)
     scale = default_scale(q.shape[2], scale)
     pos = positions(length)
 
@@ -202,13 +179,7 @@ def longformer_attention(
         d = i - j
         return (d >= 0) & (d <= window) if causal else jnp.abs(d) <= window
 
-    after = 0 if causal else 1
-    q_pos = to_blocks(pos, block)
-    kb = neighbour_blocks(to_blocks(kp, block), 1, after)
-    vb = neighbour_blocks(to_blocks(vp, block), 1, after)
-    rb = neighbour_blocks(to_blocks(real, block), 1, after)
-    k_pos = q_pos[:, :1] - block + positions(kb.shape[1])[None, :]
-    parts = [block_part(to_blocks(qg, block), kb, vb, near(q_pos[:, :, None], k_pos[:, None, :]) & rb[:, None, :], scale)]
+    parts = [sliding_window_part(qg, kp, vp, real, block=block, window=window, causal=causal, scale=scale)]
 
     in_range = (idx >= 0) & (idx < n)
     safe = jnp.where(in_range, idx, 0)
@@ -219,7 +190,7 @@ def longformer_attention(
         if causal:
             mask = mask & (safe[None, :] <= pos[:, None])
         parts.append(dense_part(qg, kp[safe], vp[safe], mask, scale))
-    out = _finish(attend_parts(parts), n, q, k, v)
+    out = rows_to_output(attend_parts(parts), n, out_dtype(q, k, v))
     if idx.shape[0] == 0:
         return out
 
@@ -336,7 +307,7 @@ def bigbird_attention(
             f"random_blocks must have shape [num_blocks={nb}, r] for seq={n}, block_size={block_size}; "
             f"got {tuple(random_blocks.shape)}"
         )
-    length, qg, kp, vp, real = _prepare(q, k, v, kv_mask, block_size)
+    length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block_size)
     scale = default_scale(q.shape[2], scale)
     b = block_size
     glob_ids = jnp.asarray(bigbird_global_blocks(nb, num_global_blocks), jnp.int32)
@@ -373,7 +344,7 @@ def bigbird_attention(
         r_real = (rb[safe] & usable[:, :, None]).reshape(nb, r * b)
         parts.append(block_part(q_blocks, r_k, r_v, jnp.broadcast_to(r_real[:, None, :], (nb, b, r * b)), scale))
 
-    out = _finish(attend_parts(parts), n, q, k, v)
+    out = rows_to_output(attend_parts(parts), n, out_dtype(q, k, v))
     if glob_ids.shape[0] == 0:
         return out
     # Global query blocks attend every real key.

@@ -1,0 +1,46 @@
+"""The command line and the registry table, as a user reaches them."""
+
+import subprocess
+import sys
+
+from jxformers import cli, registry
+
+ISSUE_NAMES = [
+    "softmax", "chunked", "local", "block_local", "dilated", "sparse_transformer",
+    "longformer", "bigbird", "axial", "memory_compressed",
+]
+
+
+def test_registry_holds_the_exact_and_fixed_pattern_zoo():
+    assert set(ISSUE_NAMES) <= set(registry.names())
+    for name in registry.names():
+        spec = registry.get(name)
+        assert all(isinstance(getattr(spec, f), bool) for f in ("causal", "decode", "kv_mask", "cross"))
+
+
+def test_list_prints_every_attention(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in registry.names():
+        assert name in out
+    assert "causal" in out and "complexity" in out
+
+
+def test_console_script_runs():
+    out = subprocess.run([sys.executable, "-m", "jxformers.cli", "list"], capture_output=True, text=True, check=True)
+    assert "bigbird" in out.stdout
+
+
+def test_unknown_command_fails_with_usage(capsys):
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+
+
+def test_bench_writes_a_table_with_the_command_and_machine(tmp_path, capsys):
+    out = tmp_path / "bench.md"
+    code = cli.main(["bench", "--lengths", "64", "--names", "local", "--batch", "1", "--heads", "2", "--dim", "8",
+                     "--repeats", "1", "--out", str(out)])
+    assert code == 0
+    text = out.read_text()
+    assert "Command: `jxformers bench --lengths 64" in text and "Machine:" in text
+    assert "| 64 | softmax |" in text and "| 64 | local |" in text
