@@ -137,8 +137,34 @@ def report(rows: list[Row], command: str, *, batch: int, heads: int, d: int, cau
         "`softmax` at the same N in the same run. Memory is XLA's compiled temporary "
         "allocation of the jitted forward+backward (`memory_analysis().temp_size_in_bytes`).\n\n"
         + table(rows)
-        + "\n"
+        + "\n\n"
+        + NOTES
     )
+
+
+NOTES = """\
+### Reading the table
+
+* **FLOP floors.** Dense attention's forward is two matmuls, 4 * B * H * N^2 * d FLOPs
+  (137 GFLOP at N = 8192 with these shapes); XLA's count sits on that floor. A pattern
+  that lets each query see K keys has the floor 4 * B * H * N * K * d. The blocked ops
+  compute a little more than their pattern: `local` with window w computes blocks of
+  max(w, 16) against 3 neighbouring blocks (3 * 128 = 384 keys per query for w = 128,
+  where 2w + 1 = 257 are needed), `bigbird` computes (3 window + 2 global + 3 random)
+  blocks of 64 = 512 keys per query. Both stay linear in N.
+* **Loops are counted once.** XLA's cost analysis counts a loop body once, so the
+  GFLOP of `chunked` (a scan over key chunks inside a map over query chunks) is one
+  chunk's; its true count equals softmax's. Its point is memory, not FLOPs: the
+  forward+backward temporary memory falls to a few percent of softmax's at 8192.
+* **Where the efficient ones lose.** At N = 512 with the default windows (128) and
+  blocks (64) the patterns cover most of the matrix, and `local`, `longformer`,
+  `bigbird` and `chunked` are as slow as or slower than dense softmax (gathering blocks
+  and masking cost more than the FLOPs they save); they pull ahead from N = 1024 on this
+  CPU. `memory_compressed` saves only its stride (3x) and pays for a d_model x d_model
+  convolution, so it stays at about 0.2-0.5x of softmax at every length. On a CPU these
+  ratios follow the FLOPs; on a GPU the dense matmul runs much closer to peak than the
+  gathers, so the crossover lengths are larger there.
+"""
 
 
 def main(argv=None) -> int:
