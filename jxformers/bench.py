@@ -51,7 +51,7 @@ def _build(name: str, length: int, batch: int, heads: int, d: int, causal: bool)
     kq, kk, kv, ka = jax.random.split(jax.random.key(length), 4)
     shape = (batch, length, heads, d)
     q, k, v = (jax.random.normal(x, shape, jnp.float32) for x in (kq, kk, kv))
-    arrays = spec.init_arrays(ka, kv_heads=heads, d_k=d, d_v=d)
+    arrays = spec.init_arrays(ka, heads=heads, kv_heads=heads, d_k=d, d_v=d)
     use_causal = causal and spec.causal
 
     def forward(q, k, v):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jxformers import ops
 
@@ -70,8 +71,11 @@ class AttentionSpec:
             incremental decoding (one query against a growing cache), padding masks,
             queries and keys of different lengths.
         exact: equals `softmax_attention` under some explicit mask (tested).
-        init_arrays: makes the op's array arguments (learned weights or a PRNG key) from
-            `(key, *, kv_heads, d_k, d_v, **hyper_parameters)`; None if it needs none.
+        content_based: the weights depend on q and k (False for FNet and Synthesizer,
+            whose mixing ignores them).
+        init_arrays: makes the op's array arguments (learned weights, drawn features or a
+            PRNG key) from `(key, *, heads, kv_heads, d_k, d_v, **hyper_parameters)`;
+            None if it needs none.
     """
 
     name: str
@@ -85,6 +89,7 @@ class AttentionSpec:
     kv_mask: bool = True
     cross: bool = False
     exact: bool = True
+    content_based: bool = True
     init: Callable[..., dict[str, Any]] | None = None
 
     def defaults(self) -> dict[str, Any]:
@@ -101,12 +106,14 @@ class AttentionSpec:
         merged = self.defaults() | dict(hyper_parameters)
         return {name: known[name].check(self.name, value) for name, value in merged.items()}
 
-    def init_arrays(self, key: jax.Array, *, kv_heads: int, d_k: int, d_v: int, **hyper_parameters) -> dict[str, Any]:
+    def init_arrays(
+        self, key: jax.Array, *, heads: int, kv_heads: int, d_k: int, d_v: int, **hyper_parameters
+    ) -> dict[str, Any]:
         """The op's array arguments (empty when it needs none)."""
         if self.init is None:
             return {}
         hp = self.validate(hyper_parameters)
-        return self.init(key, kv_heads=kv_heads, d_k=d_k, d_v=d_v, **hp)
+        return self.init(key, heads=heads, kv_heads=kv_heads, d_k=d_k, d_v=d_v, **hp)
 
     def __call__(self, q, k, v, *, arrays: Mapping[str, Any] | None = None, causal: bool = False, kv_mask=None, **hyper_parameters):
         hp = self.validate(hyper_parameters)
@@ -150,7 +157,7 @@ def get(name: str) -> AttentionSpec:
 # ----------------------------------------------------------------------------- entries
 
 
-def _conv_kernels(key, *, kv_heads, d_k, d_v, stride):
+def _conv_kernels(key, *, kv_heads, d_k, d_v, stride, **_):
     kk, kv = jax.random.split(key)
     std_k = 1.0 / math.sqrt(stride * kv_heads * d_k)
     std_v = 1.0 / math.sqrt(stride * kv_heads * d_v)
@@ -224,6 +231,109 @@ register(AttentionSpec(
     "memory_compressed", ops.memory_compressed_attention, "downsampling", "Liu et al. 2018", "O(N^2/s)",
     (Param("stride", int, 3, "convolution stride and kernel size", init_only=True),),
     causal=True, cross=True, exact=False, init=_conv_kernels,
+))
+
+
+def _performer_projection(key, *, d_k, num_features, orthogonal, **_):
+    return {"projection": ops.performer_projection(key, num_features, d_k, orthogonal=orthogonal)}
+
+
+def _rfa_projection(key, *, d_k, num_features, sigma, **_):
+    return {"projection": ops.performer_projection(key, num_features, d_k) / sigma}
+
+
+def _linformer_projections(key, *, proj_len, max_len, **_):
+    ke, kf = jax.random.split(key)
+    std = 1.0 / math.sqrt(max_len)  # nn.Linear(max_len, proj_len)'s scale, as the paper's code
+    return {
+        "e_proj": std * jax.random.normal(ke, (proj_len, max_len)),
+        "f_proj": std * jax.random.normal(kf, (proj_len, max_len)),
+    }
+
+
+def _synthesizer_weights(key, *, heads, d_k, kind, hidden, max_len, rank, **_):
+    k1, k2, k3 = jax.random.split(key, 3)
+    if kind == "dense":
+        return {
+            "w1": jax.random.normal(k1, (heads, d_k, hidden)) / math.sqrt(d_k),
+            "b1": jnp.zeros((heads, hidden)),
+            "w2": jax.random.normal(k2, (heads, hidden, max_len)) / math.sqrt(hidden),
+        }
+    if kind == "random":
+        return {"random": jax.random.normal(k3, (heads, max_len, max_len))}
+    return {
+        "factor_a": jax.random.normal(k1, (heads, max_len, rank)) / rank**0.25,
+        "factor_b": jax.random.normal(k2, (heads, max_len, rank)) / rank**0.25,
+    }
+
+
+def _inducing_points(key, *, heads, d_k, d_v, num_inducing, **_):
+    ki, ku = jax.random.split(key)
+    arrays = {"inducing": jax.random.normal(ki, (num_inducing, heads, d_k))}
+    if d_v != d_k:
+        arrays["unpack_keys"] = jax.random.normal(ku, (heads, d_v, d_k)) / math.sqrt(d_v)
+    return arrays
+
+
+_CHUNK = Param("chunk_size", int, 64, "chunk of the causal chunked form")
+_FORM = Param("form", str, "chunked", "causal form", choices=ops.kernelized.FORMS)
+
+register(AttentionSpec(
+    "linear", ops.linear_attention, "kernelized", "Katharopoulos et al. 2020", "O(N*d^2)",
+    (Param("feature_map", str, "elu", "phi", choices=("elu", "relu", "identity")), _CHUNK, _FORM),
+    causal=True, cross=True, exact=False,
+))
+register(AttentionSpec(
+    "performer", ops.performer_attention, "kernelized", "Choromanski et al. 2021", "O(N*m*d)",
+    (
+        Param("num_features", int, 256, "random features m", init_only=True),
+        Param("orthogonal", bool, True, "orthogonal random features", init_only=True),
+        Param("kernel", str, "softmax", "softmax (FAVOR+) or relu", choices=("softmax", "relu")),
+        _CHUNK, _FORM,
+    ),
+    causal=True, cross=True, exact=False, init=_performer_projection,
+))
+register(AttentionSpec(
+    "rfa", ops.rfa_attention, "kernelized", "Peng et al. 2021", "O(N*m*d)",
+    (
+        Param("num_features", int, 128, "random Fourier features m", init_only=True),
+        Param("sigma", float, 1.0, "Gaussian kernel width", init_only=True),
+        _CHUNK, _FORM,
+    ),
+    causal=True, cross=True, exact=False, init=_rfa_projection,
+))
+register(AttentionSpec(
+    "linformer", ops.linformer_attention, "low rank", "Wang et al. 2020", "O(N*k)",
+    (
+        Param("proj_len", int, 256, "projected length k", init_only=True),
+        Param("max_len", int, 4096, "longest sequence the projections cover", init_only=True),
+    ),
+    cross=True, exact=False, init=_linformer_projections,
+))
+register(AttentionSpec(
+    "synthesizer", ops.synthesizer_attention, "learnable pattern", "Tay et al. 2021", "O(N^2)",
+    (
+        Param("kind", str, "random", "synthetic logits", choices=ops.lowrank.SYNTHESIZER_KINDS),
+        Param("dot_weight", float, 0.0, "weight of dot-product logits mixed in"),
+        Param("hidden", int, 64, "dense: hidden width", init_only=True),
+        Param("max_len", int, 512, "longest sequence", init_only=True),
+        Param("rank", int, 8, "factorized: rank", init_only=True),
+    ),
+    causal=True, cross=True, exact=False, content_based=False, init=_synthesizer_weights,
+))
+register(AttentionSpec(
+    "nystrom", ops.nystrom_attention, "low rank", "Xiong et al. 2021", "O(N*m + m^3)",
+    (Param("num_landmarks", int, 64, "landmarks m"), Param("pinv_iterations", int, 6, "pseudo-inverse iterations")),
+    cross=True, exact=False,
+))
+register(AttentionSpec(
+    "induced", ops.induced_attention, "memory", "Lee et al. 2019 (ISAB); Ma et al. 2021 (Luna)", "O(N*m)",
+    (Param("num_inducing", int, 32, "inducing points m", init_only=True),),
+    cross=True, exact=False, init=_inducing_points,
+))
+register(AttentionSpec(
+    "fnet", ops.fnet_attention, "fourier", "Lee-Thorp et al. 2021", "O(N log N)",
+    exact=False, content_based=False,
 ))
 
 

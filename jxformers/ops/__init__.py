@@ -3,16 +3,56 @@
 Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
 `k [kv_len, kv_heads, d_k]`, `v [kv_len, kv_heads, d_v]` -> `[q_len, heads, d_v]`.
 
-    softmax.py     softmax_attention (the reference), chunked_attention
-    local.py       local_attention, block_local_attention, dilated_attention
-    sparse.py      sparse_transformer_attention, longformer_attention, bigbird_attention
+    softmax.py     exact: softmax_attention (the reference), chunked_attention
+    local.py       fixed windows: local_attention, block_local_attention, dilated_attention
+    sparse.py      fixed patterns: sparse_transformer_attention, longformer_attention, bigbird_attention
     axial.py       axial_attention
     compressed.py  memory_compressed_attention
+    kernelized.py  linear_attention, performer_attention, rfa_attention (and their features)
+    lowrank.py     linformer_attention, synthesizer_attention
+    memory.py      nystrom_attention, induced_attention (ISAB / Luna), latent_attention
+                   (Perceiver / PMA), funnel_pool and funnel_attention
+    fourier.py     dct, idct, fourier_downsample, nearest_upsample, fnet_mixing, fnet_attention
 """
 
 from jxformers.ops.axial import axial_attention
 from jxformers.ops.compressed import compress_memory, memory_compressed_attention
-from jxformers.ops.local import block_local_attention, dilated_attention, local_attention
+from jxformers.ops.fourier import (
+    dct,
+    fnet_attention,
+    fnet_mixing,
+    fourier_downsample,
+    idct,
+    nearest_upsample,
+)
+from jxformers.ops.kernelized import (
+    kernel_attention,
+    linear_attention,
+    performer_attention,
+    performer_features,
+    performer_projection,
+    rfa_attention,
+    rfa_features,
+)
+from jxformers.ops.local import (
+    block_local_attention,
+    dilated_attention,
+    local_attention,
+)
+from jxformers.ops.lowrank import (
+    linformer_attention,
+    synthesizer_attention,
+    synthesizer_logits,
+)
+from jxformers.ops.memory import (
+    funnel_attention,
+    funnel_pool,
+    induced_attention,
+    iterative_pinv,
+    latent_attention,
+    nystrom_attention,
+    segment_means,
+)
 from jxformers.ops.softmax import causal_mask, chunked_attention, softmax_attention
 from jxformers.ops.sparse import (
     bigbird_attention,
@@ -31,10 +71,33 @@ __all__ = [
     "causal_mask",
     "chunked_attention",
     "compress_memory",
+    "dct",
     "dilated_attention",
+    "fnet_attention",
+    "fnet_mixing",
+    "fourier_downsample",
+    "funnel_attention",
+    "funnel_pool",
+    "idct",
+    "induced_attention",
+    "iterative_pinv",
+    "kernel_attention",
+    "latent_attention",
+    "linear_attention",
+    "linformer_attention",
     "local_attention",
     "longformer_attention",
     "memory_compressed_attention",
+    "nearest_upsample",
+    "nystrom_attention",
+    "performer_attention",
+    "performer_features",
+    "performer_projection",
+    "rfa_attention",
+    "rfa_features",
+    "segment_means",
     "softmax_attention",
     "sparse_transformer_attention",
+    "synthesizer_attention",
+    "synthesizer_logits",
 ]

@@ -82,12 +82,22 @@ def group_heads(q: Float[Array, "*lead heads d"], kv_heads: int) -> Float[Array,
     return q.reshape(*lead, kv_heads, heads // kv_heads, d)
 
 
+def einsum_f32(spec: str, a: Array, b: Array) -> Array:
+    """einsum accumulating in float32. Operands are cast to their common dtype; on CPU,
+    16-bit floats are upcast to float32 first, because XLA:CPU's dot thunk rejects
+    bf16 x bf16 -> f32 for some layouts (seen with jax 0.10: "Unsupported element type
+    for DotThunk"). On GPU/TPU bf16 operands stay bf16 (tensor cores, f32 accumulation)."""
+    dtype = jnp.result_type(a.dtype, b.dtype)
+    if jnp.dtype(dtype).itemsize < 4 and jax.default_backend() == "cpu":
+        dtype = jnp.float32
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
 def logits(
     q: Float[Array, "*n q h g d"], k: Float[Array, "*n k h d"], scale: float
 ) -> Float[Array, "*n h g q k"]:
     """Scaled dot products in float32 (bf16 inputs accumulate in float32)."""
-    s = jnp.einsum("...qhgd,...khd->...hgqk", q, k, preferred_element_type=jnp.float32)
-    return s * jnp.float32(scale)
+    return einsum_f32("...qhgd,...khd->...hgqk", q, k) * jnp.float32(scale)
 
 
 def softmax_parts(
@@ -113,7 +123,7 @@ def softmax_parts(
 
 def weighted_values(p: Float[Array, "*n h g q k"], v: Float[Array, "*n k h dv"]) -> Float[Array, "*n q h g dv"]:
     """p @ v with float32 accumulation."""
-    return jnp.einsum("...hgqk,...khd->...qhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return einsum_f32("...hgqk,...khd->...qhgd", p.astype(v.dtype), v)
 
 
 def head_mask(mask: Bool[Array, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:

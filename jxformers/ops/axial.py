@@ -9,7 +9,6 @@ position reaches every other in two hops at O(N * (rows + width)) cost.
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 

@@ -8,7 +8,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from jxformers.ops._common import ceil_div, check_mask_shape, check_qkv, pad_to, positions, to_blocks, valid_keys
+from jxformers.ops._common import (
+    ceil_div,
+    check_mask_shape,
+    check_qkv,
+    einsum_f32,
+    pad_to,
+    positions,
+    to_blocks,
+    valid_keys,
+)
 from jxformers.ops.softmax import softmax_attention
 
 
@@ -40,7 +49,7 @@ def compress_memory(
     real = valid_keys(kv_mask, kv_len, mem * stride)
     x = jnp.where(real[:, None, None], pad_to(x, mem * stride), 0)
     windows = x.reshape(mem, stride * d_in)
-    out = jnp.einsum("mi,io->mo", windows, kernel.reshape(stride * d_in, d_out).astype(x.dtype), preferred_element_type=jnp.float32)
+    out = einsum_f32("mi,io->mo", windows, kernel.reshape(stride * d_in, d_out).astype(x.dtype))
     return out.reshape(mem, heads, d_out // heads).astype(x.dtype), to_blocks(real, stride).any(axis=1)
 
 

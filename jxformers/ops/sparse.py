@@ -36,7 +36,6 @@ from jxformers.ops._common import (
 )
 from jxformers.ops.softmax import softmax_attention
 
-
 # ----------------------------------------------------------------------------- Sparse Transformer
 
 

@@ -1,0 +1,131 @@
+"""The Fourier family: the orthonormal DCT-II and its inverse computed with the FFT, the
+Fourier Transformer's spectral filter (He et al., 2023, seed 001) and FNet token mixing
+(Lee-Thorp et al., 2021).
+
+`dct` follows seed 001 eq. 1-6: interleave even and (reversed) odd samples, take an FFT,
+rotate by exp(-i pi k / 2N) and keep the real part, O(N log N) for any length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype
+
+
+def _alpha(n: int) -> Array:
+    """Orthonormal scale of eq. 2: sqrt(1/N) for k = 0, sqrt(2/N) otherwise."""
+    return jnp.full((n,), math.sqrt(2.0 / n)).at[0].set(math.sqrt(1.0 / n))
+
+
+def _check_axis(x: Array, axis: int) -> int:
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis must be in [{-x.ndim}, {x.ndim}) for an array of rank {x.ndim}; got {axis}")
+    if x.shape[axis] == 0:
+        raise ValueError("the transformed axis must not be empty")
+    return axis % x.ndim
+
+
+def dct(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
+    """Orthonormal DCT-II along `axis` (seed 001 eq. 1): y_k = a_k sum_n x_n cos(pi k (2n + 1) / 2N).
+
+    Computed with one length-N FFT (eq. 4-6), any N; float32 (or float64) result.
+    """
+    axis = _check_axis(x, axis)
+    xm = jnp.moveaxis(x, axis, -1)
+    n = xm.shape[-1]
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    u = jnp.concatenate([xm[..., ::2], xm[..., 1::2][..., ::-1]], axis=-1).astype(dtype)  # eq. 4
+    v = jnp.fft.fft(u, axis=-1)  # eq. 5
+    k = jnp.arange(n, dtype=dtype)
+    rot = jnp.exp(-1j * jnp.pi * k / (2 * n))
+    y = jnp.real(v * rot) * _alpha(n).astype(dtype)  # eq. 6 with the orthonormal scale
+    return jnp.moveaxis(y, -1, axis)
+
+
+def idct(y: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
+    """Inverse of `dct` (seed 001 eq. 3): x_n = sum_k a_k y_k cos(pi k (2n + 1) / 2N)."""
+    axis = _check_axis(y, axis)
+    ym = jnp.moveaxis(y, axis, -1)
+    n = ym.shape[-1]
+    dtype = jnp.promote_types(y.dtype, jnp.float32)
+    c = ym.astype(dtype) / _alpha(n).astype(dtype)  # unnormalised coefficients
+    c_rev = jnp.concatenate([jnp.zeros_like(c[..., :1]), c[..., :0:-1]], axis=-1)  # C_{N-k}, C_N = 0
+    k = jnp.arange(n, dtype=dtype)
+    v = jnp.exp(1j * jnp.pi * k / (2 * n)) * (c - 1j * c_rev)
+    u = jnp.real(jnp.fft.ifft(v, axis=-1))
+    half = (n + 1) // 2
+    x = jnp.zeros_like(u)
+    x = x.at[..., ::2].set(u[..., :half])
+    x = x.at[..., 1::2].set(u[..., half:][..., ::-1])
+    return jnp.moveaxis(x, -1, axis)
+
+
+def kept_length(n: int, keep_ratio: float) -> int:
+    """ceil(keep_ratio * n), at least 1: the length after the spectral filter."""
+    if not (isinstance(keep_ratio, (int, float)) and 0.0 < keep_ratio <= 1.0):
+        raise ValueError(f"keep_ratio must be in (0, 1]; got {keep_ratio!r}")
+    return max(1, math.ceil(keep_ratio * n - 1e-9))
+
+
+def fourier_downsample(x: Float[Array, "..."], keep_ratio: float, axis: int = 0) -> Float[Array, "..."]:
+    """The Fourier Transformer's spectral filter (seed 001 section 4.1, eq. 7-8).
+
+    DCT along `axis`, keep the first M = ceil(keep_ratio * N) coefficients, inverse DCT at
+    length M, scaled by sqrt(M / N): the band-limited resampling of the input, so a
+    constant sequence stays the same constant and a sum of the kept cosines
+    cos(pi k (2n + 1) / 2N) becomes the same sum of cos(pi k (2m + 1) / 2M).
+
+    Arguments:
+        x: any array; only `axis` (the sequence) is transformed.
+        keep_ratio: r in (0, 1].
+        axis: the sequence axis.
+
+    Returns:
+        `x` with `axis` shortened to M, in x's dtype (computed in float32).
+    """
+    axis = _check_axis(x, axis)
+    n = x.shape[axis]
+    m = kept_length(n, keep_ratio)
+    y = jnp.take(dct(x, axis), jnp.arange(m), axis=axis)
+    return (idct(y, axis) * math.sqrt(m / n)).astype(x.dtype)
+
+
+def nearest_upsample(x: Float[Array, "..."], length: int, axis: int = 0) -> Float[Array, "..."]:
+    """Parameter-free nearest-neighbour upsampling to `length` along `axis` (position n
+    takes sample floor(n * M / length)); the Fourier Transformer's encoder-decoder setting
+    upsamples every block's output this way before summing them (seed 001 section 4.1)."""
+    axis = _check_axis(x, axis)
+    m = x.shape[axis]
+    if not isinstance(length, int) or length < m:
+        raise ValueError(f"length must be an int >= the current length {m}; got {length!r}")
+    idx = (jnp.arange(length) * m) // length
+    return jnp.take(x, idx, axis=axis)
+
+
+def fnet_mixing(x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
+    """FNet token mixing: Re(FFT_seq(FFT_hidden(x))), no parameters, O(N log N)."""
+    return jnp.real(jnp.fft.fft2(x.astype(jnp.promote_types(x.dtype, jnp.float32)))).astype(x.dtype)
+
+
+def fnet_attention(
+    q: Float[Array, "seq heads d_k"],
+    k: Float[Array, "_seq kv_heads _d_k"],
+    v: Float[Array, "_seq _kv_heads d_v"],
+    *,
+    kv_mask: Bool[Array, "_seq"] | None = None,
+) -> Float[Array, "seq heads d_v"]:
+    """FNet as a drop-in attention: `fnet_mixing` of the values flattened to
+    `[seq, kv_heads * d_v]` (q and k are ignored; FNet has no attention weights).
+    Padded positions are zeroed before mixing, so their content never reaches the
+    output (the real outputs still depend on the padded length, as FNet's do)."""
+    check_qkv(q, k, v, self_attention=True)
+    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
+    if kv_mask is not None:
+        v = jnp.where(kv_mask[:, None, None], v, 0)
+    n, kv_heads, d_v = v.shape
+    mixed = fnet_mixing(v.reshape(n, kv_heads * d_v)).reshape(n, kv_heads, d_v)
+    return jnp.repeat(mixed, q.shape[1] // kv_heads, axis=1).astype(out_dtype(q, k, v))

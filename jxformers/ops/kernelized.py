@@ -1,0 +1,428 @@
+"""Kernelized attention: softmax(q k^T) replaced by phi(q) phi(k)^T, so that
+(phi(Q) phi(K)^T) V = phi(Q) (phi(K)^T V) costs O(N) (Katharopoulos et al., 2020, eq. 4-6).
+
+* `linear_attention`: deterministic feature maps (elu + 1, relu, identity, a callable).
+* `performer_attention`: FAVOR+ positive orthogonal random features for the softmax
+  kernel, and the generalised ReLU kernel (Choromanski et al., 2021).
+* `rfa_attention`: random Fourier features with an optional recurrent gate
+  (Peng et al., 2021).
+
+All three share one core (`kernel_attention`): non-causal by associativity; causal as
+the prefix sums S_i = sum_{j<=i} phi(k_j) v_j^T, Z_i = sum_{j<=i} phi(k_j) in one of three
+forms that agree to float32 rounding: "quadratic" (the masked N x N reference), "scan"
+(the RNN of eq. 4 in seed 000 section 3.2.14, one token per step) and "chunked" (the
+default: quadratic inside chunks, a carried state between chunks, one step per chunk).
+States and denominators accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from jxformers.ops._common import (
+    ceil_div,
+    check_mask_shape,
+    check_positive,
+    check_qkv,
+    einsum_f32,
+    group_heads,
+    out_dtype,
+    pad_to,
+    to_blocks,
+)
+
+FORMS = ("chunked", "scan", "quadratic")
+DEFAULT_CHUNK = 64
+_TINY = 1e-30  # below this a denominator is treated as empty (all keys masked)
+
+# ----------------------------------------------------------------------------- core
+
+
+def _divide(num: Array, den: Array) -> Array:
+    """num / den with empty rows (den == 0: every key masked) giving zeros, not NaN."""
+    ok = jnp.abs(den) > _TINY
+    return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
+
+
+def _noncausal(fq, fk, v):
+    """fq [q, h, g, m], fk [k, h, m], v [k, h, dv] -> [q, h, g, dv]."""
+    state = einsum_f32("khm,khd->hmd", fk, v)
+    norm = jnp.sum(fk, axis=0, dtype=jnp.float32)
+    num = jnp.einsum("qhgm,hmd->qhgd", fq, state)
+    den = jnp.einsum("qhgm,hm->qhg", fq, norm)
+    return _divide(num, den)
+
+
+def _quadratic(fq, fk, v, decay):
+    a = einsum_f32("qhgm,khm->hgqk", fq, fk)
+    n = fq.shape[0]
+    a = jnp.where(jnp.tril(jnp.ones((n, n), bool)), a, 0.0)
+    if decay is not None:
+        a = a * _decay_matrix(decay)[:, None]
+    num = jnp.einsum("hgqk,khd->qhgd", a, v.astype(jnp.float32))
+    return _divide(num, jnp.moveaxis(a.sum(-1), -1, 0))
+
+
+def _scan(fq, fk, v, decay):
+    h, m, dv = fk.shape[1], fk.shape[2], v.shape[2]
+
+    def step(carry, xs):
+        state, norm = carry
+        q_t, k_t, v_t, g_t = xs
+        if decay is not None:  # gated: S_t = g_t S_{t-1} + phi(k_t) v_t^T
+            state, norm = state * g_t[:, None, None], norm * g_t[:, None]
+        state = state + einsum_f32("hm,hd->hmd", k_t, v_t)
+        norm = norm + k_t.astype(jnp.float32)
+        out = _divide(jnp.einsum("hgm,hmd->hgd", q_t, state), jnp.einsum("hgm,hm->hg", q_t, norm))
+        return (state, norm), out
+
+    init = (jnp.zeros((h, m, dv), jnp.float32), jnp.zeros((h, m), jnp.float32))
+    gates = decay if decay is not None else jnp.ones(fk.shape[:2], jnp.float32)
+    _, out = jax.lax.scan(step, init, (fq, fk, v, gates))
+    return out
+
+
+def _decay_matrix(log_gate_cumsum_or_gate: Array) -> Array:
+    """For gates g [n, h]: D[h, i, j] = prod_{j < l <= i} g_l for j <= i, else 0."""
+    log_g = jnp.log(jnp.clip(log_gate_cumsum_or_gate.astype(jnp.float32), 1e-30, 1.0))
+    c = jnp.cumsum(log_g, axis=0)  # [n, h]
+    diff = c.T[:, :, None] - c.T[:, None, :]  # [h, i, j] = c_i - c_j
+    n = log_g.shape[0]
+    return jnp.where(jnp.tril(jnp.ones((n, n), bool)), jnp.exp(jnp.minimum(diff, 0.0)), 0.0)
+
+
+def _chunked(fq, fk, v, decay, chunk, key_log_scale):
+    """One scan step per chunk. `key_log_scale` [n_chunks] (Performer's stabiliser) says
+    that chunk c's key features were divided by exp(key_log_scale[c]); it must not
+    decrease, and the carried state is rescaled when it grows."""
+    n, h, g, m = fq.shape
+    dv = v.shape[2]
+    nc = ceil_div(n, chunk)
+    qc, kc, vc = (to_blocks(pad_to(x, nc * chunk), chunk) for x in (fq, fk, v))
+    gates = None if decay is None else to_blocks(pad_to(decay, nc * chunk, value=1.0), chunk)
+    scales = jnp.zeros((nc,), jnp.float32) if key_log_scale is None else key_log_scale
+    tril = jnp.tril(jnp.ones((chunk, chunk), bool))
+
+    def step(carry, xs):
+        state, norm, prev_scale = carry
+        q_c, k_c, v_c, g_c, scale = xs
+        rescale = jnp.exp(prev_scale - scale)  # <= 1: earlier chunks were shifted less
+        state, norm = state * rescale, norm * rescale
+        a = einsum_f32("qhgm,khm->hgqk", q_c, k_c)
+        a = jnp.where(tril, a, 0.0)
+        inter_q = q_c.astype(jnp.float32)
+        if g_c is not None:
+            a = a * _decay_matrix(g_c)[:, None]
+            c = jnp.cumsum(jnp.log(jnp.clip(g_c.astype(jnp.float32), 1e-30, 1.0)), axis=0)  # [chunk, h]
+            inter_q = inter_q * jnp.exp(c)[:, :, None, None]  # the state decays up to each query
+        num = jnp.einsum("hgqk,khd->qhgd", a, v_c.astype(jnp.float32)) + jnp.einsum("qhgm,hmd->qhgd", inter_q, state)
+        den = jnp.moveaxis(a.sum(-1), -1, 0) + jnp.einsum("qhgm,hm->qhg", inter_q, norm)
+        k_f = k_c.astype(jnp.float32)
+        if g_c is not None:  # each key decays from its position to the chunk's end
+            tail = jnp.exp(c[-1][None, :] - c)  # [chunk, h]
+            state, norm = state * jnp.exp(c[-1])[:, None, None], norm * jnp.exp(c[-1])[:, None]
+            k_f = k_f * tail[:, :, None]
+        state = state + jnp.einsum("khm,khd->hmd", k_f, v_c.astype(jnp.float32))
+        norm = norm + k_f.sum(0)
+        return (state, norm, scale), _divide(num, den)
+
+    init = (jnp.zeros((h, m, dv), jnp.float32), jnp.zeros((h, m), jnp.float32), scales[0])
+    _, out = jax.lax.scan(step, init, (qc, kc, vc, gates, scales))
+    return out.reshape(nc * chunk, h, g, dv)[:n]
+
+
+def kernel_attention(
+    phi_q: Float[Array, "q_len heads m"],
+    phi_k: Float[Array, "kv_len kv_heads _m"],
+    v: Float[Array, "_kv_len _kv_heads d_v"],
+    *,
+    causal: bool = False,
+    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    form: str = "chunked",
+    chunk_size: int | None = None,
+    gate: Float[Array, "_kv_len _kv_heads"] | None = None,
+    key_log_scale: Float[Array, "_chunks"] | None = None,
+    dtype: jnp.dtype | None = None,
+) -> Float[Array, "q_len heads d_v"]:
+    """Attention with the similarity phi(q_i) . phi(k_j) (features already applied).
+
+    Arguments:
+        phi_q: query features `[q_len, heads, m]`; phi_k: key features `[kv_len, kv_heads, m]`.
+        v: values `[kv_len, kv_heads, d_v]`.
+        causal: prefix sums (self-attention: q_len == kv_len).
+        kv_mask: optional `[kv_len]`; padded keys are dropped from states and normalisers.
+        form: causal form, "chunked" (default), "scan" or "quadratic".
+        chunk_size: chunk of the "chunked" form (default 64).
+        gate: optional per-token forget gate in (0, 1] (causal only): the states become
+            S_i = g_i S_{i-1} + phi(k_i) v_i^T (RFA's gated recurrence).
+        key_log_scale: internal (Performer's per-chunk stabiliser), "chunked" form only.
+        dtype: of the result (default: the inputs' promoted dtype). Features, values and
+            states are computed in float32 whatever the input dtype.
+
+    Returns:
+        `[q_len, heads, d_v]`; rows whose keys are all masked are zero.
+    """
+    if phi_q.shape[2] != phi_k.shape[2]:
+        raise ValueError(f"phi_k has {phi_k.shape[2]} features but phi_q has {phi_q.shape[2]}; they must match")
+    check_qkv(phi_q, phi_k, v, self_attention=causal)
+    check_mask_shape("kv_mask", kv_mask, (phi_k.shape[0],))
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}; got {form!r}")
+    chunk = DEFAULT_CHUNK if chunk_size is None else chunk_size
+    check_positive("chunk_size", chunk)
+    if gate is not None and not causal:
+        raise ValueError("gate needs causal=True (the gate decays a running state)")
+    dtype = out_dtype(phi_q, phi_k, v) if dtype is None else dtype
+    phi_q, phi_k, v = (x.astype(jnp.float32) for x in (phi_q, phi_k, v))
+    if kv_mask is not None:
+        phi_k = jnp.where(kv_mask[:, None, None], phi_k, 0)
+        v = jnp.where(kv_mask[:, None, None], v, 0)
+    fq = group_heads(phi_q, phi_k.shape[1])
+    if not causal:
+        out = _noncausal(fq, phi_k, v)
+    elif form == "quadratic":
+        out = _quadratic(fq, phi_k, v, gate)
+    elif form == "scan":
+        out = _scan(fq, phi_k, v, gate)
+    else:
+        out = _chunked(fq, phi_k, v, gate, min(chunk, phi_q.shape[0]), key_log_scale)
+    return out.reshape(phi_q.shape[0], phi_q.shape[1], v.shape[2]).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- linear attention
+
+FEATURE_MAPS: dict[str, Callable[[Array], Array]] = {
+    "elu": lambda x: jax.nn.elu(x) + 1.0,
+    "relu": jax.nn.relu,
+    "identity": lambda x: x,
+}
+
+
+def linear_attention(
+    q: Float[Array, "q_len heads d_k"],
+    k: Float[Array, "kv_len kv_heads _d_k"],
+    v: Float[Array, "_kv_len _kv_heads d_v"],
+    *,
+    feature_map: str | Callable[[Array], Array] = "elu",
+    causal: bool = False,
+    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    chunk_size: int | None = None,
+    form: str = "chunked",
+) -> Float[Array, "q_len heads d_v"]:
+    """Linear attention (Katharopoulos et al., 2020): sim(q, k) = phi(q) . phi(k).
+
+    Arguments:
+        q, k, v: as `softmax_attention` (grouped-query heads allowed).
+        feature_map: "elu" (elu(x) + 1, the paper's), "relu", "identity" or a callable
+            applied elementwise-or-not to `[len, heads, d_k]` arrays.
+        causal: prefix-sum (autoregressive) attention; self-attention only.
+        kv_mask: optional `[kv_len]`, True for real tokens.
+        chunk_size: chunk of the causal "chunked" form (default 64).
+        form: causal form: "chunked" (default), "scan" (token-by-token RNN) or
+            "quadratic" (masked N x N reference). All agree to float32 rounding.
+
+    Returns:
+        `[q_len, heads, d_v]`. A row whose denominator is zero (every key padded) is zero.
+
+    Time O(N * d_k * d_v) (non-causal and chunked causal: plus O(N * chunk * d)); memory
+    O(d_k * d_v) per head for the state. Slower than softmax below a few thousand
+    tokens on most hardware (see docs/benchmarks.md). Decoding is the RNN form.
+    """
+    if isinstance(feature_map, str):
+        if feature_map not in FEATURE_MAPS:
+            raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)} or a callable; got {feature_map!r}")
+        phi = FEATURE_MAPS[feature_map]
+    elif callable(feature_map):
+        phi = feature_map
+    else:
+        raise ValueError(f"feature_map must be a name or a callable; got {feature_map!r}")
+    check_qkv(q, k, v, self_attention=causal)
+    return kernel_attention(
+        phi(q), phi(k), v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=out_dtype(q, k, v)
+    )
+
+
+# ----------------------------------------------------------------------------- Performer
+
+
+def performer_projection(
+    key: PRNGKeyArray, num_features: int, d_k: int, *, orthogonal: bool = True
+) -> Float[Array, "num_features d_k"]:
+    """Random projection W for FAVOR+ features: rows ~ N(0, I_d). With `orthogonal`,
+    rows come in blocks of d_k exactly orthogonal directions (QR of a Gaussian matrix),
+    each row rescaled to the norm of an independent Gaussian vector, so every row keeps
+    the N(0, I) marginal (the estimator stays unbiased) with lower variance."""
+    check_positive("num_features", num_features)
+    check_positive("d_k", d_k)
+    if not orthogonal:
+        return jax.random.normal(key, (num_features, d_k))
+    blocks = ceil_div(num_features, d_k)
+    k_dir, k_norm = jax.random.split(key)
+    gauss = jax.random.normal(k_dir, (blocks, d_k, d_k))
+    qmat, _ = jnp.linalg.qr(gauss)  # columns orthonormal
+    rows = jnp.swapaxes(qmat, 1, 2).reshape(blocks * d_k, d_k)[:num_features]
+    norms = jnp.linalg.norm(jax.random.normal(k_norm, (num_features, d_k)), axis=1)
+    return rows * norms[:, None]
+
+
+def performer_features(
+    x: Float[Array, "n heads d_k"],
+    projection: Float[Array, "m _d_k"],
+    *,
+    kernel: str = "softmax",
+    shift: Float[Array, "..."] | float = 0.0,
+) -> Float[Array, "n heads m"]:
+    """FAVOR+ features with E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) ("softmax") or the
+    generalised ReLU kernel ("relu"). Inputs are scaled by d^(-1/4) first.
+
+    "softmax": phi(x) = exp(W x' - |x'|^2 / 2 - shift) / sqrt(m) with x' = x d^(-1/4);
+    `shift` (broadcast to `[n, heads, 1]` or a scalar) is the stabiliser: it cancels
+    between numerator and denominator when constant over the keys (or per query row).
+    "relu": phi(x) = relu(W x') / sqrt(m) + 1e-3 (the official code's epsilon).
+    """
+    d = x.shape[-1]
+    xs = x.astype(jnp.float32) * d**-0.25
+    wx = jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32))
+    m = projection.shape[0]
+    if kernel == "relu":
+        return jax.nn.relu(wx) / math.sqrt(m) + 1e-3
+    if kernel != "softmax":
+        raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
+    sq = 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True)
+    return jnp.exp(wx - sq - shift) / math.sqrt(m)
+
+
+def _log_features(x, projection):
+    d = x.shape[-1]
+    xs = x.astype(jnp.float32) * d**-0.25
+    wx = jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32))
+    return wx - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True)
+
+
+def performer_attention(
+    q: Float[Array, "q_len heads d_k"],
+    k: Float[Array, "kv_len kv_heads _d_k"],
+    v: Float[Array, "_kv_len _kv_heads d_v"],
+    projection: Float[Array, "num_features _d_k"],
+    *,
+    kernel: str = "softmax",
+    causal: bool = False,
+    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    chunk_size: int | None = None,
+    form: str = "chunked",
+) -> Float[Array, "q_len heads d_v"]:
+    """Performer FAVOR+ attention (Choromanski et al., 2021).
+
+    An unbiased, positive random-feature estimate of softmax attention: the error falls
+    as `num_features` grows (O(1/sqrt(m))). The stabiliser subtracts each query row's max
+    and, for keys, the max over real keys (non-causal) or a running max over chunks that
+    rescales the carried state (causal), so features never overflow and padded keys
+    cannot move it. Padded keys are masked in the normaliser too.
+
+    Arguments:
+        q, k, v: as `softmax_attention`.
+        projection: `[num_features, d_k]` from `performer_projection(key, ...)`; redraw it
+            with a new key to resample the features.
+        kernel: "softmax" (FAVOR+) or "relu" (generalised ReLU kernel).
+        causal: prefix-sum form (chunked by default, as `linear_attention`).
+        kv_mask: optional `[kv_len]`, True for real tokens.
+        chunk_size, form: as `linear_attention`.
+
+    Returns:
+        `[q_len, heads, d_v]`.
+
+    Time O(N * m * d), memory O(m * d) per head for the state.
+    """
+    check_qkv(q, k, v, self_attention=causal)
+    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
+    if projection.shape[1] != q.shape[2]:
+        raise ValueError(f"projection must have shape [num_features, d_k={q.shape[2]}]; got {tuple(projection.shape)}")
+    dtype = out_dtype(q, k, v)
+    if kernel == "relu":
+        fq, fk = performer_features(q, projection, kernel="relu"), performer_features(k, projection, kernel="relu")
+        return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype)
+    if kernel != "softmax":
+        raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
+    m = projection.shape[0]
+    lq, lk = _log_features(q, projection), _log_features(k, projection)
+    lq = lq - jax.lax.stop_gradient(jnp.max(lq, axis=-1, keepdims=True))
+    real = jnp.ones((k.shape[0],), bool) if kv_mask is None else kv_mask
+    key_max = jnp.max(jnp.where(real[:, None, None], lk, -jnp.inf), axis=(1, 2))  # per position
+    key_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(key_max), key_max, -jnp.inf))
+    fq = jnp.exp(lq) / math.sqrt(m)
+    if not causal or form != "chunked":
+        shift = jnp.max(key_max)
+        shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
+        fk = jnp.exp(lk - shift) / math.sqrt(m)
+        return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype)
+    chunk = min(DEFAULT_CHUNK if chunk_size is None else chunk_size, q.shape[0])
+    check_positive("chunk_size", chunk)
+    nc = ceil_div(k.shape[0], chunk)
+    chunk_max = jnp.max(to_blocks(pad_to(key_max, nc * chunk, value=-jnp.inf), chunk), axis=1)
+    running = jax.lax.cummax(chunk_max)  # never decreases: the state only shrinks when rescaled
+    running = jnp.where(jnp.isfinite(running), running, 0.0)
+    per_token = jnp.repeat(running, chunk)[: k.shape[0]]
+    fk = jnp.exp(lk - per_token[:, None, None]) / math.sqrt(m)
+    return kernel_attention(
+        fq, fk, v, causal=True, kv_mask=kv_mask, form="chunked", chunk_size=chunk, key_log_scale=running, dtype=dtype
+    )
+
+
+# ----------------------------------------------------------------------------- RFA
+
+
+def rfa_features(x: Float[Array, "n heads d_k"], projection: Float[Array, "m _d_k"]) -> Float[Array, "n heads two_m"]:
+    """Random Fourier features of the l2-normalised input:
+    phi(x) = [sin(W x), cos(W x)] / sqrt(m), so phi(x) . phi(y) estimates the Gaussian
+    kernel exp(-|x - y|^2 / (2 sigma^2)) = exp((x . y - 1) / sigma^2) for unit vectors when
+    the rows of W are N(0, I / sigma^2)."""
+    xs = x.astype(jnp.float32)
+    xs = xs / jnp.maximum(jnp.linalg.norm(xs, axis=-1, keepdims=True), 1e-6)
+    wx = jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32))
+    return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1) / math.sqrt(projection.shape[0])
+
+
+def rfa_attention(
+    q: Float[Array, "q_len heads d_k"],
+    k: Float[Array, "kv_len kv_heads _d_k"],
+    v: Float[Array, "_kv_len _kv_heads d_v"],
+    projection: Float[Array, "num_features _d_k"],
+    *,
+    gate: Float[Array, "_kv_len _kv_heads"] | None = None,
+    causal: bool = False,
+    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    chunk_size: int | None = None,
+    form: str = "chunked",
+) -> Float[Array, "q_len heads d_v"]:
+    """Random Feature Attention (Peng et al., 2021).
+
+    sim(q, k) = phi(q) . phi(k) with random Fourier features of unit-normalised q and k
+    (`rfa_features`); draw the projection as `sigma^-1 * performer_projection(...)`.
+    With `gate` (causal only; values in (0, 1], computed by the caller, e.g.
+    sigmoid(w . x_t + b)), the states follow RFA's gated recurrence
+    S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T: pass the gate, and the (1 - g_t) factor
+    is applied to keys and values here.
+
+    Note: Fourier features are not positive, so the estimated normaliser can approach
+    zero for some rows (a known weakness of RFA); such rows are returned as zero rather
+    than NaN.
+
+    Returns:
+        `[q_len, heads, d_v]`.
+    """
+    check_qkv(q, k, v, self_attention=causal)
+    if projection.shape[1] != q.shape[2]:
+        raise ValueError(f"projection must have shape [num_features, d_k={q.shape[2]}]; got {tuple(projection.shape)}")
+    fq, fk = rfa_features(q, projection), rfa_features(k, projection)
+    if gate is not None:
+        if gate.shape != k.shape[:2]:
+            raise ValueError(f"gate must have shape {k.shape[:2]} ([kv_len, kv_heads]); got {gate.shape}")
+        fk = fk * (1.0 - gate.astype(jnp.float32))[:, :, None]
+    return kernel_attention(
+        fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, gate=gate, dtype=out_dtype(q, k, v)
+    )
