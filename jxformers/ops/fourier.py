@@ -21,6 +21,11 @@ def _alpha(n: int) -> Array:
     return jnp.full((n,), math.sqrt(2.0 / n)).at[0].set(math.sqrt(1.0 / n))
 
 
+def _last_axis(vec: Array, ndim: int) -> Array:
+    """Shape a [n] vector to broadcast along the last axis of a rank-`ndim` array."""
+    return vec.reshape((1,) * (ndim - 1) + vec.shape)
+
+
 def _check_axis(x: Array, axis: int) -> int:
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis must be in [{-x.ndim}, {x.ndim}) for an array of rank {x.ndim}; got {axis}")
@@ -42,7 +47,7 @@ def dct(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     v = jnp.fft.fft(u, axis=-1)  # eq. 5
     k = jnp.arange(n, dtype=dtype)
     rot = jnp.exp(-1j * jnp.pi * k / (2 * n))
-    y = jnp.real(v * rot) * _alpha(n).astype(dtype)  # eq. 6 with the orthonormal scale
+    y = jnp.real(v * _last_axis(rot, v.ndim)) * _last_axis(_alpha(n).astype(dtype), v.ndim)  # eq. 6, orthonormal
     return jnp.moveaxis(y, -1, axis)
 
 
@@ -52,10 +57,10 @@ def idct(y: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     ym = jnp.moveaxis(y, axis, -1)
     n = ym.shape[-1]
     dtype = jnp.promote_types(y.dtype, jnp.float32)
-    c = ym.astype(dtype) / _alpha(n).astype(dtype)  # unnormalised coefficients
+    c = ym.astype(dtype) / _last_axis(_alpha(n).astype(dtype), ym.ndim)  # unnormalised coefficients
     c_rev = jnp.concatenate([jnp.zeros_like(c[..., :1]), c[..., :0:-1]], axis=-1)  # C_{N-k}, C_N = 0
     k = jnp.arange(n, dtype=dtype)
-    v = jnp.exp(1j * jnp.pi * k / (2 * n)) * (c - 1j * c_rev)
+    v = _last_axis(jnp.exp(1j * jnp.pi * k / (2 * n)), c.ndim) * (c - 1j * c_rev)
     u = jnp.real(jnp.fft.ifft(v, axis=-1))
     half = (n + 1) // 2
     x = jnp.zeros_like(u)

@@ -39,7 +39,8 @@ def segment_means(
     any n >= 1 (segments may be empty when m > n; those are marked not real)."""
     n = x.shape[0]
     real = jnp.ones((n,), bool) if real is None else real
-    seg = (positions(n) * num_segments) // n  # segment of each position
+    bounds = (positions(num_segments + 1) * n) // num_segments
+    seg = jnp.sum(bounds[None, 1:-1] <= positions(n)[:, None], axis=1)  # segment of each position
     weights = (seg[None, :] == positions(num_segments)[:, None]) & real[None, :]  # [m, n]
     count = weights.sum(axis=1)
     sums = jnp.einsum("mn,nhd->mhd", weights.astype(jnp.float32), x.astype(jnp.float32))
