@@ -47,6 +47,9 @@ def cases(**capabilities):
         for hp in VARIANTS.get(name, [{}])
     ]
 
+# One odd length (tails of blocks and chunks) for most properties; the dense-mask
+# equivalence also runs a length that divides evenly. Each length is a compilation.
+LENGTH = st.just(37)
 LENGTHS = st.sampled_from([24, 37])
 SEEDS = st.integers(0, 2**16)
 
@@ -82,7 +85,7 @@ def test_every_exact_attention_has_an_independent_mask():
 
 
 @pytest.mark.parametrize("name,hp", cases())
-@given(n=LENGTHS, seed=SEEDS)
+@given(n=LENGTH, seed=SEEDS)
 def test_shape_dtype_finite(name, hp, n, seed):
     q, k, v = qkv(seed, n)
     for causal in causal_modes(name):
@@ -114,7 +117,7 @@ def test_jit_vmap_grad(name, hp):
 
 
 @pytest.mark.parametrize("name,hp", cases(causal=True))
-@given(n=LENGTHS, seed=SEEDS, data=st.data())
+@given(n=LENGTH, seed=SEEDS, data=st.data())
 def test_causal_never_reads_the_future(name, hp, n, seed, data):
     i = data.draw(st.integers(0, n - 2), label="position")
     q, k, v = qkv(seed, n)
@@ -127,7 +130,7 @@ def test_causal_never_reads_the_future(name, hp, n, seed, data):
 
 
 @pytest.mark.parametrize("name,hp", cases(kv_mask=True))
-@given(n=LENGTHS, seed=SEEDS, data=st.data())
+@given(n=LENGTH, seed=SEEDS, data=st.data())
 def test_padded_keys_never_change_real_outputs(name, hp, n, seed, data):
     real_len = data.draw(st.integers(n // 2, n - 1), label="real length")
     q, k, v = qkv(seed, n)
