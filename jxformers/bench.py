@@ -192,13 +192,15 @@ NOTES = """\
   softmax at every length (its point is no query-key interaction, not speed).
 * **Kernelized and low-rank.** Linear attention costs O(N d^2): with d = 64 its FLOPs are
   below softmax's O(N^2 d) from N of about d, so on this FLOP-bound CPU it is faster
-  from the smallest N in the table; Performer (m = 256 features) and RFA need N of a
-  few hundred. On a GPU, where the dense matmul runs near peak and the linear forms are
-  memory-bound, the published crossover is around 2K tokens; we have not measured one.
+  from the smallest N in the table (128). Performer (m = 256 features), Linformer
+  (k = 256) and Nystrom (64 landmarks) lose at N = 128 and win from N = 512; RFA's
+  forward wins from N = 1024. On a GPU, where the dense matmul runs near peak and the
+  linear forms are memory-bound, the published crossover is around 2K tokens; we have
+  not measured one.
 * **Causal linear attention, chunked against scan.** The token-by-token `lax.scan` does
   the fewest FLOPs (one outer product per token), and a CPU runs its 4096 small steps
   without much overhead, so in the *forward* pass the scan is faster than the chunked
-  form here (about 2x at N = 4096). For training (forward+backward) the chunked form is
+  form here (about 1.4x at N = 4096). For training (forward+backward) the chunked form is
   about 3x faster and holds about 8x less memory, because the scan's backward pass keeps
   a d x d state per token. The target "chunked 5x faster than scan at N = 4096 on a CPU"
   is not met on this machine. The chunked form is the default because its work is

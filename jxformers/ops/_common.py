@@ -32,7 +32,7 @@ def check_positive(name: str, value: int, *, minimum: int = 1) -> None:
 
 
 def check_qkv(q: Array, k: Array, v: Array, *, self_attention: bool = False) -> None:
-    """Validate per-example q/k/v shapes (see DESIGN.md) and raise a named ValueError."""
+    """Validate per-example q/k/v shapes ([len, heads, features]) and raise a named ValueError."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(

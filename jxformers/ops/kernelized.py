@@ -87,9 +87,9 @@ def _scan(fq, fk, v, decay):
     return out
 
 
-def _decay_matrix(log_gate_cumsum_or_gate: Array) -> Array:
+def _decay_matrix(gate: Array) -> Array:
     """For gates g [n, h]: D[h, i, j] = prod_{j < l <= i} g_l for j <= i, else 0."""
-    log_g = jnp.log(jnp.clip(log_gate_cumsum_or_gate.astype(jnp.float32), 1e-30, 1.0))
+    log_g = jnp.log(jnp.clip(gate.astype(jnp.float32), 1e-30, 1.0))
     c = jnp.cumsum(log_g, axis=0)  # [n, h]
     diff = c.T[:, :, None] - c.T[:, None, :]  # [h, i, j] = c_i - c_j
     n = log_g.shape[0]
