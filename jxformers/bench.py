@@ -228,7 +228,10 @@ def main(argv=None) -> int:
 
     names = args.names or registry.names()
     for n in names:
-        registry.get(n)  # unknown names fail before any work
+        try:
+            registry.get(n)  # unknown names fail before any work
+        except ValueError as e:
+            p.error(str(e))
     if "softmax" not in names:
         names = ["softmax", *names]
     lengths = tuple(args.lengths or (SHORT_LENGTHS if args.short else FULL_LENGTHS))

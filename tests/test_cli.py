@@ -44,3 +44,12 @@ def test_bench_writes_a_table_with_the_command_and_machine(tmp_path, capsys):
     text = out.read_text()
     assert "Command: `jxformers bench --lengths 64" in text and "Machine:" in text
     assert "| 64 | softmax |" in text and "| 64 | local |" in text
+
+
+def test_bench_refuses_an_unknown_attention_with_the_list_of_names(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--names", "perfomer"])
+    assert exit_info.value.code == 2
+    assert "registered: softmax" in capsys.readouterr().err
