@@ -289,22 +289,23 @@ def performer_features(
     between numerator and denominator when constant over the keys (or per query row).
     "relu": phi(x) = relu(W x') / sqrt(m) + 1e-3 (the official code's epsilon).
     """
-    d = x.shape[-1]
-    xs = x.astype(jnp.float32) * d**-0.25
-    wx = jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32))
     m = projection.shape[0]
     if kernel == "relu":
-        return jax.nn.relu(wx) / math.sqrt(m) + 1e-3
+        return jax.nn.relu(_projected(x, projection)[0]) / math.sqrt(m) + 1e-3
     if kernel != "softmax":
         raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
-    sq = 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True)
-    return jnp.exp(wx - sq - shift) / math.sqrt(m)
+    return jnp.exp(_log_features(x, projection) - shift) / math.sqrt(m)
+
+
+def _projected(x, projection):
+    """(W x', x') with x' = x d^(-1/4), in float32."""
+    xs = x.astype(jnp.float32) * x.shape[-1] ** -0.25
+    return jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32)), xs
 
 
 def _log_features(x, projection):
-    d = x.shape[-1]
-    xs = x.astype(jnp.float32) * d**-0.25
-    wx = jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32))
+    """log of the unnormalised FAVOR+ features: W x' - |x'|^2 / 2."""
+    wx, xs = _projected(x, projection)
     return wx - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True)
 
 
