@@ -197,14 +197,20 @@ NOTES = """\
   forward wins from N = 1024. On a GPU, where the dense matmul runs near peak and the
   linear forms are memory-bound, the published crossover is around 2K tokens; we have
   not measured one.
-* **Causal linear attention, chunked against scan.** The token-by-token `lax.scan` does
-  the fewest FLOPs (one outer product per token), and a CPU runs its 4096 small steps
-  without much overhead, so in the *forward* pass the scan is faster than the chunked
-  form here (about 1.4x at N = 4096). For training (forward+backward) the chunked form is
-  about 3x faster and holds about 8x less memory, because the scan's backward pass keeps
-  a d x d state per token. The target "chunked 5x faster than scan at N = 4096 on a CPU"
-  is not met on this machine. The chunked form is the default because its work is
-  matmuls, which is what accelerators are fast at.
+* **Causal linear attention, chunked against scan.** Per token, the scan does one outer
+  product and one read-out, 4 * m * d FLOPs; the chunked form does the same inter-chunk
+  work plus 2 * C * (m + d) inside its chunk of C tokens, so it never does fewer FLOPs
+  than the scan (2x at C = m = d = 64). It can only win by running its FLOPs faster. On
+  this 2-core CPU the scan already runs at about 18 GFLOP/s, while batched 64 x 64 x 64
+  matmuls top out near 63 GFLOP/s (a 2048^2 matmul: 169), so even a perfect chunked
+  forward could be at most about 3x faster; measured, the *forward* scan is about 1.4x
+  faster than the chunked form (a head-major layout, a fully parallel cumsum-over-chunks
+  form and chunk sizes 16-256 were tried; none was faster than the scan forward).
+  For training (forward+backward) the chunked form is about 3-4x faster and holds about
+  8x less memory, because the scan's backward keeps a d x d state per token. The target
+  "chunked 5x faster than scan at N = 4096 on a CPU" is therefore not met, and by the
+  FLOP count above cannot be met by the forward pass on this machine. The chunked form
+  is the default because its work is matmuls, which is what accelerators are fast at.
 """
 
 
