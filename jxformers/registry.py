@@ -67,9 +67,16 @@ class AttentionSpec:
         family: survey family (Tay et al.): "exact", "fixed pattern", "downsampling"...
         paper: citation. complexity: time complexity in N (sequence length).
         params: typed hyper-parameters with defaults.
-        causal / decode / kv_mask / cross: what the op supports: a causal mask,
-            incremental decoding (one query against a growing cache), padding masks,
-            queries and keys of different lengths.
+        causal / kv_mask / cross / bias: what the op supports: a causal mask, padding
+            masks, queries and keys of different lengths, an additive logit bias (ALiBi,
+            T5 relative positions).
+        decoder: how `jxformers.decoding` decodes it one token at a time: "cache" (a
+            preallocated key/value cache), "window" (a ring buffer of the window),
+            "recurrent" (the constant-size state (S, Z) of kernelized attention), or
+            None (no incremental decoding). `decode` is True when it has one.
+        drawn: names of arrays made by `init_arrays` that are drawn at random rather
+            than learned (Performer's projection, BigBird's key): modules hold them
+            out of the gradient and resample them with `redraw(key)`.
         exact: equals `softmax_attention` under some explicit mask (tested).
         content_based: the weights depend on q and k (False for FNet and Synthesizer,
             whose mixing ignores them).
@@ -85,12 +92,22 @@ class AttentionSpec:
     complexity: str
     params: tuple[Param, ...] = ()
     causal: bool = False
-    decode: bool = False
+    decoder: str | None = None
     kv_mask: bool = True
     cross: bool = False
+    bias: bool = False
+    drawn: tuple[str, ...] = ()
     exact: bool = True
     content_based: bool = True
     init: Callable[..., dict[str, Any]] | None = None
+
+    def __post_init__(self):
+        if self.decoder not in DECODERS:
+            raise ValueError(f"{self.name}: decoder must be one of {DECODERS}; got {self.decoder!r}")
+
+    @property
+    def decode(self) -> bool:
+        return self.decoder is not None
 
     def defaults(self) -> dict[str, Any]:
         return {p.name: p.default for p in self.params}
@@ -115,8 +132,16 @@ class AttentionSpec:
         hp = self.validate(hyper_parameters)
         return self.init(key, heads=heads, kv_heads=kv_heads, d_k=d_k, d_v=d_v, **hp)
 
-    def __call__(self, q, k, v, *, arrays: Mapping[str, Any] | None = None, causal: bool = False, kv_mask=None, **hyper_parameters):
+    def __call__(
+        self, q, k, v, *, arrays: Mapping[str, Any] | None = None, causal: bool = False, kv_mask=None, bias=None,
+        **hyper_parameters,
+    ):
         hp = self.validate(hyper_parameters)
+        if bias is not None and not self.bias:
+            raise ValueError(
+                f"{self.name} attention does not take an additive bias (ALiBi, T5 relative positions); "
+                f"ones that do: {names(bias=True)}"
+            )
         if causal and not self.causal:
             raise ValueError(f"{self.name} attention does not support causal=True; causal ones: {names(causal=True)}")
         if kv_mask is not None and not self.kv_mask:
@@ -127,9 +152,12 @@ class AttentionSpec:
             kwargs["causal"] = causal
         if kv_mask is not None:
             kwargs["kv_mask"] = kv_mask
+        if bias is not None:
+            kwargs["bias"] = bias
         return self.op(q, k, v, **kwargs)
 
 
+DECODERS = (None, "cache", "window", "recurrent")
 _REGISTRY: dict[str, AttentionSpec] = {}
 
 
@@ -173,17 +201,17 @@ def _bigbird_key(key, **_):
 
 register(AttentionSpec(
     "softmax", ops.softmax_attention, "exact", "Vaswani et al. 2017", "O(N^2)",
-    causal=True, decode=True, cross=True,
+    causal=True, decoder="cache", cross=True, bias=True,
 ))
 register(AttentionSpec(
     "chunked", ops.chunked_attention, "exact", "Rabe & Staats 2021", "O(N^2) time, O(N*chunk) memory",
     (Param("chunk_size", int, 512, "queries and keys per chunk"),),
-    causal=True, decode=True, cross=True,
+    causal=True, decoder="cache", cross=True,
 ))
 register(AttentionSpec(
     "local", ops.local_attention, "fixed pattern", "Parmar et al. 2018; Beltagy et al. 2020", "O(N*w)",
     (Param("window", int, 128, "keys each side (behind when causal)"),),
-    causal=True,
+    causal=True, decoder="window",
 ))
 register(AttentionSpec(
     "block_local", ops.block_local_attention, "fixed pattern", "Parmar et al. 2018; Qiu et al. 2019", "O(N*b)",
@@ -217,7 +245,7 @@ register(AttentionSpec(
         Param("num_window_blocks", int, 3, "sliding window in blocks (odd)"),
         Param("num_global_blocks", int, 2, "global blocks (first and last)"),
     ),
-    init=_bigbird_key,
+    init=_bigbird_key, drawn=("key",),
 ))
 register(AttentionSpec(
     "axial", ops.axial_attention, "fixed pattern", "Ho et al. 2019", "O(N*(W+N/W))",
@@ -281,7 +309,7 @@ _FORM = Param("form", str, "chunked", "causal form", choices=ops.kernelized.FORM
 register(AttentionSpec(
     "linear", ops.linear_attention, "kernelized", "Katharopoulos et al. 2020", "O(N*d^2)",
     (Param("feature_map", str, "elu", "phi", choices=("elu", "relu", "identity")), _CHUNK, _FORM),
-    causal=True, cross=True, exact=False,
+    causal=True, cross=True, exact=False, decoder="recurrent",
 ))
 register(AttentionSpec(
     "performer", ops.performer_attention, "kernelized", "Choromanski et al. 2021", "O(N*m*d)",
@@ -291,7 +319,7 @@ register(AttentionSpec(
         Param("kernel", str, "softmax", "softmax (FAVOR+) or relu", choices=("softmax", "relu")),
         _CHUNK, _FORM,
     ),
-    causal=True, cross=True, exact=False, init=_performer_projection,
+    causal=True, cross=True, exact=False, init=_performer_projection, drawn=("projection",), decoder="recurrent",
 ))
 register(AttentionSpec(
     "rfa", ops.rfa_attention, "kernelized", "Peng et al. 2021", "O(N*m*d)",
@@ -300,7 +328,7 @@ register(AttentionSpec(
         Param("sigma", float, 1.0, "Gaussian kernel width", init_only=True),
         _CHUNK, _FORM,
     ),
-    causal=True, cross=True, exact=False, init=_rfa_projection,
+    causal=True, cross=True, exact=False, init=_rfa_projection, drawn=("projection",), decoder="recurrent",
 ))
 register(AttentionSpec(
     "linformer", ops.linformer_attention, "low rank", "Wang et al. 2020", "O(N*k)",

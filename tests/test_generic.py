@@ -12,7 +12,7 @@ from conftest import assert_close, qkv
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jxformers import registry
+from jxformers import decoding, registry
 from jxformers.ops import softmax_attention
 
 # Small hyper-parameters that make every pattern non-trivial at the test lengths.
@@ -181,13 +181,22 @@ def test_bf16_close_to_float32(name, hp):
 
 
 @pytest.mark.parametrize("name,hp", cases(decode=True))
-def test_decoding_one_query_against_the_prefix_equals_the_parallel_row(name, hp):
+def test_decoding_token_by_token_equals_the_causal_forward(name, hp):
     n = 24
     q, k, v = qkv(3, n)
-    parallel = run(name, hp, q, k, v, causal=True)
-    for t in (0, 5, n - 1):
-        step = run(name, hp, q[t : t + 1], k[: t + 1], v[: t + 1], causal=True)
-        assert_close(step[0], parallel[t], atol=1e-5)
+    spec = registry.get(name)
+    arrays = spec.init_arrays(jax.random.key(5), heads=4, kv_heads=2, d_k=8, d_v=6, **hp)
+    parallel = spec(q, k, v, arrays=arrays, causal=True, **hp)
+    state = decoding.init_state(name, max_len=n, kv_heads=2, d_k=8, d_v=6, arrays=arrays, **hp)
+
+    @jax.jit
+    def step(q_t, k_t, v_t, state):
+        return decoding.decode_step(name, q_t, k_t, v_t, state, arrays=arrays, **hp)
+
+    for t in range(n):
+        out, state = step(q[t], k[t], v[t], state)
+        assert_close(out, parallel[t], atol=2e-5, rtol=2e-4)
+    assert int(state.length) == n
 
 
 @pytest.mark.parametrize("name", registry.names(cross=True))

@@ -12,7 +12,7 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     lowrank.py     linformer_attention, synthesizer_attention
     memory.py      nystrom_attention, induced_attention (ISAB / Luna), latent_attention
                    (Perceiver / PMA), funnel_pool and funnel_attention
-    fourier.py     dct, idct, fourier_downsample, nearest_upsample, fnet_mixing, fnet_attention
+    fourier.py     dct, idct, fourier_downsample(_padded), nearest_upsample, fnet_mixing, fnet_attention
 """
 
 from jxformers.ops.axial import axial_attention
@@ -22,6 +22,7 @@ from jxformers.ops.fourier import (
     fnet_attention,
     fnet_mixing,
     fourier_downsample,
+    fourier_downsample_padded,
     idct,
     nearest_upsample,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "fnet_attention",
     "fnet_mixing",
     "fourier_downsample",
+    "fourier_downsample_padded",
     "funnel_attention",
     "funnel_pool",
     "idct",

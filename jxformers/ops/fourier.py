@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype
 
@@ -97,6 +97,47 @@ def fourier_downsample(x: Float[Array, "..."], keep_ratio: float, axis: int = 0)
     m = kept_length(n, keep_ratio)
     y = jnp.take(dct(x, axis), jnp.arange(m), axis=axis)
     return (idct(y, axis) * math.sqrt(m / n)).astype(x.dtype)
+
+
+def _dct_matrix(rows: int, cols: int, length: Array) -> Array:
+    """Orthonormal DCT-II basis [k, n] of a signal of (traced) `length` <= cols, rows k,
+    zero for n >= length; its transpose is the inverse at that length."""
+    k = jnp.arange(rows, dtype=jnp.float32)[:, None]
+    n = jnp.arange(cols, dtype=jnp.float32)[None, :]
+    size = jnp.maximum(length, 1).astype(jnp.float32)
+    basis = jnp.cos(math.pi * (2 * n + 1) * k / (2 * size)) * jnp.sqrt(2.0 / size)
+    basis = jnp.where(k == 0, basis / math.sqrt(2.0), basis)
+    return jnp.where(n < length, basis, 0.0)
+
+
+def fourier_downsample_padded(
+    x: Float[Array, "n *rest"], length: Int[Array, ""] | int, keep_ratio: float
+) -> tuple[Float[Array, "m *rest"], Bool[Array, " m"]]:
+    """`fourier_downsample` of the real prefix `x[:length]` of a padded sequence.
+
+    The prefix of length L is filtered to M_L = ceil(keep_ratio * L) samples, written to the
+    front of an output of static length M = ceil(keep_ratio * n) with the mask
+    `arange(M) < M_L`; positions past `length` never enter. `length` may be traced (one
+    per example under vmap), so the transform is two dense DCT matrices, O(M * n) per
+    feature instead of the FFT's O(n log n): a padded batch costs what an attention head's
+    logits cost.
+
+    Returns:
+        `(y [M, ...], mask [M])`; `y[:M_L]` equals `fourier_downsample(x[:L], keep_ratio)`.
+    """
+    n = x.shape[0]
+    m = kept_length(n, keep_ratio)
+    length = jnp.clip(jnp.asarray(length, jnp.int32), 0, n)
+    kept = jnp.clip(jnp.ceil(keep_ratio * length.astype(jnp.float32) - 1e-6).astype(jnp.int32), min(1, n), m)
+    kept = jnp.where(length > 0, kept, 0)
+    forward = _dct_matrix(m, n, length)  # [M, n]
+    forward = jnp.where(jnp.arange(m)[:, None] < kept, forward, 0.0)
+    inverse = _dct_matrix(m, m, kept).T  # [M (position), M (coefficient)]
+    flat = x.reshape(n, -1).astype(jnp.float32)
+    y = inverse @ (forward @ flat) * jnp.sqrt(kept / jnp.maximum(length, 1).astype(jnp.float32))
+    mask = jnp.arange(m) < kept
+    y = jnp.where(mask[:, None], y, 0.0)
+    return y.reshape(m, *x.shape[1:]).astype(x.dtype), mask
 
 
 def nearest_upsample(x: Float[Array, "..."], length: int, axis: int = 0) -> Float[Array, "..."]:

@@ -43,7 +43,7 @@ _TINY = 1e-30  # below this a denominator is treated as empty (all keys masked)
 # ----------------------------------------------------------------------------- core
 
 
-def _divide(num: Array, den: Array) -> Array:
+def guarded_divide(num: Array, den: Array) -> Array:
     """num / den with empty rows (den == 0: every key masked) giving zeros, not NaN."""
     ok = jnp.abs(den) > _TINY
     return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
@@ -55,7 +55,7 @@ def _noncausal(fq, fk, v):
     norm = jnp.sum(fk, axis=0, dtype=jnp.float32)
     num = jnp.einsum("qhgm,hmd->qhgd", fq, state)
     den = jnp.einsum("qhgm,hm->qhg", fq, norm)
-    return _divide(num, den)
+    return guarded_divide(num, den)
 
 
 def _quadratic(fq, fk, v, decay):
@@ -65,7 +65,7 @@ def _quadratic(fq, fk, v, decay):
     if decay is not None:
         a = a * _decay_matrix(decay)[:, None]
     num = jnp.einsum("hgqk,khd->qhgd", a, v.astype(jnp.float32))
-    return _divide(num, jnp.moveaxis(a.sum(-1), -1, 0))
+    return guarded_divide(num, jnp.moveaxis(a.sum(-1), -1, 0))
 
 
 def _scan(fq, fk, v, decay):
@@ -78,7 +78,7 @@ def _scan(fq, fk, v, decay):
             state, norm = state * g_t[:, None, None], norm * g_t[:, None]
         state = state + einsum_f32("hm,hd->hmd", k_t, v_t)
         norm = norm + k_t.astype(jnp.float32)
-        out = _divide(jnp.einsum("hgm,hmd->hgd", q_t, state), jnp.einsum("hgm,hm->hg", q_t, norm))
+        out = guarded_divide(jnp.einsum("hgm,hmd->hgd", q_t, state), jnp.einsum("hgm,hm->hg", q_t, norm))
         return (state, norm), out
 
     init = (jnp.zeros((h, m, dv), jnp.float32), jnp.zeros((h, m), jnp.float32))
@@ -130,7 +130,7 @@ def _chunked(fq, fk, v, decay, chunk, key_log_scale):
             k_f = k_f * tail[:, :, None]
         state = state + jnp.einsum("khm,khd->hmd", k_f, v_c.astype(jnp.float32))
         norm = norm + k_f.sum(0)
-        return (state, norm, scale), _divide(num, den)
+        return (state, norm, scale), guarded_divide(num, den)
 
     init = (jnp.zeros((h, m, dv), jnp.float32), jnp.zeros((h, m), jnp.float32), scales[0])
     _, out = jax.lax.scan(step, init, (qc, kc, vc, gates, scales))
@@ -294,7 +294,7 @@ def performer_features(
         return jax.nn.relu(_projected(x, projection)[0]) / math.sqrt(m) + 1e-3
     if kernel != "softmax":
         raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
-    return jnp.exp(_log_features(x, projection) - shift) / math.sqrt(m)
+    return jnp.exp(performer_log_features(x, projection) - shift) / math.sqrt(m)
 
 
 def _projected(x, projection):
@@ -303,8 +303,9 @@ def _projected(x, projection):
     return jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32)), xs
 
 
-def _log_features(x, projection):
-    """log of the unnormalised FAVOR+ features: W x' - |x'|^2 / 2."""
+def performer_log_features(x: Float[Array, "n heads d_k"], projection: Float[Array, "m _d_k"]) -> Float[Array, "n heads m"]:
+    """log of the unnormalised FAVOR+ softmax features, W x' - |x'|^2 / 2 with
+    x' = x d^(-1/4), in float32: `performer_features` is exp(this - shift) / sqrt(m)."""
     wx, xs = _projected(x, projection)
     return wx - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True)
 
@@ -354,7 +355,7 @@ def performer_attention(
     if kernel != "softmax":
         raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
     m = projection.shape[0]
-    lq, lk = _log_features(q, projection), _log_features(k, projection)
+    lq, lk = performer_log_features(q, projection), performer_log_features(k, projection)
     lq = lq - jax.lax.stop_gradient(jnp.max(lq, axis=-1, keepdims=True))
     real = jnp.ones((k.shape[0],), bool) if kv_mask is None else kv_mask
     key_max = jnp.max(jnp.where(real[:, None, None], lk, -jnp.inf), axis=(1, 2))  # per position

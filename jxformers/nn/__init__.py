@@ -1,0 +1,38 @@
+"""Equinox modules: layers (linear, norms, FFNs), positions, the attention module around
+any registered attention, the transformer block, models, and `ModelConfig`/`build_model`.
+
+    attention.py  Attention (projections + a registered core; redraw, decoding)
+    layers.py     Linear, LayerNorm, RMSNorm, FeedForward
+    positions.py  sinusoidal, learned, rotary, ALiBi, T5 relative buckets
+    blocks.py     Block (pre/post-norm residual branches)
+    models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
+    config.py     ModelConfig, build_model
+"""
+
+from jxformers.nn.attention import Attention
+from jxformers.nn.blocks import Block
+from jxformers.nn.config import ModelConfig, build_model
+from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm
+from jxformers.nn.models import (
+    Classifier,
+    ConditionedDecoder,
+    DualClassifier,
+    Embedding,
+    Encoder,
+    EncoderDecoder,
+    LanguageModel,
+)
+from jxformers.nn.positions import (
+    Positions,
+    alibi_slopes,
+    rotary,
+    sinusoidal,
+    t5_buckets,
+)
+from jxformers.nn.trainable import trainable
+
+__all__ = [
+    "Attention", "Block", "Classifier", "ConditionedDecoder", "DualClassifier", "Embedding", "Encoder",
+    "EncoderDecoder", "FeedForward", "LanguageModel", "LayerNorm", "Linear", "ModelConfig", "Positions", "RMSNorm",
+    "alibi_slopes", "build_model", "rotary", "sinusoidal", "t5_buckets", "trainable",
+]

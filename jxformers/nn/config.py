@@ -1,0 +1,304 @@
+"""`ModelConfig` and `build_model`: a model from a name and hyper-parameters.
+
+    >>> config = ModelConfig(task="lm", vocab_size=256, attention="performer",
+    ...                      attention_kwargs={"num_features": 64})
+    >>> model = build_model(config, key=jax.random.key(0))
+    >>> logits = model(tokens)              # [seq, 256]
+
+A config can also be a plain dict or YAML (text or a path). Everything is checked before
+any array is made: unknown keys, ill-typed or out-of-range values, an unknown attention
+or hyper-parameter, and an attention that cannot do what the task needs (a non-causal
+attention in a language model, a bias position scheme with an attention that takes no
+bias) are ValueErrors that list the options.
+"""
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import yaml
+
+from jxformers import registry
+from jxformers.nn.attention import Attention
+from jxformers.nn.blocks import NORM_PLACEMENTS, Block
+from jxformers.nn.layers import FFN_KINDS, NORM_KINDS, FeedForward, make_norm
+from jxformers.nn.models import (
+    DOWNSAMPLE_KINDS,
+    POOLING_KINDS,
+    Classifier,
+    DualClassifier,
+    Embedding,
+    Encoder,
+    EncoderDecoder,
+    LanguageModel,
+)
+from jxformers.nn.positions import BIAS_KINDS, POSITION_KINDS, Positions
+
+TASKS = ("classify", "retrieval", "lm", "seq2seq")
+DTYPES = ("float32", "bfloat16", "float16")
+OVERRIDABLE = ("attention", "attention_kwargs", "ffn", "d_ff")
+_CHOICES = {
+    "task": TASKS, "ffn": FFN_KINDS, "position": POSITION_KINDS, "norm": NORM_KINDS,
+    "norm_placement": NORM_PLACEMENTS, "pooling": POOLING_KINDS, "dtype": DTYPES, "downsample": DOWNSAMPLE_KINDS,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything that defines a model.
+
+    Fields:
+        task: "classify" (tokens -> class logits), "retrieval" (two token sequences ->
+            class logits, dual tower), "lm" (causal language model) or "seq2seq".
+        vocab_size, num_classes: token ids in [0, vocab_size); classes for classify/retrieval.
+        num_layers: encoder (or decoder-only) blocks; decoder_layers: seq2seq decoder
+            blocks (default num_layers).
+        d_model, num_heads, kv_heads (grouped-query; default num_heads), d_ff (default 4 d_model).
+        max_len: longest sequence (including the CLS token).
+        attention, attention_kwargs: registry name and hyper-parameters of self-attention.
+        cross_attention, cross_attention_kwargs: of seq2seq cross-attention.
+        ffn: relu, gelu, geglu, swiglu. position: sinusoidal, learned, rope, alibi, t5, none.
+        norm: layernorm or rmsnorm; norm_placement: pre or post.
+        dropout: on residual branches and FFN hidden units.
+        pooling: cls or mean (classify, retrieval). dtype: compute dtype (parameters stay float32).
+        tie_embeddings: output projection shares the embedding table (lm, seq2seq).
+        filters: encoder block index -> keep ratio of the downsampling after that block
+            (the Fourier Transformer); downsample: "fourier" or "funnel".
+        layer_overrides: block index -> any of attention, attention_kwargs, ffn, d_ff.
+    """
+
+    task: str = "classify"
+    vocab_size: int = 256
+    num_classes: int = 2
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 4
+    kv_heads: int | None = None
+    d_ff: int | None = None
+    max_len: int = 512
+    attention: str = "softmax"
+    attention_kwargs: dict = dataclasses.field(default_factory=dict)
+    cross_attention: str = "softmax"
+    cross_attention_kwargs: dict = dataclasses.field(default_factory=dict)
+    ffn: str = "gelu"
+    position: str = "sinusoidal"
+    norm: str = "layernorm"
+    norm_placement: str = "pre"
+    dropout: float = 0.0
+    pooling: str = "cls"
+    dtype: str = "float32"
+    tie_embeddings: bool = True
+    decoder_layers: int | None = None
+    filters: dict = dataclasses.field(default_factory=dict)
+    downsample: str = "fourier"
+    layer_overrides: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+            if f.name in _CHOICES and getattr(self, f.name) not in _CHOICES[f.name]:
+                raise ValueError(f"config {f.name} must be one of {list(_CHOICES[f.name])}; got {getattr(self, f.name)!r}")
+        object.__setattr__(self, "filters", _int_keys("filters", self.filters))
+        object.__setattr__(self, "layer_overrides", _int_keys("layer_overrides", self.layer_overrides))
+        self._check()
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; known: {known}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, source: str | os.PathLike) -> "ModelConfig":
+        """From YAML text, or the path of a YAML file."""
+        text = str(source)
+        if isinstance(source, os.PathLike) or (text.endswith((".yaml", ".yml")) and "\n" not in text):
+            with open(source) as f:
+                text = f.read()
+        values = yaml.safe_load(text)
+        if not isinstance(values, Mapping):
+            raise ValueError(f"a YAML model config must be a mapping; got {type(values).__name__}")
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ checks
+
+    def _positive(self, name, value, minimum=1):
+        if value is not None and value < minimum:
+            raise ValueError(f"config {name} must be >= {minimum}; got {value}")
+
+    def layer(self, index: int) -> dict[str, Any]:
+        """Attention name, its validated hyper-parameters, ffn and d_ff of block `index`."""
+        values = {
+            "attention": self.attention, "attention_kwargs": self.attention_kwargs, "ffn": self.ffn,
+            "d_ff": self.d_ff or 4 * self.d_model,
+        } | dict(self.layer_overrides.get(index, {}))
+        return values | {"attention_kwargs": _attention_kwargs(values["attention"], values["attention_kwargs"], self.max_len)}
+
+    def _check(self):
+        for name in ("vocab_size", "num_classes", "num_layers", "d_model", "num_heads", "kv_heads", "d_ff", "max_len",
+                     "decoder_layers"):
+            self._positive(name, getattr(self, name))
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"config dropout must be in [0, 1); got {self.dropout}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % (self.kv_heads or self.num_heads):
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.position == "rope" and (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"position 'rope' needs an even head size; d_model / num_heads = {self.d_model // self.num_heads}")
+        for index, override in self.layer_overrides.items():
+            if not 0 <= index < max(self.num_layers, self.decoder_layers or 0):
+                raise ValueError(f"layer_overrides: block {index} does not exist (num_layers = {self.num_layers})")
+            if not isinstance(override, Mapping) or set(override) - set(OVERRIDABLE):
+                raise ValueError(f"layer_overrides[{index}] may set only {list(OVERRIDABLE)}; got {override!r}")
+            if override.get("ffn", self.ffn) not in FFN_KINDS:
+                raise ValueError(f"layer_overrides[{index}].ffn must be one of {list(FFN_KINDS)}")
+        causal = self.task in ("lm", "seq2seq")
+        layers = self.decoder_layers or self.num_layers if self.task == "seq2seq" else self.num_layers
+        for i in range(max(layers, self.num_layers)):
+            layer = self.layer(i)
+            spec = registry.get(layer["attention"])
+            if causal and not spec.causal:
+                raise ValueError(
+                    f"task {self.task!r} needs causal attention; {spec.name!r} is not causal. "
+                    f"Causal attentions: {registry.names(causal=True)}"
+                )
+            if self.position in BIAS_KINDS and not spec.bias:
+                raise ValueError(
+                    f"position {self.position!r} adds a logit bias, which {spec.name!r} attention does not take; "
+                    f"use rope, sinusoidal, learned or none, or one of {registry.names(bias=True)}"
+                )
+        if self.task == "seq2seq":
+            spec = registry.get(self.cross_attention)
+            if not spec.cross:
+                raise ValueError(f"cross_attention {spec.name!r} cannot cross-attend; ones that can: {registry.names(cross=True)}")
+            _attention_kwargs(self.cross_attention, self.cross_attention_kwargs, self.max_len)
+        if self.filters and self.task == "lm":
+            raise ValueError("filters (downsampling) apply to encoders: tasks classify, retrieval, seq2seq")
+        for index, ratio in self.filters.items():
+            if not 0 <= index < self.num_layers or not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+                raise ValueError(
+                    f"filters maps an encoder block index in [0, {self.num_layers}) to a keep ratio in (0, 1]; "
+                    f"got {index}: {ratio!r}"
+                )
+
+
+def _check_type(name, value, expected):
+    options = typing.get_args(expected) if isinstance(expected, types.UnionType) else (expected,)
+    for option in options:
+        if option is type(None) and value is None:
+            return
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if option in (int, str, bool, dict) and isinstance(value, option) and not (option is int and isinstance(value, bool)):
+            return
+    allowed = " or ".join("None" if o is type(None) else o.__name__ for o in options)
+    raise ValueError(f"config {name} must be {allowed}; got {value!r}")
+
+
+def _int_keys(name, mapping):
+    out = {}
+    for key, value in mapping.items():
+        try:
+            out[int(key)] = value
+        except (TypeError, ValueError):
+            raise ValueError(f"config {name} keys must be block indices (ints); got {key!r}") from None
+    return out
+
+
+def _attention_kwargs(name: str, kwargs: Mapping[str, Any], max_len: int) -> dict[str, Any]:
+    """Validated hyper-parameters; position-indexed weights (Linformer, Synthesizer)
+    default to covering the model's max_len."""
+    spec = registry.get(name)
+    kwargs = dict(kwargs)
+    if "max_len" in spec.defaults() and "max_len" not in kwargs:
+        kwargs["max_len"] = max_len
+    hp = spec.validate(kwargs)
+    if hp.get("max_len", max_len) < max_len:
+        raise ValueError(f"{name}: attention_kwargs max_len ({hp['max_len']}) must cover the model's max_len ({max_len})")
+    return hp
+
+
+def _as_config(config) -> ModelConfig:
+    if isinstance(config, ModelConfig):
+        return config
+    if isinstance(config, Mapping):
+        return ModelConfig.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return ModelConfig.from_yaml(config)
+    raise ValueError(f"config must be a ModelConfig, a dict or YAML; got {type(config).__name__}")
+
+
+def _blocks(config: ModelConfig, count: int, *, causal: bool, cross: bool, key) -> list[Block]:
+    blocks = []
+    for i, k in enumerate(jax.random.split(key, count)):
+        layer = config.layer(i)
+        ka, kc, kf = jax.random.split(k, 3)
+        common = dict(kv_heads=config.kv_heads, dropout=config.dropout)
+        attention = Attention(
+            layer["attention"], config.d_model, config.num_heads, causal=causal, rope=config.position == "rope",
+            attention_kwargs=layer["attention_kwargs"], key=ka, **common,
+        )
+        cross_attention = None
+        if cross:
+            cross_attention = Attention(
+                config.cross_attention, config.d_model, config.num_heads, cross=True,
+                attention_kwargs=_attention_kwargs(config.cross_attention, config.cross_attention_kwargs, config.max_len),
+                key=kc, **common,
+            )
+        ffn = FeedForward(config.d_model, layer["d_ff"], layer["ffn"], dropout=config.dropout, key=kf)
+        blocks.append(Block(
+            attention, ffn, d_model=config.d_model, norm=config.norm, pre_norm=config.norm_placement == "pre",
+            cross_attention=cross_attention, dropout=config.dropout,
+        ))
+    return blocks
+
+
+def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array):
+    """The model a config describes: `Classifier` (classify), `DualClassifier`
+    (retrieval), `LanguageModel` (lm) or `EncoderDecoder` (seq2seq).
+
+    Arguments:
+        config: a `ModelConfig`, a dict of its fields, or YAML (text or a file path).
+        key: PRNG key for every parameter and drawn array.
+    """
+    config = _as_config(config)
+    keys = jax.random.split(key, 8)
+
+    def embedding(k, causal):
+        positions = Positions(
+            config.position, dim=config.d_model, heads=config.num_heads, max_len=config.max_len, causal=causal, key=k
+        )
+        kt, _ = jax.random.split(k)
+        return Embedding(config.vocab_size, config.d_model, positions, dtype=config.dtype, key=kt)
+
+    def encoder(use_cls):
+        return Encoder(
+            embedding(keys[0], False), _blocks(config, config.num_layers, causal=False, cross=False, key=keys[1]),
+            make_norm(config.norm, config.d_model), max_len=config.max_len, use_cls=use_cls, filters=config.filters,
+            downsample=config.downsample, key=keys[2],
+        )
+
+    def decoder(layers, cross):
+        return LanguageModel(
+            embedding(keys[3], True), _blocks(config, layers, causal=True, cross=cross, key=keys[4]),
+            make_norm(config.norm, config.d_model), max_len=config.max_len, tie=config.tie_embeddings, key=keys[5],
+        )
+
+    if config.task == "lm":
+        return decoder(config.num_layers, cross=False)
+    if config.task == "seq2seq":
+        return EncoderDecoder(encoder(False), decoder(config.decoder_layers or config.num_layers, cross=True))
+    tower = Classifier(encoder(config.pooling == "cls"), config.num_classes, pooling=config.pooling, key=keys[6])
+    if config.task == "classify":
+        return tower
+    return DualClassifier(tower, config.num_classes, key=keys[7])

@@ -1,0 +1,105 @@
+"""Small layers: a linear map that computes in a chosen dtype, LayerNorm and RMSNorm
+that always normalise in float32, and the position-wise feed-forward network with
+ReLU, GELU and gated (GEGLU, SwiGLU) variants (seed 004 section 5.3)."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+FFN_KINDS = ("relu", "gelu", "geglu", "swiglu")
+NORM_KINDS = ("layernorm", "rmsnorm")
+
+
+class Linear(eqx.Module):
+    """y = x W^T + b with parameters kept in float32 and the product computed in the
+    dtype of `x` (mixed precision: cast the activations, not the master weights)."""
+
+    weight: Float[Array, "out_features in_features"]
+    bias: Float[Array, " out_features"] | None
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, key: PRNGKeyArray):
+        bound = 1.0 / math.sqrt(in_features)
+        wkey, bkey = jax.random.split(key)
+        self.weight = jax.random.uniform(wkey, (out_features, in_features), minval=-bound, maxval=bound)
+        self.bias = jax.random.uniform(bkey, (out_features,), minval=-bound, maxval=bound) if use_bias else None
+
+    def __call__(self, x: Float[Array, "*batch in_features"]) -> Float[Array, "*batch out_features"]:
+        y = x @ self.weight.T.astype(x.dtype)
+        return y if self.bias is None else y + self.bias.astype(x.dtype)
+
+
+class LayerNorm(eqx.Module):
+    """LayerNorm over the last axis, computed in float32, returned in the input dtype."""
+
+    weight: Float[Array, " dim"]
+    bias: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        self.weight, self.bias, self.eps = jnp.ones((dim,)), jnp.zeros((dim,)), eps
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        xf = x.astype(jnp.float32)
+        mean = xf.mean(-1, keepdims=True)
+        var = jnp.square(xf - mean).mean(-1, keepdims=True)
+        return ((xf - mean) * jax.lax.rsqrt(var + self.eps) * self.weight + self.bias).astype(x.dtype)
+
+
+class RMSNorm(eqx.Module):
+    """RMSNorm (Zhang & Sennrich, 2019): x / rms(x) * g, in float32."""
+
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        self.weight, self.eps = jnp.ones((dim,)), eps
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        xf = x.astype(jnp.float32)
+        return (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + self.eps) * self.weight).astype(x.dtype)
+
+
+def make_norm(kind: str, dim: int) -> LayerNorm | RMSNorm:
+    if kind not in NORM_KINDS:
+        raise ValueError(f"norm must be one of {NORM_KINDS}; got {kind!r}")
+    return LayerNorm(dim) if kind == "layernorm" else RMSNorm(dim)
+
+
+class FeedForward(eqx.Module):
+    """Position-wise FFN: W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated kinds
+    (GEGLU: GELU gate, SwiGLU: SiLU gate; Shazeer, 2020)."""
+
+    kind: str = eqx.field(static=True)
+    w_in: Linear
+    w_gate: Linear | None
+    w_out: Linear
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", *, dropout: float = 0.0, key: PRNGKeyArray):
+        if kind not in FFN_KINDS:
+            raise ValueError(f"ffn must be one of {FFN_KINDS}; got {kind!r}")
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.kind = kind
+        self.w_in = Linear(d_model, d_ff, key=k1)
+        self.w_gate = Linear(d_model, d_ff, key=k3) if kind in ("geglu", "swiglu") else None
+        self.w_out = Linear(d_ff, d_model, key=k2)
+        self.dropout = eqx.nn.Dropout(dropout)
+
+    def __call__(
+        self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False
+    ) -> Float[Array, "seq d_model"]:
+        h = self.w_in(x)
+        if self.kind == "relu":
+            h = jax.nn.relu(h)
+        elif self.kind == "gelu":
+            h = jax.nn.gelu(h)
+        else:
+            assert self.w_gate is not None
+            act = jax.nn.gelu if self.kind == "geglu" else jax.nn.silu
+            h = act(h) * self.w_gate(x)
+        return self.w_out(self.dropout(h, key=key, inference=inference))

@@ -1,0 +1,350 @@
+"""Models, one example at a time (batch with `jax.vmap`): an `Encoder` with a
+classification head (`Classifier`) or a dual-tower retrieval head (`DualClassifier`), a
+decoder-only `LanguageModel` with incremental decoding, and `EncoderDecoder`.
+
+The encoder can shorten its sequence between blocks: the Fourier Transformer's spectral
+filter (seed 001 section 4; `fourier_downsample` of the tokens with the CLS token kept out
+of the DCT), or Funnel's strided mean pooling as its comparison. For encoder-decoder use,
+every block's output is upsampled back to the input length (nearest neighbour), summed
+and renormalised, as the paper does.
+
+Parameters are float32; activations run in the model's `dtype` (e.g. bfloat16); norms,
+softmax and attention normalisers work in float32; logits come back in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from jxformers.nn.blocks import Block
+from jxformers.nn.layers import LayerNorm, Linear, RMSNorm
+from jxformers.nn.positions import BIAS_KINDS, Positions
+from jxformers.ops import fourier_downsample_padded, funnel_pool
+
+DOWNSAMPLE_KINDS = ("fourier", "funnel")
+POOLING_KINDS = ("cls", "mean")
+
+
+def _split(key, n):
+    return [None] * n if key is None else list(jax.random.split(key, n))
+
+
+def _check_length(n: int, max_len: int, what: str = "sequence"):
+    if n > max_len:
+        raise ValueError(f"{what} length {n} exceeds the model's max_len {max_len}")
+
+
+def _check_mask(mask, n):
+    if mask is not None and mask.shape != (n,):
+        raise ValueError(f"mask must have shape ({n},) like the tokens; got {mask.shape}")
+
+
+class Embedding(eqx.Module):
+    """Token embedding scaled by sqrt(d_model) plus absolute positions (if any), cast to
+    the compute dtype; its table doubles as the tied output projection."""
+
+    table: Float[Array, "vocab d_model"]
+    positions: Positions
+    dtype: str = eqx.field(static=True)
+
+    def __init__(self, vocab_size: int, d_model: int, positions: Positions, *, dtype: str, key: PRNGKeyArray):
+        self.table = jax.random.normal(key, (vocab_size, d_model)) / math.sqrt(d_model)
+        self.positions, self.dtype = positions, dtype
+
+    def __call__(self, tokens: Int[Array, " n"], positions: Int[Array, " n"]) -> Float[Array, "n d_model"]:
+        x = self.table[tokens] * math.sqrt(self.table.shape[1])
+        extra = self.positions.embed(positions)
+        x = x if extra is None else x + extra
+        return x.astype(self.dtype)
+
+    def logits(self, x: Float[Array, "*n d_model"]) -> Float[Array, "*n vocab"]:
+        return (x @ self.table.T.astype(x.dtype)).astype(jnp.float32)
+
+
+def _bias(positions: Positions, n: int):
+    if positions.kind not in BIAS_KINDS:
+        return None
+    pos = jnp.arange(n)
+    return positions.bias(pos, pos)
+
+
+def _bias_fn(positions: Positions):
+    return positions.bias if positions.kind in BIAS_KINDS else None
+
+
+class Encoder(eqx.Module):
+    """Embedding, blocks (non-causal), optional downsampling between blocks, final norm.
+
+    `filters` maps a block index i to a keep ratio r: after block i the sequence is
+    shortened to ceil(r * n) by the spectral filter ("fourier") or pooled with stride
+    round(1 / r) ("funnel").
+    """
+
+    embedding: Embedding
+    cls: Float[Array, " d_model"] | None
+    blocks: tuple[Block, ...]
+    norm: LayerNorm | RMSNorm
+    filters: tuple[tuple[int, float], ...] = eqx.field(static=True)
+    downsample: str = eqx.field(static=True)
+    max_len: int = eqx.field(static=True)
+
+    def __init__(
+        self, embedding: Embedding, blocks: list[Block], norm: LayerNorm | RMSNorm, *, max_len: int, use_cls: bool,
+        filters: dict[int, float] | None = None, downsample: str = "fourier", key: PRNGKeyArray,
+    ):
+        if downsample not in DOWNSAMPLE_KINDS:
+            raise ValueError(f"downsample must be one of {DOWNSAMPLE_KINDS}; got {downsample!r}")
+        filters = dict(filters or {})
+        for layer, ratio in filters.items():
+            if not (isinstance(layer, int) and 0 <= layer < len(blocks)):
+                raise ValueError(f"filter layer must be a block index in [0, {len(blocks)}); got {layer!r}")
+            if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+                raise ValueError(f"filter keep ratio must be in (0, 1]; got {ratio!r} at layer {layer}")
+            if downsample == "funnel" and abs(1 / ratio - round(1 / ratio)) > 1e-6:
+                raise ValueError(f"funnel pooling needs keep ratios 1/stride (1/2, 1/3...); got {ratio} at layer {layer}")
+        self.embedding, self.blocks, self.norm = embedding, tuple(blocks), norm
+        self.cls = 0.02 * jax.random.normal(key, (norm.weight.shape[0],)) if use_cls else None
+        self.filters, self.downsample, self.max_len = tuple(sorted(filters.items())), downsample, max_len
+
+    def _shorten(self, x, mask, ratio):
+        """Filter the non-CLS tokens; returns the shorter x and mask."""
+        start = 0 if self.cls is None else 1
+        head, body, body_mask = x[:start], x[start:], mask[start:]
+        if self.downsample == "fourier":
+            body, body_mask = fourier_downsample_padded(body, body_mask.sum(), ratio)
+        else:
+            body, body_mask = funnel_pool(body, round(1 / ratio), body_mask)
+        return jnp.concatenate([head, body]), jnp.concatenate([mask[:start], body_mask])
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
+        key: PRNGKeyArray | None = None, inference: bool = False, upsample_sum: bool = False,
+    ) -> tuple[Float[Array, "out d_model"], Bool[Array, " out"]]:
+        """Arguments:
+            tokens: `[seq]` ids; mask: `[seq]` True for real tokens (padding at the end
+                when downsampling, which keeps the real prefix).
+            upsample_sum: return the sum of every block's output upsampled to the input
+                length (the Fourier Transformer's encoder-decoder output).
+
+        Returns:
+            `(hidden [out, d_model], mask [out])`; `out` = seq (+1 for the CLS token) unless
+            filters shorten it.
+        """
+        n = tokens.shape[0]
+        _check_mask(mask, n)
+        start = 0 if self.cls is None else 1
+        _check_length(n + start, self.max_len)
+        mask = jnp.ones((n,), bool) if mask is None else mask
+        x = self.embedding(tokens, jnp.arange(start, n + start))
+        if self.cls is not None:
+            x = jnp.concatenate([self.cls.astype(x.dtype)[None], x])
+            mask = jnp.concatenate([jnp.ones((1,), bool), mask])
+        input_mask, filters, outputs = mask, dict(self.filters), []
+        keys = _split(key, len(self.blocks))
+        for i, block in enumerate(self.blocks):
+            x = block(x, kv_mask=mask, bias=_bias(self.embedding.positions, x.shape[0]), key=keys[i], inference=inference)
+            if i in filters:
+                x, mask = self._shorten(x, mask, filters[i])
+            if upsample_sum:
+                outputs.append(_upsample(x, mask, input_mask))
+        if upsample_sum:
+            return self.norm(sum(outputs[1:], outputs[0])), input_mask
+        return self.norm(x), mask
+
+
+def _upsample(x, mask, target_mask):
+    """Nearest-neighbour upsampling of the real prefix of x (mask.sum() rows) onto the
+    real prefix of the target (target_mask.sum() rows): row j takes floor(j * m / L)."""
+    m, length = mask.sum(), jnp.maximum(target_mask.sum(), 1)
+    idx = jnp.minimum((jnp.arange(target_mask.shape[0]) * m) // length, jnp.maximum(m - 1, 0))
+    return jnp.where(target_mask[:, None], x[idx], 0)
+
+
+class Classifier(eqx.Module):
+    """Sequence classification: encoder, CLS or masked-mean pooling, linear head."""
+
+    encoder: Encoder
+    head: Linear
+    pooling: str = eqx.field(static=True)
+
+    def __init__(self, encoder: Encoder, num_classes: int, *, pooling: str, key: PRNGKeyArray):
+        if pooling not in POOLING_KINDS:
+            raise ValueError(f"pooling must be one of {POOLING_KINDS}; got {pooling!r}")
+        if (pooling == "cls") != (encoder.cls is not None):
+            raise ValueError("pooling='cls' needs an encoder with a CLS token (and mean pooling one without)")
+        self.encoder, self.pooling = encoder, pooling
+        self.head = Linear(encoder.norm.weight.shape[0], num_classes, key=key)
+
+    def pool(self, tokens, mask=None, *, key=None, inference=False) -> Float[Array, " d_model"]:
+        h, m = self.encoder(tokens, mask, key=key, inference=inference)
+        if self.pooling == "cls":
+            return h[0]
+        w = m.astype(jnp.float32)[:, None]
+        return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype)
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
+        key: PRNGKeyArray | None = None, inference: bool = False,
+    ) -> Float[Array, " num_classes"]:
+        """`tokens [seq]` (and a padding mask) -> class logits `[num_classes]` (float32)."""
+        return self.head(self.pool(tokens, mask, key=key, inference=inference)).astype(jnp.float32)
+
+
+class DualClassifier(eqx.Module):
+    """Two-tower matching (LRA Retrieval): one shared encoder pools each input to x1, x2;
+    an MLP classifies [x1, x2, x1 * x2, x1 - x2]."""
+
+    tower: Classifier
+    hidden: Linear
+    out: Linear
+
+    def __init__(self, tower: Classifier, num_classes: int, *, key: PRNGKeyArray):
+        d = tower.encoder.norm.weight.shape[0]
+        k1, k2 = jax.random.split(key)
+        self.tower, self.hidden, self.out = tower, Linear(4 * d, d, key=k1), Linear(d, num_classes, key=k2)
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], other: Int[Array, " seq2"], mask: Bool[Array, " seq"] | None = None,
+        other_mask: Bool[Array, " seq2"] | None = None, *, key: PRNGKeyArray | None = None, inference: bool = False,
+    ) -> Float[Array, " num_classes"]:
+        k1, k2 = _split(key, 2)
+        x1 = self.tower.pool(tokens, mask, key=k1, inference=inference)
+        x2 = self.tower.pool(other, other_mask, key=k2, inference=inference)
+        h = jax.nn.gelu(self.hidden(jnp.concatenate([x1, x2, x1 * x2, x1 - x2])))
+        return self.out(h).astype(jnp.float32)
+
+
+class LanguageModel(eqx.Module):
+    """Decoder-only causal language model (or, with cross-attention blocks, the decoder
+    of an encoder-decoder model).
+
+    `model(tokens)` gives next-token logits `[seq, vocab]` in parallel;
+    `init_decode_state(max_len)` and `decode_step(token, state)` run it one token at a
+    time with a fixed-shape state per layer (see `jxformers.decoding`).
+    """
+
+    embedding: Embedding
+    blocks: tuple[Block, ...]
+    norm: LayerNorm | RMSNorm
+    unembed: Linear | None  # None: tied to the embedding table
+    max_len: int = eqx.field(static=True)
+
+    def __init__(self, embedding: Embedding, blocks: list[Block], norm, *, max_len: int, tie: bool, key: PRNGKeyArray):
+        self.embedding, self.blocks, self.norm, self.max_len = embedding, tuple(blocks), norm, max_len
+        vocab, d = embedding.table.shape
+        self.unembed = None if tie else Linear(d, vocab, use_bias=False, key=key)
+
+    def _logits(self, x):
+        x = self.norm(x)
+        return self.embedding.logits(x) if self.unembed is None else self.unembed(x).astype(jnp.float32)
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
+        context: Float[Array, "ctx d_model"] | None = None, context_mask: Bool[Array, " ctx"] | None = None,
+        key: PRNGKeyArray | None = None, inference: bool = False,
+    ) -> Float[Array, "seq vocab"]:
+        """Arguments:
+            tokens: `[seq]` ids; mask: `[seq]` True for real tokens.
+            context, context_mask: encoder output for cross-attention blocks.
+
+        Returns:
+            `[seq, vocab]` float32 logits; row i predicts token i + 1.
+        """
+        n = tokens.shape[0]
+        _check_mask(mask, n)
+        _check_length(n, self.max_len)
+        positions = jnp.arange(n)
+        x = self.embedding(tokens, positions)
+        bias = _bias(self.embedding.positions, n)
+        for block, k in zip(self.blocks, _split(key, len(self.blocks))):
+            x = block(x, kv_mask=mask, bias=bias, positions=positions, context=context, context_mask=context_mask,
+                      key=k, inference=inference)
+        return self._logits(x)
+
+    def init_decode_state(self, max_len: int) -> dict[str, Any]:
+        """Empty per-layer decoding states for up to `max_len` tokens (fixed shapes)."""
+        _check_length(max_len, self.max_len, "decoding")
+        dtype = jnp.dtype(self.embedding.dtype)
+        return {
+            "layers": tuple(b.attention.init_decode_state(max_len, dtype) for b in self.blocks),
+            "length": jnp.zeros((), jnp.int32),
+        }
+
+    def decode_step(
+        self, token: Int[Array, ""], state: dict[str, Any], *,
+        context_kv: tuple[tuple[Array, Array], ...] | None = None, context_mask: Bool[Array, " ctx"] | None = None,
+    ) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
+        """Feed one token at position `state["length"]`; returns the next-token logits
+        `[vocab]` and the new state."""
+        x = self.embedding(token[None], state["length"][None])[0]
+        bias_fn, layers = _bias_fn(self.embedding.positions), []
+        for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"])):
+            kv = None if context_kv is None else context_kv[i]
+            x, layer_state = block.decode_step(x, layer_state, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask)
+            layers.append(layer_state)
+        return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1}
+
+
+class EncoderDecoder(eqx.Module):
+    """Encoder-decoder (seq2seq): `model(source, target)` -> `[target_len, vocab]`; the
+    decoder's blocks cross-attend to the encoder output. `model.conditioned(source)` is a
+    decoder bound to one source, which `jxformers.generate` can decode."""
+
+    encoder: Encoder
+    decoder: LanguageModel
+    upsample_sum: bool = eqx.field(static=True)
+
+    def __init__(self, encoder: Encoder, decoder: LanguageModel):
+        self.encoder, self.decoder = encoder, decoder
+        self.upsample_sum = bool(encoder.filters)
+
+    @property
+    def max_len(self) -> int:
+        return self.decoder.max_len
+
+    def encode(self, source, source_mask=None, *, key=None, inference=False):
+        return self.encoder(source, source_mask, key=key, inference=inference, upsample_sum=self.upsample_sum)
+
+    def __call__(
+        self, source: Int[Array, " src"], target: Int[Array, " tgt"], source_mask: Bool[Array, " src"] | None = None,
+        target_mask: Bool[Array, " tgt"] | None = None, *, key: PRNGKeyArray | None = None, inference: bool = False,
+    ) -> Float[Array, "tgt vocab"]:
+        k1, k2 = _split(key, 2)
+        memory, memory_mask = self.encode(source, source_mask, key=k1, inference=inference)
+        return self.decoder(target, target_mask, context=memory, context_mask=memory_mask, key=k2, inference=inference)
+
+    def conditioned(self, source: Int[Array, " src"], source_mask: Bool[Array, " src"] | None = None) -> ConditionedDecoder:
+        memory, memory_mask = self.encode(source, source_mask, inference=True)
+        return ConditionedDecoder(self.decoder, memory, memory_mask)
+
+
+class ConditionedDecoder(eqx.Module):
+    """The decoder of an encoder-decoder model bound to one encoded source: a language
+    model over the target (parallel `__call__`, `init_decode_state`, `decode_step`)."""
+
+    decoder: LanguageModel
+    memory: Float[Array, "ctx d_model"]
+    memory_mask: Bool[Array, " ctx"]
+
+    @property
+    def max_len(self) -> int:
+        return self.decoder.max_len
+
+    def __call__(self, target: Int[Array, " tgt"], mask: Bool[Array, " tgt"] | None = None) -> Float[Array, "tgt vocab"]:
+        return self.decoder(target, mask, context=self.memory, context_mask=self.memory_mask, inference=True)
+
+    def init_decode_state(self, max_len: int) -> dict[str, Any]:
+        state = self.decoder.init_decode_state(max_len)
+        state["context_kv"] = tuple(b.cross_attention.project_context(self.memory) for b in self.decoder.blocks)
+        return state
+
+    def decode_step(self, token: Int[Array, ""], state: dict[str, Any]) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
+        inner = {k: v for k, v in state.items() if k != "context_kv"}
+        logits, inner = self.decoder.decode_step(token, inner, context_kv=state["context_kv"], context_mask=self.memory_mask)
+        return logits, inner | {"context_kv": state["context_kv"]}
