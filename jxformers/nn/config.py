@@ -47,6 +47,9 @@ _CHOICES = {
 }
 
 
+# Not runtime type-checked by jaxtyping: values come from users' YAML, and the checks in
+# __post_init__ give errors that name the key and the allowed values.
+@typing.no_type_check
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Everything that defines a model.

@@ -15,6 +15,12 @@ FFN_KINDS = ("relu", "gelu", "geglu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
 
 
+def _lift(vector: Array, ndim: int) -> Array:
+    """A feature vector shaped to broadcast against `ndim`-d activations (the tests
+    forbid implicit rank promotion)."""
+    return vector.reshape((1,) * (ndim - 1) + (-1,))
+
+
 class Linear(eqx.Module):
     """y = x W^T + b with parameters kept in float32 and the product computed in the
     dtype of `x` (mixed precision: cast the activations, not the master weights)."""
@@ -30,7 +36,7 @@ class Linear(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch in_features"]) -> Float[Array, "*batch out_features"]:
         y = x @ self.weight.T.astype(x.dtype)
-        return y if self.bias is None else y + self.bias.astype(x.dtype)
+        return y if self.bias is None else y + _lift(self.bias.astype(x.dtype), y.ndim)
 
 
 class LayerNorm(eqx.Module):
@@ -47,7 +53,8 @@ class LayerNorm(eqx.Module):
         xf = x.astype(jnp.float32)
         mean = xf.mean(-1, keepdims=True)
         var = jnp.square(xf - mean).mean(-1, keepdims=True)
-        return ((xf - mean) * jax.lax.rsqrt(var + self.eps) * self.weight + self.bias).astype(x.dtype)
+        scaled = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (scaled * _lift(self.weight, x.ndim) + _lift(self.bias, x.ndim)).astype(x.dtype)
 
 
 class RMSNorm(eqx.Module):
@@ -61,7 +68,8 @@ class RMSNorm(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         xf = x.astype(jnp.float32)
-        return (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + self.eps) * self.weight).astype(x.dtype)
+        scaled = xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + self.eps)
+        return (scaled * _lift(self.weight, x.ndim)).astype(x.dtype)
 
 
 def make_norm(kind: str, dim: int) -> LayerNorm | RMSNorm:

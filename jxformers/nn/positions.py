@@ -25,7 +25,7 @@ def sinusoidal(positions: Int[Array, " n"], dim: int) -> Float[Array, "n dim"]:
     """sin/cos embeddings: PE[p, 2i] = sin(p / 10000^(2i/dim)), PE[p, 2i+1] = cos(...)."""
     half = dim // 2
     freq = jnp.exp(-math.log(10000.0) * jnp.arange(half) / max(half, 1))
-    angle = positions[:, None].astype(jnp.float32) * freq
+    angle = positions[:, None].astype(jnp.float32) * freq[None, :]
     out = jnp.stack([jnp.sin(angle), jnp.cos(angle)], axis=-1).reshape(positions.shape[0], 2 * half)
     return jnp.pad(out, ((0, 0), (0, dim - 2 * half)))
 
@@ -37,7 +37,7 @@ def rotary(x: Float[Array, "n heads d"], positions: Int[Array, " n"], base: floa
     if d % 2:
         raise ValueError(f"rope needs an even head size; got d_head = {d}")
     freq = base ** (-jnp.arange(d // 2, dtype=jnp.float32) * 2 / d)
-    angle = positions[:, None].astype(jnp.float32) * freq  # [n, d/2]
+    angle = positions[:, None].astype(jnp.float32) * freq[None, :]  # [n, d/2]
     cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)

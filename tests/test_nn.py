@@ -1,0 +1,284 @@
+"""Modules and configs: positions, norms, FFNs, the attention module's arrays, the
+Fourier Transformer encoder, encoder-decoder and dual-tower models, mixed precision,
+and the config's errors."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import jxformers
+from jxformers import ModelConfig, build_model
+from jxformers.nn import (
+    Attention,
+    FeedForward,
+    LayerNorm,
+    RMSNorm,
+    alibi_slopes,
+    rotary,
+    sinusoidal,
+    t5_buckets,
+    trainable,
+)
+from jxformers.ops import fourier_downsample
+
+TINY = dict(vocab_size=29, num_layers=2, d_model=16, num_heads=4, d_ff=24, max_len=48)
+
+
+def tokens(seed, n=20):
+    return jax.random.randint(jax.random.key(seed), (n,), 0, TINY["vocab_size"])
+
+
+# ----------------------------------------------------------------------------- positions
+
+
+def test_rotary_scores_depend_only_on_the_offset():
+    q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 8))
+    def score(m, n):
+        return float(jnp.sum(rotary(q, jnp.array([m])) * rotary(k, jnp.array([n]))))
+    assert score(7, 3) == pytest.approx(score(14, 10), abs=1e-5)
+    assert score(7, 3) != pytest.approx(score(7, 5), abs=1e-3)
+    assert score(0, 0) == pytest.approx(float(jnp.sum(q * k)), abs=1e-5)  # position 0 is the identity
+    with pytest.raises(ValueError, match="even"):
+        rotary(jnp.ones((2, 1, 5)), jnp.arange(2))
+
+
+def test_sinusoidal_table():
+    pe = sinusoidal(jnp.arange(4), 6)
+    assert_close(pe[0], jnp.array([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]))
+    assert_close(pe[3, 0:2], jnp.array([math.sin(3.0), math.cos(3.0)]))
+
+
+def test_alibi_slopes_follow_the_paper():
+    assert_close(alibi_slopes(8), 2.0 ** -jnp.arange(1, 9))
+    # 12 heads: the 8-head slopes, then every other slope of the 16-head sequence
+    # (the reference code's interpolation), 2^-0.5, 2^-1.5, ...
+    assert_close(alibi_slopes(12), jnp.concatenate([2.0 ** -jnp.arange(1, 9), 2.0 ** -(jnp.arange(4) + 0.5)]))
+
+
+def test_t5_buckets():
+    rel = jnp.arange(-200, 201)
+    causal = t5_buckets(rel, bidirectional=False)
+    both = t5_buckets(rel, bidirectional=True)
+    assert int(causal.max()) == 31 and int(causal.min()) == 0
+    assert bool(jnp.all(causal[rel >= 0] == 0))  # the future shares one bucket (it is masked)
+    assert_close(causal[200 - 15 : 201][::-1], jnp.arange(16))  # exact buckets for small distances
+    assert bool(jnp.all(jnp.diff(causal[:201]) <= 0))  # monotone in distance
+    assert set(np.asarray(both[rel > 0])).isdisjoint(set(np.asarray(both[rel < 0])))
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def test_norms_compute_in_float32_and_return_the_input_dtype():
+    x = 3.0 + 2.0 * jax.random.normal(jax.random.key(0), (5, 16))
+    y = LayerNorm(16)(x)
+    assert_close(y.mean(-1), jnp.zeros(5), atol=1e-5)
+    assert_close(y.std(-1), jnp.ones(5), atol=1e-3)
+    r = RMSNorm(16)(x)
+    assert_close(jnp.sqrt(jnp.mean(r * r, -1)), jnp.ones(5), atol=1e-3)
+    half = LayerNorm(16)(x.astype(jnp.bfloat16))
+    assert half.dtype == jnp.bfloat16
+    assert_close(half, y, atol=3e-2)
+
+
+@pytest.mark.parametrize("kind", ["relu", "gelu", "geglu", "swiglu"])
+def test_feed_forward_kinds(kind):
+    ffn = FeedForward(8, 12, kind, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (3, 8))
+    y = ffn(x)
+    assert y.shape == (3, 8)
+    gated = ffn.w_gate is not None
+    assert gated == (kind in ("geglu", "swiglu"))
+    if kind == "relu":
+        assert_close(y, ffn.w_out(jax.nn.relu(ffn.w_in(x))))
+    if kind == "swiglu":
+        assert_close(y, ffn.w_out(jax.nn.silu(ffn.w_in(x)) * ffn.w_gate(x)))
+    with pytest.raises(ValueError, match="ffn"):
+        FeedForward(8, 12, "tanh", key=jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------- attention module
+
+
+def test_drawn_arrays_are_not_trained_and_redraw_resamples_them():
+    attn = Attention("performer", 16, 4, attention_kwargs={"num_features": 8}, key=jax.random.key(0))
+    assert set(attn.drawn) == {"projection"} and attn.arrays == {}
+    mask = trainable(attn)
+    assert mask.drawn["projection"] is False and mask.q_proj.weight is True
+    x = jax.random.normal(jax.random.key(1), (6, 16))
+    grads = eqx.filter_grad(lambda a: jnp.sum(a(x) ** 2))(attn)
+    assert float(jnp.abs(grads.drawn["projection"]).max()) == 0.0
+    new = attn.redraw(jax.random.key(9))
+    assert not bool(jnp.allclose(new.drawn["projection"], attn.drawn["projection"]))
+    assert bool(jnp.all(new.q_proj.weight == attn.q_proj.weight))
+    # Learned core arrays (Linformer's E and F) are parameters.
+    lin = Attention("linformer", 16, 4, attention_kwargs={"proj_len": 4, "max_len": 8}, key=jax.random.key(0))
+    assert set(lin.arrays) == {"e_proj", "f_proj"} and trainable(lin).arrays["e_proj"] is True
+
+
+def test_attention_module_errors():
+    with pytest.raises(ValueError, match="unknown attention"):
+        Attention("nope", 16, 4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="cannot be causal"):
+        Attention("nystrom", 16, 4, causal=True, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="kv_heads"):
+        Attention("softmax", 16, 4, kv_heads=3, key=jax.random.key(0))
+    attn = Attention("linear", 16, 4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="bias"):
+        attn(jnp.ones((3, 16)), bias=jnp.zeros((4, 3, 3)))
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def test_fourier_encoder_shortens_the_sequence_and_keeps_the_cls_token():
+    cfg = dict(TINY, task="classify", num_layers=3, filters={0: 0.5, 1: 0.5})
+    model = build_model(cfg, key=jax.random.key(0))
+    x = tokens(1)
+    hidden, mask = model.encoder(x)
+    assert hidden.shape == (1 + 5, 16) and bool(mask.all())  # 20 -> 10 -> 5, plus CLS
+    # With padding, only the real prefix is filtered: the result equals the unpadded run.
+    padded = jnp.concatenate([x[:13], tokens(2, 7)])
+    mask = jnp.arange(20) < 13
+    h_pad, m_pad = model.encoder(padded, mask)
+    h_ref, m_ref = model.encoder(x[:13])
+    assert int(m_pad.sum()) == h_ref.shape[0] == 1 + 4  # 13 -> 7 -> 4
+    assert_close(h_pad[: h_ref.shape[0]], h_ref, atol=2e-5)
+    assert_close(model(padded, mask), model(x[:13]), atol=2e-5)
+    funnel = build_model(dict(cfg, downsample="funnel"), key=jax.random.key(0))
+    assert funnel.encoder(x)[0].shape == (1 + 5, 16)
+    with pytest.raises(ValueError, match="funnel"):
+        build_model(dict(cfg, downsample="funnel", filters={0: 0.4}), key=jax.random.key(0))
+
+
+def test_the_spectral_filter_is_the_papers_on_a_smooth_sequence():
+    # The encoder's filter is fourier_downsample of the non-CLS tokens: check the op on a
+    # band-limited input (kept cosines are resampled exactly).
+    n, m = 20, 10
+    t = jnp.arange(n)
+    x = jnp.cos(jnp.pi * 3 * (2 * t + 1) / (2 * n))[:, None]
+    y = fourier_downsample(x, m / n)
+    s = jnp.arange(m)
+    assert_close(y[:, 0], jnp.cos(jnp.pi * 3 * (2 * s + 1) / (2 * m)) * math.sqrt(m / n) * math.sqrt(n / m), atol=1e-5)
+
+
+def test_encoder_decoder_forward_decoding_and_upsample_sum():
+    cfg = dict(TINY, task="seq2seq", decoder_layers=1, attention="linear", cross_attention="softmax")
+    model = build_model(cfg, key=jax.random.key(0))
+    src, tgt = tokens(1, 12), tokens(2, 9)
+    logits = model(src, tgt)
+    assert logits.shape == (9, TINY["vocab_size"])
+    bound = model.conditioned(src)
+    state = bound.init_decode_state(9)
+    steps = []
+    for t in range(9):
+        out, state = bound.decode_step(tgt[t], state)
+        steps.append(out)
+    assert_close(jnp.stack(steps), logits, atol=3e-5, rtol=1e-4)
+    assert jxformers.generate(bound, tgt[:2], 4, key=jax.random.key(0)).shape == (6,)
+    # The Fourier encoder-decoder: block outputs upsampled to the source length and summed.
+    fourier = build_model(dict(cfg, attention="softmax", filters={0: 0.5}), key=jax.random.key(0))
+    assert fourier.upsample_sum
+    memory, mask = fourier.encode(src)
+    assert memory.shape == (12, 16) and bool(mask.all())
+    assert fourier(src, tgt).shape == (9, TINY["vocab_size"])
+
+
+def test_dual_classifier_reads_both_inputs():
+    model = build_model(dict(TINY, task="retrieval", num_classes=3), key=jax.random.key(0))
+    a, b = tokens(1), tokens(2, 15)
+    out = model(a, b)
+    assert out.shape == (3,)
+    assert not bool(jnp.allclose(out, model(a, tokens(3, 15))))
+
+
+@pytest.mark.parametrize("placement,norm", [("post", "layernorm"), ("pre", "rmsnorm")])
+def test_norm_placements(placement, norm):
+    model = build_model(dict(TINY, task="classify", norm_placement=placement, norm=norm), key=jax.random.key(0))
+    assert bool(jnp.all(jnp.isfinite(model(tokens(0)))))
+
+
+def test_mixed_precision_keeps_float32_parameters():
+    full = build_model(dict(TINY, task="lm"), key=jax.random.key(0))
+    half = build_model(dict(TINY, task="lm", dtype="bfloat16"), key=jax.random.key(0))
+    params = jax.tree.leaves(eqx.filter(half, eqx.is_inexact_array))
+    assert all(p.dtype == jnp.float32 for p in params)
+    x = tokens(4)
+    out = half(x)
+    assert out.dtype == jnp.float32
+    assert_close(out, full(x), atol=0.15, rtol=0.1)
+    state = half.init_decode_state(4)
+    assert state["layers"][0].k.dtype == jnp.bfloat16
+
+
+def test_dropout_needs_a_key_in_training_and_is_off_in_inference():
+    model = build_model(dict(TINY, task="classify", dropout=0.5), key=jax.random.key(0))
+    x = tokens(0)
+    a = model(x, key=jax.random.key(1))
+    b = model(x, key=jax.random.key(2))
+    assert not bool(jnp.allclose(a, b))
+    assert_close(model(x, inference=True), model(x, inference=True))
+
+
+def test_per_layer_overrides():
+    model = build_model(
+        dict(TINY, task="lm", layer_overrides={1: {"attention": "local", "attention_kwargs": {"window": 2}, "ffn": "swiglu"}}),
+        key=jax.random.key(0),
+    )
+    assert model.blocks[0].attention.name == "softmax" and model.blocks[1].attention.name == "local"
+    assert model.blocks[1].ffn.kind == "swiglu"
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_config_from_dict_and_yaml(tmp_path):
+    text = "task: lm\nvocab_size: 29\nattention: performer\nattention_kwargs:\n  num_features: 8\nfilters: {}\n"
+    path = tmp_path / "model.yaml"
+    path.write_text(text)
+    for source in (text, str(path), path):
+        cfg = ModelConfig.from_yaml(source)
+        assert cfg.task == "lm" and cfg.attention_kwargs == {"num_features": 8}
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    model = build_model(text, key=jax.random.key(0))
+    assert isinstance(model, jxformers.nn.LanguageModel)
+    cfg = ModelConfig.from_yaml("task: classify\nfilters:\n  '0': 0.5\n")
+    assert cfg.filters == {0: 0.5}
+
+
+@pytest.mark.parametrize(
+    "values,match",
+    [
+        ({"colour": "red"}, "unknown model config key"),
+        ({"task": "translate"}, "task must be one of"),
+        ({"num_layers": "2"}, "num_layers must be int"),
+        ({"num_layers": 0}, "num_layers must be >= 1"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"attention": "flashy"}, "unknown attention 'flashy'; registered: softmax"),
+        ({"attention": "local", "attention_kwargs": {"widow": 3}}, "unknown hyper-parameter"),
+        ({"attention": "local", "attention_kwargs": {"window": "3"}}, "window' must be int"),
+        ({"task": "lm", "attention": "nystrom"}, "needs causal attention.*Causal attentions"),
+        ({"attention": "linear", "position": "alibi"}, "logit bias"),
+        ({"d_model": 12, "num_heads": 4, "position": "rope"}, "even head size"),
+        ({"d_model": 18, "num_heads": 4}, "divisible"),
+        ({"task": "lm", "filters": {0: 0.5}}, "filters"),
+        ({"filters": {5: 0.5}}, "block index"),
+        ({"task": "seq2seq", "cross_attention": "local"}, "cannot cross-attend"),
+        ({"layer_overrides": {0: {"heads": 2}}}, "may set only"),
+        ({"attention": "linformer", "attention_kwargs": {"max_len": 8}, "max_len": 64}, "must cover"),
+    ],
+)
+def test_config_errors(values, match):
+    with pytest.raises(ValueError, match=match):
+        build_model(values, key=jax.random.key(0))
+
+
+def test_sequences_longer_than_max_len_are_errors():
+    model = build_model(dict(TINY, task="classify", max_len=10), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="max_len"):
+        model(tokens(0, 10))  # 10 tokens + CLS
