@@ -365,13 +365,23 @@ register(AttentionSpec(
 ))
 
 
+def models(spec: AttentionSpec) -> str:
+    """The model types an attention can serve in (`jxformers.ModelConfig.task`):
+    every attention fits an encoder (classify, retrieval); causal ones also a language
+    model and an encoder-decoder; "+decode" when it decodes incrementally."""
+    kinds = ["classify", "retrieval"] + (["lm", "seq2seq"] if spec.causal else [])
+    return " ".join(kinds) + (" +decode" if spec.decode else "")
+
+
 def table() -> str:
     """The registry as a plain-text table (what `jxformers list` prints)."""
-    head = ("name", "family", "causal", "kv_mask", "cross", "decode", "complexity", "hyper-parameters (defaults)")
+    head = ("name", "family", "causal", "kv_mask", "cross", "bias", "decoder", "models", "complexity",
+            "hyper-parameters (defaults)")
     rows = [head]
     for s in _REGISTRY.values():
         hp = ", ".join(f"{p.name}={p.default!r}" for p in s.params) or "-"
-        rows.append((s.name, s.family, *("yes" if f else "-" for f in (s.causal, s.kv_mask, s.cross, s.decode)), s.complexity, hp))
+        flags = ("yes" if f else "-" for f in (s.causal, s.kv_mask, s.cross, s.bias))
+        rows.append((s.name, s.family, *flags, s.decoder or "-", models(s), s.complexity, hp))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

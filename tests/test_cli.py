@@ -23,7 +23,11 @@ def test_list_prints_every_attention(capsys):
     out = capsys.readouterr().out
     for name in registry.names():
         assert name in out
-    assert "causal" in out and "complexity" in out
+    assert "causal" in out and "complexity" in out and "models" in out
+    rows = {line.split()[0]: line for line in out.splitlines()[2:]}
+    assert "lm seq2seq +decode" in rows["performer"] and "recurrent" in rows["performer"]
+    assert "lm" not in rows["nystrom"] and "classify retrieval" in rows["nystrom"]
+    assert "lm seq2seq" in rows["block_local"] and "+decode" not in rows["block_local"]
 
 
 def test_console_script_runs():

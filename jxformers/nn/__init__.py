@@ -29,10 +29,10 @@ from jxformers.nn.positions import (
     sinusoidal,
     t5_buckets,
 )
-from jxformers.nn.trainable import trainable
+from jxformers.nn.trainable import redraw, trainable
 
 __all__ = [
     "Attention", "Block", "Classifier", "ConditionedDecoder", "DualClassifier", "Embedding", "Encoder",
     "EncoderDecoder", "FeedForward", "LanguageModel", "LayerNorm", "Linear", "ModelConfig", "Positions", "RMSNorm",
-    "alibi_slopes", "build_model", "rotary", "sinusoidal", "t5_buckets", "trainable",
+    "alibi_slopes", "build_model", "redraw", "rotary", "sinusoidal", "t5_buckets", "trainable",
 ]

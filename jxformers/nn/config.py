@@ -72,6 +72,8 @@ class ModelConfig:
         filters: encoder block index -> keep ratio of the downsampling after that block
             (the Fourier Transformer); downsample: "fourier" or "funnel".
         layer_overrides: block index -> any of attention, attention_kwargs, ffn, d_ff.
+        reversible: Reformer's reversible residual wiring (pre-norm; classify, retrieval
+            and lm; no filters): activation memory independent of depth in training.
     """
 
     task: str = "classify"
@@ -99,6 +101,7 @@ class ModelConfig:
     filters: dict = dataclasses.field(default_factory=dict)
     downsample: str = "fourier"
     layer_overrides: dict = dataclasses.field(default_factory=dict)
+    reversible: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -185,6 +188,8 @@ class ModelConfig:
             if not spec.cross:
                 raise ValueError(f"cross_attention {spec.name!r} cannot cross-attend; ones that can: {registry.names(cross=True)}")
             _attention_kwargs(self.cross_attention, self.cross_attention_kwargs, self.max_len)
+        if self.reversible and (self.task == "seq2seq" or self.norm_placement != "pre" or self.filters):
+            raise ValueError("reversible blocks need norm_placement 'pre', no filters, and task classify, retrieval or lm")
         if self.filters and self.task == "lm":
             raise ValueError("filters (downsampling) apply to encoders: tasks classify, retrieval, seq2seq")
         for index, ratio in self.filters.items():
@@ -288,13 +293,14 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         return Encoder(
             embedding(keys[0], False), _blocks(config, config.num_layers, causal=False, cross=False, key=keys[1]),
             make_norm(config.norm, config.d_model), max_len=config.max_len, use_cls=use_cls, filters=config.filters,
-            downsample=config.downsample, key=keys[2],
+            downsample=config.downsample, reversible=config.reversible, key=keys[2],
         )
 
     def decoder(layers, cross):
         return LanguageModel(
             embedding(keys[3], True), _blocks(config, layers, causal=True, cross=cross, key=keys[4]),
-            make_norm(config.norm, config.d_model), max_len=config.max_len, tie=config.tie_embeddings, key=keys[5],
+            make_norm(config.norm, config.d_model), max_len=config.max_len, tie=config.tie_embeddings,
+            reversible=config.reversible, key=keys[5],
         )
 
     if config.task == "lm":

@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from jxformers.nn.blocks import Block
 from jxformers.nn.layers import LayerNorm, Linear, RMSNorm
 from jxformers.nn.positions import BIAS_KINDS, Positions
+from jxformers.nn.reversible import reversible_decode_step, reversible_stack
 from jxformers.ops import fourier_downsample_padded, funnel_pool
 
 DOWNSAMPLE_KINDS = ("fourier", "funnel")
@@ -93,10 +94,12 @@ class Encoder(eqx.Module):
     filters: tuple[tuple[int, float], ...] = eqx.field(static=True)
     downsample: str = eqx.field(static=True)
     max_len: int = eqx.field(static=True)
+    reversible: bool = eqx.field(static=True)
 
     def __init__(
         self, embedding: Embedding, blocks: list[Block], norm: LayerNorm | RMSNorm, *, max_len: int, use_cls: bool,
-        filters: dict[int, float] | None = None, downsample: str = "fourier", key: PRNGKeyArray,
+        filters: dict[int, float] | None = None, downsample: str = "fourier", reversible: bool = False,
+        key: PRNGKeyArray,
     ):
         if downsample not in DOWNSAMPLE_KINDS:
             raise ValueError(f"downsample must be one of {DOWNSAMPLE_KINDS}; got {downsample!r}")
@@ -108,6 +111,9 @@ class Encoder(eqx.Module):
                 raise ValueError(f"filter keep ratio must be in (0, 1]; got {ratio!r} at layer {layer}")
             if downsample == "funnel" and abs(1 / ratio - round(1 / ratio)) > 1e-6:
                 raise ValueError(f"funnel pooling needs keep ratios 1/stride (1/2, 1/3...); got {ratio} at layer {layer}")
+        if reversible and filters:
+            raise ValueError("a reversible encoder cannot shorten its sequence (filters)")
+        self.reversible = reversible
         self.embedding, self.blocks, self.norm = embedding, tuple(blocks), norm
         self.cls = 0.02 * jax.random.normal(key, (norm.weight.shape[0],)) if use_cls else None
         self.filters, self.downsample, self.max_len = tuple(sorted(filters.items())), downsample, max_len
@@ -145,6 +151,10 @@ class Encoder(eqx.Module):
         if self.cls is not None:
             x = jnp.concatenate([self.cls.astype(x.dtype)[None], x])
             mask = jnp.concatenate([jnp.ones((1,), bool), mask])
+        if self.reversible:
+            bias = _bias(self.embedding.positions, x.shape[0])
+            x = reversible_stack(self.blocks, x, kv_mask=mask, bias=bias, key=key, inference=inference)
+            return self.norm(x), mask
         input_mask, filters, outputs = mask, dict(self.filters), []
         keys = _split(key, len(self.blocks))
         for i, block in enumerate(self.blocks):
@@ -234,9 +244,14 @@ class LanguageModel(eqx.Module):
     norm: LayerNorm | RMSNorm
     unembed: Linear | None  # None: tied to the embedding table
     max_len: int = eqx.field(static=True)
+    reversible: bool = eqx.field(static=True)
 
-    def __init__(self, embedding: Embedding, blocks: list[Block], norm, *, max_len: int, tie: bool, key: PRNGKeyArray):
+    def __init__(
+        self, embedding: Embedding, blocks: list[Block], norm, *, max_len: int, tie: bool, reversible: bool = False,
+        key: PRNGKeyArray,
+    ):
         self.embedding, self.blocks, self.norm, self.max_len = embedding, tuple(blocks), norm, max_len
+        self.reversible = reversible
         vocab, d = embedding.table.shape
         self.unembed = None if tie else Linear(d, vocab, use_bias=False, key=key)
 
@@ -262,6 +277,9 @@ class LanguageModel(eqx.Module):
         positions = jnp.arange(n)
         x = self.embedding(tokens, positions)
         bias = _bias(self.embedding.positions, n)
+        if self.reversible:
+            x = reversible_stack(self.blocks, x, kv_mask=mask, bias=bias, positions=positions, key=key, inference=inference)
+            return self._logits(x)
         for block, k in zip(self.blocks, _split(key, len(self.blocks))):
             x = block(x, kv_mask=mask, bias=bias, positions=positions, context=context, context_mask=context_mask,
                       key=k, inference=inference)
@@ -284,6 +302,9 @@ class LanguageModel(eqx.Module):
         `[vocab]` and the new state."""
         x = self.embedding(token[None], state["length"][None])[0]
         bias_fn, layers = _bias_fn(self.embedding.positions), []
+        if self.reversible:
+            x, states = reversible_decode_step(self.blocks, x, state["layers"], bias_fn=bias_fn)
+            return self._logits(x), {"layers": states, "length": state["length"] + 1}
         for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"])):
             kv = None if context_kv is None else context_kv[i]
             x, layer_state = block.decode_step(x, layer_state, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask)

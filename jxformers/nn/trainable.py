@@ -1,7 +1,11 @@
-"""Which leaves of a model an optimizer should update."""
+"""Which leaves of a model an optimizer should update, and resampling the ones it should
+not (the drawn arrays of attention modules)."""
 
 import equinox as eqx
 import jax
+from jaxtyping import PRNGKeyArray
+
+from jxformers.nn.attention import Attention
 
 
 def trainable(model) -> object:
@@ -15,3 +19,19 @@ def trainable(model) -> object:
         return eqx.is_inexact_array(x) and not drawn
 
     return jax.tree_util.tree_map_with_path(leaf, model)
+
+
+def _attentions(model) -> list[Attention]:
+    is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
+    return [x for x in jax.tree.leaves(model, is_leaf=is_attention) if is_attention(x)]
+
+
+def redraw(model, key: PRNGKeyArray):
+    """`model` with every attention module's drawn arrays resampled (Performer's
+    features, BigBird's random pattern), each from its own key; a pure function, as
+    Performer's periodic feature redrawing needs."""
+    attentions = _attentions(model)
+    if not attentions:
+        return model
+    keys = jax.random.split(key, len(attentions))
+    return eqx.tree_at(_attentions, model, [a.redraw(k) for a, k in zip(attentions, keys)])

@@ -1,0 +1,145 @@
+"""Reversible residual blocks (Reformer; Kitaev et al., 2020, section 3 after Gomez et
+al.'s RevNet): the activations are two streams, and each block maps
+
+    y1 = x1 + F(x2)        F = self-attention branch (pre-norm)
+    y2 = x2 + G(y1)        G = feed-forward branch (pre-norm)
+
+which can be inverted, x2 = y2 - G(y1), x1 = y1 - F(x2). `reversible_stack` has a custom
+backward pass that reconstructs every block's inputs from its outputs instead of storing
+them, so training memory for activations does not grow with the number of layers (at
+the price of recomputing each block once more). The stack's input is x duplicated into
+both streams; its output is their mean.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from jxformers.nn.blocks import Block
+
+
+def _attention_branch(block: Block, x, aux, key):
+    bias, mask, positions = aux
+    return block.attention(block.norms[0](x), kv_mask=mask, bias=bias, positions=positions, key=key, inference=key is None)
+
+
+def _ffn_branch(block: Block, x, key):
+    return block.ffn(block.norms[-1](x), key=key, inference=key is None)
+
+
+def _keys(key_data, i):
+    if key_data is None:
+        return None, None
+    k = jax.random.wrap_key_data(key_data[i])
+    return tuple(jax.random.split(k))
+
+
+def _forward(static, params, x1, x2, bias, rest):
+    mask, positions, key_data = rest
+    for i, (s, p) in enumerate(zip(static, params)):
+        block = eqx.combine(p, s)
+        kf, kg = _keys(key_data, i)
+        x1 = x1 + _attention_branch(block, x2, (bias, mask, positions), kf)
+        x2 = x2 + _ffn_branch(block, x1, kg)
+    return x1, x2
+
+
+def _zero_cotangent(x):
+    if x is None:
+        return None
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _stack(static, params, x1, x2, bias, rest):
+    return _forward(static, params, x1, x2, bias, rest)
+
+
+def _stack_fwd(static, params, x1, x2, bias, rest):
+    y1, y2 = _forward(static, params, x1, x2, bias, rest)
+    return (y1, y2), (params, y1, y2, bias, rest)  # no per-block activations kept
+
+
+def _stack_bwd(static, residuals, cotangents):
+    params, y1, y2, bias, rest = residuals
+    mask, positions, key_data = rest
+    g1, g2 = cotangents
+    grads: list[Any] = [None] * len(params)
+    g_bias = None if bias is None else jnp.zeros_like(bias)
+    for i in reversed(range(len(params))):
+        s, p = static[i], params[i]
+        kf, kg = _keys(key_data, i)
+        # y2 = x2 + G(y1): recover x2, and push g2 into G's parameters and into y1.
+        g_out, g_vjp = jax.vjp(lambda p, y: _ffn_branch(eqx.combine(p, s), y, kg), p, y1)
+        x2 = y2 - g_out
+        dp_g, dy1 = g_vjp(g2)
+        g1 = g1 + dy1
+        # y1 = x1 + F(x2): recover x1, and push g1 into F's parameters, x2 and the bias.
+        f_out, f_vjp = jax.vjp(
+            lambda p, x, b: _attention_branch(eqx.combine(p, s), x, (b, mask, positions), kf), p, x2, bias
+        )
+        x1 = y1 - f_out
+        dp_f, dx2, db = f_vjp(g1)
+        g2 = g2 + dx2
+        if g_bias is not None:
+            g_bias = g_bias + db
+        grads[i] = jax.tree.map(jnp.add, dp_f, dp_g)
+        y1, y2 = x1, x2
+    return tuple(grads), g1, g2, g_bias, jax.tree.map(_zero_cotangent, rest)
+
+
+_stack.defvjp(_stack_fwd, _stack_bwd)
+
+
+def reversible_stack(
+    blocks: tuple[Block, ...],
+    x: Float[Array, "seq d_model"],
+    *,
+    kv_mask: Bool[Array, " seq"] | None = None,
+    bias: Float[Array, "heads seq seq"] | None = None,
+    positions: Int[Array, " seq"] | None = None,
+    key: PRNGKeyArray | None = None,
+    inference: bool = False,
+) -> Float[Array, "seq d_model"]:
+    """Run pre-norm self-attention blocks as a reversible stack (see the module
+    docstring): the same parameters as ordinary blocks, a different residual wiring,
+    and activation memory independent of depth in the backward pass.
+
+    Arguments:
+        blocks: pre-norm blocks without cross-attention.
+        x: `[seq, d_model]`; kv_mask, bias, positions: as `Block`.
+        key, inference: dropout (the backward pass replays the same dropout masks).
+
+    Returns:
+        `[seq, d_model]`, the mean of the two output streams.
+    """
+    for block in blocks:
+        if not block.pre_norm or block.cross_attention is not None:
+            raise ValueError("reversible blocks must be pre-norm self-attention blocks (no cross-attention)")
+    params, static = zip(*(eqx.partition(b, eqx.is_array) for b in blocks)) if blocks else ((), ())
+    key_data = None
+    if key is not None and not inference:
+        key_data = jax.random.key_data(jax.random.split(key, len(blocks)))
+    y1, y2 = _stack(tuple(static), tuple(params), x, x, bias, (kv_mask, positions, key_data))
+    return (y1 + y2) / 2
+
+
+def reversible_decode_step(blocks, x, states, *, bias_fn=None):
+    """One token through a reversible stack with each block's decoding state."""
+    x1 = x2 = x
+    new = []
+    for block, state in zip(blocks, states):
+        h, state = block.attention.decode_step(block.norms[0](x2), state, bias_fn=bias_fn)
+        x1 = x1 + h
+        x2 = x2 + block.ffn(block.norms[-1](x1)[None], inference=True)[0]
+        new.append(state)
+    return (x1 + x2) / 2, tuple(new)

@@ -1,0 +1,11 @@
+"""Decoding benchmark (tokens/s against context length; see jxformers/bench_decode.py).
+
+    python scripts/bench_decode.py --out docs/decode.md
+"""
+
+import sys
+
+from jxformers.bench_decode import main
+
+if __name__ == "__main__":
+    sys.exit(main())
