@@ -1,17 +1,100 @@
-"""The `jxformers` command: `jxformers list` prints the attention registry,
-`jxformers bench` runs the attention benchmark (see `jxformers bench --help`)."""
+"""The `jxformers` command: `list` prints the attention registry, `bench` runs the
+attention benchmark, `train` / `eval` / `generate` run experiments (see each `--help`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 USAGE = """usage: jxformers COMMAND [ARGS]
 
 commands:
-  list     print the attention registry (names, capabilities, hyper-parameters)
-  bench    time and measure every attention against softmax (--help for options)
+  list      print the attention registry (names, capabilities, hyper-parameters)
+  bench     time and measure every attention against softmax (--help for options)
+  train     train an experiment: jxformers train CONFIG --workdir DIR [--set key=value ...]
+  eval      evaluate the newest checkpoint of a work directory on the eval split
+  generate  sample from a trained language model
 """
+
+
+def _experiment_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("config", help="an experiment name in experiments/ (e.g. copy) or a YAML path")
+    p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and config.yaml go here")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.steps=100 --set preset=tiny")
+    return p
+
+
+def _load(p, args):
+    from jxformers.train import load_experiment
+
+    try:
+        return load_experiment(args.config, args.overrides)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _train(rest: list[str]) -> int:
+    p = _experiment_parser("jxformers train", "train (or resume) an experiment in a work directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(rest)
+    experiment = _load(p, args)
+    from jxformers.train import NonFiniteError, train
+
+    try:
+        summary = train(experiment, args.workdir, progress=not args.no_progress)
+    except NonFiniteError as e:
+        print(f"jxformers train: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
+    return 0
+
+
+def _eval(rest: list[str]) -> int:
+    p = _experiment_parser("jxformers eval", "evaluate the newest checkpoint on the eval split")
+    p.add_argument("--batches", type=int, default=None, help="eval batches (default: the whole split)")
+    args = p.parse_args(rest)
+    experiment = _load(p, args)
+    from jxformers.train import evaluate_checkpoint
+
+    try:
+        print(json.dumps(evaluate_checkpoint(experiment, args.workdir, batches=args.batches)))
+    except ValueError as e:
+        p.error(str(e))
+    return 0
+
+
+def _generate(rest: list[str]) -> int:
+    p = _experiment_parser("jxformers generate", "continue a prompt of token ids with a trained language model")
+    p.add_argument("--prompt", required=True, help="space-separated token ids, e.g. '1 5 7'")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(rest)
+    experiment = _load(p, args)
+    if experiment.model.task != "lm":
+        p.error(f"generate needs a language-model experiment; {experiment.name} is {experiment.model.task!r}")
+    try:
+        prompt = [int(t) for t in args.prompt.split()]
+    except ValueError:
+        p.error("--prompt must be space-separated integer token ids")
+    import jax
+    import jax.numpy as jnp
+
+    from jxformers.decoding import generate
+    from jxformers.train import restore_model
+
+    try:
+        model, _ = restore_model(experiment, args.workdir)
+        out = generate(model, jnp.asarray(prompt, jnp.int32), args.steps, key=jax.random.key(args.seed),
+                       temperature=args.temperature, top_k=args.top_k)
+    except ValueError as e:
+        p.error(str(e))
+    print(" ".join(str(int(t)) for t in out))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         from jxformers import bench
 
         return bench.main(rest)
+    commands = {"train": _train, "eval": _eval, "generate": _generate}
+    if command in commands:
+        return commands[command](rest)
     print(f"jxformers: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

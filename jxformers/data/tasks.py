@@ -1,0 +1,158 @@
+"""Task sources: random-access grain data sources whose records depend only on (seed,
+index), already padded to a fixed length with an explicit mask.
+
+Record layouts (numpy, one example):
+
+* classification: `tokens [max_len] int32`, `mask [max_len] bool` (True for real
+  tokens; padding is never inferred from a token value), `label int32`.
+* language modelling: `tokens`, `mask` and `loss_mask [max_len] bool`: position i's
+  prediction of token i + 1 counts in the loss where `loss_mask[i]` is True.
+
+`TASKS` maps a task name to its source class; each class says its vocabulary size,
+number of classes (classification) and model task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jxformers.data import listops
+
+
+def _pad(ids: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    if ids.shape[0] > max_len:
+        raise ValueError(f"a record of {ids.shape[0]} tokens does not fit max_len {max_len}")
+    tokens = np.zeros((max_len,), np.int32)
+    tokens[: ids.shape[0]] = ids
+    return tokens, np.arange(max_len) < ids.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ListOps:
+    """Generated ListOps (LRA grammar), classification into 10 values.
+
+    Arguments: seed (one stream per split), size (records), max_len (padded length; LRA:
+    2000), min_length/max_length (the expression length window: LRA 500 < n < 2000).
+    """
+
+    seed: int
+    size: int
+    max_len: int = 2000
+    min_length: int = listops.MIN_LENGTH
+    max_length: int = listops.MAX_LENGTH
+
+    model_task = "classify"
+    vocab_size = len(listops.VOCAB)
+    num_classes = listops.NUM_CLASSES
+
+    def __post_init__(self):
+        if self.max_length - 1 > self.max_len:
+            raise ValueError(f"listops: max_len ({self.max_len}) must hold expressions of max_length - 1 "
+                             f"({self.max_length - 1}) tokens")
+        if self.size < 1:
+            raise ValueError(f"listops: size must be >= 1; got {self.size}")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        text, label = listops.sample(self.seed, int(index), min_length=self.min_length, max_length=self.max_length)
+        tokens, mask = _pad(listops.encode(text), self.max_len)
+        return {"tokens": tokens, "mask": mask, "label": np.int32(label)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """The copy task (seed 002 section 5.1): `BOS x_1 .. x_n SEP x_1 .. x_n`, n uniform in
+    [min_symbols, max_symbols], symbols from an alphabet of `symbols`; the loss counts only
+    the copy. Ids: 0 padding, 1 BOS, 2 SEP, 3.. symbols."""
+
+    seed: int
+    size: int
+    max_len: int = 128
+    symbols: int = 10
+    min_symbols: int = 1
+    max_symbols: int | None = None
+
+    model_task = "lm"
+
+    @property
+    def vocab_size(self) -> int:
+        return 3 + self.symbols
+
+    def _max_symbols(self) -> int:
+        return self.max_symbols or (self.max_len - 2) // 2
+
+    def __post_init__(self):
+        if not 1 <= self.min_symbols <= self._max_symbols() or 2 * self._max_symbols() + 2 > self.max_len:
+            raise ValueError(f"copy: need 1 <= min_symbols <= max_symbols and 2 * max_symbols + 2 <= max_len; "
+                             f"got {self.min_symbols}, {self._max_symbols()}, max_len {self.max_len}")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, int(index)])
+        n = int(rng.integers(self.min_symbols, self._max_symbols() + 1))
+        x = rng.integers(3, 3 + self.symbols, size=n)
+        ids = np.concatenate([[1], x, [2], x]).astype(np.int32)
+        tokens, mask = _pad(ids, self.max_len)
+        loss_mask = np.zeros((self.max_len,), bool)
+        loss_mask[n + 1 : 2 * n + 1] = True  # position i predicts token i + 1: the copied half
+        return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask}
+
+
+@dataclasses.dataclass(frozen=True)
+class AssociativeRecall:
+    """Associative recall: `k_1 v_1 .. k_n v_n SEP k_j` -> `v_j`, distinct keys, as
+    language modelling with the loss on the answer only. Ids: 0 padding, 1 SEP, 2..
+    keys (`keys` of them), then values (`values` of them)."""
+
+    seed: int
+    size: int
+    max_len: int = 64
+    pairs: int = 8
+    keys: int = 16
+    values: int = 16
+
+    model_task = "lm"
+
+    @property
+    def vocab_size(self) -> int:
+        return 2 + self.keys + self.values
+
+    def __post_init__(self):
+        if self.pairs > self.keys or 2 * self.pairs + 3 > self.max_len:
+            raise ValueError(f"recall: need pairs <= keys and 2 * pairs + 3 <= max_len; got {self.pairs}, "
+                             f"{self.keys}, {self.max_len}")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, int(index)])
+        keys = rng.choice(self.keys, size=self.pairs, replace=False) + 2
+        values = rng.integers(0, self.values, size=self.pairs) + 2 + self.keys
+        j = int(rng.integers(self.pairs))
+        ids = np.concatenate([np.stack([keys, values], 1).reshape(-1), [1, keys[j], values[j]]]).astype(np.int32)
+        tokens, mask = _pad(ids, self.max_len)
+        loss_mask = np.zeros((self.max_len,), bool)
+        loss_mask[ids.shape[0] - 2] = True  # the query key's position predicts the answer
+        return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask}
+
+
+TASKS = {"listops": ListOps, "copy": Copy, "recall": AssociativeRecall}
+
+
+def make_source(task: str, **kwargs):
+    """The source of task `task` (a name in TASKS) with these settings."""
+    if task not in TASKS:
+        raise ValueError(f"unknown data task {task!r}; known: {sorted(TASKS)}")
+    cls = TASKS[task]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"data task {task!r}: unknown setting(s) {unknown}; known: {sorted(known)}")
+    return cls(**kwargs)

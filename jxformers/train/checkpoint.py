@@ -1,0 +1,93 @@
+"""Checkpoints with orbax: a `CheckpointManager` that saves the training state (model
+parameters, drawn arrays, optimizer state, step, RNG key) and the grain iterator state
+together, asynchronously; keeps the latest `keep` plus the best by an eval metric; and
+on restore falls back past a damaged checkpoint to the previous one, with a warning.
+
+Orbax writes each checkpoint to a temporary directory and renames it when complete, so
+a half-written checkpoint (a run killed mid-save) never appears as a step.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import time
+import warnings
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+
+class Checkpointer:
+    """Save and restore {"state": pytree of arrays, "data": grain iterator}."""
+
+    def __init__(self, directory: str | pathlib.Path, *, keep: int, best_metric: str, best_mode: str,
+                 async_save: bool = True):
+        self.best_metric = best_metric
+        preservation = policies.AnyPreservationPolicy([
+            policies.LatestN(n=keep),
+            policies.BestN(get_metric_fn=lambda m: m[best_metric], reverse=best_mode == "min", n=1,
+                           keep_checkpoints_without_metrics=False),
+        ])
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save, preservation_policy=preservation, create=True,
+        )
+        self.directory = pathlib.Path(directory).resolve()
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+
+    def save(self, step: int, state: dict[str, Any], iterator, metrics: dict[str, float] | None = None) -> None:
+        metrics = metrics if metrics and self.best_metric in metrics else None
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator)),
+            metrics=metrics,
+            force=True,
+        )
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def restore_latest(self, template: dict[str, Any], iterator) -> tuple[int, dict[str, Any]] | None:
+        """The newest checkpoint that restores cleanly, as (step, state); the iterator is
+        moved to its saved position. Damaged ones are skipped with a warning. None when
+        there is no checkpoint."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        for step in reversed(self.steps()):
+            try:
+                restored = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)
+                    ),
+                )
+                state = restored["state"]
+                leaves = jax.tree.leaves(state)
+                if any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(np.asarray(x))) for x in leaves):
+                    raise ValueError("non-finite values in the saved state")
+                return step, state
+            except Exception as error:  # noqa: BLE001 - any failure means "damaged": fall back
+                aside = self._set_aside(step)
+                warnings.warn(f"checkpoint at step {step} could not be restored ({type(error).__name__}: "
+                              f"{str(error)[:200]}); moved it to {aside} and fell back to the previous one",
+                              stacklevel=2)
+        return None
+
+    def _set_aside(self, step: int) -> pathlib.Path:
+        """Move a damaged checkpoint out of the manager's directory (kept for inspection;
+        its step can then be saved again)."""
+        aside = self.directory.parent / f"{self.directory.name}_damaged" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.directory / str(step)), aside)
+        self.manager.reload()
+        return aside
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

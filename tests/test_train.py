@@ -1,0 +1,226 @@
+"""The training stack: configs and their errors, the optimizer, a tiny end-to-end run,
+exact resume after SIGKILL, damaged-checkpoint fallback, SIGTERM, non-finite steps,
+and the CLI's train / eval / generate."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+import yaml
+
+from jxformers import cli
+from jxformers.train import NonFiniteError, load_experiment, make_optimizer, train
+from jxformers.train.optim import decay_mask, learning_rate_schedule
+
+TINY = {
+    "name": "tiny",
+    "data": {"task": "copy", "train_size": 256, "eval_size": 16, "settings": {"max_len": 16, "symbols": 4}},
+    "model": {"attention": "linear", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
+    "train": {"steps": 12, "batch_size": 8, "learning_rate": 0.003, "warmup_steps": 2, "eval_every": 6,
+              "eval_batches": 2, "log_every": 1},
+    "checkpoint": {"every": 4, "keep": 2},
+}
+
+
+def write_config(tmp_path, **sections):
+    config = {k: (v | sections.get(k, {}) if isinstance(v, dict) else v) for k, v in TINY.items()}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def losses(workdir):
+    """step -> loss, the last record for each step (a resumed run repeats some)."""
+    out = {}
+    for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_every_shipped_experiment_and_preset_validates():
+    root = pathlib.Path(__file__).parents[1] / "experiments"
+    names = sorted(p.stem for p in root.glob("*.yaml"))
+    assert {"copy", "lra_listops", "recall"} <= set(names)
+    for name in names:
+        for preset in yaml.safe_load((root / f"{name}.yaml").read_text()).get("presets", {}):
+            experiment = load_experiment(name, [f"preset={preset}"])
+            assert experiment.model.vocab_size == experiment.sources()[0].vocab_size
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["train.stepz=3"], r"train: unknown key\(s\) \['stepz'\]"),
+        (["train.steps=ten"], "train.steps must be int"),
+        (["train.optimizer=sgd"], "optimizer must be one of"),
+        (["preset=huge"], "unknown preset"),
+        (["model.attention=flashy"], "unknown attention 'flashy'"),
+        (["model.attention=nystrom"], "needs causal attention"),
+        (["model.vocab_size=7"], "comes from the data"),
+        (["data.settings.lenght=3"], "unknown setting"),
+        (["train.batch_size=6", "train.grad_accum=4"], "divisible"),
+        (["colour=red"], "unknown section"),
+        (["train.steps"], "key=value"),
+    ],
+)
+def test_config_errors(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_experiment(write_config(tmp_path), overrides)
+
+
+def test_missing_config_lists_the_shipped_ones():
+    with pytest.raises(ValueError, match="lra_listops"):
+        load_experiment("no_such_experiment")
+
+
+def test_overrides_and_presets():
+    e = load_experiment("copy", ["preset=tiny", "train.steps=7", "model.position=rope", "train.clip_norm=0.5"])
+    assert e.train["steps"] == 7 and e.model.position == "rope" and e.train["clip_norm"] == 0.5
+    assert e.model.num_layers == 2  # from the preset
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def test_weight_decay_skips_vectors_and_schedules_warm_up():
+    params = {"w": jnp.ones((3, 3)), "b": jnp.ones((3,)), "scale": jnp.ones((3,))}
+    assert decay_mask(params) == {"w": True, "b": False, "scale": False}
+    opt, _ = make_optimizer(learning_rate=0.0, weight_decay=0.5, clip_norm=None, warmup_steps=0, schedule="constant")
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = opt.update(zero, opt.init(params), params)
+    assert float(jnp.abs(updates["b"]).max()) == 0.0  # lr 0: nothing moves, and vectors never decay
+    for kind in ("cosine", "inverse_sqrt", "constant"):
+        lr = learning_rate_schedule(peak=1.0, warmup_steps=10, total_steps=100, kind=kind)
+        assert float(lr(0)) == pytest.approx(0.0) and float(lr(10)) == pytest.approx(1.0, rel=1e-3)
+    assert float(learning_rate_schedule(peak=1.0, warmup_steps=10, total_steps=100, kind="inverse_sqrt")(40)) == \
+        pytest.approx(0.5, rel=1e-3)
+    radam, _ = make_optimizer(optimizer="radam", learning_rate=1e-2, weight_decay=0.1)
+    assert radam.update(zero, radam.init(params), params)[0]["w"].shape == (3, 3)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_tiny_training_run_logs_evaluates_and_checkpoints(tmp_path):
+    experiment = load_experiment(write_config(tmp_path), ["train.grad_accum=2"])
+    summary = train(experiment, tmp_path / "run", progress=False)
+    assert summary["step"] == 12 and 0.0 <= summary["eval_accuracy"] <= 1.0
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == list(range(1, 13))
+    assert [r["step"] for r in records if "eval_loss" in r] == [6, 12]
+    first = next(r for r in records if "loss" in r)
+    assert first["tokens_per_s"] > 0 and first["step_temp_bytes"] > 0
+    kept = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept[-2:] == [8, 12]
+    assert (tmp_path / "run" / "config.yaml").exists()
+    # Training again on a finished work directory resumes at the end and does nothing.
+    assert train(experiment, tmp_path / "run", progress=False)["step"] == 12
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    experiment = load_experiment(write_config(tmp_path), ["checkpoint.async_save=false"])
+    train(experiment, tmp_path / "run", progress=False)
+    latest = tmp_path / "run" / "checkpoints" / "12" / "state"
+    for f in latest.rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(b"garbage")
+    more = load_experiment(write_config(tmp_path), ["checkpoint.async_save=false", "train.steps=14"])
+    with pytest.warns(UserWarning, match="checkpoint at step 12 could not be restored"):
+        summary = train(more, tmp_path / "run", progress=False)
+    assert summary["step"] == 14
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(x)][-6:] == [9, 10, 11, 12, 13, 14]  # resumed from step 8
+
+
+def test_non_finite_steps_stop_or_are_skipped(tmp_path):
+    config = write_config(tmp_path)
+    with pytest.raises(NonFiniteError, match="at step 2"):
+        train(load_experiment(config, ["train.learning_rate=1e38", "train.clip_norm=null", "train.warmup_steps=0",
+                                       "train.schedule=constant"]), tmp_path / "stop", progress=False)
+    summary = train(load_experiment(config, ["train.learning_rate=1e38", "train.clip_norm=null",
+                                             "train.warmup_steps=0", "train.schedule=constant",
+                                             "train.on_nonfinite=skip", "train.steps=4"]),
+                    tmp_path / "skip", progress=False)
+    assert summary["step"] == 4
+    records = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("skipped") for r in records)
+
+
+def _run_cli(config, workdir, *extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.Popen(
+        [sys.executable, "-m", "jxformers.cli", "train", str(config), "--workdir", str(workdir), "--no-progress",
+         *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+
+
+def _wait_for_checkpoint(workdir, step, proc, timeout=240):
+    target = pathlib.Path(workdir) / "checkpoints" / str(step)
+    start = time.time()
+    while not target.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() - start < timeout, "no checkpoint appeared"
+        time.sleep(0.05)
+
+
+def test_killed_run_resumes_with_the_same_losses_bit_for_bit(tmp_path):
+    config = write_config(tmp_path, train={"steps": 16})
+    straight = _run_cli(config, tmp_path / "straight")
+    assert straight.wait(timeout=600) == 0, straight.stderr.read().decode()[-2000:]
+    killed = _run_cli(config, tmp_path / "killed")
+    _wait_for_checkpoint(tmp_path / "killed", 4, killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    resumed = _run_cli(config, tmp_path / "killed")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read().decode()[-2000:]
+    expected, got = losses(tmp_path / "straight"), losses(tmp_path / "killed")
+    assert sorted(got) == list(range(1, 17))
+    assert got == expected  # exact float equality, step by step
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    config = write_config(tmp_path, train={"steps": 4000}, checkpoint={"every": 1000})
+    proc = _run_cli(config, tmp_path / "run")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    start = time.time()
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.time() - start < 240
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    stopped = records[-1]
+    assert stopped["interrupted"] == "SIGTERM"
+    assert (tmp_path / "run" / "checkpoints" / str(stopped["step"])).exists()
+
+
+def test_cli_train_eval_generate(tmp_path, capsys):
+    config = write_config(tmp_path)
+    assert cli.main(["train", str(config), "--workdir", str(tmp_path / "run"), "--no-progress",
+                     "--set", "train.steps=4"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
+    assert cli.main(["eval", str(config), "--workdir", str(tmp_path / "run"), "--set", "train.steps=4"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step"] == 4 and 0 <= result["eval_accuracy"] <= 1
+    assert cli.main(["generate", str(config), "--workdir", str(tmp_path / "run"), "--prompt", "1 3 4 2",
+                     "--steps", "5"]) == 0
+    assert len(capsys.readouterr().out.split()) == 9
+    with pytest.raises(SystemExit):
+        cli.main(["eval", str(config), "--workdir", str(tmp_path / "empty")])
+    with pytest.raises(SystemExit):
+        cli.main(["train", str(config), "--workdir", str(tmp_path / "x"), "--set", "train.steps=zero"])
+    shutil.rmtree(tmp_path / "run")
