@@ -20,7 +20,7 @@ $(VENV)/.stamp-dev: pyproject.toml | $(BIN)/python
 	@touch $@ $(VENV)/.stamp-run
 
 demo: $(VENV)/.stamp-run
-	$(BIN)/jxformers bench --short
+	$(BIN)/jxformers demo --workdir runs/demo
 
 test: $(VENV)/.stamp-dev
 	$(BIN)/python -m pytest -n 2 -q

@@ -15,6 +15,8 @@ commands:
   train     train an experiment: jxformers train CONFIG --workdir DIR [--set key=value ...]
   eval      evaluate the newest checkpoint of a work directory on the eval split
   generate  sample from a trained language model
+  plot      draw the curves of several work directories into one PNG
+  demo      train softmax, linear and Fourier-Transformer models on tiny ListOps and compare
 """
 
 
@@ -97,6 +99,27 @@ def _generate(rest: list[str]) -> int:
     return 0
 
 
+def _plot(rest: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jxformers plot", description="curves of several runs in one PNG")
+    p.add_argument("workdirs", nargs="+", help="work directories of `jxformers train`")
+    p.add_argument("--out", default="curves.png")
+    p.add_argument("--metrics", nargs="+", default=None, help="default: loss eval_accuracy")
+    args = p.parse_args(rest)
+    from jxformers.plot import DEFAULT_METRICS, plot_runs
+
+    try:
+        print(plot_runs(args.workdirs, args.out, metrics=args.metrics or DEFAULT_METRICS))
+    except ValueError as e:
+        p.error(str(e))
+    return 0
+
+
+def _demo(rest: list[str]) -> int:
+    from jxformers import demo
+
+    return demo.main(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -113,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         from jxformers import bench
 
         return bench.main(rest)
-    commands = {"train": _train, "eval": _eval, "generate": _generate}
+    commands = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "demo": _demo}
     if command in commands:
         return commands[command](rest)
     print(f"jxformers: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

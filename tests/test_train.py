@@ -224,3 +224,30 @@ def test_cli_train_eval_generate(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", str(config), "--workdir", str(tmp_path / "x"), "--set", "train.steps=zero"])
     shutil.rmtree(tmp_path / "run")
+
+
+def test_plot_draws_several_runs(tmp_path):
+    from jxformers.plot import read_metrics
+
+    for i, name in enumerate(("a", "b")):
+        (tmp_path / name).mkdir()
+        lines = [json.dumps({"step": s, "loss": 2.0 - 0.1 * s - i}) for s in range(1, 6)]
+        lines.append(json.dumps({"step": 5, "eval_accuracy": 0.5 + 0.1 * i}))
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert read_metrics(tmp_path / "a")["loss"][5] == pytest.approx(1.5)
+    out = tmp_path / "curves.png"
+    assert cli.main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    with pytest.raises(SystemExit):
+        cli.main(["plot", str(tmp_path / "missing"), "--out", str(out)])
+
+
+def test_demo_trains_three_models_and_prints_the_table(tmp_path, capsys):
+    args = ["--workdir", str(tmp_path), "--no-progress", "--set", "train.steps=3", "--set", "train.eval_batches=1",
+            "--set", "data.eval_size=32", "--set", "train.batch_size=8"]
+    assert cli.main(["demo", *args]) == 0
+    out = capsys.readouterr().out
+    for name in ("softmax", "linear", "fourier_transformer"):
+        assert f"| {name} |" in out
+        assert (tmp_path / name / "metrics.jsonl").exists()
+    assert (tmp_path / "demo.png").exists()

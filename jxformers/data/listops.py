@@ -27,12 +27,23 @@ MAX_DEPTH, MIN_ARGS, MAX_ARGS = 10, 2, 10
 MIN_LENGTH, MAX_LENGTH = 500, 2000  # kept when MIN_LENGTH < tokens < MAX_LENGTH
 
 
-def _tree(rng: np.random.Generator, depth: int, max_depth: int):
-    """A leaf digit, or (operator, [children]); the root is always an operator."""
+class _TooLong(Exception):
+    pass
+
+
+def _tree(rng: np.random.Generator, depth: int, max_depth: int, budget: list[int]):
+    """A leaf digit, or (operator, [children]); the root is always an operator.
+    `budget[0]` counts the tokens still allowed: generation stops (the draw is rejected)
+    as soon as it is spent, which leaves the distribution of accepted trees unchanged
+    and saves building the huge trees the length window would reject anyway."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _TooLong
     if depth > 1 and (depth >= max_depth or rng.random() < LEAF_PROBABILITY):
         return int(rng.integers(10))
+    budget[0] -= 1  # the closing bracket
     op = OPERATORS[int(rng.integers(len(OPERATORS)))]
-    return op, [_tree(rng, depth + 1, max_depth) for _ in range(int(rng.integers(MIN_ARGS, MAX_ARGS + 1)))]
+    return op, [_tree(rng, depth + 1, max_depth, budget) for _ in range(int(rng.integers(MIN_ARGS, MAX_ARGS + 1)))]
 
 
 def evaluate(tree) -> int:
@@ -85,7 +96,10 @@ def sample(seed: int, index: int, *, min_length: int = MIN_LENGTH, max_length: i
         raise ValueError(f"need 0 <= min_length < max_length - 1; got {min_length}, {max_length}")
     rng = np.random.default_rng([seed, index])
     while True:
-        tree = _tree(rng, 1, max_depth)
+        try:
+            tree = _tree(rng, 1, max_depth, [max_length - 1])
+        except _TooLong:
+            continue
         toks = tokens(tree)
         if min_length < len(toks) < max_length:
             return " ".join(toks), evaluate(tree)

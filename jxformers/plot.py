@@ -1,0 +1,51 @@
+"""Training curves of several runs in one PNG (`jxformers plot DIR... --out FILE`): one
+panel per metric, one line per work directory, read from each `metrics.jsonl` (for a
+resumed run, the last record of each step wins)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+DEFAULT_METRICS = ("loss", "eval_accuracy")
+
+
+def read_metrics(workdir: str | pathlib.Path) -> dict[str, dict[int, float]]:
+    """metric -> {step: value} from `workdir/metrics.jsonl`."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        raise ValueError(f"{workdir}: no metrics.jsonl (is it a `jxformers train` work directory?)")
+    series: dict[str, dict[int, float]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                series.setdefault(key, {})[int(record["step"])] = float(value)
+    return series
+
+
+def plot_runs(workdirs, out: str | pathlib.Path, *, metrics=DEFAULT_METRICS, labels=None) -> pathlib.Path:
+    """Draw `metrics` of every run into `out` (PNG); returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [read_metrics(w) for w in workdirs]
+    labels = labels or [pathlib.Path(w).name for w in workdirs]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for run, label in zip(runs, labels):
+            if metric in run:
+                steps = sorted(run[metric])
+                ax.plot(steps, [run[metric][s] for s in steps], label=label, marker="." if len(steps) < 30 else None)
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    out = pathlib.Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
