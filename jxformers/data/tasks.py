@@ -18,7 +18,8 @@ import dataclasses
 
 import numpy as np
 
-from jxformers.data import listops
+from jxformers.data import listops, pathfinder
+from jxformers.data.real import FashionMNIST, ShakespeareBytes
 
 
 def _pad(ids: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -143,11 +144,45 @@ class AssociativeRecall:
         return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask}
 
 
-TASKS = {"listops": ListOps, "copy": Copy, "recall": AssociativeRecall}
+@dataclasses.dataclass(frozen=True)
+class Pathfinder:
+    """Generated Pathfinder images as pixel sequences (row-major, values 0..255 as
+    tokens), 2 classes. Every pixel is a real token (mask all True): a black pixel is
+    data, never padding (the LRA code's fault)."""
+
+    seed: int
+    size: int
+    image_size: int = 32
+    contour_length: int = 6
+    distractors: int = 2
+
+    model_task = "classify"
+    vocab_size = 256
+    num_classes = 2
+
+    @property
+    def max_len(self) -> int:
+        return self.image_size**2
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        image, label = pathfinder.render(self.seed, int(index), size=self.image_size,
+                                         contour_length=self.contour_length, distractors=self.distractors)
+        tokens = image.reshape(-1).astype(np.int32)
+        return {"tokens": tokens, "mask": np.ones(tokens.shape, bool), "label": np.int32(label)}
 
 
-def make_source(task: str, **kwargs):
-    """The source of task `task` (a name in TASKS) with these settings."""
+TASKS = {
+    "listops": ListOps, "pathfinder": Pathfinder, "copy": Copy, "recall": AssociativeRecall,
+    "fashion_mnist": FashionMNIST, "shakespeare": ShakespeareBytes,
+}
+
+
+def make_source(task: str, *, split: str = "train", **kwargs):
+    """The source of task `task` (a name in TASKS) with these settings; `split` ("train"
+    or "valid") picks the files of real data sets (generated ones differ by seed)."""
     if task not in TASKS:
         raise ValueError(f"unknown data task {task!r}; known: {sorted(TASKS)}")
     cls = TASKS[task]
@@ -155,4 +190,8 @@ def make_source(task: str, **kwargs):
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"data task {task!r}: unknown setting(s) {unknown}; known: {sorted(known)}")
+    if "split" in kwargs:
+        raise ValueError(f"data task {task!r}: the split is chosen by the trainer (train / valid), not a setting")
+    if "split" in known:
+        kwargs["split"] = split
     return cls(**kwargs)

