@@ -47,7 +47,7 @@ def _train(rest: list[str]) -> int:
 
     try:
         summary = train(experiment, args.workdir, progress=not args.no_progress)
-    except NonFiniteError as e:
+    except (NonFiniteError, ValueError) as e:
         print(f"jxformers train: {e}", file=sys.stderr)
         return 1
     print(json.dumps(summary))

@@ -173,11 +173,20 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
         if f.is_file() and f.stat().st_size > 0:
             f.write_bytes(b"garbage")
     more = load_experiment(write_config(tmp_path), ["checkpoint.async_save=false", "train.steps=14"])
-    with pytest.warns(UserWarning, match="checkpoint at step 12 could not be restored"):
+    with pytest.warns(UserWarning, match="checkpoint at step 12 could not be restored.*resuming from step 8"):
         summary = train(more, tmp_path / "run", progress=False)
     assert summary["step"] == 14
     assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
             if "loss" in json.loads(x)][-6:] == [9, 10, 11, 12, 13, 14]  # resumed from step 8
+
+
+def test_a_changed_config_does_not_touch_the_checkpoints(tmp_path):
+    train(load_experiment(write_config(tmp_path), ["train.steps=4"]), tmp_path / "run", progress=False)
+    before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match="config changed"):
+        train(load_experiment(write_config(tmp_path), ["train.steps=8", "model.d_model=32"]), tmp_path / "run",
+              progress=False)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
 
 
 def test_non_finite_steps_stop_or_are_skipped(tmp_path):

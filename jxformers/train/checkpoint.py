@@ -1,7 +1,8 @@
 """Checkpoints with orbax: a `CheckpointManager` that saves the training state (model
 parameters, drawn arrays, optimizer state, step, RNG key) and the grain iterator state
 together, asynchronously; keeps the latest `keep` plus the best by an eval metric; and
-on restore falls back past a damaged checkpoint to the previous one, with a warning.
+on restore falls back past a damaged checkpoint to the previous one, with a warning
+(and refuses, without touching anything, when none restores: usually a changed config).
 
 Orbax writes each checkpoint to a temporary directory and renames it when complete, so
 a half-written checkpoint (a run killed mid-save) never appears as a step.
@@ -54,11 +55,18 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore_latest(self, template: dict[str, Any], iterator) -> tuple[int, dict[str, Any]] | None:
+    def restore_latest(self, template: dict[str, Any], iterator, *, set_aside: bool = True
+                       ) -> tuple[int, dict[str, Any]] | None:
         """The newest checkpoint that restores cleanly, as (step, state); the iterator is
-        moved to its saved position. Damaged ones are skipped with a warning. None when
-        there is no checkpoint."""
+        moved to its saved position. None when there are no checkpoints.
+
+        Newer checkpoints that fail to restore are reported with a warning and, with
+        `set_aside` (training, which will save those steps again), moved out of the way.
+        If none restores, nothing is moved and a ValueError explains: that is more often
+        a changed config (another model or optimizer) than damage.
+        """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        failed: list[tuple[int, str]] = []
         for step in reversed(self.steps()):
             try:
                 restored = self.manager.restore(
@@ -71,12 +79,20 @@ class Checkpointer:
                 leaves = jax.tree.leaves(state)
                 if any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(np.asarray(x))) for x in leaves):
                     raise ValueError("non-finite values in the saved state")
-                return step, state
-            except Exception as error:  # noqa: BLE001 - any failure means "damaged": fall back
-                aside = self._set_aside(step)
-                warnings.warn(f"checkpoint at step {step} could not be restored ({type(error).__name__}: "
-                              f"{str(error)[:200]}); moved it to {aside} and fell back to the previous one",
-                              stacklevel=2)
+            except Exception as error:  # noqa: BLE001 - any failure: try the previous one
+                failed.append((step, f"{type(error).__name__}: {str(error)[:300]}"))
+                continue
+            for bad, reason in failed:
+                where = f"; moved to {self._set_aside(bad)}" if set_aside else ""
+                warnings.warn(f"checkpoint at step {bad} could not be restored ({reason}){where}; "
+                              f"resuming from step {step}", stacklevel=2)
+            return step, state
+        if failed:
+            reasons = "; ".join(f"step {s}: {r}" for s, r in failed)
+            raise ValueError(
+                f"no checkpoint in {self.directory} could be restored ({reasons}). If the model or optimizer "
+                f"config changed since they were written, use the original config or a new work directory."
+            )
         return None
 
     def _set_aside(self, step: int) -> pathlib.Path:

@@ -208,11 +208,7 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
     key = jax.random.key(tcfg["seed"])
     model = build_model(experiment.model, key=jax.random.fold_in(key, 0))
     params, frozen, static = _split_model(model)
-    optimizer, schedule = make_optimizer(
-        optimizer=tcfg["optimizer"], learning_rate=tcfg["learning_rate"], warmup_steps=tcfg["warmup_steps"],
-        total_steps=tcfg["steps"], schedule=tcfg["schedule"], weight_decay=tcfg["weight_decay"],
-        clip_norm=tcfg["clip_norm"],
-    )
+    optimizer, schedule = _optimizer(experiment)
     opt_state = optimizer.init(params)
     loader = make_loader(train_source, batch_size=tcfg["batch_size"], seed=tcfg["seed"])
     iterator = iter(loader)
@@ -296,12 +292,20 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         events.close()
 
 
+def _optimizer(experiment: Experiment):
+    t = experiment.train
+    return make_optimizer(
+        optimizer=t["optimizer"], learning_rate=t["learning_rate"], warmup_steps=t["warmup_steps"],
+        total_steps=t["steps"], schedule=t["schedule"], weight_decay=t["weight_decay"], clip_norm=t["clip_norm"],
+    )
+
+
 def restore_model(experiment: Experiment, workdir: str | pathlib.Path):
     """The model saved in the newest good checkpoint of `workdir` (ValueError if none)."""
     key = jax.random.key(experiment.train["seed"])
     model = build_model(experiment.model, key=jax.random.fold_in(key, 0))
     params, frozen, static = _split_model(model)
-    optimizer, _ = make_optimizer(optimizer=experiment.train["optimizer"], total_steps=experiment.train["steps"])
+    optimizer, _ = _optimizer(experiment)
     opt_state = optimizer.init(params)
     ccfg = experiment.checkpoint
     checkpointer = Checkpointer(pathlib.Path(workdir) / "checkpoints", keep=ccfg["keep"],
@@ -309,7 +313,8 @@ def restore_model(experiment: Experiment, workdir: str | pathlib.Path):
     try:
         train_source, _ = experiment.sources()
         iterator = iter(make_loader(train_source, batch_size=experiment.train["batch_size"], seed=0))
-        restored = checkpointer.restore_latest(_state_dict(params, frozen, opt_state, 0, key), iterator)
+        restored = checkpointer.restore_latest(_state_dict(params, frozen, opt_state, 0, key), iterator,
+                                               set_aside=False)
     finally:
         checkpointer.close()
     if restored is None:
