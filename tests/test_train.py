@@ -259,9 +259,13 @@ def test_cli_train_eval_generate(tmp_path, capsys):
     assert cli.main(["eval", str(config), "--workdir", str(tmp_path / "run"), "--set", "train.steps=4"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == 4 and 0 <= result["eval_accuracy"] <= 1
+    assert result["eval_bits_per_token"] == pytest.approx(result["eval_loss"] / 0.6931471805599453)
     assert cli.main(["generate", str(config), "--workdir", str(tmp_path / "run"), "--prompt", "1 3 4 2",
-                     "--steps", "5"]) == 0
-    assert len(capsys.readouterr().out.split()) == 9
+                     "--steps", "5", "--count", "3"]) == 0
+    captured = capsys.readouterr()
+    rows = captured.out.strip().splitlines()
+    assert len(rows) == 3 and all(len(r.split()) == 9 and r.split()[:4] == ["1", "3", "4", "2"] for r in rows)
+    assert "sequences/s" in captured.err
     with pytest.raises(SystemExit):
         cli.main(["eval", str(config), "--workdir", str(tmp_path / "empty")])
     with pytest.raises(SystemExit):
@@ -302,3 +306,24 @@ def test_tensorboard_records_are_framed_and_encoded_like_tensorflows():
     # wall_time (field 1, double), step (field 2, varint), summary (field 5) > value > tag, simple_value
     assert event.startswith(b"\x09" + struct.pack("<d", 1.5))
     assert b"\x10\x03" in event and b"\x0a\x04loss\x15\x00\x00\x80\x3e" in event
+
+
+def test_checkpointer_keeps_the_latest_and_the_best(tmp_path):
+    from jxformers.data import make_loader, make_source
+    from jxformers.train.checkpoint import Checkpointer
+
+    iterator = iter(make_loader(make_source("copy", seed=0, size=16, max_len=8), batch_size=2, seed=0))
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=2, best_metric="eval_accuracy", best_mode="max", async_save=False)
+    for step, acc in enumerate([0.1, 0.9, 0.2, 0.3, 0.4], start=1):
+        next(iterator)
+        ckpt.save(step, {"x": jnp.full((2,), float(step))}, iterator, {"eval_accuracy": acc})
+    ckpt.wait()
+    assert ckpt.steps() == [2, 4, 5]  # the best (step 2) and the latest two
+    fresh = iter(make_loader(make_source("copy", seed=0, size=16, max_len=8), batch_size=2, seed=0))
+    step, state = ckpt.restore_latest({"x": jnp.zeros((2,))}, fresh)
+    assert step == 5 and float(state["x"][0]) == 5.0
+    expected = iter(make_loader(make_source("copy", seed=0, size=16, max_len=8), batch_size=2, seed=0))
+    for _ in range(5):
+        next(expected)
+    assert (next(fresh)["tokens"] == next(expected)["tokens"]).all()  # the iterator resumed too
+    ckpt.close()

@@ -124,12 +124,17 @@ def make_eval_step(static):
     return step
 
 
-def evaluate(eval_step, params, frozen, loader, batches: int) -> dict[str, float]:
+def evaluate(eval_step, params, frozen, loader, batches: int, *, language_model: bool = False) -> dict[str, float]:
+    """Mean loss and accuracy over `batches` batches; for language models also the loss
+    in bits per predicted token (bits per dimension for pixels, per byte for text)."""
     total = correct = count = 0.0
     for _, batch in zip(range(batches), loader):
         t, c, n = (float(x) for x in eval_step(params, frozen, batch))
         total, correct, count = total + t, correct + c, count + n
-    return {"eval_loss": total / max(count, 1.0), "eval_accuracy": correct / max(count, 1.0)}
+    out = {"eval_loss": total / max(count, 1.0), "eval_accuracy": correct / max(count, 1.0)}
+    if language_model:
+        out["eval_bits_per_token"] = out["eval_loss"] / math.log(2)
+    return out
 
 
 # ----------------------------------------------------------------------------- state
@@ -224,7 +229,8 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
 
     def run_eval():
         eval_loader = make_loader(eval_source, batch_size=eval_batch, seed=0, shuffle=False, num_epochs=1)
-        return evaluate(eval_step, params, frozen, eval_loader, tcfg["eval_batches"])
+        return evaluate(eval_step, params, frozen, eval_loader, tcfg["eval_batches"],
+                        language_model=experiment.model.task == "lm")
 
     metrics_file = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finally
     events = EventWriter(workdir / "tensorboard")
@@ -331,4 +337,5 @@ def evaluate_checkpoint(experiment: Experiment, workdir: str | pathlib.Path, *, 
     batch = min(experiment.train["batch_size"], len(eval_source))
     loader = make_loader(eval_source, batch_size=batch, seed=0, shuffle=False, num_epochs=1)
     n = batches if batches is not None else math.ceil(len(eval_source) / batch)
-    return {"step": step, **evaluate(make_eval_step(static), params, frozen, loader, n)}
+    return {"step": step, **evaluate(make_eval_step(static), params, frozen, loader, n,
+                                     language_model=experiment.model.task == "lm")}
