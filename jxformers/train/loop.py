@@ -220,7 +220,11 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
     checkpointer = Checkpointer(workdir / "checkpoints", keep=ccfg["keep"], best_metric=ccfg["best_metric"],
                                 best_mode=ccfg["best_mode"], async_save=ccfg["async_save"])
     start = 0
-    restored = checkpointer.restore_latest(_state_dict(params, frozen, opt_state, 0, key), iterator)
+    try:
+        restored = checkpointer.restore_latest(_state_dict(params, frozen, opt_state, 0, key), iterator)
+    except BaseException:
+        checkpointer.close()
+        raise
     if restored is not None:
         params, frozen, opt_state, start, key = _from_state_dict(restored[1], params, frozen, opt_state)
     train_step = make_train_step(static, optimizer, grad_accum=tcfg["grad_accum"])
