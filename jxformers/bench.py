@@ -35,7 +35,7 @@ class Row:
     fwd_bwd_temp_bytes: int
 
 
-def _compile(fn, *args):
+def compile_measured(fn, *args):
     """Compile once; return (callable, cost analysis flops, temp bytes)."""
     compiled = jax.jit(fn).lower(*args).compile()
     cost = compiled.cost_analysis()
@@ -78,8 +78,8 @@ def _build(entry: Entry, length: int, batch: int, heads: int, d: int):
     def loss(q, k, v):
         return jnp.sum(forward(q, k, v))
 
-    fwd, flops, _ = _compile(forward, q, k, v)
-    fwd_bwd, _, temp = _compile(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    fwd, flops, _ = compile_measured(forward, q, k, v)
+    fwd_bwd, _, temp = compile_measured(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
     return (q, k, v), fwd, fwd_bwd, flops, temp
 
 

@@ -34,6 +34,7 @@ from jxformers.ops.kernelized import (
     FEATURE_MAPS,
     guarded_divide,
     performer_log_features,
+    performer_query_features,
 )
 
 _NO_SCALE = -1e30  # the Performer stabiliser before any key: exp(_NO_SCALE - x) == 0
@@ -66,7 +67,7 @@ def _key_features(name: str, k: Array, arrays: Mapping[str, Any], hp: Mapping[st
     """Key features [kv_heads, m] of one token, or (for Performer's softmax kernel) the
     log-features and their max, which the caller shifts by the running stabiliser."""
     if name == "linear":
-        return _feature_map(hp)(k.astype(jnp.float32)), None
+        return FEATURE_MAPS[hp["feature_map"]](k.astype(jnp.float32)), None
     if name == "rfa":
         return rfa_features(k[None], arrays["projection"])[0], None
     if name == "performer":
@@ -79,15 +80,9 @@ def _key_features(name: str, k: Array, arrays: Mapping[str, Any], hp: Mapping[st
 
 def _query_features(name: str, q: Array, arrays: Mapping[str, Any], hp: Mapping[str, Any]) -> Array:
     if name == "performer" and hp["kernel"] == "softmax":
-        log_q = performer_log_features(q[None], arrays["projection"])[0]
-        m = arrays["projection"].shape[0]
-        return jnp.exp(log_q - jax.lax.stop_gradient(jnp.max(log_q, axis=-1, keepdims=True))) / math.sqrt(m)
+        return performer_query_features(q[None], arrays["projection"])[0]
     features, _ = _key_features(name, q, arrays, hp)
     return features
-
-
-def _feature_map(hp):
-    return FEATURE_MAPS[hp["feature_map"]]
 
 
 RECURRENT = ("linear", "performer", "rfa")  # the attentions `_key_features` knows

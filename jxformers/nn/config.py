@@ -169,7 +169,7 @@ class ModelConfig:
             if override.get("ffn", self.ffn) not in FFN_KINDS:
                 raise ValueError(f"layer_overrides[{index}].ffn must be one of {list(FFN_KINDS)}")
         causal = self.task in ("lm", "seq2seq")
-        layers = self.decoder_layers or self.num_layers if self.task == "seq2seq" else self.num_layers
+        layers = (self.decoder_layers or self.num_layers) if self.task == "seq2seq" else self.num_layers
         for i in range(max(layers, self.num_layers)):
             layer = self.layer(i)
             spec = registry.get(layer["attention"])

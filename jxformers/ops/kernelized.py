@@ -310,6 +310,14 @@ def performer_log_features(x: Float[Array, "n heads d_k"], projection: Float[Arr
     return wx - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True)
 
 
+def performer_query_features(q: Float[Array, "n heads d_k"], projection: Float[Array, "m _d_k"]) -> Float[Array, "n heads m"]:
+    """FAVOR+ softmax features of queries, stabilised by each row's own max (a per-query
+    constant, so it cancels between numerator and denominator)."""
+    log_q = performer_log_features(q, projection)
+    log_q = log_q - jax.lax.stop_gradient(jnp.max(log_q, axis=-1, keepdims=True))
+    return jnp.exp(log_q) / math.sqrt(projection.shape[0])
+
+
 def performer_attention(
     q: Float[Array, "q_len heads d_k"],
     k: Float[Array, "kv_len kv_heads _d_k"],
@@ -355,12 +363,10 @@ def performer_attention(
     if kernel != "softmax":
         raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
     m = projection.shape[0]
-    lq, lk = performer_log_features(q, projection), performer_log_features(k, projection)
-    lq = lq - jax.lax.stop_gradient(jnp.max(lq, axis=-1, keepdims=True))
+    fq, lk = performer_query_features(q, projection), performer_log_features(k, projection)
     real = jnp.ones((k.shape[0],), bool) if kv_mask is None else kv_mask
     key_max = jnp.max(jnp.where(real[:, None, None], lk, -jnp.inf), axis=(1, 2))  # per position
     key_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(key_max), key_max, -jnp.inf))
-    fq = jnp.exp(lq) / math.sqrt(m)
     if not causal or form != "chunked":
         shift = jnp.max(key_max)
         shift = jnp.where(jnp.isfinite(shift), shift, 0.0)

@@ -48,14 +48,8 @@ class NonFiniteError(RuntimeError):
 
 
 def _forward(model, batch, key, inference):
-    keys = None if key is None else jax.random.split(key, batch["tokens"].shape[0])
-
-    def one(tokens, mask, k):
-        return model(tokens, mask, key=k, inference=inference)
-
-    if keys is None:
-        return jax.vmap(lambda t, m: one(t, m, None))(batch["tokens"], batch["mask"])
-    return jax.vmap(one)(batch["tokens"], batch["mask"], keys)
+    keys = None if key is None else jax.random.split(key, batch["tokens"].shape[0])  # None vmaps as an empty tree
+    return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(batch["tokens"], batch["mask"], keys)
 
 
 def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool = False):
@@ -247,7 +241,7 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
     tokens_per_batch = tcfg["batch_size"] * train_source.max_len
     last_eval: dict[str, float] = {}
     summary: dict[str, Any] = {"step": start}
-    compiled, memory = None, {"temp": None}
+    compiled, step_temp = None, None
     bar = tqdm(total=tcfg["steps"], initial=start, desc=experiment.name, disable=not progress, file=sys.stderr)
     try:
         with _Signals() as signals:
@@ -261,7 +255,7 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
                 if compiled is None:  # compile once, explicitly, to record the step's memory
                     compiled = train_step.lower(params, opt_state, frozen, batch, step_key).compile()
                     analysis = compiled.memory_analysis()
-                    memory["temp"] = int(analysis.temp_size_in_bytes) if analysis is not None else None
+                    step_temp = int(analysis.temp_size_in_bytes) if analysis is not None else None
                 began = time.perf_counter()
                 params, opt_state, m = compiled(params, opt_state, frozen, batch, step_key)
                 m = {k: float(v) for k, v in m.items()}
@@ -277,7 +271,7 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
                         )
                 elif step % tcfg["log_every"] == 0 or step == tcfg["steps"] or step == start + 1:
                     log({"step": step, **m, "lr": float(schedule(step - 1)), "step_ms": 1e3 * elapsed,
-                         "tokens_per_s": tokens_per_batch / elapsed, "step_temp_bytes": memory["temp"],
+                         "tokens_per_s": tokens_per_batch / elapsed, "step_temp_bytes": step_temp,
                          "peak_memory_bytes": _peak_memory_bytes()})
                 if step % tcfg["eval_every"] == 0 or step == tcfg["steps"]:
                     last_eval = run_eval()
@@ -293,7 +287,7 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
                     log({"step": step, "interrupted": signal.Signals(signals.received).name})
                     raise SystemExit(128 + signals.received)
         summary["peak_memory_bytes"] = _peak_memory_bytes()
-        summary["train_step_temp_bytes"] = memory["temp"]
+        summary["train_step_temp_bytes"] = step_temp
         return summary
     finally:
         bar.close()
