@@ -1,14 +1,18 @@
 """jxformers: efficient transformers in pure JAX.
 
-    ops        pure attention functions (one file per family)
-    registry   name -> attention spec (hyper-parameters, capabilities)
-    nn         Equinox modules and models; ModelConfig and build_model
-    decoding   incremental decoding states and generate
+    ops        pure attention functions (one file per family), each registered beside its op
+    registry   the registry's machinery: name -> spec, binding, capabilities
+    decoding   decoder factories (key/value cache, ring buffer, recurrent state)
+    nn         Equinox modules and models; ModelConfig and build_model; generation
+    train      experiment configs, train state, the train loop, checkpoints
+    tools      the `jxformers` command, benchmarks, demo, plots
 """
 
-from jxformers import decoding, nn, ops, registry
-from jxformers.decoding import generate
+# isort: off  (ops first: importing it registers every attention, and it uses decoding)
+from jxformers import ops, registry, decoding, nn
+# isort: on
 from jxformers.nn import ModelConfig, build_model
+from jxformers.nn.generation import generate
 
 __version__ = "0.1.0"
 __all__ = ["ModelConfig", "build_model", "decoding", "generate", "nn", "ops", "registry"]

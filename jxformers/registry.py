@@ -1,88 +1,199 @@
-"""The attention registry: name -> op, typed hyper-parameters, capabilities.
+"""The attention registry's machinery: specs, hyper-parameters read from signatures,
+binding, lookup. It holds no entries: each attention registers itself beside its op
+(`jxformers/ops/<family>.py`), so an attention is defined in one place.
 
     >>> from jxformers import registry
     >>> registry.names()
     ['softmax', 'chunked', 'local', ...]
     >>> spec = registry.get("local")
-    >>> spec.causal, spec.kv_mask, spec.cross, spec.decode
-    (True, True, False, False)
-    >>> out = spec(q, k, v, causal=True, window=8)
+    >>> spec.supports_causal, spec.supports_kv_mask, spec.supports_cross, spec.takes_bias, spec.decodes
+    (True, True, False, False, True)
+    >>> local = spec.bind(window=8)               # validated once; frozen and hashable
+    >>> out = local(q, k, v, causal=True)
 
-Every registered attention is called the same way through its spec:
-`spec(q, k, v, *, arrays=None, causal=False, kv_mask=None, **hyper_parameters)`, where
-`arrays` holds what the op needs besides q/k/v (learned kernels, a PRNG key for a random
-pattern) as made by `spec.init_arrays(key, ...)`. Unknown names, unknown or ill-typed
+Hyper-parameters are the op's keyword-only arguments that take static Python values
+(names, types and defaults from its signature), plus those of its array initialiser
+(`init_arrays`) that only shape the arrays it makes (Performer's `num_features`).
+A registration writes by hand only what a signature cannot say: a doc line, the
+allowed choices, the capabilities, the decoder, and the hyper-parameter that must
+cover a model's length (`covers_length`). Unknown names, unknown or ill-typed
 hyper-parameters and unsupported capabilities are ValueErrors listing what exists.
-The generic test suite iterates over this registry, so a new attention is tested the
-moment it is registered.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-import math
+import inspect
+import types
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import jaxtyping
 
-from jxformers import ops
+# Arguments every attention is called with, never hyper-parameters.
+CALL_ARGUMENTS = ("causal", "kv_mask", "mask", "bias")
+# Arguments of an array initialiser that come from the module's shapes.
+SHAPE_ARGUMENTS = ("heads", "kv_heads", "d_k", "d_v")
+_REQUIRED = inspect.Parameter.empty
+
+
+# ----------------------------------------------------------------------------- hyper-parameters
+
+
+def _is_array_type(tp) -> bool:
+    if tp is jax.Array:
+        return True
+    return isinstance(tp, type) and issubclass(tp, jaxtyping.AbstractArray)
+
+
+def _members(tp) -> tuple:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def _is_static(tp) -> bool:
+    """True when an annotation admits a static Python value (a hyper-parameter), False
+    when it admits only arrays (or None alongside arrays): those are array arguments."""
+    return any(m is not type(None) and not _is_array_type(m) for m in _members(tp))
+
+
+def _type_name(tp) -> str:
+    names = []
+    for m in _members(tp):
+        origin = typing.get_origin(m)
+        if m is type(None):
+            names.append("None")
+        elif origin in (tuple, collections.abc.Sequence) or m in (tuple, collections.abc.Sequence):
+            names.append("tuple of ints")
+        elif origin is collections.abc.Callable or m is collections.abc.Callable:
+            names.append("callable")
+        elif isinstance(m, type) and not _is_array_type(m):
+            names.append(m.__name__)
+    return " or ".join(names)
+
+
+def _accepts(member, value) -> tuple[bool, Any]:
+    """(value fits this member of an annotation, the value normalised)."""
+    origin = typing.get_origin(member)
+    if member is type(None):
+        return value is None, value
+    if member is bool:
+        return isinstance(value, bool), value
+    if member is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if member is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool), value
+    if member is str:
+        return isinstance(value, str), value
+    if origin in (tuple, collections.abc.Sequence) or member in (tuple, collections.abc.Sequence):
+        ok = isinstance(value, (tuple, list)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        return ok, tuple(value) if ok else value
+    if origin is collections.abc.Callable or member is collections.abc.Callable:
+        return callable(value) and not isinstance(value, str), value
+    return False, value
 
 
 @dataclasses.dataclass(frozen=True)
-class Param:
-    """One hyper-parameter: a static Python value (never traced)."""
+class HyperParameter:
+    """One hyper-parameter: a static Python value (never traced).
+
+    Fields:
+        name, annotation, default: from the signature (`default` is `inspect.Parameter.empty`
+            when the op requires it). doc, choices: written in the registration.
+        arrays_only: taken by the array initialiser only (it shapes the arrays; the op
+            reads the shapes, not the value).
+    """
 
     name: str
-    type: type
+    annotation: Any
     default: Any
-    doc: str
+    doc: str = ""
     choices: tuple[Any, ...] | None = None
-    init_only: bool = False  # shapes the arrays made by `init_arrays`; not passed to the op
+    arrays_only: bool = False
+
+    @property
+    def required(self) -> bool:
+        return self.default is _REQUIRED
 
     def check(self, attention: str, value: Any) -> Any:
-        if self.type is tuple:
-            ok = isinstance(value, (tuple, list)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-            value = tuple(value) if ok else value
-        elif self.type is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        """The value, normalised (lists become tuples); ValueError when it does not fit."""
+        for member in _members(self.annotation):
+            ok, normalised = _accepts(member, value)
+            if ok:
+                break
         else:
-            ok = isinstance(value, self.type) and not (self.type is int and isinstance(value, bool))
-        if not ok:
             raise ValueError(
-                f"{attention}: hyper-parameter {self.name!r} must be {self.type.__name__}; got {value!r}"
+                f"{attention}: hyper-parameter {self.name!r} must be {_type_name(self.annotation)}; got {value!r}"
             )
-        if self.choices is not None and value not in self.choices:
+        if self.choices is not None and isinstance(normalised, str) and normalised not in self.choices:
             raise ValueError(f"{attention}: {self.name} must be one of {list(self.choices)}; got {value!r}")
-        return value
+        return normalised
+
+
+def _signature_parameters(fn: Callable, skip: tuple[str, ...]) -> dict[str, HyperParameter]:
+    """The static keyword-only parameters of `fn`, as hyper-parameters."""
+    hints = typing.get_type_hints(fn)
+    out = {}
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in skip:
+            continue
+        annotation = hints.get(p.name, type(p.default) if p.default is not _REQUIRED else Any)
+        if _is_static(annotation):
+            out[p.name] = HyperParameter(p.name, annotation, p.default)
+    return out
+
+
+# ----------------------------------------------------------------------------- decoders
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """How an attention decodes one token at a time, optax-style: a pair of pure
+    functions over a state of fixed shape (built by the factories in
+    `jxformers.decoding`).
+
+    `init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> state`;
+    `step(q [heads, d_k], k [kv_heads, d_k], v [kv_heads, d_v], state, *,
+    hyper_parameters, arrays, bias_fn) -> (out [heads, d_v], state)`.
+    """
+
+    kind: str  # shown by `jxformers list`: "cache", "ring buffer", "recurrent"
+    init: Callable[..., Any]
+    step: Callable[..., tuple[Any, Any]]
+
+
+# ----------------------------------------------------------------------------- specs
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """What the registry knows about one attention.
+    """What the registry knows about one attention. Made by `register`.
 
     Fields:
         name: registry name. op: the pure function in `jxformers.ops`.
-        family: survey family (Tay et al.): "exact", "fixed pattern", "downsampling"...
+        family: survey family (Tay et al.): "exact", "fixed pattern", "kernelized"...
         paper: citation. complexity: time complexity in N (sequence length).
-        params: typed hyper-parameters with defaults.
-        causal / kv_mask / cross / bias: what the op supports: a causal mask, padding
-            masks, queries and keys of different lengths, an additive logit bias (ALiBi,
-            T5 relative positions).
-        decoder: how `jxformers.decoding` decodes it one token at a time: "cache" (a
-            preallocated key/value cache), "window" (a ring buffer of the window),
-            "recurrent" (the constant-size state (S, Z) of kernelized attention), or
-            None (no incremental decoding). `decode` is True when it has one.
-        drawn: names of arrays made by `init_arrays` that are drawn at random rather
-            than learned (Performer's projection, BigBird's key): modules hold them
-            out of the gradient and resample them with `redraw(key)`.
+        hyper_parameters: from the op's (and the array initialiser's) signature.
+        supports_causal: the op can mask the future (`causal=True`).
+        supports_kv_mask: padded keys (`kv_mask`) never change real outputs.
+        supports_cross: queries and keys may have different lengths (cross-attention).
+        takes_bias: the op adds a logit bias (ALiBi, T5 relative positions).
+        decoder: how it decodes incrementally (`Decoder`), or None.
+        init_arrays: makes the op's array arguments (learned weights, drawn features, a
+            PRNG key) from `(key, *, heads, kv_heads, d_k, d_v, **its hyper-parameters)`;
+            None when it needs none.
+        drawn: names of arrays from `init_arrays` drawn at random rather than learned
+            (Performer's projection, BigBird's key): modules keep them out of the
+            gradient and resample them with `redraw(key)`.
         exact: equals `softmax_attention` under some explicit mask (tested).
-        content_based: the weights depend on q and k (False for FNet and Synthesizer,
-            whose mixing ignores them).
-        init_arrays: makes the op's array arguments (learned weights, drawn features or a
-            PRNG key) from `(key, *, heads, kv_heads, d_k, d_v, **hyper_parameters)`;
-            None if it needs none.
+        content_based: the weights depend on q and k (False for FNet, Synthesizer).
+        covers_length: the hyper-parameter that bounds the sequence length (position-
+            indexed weights: Linformer's, Synthesizer's `max_len`); models fill it with
+            their own max_len and refuse a smaller one.
     """
 
     name: str
@@ -90,88 +201,201 @@ class AttentionSpec:
     family: str
     paper: str
     complexity: str
-    params: tuple[Param, ...] = ()
-    causal: bool = False
-    decoder: str | None = None
-    kv_mask: bool = True
-    cross: bool = False
-    bias: bool = False
+    hyper_parameters: tuple[HyperParameter, ...]
+    supports_causal: bool
+    supports_kv_mask: bool
+    supports_cross: bool
+    takes_bias: bool
+    decoder: Decoder | None = None
+    init_arrays_fn: Callable[..., dict[str, Any]] | None = None
     drawn: tuple[str, ...] = ()
     exact: bool = True
     content_based: bool = True
-    init: Callable[..., dict[str, Any]] | None = None
-
-    def __post_init__(self):
-        if self.decoder not in DECODERS:
-            raise ValueError(f"{self.name}: decoder must be one of {DECODERS}; got {self.decoder!r}")
+    covers_length: str | None = None
 
     @property
-    def decode(self) -> bool:
+    def decodes(self) -> bool:
         return self.decoder is not None
 
     def defaults(self) -> dict[str, Any]:
-        return {p.name: p.default for p in self.params}
+        return {p.name: p.default for p in self.hyper_parameters if not p.required}
 
-    def validate(self, hyper_parameters: Mapping[str, Any]) -> dict[str, Any]:
-        """Hyper-parameters filled with defaults and type-checked; ValueError otherwise."""
-        known = {p.name: p for p in self.params}
+    def bind(self, **hyper_parameters) -> BoundAttention:
+        """Validate the hyper-parameters once (defaults filled in) and return the frozen,
+        hashable attention that modules hold and call."""
+        known = {p.name: p for p in self.hyper_parameters}
         unknown = sorted(set(hyper_parameters) - set(known))
         if unknown:
-            raise ValueError(
-                f"{self.name}: unknown hyper-parameter(s) {unknown}; known: {sorted(known) or 'none'}"
-            )
+            raise ValueError(f"{self.name}: unknown hyper-parameter(s) {unknown}; known: {sorted(known) or 'none'}")
+        missing = sorted(n for n, p in known.items() if p.required and n not in hyper_parameters)
+        if missing:
+            raise ValueError(f"{self.name}: hyper-parameter(s) {missing} have no default; give them")
         merged = self.defaults() | dict(hyper_parameters)
-        return {name: known[name].check(self.name, value) for name, value in merged.items()}
+        checked = tuple((n, known[n].check(self.name, merged[n])) for n in known)
+        return BoundAttention(self, checked)
 
-    def init_arrays(
-        self, key: jax.Array, *, heads: int, kv_heads: int, d_k: int, d_v: int, **hyper_parameters
-    ) -> dict[str, Any]:
-        """The op's array arguments (empty when it needs none)."""
-        if self.init is None:
-            return {}
-        hp = self.validate(hyper_parameters)
-        return self.init(key, heads=heads, kv_heads=kv_heads, d_k=d_k, d_v=d_v, **hp)
+    # Conveniences for one-off use; a module binds once instead.
+    def __call__(self, q, k, v, *, arrays=None, causal=False, kv_mask=None, bias=None, **hyper_parameters):
+        return self.bind(**hyper_parameters)(q, k, v, arrays=arrays, causal=causal, kv_mask=kv_mask, bias=bias)
 
-    def __call__(
-        self, q, k, v, *, arrays: Mapping[str, Any] | None = None, causal: bool = False, kv_mask=None, bias=None,
-        **hyper_parameters,
-    ):
-        hp = self.validate(hyper_parameters)
-        if bias is not None and not self.bias:
-            raise ValueError(
-                f"{self.name} attention does not take an additive bias (ALiBi, T5 relative positions); "
-                f"ones that do: {names(bias=True)}"
-            )
-        if causal and not self.causal:
-            raise ValueError(f"{self.name} attention does not support causal=True; causal ones: {names(causal=True)}")
-        if kv_mask is not None and not self.kv_mask:
-            raise ValueError(f"{self.name} attention does not support kv_mask; ones that do: {names(kv_mask=True)}")
-        passed = {p.name for p in self.params if not p.init_only}
-        kwargs = {n: v for n, v in hp.items() if n in passed} | dict(arrays or {})
-        if self.causal:
+    def init_arrays(self, key, *, heads: int, kv_heads: int, d_k: int, d_v: int, **hyper_parameters) -> dict[str, Any]:
+        return self.bind(**hyper_parameters).init_arrays(key, heads=heads, kv_heads=kv_heads, d_k=d_k, d_v=d_v)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundAttention:
+    """A registered attention with its hyper-parameters validated: frozen and hashable,
+    so Equinox modules hold it as a static field and `jit` caches on it.
+
+    `bound(q, k, v, *, arrays=None, causal=False, kv_mask=None, bias=None)` runs the op;
+    `init_arrays(key, ...)` makes its arrays; `init_state` / `decode_step` decode.
+    """
+
+    spec: AttentionSpec
+    hyper: tuple[tuple[str, Any], ...]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def hyper_parameters(self) -> dict[str, Any]:
+        return dict(self.hyper)
+
+    def _op_kwargs(self) -> dict[str, Any]:
+        only = {p.name for p in self.spec.hyper_parameters if p.arrays_only}
+        return {n: v for n, v in self.hyper if n not in only}
+
+    def check_call(self, *, causal: bool = False, kv_mask=None, bias=None, cross: bool = False) -> None:
+        """ValueError (naming the ones that can) when asked for what this attention cannot do."""
+        s = self.spec
+        for wanted, able, what, flag in (
+            (causal, s.supports_causal, "be causal", "supports_causal"),
+            (kv_mask is not None, s.supports_kv_mask, "take a kv_mask (padding)", "supports_kv_mask"),
+            (bias is not None, s.takes_bias, "take an additive bias (ALiBi, T5 relative positions)", "takes_bias"),
+            (cross, s.supports_cross, "cross-attend (queries and keys of different lengths)", "supports_cross"),
+        ):
+            if wanted and not able:
+                raise ValueError(f"{s.name} attention cannot {what}; ones that can: {names(**{flag: True})}")
+
+    def __call__(self, q, k, v, *, arrays: Mapping[str, Any] | None = None, causal: bool = False, kv_mask=None,
+                 bias=None):
+        self.check_call(causal=causal, kv_mask=kv_mask, bias=bias)
+        kwargs = self._op_kwargs() | dict(arrays or {})
+        if self.spec.supports_causal:
             kwargs["causal"] = causal
         if kv_mask is not None:
             kwargs["kv_mask"] = kv_mask
         if bias is not None:
             kwargs["bias"] = bias
-        return self.op(q, k, v, **kwargs)
+        return self.spec.op(q, k, v, **kwargs)
+
+    def init_arrays(self, key, *, heads: int, kv_heads: int, d_k: int, d_v: int) -> dict[str, Any]:
+        """The op's array arguments (empty when it needs none)."""
+        fn = self.spec.init_arrays_fn
+        if fn is None:
+            return {}
+        wanted = inspect.signature(fn).parameters
+        given = {"heads": heads, "kv_heads": kv_heads, "d_k": d_k, "d_v": d_v} | self.hyper_parameters
+        return fn(key, **{n: v for n, v in given.items() if n in wanted})
+
+    def _decoder(self) -> Decoder:
+        if self.spec.decoder is None:
+            raise ValueError(f"{self.name} attention cannot decode incrementally; ones that can: {names(decodes=True)}")
+        return self.spec.decoder
+
+    def init_state(self, *, max_len: int, kv_heads: int, d_k: int, d_v: int, arrays: Mapping[str, Any] | None = None,
+                   dtype=None):
+        """The empty decoding state for sequences up to `max_len` (fixed shape)."""
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be a positive int; got {max_len!r}")
+        return self._decoder().init(hyper_parameters=self.hyper_parameters, arrays=dict(arrays or {}),
+                                    max_len=max_len, kv_heads=kv_heads, d_k=d_k, d_v=d_v, dtype=dtype)
+
+    def decode_step(self, q, k, v, state, *, arrays: Mapping[str, Any] | None = None, bias_fn=None):
+        """Attend the next token's query `[heads, d_k]` to every key so far (its own
+        included); returns `(out [heads, d_v], state)`. `bias_fn(q_pos [1], kv_pos [slots])
+        -> [heads, 1, slots]` adds a position bias (attentions that take one)."""
+        decoder = self._decoder()
+        self.check_call(bias=None if bias_fn is None else True)
+        return decoder.step(q, k, v, state, hyper_parameters=self.hyper_parameters, arrays=dict(arrays or {}),
+                            bias_fn=bias_fn)
 
 
-DECODERS = (None, "cache", "window", "recurrent")
+# ----------------------------------------------------------------------------- the registry
+
 _REGISTRY: dict[str, AttentionSpec] = {}
 
 
-def register(spec: AttentionSpec) -> AttentionSpec:
-    """Add an attention; its name must be new."""
-    if spec.name in _REGISTRY:
-        raise ValueError(f"attention {spec.name!r} is already registered")
-    _REGISTRY[spec.name] = spec
+def register(
+    name: str,
+    op: Callable,
+    *,
+    family: str,
+    paper: str,
+    complexity: str,
+    supports_causal: bool | None = None,
+    supports_kv_mask: bool | None = None,
+    supports_cross: bool = False,
+    takes_bias: bool | None = None,
+    decoder: Decoder | None = None,
+    init_arrays: Callable[..., dict[str, Any]] | None = None,
+    drawn: tuple[str, ...] = (),
+    exact: bool = True,
+    content_based: bool = True,
+    covers_length: str | None = None,
+    docs: Mapping[str, str] | None = None,
+    choices: Mapping[str, tuple[Any, ...]] | None = None,
+) -> AttentionSpec:
+    """Register `op` under `name`; hyper-parameters come from its keyword-only signature
+    (and `init_arrays`'s). Capabilities default to what the signature shows (`causal`,
+    `kv_mask`, `bias` arguments); say False where the op takes the argument only to
+    refuse it. `docs` and `choices` describe hyper-parameters by name."""
+    if name in _REGISTRY:
+        raise ValueError(f"attention {name!r} is already registered")
+    op_params = inspect.signature(op).parameters
+    found = _signature_parameters(op, CALL_ARGUMENTS)
+    if init_arrays is not None:
+        for n, p in _signature_parameters(init_arrays, SHAPE_ARGUMENTS).items():
+            if n in found and found[n].default != p.default:
+                raise ValueError(f"{name}: {n} defaults to {found[n].default!r} in the op but {p.default!r} in "
+                                 "init_arrays; give it one default")
+            found.setdefault(n, dataclasses.replace(p, arrays_only=True))
+    docs, choices = dict(docs or {}), dict(choices or {})
+    for extra in sorted((set(docs) | set(choices) | {covers_length} - {None}) - set(found)):
+        raise ValueError(f"{name}: {extra!r} is not a hyper-parameter of its op; found {sorted(found)}")
+    params = tuple(dataclasses.replace(p, doc=docs.get(n, ""), choices=choices.get(n)) for n, p in found.items())
+    flags = {
+        "supports_causal": ("causal", supports_causal),
+        "supports_kv_mask": ("kv_mask", supports_kv_mask),
+        "takes_bias": ("bias", takes_bias),
+    }
+    resolved = {}
+    for flag, (argument, given) in flags.items():
+        if given and argument not in op_params:
+            raise ValueError(f"{name}: {flag}=True but its op takes no {argument!r} argument")
+        resolved[flag] = argument in op_params if given is None else given
+    spec = AttentionSpec(
+        name, op, family, paper, complexity, params, supports_cross=supports_cross, decoder=decoder,
+        init_arrays_fn=init_arrays, drawn=tuple(drawn), exact=exact, content_based=content_based,
+        covers_length=covers_length, **resolved,
+    )
+    for p in params:  # the defaults themselves must pass the checks
+        if not p.required:
+            p.check(name, p.default)
+    _REGISTRY[name] = spec
     return spec
+
+
+def unregister(name: str) -> None:
+    """Remove an attention (tests that register a toy one clean up with this)."""
+    get(name)
+    del _REGISTRY[name]
 
 
 def names(**capabilities: bool) -> list[str]:
     """Registered names in registration order, optionally filtered by capability flags,
-    e.g. `names(causal=True, decode=True)`."""
+    e.g. `names(supports_causal=True, decodes=True)`."""
     return [n for n, s in _REGISTRY.items() if all(getattr(s, c) == want for c, want in capabilities.items())]
 
 
@@ -182,195 +406,20 @@ def get(name: str) -> AttentionSpec:
     return _REGISTRY[name]
 
 
-# ----------------------------------------------------------------------------- entries
+def bind(name: str, **hyper_parameters) -> BoundAttention:
+    """`get(name).bind(**hyper_parameters)`."""
+    return get(name).bind(**hyper_parameters)
 
 
-def _conv_kernels(key, *, kv_heads, d_k, d_v, stride, **_):
-    kk, kv = jax.random.split(key)
-    std_k = 1.0 / math.sqrt(stride * kv_heads * d_k)
-    std_v = 1.0 / math.sqrt(stride * kv_heads * d_v)
-    return {
-        "k_kernel": std_k * jax.random.normal(kk, (stride, kv_heads * d_k, kv_heads * d_k)),
-        "v_kernel": std_v * jax.random.normal(kv, (stride, kv_heads * d_v, kv_heads * d_v)),
-    }
-
-
-def _bigbird_key(key, **_):
-    return {"key": key}
-
-
-register(AttentionSpec(
-    "softmax", ops.softmax_attention, "exact", "Vaswani et al. 2017", "O(N^2)",
-    causal=True, decoder="cache", cross=True, bias=True,
-))
-register(AttentionSpec(
-    "chunked", ops.chunked_attention, "exact", "Rabe & Staats 2021", "O(N^2) time, O(N*chunk) memory",
-    (Param("chunk_size", int, 512, "queries and keys per chunk"),),
-    causal=True, decoder="cache", cross=True,
-))
-register(AttentionSpec(
-    "local", ops.local_attention, "fixed pattern", "Parmar et al. 2018; Beltagy et al. 2020", "O(N*w)",
-    (Param("window", int, 128, "keys each side (behind when causal)"),),
-    causal=True, decoder="window",
-))
-register(AttentionSpec(
-    "block_local", ops.block_local_attention, "fixed pattern", "Parmar et al. 2018; Qiu et al. 2019", "O(N*b)",
-    (Param("block_size", int, 128, "tokens per block"),),
-    causal=True,
-))
-register(AttentionSpec(
-    "dilated", ops.dilated_attention, "fixed pattern", "Beltagy et al. 2020", "O(N*w)",
-    (Param("window", int, 64, "attended keys each side"), Param("dilation", int, 2, "stride between attended keys")),
-    causal=True,
-))
-register(AttentionSpec(
-    "sparse_transformer", ops.sparse_transformer_attention, "fixed pattern", "Child et al. 2019", "O(N*sqrt(N))",
-    (
-        Param("stride", int, 64, "s, about sqrt(N)"),
-        Param("pattern", str, "strided", "strided or fixed", choices=("strided", "fixed")),
-        Param("num_summary", int, 1, "c, summary positions per block (fixed)"),
-    ),
-    causal=True,
-))
-register(AttentionSpec(
-    "longformer", ops.longformer_attention, "fixed pattern", "Beltagy et al. 2020", "O(N*(w+g))",
-    (Param("window", int, 128, "keys each side"), Param("global_indices", tuple, (0,), "positions of global tokens")),
-    causal=True,
-))
-register(AttentionSpec(
-    "bigbird", ops.bigbird_attention, "fixed pattern", "Zaheer et al. 2020", "O(N*b*(w+g+r))",
-    (
-        Param("block_size", int, 64, "tokens per block"),
-        Param("num_random_blocks", int, 3, "random key blocks per query block"),
-        Param("num_window_blocks", int, 3, "sliding window in blocks (odd)"),
-        Param("num_global_blocks", int, 2, "global blocks (first and last)"),
-    ),
-    init=_bigbird_key, drawn=("key",),
-))
-register(AttentionSpec(
-    "axial", ops.axial_attention, "fixed pattern", "Ho et al. 2019", "O(N*(W+N/W))",
-    (
-        Param("width", int, 64, "grid columns"),
-        Param("order", str, "row_then_column", "passes", choices=("row", "column", "row_then_column")),
-    ),
-    causal=True,
-))
-register(AttentionSpec(
-    "memory_compressed", ops.memory_compressed_attention, "downsampling", "Liu et al. 2018", "O(N^2/s)",
-    (Param("stride", int, 3, "convolution stride and kernel size", init_only=True),),
-    causal=True, cross=True, exact=False, init=_conv_kernels,
-))
-
-
-def _performer_projection(key, *, d_k, num_features, orthogonal, **_):
-    return {"projection": ops.performer_projection(key, num_features, d_k, orthogonal=orthogonal)}
-
-
-def _rfa_projection(key, *, d_k, num_features, sigma, **_):
-    return {"projection": ops.performer_projection(key, num_features, d_k) / sigma}
-
-
-def _linformer_projections(key, *, proj_len, max_len, **_):
-    ke, kf = jax.random.split(key)
-    std = 1.0 / math.sqrt(max_len)  # nn.Linear(max_len, proj_len)'s scale, as the paper's code
-    return {
-        "e_proj": std * jax.random.normal(ke, (proj_len, max_len)),
-        "f_proj": std * jax.random.normal(kf, (proj_len, max_len)),
-    }
-
-
-def _synthesizer_weights(key, *, heads, d_k, kind, hidden, max_len, rank, **_):
-    k1, k2, k3 = jax.random.split(key, 3)
-    if kind == "dense":
-        return {
-            "w1": jax.random.normal(k1, (heads, d_k, hidden)) / math.sqrt(d_k),
-            "b1": jnp.zeros((heads, hidden)),
-            "w2": jax.random.normal(k2, (heads, hidden, max_len)) / math.sqrt(hidden),
-        }
-    if kind == "random":
-        return {"random": jax.random.normal(k3, (heads, max_len, max_len))}
-    return {
-        "factor_a": jax.random.normal(k1, (heads, max_len, rank)) / rank**0.25,
-        "factor_b": jax.random.normal(k2, (heads, max_len, rank)) / rank**0.25,
-    }
-
-
-def _inducing_points(key, *, heads, d_k, d_v, num_inducing, **_):
-    ki, ku = jax.random.split(key)
-    arrays = {"inducing": jax.random.normal(ki, (num_inducing, heads, d_k))}
-    if d_v != d_k:
-        arrays["unpack_keys"] = jax.random.normal(ku, (heads, d_v, d_k)) / math.sqrt(d_v)
-    return arrays
-
-
-_CHUNK = Param("chunk_size", int, 64, "chunk of the causal chunked form")
-_FORM = Param("form", str, "chunked", "causal form", choices=ops.kernelized.FORMS)
-
-register(AttentionSpec(
-    "linear", ops.linear_attention, "kernelized", "Katharopoulos et al. 2020", "O(N*d^2)",
-    (Param("feature_map", str, "elu", "phi", choices=("elu", "relu", "identity")), _CHUNK, _FORM),
-    causal=True, cross=True, exact=False, decoder="recurrent",
-))
-register(AttentionSpec(
-    "performer", ops.performer_attention, "kernelized", "Choromanski et al. 2021", "O(N*m*d)",
-    (
-        Param("num_features", int, 256, "random features m", init_only=True),
-        Param("orthogonal", bool, True, "orthogonal random features", init_only=True),
-        Param("kernel", str, "softmax", "softmax (FAVOR+) or relu", choices=("softmax", "relu")),
-        _CHUNK, _FORM,
-    ),
-    causal=True, cross=True, exact=False, init=_performer_projection, drawn=("projection",), decoder="recurrent",
-))
-register(AttentionSpec(
-    "rfa", ops.rfa_attention, "kernelized", "Peng et al. 2021", "O(N*m*d)",
-    (
-        Param("num_features", int, 128, "random Fourier features m", init_only=True),
-        Param("sigma", float, 1.0, "Gaussian kernel width", init_only=True),
-        _CHUNK, _FORM,
-    ),
-    causal=True, cross=True, exact=False, init=_rfa_projection, drawn=("projection",), decoder="recurrent",
-))
-register(AttentionSpec(
-    "linformer", ops.linformer_attention, "low rank", "Wang et al. 2020", "O(N*k)",
-    (
-        Param("proj_len", int, 256, "projected length k", init_only=True),
-        Param("max_len", int, 4096, "longest sequence the projections cover", init_only=True),
-    ),
-    cross=True, exact=False, init=_linformer_projections,
-))
-register(AttentionSpec(
-    "synthesizer", ops.synthesizer_attention, "learnable pattern", "Tay et al. 2021", "O(N^2)",
-    (
-        Param("kind", str, "random", "synthetic logits", choices=ops.lowrank.SYNTHESIZER_KINDS),
-        Param("dot_weight", float, 0.0, "weight of dot-product logits mixed in"),
-        Param("hidden", int, 64, "dense: hidden width", init_only=True),
-        Param("max_len", int, 512, "longest sequence", init_only=True),
-        Param("rank", int, 8, "factorized: rank", init_only=True),
-    ),
-    causal=True, cross=True, exact=False, content_based=False, init=_synthesizer_weights,
-))
-register(AttentionSpec(
-    "nystrom", ops.nystrom_attention, "low rank", "Xiong et al. 2021", "O(N*m + m^3)",
-    (Param("num_landmarks", int, 64, "landmarks m"), Param("pinv_iterations", int, 6, "pseudo-inverse iterations")),
-    cross=True, exact=False,
-))
-register(AttentionSpec(
-    "induced", ops.induced_attention, "memory", "Lee et al. 2019 (ISAB); Ma et al. 2021 (Luna)", "O(N*m)",
-    (Param("num_inducing", int, 32, "inducing points m", init_only=True),),
-    cross=True, exact=False, init=_inducing_points,
-))
-register(AttentionSpec(
-    "fnet", ops.fnet_attention, "fourier", "Lee-Thorp et al. 2021", "O(N log N)",
-    exact=False, content_based=False,
-))
+# ----------------------------------------------------------------------------- listing
 
 
 def models(spec: AttentionSpec) -> str:
     """The model types an attention can serve in (`jxformers.ModelConfig.task`):
     every attention fits an encoder (classify, retrieval); causal ones also a language
     model and an encoder-decoder; "+decode" when it decodes incrementally."""
-    kinds = ["classify", "retrieval"] + (["lm", "seq2seq"] if spec.causal else [])
-    return " ".join(kinds) + (" +decode" if spec.decode else "")
+    kinds = ["classify", "retrieval"] + (["lm", "seq2seq"] if spec.supports_causal else [])
+    return " ".join(kinds) + (" +decode" if spec.decodes else "")
 
 
 def table() -> str:
@@ -379,9 +428,9 @@ def table() -> str:
             "hyper-parameters (defaults)")
     rows = [head]
     for s in _REGISTRY.values():
-        hp = ", ".join(f"{p.name}={p.default!r}" for p in s.params) or "-"
-        flags = ("yes" if f else "-" for f in (s.causal, s.kv_mask, s.cross, s.bias))
-        rows.append((s.name, s.family, *flags, s.decoder or "-", models(s), s.complexity, hp))
+        hp = ", ".join(p.name if p.required else f"{p.name}={p.default!r}" for p in s.hyper_parameters) or "-"
+        flags = ("yes" if f else "-" for f in (s.supports_causal, s.supports_kv_mask, s.supports_cross, s.takes_bias))
+        rows.append((s.name, s.family, *flags, s.decoder.kind if s.decoder else "-", models(s), s.complexity, hp))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

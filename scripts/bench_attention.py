@@ -6,7 +6,7 @@
 
 import sys
 
-from jxformers.bench import main
+from jxformers.tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

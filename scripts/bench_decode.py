@@ -5,7 +5,7 @@
 
 import sys
 
-from jxformers.bench_decode import main
+from jxformers.tools.bench_decode import main
 
 if __name__ == "__main__":
     sys.exit(main())

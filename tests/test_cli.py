@@ -3,7 +3,8 @@
 import subprocess
 import sys
 
-from jxformers import cli, registry
+from jxformers import registry
+from jxformers.tools import cli
 
 ISSUE_NAMES = [
     "softmax", "chunked", "local", "block_local", "dilated", "sparse_transformer",
@@ -31,7 +32,7 @@ def test_list_prints_every_attention(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "jxformers.cli", "list"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "jxformers.tools.cli", "list"], capture_output=True, text=True, check=True)
     assert "bigbird" in out.stdout
 
 

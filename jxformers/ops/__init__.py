@@ -1,5 +1,8 @@
 """Pure attention functions, one file per family; no parameters are created here.
 
+Each attention registers itself (`jxformers.registry.register`) right after its op, so
+the import order below is the registry's order.
+
 Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
 `k [kv_len, kv_heads, d_k]`, `v [kv_len, kv_heads, d_v]` -> `[q_len, heads, d_v]`.
 
@@ -9,23 +12,28 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     axial.py       axial_attention
     compressed.py  memory_compressed_attention
     kernelized.py  linear_attention, performer_attention, rfa_attention (and their features)
-    lowrank.py     linformer_attention, synthesizer_attention
-    memory.py      nystrom_attention, induced_attention (ISAB / Luna), latent_attention
-                   (Perceiver / PMA), funnel_pool and funnel_attention
+    lowrank.py     linformer_attention, synthesizer_attention, nystrom_attention
+    memory.py      induced_attention (ISAB / Luna), latent_attention (Perceiver / PMA),
+                   funnel_pool and funnel_attention
     fourier.py     dct, idct, fourier_downsample(_padded), nearest_upsample, fnet_mixing, fnet_attention
 """
 
+# isort: off  (the order below is the registry's order)
+from jxformers.ops.softmax import causal_mask, chunked_attention, softmax_attention
+from jxformers.ops.local import (
+    block_local_attention,
+    dilated_attention,
+    local_attention,
+)
+from jxformers.ops.sparse import (
+    bigbird_attention,
+    bigbird_global_blocks,
+    bigbird_random_blocks,
+    longformer_attention,
+    sparse_transformer_attention,
+)
 from jxformers.ops.axial import axial_attention
 from jxformers.ops.compressed import compress_memory, memory_compressed_attention
-from jxformers.ops.fourier import (
-    dct,
-    fnet_attention,
-    fnet_mixing,
-    fourier_downsample,
-    fourier_downsample_padded,
-    idct,
-    nearest_upsample,
-)
 from jxformers.ops.kernelized import (
     kernel_attention,
     linear_attention,
@@ -35,13 +43,11 @@ from jxformers.ops.kernelized import (
     rfa_attention,
     rfa_features,
 )
-from jxformers.ops.local import (
-    block_local_attention,
-    dilated_attention,
-    local_attention,
-)
 from jxformers.ops.lowrank import (
+    iterative_pinv,
     linformer_attention,
+    nystrom_attention,
+    segment_means,
     synthesizer_attention,
     synthesizer_logits,
 )
@@ -49,19 +55,18 @@ from jxformers.ops.memory import (
     funnel_attention,
     funnel_pool,
     induced_attention,
-    iterative_pinv,
     latent_attention,
-    nystrom_attention,
-    segment_means,
 )
-from jxformers.ops.softmax import causal_mask, chunked_attention, softmax_attention
-from jxformers.ops.sparse import (
-    bigbird_attention,
-    bigbird_global_blocks,
-    bigbird_random_blocks,
-    longformer_attention,
-    sparse_transformer_attention,
+from jxformers.ops.fourier import (
+    dct,
+    fnet_attention,
+    fnet_mixing,
+    fourier_downsample,
+    fourier_downsample_padded,
+    idct,
+    nearest_upsample,
 )
+# isort: on
 
 __all__ = [
     "axial_attention",

@@ -131,6 +131,15 @@ def head_mask(mask: Bool[Array, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:
     return mask[..., None, None, :, :]
 
 
+_TINY = 1e-30  # below this a denominator is treated as empty (all keys masked)
+
+
+def guarded_divide(num: Array, den: Array) -> Array:
+    """num / den with empty rows (den == 0: every key masked) giving zeros, not NaN."""
+    ok = jnp.abs(den) > _TINY
+    return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
+
+
 # ----------------------------------------------------------------------------- blocking
 
 

@@ -14,6 +14,7 @@ from jaxtyping import Array, Bool, Float
 
 from jxformers.ops._common import ceil_div, check_positive, check_self
 from jxformers.ops.local import block_local_attention, dilated_attention
+from jxformers.registry import register
 
 
 def axial_attention(
@@ -21,7 +22,7 @@ def axial_attention(
     k: Float[Array, "_seq kv_heads _d_k"],
     v: Float[Array, "_seq _kv_heads d_v"],
     *,
-    width: int,
+    width: int = 64,
     order: str = "row_then_column",
     causal: bool = False,
     kv_mask: Bool[Array, "_seq"] | None = None,
@@ -63,3 +64,9 @@ def axial_attention(
         # The row pass gives one value per *query* head; the column pass needs keys to match.
         k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
     return dilated_attention(q, k, v, window=rows, dilation=width, **common)
+
+
+register(
+    "axial", axial_attention, family="fixed pattern", paper="Ho et al. 2019", complexity="O(N*(W+N/W))",
+    choices={"order": ("row", "column", "row_then_column")}, docs={"width": "grid columns", "order": "passes"},
+)

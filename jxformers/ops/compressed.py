@@ -5,8 +5,11 @@ attention, cutting the cost by the stride.
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from jxformers.ops._common import (
     ceil_div,
@@ -19,6 +22,7 @@ from jxformers.ops._common import (
     valid_keys,
 )
 from jxformers.ops.softmax import softmax_attention
+from jxformers.registry import register
 
 
 def compress_memory(
@@ -99,3 +103,23 @@ def memory_compressed_attention(
         slot_end = (positions(ck.shape[0]) + 1) * stride - 1
         mask = slot_end[None, :] <= positions(q.shape[0])[:, None]
     return softmax_attention(q, ck, cv, mask=mask, kv_mask=real, scale=scale)
+
+
+def memory_compressed_arrays(
+    key: PRNGKeyArray, *, kv_heads: int, d_k: int, d_v: int, stride: int = 3
+) -> dict[str, Float[Array, "stride d_in d_out"]]:
+    """The learned convolution kernels of keys and values, `[stride, kv_heads * d, kv_heads * d]`."""
+    kk, kv = jax.random.split(key)
+    std_k = 1.0 / math.sqrt(stride * kv_heads * d_k)
+    std_v = 1.0 / math.sqrt(stride * kv_heads * d_v)
+    return {
+        "k_kernel": std_k * jax.random.normal(kk, (stride, kv_heads * d_k, kv_heads * d_k)),
+        "v_kernel": std_v * jax.random.normal(kv, (stride, kv_heads * d_v, kv_heads * d_v)),
+    }
+
+
+register(
+    "memory_compressed", memory_compressed_attention, family="downsampling", paper="Liu et al. 2018",
+    complexity="O(N^2/s)", supports_cross=True, exact=False, init_arrays=memory_compressed_arrays,
+    docs={"stride": "convolution stride and kernel size"},
+)

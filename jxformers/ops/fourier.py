@@ -13,6 +13,7 @@ import math
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jxformers.registry import register
 from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype
 
 
@@ -175,3 +176,7 @@ def fnet_attention(
     n, kv_heads, d_v = v.shape
     mixed = fnet_mixing(v.reshape(n, kv_heads * d_v)).reshape(n, kv_heads, d_v)
     return jnp.repeat(mixed, q.shape[1] // kv_heads, axis=1).astype(out_dtype(q, k, v))
+
+
+register("fnet", fnet_attention, family="fourier", paper="Lee-Thorp et al. 2021", complexity="O(N log N)",
+         exact=False, content_based=False)

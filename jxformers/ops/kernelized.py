@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers.decoding import recurrent
 from jxformers.ops._common import (
     ceil_div,
     check_mask_shape,
@@ -31,22 +32,17 @@ from jxformers.ops._common import (
     check_qkv,
     einsum_f32,
     group_heads,
+    guarded_divide,
     out_dtype,
     pad_to,
     to_blocks,
 )
+from jxformers.registry import register
 
 FORMS = ("chunked", "scan", "quadratic")
 DEFAULT_CHUNK = 64
-_TINY = 1e-30  # below this a denominator is treated as empty (all keys masked)
 
 # ----------------------------------------------------------------------------- core
-
-
-def guarded_divide(num: Array, den: Array) -> Array:
-    """num / den with empty rows (den == 0: every key masked) giving zeros, not NaN."""
-    ok = jnp.abs(den) > _TINY
-    return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
 
 
 def _noncausal(fq, fk, v):
@@ -212,7 +208,7 @@ def linear_attention(
     feature_map: str | Callable[[Array], Array] = "elu",
     causal: bool = False,
     kv_mask: Bool[Array, "_kv_len"] | None = None,
-    chunk_size: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
 ) -> Float[Array, "q_len heads d_v"]:
     """Linear attention (Katharopoulos et al., 2020): sim(q, k) = phi(q) . phi(k).
@@ -246,6 +242,24 @@ def linear_attention(
     return kernel_attention(
         phi(q), phi(k), v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=out_dtype(q, k, v)
     )
+
+
+def _feature_map(feature_map: str | Callable[[Array], Array]) -> Callable[[Array], Array]:
+    return FEATURE_MAPS[feature_map] if isinstance(feature_map, str) else feature_map
+
+
+def _linear_features(x, arrays, hyper_parameters):
+    return _feature_map(hyper_parameters["feature_map"])(x.astype(jnp.float32)), None
+
+
+_FORMS = {"form": FORMS}
+_FORM_DOCS = {"chunk_size": "chunk of the causal chunked form", "form": "causal form"}
+
+register(
+    "linear", linear_attention, family="kernelized", paper="Katharopoulos et al. 2020", complexity="O(N*d^2)",
+    supports_cross=True, exact=False, decoder=recurrent(_linear_features),
+    choices={"feature_map": tuple(FEATURE_MAPS), **_FORMS}, docs={"feature_map": "phi", **_FORM_DOCS},
+)
 
 
 # ----------------------------------------------------------------------------- Performer
@@ -327,7 +341,7 @@ def performer_attention(
     kernel: str = "softmax",
     causal: bool = False,
     kv_mask: Bool[Array, "_kv_len"] | None = None,
-    chunk_size: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
 ) -> Float[Array, "q_len heads d_v"]:
     """Performer FAVOR+ attention (Choromanski et al., 2021).
@@ -372,7 +386,7 @@ def performer_attention(
         shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
         fk = jnp.exp(lk - shift) / math.sqrt(m)
         return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype)
-    chunk = min(DEFAULT_CHUNK if chunk_size is None else chunk_size, q.shape[0])
+    chunk = min(chunk_size, q.shape[0])
     check_positive("chunk_size", chunk)
     nc = ceil_div(k.shape[0], chunk)
     chunk_max = jnp.max(to_blocks(pad_to(key_max, nc * chunk, value=-jnp.inf), chunk), axis=1)
@@ -383,6 +397,37 @@ def performer_attention(
     return kernel_attention(
         fq, fk, v, causal=True, kv_mask=kv_mask, form="chunked", chunk_size=chunk, key_log_scale=running, dtype=dtype
     )
+
+
+def performer_arrays(key: PRNGKeyArray, *, d_k: int, num_features: int = 256, orthogonal: bool = True
+                     ) -> dict[str, Float[Array, "num_features d_k"]]:
+    """Performer's drawn projection (redrawn with the module)."""
+    return {"projection": performer_projection(key, num_features, d_k, orthogonal=orthogonal)}
+
+
+def _performer_key_features(k, arrays, hyper_parameters):
+    """Plain features (ReLU kernel) or log-features and their max (softmax kernel), which
+    the recurrent decoder shifts by its running stabiliser as the chunked form does."""
+    if hyper_parameters["kernel"] == "relu":
+        return performer_features(k[None], arrays["projection"], kernel="relu")[0], None
+    log_k = performer_log_features(k[None], arrays["projection"])[0]
+    return log_k, jnp.max(log_k)
+
+
+def _performer_query_features(q, arrays, hyper_parameters):
+    if hyper_parameters["kernel"] == "relu":
+        return performer_features(q[None], arrays["projection"], kernel="relu")[0]
+    return performer_query_features(q[None], arrays["projection"])[0]
+
+
+register(
+    "performer", performer_attention, family="kernelized", paper="Choromanski et al. 2021", complexity="O(N*m*d)",
+    supports_cross=True, exact=False, init_arrays=performer_arrays, drawn=("projection",),
+    decoder=recurrent(_performer_key_features, query_features=_performer_query_features),
+    choices={"kernel": ("softmax", "relu"), **_FORMS},
+    docs={"num_features": "random features m", "orthogonal": "orthogonal random features",
+          "kernel": "softmax (FAVOR+) or relu", **_FORM_DOCS},
+)
 
 
 # ----------------------------------------------------------------------------- RFA
@@ -408,7 +453,7 @@ def rfa_attention(
     gate: Float[Array, "_kv_len _kv_heads"] | None = None,
     causal: bool = False,
     kv_mask: Bool[Array, "_kv_len"] | None = None,
-    chunk_size: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
 ) -> Float[Array, "q_len heads d_v"]:
     """Random Feature Attention (Peng et al., 2021).
@@ -438,3 +483,20 @@ def rfa_attention(
     return kernel_attention(
         fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, gate=gate, dtype=out_dtype(q, k, v)
     )
+
+
+def rfa_arrays(key: PRNGKeyArray, *, d_k: int, num_features: int = 128, sigma: float = 1.0
+               ) -> dict[str, Float[Array, "num_features d_k"]]:
+    """RFA's drawn projection, rows ~ N(0, I / sigma^2) (redrawn with the module)."""
+    return {"projection": performer_projection(key, num_features, d_k) / sigma}
+
+
+def _rfa_features(x, arrays, hyper_parameters):
+    return rfa_features(x[None], arrays["projection"])[0], None
+
+
+register(
+    "rfa", rfa_attention, family="kernelized", paper="Peng et al. 2021", complexity="O(N*m*d)",
+    supports_cross=True, exact=False, init_arrays=rfa_arrays, drawn=("projection",), decoder=recurrent(_rfa_features),
+    choices=_FORMS, docs={"num_features": "random Fourier features m", "sigma": "Gaussian kernel width", **_FORM_DOCS},
+)

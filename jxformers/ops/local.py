@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from jxformers.decoding import ring_buffer
 from jxformers.ops._common import (
     attend_parts,
     block_part,
@@ -29,6 +30,8 @@ from jxformers.ops._common import (
     valid_keys,
     window_block,
 )
+from jxformers.ops.softmax import softmax_attention
+from jxformers.registry import register
 
 
 def local_attention(
@@ -36,7 +39,7 @@ def local_attention(
     k: Float[Array, "_seq kv_heads _d_k"],
     v: Float[Array, "_seq _kv_heads d_v"],
     *,
-    window: int,
+    window: int = 128,
     causal: bool = False,
     kv_mask: Bool[Array, "_seq"] | None = None,
     scale: float | None = None,
@@ -66,12 +69,19 @@ def local_attention(
     return rows_to_output(attend_parts([part]), q.shape[0], out_dtype(q, k, v))
 
 
+register(
+    "local", local_attention, family="fixed pattern", paper="Parmar et al. 2018; Beltagy et al. 2020",
+    complexity="O(N*w)", decoder=ring_buffer(softmax_attention, slots=lambda hp: hp["window"] + 1),
+    docs={"window": "keys each side (behind when causal)"},
+)
+
+
 def block_local_attention(
     q: Float[Array, "seq heads d_k"],
     k: Float[Array, "_seq kv_heads _d_k"],
     v: Float[Array, "_seq _kv_heads d_v"],
     *,
-    block_size: int,
+    block_size: int = 128,
     causal: bool = False,
     kv_mask: Bool[Array, "_seq"] | None = None,
     scale: float | None = None,
@@ -103,13 +113,19 @@ def block_local_attention(
     return rows_to_output(attend_parts([part]), q.shape[0], out_dtype(q, k, v))
 
 
+register(
+    "block_local", block_local_attention, family="fixed pattern", paper="Parmar et al. 2018; Qiu et al. 2019",
+    complexity="O(N*b)", docs={"block_size": "tokens per block"},
+)
+
+
 def dilated_attention(
     q: Float[Array, "seq heads d_k"],
     k: Float[Array, "_seq kv_heads _d_k"],
     v: Float[Array, "_seq _kv_heads d_v"],
     *,
-    window: int,
-    dilation: int,
+    window: int = 64,
+    dilation: int = 2,
     causal: bool = False,
     kv_mask: Bool[Array, "_seq"] | None = None,
     scale: float | None = None,
@@ -150,3 +166,9 @@ def dilated_attention(
     out = run(interleave(q), interleave(k), interleave(v), real)
     out = jnp.swapaxes(out, 0, 1).reshape(length, *out.shape[2:])
     return out[:n]
+
+
+register(
+    "dilated", dilated_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N*w)",
+    docs={"window": "attended keys each side", "dilation": "stride between attended keys"},
+)

@@ -1,13 +1,17 @@
-"""Low-rank and synthetic attention: Linformer (Wang et al., 2020) and Synthesizer
-(Tay et al., 2021; seed 000 section 3.2.15)."""
+"""Low-rank attention (seed 000 section 3.2.12-3.2.15, "LR"): Linformer (Wang et al., 2020),
+Synthesizer (Tay et al., 2021) and Nystromformer's landmarks (Xiong et al., 2021)."""
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from jxformers.ops._common import check_mask_shape, check_qkv, default_scale, einsum_f32
 from jxformers.ops.softmax import softmax_attention
+from jxformers.registry import register
 
 
 def linformer_attention(
@@ -63,6 +67,24 @@ def linformer_attention(
     if kv_mask is not None:  # every key padded: nothing to attend, as the other ops
         out = jnp.where(jnp.any(kv_mask), out, 0)
     return out
+
+
+
+def linformer_arrays(key: PRNGKeyArray, *, proj_len: int = 256, max_len: int = 4096
+                     ) -> dict[str, Float[Array, "proj_len max_len"]]:
+    """Linformer's learned length projections E and F, at nn.Linear(max_len, proj_len)'s
+    scale (as the paper's code)."""
+    ke, kf = jax.random.split(key)
+    std = 1.0 / math.sqrt(max_len)
+    return {"e_proj": std * jax.random.normal(ke, (proj_len, max_len)),
+            "f_proj": std * jax.random.normal(kf, (proj_len, max_len))}
+
+
+register(
+    "linformer", linformer_attention, family="low rank", paper="Wang et al. 2020", complexity="O(N*k)",
+    supports_causal=False, supports_cross=True, exact=False, init_arrays=linformer_arrays, covers_length="max_len",
+    docs={"proj_len": "projected length k", "max_len": "longest sequence the projections cover"},
+)
 
 
 SYNTHESIZER_KINDS = ("dense", "random", "factorized_random")
@@ -143,3 +165,131 @@ def synthesizer_attention(
     bias = synthesizer_logits(q, k.shape[0], kind=kind, **weights)
     scale = dot_weight * default_scale(q.shape[2], None)
     return softmax_attention(q, k, v, bias=bias, scale=scale, causal=causal, kv_mask=kv_mask)
+
+
+
+def synthesizer_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, kind: str = "random", hidden: int = 64,
+                       max_len: int = 512, rank: int = 8) -> dict[str, Array]:
+    """The learned weights of each kind (see `synthesizer_logits`)."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    if kind == "dense":
+        return {
+            "w1": jax.random.normal(k1, (heads, d_k, hidden)) / math.sqrt(d_k),
+            "b1": jnp.zeros((heads, hidden)),
+            "w2": jax.random.normal(k2, (heads, hidden, max_len)) / math.sqrt(hidden),
+        }
+    if kind == "random":
+        return {"random": jax.random.normal(k3, (heads, max_len, max_len))}
+    return {
+        "factor_a": jax.random.normal(k1, (heads, max_len, rank)) / rank**0.25,
+        "factor_b": jax.random.normal(k2, (heads, max_len, rank)) / rank**0.25,
+    }
+
+
+register(
+    "synthesizer", synthesizer_attention, family="low rank", paper="Tay et al. 2021", complexity="O(N^2)",
+    supports_cross=True, exact=False, content_based=False, init_arrays=synthesizer_arrays, covers_length="max_len",
+    choices={"kind": SYNTHESIZER_KINDS},
+    docs={"kind": "synthetic logits", "dot_weight": "weight of dot-product logits mixed in",
+          "hidden": "dense: hidden width", "max_len": "longest sequence", "rank": "factorized: rank"},
+)
+
+
+# ----------------------------------------------------------------------------- Nystromformer
+
+
+def segment_means(
+    x: Float[Array, "n heads d"], num_segments: int, real: Bool[Array, "n"] | None = None
+) -> tuple[Float[Array, "num_segments heads d"], Bool[Array, "num_segments"]]:
+    """Means of `num_segments` contiguous segments of near-equal size (segment s covers
+    positions [floor(s n / m), floor((s + 1) n / m))), over real positions only; works for
+    any n >= 1 (segments may be empty when m > n; those are marked not real)."""
+    n = x.shape[0]
+    real = jnp.ones((n,), bool) if real is None else real
+    bounds = (positions(num_segments + 1) * n) // num_segments
+    seg = jnp.sum(bounds[None, 1:-1] <= positions(n)[:, None], axis=1)  # segment of each position
+    weights = (seg[None, :] == positions(num_segments)[:, None]) & real[None, :]  # [m, n]
+    count = weights.sum(axis=1)
+    sums = jnp.einsum("mn,nhd->mhd", weights.astype(jnp.float32), x.astype(jnp.float32))
+    means = sums / jnp.maximum(count, 1)[:, None, None]
+    return means.astype(x.dtype), count > 0
+
+
+def iterative_pinv(a: Float[Array, "*b m m"], iterations: int = 6) -> Float[Array, "*b m m"]:
+    """Moore-Penrose pseudo-inverse by the iteration of Razavi et al. (2014) used by
+    Nystromformer: Z <- Z/4 (13 I - A Z (15 I - A Z (7 I - A Z))), from
+    Z0 = A^T / (max row sum * max column sum) (A is row-stochastic here)."""
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    abs_a = jnp.abs(a)
+    norm = jnp.max(abs_a.sum(-1), axis=-1) * jnp.max(abs_a.sum(-2), axis=-1)
+    z = jnp.swapaxes(a, -1, -2) / norm[..., None, None]
+    for _ in range(iterations):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    return z
+
+
+def nystrom_attention(
+    q: Float[Array, "q_len heads d_k"],
+    k: Float[Array, "kv_len kv_heads _d_k"],
+    v: Float[Array, "_kv_len _kv_heads d_v"],
+    *,
+    num_landmarks: int = 64,
+    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    pinv_iterations: int = 6,
+    scale: float | None = None,
+) -> Float[Array, "q_len heads d_v"]:
+    """Nystromformer attention: softmax(Q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ K^T) V,
+    with landmarks Q~, K~ the means of `num_landmarks` contiguous segments.
+
+    Arguments:
+        q, k, v: as `softmax_attention` (cross attention allowed).
+        num_landmarks: m >= 1; any length works (segments of near-equal size).
+        kv_mask: optional `[kv_len]`; key landmarks average real keys only, and
+            softmax(Q~ K^T) never sees a padded key. (Query landmarks of self-attention
+            pass the same mask when q_len == kv_len.)
+        pinv_iterations: iterations of `iterative_pinv` (6 in the paper).
+        scale: default `1 / sqrt(d_k)`.
+
+    Returns:
+        `[q_len, heads, d_v]`. With m equal to the length (one token per segment) and a
+        converged pseudo-inverse this is exactly softmax attention.
+
+    Time and memory O(N * m * d + m^3). Not causal.
+    """
+    check_qkv(q, k, v)
+    check_positive("num_landmarks", num_landmarks)
+    check_positive("pinv_iterations", pinv_iterations, minimum=0)
+    kv_len = k.shape[0]
+    check_mask_shape("kv_mask", kv_mask, (kv_len,))
+    scale = default_scale(q.shape[2], scale)
+    real = valid_keys(kv_mask, kv_len, kv_len)
+    q_real = real if q.shape[0] == kv_len else None
+    kv_heads = k.shape[1]
+    q_land, q_land_ok = segment_means(q, num_landmarks, q_real)
+    k_land, k_land_ok = segment_means(k, num_landmarks, real)
+
+    def probs(qx, kx, key_ok):
+        s = logits(group_heads(qx, kv_heads), kx, scale)  # [h, g, q, k]
+        (p,) = softmax_parts([(s, key_ok[None, None, None, :])])
+        return p
+
+    k1 = probs(q, k_land, k_land_ok)  # [h, g, N, m]
+    k2 = probs(q_land, k_land, k_land_ok)  # [h, g, m, m]
+    k3 = probs(q_land, k, real)  # [h, g, m, N]
+    k3 = jnp.where(q_land_ok[None, None, :, None], k3, 0.0)
+    k2 = jnp.where(q_land_ok[None, None, :, None], k2, 0.0)
+    k3v = weighted_values(k3, v)  # [m, h, g, dv]
+    k3v = jnp.moveaxis(k3v, 0, 2)  # [h, g, m, dv]
+    out = k1 @ (iterative_pinv(k2, pinv_iterations) @ k3v)  # [h, g, N, dv]
+    out = jnp.moveaxis(out, 2, 0).reshape(q.shape[0], q.shape[1], v.shape[2])
+    if kv_mask is not None:
+        out = jnp.where(jnp.any(kv_mask), out, 0.0)
+    return out.astype(out_dtype(q, k, v))
+
+
+register(
+    "nystrom", nystrom_attention, family="low rank", paper="Xiong et al. 2021", complexity="O(N*m + m^3)",
+    supports_cross=True, exact=False,
+    docs={"num_landmarks": "landmarks m", "pinv_iterations": "pseudo-inverse iterations"},
+)

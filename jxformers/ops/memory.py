@@ -1,5 +1,4 @@
-"""Memory and downsampling attention: Nystromformer's landmarks (Xiong et al., 2021),
-attention through a small set of inducing / latent points (Set Transformer's ISAB and
+"""Memory attention: attention through a small set of inducing / latent points (Set Transformer's ISAB and
 PMA, Lee et al. 2019; Luna's pack and unpack, Ma et al. 2021; Perceiver's cross
 attention to a latent array, Jaegle et al. 2021) and Funnel-style query pooling
 (Dai et al., 2020).
@@ -7,8 +6,11 @@ attention to a latent array, Jaegle et al. 2021) and Funnel-style query pooling
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from jxformers.ops._common import (
     ceil_div,
@@ -27,99 +29,7 @@ from jxformers.ops._common import (
     weighted_values,
 )
 from jxformers.ops.softmax import softmax_attention
-
-# ----------------------------------------------------------------------------- Nystromformer
-
-
-def segment_means(
-    x: Float[Array, "n heads d"], num_segments: int, real: Bool[Array, "n"] | None = None
-) -> tuple[Float[Array, "num_segments heads d"], Bool[Array, "num_segments"]]:
-    """Means of `num_segments` contiguous segments of near-equal size (segment s covers
-    positions [floor(s n / m), floor((s + 1) n / m))), over real positions only; works for
-    any n >= 1 (segments may be empty when m > n; those are marked not real)."""
-    n = x.shape[0]
-    real = jnp.ones((n,), bool) if real is None else real
-    bounds = (positions(num_segments + 1) * n) // num_segments
-    seg = jnp.sum(bounds[None, 1:-1] <= positions(n)[:, None], axis=1)  # segment of each position
-    weights = (seg[None, :] == positions(num_segments)[:, None]) & real[None, :]  # [m, n]
-    count = weights.sum(axis=1)
-    sums = jnp.einsum("mn,nhd->mhd", weights.astype(jnp.float32), x.astype(jnp.float32))
-    means = sums / jnp.maximum(count, 1)[:, None, None]
-    return means.astype(x.dtype), count > 0
-
-
-def iterative_pinv(a: Float[Array, "*b m m"], iterations: int = 6) -> Float[Array, "*b m m"]:
-    """Moore-Penrose pseudo-inverse by the iteration of Razavi et al. (2014) used by
-    Nystromformer: Z <- Z/4 (13 I - A Z (15 I - A Z (7 I - A Z))), from
-    Z0 = A^T / (max row sum * max column sum) (A is row-stochastic here)."""
-    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
-    abs_a = jnp.abs(a)
-    norm = jnp.max(abs_a.sum(-1), axis=-1) * jnp.max(abs_a.sum(-2), axis=-1)
-    z = jnp.swapaxes(a, -1, -2) / norm[..., None, None]
-    for _ in range(iterations):
-        az = a @ z
-        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
-    return z
-
-
-def nystrom_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
-    *,
-    num_landmarks: int,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
-    pinv_iterations: int = 6,
-    scale: float | None = None,
-) -> Float[Array, "q_len heads d_v"]:
-    """Nystromformer attention: softmax(Q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ K^T) V,
-    with landmarks Q~, K~ the means of `num_landmarks` contiguous segments.
-
-    Arguments:
-        q, k, v: as `softmax_attention` (cross attention allowed).
-        num_landmarks: m >= 1; any length works (segments of near-equal size).
-        kv_mask: optional `[kv_len]`; key landmarks average real keys only, and
-            softmax(Q~ K^T) never sees a padded key. (Query landmarks of self-attention
-            pass the same mask when q_len == kv_len.)
-        pinv_iterations: iterations of `iterative_pinv` (6 in the paper).
-        scale: default `1 / sqrt(d_k)`.
-
-    Returns:
-        `[q_len, heads, d_v]`. With m equal to the length (one token per segment) and a
-        converged pseudo-inverse this is exactly softmax attention.
-
-    Time and memory O(N * m * d + m^3). Not causal.
-    """
-    check_qkv(q, k, v)
-    check_positive("num_landmarks", num_landmarks)
-    check_positive("pinv_iterations", pinv_iterations, minimum=0)
-    kv_len = k.shape[0]
-    check_mask_shape("kv_mask", kv_mask, (kv_len,))
-    scale = default_scale(q.shape[2], scale)
-    real = valid_keys(kv_mask, kv_len, kv_len)
-    q_real = real if q.shape[0] == kv_len else None
-    kv_heads = k.shape[1]
-    q_land, q_land_ok = segment_means(q, num_landmarks, q_real)
-    k_land, k_land_ok = segment_means(k, num_landmarks, real)
-
-    def probs(qx, kx, key_ok):
-        s = logits(group_heads(qx, kv_heads), kx, scale)  # [h, g, q, k]
-        (p,) = softmax_parts([(s, key_ok[None, None, None, :])])
-        return p
-
-    k1 = probs(q, k_land, k_land_ok)  # [h, g, N, m]
-    k2 = probs(q_land, k_land, k_land_ok)  # [h, g, m, m]
-    k3 = probs(q_land, k, real)  # [h, g, m, N]
-    k3 = jnp.where(q_land_ok[None, None, :, None], k3, 0.0)
-    k2 = jnp.where(q_land_ok[None, None, :, None], k2, 0.0)
-    k3v = weighted_values(k3, v)  # [m, h, g, dv]
-    k3v = jnp.moveaxis(k3v, 0, 2)  # [h, g, m, dv]
-    out = k1 @ (iterative_pinv(k2, pinv_iterations) @ k3v)  # [h, g, N, dv]
-    out = jnp.moveaxis(out, 2, 0).reshape(q.shape[0], q.shape[1], v.shape[2])
-    if kv_mask is not None:
-        out = jnp.where(jnp.any(kv_mask), out, 0.0)
-    return out.astype(out_dtype(q, k, v))
-
+from jxformers.registry import register
 
 # ----------------------------------------------------------------------------- inducing points
 
@@ -159,6 +69,22 @@ def induced_attention(
     packed = softmax_attention(inducing.astype(q.dtype), k, v, kv_mask=kv_mask, scale=scale)  # [m, heads, d_v]
     pk = packed if unpack_keys is None else jnp.einsum("mhv,hvd->mhd", packed, unpack_keys.astype(packed.dtype))
     return softmax_attention(q, pk.astype(q.dtype), packed, scale=scale)
+
+
+def induced_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, d_v: int, num_inducing: int = 32) -> dict[str, Array]:
+    """The learned inducing points (and the unpacking keys when d_v != d_k)."""
+    ki, ku = jax.random.split(key)
+    arrays = {"inducing": jax.random.normal(ki, (num_inducing, heads, d_k))}
+    if d_v != d_k:
+        arrays["unpack_keys"] = jax.random.normal(ku, (heads, d_v, d_k)) / math.sqrt(d_v)
+    return arrays
+
+
+register(
+    "induced", induced_attention, family="memory", paper="Lee et al. 2019 (ISAB); Ma et al. 2021 (Luna)",
+    complexity="O(N*m)", supports_cross=True, exact=False, init_arrays=induced_arrays,
+    docs={"num_inducing": "inducing points m"},
+)
 
 
 def latent_attention(
@@ -217,8 +143,5 @@ __all__ = [
     "funnel_attention",
     "funnel_pool",
     "induced_attention",
-    "iterative_pinv",
     "latent_attention",
-    "nystrom_attention",
-    "segment_means",
 ]

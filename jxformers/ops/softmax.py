@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from jxformers.decoding import kv_cache
 from jxformers.ops._common import (
     ceil_div,
     check_mask_shape,
@@ -29,6 +30,7 @@ from jxformers.ops._common import (
     valid_keys,
     weighted_values,
 )
+from jxformers.registry import register
 
 
 def causal_mask(q_len: int, kv_len: int) -> Bool[Array, "q_len kv_len"]:
@@ -97,6 +99,12 @@ def softmax_attention(
     (p,) = softmax_parts([(s, head_mask(full))])
     out = weighted_values(p, v)
     return out.reshape(q_len, heads, v.shape[2]).astype(out_dtype(q, k, v))
+
+
+register(
+    "softmax", softmax_attention, family="exact", paper="Vaswani et al. 2017", complexity="O(N^2)",
+    supports_cross=True, decoder=kv_cache(softmax_attention),
+)
 
 
 def chunked_attention(
@@ -189,4 +197,8 @@ def chunked_attention(
     return out.astype(out_dtype(q, k, v))
 
 
-__all__ = ["softmax_attention", "chunked_attention", "causal_mask"]
+register(
+    "chunked", chunked_attention, family="exact", paper="Rabe & Staats 2021",
+    complexity="O(N^2) time, O(N*chunk) memory", supports_cross=True, decoder=kv_cache(softmax_attention),
+    docs={"chunk_size": "queries and keys per chunk"},
+)

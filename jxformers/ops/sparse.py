@@ -35,6 +35,7 @@ from jxformers.ops._common import (
     window_block,
 )
 from jxformers.ops.softmax import softmax_attention
+from jxformers.registry import register
 
 # ----------------------------------------------------------------------------- Sparse Transformer
 
@@ -44,7 +45,7 @@ def sparse_transformer_attention(
     k: Float[Array, "_seq kv_heads _d_k"],
     v: Float[Array, "_seq _kv_heads d_v"],
     *,
-    stride: int,
+    stride: int = 64,
     pattern: str = "strided",
     num_summary: int = 1,
     causal: bool = False,
@@ -122,6 +123,13 @@ def sparse_transformer_attention(
     return rows_to_output(out, n, out_dtype(q, k, v))
 
 
+register(
+    "sparse_transformer", sparse_transformer_attention, family="fixed pattern", paper="Child et al. 2019",
+    complexity="O(N*sqrt(N))", choices={"pattern": ("strided", "fixed")},
+    docs={"stride": "s, about sqrt(N)", "pattern": "strided or fixed", "num_summary": "c, summary positions per block (fixed)"},
+)
+
+
 # ----------------------------------------------------------------------------- Longformer
 
 
@@ -130,7 +138,7 @@ def longformer_attention(
     k: Float[Array, "_seq kv_heads _d_k"],
     v: Float[Array, "_seq _kv_heads d_v"],
     *,
-    window: int,
+    window: int = 128,
     global_indices: Int[Array, "num_global"] | Sequence[int] = (0,),
     causal: bool = False,
     kv_mask: Bool[Array, "_seq"] | None = None,
@@ -201,6 +209,12 @@ def longformer_attention(
     return out.at[jnp.where(in_range, idx, n)].set(g_out.astype(out.dtype), mode="drop")
 
 
+register(
+    "longformer", longformer_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N*(w+g))",
+    docs={"window": "keys each side", "global_indices": "positions of global tokens"},
+)
+
+
 # ----------------------------------------------------------------------------- BigBird
 
 
@@ -222,7 +236,7 @@ def bigbird_random_blocks(
     seq_len: int,
     *,
     block_size: int,
-    num_random_blocks: int = 2,
+    num_random_blocks: int = 3,
     num_window_blocks: int = 3,
     num_global_blocks: int = 2,
 ) -> Int[Array, "num_blocks num_random_blocks"]:
@@ -251,10 +265,10 @@ def bigbird_attention(
     k: Float[Array, "_seq kv_heads _d_k"],
     v: Float[Array, "_seq _kv_heads d_v"],
     *,
-    block_size: int,
+    block_size: int = 64,
     random_blocks: Int[Array, "_num_blocks _r"] | None = None,
     key: PRNGKeyArray | None = None,
-    num_random_blocks: int = 2,
+    num_random_blocks: int = 3,
     num_window_blocks: int = 3,
     num_global_blocks: int = 2,
     kv_mask: Bool[Array, "_seq"] | None = None,
@@ -350,3 +364,16 @@ def bigbird_attention(
     g_rows = (glob_ids[:, None] * b + positions(b)[None, :]).reshape(-1)
     g_out = softmax_attention(jnp.take(q, g_rows, axis=0, mode="clip"), k, v, kv_mask=kv_mask, scale=scale)
     return out.at[jnp.where(g_rows < n, g_rows, n)].set(g_out.astype(out.dtype), mode="drop")
+
+
+def bigbird_arrays(key: PRNGKeyArray) -> dict[str, PRNGKeyArray]:
+    """BigBird's drawn array: the key its random blocks are drawn from (redrawn with the module)."""
+    return {"key": key}
+
+
+register(
+    "bigbird", bigbird_attention, family="fixed pattern", paper="Zaheer et al. 2020", complexity="O(N*b*(w+g+r))",
+    init_arrays=bigbird_arrays, drawn=("key",),
+    docs={"block_size": "tokens per block", "num_random_blocks": "random key blocks per query block",
+          "num_window_blocks": "sliding window in blocks (odd)", "num_global_blocks": "global blocks (first and last)"},
+)

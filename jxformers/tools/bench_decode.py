@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jxformers.bench import compile_measured, machine
+from jxformers.tools.bench import compile_measured, machine
 from jxformers.nn import ModelConfig, build_model
 
 FULL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)

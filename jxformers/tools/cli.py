@@ -92,7 +92,7 @@ def _generate(rest: list[str]) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jxformers.decoding import generate
+    from jxformers.nn.generation import generate
     from jxformers.train import restore_model
 
     try:
@@ -124,7 +124,7 @@ def _plot(rest: list[str]) -> int:
     p.add_argument("--out", default="curves.png")
     p.add_argument("--metrics", nargs="+", default=None, help="default: loss eval_accuracy")
     args = p.parse_args(rest)
-    from jxformers.plot import DEFAULT_METRICS, plot_runs
+    from jxformers.tools.plot import DEFAULT_METRICS, plot_runs
 
     try:
         print(plot_runs(args.workdirs, args.out, metrics=args.metrics or DEFAULT_METRICS))
@@ -134,7 +134,7 @@ def _plot(rest: list[str]) -> int:
 
 
 def _demo(rest: list[str]) -> int:
-    from jxformers import demo
+    from jxformers.tools import demo
 
     return demo.main(rest)
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(registry.table())
         return 0
     if command == "bench":
-        from jxformers import bench
+        from jxformers.tools import bench
 
         return bench.main(rest)
     commands = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "demo": _demo}

@@ -14,7 +14,7 @@ import json
 import pathlib
 import sys
 
-from jxformers.plot import plot_runs
+from jxformers.tools.plot import plot_runs
 from jxformers.train import load_experiment, train
 
 MODELS = {
