@@ -169,7 +169,7 @@ class Decoder:
 # ----------------------------------------------------------------------------- specs
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # one spec per name: identity is equality
 class AttentionSpec:
     """What the registry knows about one attention. Made by `register`.
 
@@ -253,6 +253,9 @@ class BoundAttention:
 
     spec: AttentionSpec
     hyper: tuple[tuple[str, Any], ...]
+
+    def __repr__(self) -> str:
+        return f"BoundAttention({self.name!r}, {', '.join(f'{n}={v!r}' for n, v in self.hyper)})"
 
     @property
     def name(self) -> str:

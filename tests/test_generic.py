@@ -199,7 +199,7 @@ def test_decoding_token_by_token_equals_the_causal_forward(name, hp):
     assert int(state.length) == n
 
 
-@pytest.mark.parametrize("name", registry.names(cross=True))
+@pytest.mark.parametrize("name", registry.names(supports_cross=True))
 def test_cross_attention_lengths(name):
     q, k, v = qkv(4, 10, kv_len=27)
     hp = VARIANTS[name][0]
@@ -208,7 +208,7 @@ def test_cross_attention_lengths(name):
     assert bool(jnp.all(jnp.isfinite(out)))
 
 
-@pytest.mark.parametrize("name", [n for n in registry.names() if n not in registry.names(cross=True)])
+@pytest.mark.parametrize("name", [n for n in registry.names() if n not in registry.names(supports_cross=True)])
 def test_self_attention_only_rejects_cross_lengths(name):
     q, k, v = qkv(4, 10, kv_len=27)
     with pytest.raises(ValueError, match="q_len"):

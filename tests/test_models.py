@@ -60,7 +60,7 @@ def test_classifier_forward_grad_and_padding(name):
     assert finite_grads(loss_grad(model, x, mask))
 
 
-@pytest.mark.parametrize("name", registry.names(causal=True))
+@pytest.mark.parametrize("name", registry.names(supports_causal=True))
 def test_language_model_is_causal_and_trains(name):
     model = build_model(config(name, "lm"), key=jax.random.key(0))
     x = tokens(3)
@@ -92,7 +92,7 @@ def decode_all(model, x):
     return run(model, x)
 
 
-@pytest.mark.parametrize("name", registry.names(decode=True))
+@pytest.mark.parametrize("name", registry.names(decodes=True))
 def test_decoding_parity_with_the_parallel_forward(name):
     model = build_model(config(name, "lm", position="rope"), key=jax.random.key(0))
     x = tokens(5)

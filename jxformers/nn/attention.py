@@ -26,23 +26,23 @@ class Attention(eqx.Module):
     """Multi-head attention around a registered attention core.
 
     Arguments (constructor):
-        attention: registry name ("softmax", "performer", ...).
+        attention: a bound attention (`registry.get(name).bind(...)`), or a registry name
+            whose hyper-parameters are `attention_kwargs`.
         d_model: model width; num_heads: query heads; kv_heads: key/value heads
             (grouped-query when fewer; default num_heads); d_head: default d_model // num_heads.
         causal: mask the future (self-attention only).
         cross: keys and values come from a `context` sequence (encoder-decoder).
         rope: rotate q and k by position (rotary embeddings) before the core.
-        dropout: on the attention output.
-        attention_kwargs: the core's hyper-parameters (validated by the registry).
+        attention_kwargs: the core's hyper-parameters when `attention` is a name.
         key: PRNG key for the projections and the core's arrays.
 
-    `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, ...)` maps
-    `x: [seq, d_model]` to `[seq, d_model]`. Complexity, causal and decoding support are
-    the core's (`jxformers list`).
+    `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None)` maps
+    `x: [seq, d_model]` to `[seq, d_model]` under `jax.named_scope(<attention name>)`.
+    Dropout belongs to the residual branch around this module (`Block`), not here.
+    Complexity, causal and decoding support are the core's (`jxformers list`).
     """
 
-    name: str = eqx.field(static=True)
-    hyper: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    core: registry.BoundAttention = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
     kv_heads: int = eqx.field(static=True)
     d_head: int = eqx.field(static=True)
@@ -55,11 +55,10 @@ class Attention(eqx.Module):
     o_proj: Linear
     arrays: dict[str, Array]
     drawn: dict[str, Array]
-    dropout: eqx.nn.Dropout
 
     def __init__(
         self,
-        attention: str,
+        attention: str | registry.BoundAttention,
         d_model: int,
         num_heads: int,
         *,
@@ -68,58 +67,52 @@ class Attention(eqx.Module):
         causal: bool = False,
         cross: bool = False,
         rope: bool = False,
-        dropout: float = 0.0,
         attention_kwargs: dict[str, Any] | None = None,
         key: PRNGKeyArray,
     ):
-        spec = registry.get(attention)
-        hp = spec.validate(attention_kwargs or {})
+        if isinstance(attention, str):
+            attention = registry.get(attention).bind(**(attention_kwargs or {}))
+        elif attention_kwargs:
+            raise ValueError("attention_kwargs go with an attention name; a bound attention already has them")
         kv_heads = num_heads if kv_heads is None else kv_heads
         d_head = d_model // num_heads if d_head is None else d_head
         if num_heads < 1 or kv_heads < 1 or num_heads % kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of kv_heads ({kv_heads})")
         if d_head < 1:
             raise ValueError(f"d_head must be >= 1 (d_model {d_model} // num_heads {num_heads}); got {d_head}")
-        if causal and not spec.causal:
-            raise ValueError(f"{attention} attention cannot be causal; causal ones: {registry.names(causal=True)}")
-        if cross and not spec.cross:
-            raise ValueError(f"{attention} attention cannot cross-attend; ones that can: {registry.names(cross=True)}")
+        attention.check_call(causal=causal, cross=cross)
         kq, kk, kv, ko, ka = jax.random.split(key, 5)
-        self.name, self.hyper = attention, tuple(sorted(hp.items()))
+        self.core = attention
         self.num_heads, self.kv_heads, self.d_head = num_heads, kv_heads, d_head
         self.causal, self.cross, self.rope = causal, cross, rope
         self.q_proj = Linear(d_model, num_heads * d_head, key=kq)
         self.k_proj = Linear(d_model, kv_heads * d_head, key=kk)
         self.v_proj = Linear(d_model, kv_heads * d_head, key=kv)
         self.o_proj = Linear(num_heads * d_head, d_model, key=ko)
-        made = spec.init_arrays(ka, heads=num_heads, kv_heads=kv_heads, d_k=d_head, d_v=d_head, **hp)
-        self.arrays = {n: a for n, a in made.items() if n not in spec.drawn}
-        self.drawn = {n: a for n, a in made.items() if n in spec.drawn}
-        self.dropout = eqx.nn.Dropout(dropout)
+        made = attention.init_arrays(ka, heads=num_heads, kv_heads=kv_heads, d_k=d_head, d_v=d_head)
+        drawn = attention.spec.drawn
+        self.arrays = {n: a for n, a in made.items() if n not in drawn}
+        self.drawn = {n: a for n, a in made.items() if n in drawn}
 
     @property
-    def spec(self) -> registry.AttentionSpec:
-        return registry.get(self.name)
-
-    @property
-    def hyper_parameters(self) -> dict[str, Any]:
-        return dict(self.hyper)
+    def name(self) -> str:
+        return self.core.name
 
     def redraw(self, key: PRNGKeyArray) -> Attention:
         """A copy with the drawn arrays (Performer features, BigBird pattern) resampled."""
         if not self.drawn:
             return self
-        spec = self.spec
-        made = spec.init_arrays(
-            key, heads=self.num_heads, kv_heads=self.kv_heads, d_k=self.d_head, d_v=self.d_head, **self.hyper_parameters
-        )
-        return eqx.tree_at(lambda m: m.drawn, self, {n: made[n] for n in spec.drawn})
+        made = self.core.init_arrays(key, heads=self.num_heads, kv_heads=self.kv_heads, d_k=self.d_head, d_v=self.d_head)
+        return eqx.tree_at(lambda m: m.drawn, self, {n: made[n] for n in self.drawn})
 
     def _core_arrays(self) -> dict[str, Any]:
         return self.arrays | jax.lax.stop_gradient(self.drawn)
 
     def _heads(self, x, proj, heads):
         return proj(x).reshape(x.shape[0], heads, self.d_head)
+
+    def _out(self, out, x):
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype))
 
     def __call__(
         self,
@@ -130,8 +123,6 @@ class Attention(eqx.Module):
         bias: Float[Array, "heads seq kv"] | None = None,
         positions: Int[Array, " seq"] | None = None,
         context_positions: Int[Array, " kv"] | None = None,
-        key: PRNGKeyArray | None = None,
-        inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
         """Arguments:
             x: `[seq, d_model]` queries (and keys/values for self-attention).
@@ -140,27 +131,24 @@ class Attention(eqx.Module):
             bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5).
             positions, context_positions: token positions for rotary embeddings
                 (default 0..n-1).
-            key, inference: dropout.
 
         Returns:
             `[seq, d_model]`.
         """
         if (context is None) == self.cross:
             raise ValueError("cross-attention needs a context" if self.cross else "self-attention takes no context")
-        source = x if context is None else context
-        q = self._heads(x, self.q_proj, self.num_heads)
-        k = self._heads(source, self.k_proj, self.kv_heads)
-        v = self._heads(source, self.v_proj, self.kv_heads)
-        if self.rope:
-            positions = jnp.arange(x.shape[0]) if positions is None else positions
-            if context_positions is None:
-                context_positions = positions if context is None else jnp.arange(source.shape[0])
-            q, k = rotary(q, positions), rotary(k, context_positions)
-        out = self.spec(
-            q, k, v, arrays=self._core_arrays(), causal=self.causal, kv_mask=kv_mask, bias=bias, **self.hyper_parameters
-        )
-        out = self.o_proj(out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype))
-        return self.dropout(out, key=key, inference=inference)
+        with jax.named_scope(self.name):
+            source = x if context is None else context
+            q = self._heads(x, self.q_proj, self.num_heads)
+            k = self._heads(source, self.k_proj, self.kv_heads)
+            v = self._heads(source, self.v_proj, self.kv_heads)
+            if self.rope:
+                positions = jnp.arange(x.shape[0]) if positions is None else positions
+                if context_positions is None:
+                    context_positions = positions if context is None else jnp.arange(source.shape[0])
+                q, k = rotary(q, positions), rotary(k, context_positions)
+            out = self.core(q, k, v, arrays=self._core_arrays(), causal=self.causal, kv_mask=kv_mask, bias=bias)
+            return self._out(out, x)
 
     # ------------------------------------------------------------------ decoding
 
@@ -168,26 +156,23 @@ class Attention(eqx.Module):
         """Empty decoding state (a cache, ring buffer or recurrent state; fixed shape)."""
         if not self.causal:
             raise ValueError("only causal self-attention decodes incrementally")
-        return decoding.init_state(
-            self.name, max_len=max_len, kv_heads=self.kv_heads, d_k=self.d_head, d_v=self.d_head,
-            arrays=self._core_arrays(), dtype=dtype, **self.hyper_parameters,
-        )
+        return self.core.init_state(max_len=max_len, kv_heads=self.kv_heads, d_k=self.d_head, d_v=self.d_head,
+                                    arrays=self._core_arrays(), dtype=dtype)
 
     def decode_step(
         self, x: Float[Array, " d_model"], state: decoding.State, *, bias_fn: decoding.BiasFn | None = None
     ) -> tuple[Float[Array, " d_model"], decoding.State]:
         """One token through causal self-attention: `x [d_model]` at position
         `state.length`; returns the output `[d_model]` and the new state."""
-        q = self._heads(x[None], self.q_proj, self.num_heads)
-        k = self._heads(x[None], self.k_proj, self.kv_heads)
-        v = self._heads(x[None], self.v_proj, self.kv_heads)
-        if self.rope:
-            pos = state.length[None]
-            q, k = rotary(q, pos), rotary(k, pos)
-        out, state = decoding.decode_step(
-            self.name, q[0], k[0], v[0], state, arrays=self._core_arrays(), bias_fn=bias_fn, **self.hyper_parameters
-        )
-        return self.o_proj(out.reshape(self.num_heads * self.d_head).astype(x.dtype)), state
+        with jax.named_scope(self.name):
+            q = self._heads(x[None], self.q_proj, self.num_heads)
+            k = self._heads(x[None], self.k_proj, self.kv_heads)
+            v = self._heads(x[None], self.v_proj, self.kv_heads)
+            if self.rope:
+                pos = state.length[None]
+                q, k = rotary(q, pos), rotary(k, pos)
+            out, state = self.core.decode_step(q[0], k[0], v[0], state, arrays=self._core_arrays(), bias_fn=bias_fn)
+            return self._out(out[None], x[None])[0], state
 
     def cross_step(
         self, x: Float[Array, " d_model"], k: Float[Array, "ctx kv_heads d_head"], v: Float[Array, "ctx kv_heads d_head"],
@@ -195,9 +180,10 @@ class Attention(eqx.Module):
     ) -> Float[Array, " d_model"]:
         """One query through cross-attention against keys/values projected once
         (`project_context`)."""
-        q = self._heads(x[None], self.q_proj, self.num_heads)
-        out = self.spec(q, k, v, arrays=self._core_arrays(), kv_mask=kv_mask, **self.hyper_parameters)
-        return self.o_proj(out.reshape(self.num_heads * self.d_head).astype(x.dtype))
+        with jax.named_scope(self.name):
+            q = self._heads(x[None], self.q_proj, self.num_heads)
+            out = self.core(q, k, v, arrays=self._core_arrays(), kv_mask=kv_mask)
+            return self._out(out, x[None])[0]
 
     def project_context(self, context: Float[Array, "ctx d_model"]) -> tuple[Array, Array]:
         """The keys and values of a cross-attention context, computed once for decoding."""

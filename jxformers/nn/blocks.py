@@ -23,7 +23,8 @@ class Block(eqx.Module):
 
     Arguments (constructor): `attention` and `cross_attention` (Attention modules, the
     latter None unless the block reads a context), `ffn`, `norm` ("layernorm" or
-    "rmsnorm"), `d_model`, `pre_norm`, `dropout` (on each residual branch).
+    "rmsnorm"), `d_model`, `pre_norm`, `dropout` (once on each residual branch's
+    output; the attention modules hold none).
     """
 
     attention: Attention
@@ -42,10 +43,32 @@ class Block(eqx.Module):
         self.dropout = eqx.nn.Dropout(dropout)
         self.pre_norm = pre_norm
 
-    def _residual(self, x, branch: Callable[[Array], Array], norm, key, inference):
-        if self.pre_norm:
-            return x + self.dropout(branch(norm(x)), key=key, inference=inference)
-        return norm(x + self.dropout(branch(x), key=key, inference=inference))
+    def _branch(self, f: Callable[[Array], Array], norm, x, key, inference) -> Array:
+        """dropout(f(norm(x))) with pre-norm, dropout(f(x)) with post-norm: the one dropout
+        of a residual branch."""
+        return self.dropout(f(norm(x) if self.pre_norm else x), key=key, inference=inference)
+
+    def _residual(self, x, branch_out, norm):
+        return x + branch_out if self.pre_norm else norm(x + branch_out)
+
+    def attention_branch(
+        self, x: Float[Array, "seq d_model"], *, kv_mask: Bool[Array, " seq"] | None = None,
+        bias: Float[Array, "heads seq seq"] | None = None, positions: Int[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None, inference: bool = False,
+    ) -> Float[Array, "seq d_model"]:
+        """The self-attention branch without its residual: dropout(attention(norm(x)))
+        (pre-norm). The reversible stack calls this and `ffn_branch`."""
+        attend = lambda h: self.attention(h, kv_mask=kv_mask, bias=bias, positions=positions)  # noqa: E731
+        return self._branch(attend, self.norms[0], x, key, inference)
+
+    def ffn_branch(
+        self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False
+    ) -> Float[Array, "seq d_model"]:
+        """The feed-forward branch without its residual: dropout(ffn(norm(x))) (pre-norm);
+        the FFN's own dropout acts on its hidden units."""
+        k_hidden, k_out = (None, None) if key is None else jax.random.split(key)
+        feed = lambda h: self.ffn(h, key=k_hidden, inference=inference)  # noqa: E731
+        return self._branch(feed, self.norms[-1], x, k_out, inference)
 
     def __call__(
         self,
@@ -59,17 +82,16 @@ class Block(eqx.Module):
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
-        keys = [None] * 6 if key is None else list(jax.random.split(key, 6))
-        attend = lambda h: self.attention(h, kv_mask=kv_mask, bias=bias, positions=positions, key=keys[0], inference=inference)  # noqa: E731
-        x = self._residual(x, attend, self.norms[0], keys[1], inference)
+        k_attn, k_cross, k_ffn = (None, None, None) if key is None else jax.random.split(key, 3)
+        out = self.attention_branch(x, kv_mask=kv_mask, bias=bias, positions=positions, key=k_attn, inference=inference)
+        x = self._residual(x, out, self.norms[0])
         if self.cross_attention is not None:
             if context is None:
                 raise ValueError("this block cross-attends: pass a context")
             cross = self.cross_attention
-            attend_ctx = lambda h: cross(h, context, kv_mask=context_mask, key=keys[2], inference=inference)  # noqa: E731
-            x = self._residual(x, attend_ctx, self.norms[1], keys[3], inference)
-        feed = lambda h: self.ffn(h, key=keys[4], inference=inference)  # noqa: E731
-        return self._residual(x, feed, self.norms[-1], keys[5], inference)
+            out = self._branch(lambda h: cross(h, context, kv_mask=context_mask), self.norms[1], x, k_cross, inference)
+            x = self._residual(x, out, self.norms[1])
+        return self._residual(x, self.ffn_branch(x, key=k_ffn, inference=inference), self.norms[-1])
 
     def decode_step(
         self,
@@ -88,10 +110,11 @@ class Block(eqx.Module):
             y, out["state"] = self.attention.decode_step(h, state, bias_fn=bias_fn)
             return y
 
-        x = self._residual(x, attend, self.norms[0], None, True)
+        x = self._residual(x, self._branch(attend, self.norms[0], x, None, True), self.norms[0])
         if self.cross_attention is not None:
             assert context_kv is not None
             cross = self.cross_attention
-            x = self._residual(x, lambda h: cross.cross_step(h, *context_kv, kv_mask=context_mask), self.norms[1], None, True)
-        x = self._residual(x, lambda h: self.ffn(h[None], inference=True)[0], self.norms[-1], None, True)
+            step = lambda h: cross.cross_step(h, *context_kv, kv_mask=context_mask)  # noqa: E731
+            x = self._residual(x, self._branch(step, self.norms[1], x, None, True), self.norms[1])
+        x = self._residual(x, self.ffn_branch(x[None], inference=True)[0], self.norms[-1])
         return x, out["state"]

@@ -110,6 +110,7 @@ class ModelConfig:
                 raise ValueError(f"config {f.name} must be one of {list(_CHOICES[f.name])}; got {getattr(self, f.name)!r}")
         object.__setattr__(self, "filters", _int_keys("filters", self.filters))
         object.__setattr__(self, "layer_overrides", _int_keys("layer_overrides", self.layer_overrides))
+        object.__setattr__(self, "_layers", {})  # block index -> bound attention, ffn, d_ff
         self._check()
 
     @classmethod
@@ -142,12 +143,18 @@ class ModelConfig:
             raise ValueError(f"config {name} must be >= {minimum}; got {value}")
 
     def layer(self, index: int) -> dict[str, Any]:
-        """Attention name, its validated hyper-parameters, ffn and d_ff of block `index`."""
-        values = {
-            "attention": self.attention, "attention_kwargs": self.attention_kwargs, "ffn": self.ffn,
-            "d_ff": self.d_ff or 4 * self.d_model,
-        } | dict(self.layer_overrides.get(index, {}))
-        return values | {"attention_kwargs": _attention_kwargs(values["attention"], values["attention_kwargs"], self.max_len)}
+        """Block `index`'s bound self-attention (`attention`), `ffn` and `d_ff` (bound once
+        per config and remembered)."""
+        if index in self._layers:
+            return self._layers[index]
+        values = {"attention": self.attention, "attention_kwargs": self.attention_kwargs, "ffn": self.ffn,
+                  "d_ff": self.d_ff or 4 * self.d_model} | dict(self.layer_overrides.get(index, {}))
+        bound = bind_attention(values.pop("attention"), values.pop("attention_kwargs"), self.max_len)
+        self._layers[index] = values | {"attention": bound}
+        return self._layers[index]
+
+    def bound_cross_attention(self) -> registry.BoundAttention:
+        return bind_attention(self.cross_attention, self.cross_attention_kwargs, self.max_len)
 
     def _check(self):
         for name in ("vocab_size", "num_classes", "num_layers", "d_model", "num_heads", "kv_heads", "d_ff", "max_len",
@@ -171,23 +178,24 @@ class ModelConfig:
         causal = self.task in ("lm", "seq2seq")
         layers = (self.decoder_layers or self.num_layers) if self.task == "seq2seq" else self.num_layers
         for i in range(max(layers, self.num_layers)):
-            layer = self.layer(i)
-            spec = registry.get(layer["attention"])
-            if causal and not spec.causal:
+            spec = self.layer(i)["attention"].spec
+            if causal and not spec.supports_causal:
                 raise ValueError(
                     f"task {self.task!r} needs causal attention; {spec.name!r} is not causal. "
-                    f"Causal attentions: {registry.names(causal=True)}"
+                    f"Causal attentions: {registry.names(supports_causal=True)}"
                 )
-            if self.position in BIAS_KINDS and not spec.bias:
+            if self.position in BIAS_KINDS and not spec.takes_bias:
                 raise ValueError(
                     f"position {self.position!r} adds a logit bias, which {spec.name!r} attention does not take; "
-                    f"use rope, sinusoidal, learned or none, or one of {registry.names(bias=True)}"
+                    f"use rope, sinusoidal, learned or none, or one of {registry.names(takes_bias=True)}"
                 )
         if self.task == "seq2seq":
-            spec = registry.get(self.cross_attention)
-            if not spec.cross:
-                raise ValueError(f"cross_attention {spec.name!r} cannot cross-attend; ones that can: {registry.names(cross=True)}")
-            _attention_kwargs(self.cross_attention, self.cross_attention_kwargs, self.max_len)
+            spec = self.bound_cross_attention().spec
+            if not spec.supports_cross:
+                raise ValueError(
+                    f"cross_attention {spec.name!r} cannot cross-attend; ones that can: "
+                    f"{registry.names(supports_cross=True)}"
+                )
         if self.reversible and (self.task == "seq2seq" or self.norm_placement != "pre" or self.filters):
             raise ValueError("reversible blocks need norm_placement 'pre', no filters, and task classify, retrieval or lm")
         if self.filters and self.task == "lm":
@@ -223,17 +231,21 @@ def _int_keys(name, mapping):
     return out
 
 
-def _attention_kwargs(name: str, kwargs: Mapping[str, Any], max_len: int) -> dict[str, Any]:
-    """Validated hyper-parameters; position-indexed weights (Linformer, Synthesizer)
-    default to covering the model's max_len."""
+def bind_attention(name: str, hyper_parameters: Mapping[str, Any], max_len: int) -> registry.BoundAttention:
+    """The attention bound with its hyper-parameters. The one that bounds the sequence
+    length (the spec's `covers_length`, e.g. Linformer's `max_len`) defaults to the
+    model's max_len and may not be smaller."""
     spec = registry.get(name)
-    kwargs = dict(kwargs)
-    if "max_len" in spec.defaults() and "max_len" not in kwargs:
-        kwargs["max_len"] = max_len
-    hp = spec.validate(kwargs)
-    if hp.get("max_len", max_len) < max_len:
-        raise ValueError(f"{name}: attention_kwargs max_len ({hp['max_len']}) must cover the model's max_len ({max_len})")
-    return hp
+    hyper_parameters = dict(hyper_parameters)
+    role = spec.covers_length
+    if role is not None:
+        hyper_parameters.setdefault(role, max_len)
+    bound = spec.bind(**hyper_parameters)
+    if role is not None and bound.hyper_parameters[role] < max_len:
+        raise ValueError(
+            f"{name}: attention_kwargs {role} ({bound.hyper_parameters[role]}) must cover the model's max_len ({max_len})"
+        )
+    return bound
 
 
 def _as_config(config) -> ModelConfig:
@@ -251,17 +263,15 @@ def _blocks(config: ModelConfig, count: int, *, causal: bool, cross: bool, key) 
     for i, k in enumerate(jax.random.split(key, count)):
         layer = config.layer(i)
         ka, kc, kf = jax.random.split(k, 3)
-        common = dict(kv_heads=config.kv_heads, dropout=config.dropout)
         attention = Attention(
-            layer["attention"], config.d_model, config.num_heads, causal=causal, rope=config.position == "rope",
-            attention_kwargs=layer["attention_kwargs"], key=ka, **common,
+            layer["attention"], config.d_model, config.num_heads, kv_heads=config.kv_heads, causal=causal,
+            rope=config.position == "rope", key=ka,
         )
         cross_attention = None
         if cross:
             cross_attention = Attention(
-                config.cross_attention, config.d_model, config.num_heads, cross=True,
-                attention_kwargs=_attention_kwargs(config.cross_attention, config.cross_attention_kwargs, config.max_len),
-                key=kc, **common,
+                config.bound_cross_attention(), config.d_model, config.num_heads, kv_heads=config.kv_heads, cross=True,
+                key=kc,
             )
         ffn = FeedForward(config.d_model, layer["d_ff"], layer["ffn"], dropout=config.dropout, key=kf)
         blocks.append(Block(

@@ -4,6 +4,9 @@ al.'s RevNet): the activations are two streams, and each block maps
     y1 = x1 + F(x2)        F = self-attention branch (pre-norm)
     y2 = x2 + G(y1)        G = feed-forward branch (pre-norm)
 
+F and G are the block's own branch functions (`Block.attention_branch`, `ffn_branch`),
+dropout included, so a reversible model trains like the same weights wired plainly.
+
 which can be inverted, x2 = y2 - G(y1), x1 = y1 - F(x2). `reversible_stack` has a custom
 backward pass that reconstructs every block's inputs from its outputs instead of storing
 them, so training memory for activations does not grow with the number of layers (at
@@ -27,11 +30,11 @@ from jxformers.nn.blocks import Block
 
 def _attention_branch(block: Block, x, aux, key):
     bias, mask, positions = aux
-    return block.attention(block.norms[0](x), kv_mask=mask, bias=bias, positions=positions, key=key, inference=key is None)
+    return block.attention_branch(x, kv_mask=mask, bias=bias, positions=positions, key=key, inference=key is None)
 
 
 def _ffn_branch(block: Block, x, key):
-    return block.ffn(block.norms[-1](x), key=key, inference=key is None)
+    return block.ffn_branch(x, key=key, inference=key is None)
 
 
 def _keys(key_data, i):
@@ -140,6 +143,6 @@ def reversible_decode_step(blocks, x, states, *, bias_fn=None):
     for block, state in zip(blocks, states):
         h, state = block.attention.decode_step(block.norms[0](x2), state, bias_fn=bias_fn)
         x1 = x1 + h
-        x2 = x2 + block.ffn(block.norms[-1](x1)[None], inference=True)[0]
+        x2 = x2 + block.ffn_branch(x1[None], inference=True)[0]
         new.append(state)
     return (x1 + x2) / 2, tuple(new)

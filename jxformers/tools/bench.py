@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from jxformers import registry
+from jxformers.tools.xla_cost import compile_with_cost
 
 FULL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
 SHORT_LENGTHS = (256, 512, 1024)
@@ -35,17 +36,6 @@ class Row:
     fwd_bwd_temp_bytes: int
 
 
-def compile_measured(fn, *args):
-    """Compile once; return (callable, cost analysis flops, temp bytes)."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops = float((cost or {}).get("flops", float("nan")))
-    mem = compiled.memory_analysis()
-    temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
-    return compiled, flops, temp
-
-
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One column of the comparison: a registered attention with hyper-parameters."""
@@ -56,30 +46,31 @@ class Entry:
     causal: bool = False
 
 
-def _hyper_parameters(spec, entry: Entry, length: int) -> dict:
+def _bound(entry: Entry, length: int) -> registry.BoundAttention:
+    spec = registry.get(entry.name)
     hp = dict(entry.hyper_parameters)
-    if any(p.name == "max_len" for p in spec.params):  # position-indexed weights must cover N
-        hp["max_len"] = max(length, hp.get("max_len", spec.defaults()["max_len"]))
-    return hp
+    if spec.covers_length is not None:  # position-indexed weights must cover N
+        hp[spec.covers_length] = max(length, hp.get(spec.covers_length, length))
+    return spec.bind(**hp)
 
 
 def _build(entry: Entry, length: int, batch: int, heads: int, d: int):
-    spec = registry.get(entry.name)
-    hp = _hyper_parameters(spec, entry, length)
+    attention = _bound(entry, length)
     kq, kk, kv, ka = jax.random.split(jax.random.key(length), 4)
     shape = (batch, length, heads, d)
     q, k, v = (jax.random.normal(x, shape, jnp.float32) for x in (kq, kk, kv))
-    arrays = spec.init_arrays(ka, heads=heads, kv_heads=heads, d_k=d, d_v=d, **hp)
-    causal = entry.causal and spec.causal
+    arrays = attention.init_arrays(ka, heads=heads, kv_heads=heads, d_k=d, d_v=d)
+    causal = entry.causal and attention.spec.supports_causal
 
     def forward(q, k, v):
-        return jax.vmap(lambda q, k, v: spec(q, k, v, arrays=arrays, causal=causal, **hp))(q, k, v)
+        return jax.vmap(lambda q, k, v: attention(q, k, v, arrays=arrays, causal=causal))(q, k, v)
 
     def loss(q, k, v):
         return jnp.sum(forward(q, k, v))
 
-    fwd, flops, _ = compile_measured(forward, q, k, v)
-    fwd_bwd, _, temp = compile_measured(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    fwd, fwd_cost = compile_with_cost(forward, q, k, v)
+    fwd_bwd, fwd_bwd_cost = compile_with_cost(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    flops, temp = fwd_cost.flops, fwd_bwd_cost.temp_bytes
     return (q, k, v), fwd, fwd_bwd, flops, temp
 
 

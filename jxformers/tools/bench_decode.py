@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jxformers.tools.bench import compile_measured, machine
+from jxformers.tools.bench import machine
+from jxformers.tools.xla_cost import compile_with_cost
 from jxformers.nn import ModelConfig, build_model
 
 FULL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
@@ -92,7 +93,8 @@ def build(method: Method, length: int, *, steps: int, d_model: int, layers: int)
     state = model.init_decode_state(length) if method.cache else jnp.zeros((length,), jnp.int32)
     token = jnp.zeros((), jnp.int32)
     run = _steps_fn(method, steps)
-    compiled, _, temp = compile_measured(lambda p, s, t: run(eqx.combine(p, static), s, t), params, state, token)
+    compiled, cost = compile_with_cost(lambda p, s, t: run(eqx.combine(p, static), s, t), params, state, token)
+    temp = cost.temp_bytes
     jax.block_until_ready(compiled(params, state, token))  # warm up
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state)) if method.cache else 0
     return (lambda: jax.block_until_ready(compiled(params, state, token))), state_bytes, temp
