@@ -9,7 +9,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from jxformers.ops._common import check_mask_shape, check_qkv, default_scale, einsum_f32
+from jxformers.ops._common import (
+    check_mask_shape,
+    check_positive,
+    check_qkv,
+    default_scale,
+    einsum_f32,
+    group_heads,
+    logits,
+    out_dtype,
+    positions,
+    softmax_parts,
+    valid_keys,
+    weighted_values,
+)
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import register
 

@@ -17,16 +17,9 @@ from jxformers.ops._common import (
     check_mask_shape,
     check_positive,
     check_qkv,
-    default_scale,
-    group_heads,
-    logits,
-    out_dtype,
     pad_to,
-    positions,
-    softmax_parts,
     to_blocks,
     valid_keys,
-    weighted_values,
 )
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import register
