@@ -16,7 +16,7 @@ def test_registry_holds_the_exact_and_fixed_pattern_zoo():
     assert set(ISSUE_NAMES) <= set(registry.names())
     for name in registry.names():
         spec = registry.get(name)
-        assert all(isinstance(getattr(spec, f), bool) for f in ("causal", "decode", "kv_mask", "cross"))
+        assert all(isinstance(getattr(spec, f), bool) for f in ("supports_causal", "decodes", "supports_kv_mask", "supports_cross", "takes_bias"))
 
 
 def test_list_prints_every_attention(capsys):

@@ -349,3 +349,55 @@ def test_reversible_config_errors():
         build_model(dict(TINY, task="classify", reversible=True, norm_placement="post"), key=jax.random.key(0))
     with pytest.raises(ValueError, match="reversible"):
         build_model(dict(TINY, task="seq2seq", reversible=True), key=jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+def test_each_residual_branch_drops_once():
+    # A branch zeroed twice (the attention module and the block both dropping) would
+    # zero 1 - (1 - p)^2 = 0.75 of its output at p = 0.5.
+    model = build_model(dict(TINY, task="classify", d_model=64, dropout=0.5, max_len=160), key=jax.random.key(0))
+    block = model.encoder.blocks[0]
+    x = jax.random.normal(jax.random.key(1), (128, 64))
+    for branch in (block.attention_branch, block.ffn_branch):
+        out = branch(x, key=jax.random.key(2))
+        zeroed = float(jnp.mean(out == 0))
+        assert abs(zeroed - 0.5) < 0.02, zeroed
+        assert float(jnp.mean(branch(x, inference=True) == 0)) < 0.01
+    assert not any(isinstance(leaf, eqx.nn.Dropout) for leaf in jax.tree.leaves(
+        block.attention, is_leaf=lambda m: isinstance(m, eqx.nn.Dropout)))
+
+
+def test_reversible_stack_uses_the_blocks_branches_with_dropout():
+    from jxformers.nn.reversible import reversible_stack
+
+    model = build_model(dict(TINY, task="lm", num_layers=3, reversible=True, dropout=0.3), key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (12, 16))
+    key = jax.random.key(7)
+
+    def plain(blocks, x):  # the same wiring, plain autodiff, the blocks' own branches and keys
+        x1 = x2 = x
+        for b, k in zip(blocks, jax.random.split(key, len(blocks))):
+            kf, kg = jax.random.split(k)
+            x1 = x1 + b.attention_branch(x2, key=kf)
+            x2 = x2 + b.ffn_branch(x1, key=kg)
+        return (x1 + x2) / 2
+
+    ours = lambda blocks, x: reversible_stack(blocks, x, key=key)  # noqa: E731
+    assert_close(ours(model.blocks, x), plain(model.blocks, x), atol=2e-5)
+    g_ours = eqx.filter_grad(lambda a: jnp.sum(jnp.sin(ours(*a))))((model.blocks, x))
+    g_plain = eqx.filter_grad(lambda a: jnp.sum(jnp.sin(plain(*a))))((model.blocks, x))
+    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_plain)):
+        assert_close(a, b, atol=2e-5)
+    assert not bool(jnp.allclose(ours(model.blocks, x), reversible_stack(model.blocks, x, inference=True)))
+
+
+def test_attention_module_holds_its_bound_core_and_names_its_scope():
+    attn = Attention(jxformers.registry.get("local").bind(window=3), 16, 4, causal=True, key=jax.random.key(0))
+    assert attn.core.hyper_parameters["window"] == 3 and hash(attn.core) == hash(attn.core)
+    assert attn.name == "local"
+    compiled = jax.jit(lambda x: attn(x)).lower(jnp.ones((6, 16))).compile().as_text()
+    assert "/local/" in compiled  # the named scope is in the ops' metadata (and so in profiles)
+    with pytest.raises(ValueError, match="attention_kwargs go with an attention name"):
+        Attention(attn.core, 16, 4, attention_kwargs={"window": 2}, key=jax.random.key(0))
