@@ -38,7 +38,10 @@ class CheckpointMismatch(ValueError):
 
 
 def _names(tree) -> dict[str, Any]:
-    """{name: leaf}: a flat dict's own keys, else each leaf's `keystr` path."""
+    """{name: leaf}: a flat dict's own keys in its own order, else each leaf's `keystr` path."""
+    if isinstance(tree, dict) and all(isinstance(k, str) and not isinstance(v, (dict, list, tuple))
+                                      for k, v in tree.items()):
+        return dict(tree)
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         flat = len(path) == 1 and isinstance(path[0], jax.tree_util.DictKey) and isinstance(path[0].key, str)
@@ -131,7 +134,7 @@ class Checkpointer:
                         f"checkpoints stored arrays by tree path (its parameters are a list by position) and "
                         f"cannot be restored safely. Retrain in a new work directory, or check out the older "
                         f"jxformers version to use or export it.")
-                compare_trees(saved, abstract)
+                compare_trees(saved, template)
                 restored = self.manager.restore(
                     step,
                     args=ocp.args.Composite(

@@ -87,8 +87,12 @@ def _tree(state: TrainState) -> dict[str, Any]:
 
 def state_dict(state: TrainState) -> dict[str, Any]:
     """The checkpointed form of `state`: {tree path: array}, PRNG keys as key data."""
-    leaves = jax.tree_util.tree_leaves_with_path(_tree(state))
-    return {jax.tree_util.keystr(path): jax.random.key_data(x) if _is_key(x) else x for path, x in leaves}
+    out = {}
+    for group, tree in _tree(state).items():  # params first (jax would sort the groups' names)
+        for path, x in jax.tree_util.tree_leaves_with_path(tree):
+            out[jax.tree_util.keystr((jax.tree_util.DictKey(group), *path))] = (
+                jax.random.key_data(x) if _is_key(x) else x)
+    return out
 
 
 def load_state_dict(values: dict[str, Any], template: TrainState) -> TrainState:
