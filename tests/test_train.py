@@ -327,3 +327,160 @@ def test_checkpointer_keeps_the_latest_and_the_best(tmp_path):
         next(expected)
     assert (next(fresh)["tokens"] == next(expected)["tokens"]).all()  # the iterator resumed too
     ckpt.close()
+
+
+# ----------------------------------------------------------------------------- typed sections
+
+
+def test_config_sections_are_typed_frozen_dataclasses_with_defaults():
+    import dataclasses
+
+    from jxformers.train import CheckpointConfig, DataConfig, TrainConfig
+    from jxformers.validate import check_fields, from_mapping
+
+    t = TrainConfig()
+    assert (t.steps, t.batch_size, t.optimizer, t.learning_rate, t.clip_norm, t.redraw_every) == \
+        (1000, 32, "adamw", 1e-3, 1.0, 0)
+    assert DataConfig().settings == {} and CheckpointConfig().async_save is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.steps = 3
+    assert TrainConfig(learning_rate="1e-3").learning_rate == 0.001  # YAML 1.1 reads 1e-3 as a string
+    assert TrainConfig(weight_decay=0).weight_decay == 0.0 and TrainConfig(clip_norm=None).clip_norm is None
+    for kwargs, match in [({"steps": "ten"}, "train.steps must be int; got 'ten'"),
+                          ({"steps": True}, "train.steps must be int; got True"),
+                          ({"clip_norm": "big"}, "train.clip_norm must be float or None"),
+                          ({"schedule": "linear"}, r"train.schedule must be one of \['cosine'"),
+                          ({"steps": 0}, "train.steps must be >= 1; got 0"),
+                          ({"batch_size": 6, "grad_accum": 4}, "divisible")]:
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**kwargs)
+    with pytest.raises(ValueError, match=r"checkpoint.best_mode must be one of \['max', 'min'\]"):
+        CheckpointConfig(best_mode="up")
+    with pytest.raises(ValueError, match=r"data.settings must be dict"):
+        DataConfig(settings=3)
+    with pytest.raises(ValueError, match=r"checkpoint: unknown key\(s\) \['evry'\]; known: \['async_save'"):
+        from_mapping(CheckpointConfig, {"evry": 3}, "checkpoint")
+
+    @dataclasses.dataclass(frozen=True)
+    class Model:  # the shape of ModelConfig's use: another prefix, its own choices
+        num_layers: int = 2
+        ffn: str = "gelu"
+
+        def __post_init__(self):
+            check_fields(self, "config ", {"ffn": ("gelu", "relu")})
+
+    with pytest.raises(ValueError, match="config num_layers must be int; got '2'"):
+        Model(num_layers="2")
+    with pytest.raises(ValueError, match=r"config ffn must be one of \['gelu', 'relu'\]"):
+        Model(ffn="tanh")
+
+    e = load_experiment("copy", ["preset=tiny", "train.steps=7"])
+    assert e.train.steps == 7 and e.train["steps"] == 7  # attributes; keys for older callers
+    assert e.raw["train"] == dataclasses.asdict(e.train)
+
+
+# ----------------------------------------------------------------------------- state and checkpoints
+
+
+def _checkpointer(path):
+    from jxformers.data import make_loader, make_source
+    from jxformers.train.checkpoint import Checkpointer
+
+    iterator = iter(make_loader(make_source("copy", seed=0, size=16, max_len=8), batch_size=2, seed=0))
+    return Checkpointer(path, keep=2, best_metric="eval_accuracy", best_mode="max", async_save=False), iterator
+
+
+def test_checkpoints_restore_each_leaf_by_its_path_not_its_position(tmp_path):
+    import equinox as eqx
+
+    from jxformers.train.state import TrainState, load_state_dict, state_dict
+
+    class QK(eqx.Module):
+        q: jax.Array
+        k: jax.Array
+
+    class KQ(eqx.Module):  # the same fields, declared in the other order
+        k: jax.Array
+        q: jax.Array
+
+    def state(params):
+        return TrainState(params=params, drawn={"key": jax.random.key(3)}, opt_state=(jnp.zeros(()),),
+                          step=jnp.asarray(5, jnp.int32), rng=jax.random.key(1))
+
+    saved = state(QK(q=jnp.full((2, 2), 1.0), k=jnp.full((2, 2), 2.0)))
+    ckpt, iterator = _checkpointer(tmp_path / "ckpt")
+    ckpt.save(5, state_dict(saved), iterator)
+    ckpt.wait()
+    template = state(KQ(k=jnp.zeros((2, 2)), q=jnp.zeros((2, 2))))
+    assert [float(x[0, 0]) for x in jax.tree.leaves(template.params)] == [0.0, 0.0]
+    step, values = ckpt.restore_latest(state_dict(template), iterator)
+    restored = load_state_dict(values, template)
+    ckpt.close()
+    assert step == 5 and int(restored.step) == 5
+    assert float(restored.params.q[0, 0]) == 1.0 and float(restored.params.k[0, 0]) == 2.0
+    assert (jax.random.key_data(restored.drawn["key"]) == jax.random.key_data(jax.random.key(3))).all()
+    # A dict whose insertion order differs restores by key too.
+    flat = state_dict(saved)
+    again = load_state_dict(dict(reversed(list(flat.items()))), saved)
+    assert float(again.params.q[0, 0]) == 1.0 and float(again.params.k[0, 0]) == 2.0
+
+
+def test_a_renamed_or_reshaped_leaf_is_refused_naming_its_path(tmp_path):
+    ckpt, iterator = _checkpointer(tmp_path / "ckpt")
+    ckpt.save(8, {"['params'].blocks[0].attention.q_proj.weight": jnp.zeros((16, 16)), "['step']": jnp.zeros(())},
+              iterator)
+    ckpt.wait()
+    with pytest.raises(ValueError, match=r"checkpoint at step 8: parameter \['params'\]\.blocks\[0\]\.attention\."
+                                         r"q_proj\.weight has shape \(16, 16\); the model expects \(32, 16\)"):
+        ckpt.restore_latest({"['params'].blocks[0].attention.q_proj.weight": jnp.zeros((32, 16)),
+                             "['step']": jnp.zeros(())}, iterator)
+    with pytest.raises(ValueError, match=r"parameter \['params'\]\.blocks\[0\]\.attention\.query\.weight is "
+                                         r"missing.*q_proj\.weight is unexpected.*config changed"):
+        ckpt.restore_latest({"['params'].blocks[0].attention.query.weight": jnp.zeros((16, 16)),
+                             "['step']": jnp.zeros(())}, iterator)
+    assert ckpt.steps() == [8]  # nothing was set aside
+    ckpt.close()
+
+
+def test_old_list_layout_checkpoints_are_refused_with_an_explanation(tmp_path):
+    import numpy as np
+
+    experiment = load_experiment(write_config(tmp_path), ["train.steps=4"])
+    ckpt, iterator = _checkpointer(tmp_path / "run" / "checkpoints")
+    ckpt.save(4, {"params": [jnp.zeros((7, 16)), jnp.zeros((16,))], "frozen": [], "opt_state": [jnp.zeros(())],
+                  "step": np.asarray(4, np.int64), "key": np.asarray(jax.random.key_data(jax.random.key(0)))},
+              iterator)
+    ckpt.close()
+    from jxformers.train import restore_model
+
+    with pytest.raises(ValueError, match="written by jxformers before checkpoints stored arrays by tree path.*"
+                                         "Retrain.*check out the older"):
+        restore_model(experiment, tmp_path / "run")
+    with pytest.raises(ValueError, match="before checkpoints stored arrays by tree path"):
+        train(experiment, tmp_path / "run", progress=False)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+
+
+def test_one_constructor_builds_the_state_for_train_restore_and_eval(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    from jxformers.train import evaluate_checkpoint, loop, restore_model
+    from jxformers.train.state import init_train_state, split_model
+
+    calls = []
+    monkeypatch.setattr(loop, "init_train_state", lambda e: calls.append(e) or init_train_state(e))
+    experiment = load_experiment(write_config(tmp_path), ["train.steps=4", "checkpoint.async_save=false"])
+    train(experiment, tmp_path / "run", progress=False)
+    model, step = restore_model(experiment, tmp_path / "run")
+    assert step == 4 and evaluate_checkpoint(experiment, tmp_path / "run", batches=1)["step"] == 4
+    assert len(calls) == 3  # train, restore_model, evaluate_checkpoint
+    saved = ocp.StandardCheckpointer().restore(tmp_path / "run" / "checkpoints" / "4" / "state")
+    params, _, _ = split_model(model)
+    initial, _, _, _ = init_train_state(experiment)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    assert leaves and all((x == saved["['params']" + jax.tree_util.keystr(p)]).all() for p, x in leaves)
+    assert any((x != y).any() for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(initial.params)))
+    wider = load_experiment(write_config(tmp_path), ["train.steps=4", "model.d_model=32"])
+    with pytest.raises(ValueError, match=r"parameter \['params'\]\.\S+ has shape \(.*16\); the model expects "
+                                         r"\(.*32\).*config changed"):
+        restore_model(wider, tmp_path / "run")

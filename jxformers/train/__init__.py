@@ -1,19 +1,27 @@
-"""Training: experiment configs, the optimizer, orbax checkpointing, the train loop.
+"""Training: experiment configs, the train state, the steps, orbax checkpointing, the loop.
 
-    experiment.py  load_experiment (YAML, presets, key=value overrides, validation)
+    experiment.py  load_experiment; Experiment with typed sections DataConfig,
+                   TrainConfig, CheckpointConfig (validated by jxformers.validate)
     optim.py       make_optimizer (AdamW / RAdam, warmup + cosine / inverse-sqrt, clipping)
-    checkpoint.py  Checkpointer (orbax manager + grain iterator state, damaged fallback)
-    loop.py        train, evaluate_checkpoint, restore_model
+    state.py       TrainState (params, drawn, opt_state, step, rng) and its one constructor
+                   init_train_state; state_dict / load_state_dict (leaves by tree path)
+    step.py        losses, the jitted train step (state -> state) and eval step, evaluate
+    checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape check
+                   before restore, damaged fallback, old list-layout checkpoints refused)
+    loop.py        train (setup, step, periodic hooks), evaluate_checkpoint, restore_model
 """
 
-from jxformers.train.experiment import Experiment, load_experiment
+from jxformers.train.experiment import CheckpointConfig, DataConfig, Experiment, TrainConfig, load_experiment
 from jxformers.train.loop import (
            NonFiniteError,
            evaluate_checkpoint,
            restore_model,
+           restore_train_state,
            train,
 )
 from jxformers.train.optim import make_optimizer
+from jxformers.train.state import TrainState, init_train_state
 
-__all__ = ["Experiment", "NonFiniteError", "evaluate_checkpoint", "load_experiment", "make_optimizer",
-           "restore_model", "train"]
+__all__ = ["CheckpointConfig", "DataConfig", "Experiment", "NonFiniteError", "TrainConfig", "TrainState",
+           "evaluate_checkpoint", "init_train_state", "load_experiment", "make_optimizer", "restore_model",
+           "restore_train_state", "train"]

@@ -4,6 +4,12 @@ together, asynchronously; keeps the latest `keep` plus the best by an eval metri
 on restore falls back past a damaged checkpoint to the previous one, with a warning
 (and refuses, without touching anything, when none restores: usually a changed config).
 
+The state is expected as a flat dict {tree path: array} (see `jxformers.train.state`).
+Before any value is read, the saved tree's paths and shapes (orbax metadata) are
+compared with the template's, and a mismatch names the first missing, unexpected or
+reshaped path. Checkpoints written before path-keyed checkpoints (their `params` is a
+list of leaves) are refused with an explanation (`LegacyCheckpointError`).
+
 Orbax writes each checkpoint to a temporary directory and renames it when complete, so
 a half-written checkpoint (a run killed mid-save) never appears as a step.
 """
@@ -23,6 +29,55 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 
+class LegacyCheckpointError(ValueError):
+    """A checkpoint in the list layout written by jxformers before path-keyed checkpoints."""
+
+
+class CheckpointMismatch(ValueError):
+    """The saved tree's paths or shapes differ from the template's (usually a changed config)."""
+
+
+def _names(tree) -> dict[str, Any]:
+    """{name: leaf}: a flat dict's own keys in its own order, else each leaf's `keystr` path."""
+    if isinstance(tree, dict) and all(isinstance(k, str) and not isinstance(v, (dict, list, tuple))
+                                      for k, v in tree.items()):
+        return dict(tree)
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        flat = len(path) == 1 and isinstance(path[0], jax.tree_util.DictKey) and isinstance(path[0].key, str)
+        out[path[0].key if flat else jax.tree_util.keystr(path)] = leaf
+    return out
+
+
+def _what(name: str) -> str:
+    return "parameter" if name.startswith("['params']") else "array"
+
+
+def compare_trees(saved, template) -> None:
+    """CheckpointMismatch naming the first path missing from `saved`, the first path
+    `template` lacks, and the first shape mismatch (with a count of further differences)."""
+    saved, template = _names(saved), _names(template)
+    missing = [n for n in template if n not in saved]
+    unexpected = [n for n in saved if n not in template]
+    reshaped = [n for n in template if n in saved and tuple(saved[n].shape) != tuple(template[n].shape)]
+    problems = []
+    if missing:
+        problems.append(f"{_what(missing[0])} {missing[0]} is missing (the model expects it)")
+    if unexpected:
+        problems.append(f"{_what(unexpected[0])} {unexpected[0]} is unexpected (the model has no such path)")
+    if reshaped:
+        n = reshaped[0]
+        problems.append(f"{_what(n)} {n} has shape {tuple(saved[n].shape)}; the model expects "
+                        f"{tuple(template[n].shape)}")
+    if problems:
+        more = len(missing) + len(unexpected) + len(reshaped) - len(problems)
+        raise CheckpointMismatch("; ".join(problems) + (f" (and {more} more differences)" if more else ""))
+
+
+def _legacy(tree) -> bool:
+    return isinstance(tree, dict) and isinstance(tree.get("params"), (list, tuple))
+
+
 class Checkpointer:
     """Save and restore {"state": pytree of arrays, "data": grain iterator}."""
 
@@ -38,7 +93,10 @@ class Checkpointer:
             enable_async_checkpointing=async_save, preservation_policy=preservation, create=True,
         )
         self.directory = pathlib.Path(directory).resolve()
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()},
+        )
 
     def save(self, step: int, state: dict[str, Any], iterator, metrics: dict[str, float] | None = None) -> None:
         metrics = metrics if metrics and self.best_metric in metrics else None
@@ -69,6 +127,14 @@ class Checkpointer:
         failed: list[tuple[int, str]] = []
         for step in reversed(self.steps()):
             try:
+                saved = self.saved_tree(step)
+                if _legacy(saved):
+                    raise LegacyCheckpointError(
+                        f"checkpoint at step {step} in {self.directory} was written by jxformers before "
+                        f"checkpoints stored arrays by tree path (its parameters are a list by position) and "
+                        f"cannot be restored safely. Retrain in a new work directory, or check out the older "
+                        f"jxformers version to use or export it.")
+                compare_trees(saved, template)
                 restored = self.manager.restore(
                     step,
                     args=ocp.args.Composite(
@@ -79,6 +145,11 @@ class Checkpointer:
                 leaves = jax.tree.leaves(state)
                 if any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(np.asarray(x))) for x in leaves):
                     raise ValueError("non-finite values in the saved state")
+            except LegacyCheckpointError:
+                raise
+            except CheckpointMismatch as error:
+                failed.append((step, str(error)))
+                continue
             except Exception as error:  # noqa: BLE001 - any failure: try the previous one
                 failed.append((step, f"{type(error).__name__}: {str(error)[:300]}"))
                 continue
@@ -88,12 +159,20 @@ class Checkpointer:
                               f"resuming from step {step}", stacklevel=2)
             return step, state
         if failed:
-            reasons = "; ".join(f"step {s}: {r}" for s, r in failed)
+            reasons = "; ".join(f"checkpoint at step {s}: {r}" for s, r in failed)
             raise ValueError(
                 f"no checkpoint in {self.directory} could be restored ({reasons}). If the model or optimizer "
                 f"config changed since they were written, use the original config or a new work directory."
             )
         return None
+
+    def saved_tree(self, step: int):
+        """The saved state's tree of array metadata (shape, dtype) at `step`, read without
+        loading any values."""
+        metadata = self.manager.item_metadata(step)["state"]
+        if metadata is None:
+            raise ValueError(f"no readable state metadata at step {step}")
+        return metadata.tree if hasattr(metadata, "tree") else metadata
 
     def _set_aside(self, step: int) -> pathlib.Path:
         """Move a damaged checkpoint out of the manager's directory (kept for inspection;

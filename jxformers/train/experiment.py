@@ -2,10 +2,10 @@
 
     name:        the experiment's name
     data:        task (listops, copy, recall), train_size, eval_size, seed, and the task's
-                 own settings under `settings` (max_len, ...)
+                 own settings under `settings` (max_len, ...)                (DataConfig)
     model:       ModelConfig fields (task, vocab_size and num_classes come from the data)
-    train:       steps, batch_size, optimizer, learning_rate, schedule, ...  (TRAIN)
-    checkpoint:  every, keep, best_metric, best_mode, async_save           (CHECKPOINT)
+    train:       steps, batch_size, optimizer, learning_rate, schedule, ...  (TrainConfig)
+    checkpoint:  every, keep, best_metric, best_mode, async_save           (CheckpointConfig)
     presets:     named overrides, e.g. `tiny` (a CPU in minutes) and `paper` (a GPU)
     preset:      the preset to apply (or `--set preset=tiny`)
 
@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import os
 import pathlib
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,40 +28,116 @@ import yaml
 
 from jxformers.data import make_source
 from jxformers.nn import ModelConfig
+from jxformers.train.optim import OPTIMIZERS, SCHEDULES
+from jxformers.validate import check_at_least, check_fields, from_mapping
 
 EXPERIMENTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments"
-
-DATA = {"task": "listops", "train_size": 96_000, "eval_size": 2_000, "seed": 0, "settings": {}}
-TRAIN = {
-    "steps": 1000, "batch_size": 32, "optimizer": "adamw", "learning_rate": 1e-3, "warmup_steps": 100,
-    "schedule": "cosine", "weight_decay": 0.01, "clip_norm": 1.0, "grad_accum": 1, "eval_every": 500,
-    "eval_batches": 8, "log_every": 10, "seed": 0, "on_nonfinite": "stop", "redraw_every": 0,
-}
-CHECKPOINT = {"every": 500, "keep": 3, "best_metric": "eval_accuracy", "best_mode": "max", "async_save": True}
-SECTIONS = {"data": DATA, "train": TRAIN, "checkpoint": CHECKPOINT}
 TOP = ("name", "preset", "presets", "data", "model", "train", "checkpoint")
-CHOICES = {
-    ("train", "optimizer"): ("adamw", "radam"), ("train", "schedule"): ("cosine", "inverse_sqrt", "constant"),
-    ("train", "on_nonfinite"): ("stop", "skip"), ("checkpoint", "best_mode"): ("max", "min"),
-}
+
+
+class _Section:
+    """Read access by key (`experiment.train["steps"]`) for code written when sections
+    were dicts; new code reads attributes (`experiment.train.steps`)."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Not runtime type-checked by jaxtyping: values come from users' YAML, and check_fields
+# gives errors that name the key and the allowed values.
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class DataConfig(_Section):
+    """The `data` section: a task's name, split sizes, the seed, and the task's own
+    `settings` (max_len, ...; checked by the task's source)."""
+
+    task: str = "listops"
+    train_size: int = 96_000
+    eval_size: int = 2_000
+    seed: int = 0
+    settings: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        check_fields(self, "data.")
+        check_at_least(self, "data.", 1, "train_size", "eval_size")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Section):
+    """The `train` section: optimizer and schedule (see `make_optimizer`), batch and
+    gradient accumulation, evaluation / logging cadence, the seed, what a non-finite
+    step does (`stop` or `skip`), and how often drawn arrays are redrawn (0: never)."""
+
+    steps: int = 1000
+    batch_size: int = 32
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    weight_decay: float = 0.01
+    clip_norm: float | None = 1.0
+    grad_accum: int = 1
+    eval_every: int = 500
+    eval_batches: int = 8
+    log_every: int = 10
+    seed: int = 0
+    on_nonfinite: str = "stop"
+    redraw_every: int = 0
+
+    def __post_init__(self):
+        check_fields(self, "train.", {"optimizer": OPTIMIZERS, "schedule": SCHEDULES,
+                                      "on_nonfinite": ("stop", "skip")})
+        check_at_least(self, "train.", 1, "steps", "batch_size", "grad_accum", "eval_every", "eval_batches",
+                       "log_every")
+        check_at_least(self, "train.", 0, "warmup_steps", "redraw_every")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
+                             f"({self.grad_accum})")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    """The `checkpoint` section: save every `every` steps, keep the latest `keep` plus
+    the best by `best_metric` (`best_mode` max or min), saving asynchronously or not."""
+
+    every: int = 500
+    keep: int = 3
+    best_metric: str = "eval_accuracy"
+    best_mode: str = "max"
+    async_save: bool = True
+
+    def __post_init__(self):
+        check_fields(self, "checkpoint.", {"best_metric": ("eval_accuracy", "eval_loss"),
+                                           "best_mode": ("max", "min")})
+        check_at_least(self, "checkpoint.", 1, "every", "keep")
+
+
+SECTIONS = {"data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig}
 
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
-    """A validated experiment: plain dicts for data/train/checkpoint and a ModelConfig."""
+    """A validated experiment: typed sections and a ModelConfig."""
 
     name: str
-    data: dict[str, Any]
+    data: DataConfig
     model: ModelConfig
-    train: dict[str, Any]
-    checkpoint: dict[str, Any]
+    train: TrainConfig
+    checkpoint: CheckpointConfig
     raw: dict[str, Any]  # the merged config as loaded (saved in the work directory)
 
     def sources(self):
         """(train source, eval source): the eval split is the stream with seed + 1."""
         d = self.data
-        return (make_source(d["task"], seed=d["seed"], size=d["train_size"], **d["settings"]),
-                make_source(d["task"], seed=d["seed"] + 1, size=d["eval_size"], split="valid", **d["settings"]))
+        return (make_source(d.task, seed=d.seed, size=d.train_size, **d.settings),
+                make_source(d.task, seed=d.seed + 1, size=d.eval_size, split="valid", **d.settings))
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:
@@ -117,33 +194,6 @@ def _read(source: str | os.PathLike | Mapping) -> dict:
     return values
 
 
-def _check_section(name: str, values: Mapping, defaults: Mapping) -> dict:
-    unknown = sorted(set(values) - set(defaults))
-    if unknown:
-        raise ValueError(f"{name}: unknown key(s) {unknown}; known: {sorted(defaults)}")
-    merged = _deep_merge(dict(defaults), values)
-    for key, default in defaults.items():
-        value = merged[key]
-        if isinstance(default, float) and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
-            try:
-                value = merged[key] = float(value)
-            except ValueError:
-                pass
-        ok = (
-            value is None and key in ("clip_norm",)
-            or isinstance(default, bool) and isinstance(value, bool)
-            or isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
-            or isinstance(default, int) and not isinstance(default, bool) and isinstance(value, int)
-            and not isinstance(value, bool)
-            or isinstance(default, (str, dict)) and isinstance(value, type(default))
-        )
-        if not ok:
-            raise ValueError(f"{name}.{key} must be {type(default).__name__}; got {value!r}")
-        if (name, key) in CHOICES and value not in CHOICES[(name, key)]:
-            raise ValueError(f"{name}.{key} must be one of {list(CHOICES[(name, key)])}; got {value!r}")
-    return merged
-
-
 def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str] = ()) -> Experiment:
     """Read, apply the preset and the overrides, validate."""
     config = _read(source)
@@ -165,19 +215,9 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
             raise ValueError(f"override {'.'.join(path)}: unknown section {path[0]!r}; known: {list(TOP)}")
         if path != ["preset"]:
             _set(config, path, value)
-    sections = {name: _check_section(name, config.get(name, {}) or {}, defaults) for name, defaults in SECTIONS.items()}
-    train, ckpt, data = sections["train"], sections["checkpoint"], sections["data"]
-    for key in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "log_every"):
-        if train[key] < 1:
-            raise ValueError(f"train.{key} must be >= 1; got {train[key]}")
-    if train["batch_size"] % train["grad_accum"]:
-        raise ValueError(f"train.batch_size ({train['batch_size']}) must be divisible by train.grad_accum "
-                         f"({train['grad_accum']})")
-    if ckpt["every"] < 1 or ckpt["keep"] < 1:
-        raise ValueError("checkpoint.every and checkpoint.keep must be >= 1")
-    if ckpt["best_metric"] not in ("eval_accuracy", "eval_loss"):
-        raise ValueError(f"checkpoint.best_metric must be eval_accuracy or eval_loss; got {ckpt['best_metric']!r}")
-    train_source = make_source(data["task"], seed=data["seed"], size=data["train_size"], **data["settings"])
+    sections = {name: from_mapping(cls, config.get(name), name) for name, cls in SECTIONS.items()}
+    data, train, ckpt = sections["data"], sections["train"], sections["checkpoint"]
+    train_source = make_source(data.task, seed=data.seed, size=data.train_size, **data.settings)
     model_values = dict(config.get("model", {}) or {})
     for fixed in ("task", "vocab_size", "num_classes"):
         if fixed in model_values:
@@ -188,6 +228,6 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
     model_values.setdefault("max_len", train_source.max_len + (1 if model_values.get("pooling", "cls") == "cls"
                                                                and train_source.model_task == "classify" else 0))
     model = ModelConfig.from_dict(model_values)
-    raw = {"name": config.get("name", "experiment"), "preset": preset, "data": data, "model": model.to_dict(),
-           "train": train, "checkpoint": ckpt}
+    raw = {"name": config.get("name", "experiment"), "preset": preset, "data": data.to_dict(),
+           "model": model.to_dict(), "train": train.to_dict(), "checkpoint": ckpt.to_dict()}
     return Experiment(raw["name"], data, model, train, ckpt, raw)

@@ -1,0 +1,107 @@
+"""Losses and the jitted steps over a `TrainState`.
+
+    train_step = make_train_step(static, optimizer, grad_accum=2)
+    state, metrics = train_step(state, batch)        # state donated; metrics are arrays
+    stats = make_eval_step(static)(state, batch)     # (loss sum, correct, count)
+
+The train step draws its dropout key as `fold_in(state.rng, 2 * state.step)` (redraws use
+the odd numbers), so randomness is a function of (seed, step) alone; micro-batches are
+accumulated with `lax.scan`; the update is applied only when the loss and the gradient
+norm are finite (`metrics["finite"]`), and the step counter advances either way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from jxformers.train.state import TrainState
+
+
+def _forward(model, batch, key, inference):
+    keys = None if key is None else jax.random.split(key, batch["tokens"].shape[0])  # None vmaps as an empty tree
+    return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(batch["tokens"], batch["mask"], keys)
+
+
+def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool = False):
+    """Mean cross-entropy and (loss sum, correct, count) for a classification batch
+    (`label`) or a language-modelling batch (`loss_mask`)."""
+    logits = _forward(model, batch, key, inference)
+    if "label" in batch:
+        labels, weights = batch["label"], jnp.ones(batch["label"].shape, jnp.float32)
+    else:  # position i predicts token i + 1
+        logits = logits[:, :-1]
+        labels, weights = batch["tokens"][:, 1:], batch["loss_mask"][:, :-1].astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    count = jnp.maximum(weights.sum(), 1.0)
+    correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
+    total = (losses * weights).sum()
+    return total / count, (total, correct, weights.sum())
+
+
+def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int):
+    """A jitted (state, batch) -> (state, metrics) with the state donated; metrics: loss,
+    accuracy, grad_norm, finite (the update was applied)."""
+
+    def micro_grads(params, drawn, batch, key):
+        def loss_fn(p):
+            return loss_and_metrics(eqx.combine(p, drawn, static), batch, key)
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    def step(state: TrainState, batch):
+        params, key = state.params, jax.random.fold_in(state.rng, 2 * state.step)
+        if grad_accum == 1:
+            (loss, stats), grads = micro_grads(params, state.drawn, batch, key)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+
+            def body(acc, xs):
+                b, k = xs
+                (loss, stats), grads = micro_grads(params, state.drawn, b, k)
+                return jax.tree.map(jnp.add, acc, (loss, stats, grads)), None
+
+            zero = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), jax.tree.map(jnp.zeros_like, params))
+            (loss, stats, grads), _ = jax.lax.scan(body, zero, (micro, jax.random.split(key, grad_accum)))
+            loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        metrics = {"loss": loss, "accuracy": stats[1] / jnp.maximum(stats[2], 1.0), "grad_norm": grad_norm,
+                   "finite": finite}
+        new_state = TrainState(params=keep(new_params, params), drawn=state.drawn,
+                               opt_state=keep(new_opt_state, state.opt_state), step=state.step + 1, rng=state.rng)
+        return new_state, metrics
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def make_eval_step(static):
+    """A jitted (state, batch) -> (loss sum, correct, count) in inference mode."""
+
+    @jax.jit
+    def step(state: TrainState, batch):
+        _, stats = loss_and_metrics(state.model(static), batch, None, inference=True)
+        return stats
+
+    return step
+
+
+def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_model: bool = False
+             ) -> dict[str, float]:
+    """Mean loss and accuracy over `batches` batches; for language models also the loss
+    in bits per predicted token (bits per dimension for pixels, per byte for text)."""
+    total = correct = count = 0.0
+    for _, batch in zip(range(batches), loader):
+        t, c, n = (float(x) for x in eval_step(state, batch))
+        total, correct, count = total + t, correct + c, count + n
+    out = {"eval_loss": total / max(count, 1.0), "eval_accuracy": correct / max(count, 1.0)}
+    if language_model:
+        out["eval_bits_per_token"] = out["eval_loss"] / math.log(2)
+    return out
