@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import pytest
 import yaml
 
-from jxformers import cli
+from jxformers.tools import cli
+from jxformers.train.experiment import EXPERIMENTS_DIR
 from jxformers.train import NonFiniteError, load_experiment, make_optimizer, train
 from jxformers.train.optim import decay_mask, learning_rate_schedule
 from jxformers.train.tensorboard import crc32c, encode_event, read_records
@@ -56,7 +57,8 @@ REAL_DATA = {"fmnist_classify", "fmnist_generate", "shakespeare_lm"}
 
 
 def test_every_shipped_experiment_and_preset_validates(tmp_path):
-    root = pathlib.Path(__file__).parents[1] / "experiments"
+    root = pathlib.Path(__file__).parents[1] / "jxformers" / "experiments"  # package data
+    assert EXPERIMENTS_DIR.resolve() == root.resolve()
     names = sorted(p.stem for p in root.glob("*.yaml"))
     assert {"copy", "lra_listops", "lra_pathfinder", "fmnist_classify", "fmnist_generate",
             "shakespeare_lm"} <= set(names)
@@ -120,7 +122,7 @@ def test_missing_config_lists_the_shipped_ones():
 
 def test_overrides_and_presets():
     e = load_experiment("copy", ["preset=tiny", "train.steps=7", "model.position=rope", "train.clip_norm=0.5"])
-    assert e.train["steps"] == 7 and e.model.position == "rope" and e.train["clip_norm"] == 0.5
+    assert e.train.steps == 7 and e.model.position == "rope" and e.train.clip_norm == 0.5
     assert e.model.num_layers == 2  # from the preset
 
 
@@ -206,7 +208,7 @@ def test_non_finite_steps_stop_or_are_skipped(tmp_path):
 def _run_cli(config, workdir, *extra):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.Popen(
-        [sys.executable, "-m", "jxformers.cli", "train", str(config), "--workdir", str(workdir), "--no-progress",
+        [sys.executable, "-m", "jxformers.tools.cli", "train", str(config), "--workdir", str(workdir), "--no-progress",
          *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )
 
@@ -274,7 +276,7 @@ def test_cli_train_eval_generate(tmp_path, capsys):
 
 
 def test_plot_draws_several_runs(tmp_path):
-    from jxformers.plot import read_metrics
+    from jxformers.tools.plot import read_metrics
 
     for i, name in enumerate(("a", "b")):
         (tmp_path / name).mkdir()
@@ -375,7 +377,7 @@ def test_config_sections_are_typed_frozen_dataclasses_with_defaults():
         Model(ffn="tanh")
 
     e = load_experiment("copy", ["preset=tiny", "train.steps=7"])
-    assert e.train.steps == 7 and e.train["steps"] == 7  # attributes; keys for older callers
+    assert e.train.steps == 7
     assert e.raw["train"] == dataclasses.asdict(e.train)
 
 

@@ -14,7 +14,6 @@ bias) are ValueErrors that list the options.
 
 import dataclasses
 import os
-import types
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +22,7 @@ import jax
 import yaml
 
 from jxformers import registry
+from jxformers.validate import check_fields, from_mapping
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import NORM_PLACEMENTS, Block
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS, FeedForward, make_norm
@@ -104,10 +104,7 @@ class ModelConfig:
     reversible: bool = False
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
-            if f.name in _CHOICES and getattr(self, f.name) not in _CHOICES[f.name]:
-                raise ValueError(f"config {f.name} must be one of {list(_CHOICES[f.name])}; got {getattr(self, f.name)!r}")
+        check_fields(self, "config ", _CHOICES)
         object.__setattr__(self, "filters", _int_keys("filters", self.filters))
         object.__setattr__(self, "layer_overrides", _int_keys("layer_overrides", self.layer_overrides))
         object.__setattr__(self, "_layers", {})  # block index -> bound attention, ffn, d_ff
@@ -115,11 +112,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown model config key(s) {unknown}; known: {known}")
-        return cls(**values)
+        return from_mapping(cls, values, "model", unknown_message="unknown model config key(s) {unknown}; known: {known}")
 
     @classmethod
     def from_yaml(cls, source: str | os.PathLike) -> "ModelConfig":
@@ -206,19 +199,6 @@ class ModelConfig:
                     f"filters maps an encoder block index in [0, {self.num_layers}) to a keep ratio in (0, 1]; "
                     f"got {index}: {ratio!r}"
                 )
-
-
-def _check_type(name, value, expected):
-    options = typing.get_args(expected) if isinstance(expected, types.UnionType) else (expected,)
-    for option in options:
-        if option is type(None) and value is None:
-            return
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return
-        if option in (int, str, bool, dict) and isinstance(value, option) and not (option is int and isinstance(value, bool)):
-            return
-    allowed = " or ".join("None" if o is type(None) else o.__name__ for o in options)
-    raise ValueError(f"config {name} must be {allowed}; got {value!r}")
 
 
 def _int_keys(name, mapping):

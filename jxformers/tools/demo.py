@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, overrides in MODELS.items():
         experiment = load_experiment("lra_listops", ["preset=tiny", *overrides, *args.overrides])
-        print(f"== {name}: training {experiment.train['steps']} steps in {root / name}", file=sys.stderr)
+        print(f"== {name}: training {experiment.train.steps} steps in {root / name}", file=sys.stderr)
         summary = train(experiment, root / name, progress=not args.no_progress)
         rows.append((name, summary, _step_stats(root / name)))
     lines = ["| model | eval accuracy | eval loss | step ms | tokens/s | step temp MiB |", "|---|---:|---:|---:|---:|---:|"]

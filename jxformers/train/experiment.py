@@ -31,18 +31,13 @@ from jxformers.nn import ModelConfig
 from jxformers.train.optim import OPTIMIZERS, SCHEDULES
 from jxformers.validate import check_at_least, check_fields, from_mapping
 
-EXPERIMENTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "experiments"
+# Shipped with the package (package data), so an installed wheel has them too.
+EXPERIMENTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 TOP = ("name", "preset", "presets", "data", "model", "train", "checkpoint")
 
 
 class _Section:
-    """Read access by key (`experiment.train["steps"]`) for code written when sections
-    were dicts; new code reads attributes (`experiment.train.steps`)."""
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in {f.name for f in dataclasses.fields(self)}:
-            raise KeyError(key)
-        return getattr(self, key)
+    """What the config sections share."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

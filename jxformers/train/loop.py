@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from jxformers.data import make_loader
 from jxformers.nn import redraw
+from jxformers.tools.xla_cost import cost_of
 from jxformers.train.checkpoint import Checkpointer
 from jxformers.train.experiment import Experiment
 from jxformers.train.state import TrainState, init_train_state, load_state_dict, split_model, state_dict
@@ -119,8 +120,7 @@ class _CompiledStep:
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float], float]:
         if self.compiled is None:
             self.compiled = self.jitted.lower(state, batch).compile()
-            analysis = self.compiled.memory_analysis()
-            self.temp_bytes = int(analysis.temp_size_in_bytes) if analysis is not None else None
+            self.temp_bytes = cost_of(self.compiled).temp_bytes
         began = time.perf_counter()
         state, metrics = self.compiled(state, batch)
         metrics = {k: float(v) for k, v in metrics.items()}
