@@ -33,8 +33,9 @@ from typing import Any
 import jax
 import jaxtyping
 
-# Arguments every attention is called with, never hyper-parameters.
-CALL_ARGUMENTS = ("causal", "kv_mask", "mask", "bias")
+# Arguments every attention is called with, never hyper-parameters (`scale` keeps the
+# op's 1/sqrt(d_k): an attention's temperature belongs to its query projection).
+CALL_ARGUMENTS = ("causal", "kv_mask", "mask", "bias", "scale")
 # Arguments of an array initialiser that come from the module's shapes.
 SHAPE_ARGUMENTS = ("heads", "kv_heads", "d_k", "d_v")
 _REQUIRED = inspect.Parameter.empty
@@ -273,13 +274,13 @@ class BoundAttention:
         """ValueError (naming the ones that can) when asked for what this attention cannot do."""
         s = self.spec
         for wanted, able, what, flag in (
-            (causal, s.supports_causal, "be causal", "supports_causal"),
-            (kv_mask is not None, s.supports_kv_mask, "take a kv_mask (padding)", "supports_kv_mask"),
-            (bias is not None, s.takes_bias, "take an additive bias (ALiBi, T5 relative positions)", "takes_bias"),
-            (cross, s.supports_cross, "cross-attend (queries and keys of different lengths)", "supports_cross"),
+            (causal, s.supports_causal, "causal=True: it cannot be causal", "supports_causal"),
+            (kv_mask is not None, s.supports_kv_mask, "kv_mask (padding)", "supports_kv_mask"),
+            (bias is not None, s.takes_bias, "an additive bias (ALiBi, T5 relative positions)", "takes_bias"),
+            (cross, s.supports_cross, "cross-attention: it cannot cross-attend", "supports_cross"),
         ):
             if wanted and not able:
-                raise ValueError(f"{s.name} attention cannot {what}; ones that can: {names(**{flag: True})}")
+                raise ValueError(f"{s.name} attention does not support {what}; ones that do: {names(**{flag: True})}")
 
     def __call__(self, q, k, v, *, arrays: Mapping[str, Any] | None = None, causal: bool = False, kv_mask=None,
                  bias=None):
