@@ -12,32 +12,13 @@ from conftest import qkv
 from jxformers import ops, registry
 
 q, k, v = qkv(0, 12)
-SELF_OPS = {
-    "local": lambda **kw: ops.local_attention(q, k, v, **({"window": 2} | kw)),
-    "block_local": lambda **kw: ops.block_local_attention(q, k, v, **({"block_size": 4} | kw)),
-    "dilated": lambda **kw: ops.dilated_attention(q, k, v, **({"window": 2, "dilation": 2} | kw)),
-    "sparse": lambda **kw: ops.sparse_transformer_attention(q, k, v, **({"stride": 4} | kw)),
-    "longformer": lambda **kw: ops.longformer_attention(q, k, v, **({"window": 2} | kw)),
-    "bigbird": lambda **kw: ops.bigbird_attention(q, k, v, **({"block_size": 4, "key": jax.random.key(0)} | kw)),
-    "axial": lambda **kw: ops.axial_attention(q, k, v, **({"width": 4} | kw)),
-}
 
+# Hyper-parameter errors, wrong kv_mask shapes and mismatched feature sizes of every
+# registered attention are in the generic suite (the `errors` column of
+# tests/attention_facts.py); these are the ops' own array arguments.
 CASES = [
-    (lambda: ops.local_attention(q, k, v, window=-1), "window"),
-    (lambda: ops.dilated_attention(q, k, v, window=-2, dilation=2), "window"),
-    (lambda: ops.dilated_attention(q, k, v, window=2, dilation=0), "dilation"),
-    (lambda: ops.block_local_attention(q, k, v, block_size=0), "block_size"),
-    (lambda: ops.chunked_attention(q, k, v, chunk_size=0), "chunk_size"),
-    (lambda: ops.sparse_transformer_attention(q, k, v, stride=0), "stride"),
-    (lambda: ops.sparse_transformer_attention(q, k, v, stride=4, pattern="dense"), "pattern"),
-    (lambda: ops.sparse_transformer_attention(q, k, v, stride=4, pattern="fixed", num_summary=5), "num_summary"),
-    (lambda: ops.longformer_attention(q, k, v, window=2, global_indices=(0, 12)), "global_indices"),
-    (lambda: ops.bigbird_attention(q, k, v, block_size=0, key=jax.random.key(0)), "block_size"),
     (lambda: ops.bigbird_attention(q, k, v, block_size=4), "key"),
-    (lambda: ops.bigbird_attention(q, k, v, block_size=4, num_window_blocks=2, key=jax.random.key(0)), "num_window_blocks"),
     (lambda: ops.bigbird_attention(q, k, v, block_size=4, random_blocks=jnp.zeros((2, 2), jnp.int32)), "random_blocks"),
-    (lambda: ops.axial_attention(q, k, v, width=0), "width"),
-    (lambda: ops.axial_attention(q, k, v, width=4, order="diagonal"), "order"),
     (lambda: ops.softmax_attention(q, k, v, mask=jnp.ones((12, 11), bool)), "mask"),
     (lambda: ops.softmax_attention(q, k, v, kv_mask=jnp.ones((11,), bool)), "kv_mask"),
     (lambda: ops.softmax_attention(q, k, v, bias=jnp.ones((3, 12, 12))), "bias"),
@@ -53,23 +34,6 @@ CASES = [
 def test_invalid_arguments_raise_value_error_naming_them(call, argument):
     with pytest.raises(ValueError, match=argument):
         call()
-
-
-@pytest.mark.parametrize("name", sorted(SELF_OPS))
-def test_every_kv_mask_of_the_wrong_shape_is_refused(name):
-    with pytest.raises(ValueError, match="kv_mask"):
-        SELF_OPS[name](kv_mask=jnp.ones((5,), bool))
-
-
-@pytest.mark.parametrize("name", sorted(SELF_OPS))
-def test_every_op_refuses_mismatched_feature_sizes(name):
-    global k
-    saved, k = k, k[:, :, :4]
-    try:
-        with pytest.raises(ValueError, match="d_k"):
-            SELF_OPS[name]()
-    finally:
-        k = saved
 
 
 def test_registry_refuses_unknown_names_and_hyper_parameters():

@@ -1,102 +1,17 @@
-"""Registry-driven model tests: for every registered attention, a tiny encoder
-classifier (forward, jit, grad, padding) and, for causal ones, a tiny language model
-(causality, decoding parity, generation). A new attention is covered once it has an
-entry in test_generic.VARIANTS."""
+"""Model-level tests beyond the generic model suite (tests/suites.py ModelSuite, run for
+every attention by tests/test_generic.py): every position scheme decodes, decoding states
+have fixed size, generation and sampling."""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
 from conftest import assert_close
-from test_generic import VARIANTS
+from suites import TINY, decode_all, forward, tokens
+from suites import model_config as config
 
 import jxformers
-from jxformers import ModelConfig, build_model, registry
-
-SEQ = 21
-TINY = dict(vocab_size=31, num_layers=2, d_model=16, num_heads=4, kv_heads=2, d_ff=24, max_len=40)
-
-
-def config(name, task, **extra):
-    return ModelConfig(task=task, attention=name, attention_kwargs=dict(VARIANTS[name][0]), **TINY | extra)
-
-
-def tokens(seed, n=SEQ):
-    return jax.random.randint(jax.random.key(seed), (n,), 0, TINY["vocab_size"])
-
-
-@eqx.filter_jit
-def forward(model, x, mask=None):
-    return model(x, mask)
-
-
-@eqx.filter_jit
-def loss_grad(model, x, mask=None):
-    def loss(params, rest):
-        out = eqx.combine(params, rest)(x, mask)
-        return jnp.mean(jnp.square(out))
-
-    params, rest = eqx.partition(model, jxformers.nn.trainable(model))
-    return jax.grad(loss)(params, rest)
-
-
-def finite_grads(grads):
-    leaves = jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
-    return leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
-
-
-@pytest.mark.parametrize("name", registry.names())
-def test_classifier_forward_grad_and_padding(name):
-    model = build_model(config(name, "classify", pooling="mean" if name == "fnet" else "cls"), key=jax.random.key(0))
-    x = tokens(1)
-    logits = forward(model, x)
-    assert logits.shape == (2,) and logits.dtype == jnp.float32
-    assert bool(jnp.all(jnp.isfinite(logits)))
-    assert finite_grads(loss_grad(model, x))
-    # Padding never leaks: whatever sits in padded positions, the logits are the same.
-    mask = jnp.arange(SEQ) < 15
-    other = jnp.where(mask, x, tokens(2))
-    assert_close(forward(model, x, mask), forward(model, other, mask), atol=1e-5)
-    assert finite_grads(loss_grad(model, x, mask))
-
-
-@pytest.mark.parametrize("name", registry.names(supports_causal=True))
-def test_language_model_is_causal_and_trains(name):
-    model = build_model(config(name, "lm"), key=jax.random.key(0))
-    x = tokens(3)
-    logits = forward(model, x)
-    assert logits.shape == (SEQ, TINY["vocab_size"])
-    changed = forward(model, x.at[12:].set(tokens(4)[12:]))
-    assert_close(changed[:12], logits[:12], atol=1e-5)
-    assert not bool(jnp.allclose(changed[12:], logits[12:]))
-    assert finite_grads(loss_grad(model, x))
-
-
-@pytest.mark.parametrize("name", registry.names())
-def test_language_model_needs_causal_attention(name):
-    if registry.get(name).causal:
-        return
-    with pytest.raises(ValueError, match="causal"):
-        config(name, "lm")
-
-
-def decode_all(model, x):
-    @eqx.filter_jit
-    def run(model, x):
-        def step(state, token):
-            logits, state = model.decode_step(token, state)
-            return state, logits
-
-        return jax.lax.scan(step, model.init_decode_state(x.shape[0]), x)[1]
-
-    return run(model, x)
-
-
-@pytest.mark.parametrize("name", registry.names(decodes=True))
-def test_decoding_parity_with_the_parallel_forward(name):
-    model = build_model(config(name, "lm", position="rope"), key=jax.random.key(0))
-    x = tokens(5)
-    assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)
+from jxformers import build_model
 
 
 @pytest.mark.parametrize("position", ["sinusoidal", "learned", "alibi", "t5"])

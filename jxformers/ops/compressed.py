@@ -14,6 +14,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from jxformers.ops._common import (
     ceil_div,
     check_mask_shape,
+    check_positive,
     check_qkv,
     einsum_f32,
     pad_to,
@@ -109,6 +110,7 @@ def memory_compressed_arrays(
     key: PRNGKeyArray, *, kv_heads: int, d_k: int, d_v: int, stride: int = 3
 ) -> dict[str, Float[Array, "stride d_in d_out"]]:
     """The learned convolution kernels of keys and values, `[stride, kv_heads * d, kv_heads * d]`."""
+    check_positive("stride", stride)
     kk, kv = jax.random.split(key)
     std_k = 1.0 / math.sqrt(stride * kv_heads * d_k)
     std_v = 1.0 / math.sqrt(stride * kv_heads * d_v)

@@ -488,6 +488,8 @@ def rfa_attention(
 def rfa_arrays(key: PRNGKeyArray, *, d_k: int, num_features: int = 128, sigma: float = 1.0
                ) -> dict[str, Float[Array, "num_features d_k"]]:
     """RFA's drawn projection, rows ~ N(0, I / sigma^2) (redrawn with the module)."""
+    if not sigma > 0:
+        raise ValueError(f"sigma (the Gaussian kernel width) must be > 0; got {sigma!r}")
     return {"projection": performer_projection(key, num_features, d_k) / sigma}
 
 

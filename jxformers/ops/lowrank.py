@@ -87,6 +87,8 @@ def linformer_arrays(key: PRNGKeyArray, *, proj_len: int = 256, max_len: int = 4
                      ) -> dict[str, Float[Array, "proj_len max_len"]]:
     """Linformer's learned length projections E and F, at nn.Linear(max_len, proj_len)'s
     scale (as the paper's code)."""
+    check_positive("proj_len", proj_len)
+    check_positive("max_len", max_len)
     ke, kf = jax.random.split(key)
     std = 1.0 / math.sqrt(max_len)
     return {"e_proj": std * jax.random.normal(ke, (proj_len, max_len)),
@@ -135,18 +137,21 @@ def synthesizer_logits(
     if kind == "dense":
         w1, b1, w2 = need("w1", w1, "[heads, d_k, hidden]"), need("b1", b1, "[heads, hidden]"), need("w2", w2, "[heads, hidden, max_len]")
         if w2.shape[2] < kv_len or w1.shape[0] != heads:
-            raise ValueError(f"w2 must cover kv_len={kv_len} columns and w1/w2 have {heads} heads; got w1 {w1.shape}, w2 {w2.shape}")
+            raise ValueError(f"w2 must cover kv_len={kv_len} columns (max_len >= the sequence) and w1/w2 have {heads} "
+                             f"heads; got w1 {w1.shape}, w2 {w2.shape}")
         hid = jnp.maximum(jnp.einsum("qhd,hde->hqe", q.astype(jnp.float32), w1.astype(jnp.float32)) + b1[:, None, :], 0)
         return jnp.einsum("hqe,hem->hqm", hid, w2[:, :, :kv_len].astype(jnp.float32))
     if kind == "random":
         r = need("random", random, "[heads, max_len, max_len]")
         if r.shape[0] != heads or r.shape[1] < q_len or r.shape[2] < kv_len:
-            raise ValueError(f"random must have shape [{heads}, >= {q_len}, >= {kv_len}]; got {r.shape}")
+            raise ValueError(f"random must have shape [{heads}, >= {q_len}, >= {kv_len}] (max_len >= the sequence); "
+                             f"got {r.shape}")
         return r[:, :q_len, :kv_len].astype(jnp.float32)
     if kind == "factorized_random":
         a, b = need("factor_a", factor_a, "[heads, max_len, r]"), need("factor_b", factor_b, "[heads, max_len, r]")
         if a.shape[0] != heads or a.shape[1] < q_len or b.shape[1] < kv_len or a.shape[2] != b.shape[2]:
-            raise ValueError(f"factor_a/factor_b must be [{heads}, >= len, r] with one r; got {a.shape}, {b.shape}")
+            raise ValueError(f"factor_a/factor_b must be [{heads}, >= len, r] with one r (max_len >= the sequence); "
+                             f"got {a.shape}, {b.shape}")
         return jnp.einsum("hqr,hkr->hqk", a[:, :q_len].astype(jnp.float32), b[:, :kv_len].astype(jnp.float32))
     raise ValueError(f"kind must be one of {SYNTHESIZER_KINDS}; got {kind!r}")
 
@@ -184,6 +189,8 @@ def synthesizer_attention(
 def synthesizer_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, kind: str = "random", hidden: int = 64,
                        max_len: int = 512, rank: int = 8) -> dict[str, Array]:
     """The learned weights of each kind (see `synthesizer_logits`)."""
+    for name, value in (("hidden", hidden), ("max_len", max_len), ("rank", rank)):
+        check_positive(name, value)
     k1, k2, k3 = jax.random.split(key, 3)
     if kind == "dense":
         return {

@@ -66,6 +66,7 @@ def induced_attention(
 
 def induced_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, d_v: int, num_inducing: int = 32) -> dict[str, Array]:
     """The learned inducing points (and the unpacking keys when d_v != d_k)."""
+    check_positive("num_inducing", num_inducing)
     ki, ku = jax.random.split(key)
     arrays = {"inducing": jax.random.normal(ki, (num_inducing, heads, d_k))}
     if d_v != d_k:

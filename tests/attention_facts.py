@@ -1,0 +1,139 @@
+"""One table of per-attention test facts, read by every generic suite (tests/suites.py).
+
+A registered attention needs one row here and nothing else in the tests: the generic
+suites then check it for shapes, jit/vmap/grad, causality, padding, its dense reference
+mask, bf16, decoding, cross lengths, its error cases, its cost class and tiny models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import masks
+
+
+@dataclasses.dataclass(frozen=True)
+class Growth:
+    """How XLA-counted FLOPs grow with the sequence length N (no timing).
+
+    kind: "linear", "n sqrt n" or "quadratic" (see GROWTH_CHECKS).
+    at_length: hyper-parameters at length N (a fixed window, or a stride of sqrt(N)).
+    causal: XLA's cost analysis counts a loop's body once, so a form that scans over the
+        length (chunked softmax, causal chunked linear attention) cannot be measured.
+    """
+
+    kind: str
+    at_length: Callable[[int], Mapping[str, Any]] = lambda n: {}
+    causal: tuple[bool, ...] = (False, True)  # the modes checked (those the attention supports)
+
+
+# kind -> (shorter N, longer N, lowest and highest allowed FLOP ratio between them)
+GROWTH_CHECKS = {
+    "linear": (2048, 4096, 1.7, 2.3),
+    "n sqrt n": (1024, 4096, 6.5, 10.0),  # 4x length: n^1.5 gives 8x, n^2 would give 16x
+    "quadratic": (2048, 4096, 3.6, math.inf),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What the generic suites need to know about one attention.
+
+    variants: small hyper-parameters that make its pattern non-trivial at the test
+        lengths (24 and 37 tokens); every suite runs each.
+    mask: for exact attentions, a dense reference mask builder written from the paper
+        (tests/masks.py): `mask(n, hyper_parameters, arrays, causal) -> [masks]`.
+    errors: `(hyper-parameters, word)`: binding or calling with these (over the first
+        variant) raises ValueError whose message names `word`.
+    growth: how its FLOPs grow with N, or None when not checked.
+    model: extra ModelConfig fields for the tiny classifier of the model suite.
+    """
+
+    variants: tuple[Mapping[str, Any], ...] = ({},)
+    mask: Callable | None = None
+    errors: tuple[tuple[Mapping[str, Any], str], ...] = ()
+    growth: Growth | None = None
+    model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+FACTS: dict[str, Facts] = {
+    "softmax": Facts(mask=masks.softmax, growth=Growth("quadratic")),
+    "chunked": Facts(
+        variants=({"chunk_size": 8},), mask=masks.softmax, errors=(({"chunk_size": 0}, "chunk_size"),),
+    ),  # a scan over chunks: no FLOP count (see Growth); tests/test_complexity.py checks its memory
+    "local": Facts(
+        variants=({"window": 3},), mask=masks.local, errors=(({"window": -1}, "window"),),
+        growth=Growth("linear", lambda n: {"window": 32}),
+    ),
+    "block_local": Facts(
+        variants=({"block_size": 5},), mask=masks.block_local, errors=(({"block_size": 0}, "block_size"),),
+        growth=Growth("linear", lambda n: {"block_size": 64}),
+    ),
+    "dilated": Facts(
+        variants=({"window": 2, "dilation": 3},), mask=masks.dilated,
+        errors=(({"window": -2}, "window"), ({"dilation": 0}, "dilation")),
+        growth=Growth("linear", lambda n: {"window": 16, "dilation": 4}),
+    ),
+    "sparse_transformer": Facts(
+        variants=({"stride": 5}, {"stride": 5, "pattern": "fixed", "num_summary": 2}), mask=masks.sparse_transformer,
+        errors=(({"stride": 0}, "stride"), ({"pattern": "dense"}, "pattern"),
+                ({"stride": 4, "pattern": "fixed", "num_summary": 5}, "num_summary")),
+        growth=Growth("n sqrt n", lambda n: {"stride": math.isqrt(n)}),
+    ),
+    "longformer": Facts(
+        variants=({"window": 2, "global_indices": (0, 11)},), mask=masks.longformer,
+        errors=(({"global_indices": (0, 99)}, "global_indices"), ({"window": -1}, "window")),
+        growth=Growth("linear", lambda n: {"window": 32, "global_indices": (0, 5)}),
+    ),
+    "bigbird": Facts(
+        variants=({"block_size": 4, "num_random_blocks": 2},), mask=masks.bigbird,
+        errors=(({"block_size": 0}, "block_size"), ({"num_window_blocks": 2}, "num_window_blocks")),
+        growth=Growth("linear", lambda n: {"block_size": 32}),
+    ),
+    "axial": Facts(
+        variants=({"width": 6}, {"width": 5, "order": "column"}), mask=masks.axial,
+        errors=(({"width": 0}, "width"), ({"order": "diagonal"}, "order")),
+        growth=Growth("n sqrt n", lambda n: {"width": math.isqrt(n)}),
+    ),
+    "memory_compressed": Facts(
+        variants=({"stride": 3},), errors=(({"stride": 0}, "stride"),),
+        growth=Growth("quadratic", lambda n: {"stride": 4}),
+    ),
+    "linear": Facts(
+        variants=({"chunk_size": 8}, {"form": "scan", "feature_map": "relu"}),
+        errors=(({"feature_map": "tanh"}, "feature_map"), ({"form": "fast"}, "form"), ({"chunk_size": 0}, "chunk_size")),
+        growth=Growth("linear", causal=(False,)),
+    ),
+    "performer": Facts(
+        variants=({"num_features": 32, "chunk_size": 8}, {"num_features": 16, "kernel": "relu", "form": "quadratic"}),
+        errors=(({"kernel": "gelu"}, "kernel"), ({"num_features": 0}, "num_features")),
+        growth=Growth("linear", lambda n: {"num_features": 64}),
+    ),
+    "rfa": Facts(
+        variants=({"num_features": 16, "chunk_size": 5},),
+        errors=(({"num_features": 0}, "num_features"), ({"sigma": 0.0}, "sigma")),
+        growth=Growth("linear", lambda n: {"num_features": 64}),
+    ),
+    "linformer": Facts(
+        variants=({"proj_len": 8, "max_len": 64},),
+        errors=(({"max_len": 8}, "max_len"), ({"proj_len": 0}, "proj_len")),
+        growth=Growth("linear", lambda n: {"proj_len": 32, "max_len": n}),
+    ),
+    "synthesizer": Facts(
+        variants=({"max_len": 40}, {"kind": "dense", "max_len": 40, "hidden": 8, "dot_weight": 1.0},
+                  {"kind": "factorized_random", "max_len": 40, "rank": 3}),
+        errors=(({"max_len": 8}, "max_len"), ({"kind": "learned"}, "kind"), ({"dot_weight": -1.0}, "dot_weight")),
+    ),
+    "nystrom": Facts(
+        variants=({"num_landmarks": 5},), errors=(({"num_landmarks": 0}, "num_landmarks"),),
+        growth=Growth("linear", lambda n: {"num_landmarks": 32}),
+    ),
+    "induced": Facts(
+        variants=({"num_inducing": 4},), errors=(({"num_inducing": 0}, "num_inducing"),),
+        growth=Growth("linear", lambda n: {"num_inducing": 32}),
+    ),
+    "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
+}

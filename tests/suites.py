@@ -1,0 +1,379 @@
+"""The generic suites: properties every registered attention must have, written once and
+instantiated for any list of names (tests/test_generic.py for the package's own
+attentions, tests/test_toy_attention.py for one registered by a test).
+
+A suite is a class whose test methods take `name` (and `hp`, one variant's hyper-
+parameters); its `pytest_generate_tests` fills them from the class's `attention_names`
+and the row of tests/attention_facts.py, keeping only the attentions with the
+capabilities a test declares through `@needs(...)`. Subclass with `attention_names`
+set; the `jit_variants` case is a `chex.TestCase` (chex's variants need one).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+from attention_facts import FACTS, GROWTH_CHECKS
+from conftest import assert_close, qkv
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jxformers
+from jxformers import ModelConfig, build_model, registry
+from jxformers.ops import softmax_attention
+from jxformers.tools.xla_cost import compile_with_cost
+
+# One odd length (tails of blocks and chunks) for most properties; the dense-mask
+# equivalence also runs a length that divides evenly. Each length is a compilation.
+LENGTH = st.just(37)
+LENGTHS = st.sampled_from([24, 37])
+SEEDS = st.integers(0, 2**16)
+HEADS, KV_HEADS, D_K, D_V = 4, 2, 8, 6  # conftest.qkv's defaults
+
+
+def needs(**capabilities):
+    """Run the decorated test only for attentions whose spec has these flags
+    (`supports_causal=True`, `decodes=True`, `exact=True`, ...)."""
+
+    def mark(fn):
+        fn.capabilities = capabilities
+        return fn
+
+    return mark
+
+
+def facts(name):
+    if name not in FACTS:
+        raise KeyError(f"{name!r} has no row in tests/attention_facts.py FACTS; add one (its small test variants)")
+    return FACTS[name]
+
+
+def selected(names, **capabilities):
+    return [n for n in names if all(getattr(registry.get(n), c) == want for c, want in capabilities.items())]
+
+
+def case_id(name, hp):
+    return "-".join([name, *(f"{k}={v}" for k, v in hp.items())])
+
+
+def cases(names, **capabilities):
+    """(name, hyper-parameters) for every variant of every named attention with these capabilities."""
+    return [(name, dict(hp)) for name in selected(names, **capabilities) for hp in facts(name).variants]
+
+
+def causal_modes(name):
+    return [False, True] if registry.get(name).supports_causal else [False]
+
+
+def first_variant(name):
+    return dict(facts(name).variants[0])
+
+
+@functools.cache
+def _compiled(name, hp_items, causal):
+    bound = registry.bind(name, **dict(hp_items))
+
+    def f(q, k, v, kv_mask, key):
+        arrays = bound.init_arrays(key, heads=q.shape[1], kv_heads=k.shape[1], d_k=k.shape[2], d_v=v.shape[2])
+        return bound(q, k, v, arrays=arrays, causal=causal, kv_mask=kv_mask)
+
+    return jax.jit(f)
+
+
+def run(name, hp, q, k, v, *, causal=False, kv_mask=None, seed=0):
+    """The registered op under jit (one compilation per shape keeps the suites fast)."""
+    return _compiled(name, tuple(sorted(hp.items())), causal)(q, k, v, kv_mask, jax.random.key(seed + 1))
+
+
+class _Parametrized:
+    """Fills `name` / `name, hp` from `attention_names` (see the module docstring)."""
+
+    attention_names: tuple[str, ...] = ()
+
+    def pytest_generate_tests(self, metafunc):
+        capabilities = getattr(metafunc.function, "capabilities", {})
+        if "hp" in metafunc.fixturenames:
+            found = cases(self.attention_names, **capabilities)
+            metafunc.parametrize("name,hp", found, ids=[case_id(n, hp) for n, hp in found])
+        elif "name" in metafunc.fixturenames:
+            metafunc.parametrize("name", selected(self.attention_names, **capabilities))
+
+
+class AttentionSuite(_Parametrized):
+    """The op-level properties, for every variant of every attention named."""
+
+    def test_has_test_facts(self, name):
+        assert name in FACTS, f"add a row for {name!r} to tests/attention_facts.py FACTS"
+        assert FACTS[name].variants, f"{name}: give at least one variant (maybe {{}})"
+
+    @needs(exact=True)
+    def test_exact_attention_has_an_independent_mask(self, name):
+        assert facts(name).mask is not None, f"{name} is exact: give its dense mask builder (tests/masks.py) in FACTS"
+
+    @given(n=LENGTH, seed=SEEDS)
+    def test_shape_dtype_finite(self, name, hp, n, seed):
+        q, k, v = qkv(seed, n)
+        for causal in causal_modes(name):
+            out = run(name, hp, q, k, v, causal=causal)
+            chex.assert_shape(out, (n, HEADS, D_V))
+            chex.assert_type(out, jnp.float32)
+            chex.assert_tree_all_finite(out)
+
+    @needs(supports_causal=True)
+    @given(n=LENGTH, seed=SEEDS, data=st.data())
+    def test_causal_never_reads_the_future(self, name, hp, n, seed, data):
+        i = data.draw(st.integers(0, n - 2), label="position")
+        q, k, v = qkv(seed, n)
+        k2 = k.at[i + 1 :].set(jax.random.normal(jax.random.key(seed + 7), k[i + 1 :].shape))
+        v2 = v.at[i + 1 :].set(100.0)
+        a = run(name, hp, q, k, v, causal=True)
+        b = run(name, hp, q, k2, v2, causal=True)
+        assert_close(a[: i + 1], b[: i + 1], atol=1e-5)
+        assert not np.allclose(a[i + 1 :], b[i + 1 :]), "the perturbation should change later outputs"
+
+    @needs(supports_kv_mask=True)
+    @given(n=LENGTH, seed=SEEDS, data=st.data())
+    def test_padded_keys_never_change_real_outputs(self, name, hp, n, seed, data):
+        real_len = data.draw(st.integers(n // 2, n - 1), label="real length")
+        q, k, v = qkv(seed, n)
+        kv_mask = jnp.arange(n) < real_len
+        k2 = k.at[real_len:].set(jax.random.normal(jax.random.key(seed + 3), k[real_len:].shape) * 10)
+        v2 = v.at[real_len:].set(1e4)
+        for causal in causal_modes(name):
+            a = run(name, hp, q, k, v, causal=causal, kv_mask=kv_mask)
+            b = run(name, hp, q, k2, v2, causal=causal, kv_mask=kv_mask)
+            chex.assert_tree_all_finite(a)
+            assert_close(a[:real_len], b[:real_len], atol=1e-5)
+
+    @needs(supports_kv_mask=True)
+    def test_all_keys_padded_gives_zeros_not_nan(self, name, hp):
+        q, k, v = qkv(1, 24)
+        out = run(name, hp, q, k, v, kv_mask=jnp.zeros((24,), bool))
+        assert_close(out, jnp.zeros_like(out), atol=0)
+        g = jax.grad(lambda q: run(name, hp, q, k, v, kv_mask=jnp.zeros((24,), bool)).sum())(q)
+        chex.assert_tree_all_finite(g)
+
+    @needs(exact=True)
+    @given(n=LENGTHS, seed=SEEDS, padded=st.booleans())
+    def test_exact_equals_softmax_with_the_dense_mask(self, name, hp, n, seed, padded):
+        bound = registry.bind(name, **hp)
+        q, k, v = qkv(seed, n)
+        kv_mask = (jnp.arange(n) < n - 5) if padded else None
+        arrays = bound.init_arrays(jax.random.key(seed + 1), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
+        for causal in causal_modes(name):
+            out = run(name, hp, q, k, v, causal=causal, kv_mask=kv_mask, seed=seed)
+            expected = v
+            for m in facts(name).mask(n, bound.hyper_parameters, arrays, causal):
+                keys = jnp.repeat(k, expected.shape[1] // k.shape[1], axis=1)  # values may be per query head
+                expected = softmax_attention(q, keys, expected, mask=jnp.asarray(m), kv_mask=kv_mask)
+            assert_close(out, expected, atol=2e-5)
+
+    def test_bf16_close_to_float32(self, name, hp):
+        q, k, v = qkv(2, 37)
+        for causal in causal_modes(name):
+            full = run(name, hp, q, k, v, causal=causal)
+            half = run(name, hp, *(x.astype(jnp.bfloat16) for x in (q, k, v)), causal=causal)
+            chex.assert_type(half, jnp.bfloat16)
+            assert_close(half, full, atol=6e-2, rtol=6e-2)
+
+    @needs(decodes=True)
+    def test_decoding_token_by_token_equals_the_causal_forward(self, name, hp):
+        n = 24
+        q, k, v = qkv(3, n)
+        bound = registry.bind(name, **hp)
+        arrays = bound.init_arrays(jax.random.key(5), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
+        parallel = bound(q, k, v, arrays=arrays, causal=True)
+        state = bound.init_state(max_len=n, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V, arrays=arrays)
+
+        @jax.jit
+        def step(q_t, k_t, v_t, state):
+            return bound.decode_step(q_t, k_t, v_t, state, arrays=arrays)
+
+        for t in range(n):
+            out, state = step(q[t], k[t], v[t], state)
+            assert_close(out, parallel[t], atol=2e-5, rtol=2e-4)
+        assert int(state.length) == n
+
+    @needs(supports_cross=True)
+    def test_cross_attention_lengths(self, name):
+        q, k, v = qkv(4, 10, kv_len=27)
+        out = run(name, first_variant(name), q, k, v)
+        chex.assert_shape(out, (10, HEADS, D_V))
+        chex.assert_tree_all_finite(out)
+
+    @needs(supports_cross=False)
+    def test_self_attention_only_rejects_cross_lengths(self, name):
+        q, k, v = qkv(4, 10, kv_len=27)
+        with pytest.raises(ValueError, match="q_len"):
+            run(name, first_variant(name), q, k, v)
+
+    @needs(supports_kv_mask=True)
+    def test_kv_mask_of_the_wrong_shape_is_refused(self, name):
+        q, k, v = qkv(0, 12)
+        with pytest.raises(ValueError, match="kv_mask"):
+            run(name, first_variant(name), q, k, v, kv_mask=jnp.ones((5,), bool))
+
+    def test_mismatched_feature_sizes_are_refused(self, name):
+        q, k, v = qkv(0, 12)
+        with pytest.raises(ValueError, match="d_k"):
+            run(name, first_variant(name), q, k[:, :, :4], v)
+
+    def test_error_cases_name_the_argument(self, name):
+        q, k, v = qkv(0, 37)
+        for bad, word in facts(name).errors:
+            with pytest.raises(ValueError, match=word):
+                run(name, first_variant(name) | dict(bad), q, k, v)
+
+    def test_flops_grow_as_its_cost_class_says(self, name):
+        growth = facts(name).growth
+        if growth is None:
+            pytest.skip(f"{name}: no cost class in FACTS")
+        short, long, low, high = GROWTH_CHECKS[growth.kind]
+        for causal in [c for c in causal_modes(name) if c in growth.causal]:
+            ratio = flops(name, growth, long, causal) / flops(name, growth, short, causal)
+            assert low < ratio < high, f"{name} (causal={causal}): FLOPs grew x{ratio:.2f} for x{long // short} length"
+
+
+def flops(name, growth, n, causal, heads=2, d=16):
+    """XLA-counted FLOPs of the op alone at length n (its arrays are made outside)."""
+    bound = registry.bind(name, **dict(growth.at_length(n)))
+    x = jax.ShapeDtypeStruct((n, heads, d), jnp.float32)
+    arrays = jax.eval_shape(lambda key: bound.init_arrays(key, heads=heads, kv_heads=heads, d_k=d, d_v=d),
+                            jax.random.key(0))
+    _, cost = compile_with_cost(lambda q, k, v, arrays: bound(q, k, v, arrays=arrays, causal=causal), x, x, x, arrays)
+    return cost.flops
+
+
+def jit_variants(names) -> type[chex.TestCase]:
+    """A chex.TestCase checking each variant with and without jit: same outputs, vmap
+    over a batch, finite gradients that are non-zero where the op reads its input."""
+    found = cases(names)
+
+    class JitVmapGrad(chex.TestCase):
+        @chex.variants(with_jit=True, without_jit=True)
+        @parameterized.named_parameters(*[(case_id(n, hp), n, hp) for n, hp in found])
+        def test_jit_vmap_grad(self, name, hp):
+            q, k, v = qkv(0, 24)
+            spec = registry.get(name)
+            bound = spec.bind(**hp)
+            arrays = bound.init_arrays(jax.random.key(1), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
+
+            @self.variant
+            def f(q, k, v):
+                return bound(q, k, v, arrays=arrays, causal=spec.supports_causal)
+
+            reference = run(name, hp, q, k, v, causal=spec.supports_causal)
+            out = f(q, k, v)
+            chex.assert_trees_all_close(out, reference, atol=1e-5, rtol=1e-5)
+            if self.variant.type != chex.ChexVariantType.WITH_JIT:
+                return  # eager equals jit; vmap and grad op by op would only be slower
+
+            qb, kb, vb = (jnp.stack([x, 0.5 * x[::-1]]) for x in (q, k, v))
+            batched = jax.vmap(f)(qb, kb, vb)
+            chex.assert_shape(batched, (2, *out.shape))
+            chex.assert_trees_all_close(batched[0], out, atol=1e-5, rtol=1e-5)
+            chex.assert_trees_all_close(batched[1], f(qb[1], kb[1], vb[1]), atol=1e-5, rtol=1e-5)
+
+            grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+            chex.assert_trees_all_equal_shapes(grads, (q, k, v))
+            chex.assert_tree_all_finite(grads)
+            used = (0, 1, 2) if spec.content_based else (2,)  # FNet / Synthesizer ignore q, k
+            for i in used:
+                assert float(jnp.abs(grads[i]).max()) > 0, f"{name}: zero gradient for argument {i}"
+
+    return JitVmapGrad
+
+
+# ----------------------------------------------------------------------------- tiny models
+
+SEQ = 21
+TINY = dict(vocab_size=31, num_layers=2, d_model=16, num_heads=4, kv_heads=2, d_ff=24, max_len=40)
+
+
+def model_config(name, task, **extra):
+    """A tiny ModelConfig for `name` with its first test variant."""
+    return ModelConfig(task=task, attention=name, attention_kwargs=first_variant(name), **TINY | extra)
+
+
+def tokens(seed, n=SEQ):
+    return jax.random.randint(jax.random.key(seed), (n,), 0, TINY["vocab_size"])
+
+
+@eqx.filter_jit
+def forward(model, x, mask=None):
+    return model(x, mask)
+
+
+@eqx.filter_jit
+def loss_grad(model, x, mask=None):
+    def loss(params, rest):
+        out = eqx.combine(params, rest)(x, mask)
+        return jnp.mean(jnp.square(out))
+
+    params, rest = eqx.partition(model, jxformers.nn.trainable(model))
+    return jax.grad(loss)(params, rest)
+
+
+def finite_grads(grads):
+    leaves = jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
+    return leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+
+
+def decode_all(model, x):
+    @eqx.filter_jit
+    def run_all(model, x):
+        def step(state, token):
+            logits, state = model.decode_step(token, state)
+            return state, logits
+
+        return jax.lax.scan(step, model.init_decode_state(x.shape[0]), x)[1]
+
+    return run_all(model, x)
+
+
+class ModelSuite(_Parametrized):
+    """Each attention inside tiny models: an encoder classifier (forward, grad, padding)
+    and, when causal, a language model (causality, training gradients, decoding)."""
+
+    def test_classifier_forward_grad_and_padding(self, name):
+        model = build_model(model_config(name, "classify", **facts(name).model), key=jax.random.key(0))
+        x = tokens(1)
+        logits = forward(model, x)
+        chex.assert_shape(logits, (2,))
+        chex.assert_type(logits, jnp.float32)
+        chex.assert_tree_all_finite(logits)
+        assert finite_grads(loss_grad(model, x))
+        # Padding never leaks: whatever sits in padded positions, the logits are the same.
+        mask = jnp.arange(SEQ) < 15
+        other = jnp.where(mask, x, tokens(2))
+        assert_close(forward(model, x, mask), forward(model, other, mask), atol=1e-5)
+        assert finite_grads(loss_grad(model, x, mask))
+
+    @needs(supports_causal=True)
+    def test_language_model_is_causal_and_trains(self, name):
+        model = build_model(model_config(name, "lm"), key=jax.random.key(0))
+        x = tokens(3)
+        logits = forward(model, x)
+        chex.assert_shape(logits, (SEQ, TINY["vocab_size"]))
+        changed = forward(model, x.at[12:].set(tokens(4)[12:]))
+        assert_close(changed[:12], logits[:12], atol=1e-5)
+        assert not bool(jnp.allclose(changed[12:], logits[12:]))
+        assert finite_grads(loss_grad(model, x))
+
+    @needs(supports_causal=False)
+    def test_language_model_needs_causal_attention(self, name):
+        with pytest.raises(ValueError, match="causal"):
+            model_config(name, "lm")
+
+    @needs(decodes=True)
+    def test_decoding_parity_with_the_parallel_forward(self, name):
+        model = build_model(model_config(name, "lm", position="rope"), key=jax.random.key(0))
+        x = tokens(5)
+        assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)
