@@ -6,41 +6,94 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
-USAGE = """usage: jxformers COMMAND [ARGS]
+USAGE = """usage: jxformers COMMAND [ARGS]   (jxformers --version prints the version)
 
 commands:
   list      print the attention registry (names, capabilities, hyper-parameters)
   bench     time and measure every attention against softmax (--help for options)
   train     train an experiment: jxformers train CONFIG --workdir DIR [--set key=value ...]
-  eval      evaluate the newest checkpoint of a work directory on the eval split
-  generate  sample from a trained language model
+  eval      evaluate the newest (--best: the best) checkpoint of a work directory: eval --workdir DIR
+  generate  sample from a trained language model: generate --workdir DIR --prompt ...
   plot      draw the curves of several work directories into one PNG
   demo      train softmax, linear and Fourier-Transformer models on tiny ListOps and compare
 """
 
 
-def _experiment_parser(prog: str, description: str) -> argparse.ArgumentParser:
+def _experiment_parser(prog: str, description: str, *, run_config: bool = False) -> argparse.ArgumentParser:
+    """`run_config`: eval / generate, whose config defaults to the run's WORKDIR/config.yaml."""
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("config", help="an experiment name in experiments/ (e.g. copy) or a YAML path")
+    if run_config:
+        p.add_argument("config", nargs="?", default=None,
+                       help="optional: the run's WORKDIR/config.yaml is used; if given, it is only checked "
+                            "against it (needed for work directories without config.yaml)")
+    else:
+        p.add_argument("config", help="an experiment name in experiments/ (e.g. copy) or a YAML path")
     p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and config.yaml go here")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.steps=100 --set preset=tiny")
+                   help="override a config value, e.g. --set train.steps=100 --set preset=tiny"
+                        + ("; for eval / generate only settings outside the model" if run_config else ""))
     return p
+
+
+def _one_line_checkpoint_warnings() -> None:
+    """A checkpoint warning is one line for a user, not Python's file:line and source line."""
+    from jxformers.train.checkpoint import CheckpointWarning
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, CheckpointWarning):
+            print(f"jxformers: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 def _load(p, args):
     from jxformers.train import load_experiment
 
+    _one_line_checkpoint_warnings()
     try:
         return load_experiment(args.config, args.overrides)
     except ValueError as e:
         p.error(str(e))
 
 
+def _load_run(p, args):
+    """The experiment of the run in --workdir: its config.yaml with --set applied; a config
+    named on the command line is only compared with it (or used when there is none)."""
+    from jxformers.train import load_experiment
+    from jxformers.train.workdir import CONFIG, check_workdir, load_run_experiment, model_disagreement
+
+    _one_line_checkpoint_warnings()
+    try:
+        workdir = check_workdir(args.workdir, exists=True)
+        if not (workdir / CONFIG).exists():
+            if args.config is None:
+                p.error(f"{workdir} holds no {CONFIG}: name the experiment, e.g. {p.prog} copy --workdir {workdir}")
+            return load_experiment(args.config, args.overrides)
+        experiment = load_run_experiment(workdir, args.overrides)
+        if args.config is not None:
+            given = load_experiment(args.config, args.overrides)
+            if given.name != experiment.name:
+                p.error(f"{workdir} holds a run of {experiment.name!r}, not {given.name!r}; drop the config "
+                        f"argument to use the run's")
+            note = model_disagreement(experiment, given)
+            if note:
+                print(f"{p.prog}: note: {note}", file=sys.stderr)
+        return experiment
+    except ValueError as e:
+        p.error(str(e))
+
+
 def _train(rest: list[str]) -> int:
     p = _experiment_parser("jxformers train", "train (or resume) an experiment in a work directory")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="print only errors and the final summary (default: a bar on a terminal, "
+                        "a plain line every few seconds elsewhere)")
     args = p.parse_args(rest)
     experiment = _load(p, args)
     from jxformers.train import NonFiniteError, train
@@ -55,38 +108,75 @@ def _train(rest: list[str]) -> int:
 
 
 def _eval(rest: list[str]) -> int:
-    p = _experiment_parser("jxformers eval", "evaluate the newest checkpoint on the eval split")
+    p = _experiment_parser("jxformers eval", "evaluate the newest checkpoint on the eval split", run_config=True)
     p.add_argument("--batches", type=int, default=None, help="eval batches (default: the whole split)")
+    p.add_argument("--best", action="store_true", help="the best checkpoint by checkpoint.best_metric "
+                   "instead of the newest")
     args = p.parse_args(rest)
-    experiment = _load(p, args)
+    experiment = _load_run(p, args)
     from jxformers.train import evaluate_checkpoint
 
     try:
-        print(json.dumps(evaluate_checkpoint(experiment, args.workdir, batches=args.batches)))
+        print(json.dumps(evaluate_checkpoint(experiment, args.workdir, batches=args.batches, best=args.best)))
     except ValueError as e:
         p.error(str(e))
     return 0
 
 
+# Data tasks whose tokens are the bytes of text: their prompts and outputs are text.
+TEXT_TASKS = ("shakespeare",)
+
+
+def _prompt_ids(p, experiment, prompt: str) -> list[int]:
+    """The prompt as token ids: the UTF-8 bytes of text for a text task, else
+    space-separated ids, each inside the vocabulary."""
+    if experiment.data.task in TEXT_TASKS:
+        ids = list(prompt.encode("utf-8"))
+    else:
+        try:
+            ids = [int(t) for t in prompt.split()]
+        except ValueError:
+            p.error(f"--prompt must be space-separated integer token ids for {experiment.name}; got {prompt!r}")
+    vocab = experiment.model.vocab_size
+    if not ids:
+        p.error("--prompt is empty; give at least one token")
+    outside = [i for i in ids if not 0 <= i < vocab]
+    if outside:
+        p.error(f"--prompt: token id {outside[0]} is outside the vocabulary of {experiment.name} "
+                f"(ids 0 to {vocab - 1})")
+    return ids
+
+
+def _print_generated(experiment, rows) -> None:
+    if experiment.data.task not in TEXT_TASKS:
+        for row in rows:
+            print(" ".join(str(int(t)) for t in row))
+        return
+    for i, row in enumerate(rows):
+        if len(rows) > 1:
+            print(f"--- sample {i + 1} ---")
+        print(bytes(int(t) for t in row).decode("utf-8", errors="replace"))
+
+
 def _generate(rest: list[str]) -> int:
-    p = _experiment_parser("jxformers generate", "continue a prompt of token ids with a trained language model")
-    p.add_argument("--prompt", required=True, help="space-separated token ids, e.g. '1 5 7'")
+    p = _experiment_parser("jxformers generate", "continue a prompt with a trained language model",
+                           run_config=True)
+    p.add_argument("--prompt", required=True, help="space-separated token ids, e.g. '1 5 7'; text for a "
+                   f"byte-level text model ({', '.join(TEXT_TASKS)}), e.g. 'ROMEO:'")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--best", action="store_true", help="the best checkpoint instead of the newest")
     p.add_argument("--count", type=int, default=1, help="sequences generated in parallel (one per line); "
                    "the throughput (sequences/s, e.g. images/s for fmnist_generate) goes to stderr")
     args = p.parse_args(rest)
     if args.count < 1 or args.steps < 0:
         p.error("--count must be >= 1 and --steps >= 0")
-    experiment = _load(p, args)
+    experiment = _load_run(p, args)
     if experiment.model.task != "lm":
         p.error(f"generate needs a language-model experiment; {experiment.name} is {experiment.model.task!r}")
-    try:
-        prompt = [int(t) for t in args.prompt.split()]
-    except ValueError:
-        p.error("--prompt must be space-separated integer token ids")
+    prompt = _prompt_ids(p, experiment, args.prompt)
     import time
 
     import jax
@@ -96,7 +186,7 @@ def _generate(rest: list[str]) -> int:
     from jxformers.train import restore_model
 
     try:
-        model, _ = restore_model(experiment, args.workdir)
+        model, _ = restore_model(experiment, args.workdir, best=args.best)
         prompt_ids = jnp.asarray(prompt, jnp.int32)
 
         def many(keys):
@@ -110,8 +200,7 @@ def _generate(rest: list[str]) -> int:
     start = time.perf_counter()
     out = jax.block_until_ready(compiled(keys))
     seconds = time.perf_counter() - start
-    for row in out:
-        print(" ".join(str(int(t)) for t in row))
+    _print_generated(experiment, out)
     print(f"generated {args.count} sequences of {args.steps} new tokens in {seconds:.3f} s: "
           f"{args.count / seconds:.2f} sequences/s, {args.count * args.steps / seconds:.0f} tokens/s "
           f"(after compilation)", file=sys.stderr)
@@ -143,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] == "--version":
+        from jxformers import __version__
+
+        print(f"jxformers {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "list":

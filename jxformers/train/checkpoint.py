@@ -16,6 +16,7 @@ a half-written checkpoint (a run killed mid-save) never appears as a step.
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import shutil
 import time
@@ -29,8 +30,23 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 
+class _NoMetricsWarningFilter(logging.Filter):
+    """Orbax logs a warning for every save without metrics once best_fn is set; a save
+    before the first evaluation has none, by design."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "did not provide metrics" not in str(record.msg)
+
+
+logging.getLogger("absl").addFilter(_NoMetricsWarningFilter())
+
+
 class LegacyCheckpointError(ValueError):
     """A checkpoint in the list layout written by jxformers before path-keyed checkpoints."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint could not be restored and an older one is used (one line: which, why, which instead)."""
 
 
 class CheckpointMismatch(ValueError):
@@ -74,6 +90,17 @@ def compare_trees(saved, template) -> None:
         raise CheckpointMismatch("; ".join(problems) + (f" (and {more} more differences)" if more else ""))
 
 
+def _reason(error: Exception, limit: int = 160) -> str:
+    """Why a restore failed, in a few words: a mismatch or our own message as it is; a
+    library error (a TensorStore status, many lines long) as its first line, cut at a word."""
+    if isinstance(error, CheckpointMismatch):
+        return str(error)
+    first = (str(error).strip().splitlines() or [""])[0]
+    if len(first) > limit:
+        first = first[:limit].rsplit(" ", 1)[0] + " ..."
+    return f"unreadable or damaged data: {type(error).__name__}: {first}" if first else type(error).__name__
+
+
 def _legacy(tree) -> bool:
     return isinstance(tree, dict) and isinstance(tree.get("params"), (list, tuple))
 
@@ -89,8 +116,10 @@ class Checkpointer:
             policies.BestN(get_metric_fn=lambda m: m[best_metric], reverse=best_mode == "min", n=1,
                            keep_checkpoints_without_metrics=False),
         ])
+        # best_fn makes orbax write each checkpoint's metrics and answer best_step().
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save, preservation_policy=preservation, create=True,
+            best_fn=lambda m: m[best_metric], best_mode=best_mode,
         )
         self.directory = pathlib.Path(directory).resolve()
         self.manager = ocp.CheckpointManager(
@@ -113,50 +142,30 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore_latest(self, template: dict[str, Any], iterator, *, set_aside: bool = True
+    def restore_latest(self, template: dict[str, Any], iterator, *, training: bool = True
                        ) -> tuple[int, dict[str, Any]] | None:
         """The newest checkpoint that restores cleanly, as (step, state); the iterator is
         moved to its saved position. None when there are no checkpoints.
 
-        Newer checkpoints that fail to restore are reported with a warning and, with
-        `set_aside` (training, which will save those steps again), moved out of the way.
+        Newer checkpoints that fail to restore are reported with one warning line each
+        and, when `training` (which will save those steps again), moved out of the way.
         If none restores, nothing is moved and a ValueError explains: that is more often
         a changed config (another model or optimizer) than damage.
         """
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         failed: list[tuple[int, str]] = []
         for step in reversed(self.steps()):
             try:
-                saved = self.saved_tree(step)
-                if _legacy(saved):
-                    raise LegacyCheckpointError(
-                        f"checkpoint at step {step} in {self.directory} was written by jxformers before "
-                        f"checkpoints stored arrays by tree path (its parameters are a list by position) and "
-                        f"cannot be restored safely. Retrain in a new work directory, or check out the older "
-                        f"jxformers version to use or export it.")
-                compare_trees(saved, template)
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)
-                    ),
-                )
-                state = restored["state"]
-                leaves = jax.tree.leaves(state)
-                if any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(np.asarray(x))) for x in leaves):
-                    raise ValueError("non-finite values in the saved state")
+                state = self._restore_step(step, template, iterator)
             except LegacyCheckpointError:
                 raise
-            except CheckpointMismatch as error:
-                failed.append((step, str(error)))
-                continue
             except Exception as error:  # noqa: BLE001 - any failure: try the previous one
-                failed.append((step, f"{type(error).__name__}: {str(error)[:300]}"))
+                failed.append((step, _reason(error)))
                 continue
             for bad, reason in failed:
-                where = f"; moved to {self._set_aside(bad)}" if set_aside else ""
+                where = f"; moved to {self._set_aside(bad)}" if training else ""
                 warnings.warn(f"checkpoint at step {bad} could not be restored ({reason}){where}; "
-                              f"resuming from step {step}", stacklevel=2)
+                              f"{'resuming from' if training else 'using'} step {step}", CheckpointWarning,
+                              stacklevel=2)
             return step, state
         if failed:
             reasons = "; ".join(f"checkpoint at step {s}: {r}" for s, r in failed)
@@ -165,6 +174,47 @@ class Checkpointer:
                 f"config changed since they were written, use the original config or a new work directory."
             )
         return None
+
+    def restore_best(self, template: dict[str, Any], iterator, *, training: bool = False
+                     ) -> tuple[int, dict[str, Any]] | None:
+        """The best checkpoint by `best_metric`, as (step, state); None when there are no
+        checkpoints, a ValueError when none has the metric or the best does not restore
+        (no silent fallback: another step is not the best)."""
+        del training  # the best is never set aside
+        if not self.steps():
+            return None
+        best = self.manager.best_step()
+        if best is None or self.manager.metrics(best) is None:
+            raise ValueError(f"no checkpoint in {self.directory} records {self.best_metric} (a checkpoint records "
+                             f"the last evaluation before it; none had run): evaluate the latest (drop --best)")
+        try:
+            return best, self._restore_step(best, template, iterator)
+        except LegacyCheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise ValueError(f"the best checkpoint (step {best}) could not be restored ({_reason(error)})") from None
+
+    def _restore_step(self, step: int, template: dict[str, Any], iterator) -> dict[str, Any]:
+        saved = self.saved_tree(step)
+        if _legacy(saved):
+            raise LegacyCheckpointError(
+                f"checkpoint at step {step} in {self.directory} was written by jxformers before "
+                f"checkpoints stored arrays by tree path (its parameters are a list by position) and "
+                f"cannot be restored safely. Retrain in a new work directory, or check out the older "
+                f"jxformers version to use or export it.")
+        compare_trees(saved, template)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)
+            ),
+        )
+        state = restored["state"]
+        if any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(np.asarray(x)))
+               for x in jax.tree.leaves(state)):
+            raise ValueError("non-finite values in the saved state")
+        return state
 
     def saved_tree(self, step: int):
         """The saved state's tree of array metadata (shape, dtype) at `step`, read without

@@ -153,13 +153,38 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path = key.strip().split(".")
     if not all(path):
         raise ValueError(f"bad override key {key!r}")
-    parsed = yaml.safe_load(value) if value.strip() else ""
+    parsed = read_yaml(value, f"--set {text}") if value.strip() else ""
+    _check_flow_mapping(parsed, text)
     if isinstance(parsed, str):  # YAML 1.1 reads 1e-3 as a string; a number is meant
         try:
             parsed = float(parsed)
         except ValueError:
             pass
     return path, parsed
+
+
+def _check_flow_mapping(value: Any, text: str) -> None:
+    """YAML reads `{window:16}` as {'window:16': None} (a flow mapping needs a space after
+    the colon); no config key holds a colon, so this is always that mistake."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and ":" in key and item is None:
+                fixed = key.replace(":", ": ", 1)
+                raise ValueError(f"--set {text}: YAML reads {{{key}}} as a key {key!r} without a value; "
+                                 f"put a space after the colon: {{{fixed}}}")
+            _check_flow_mapping(item, text)
+
+
+def read_yaml(text: str, where: str) -> Any:
+    """`text` parsed as YAML; a syntax error names `where` (a file or an override) and the
+    line and column, not PyYAML's `<unicode string>`."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
+        problem = " ".join(str(x) for x in (getattr(error, "context", None), getattr(error, "problem", None)) if x)
+        raise ValueError(f"{at}: YAML syntax error: {problem or error}") from None
 
 
 def _set(config: dict, path: list[str], value: Any):
@@ -182,7 +207,9 @@ def _read(source: str | os.PathLike | Mapping) -> dict:
     if not path.exists():
         names = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")) if EXPERIMENTS_DIR.exists() else []
         raise ValueError(f"no experiment config {str(source)!r}: give a YAML path or one of {names}")
-    values = yaml.safe_load(path.read_text())
+    if not path.is_file():
+        raise ValueError(f"experiment config {str(path)!r} is a directory, not a YAML file")
+    values = read_yaml(path.read_text(), str(path))
     if not isinstance(values, dict):
         raise ValueError(f"{path}: an experiment config must be a YAML mapping")
     values.setdefault("name", path.stem)

@@ -1,12 +1,14 @@
 """Training and evaluation of an `Experiment`.
 
-`train(experiment, workdir)` builds the state (`init_train_state`) and the grain loader,
+`train(experiment, workdir)` locks the work directory and checks a rerun against its
+saved config (`workdir.py`), builds the state (`init_train_state`) and the grain loader,
 resumes from the newest good checkpoint in `workdir/checkpoints` if there is one, and
 runs the jitted train step (`step.py`; state donated, gradient accumulation with
 `lax.scan`). Around the step, small hooks: redraw the drawn arrays every `redraw_every`
-steps, log (each logged step is one JSON object in `workdir/metrics.jsonl` and
-TensorBoard scalars in `workdir/tensorboard/`), evaluate every `eval_every` steps,
-checkpoint every `checkpoint.every` steps, and on SIGTERM or SIGINT save a checkpoint
+steps, log (each logged step is one JSON object in `workdir/metrics.jsonl`, with
+non-finite numbers as the strings "NaN" / "Infinity" that float() reads, and TensorBoard
+scalars in `workdir/tensorboard/`; tokens_per_s counts real tokens, padded_tokens_per_s
+all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` steps, and on SIGTERM or SIGINT save a checkpoint
 and exit. A non-finite loss or gradient is reported with its step and either stops the
 run or skips the update (`train.on_nonfinite`).
 
@@ -21,14 +23,16 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import signal
+import socket
 import sys
+import threading
 import time
 from typing import Any
 
 import jax
-import yaml
 from tqdm import tqdm
 
 from jxformers.data import make_loader
@@ -39,6 +43,7 @@ from jxformers.train.experiment import Experiment
 from jxformers.train.state import TrainState, init_train_state, load_state_dict, split_model, state_dict
 from jxformers.train.step import evaluate, make_eval_step, make_train_step
 from jxformers.train.tensorboard import EventWriter
+from jxformers.train.workdir import check_rerun, check_workdir, has_checkpoints, workdir_lock, write_config
 
 
 class NonFiniteError(RuntimeError):
@@ -54,34 +59,40 @@ def _open_checkpointer(experiment: Experiment, workdir: pathlib.Path, *, async_s
                         async_save=async_save)
 
 
-def _restore(checkpointer: Checkpointer, template: TrainState, iterator, *, set_aside: bool
+def _restore(checkpointer: Checkpointer, template: TrainState, iterator, *, training: bool, best: bool = False
              ) -> TrainState | None:
-    """The newest good checkpoint's state (the iterator moved to its position), or None."""
-    restored = checkpointer.restore_latest(state_dict(template), iterator, set_aside=set_aside)
+    """The newest good (or the `best`) checkpoint's state, the iterator moved to its
+    position; None when there is none."""
+    restore = checkpointer.restore_best if best else checkpointer.restore_latest
+    restored = restore(state_dict(template), iterator, training=training)
     return None if restored is None else load_state_dict(restored[1], template)
 
 
-def restore_train_state(experiment: Experiment, workdir: str | pathlib.Path) -> tuple[TrainState, Any]:
-    """(state, static) of the newest good checkpoint in `workdir` (ValueError if none)."""
+def restore_train_state(experiment: Experiment, workdir: str | pathlib.Path, *, best: bool = False
+                        ) -> tuple[TrainState, Any]:
+    """(state, static) of the newest good checkpoint in `workdir`, or of the best by
+    `checkpoint.best_metric` (ValueError if none)."""
+    workdir = check_workdir(workdir, exists=True)
     state, static, _, _ = init_train_state(experiment)
     train_source, _ = experiment.sources()
     iterator = iter(make_loader(train_source, batch_size=experiment.train.batch_size, seed=0))
-    with contextlib.closing(_open_checkpointer(experiment, pathlib.Path(workdir), async_save=False)) as checkpointer:
-        restored = _restore(checkpointer, state, iterator, set_aside=False)
-    if restored is None:
-        raise ValueError(f"no checkpoint in {workdir}/checkpoints: train first (jxformers train ...)")
+    if not has_checkpoints(workdir):  # checked first: opening the manager would create the directory
+        raise ValueError(f"no checkpoint in {workdir / 'checkpoints'}: train first (jxformers train ...)")
+    with contextlib.closing(_open_checkpointer(experiment, workdir, async_save=False)) as checkpointer:
+        restored = _restore(checkpointer, state, iterator, training=False, best=best)
     return restored, static
 
 
-def restore_model(experiment: Experiment, workdir: str | pathlib.Path):
-    """(model, step) saved in the newest good checkpoint of `workdir` (ValueError if none)."""
-    state, static = restore_train_state(experiment, workdir)
+def restore_model(experiment: Experiment, workdir: str | pathlib.Path, *, best: bool = False):
+    """(model, step) saved in the newest good (or the best) checkpoint of `workdir`."""
+    state, static = restore_train_state(experiment, workdir, best=best)
     return state.model(static), int(state.step)
 
 
-def evaluate_checkpoint(experiment: Experiment, workdir: str | pathlib.Path, *, batches: int | None = None):
-    """Eval metrics of the newest checkpoint on the eval split."""
-    state, static = restore_train_state(experiment, workdir)
+def evaluate_checkpoint(experiment: Experiment, workdir: str | pathlib.Path, *, batches: int | None = None,
+                        best: bool = False):
+    """Eval metrics of the newest (or the best) checkpoint on the eval split."""
+    state, static = restore_train_state(experiment, workdir, best=best)
     _, eval_source = experiment.sources()
     batch = min(experiment.train.batch_size, len(eval_source))
     loader = make_loader(eval_source, batch_size=batch, seed=0, shuffle=False, num_epochs=1)
@@ -127,6 +138,14 @@ class _CompiledStep:
         return state, metrics, time.perf_counter() - began
 
 
+def _json_number(value: Any) -> Any:
+    """A non-finite float as the string float() reads back ("NaN", "Infinity",
+    "-Infinity"): bare NaN is not JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)
+    return value
+
+
 class _MetricsLog:
     """One JSON line per record in metrics.jsonl, mirrored as TensorBoard scalars."""
 
@@ -135,7 +154,7 @@ class _MetricsLog:
         self.events = EventWriter(workdir / "tensorboard")
 
     def __call__(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps({k: _json_number(v) for k, v in record.items()}, allow_nan=False) + "\n")
         self.file.flush()
         self.events.scalars(record["step"], {k: v for k, v in record.items() if k != "step"})
 
@@ -153,10 +172,18 @@ class _StepReport:
     experiment: Experiment
     schedule: Any
     start: int
-    tokens_per_batch: int
+    padded_tokens_per_batch: int
+    saved_steps: Any  # () -> the steps checkpointed so far
     step_temp_bytes: Any = None
 
-    def __call__(self, step: int, m: dict[str, float], elapsed: float) -> None:
+    def _kept(self) -> str:
+        steps = self.saved_steps()
+        if not steps:
+            return "no checkpoint was saved yet, so a rerun starts from step 0"
+        return f"the last checkpoint (step {steps[-1]}) is kept, and a rerun resumes from it"
+
+    def __call__(self, step: int, m: dict[str, float], elapsed: float, tokens: int) -> None:
+        """`tokens`: the real (unpadded) tokens of the step's batch."""
         t = self.experiment.train
         if not m.pop("finite"):
             self.log({"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"], "skipped": True})
@@ -164,11 +191,12 @@ class _StepReport:
                 raise NonFiniteError(
                     f"non-finite loss or gradients at step {step} (loss {m['loss']}, gradient norm "
                     f"{m['grad_norm']}); the update was not applied. Set train.on_nonfinite=skip to "
-                    f"skip such steps; the last good checkpoint is kept."
+                    f"skip such steps; {self._kept()}."
                 )
         elif _due(step, t.log_every, t.steps) or step == self.start + 1:
             self.log({"step": step, **m, "lr": float(self.schedule(step - 1)), "step_ms": 1e3 * elapsed,
-                      "tokens_per_s": self.tokens_per_batch / elapsed, "step_temp_bytes": self.step_temp_bytes,
+                      "tokens_per_s": tokens / elapsed, "padded_tokens_per_s": self.padded_tokens_per_batch / elapsed,
+                      "step_temp_bytes": self.step_temp_bytes,
                       "peak_memory_bytes": _peak_memory_bytes()})
 
 
@@ -186,88 +214,159 @@ class _Evaluator:
 
 
 class _Signals:
-    """Records SIGTERM/SIGINT so the loop can checkpoint and exit cleanly."""
+    """SIGTERM/SIGINT: acknowledged at once, then the loop checkpoints after the current
+    step and exits. Python runs signal handlers only between bytecodes, so during a long
+    compile a handler would wait ~20 s; the C-level handler writes the signal to a wakeup
+    socket that a thread reads and acknowledges immediately. A second signal stops the
+    process at once, without saving (an unfinished orbax save never appears as a step)."""
 
     def __init__(self):
         self.received: int | None = None
-        self._old = {}
+        self._old: dict[int, Any] = {}
+        self._old_fd, self._sockets = None, None
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, lambda signum, frame: None)  # the watcher acts
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            self._old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: leave signals alone
+            self.__exit__()
+            return self
+        self._sockets = (reader, writer)
+        threading.Thread(target=self._watch, args=(reader,), daemon=True).start()
         return self
 
-    def _handle(self, signum, frame):
+    def _watch(self, reader: socket.socket) -> None:
+        while data := reader.recv(16):
+            for signum in data:
+                self._acknowledge(signum)
+        reader.close()
+
+    def _acknowledge(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            print(f"\njxformers train: second {name}: stopping now, without saving", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
         self.received = signum
+        print(f"\njxformers train: {name} received: saving after the current step, then exiting "
+              f"(again to stop at once, without saving)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old = {}
+        if self._sockets is not None:
+            signal.set_wakeup_fd(self._old_fd)
+            self._sockets[1].close()  # the watcher's recv returns b"" and it ends
+            self._sockets = None
 
-    def exit_if_received(self, checkpointer: Checkpointer, log: _MetricsLog, step: int) -> None:
-        """After the checkpoint of this step was started: wait for it, log, exit 128 + signal."""
-        if self.received is not None:
-            checkpointer.wait()
-            log({"step": step, "interrupted": signal.Signals(self.received).name})
-            raise SystemExit(128 + self.received)
+    def exit_if_received(self, checkpointer: Checkpointer, log: _MetricsLog, step: int, start: int) -> None:
+        """After the loop: if a signal came, wait for the checkpoint of `step`, say what was
+        saved, log, exit 128 + signal."""
+        if self.received is None:
+            return
+        checkpointer.wait()
+        log({"step": step, "interrupted": signal.Signals(self.received).name})
+        if step > start:
+            said = f"saved step {step}; rerun to resume"
+        elif step:
+            said = f"nothing new to save (the checkpoint of step {step} is kept); rerun to resume"
+        else:
+            said = "nothing to save yet"
+        print(f"jxformers train: {said}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + self.received)
 
 
-def _progress_bar(experiment: Experiment, start: int, progress: bool):
-    bar = tqdm(total=experiment.train.steps, initial=start, desc=experiment.name, disable=not progress,
-               file=sys.stderr)
+# Seconds between progress lines when stderr is not a terminal (CI, a log file).
+PLAIN_PROGRESS_EVERY_S = 30.0
 
-    def show(m: dict[str, float], last_eval: dict[str, float]) -> None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m['accuracy']:.3f}",
-                        **({"eval_acc": f"{last_eval['eval_accuracy']:.3f}"} if last_eval else {}))
 
-    return bar, show
+class _Progress:
+    """A tqdm bar on a terminal; elsewhere a plain line after the first step, every
+    PLAIN_PROGRESS_EVERY_S seconds and at the last step (a redrawn bar fills a log file);
+    nothing when off."""
+
+    def __init__(self, experiment: Experiment, start: int, enabled: bool):
+        self.name, self.total, self.enabled = experiment.name, experiment.train.steps, enabled
+        self.terminal = enabled and sys.stderr.isatty()
+        self.bar = tqdm(total=self.total, initial=start, desc=self.name, file=sys.stderr, disable=not self.terminal)
+        self.last_line = None
+
+    def __call__(self, step: int, m: dict[str, float], last_eval: dict[str, float]) -> None:
+        shown = {"loss": f"{m['loss']:.4f}", "acc": f"{m['accuracy']:.3f}",
+                 **({"eval_acc": f"{last_eval['eval_accuracy']:.3f}"} if last_eval else {})}
+        if self.terminal:
+            self.bar.update(1)
+            self.bar.set_postfix(**shown)
+            return
+        now = time.monotonic()
+        due = self.last_line is None or now - self.last_line >= PLAIN_PROGRESS_EVERY_S or step == self.total
+        if self.enabled and due:
+            self.last_line = now
+            print(f"{self.name}: step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in shown.items()),
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # ----------------------------------------------------------------------------- the loop
 
 
+def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: contextlib.ExitStack):
+    """Lock the work directory, check a rerun against the saved config, then (only then)
+    write config.yaml. Returns the changes a rerun made (all resumable)."""
+    check_workdir(workdir, exists=False)
+    workdir.mkdir(parents=True, exist_ok=True)
+    stack.enter_context(workdir_lock(workdir))
+    changes = check_rerun(workdir, experiment)
+    write_config(workdir, experiment)
+    return changes
+
+
 def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool = True) -> dict[str, Any]:
     """Train (or resume) `experiment` in `workdir`; returns the final metrics.
 
-    Writes `workdir/config.yaml` (the resolved config), `workdir/metrics.jsonl` and
-    `workdir/checkpoints/`. Exits with an exception on a non-finite step when
-    `train.on_nonfinite` is "stop" (the last good checkpoint stays).
+    Holds `workdir/lock` while it runs; writes `workdir/config.yaml` (the resolved config,
+    after checking a rerun against it), `workdir/metrics.jsonl` and `workdir/checkpoints/`.
+    Exits with an exception on a non-finite step when `train.on_nonfinite` is "stop" (the
+    checkpoints stay). `progress`: a bar on a terminal, plain lines elsewhere.
     """
     workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.yaml").write_text(yaml.safe_dump(experiment.raw, sort_keys=False))
     t, every = experiment.train, experiment.checkpoint.every
-    state, static, optimizer, schedule = init_train_state(experiment)
-    train_source, eval_source = experiment.sources()
-    iterator = iter(make_loader(train_source, batch_size=t.batch_size, seed=t.seed))
     with contextlib.ExitStack() as stack:
+        changes = _prepare_workdir(experiment, workdir, stack)
+        signals = stack.enter_context(_Signals())
+        state, static, optimizer, schedule = init_train_state(experiment)
+        train_source, eval_source = experiment.sources()
+        iterator = iter(make_loader(train_source, batch_size=t.batch_size, seed=t.seed))
         checkpointer = stack.enter_context(contextlib.closing(
             _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save)))
-        state = _restore(checkpointer, state, iterator, set_aside=True) or state
+        state = _restore(checkpointer, state, iterator, training=True) or state
         start = int(state.step)
         run_step = _CompiledStep(make_train_step(static, optimizer, grad_accum=t.grad_accum))
         run_eval = _Evaluator(experiment, static, eval_source)
         log = stack.enter_context(contextlib.closing(_MetricsLog(workdir)))
-        report = _StepReport(log, experiment, schedule, start, t.batch_size * train_source.max_len)
-        bar, show = _progress_bar(experiment, start, progress)
-        stack.enter_context(contextlib.closing(bar))
-        signals = stack.enter_context(_Signals())
+        if changes:  # a rerun changed resumable settings: the log says from which step
+            log({"step": start, "config_changed": {k: list(v) for k, v in changes.items()}})
+        report = _StepReport(log, experiment, schedule, start, t.batch_size * train_source.max_len, checkpointer.steps)
+        show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress)))
         summary, last_eval = {"step": start}, {}
-        while int(state.step) < t.steps:
+        while int(state.step) < t.steps and signals.received is None:
             state = _redraw_if_due(state, static, t.redraw_every)
-            state, m, elapsed = run_step(state, next(iterator))
+            batch = next(iterator)
+            state, m, elapsed = run_step(state, batch)
             step, report.step_temp_bytes = int(state.step), run_step.temp_bytes
-            report(step, m, elapsed)
+            report(step, m, elapsed, int(batch["mask"].sum()))
             if _due(step, t.eval_every, t.steps):
                 last_eval = run_eval(state)
                 log({"step": step, **last_eval})
-            show(m, last_eval)
+            show(step, m, last_eval)
             summary = {"step": step, **m, **last_eval}
             if _due(step, every, t.steps) or signals.received is not None:
                 checkpointer.save(step, state_dict(state), iterator, last_eval)
-            signals.exit_if_received(checkpointer, log, step)
+        signals.exit_if_received(checkpointer, log, int(state.step), start)
         return summary | {"peak_memory_bytes": _peak_memory_bytes(), "train_step_temp_bytes": run_step.temp_bytes}

@@ -8,6 +8,7 @@ import pathlib
 import socket
 import struct
 import time
+from typing import Any
 
 
 def _crc32c_table() -> list[int]:
@@ -86,7 +87,8 @@ class EventWriter:
         self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
         self._file.write(frame(encode_event(wall_time=now, file_version="brain.Event:2")))
 
-    def scalars(self, step: int, values: dict[str, float]) -> None:
+    def scalars(self, step: int, values: dict[str, Any]) -> None:
+        """The numbers among `values` (others, such as strings and dicts, are not scalars)."""
         values = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if values:
             self._file.write(frame(encode_event(wall_time=time.time(), step=step, scalars=values)))

@@ -1,0 +1,193 @@
+"""A run's work directory, checked before anything in it is read or written.
+
+    WORKDIR/config.yaml   the resolved config of the run (written by `train`); `eval` and
+                          `generate` read it, so they rebuild exactly the trained model
+    WORKDIR/lock          held (flock) by the one `train` process using the directory;
+                          it says who: pid, host, since when
+    WORKDIR/checkpoints/  orbax checkpoints (checkpoint.py)
+
+A rerun of `train` may change only what leaves the saved state valid (`RESUMABLE`);
+anything else is refused, naming what differs, before config.yaml is rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import json
+import os
+import pathlib
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from jxformers.train.experiment import Experiment, load_experiment, parse_override, read_yaml
+
+CONFIG = "config.yaml"
+LOCK = "lock"
+CHECKPOINTS = "checkpoints"
+# What a rerun may change once checkpoints exist: none of these changes the saved state's
+# tree, the data order or the meaning of the steps already taken.
+RESUMABLE = frozenset({
+    "train.steps", "train.learning_rate", "train.warmup_steps", "train.schedule", "train.weight_decay",
+    "train.eval_every", "train.eval_batches", "train.log_every", "train.on_nonfinite",
+    "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.best_metric", "checkpoint.best_mode",
+})
+# Labels, not settings: the resolved sections are what is compared.
+_LABELS = ("name", "preset")
+# Model fields that come from the data: the saved config holds them, load_experiment refuses them.
+_FROM_DATA = ("task", "vocab_size", "num_classes")
+_ABSENT = "(absent)"
+
+
+class WorkdirLocked(ValueError):
+    """Another live process holds the work directory's lock."""
+
+
+def check_workdir(path: str | os.PathLike, *, exists: bool) -> pathlib.Path:
+    """`path` as a Path; a ValueError when it is a file, or (`exists`) when it is missing."""
+    path = pathlib.Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"work directory {str(path)!r} is a file, not a directory")
+    if exists and not path.exists():
+        raise ValueError(f"work directory {str(path)!r} does not exist: train first "
+                         f"(jxformers train CONFIG --workdir {path})")
+    return path
+
+
+def has_checkpoints(workdir: pathlib.Path) -> bool:
+    directory = workdir / CHECKPOINTS
+    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+def saved_config(workdir: pathlib.Path) -> dict[str, Any] | None:
+    """The run's config.yaml as a dict, or None when there is none."""
+    path = workdir / CONFIG
+    if not path.exists():
+        return None
+    values = read_yaml(path.read_text(), str(path))
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: not a YAML mapping; it should hold the run's resolved config")
+    return values
+
+
+def write_config(workdir: pathlib.Path, experiment: Experiment) -> None:
+    (workdir / CONFIG).write_text(yaml.safe_dump(experiment.raw, sort_keys=False))
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def differences(saved: Mapping, new: Mapping, *, section: str | None = None) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (saved value, new value)} for every resolved value that differs (in one
+    `section` only, when given)."""
+    # Both as they read back from config.yaml (tuples become lists).
+    a, b = ({k: v for k, v in _flat(yaml.safe_load(yaml.safe_dump(dict(tree)))).items()
+             if k.split(".")[0] not in _LABELS} for tree in (saved, new))
+    keys = sorted(k for k in a.keys() | b.keys() if section is None or k.split(".")[0] == section)
+    return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in keys if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
+
+
+def describe(changes: Mapping[str, tuple[Any, Any]]) -> str:
+    return "; ".join(f"{k}: {old!r} in the run, {new!r} now" for k, (old, new) in changes.items())
+
+
+def check_rerun(workdir: pathlib.Path, experiment: Experiment) -> dict[str, tuple[Any, Any]]:
+    """The changes of this rerun against the saved config (all in RESUMABLE), or a
+    ValueError naming the others. Anything may change while no checkpoint exists."""
+    saved = saved_config(workdir)
+    if saved is None or not has_checkpoints(workdir):
+        return {}
+    changes = differences(saved, experiment.raw)
+    refused = {k: v for k, v in changes.items() if k not in RESUMABLE}
+    if refused:
+        raise ValueError(
+            f"the config changed since the checkpoints in {workdir} were written: {describe(refused)}. "
+            f"Rerun with the run's config ({workdir / CONFIG}) or use a new work directory; a rerun may change "
+            f"only {sorted(RESUMABLE)}.")
+    return changes
+
+
+def _base_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """The saved config as load_experiment input: no preset (already applied), no
+    data-given model fields."""
+    base = {k: copy.deepcopy(v) for k, v in saved.items() if k != "preset"}
+    base["model"] = {k: v for k, v in (base.get("model") or {}).items() if k not in _FROM_DATA}
+    return base
+
+
+def _overrides_for_saved(saved: dict[str, Any], overrides: Sequence[str]) -> list[str]:
+    """The overrides without `preset=` (the saved config has it applied); another preset
+    than the run's is refused."""
+    kept = []
+    for text in overrides:
+        path, value = parse_override(text)
+        if path != ["preset"]:
+            kept.append(text)
+        elif value != saved.get("preset"):
+            raise ValueError(f"--set {text}: the run was trained with preset {saved.get('preset')!r}; a preset "
+                             f"cannot change after training (its model is in the checkpoints)")
+    return kept
+
+
+def load_run_experiment(workdir: pathlib.Path, overrides: Sequence[str] = ()) -> Experiment:
+    """The experiment of the run in `workdir` (its config.yaml), with `overrides` that
+    leave the model alone (eval sizes, batch size); one that changes the model is refused."""
+    saved = saved_config(workdir)
+    if saved is None:
+        raise ValueError(f"{workdir} holds no {CONFIG}: name the experiment (e.g. jxformers eval CONFIG "
+                         f"--workdir {workdir})")
+    experiment = load_experiment(_base_config(saved), _overrides_for_saved(saved, overrides))
+    changed = differences(saved, experiment.raw, section="model")
+    if changed:
+        raise ValueError(f"--set would change the model the checkpoints in {workdir} were trained with "
+                         f"({describe(changed)}); only settings outside the model can change after training")
+    return experiment
+
+
+def model_disagreement(run: Experiment, given: Experiment) -> str | None:
+    """A note when a config named on the command line builds another model than the run's."""
+    changed = differences(run.raw, given.raw, section="model")
+    if not changed:
+        return None
+    return (f"the config given on the command line builds another model than the run's ({describe(changed)}); "
+            f"using the run's config")
+
+
+def _holder(path: pathlib.Path) -> str:
+    try:
+        info = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    return f"pid {info.get('pid', '?')} on {info.get('host', '?')} since {info.get('since', '?')}"
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: pathlib.Path) -> Iterator[None]:
+    """Hold `workdir/lock` (an flock, which the kernel releases when its process dies, so
+    a stale lock never blocks); a WorkdirLocked error names the holder."""
+    path = workdir / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WorkdirLocked(f"{workdir} is in use by another jxformers train ({_holder(path)}); wait for "
+                                f"it to finish or stop it, or use another work directory") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
