@@ -42,6 +42,8 @@ def _one_line_checkpoint_warnings() -> None:
     from jxformers.train.checkpoint import CheckpointWarning
 
     default = warnings.showwarning
+    if getattr(default, "one_line", False):
+        return
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, CheckpointWarning):
@@ -49,6 +51,7 @@ def _one_line_checkpoint_warnings() -> None:
         else:
             default(message, category, filename, lineno, file, line)
 
+    show.one_line = True
     warnings.showwarning = show
 
 
@@ -97,13 +100,14 @@ def _train(rest: list[str]) -> int:
     args = p.parse_args(rest)
     experiment = _load(p, args)
     from jxformers.train import NonFiniteError, train
+    from jxformers.train.loop import to_json
 
     try:
         summary = train(experiment, args.workdir, progress=not args.no_progress)
     except (NonFiniteError, ValueError) as e:
         print(f"jxformers train: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(summary))
+    print(to_json(summary))
     return 0
 
 

@@ -8,6 +8,8 @@
     step.py        losses, the jitted train step (state -> state) and eval step, evaluate
     checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape check
                    before restore, damaged fallback, old list-layout checkpoints refused)
+    workdir.py     the work directory: its saved config (read by eval / generate, checked
+                   on a rerun), its lock, checks for missing or odd directories
     loop.py        train (setup, step, periodic hooks), evaluate_checkpoint, restore_model
 """
 

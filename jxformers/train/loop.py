@@ -8,9 +8,9 @@ runs the jitted train step (`step.py`; state donated, gradient accumulation with
 steps, log (each logged step is one JSON object in `workdir/metrics.jsonl`, with
 non-finite numbers as the strings "NaN" / "Infinity" that float() reads, and TensorBoard
 scalars in `workdir/tensorboard/`; tokens_per_s counts real tokens, padded_tokens_per_s
-all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` steps, and on SIGTERM or SIGINT save a checkpoint
-and exit. A non-finite loss or gradient is reported with its step and either stops the
-run or skips the update (`train.on_nonfinite`).
+all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` steps, and
+on SIGTERM or SIGINT save a checkpoint and exit. A non-finite loss or gradient is
+reported with its step and either stops the run or skips the update (`train.on_nonfinite`).
 
 Randomness is a function of (seed, step) alone (`fold_in`), and the data iterator's
 position is part of every checkpoint, so a resumed run continues exactly where the
@@ -138,12 +138,13 @@ class _CompiledStep:
         return state, metrics, time.perf_counter() - began
 
 
-def _json_number(value: Any) -> Any:
-    """A non-finite float as the string float() reads back ("NaN", "Infinity",
-    "-Infinity"): bare NaN is not JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return json.dumps(value)
-    return value
+def to_json(record: dict[str, Any]) -> str:
+    """`record` as one line of strict JSON: a non-finite float becomes the string float()
+    reads back ("NaN", "Infinity", "-Infinity"), since a bare NaN is not JSON."""
+    def number(value):
+        return json.dumps(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+    return json.dumps({k: number(v) for k, v in record.items()}, allow_nan=False)
 
 
 class _MetricsLog:
@@ -154,7 +155,7 @@ class _MetricsLog:
         self.events = EventWriter(workdir / "tensorboard")
 
     def __call__(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps({k: _json_number(v) for k, v in record.items()}, allow_nan=False) + "\n")
+        self.file.write(to_json(record) + "\n")
         self.file.flush()
         self.events.scalars(record["step"], {k: v for k, v in record.items() if k != "step"})
 
@@ -338,8 +339,8 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
     workdir = pathlib.Path(workdir)
     t, every = experiment.train, experiment.checkpoint.every
     with contextlib.ExitStack() as stack:
+        signals = stack.enter_context(_Signals())  # first: a signal during setup is acknowledged too
         changes = _prepare_workdir(experiment, workdir, stack)
-        signals = stack.enter_context(_Signals())
         state, static, optimizer, schedule = init_train_state(experiment)
         train_source, eval_source = experiment.sources()
         iterator = iter(make_loader(train_source, batch_size=t.batch_size, seed=t.seed))

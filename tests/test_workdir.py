@@ -1,0 +1,269 @@
+"""Everyday use of a work directory (issue 10): eval / generate read the run's saved
+config, reruns are checked against it, one train per directory, plain errors for
+missing or odd directories and YAML, honest messages and metrics."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+from test_train import TINY, write_config
+
+from jxformers.tools import cli
+from jxformers.train import load_experiment, train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished tiny copy run (12 steps, checkpoints at 8 and 12, evaluations at 6 and
+    12) trained with a --set that the shipped config does not have (one layer more)."""
+    root = tmp_path_factory.mktemp("trained")
+    config = write_config(root)
+    assert cli.main(["train", str(config), "--workdir", str(root / "run"), "--no-progress",
+                     "--set", "model.num_layers=2", "--set", "checkpoint.async_save=false"]) == 0
+    return config, root / "run"
+
+
+def _copy(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _last_json(out: str):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- item 1
+
+
+def test_eval_and_generate_read_the_runs_config(trained, capsys):
+    config, run = trained
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", str(run)]) == 0  # no config argument: the run's config.yaml
+    assert _last_json(capsys.readouterr().out)["step"] == 12
+    # The README's case: the config named again without the training --set builds another
+    # model; the run's config is used and the difference is said.
+    assert cli.main(["eval", str(config), "--workdir", str(run), "--set", "train.eval_batches=1"]) == 0
+    captured = capsys.readouterr()
+    assert _last_json(captured.out)["step"] == 12
+    assert "model.num_layers: 2 in the run, 1 now" in captured.err and "using the run's config" in captured.err
+    assert cli.main(["generate", "--workdir", str(run), "--prompt", "1 3 4 2", "--steps", "2"]) == 0
+    assert capsys.readouterr().out.split()[:4] == ["1", "3", "4", "2"]
+
+
+def test_eval_refuses_an_override_that_changes_the_model(trained, capsys):
+    _, run = trained
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--workdir", str(run), "--set", "model.d_model=32"])
+    err = capsys.readouterr().err
+    assert "would change the model" in err and "model.d_model: 16 in the run, 32 now" in err
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--workdir", str(run), "--set", "preset=paper"])
+    assert "trained with preset None" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "copy", "--workdir", str(run)])
+    assert "holds a run of 'tiny', not 'copy'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- item 2
+
+
+def test_a_rerun_that_changes_the_model_is_refused_before_config_yaml_changes(trained, tmp_path, capsys):
+    config, run = trained
+    run = _copy(run, tmp_path)
+    before = (run / "config.yaml").read_text()
+    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "model.num_layers=2",
+                     "--set", "model.max_len=8"]) == 1
+    err = capsys.readouterr().err
+    assert "config changed" in err and "model.max_len: 16 in the run, 8 now" in err
+    assert (run / "config.yaml").read_text() == before
+    # A resumable change (more steps) is taken, and the log says so.
+    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "model.num_layers=2",
+                     "--set", "checkpoint.async_save=false", "--set", "train.steps=13"]) == 0
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 12, "config_changed": {"train.steps": [12, 13]}} in records
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 13
+
+
+# ----------------------------------------------------------------------------- item 4
+
+
+def test_tokens_per_second_counts_real_tokens_not_padding(trained):
+    _, run = trained
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "step_ms" in r]
+    padded = TINY["train"]["batch_size"] * TINY["data"]["settings"]["max_len"]
+    real = [r["tokens_per_s"] * r["step_ms"] / 1e3 for r in steps]
+    assert all(r["padded_tokens_per_s"] * r["step_ms"] / 1e3 == pytest.approx(padded) for r in steps)
+    assert all(x == pytest.approx(round(x)) and x <= padded for x in real)
+    assert min(real) < padded  # copy sequences are padded: the real count is smaller
+
+
+# ----------------------------------------------------------------------------- item 6
+
+
+def test_generate_refuses_ids_outside_the_vocabulary(trained, capsys):
+    _, run = trained
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--workdir", str(run), "--prompt", "1 5 99 2"])
+    assert "token id 99 is outside the vocabulary of tiny (ids 0 to 6)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--workdir", str(run), "--prompt", " "])
+    assert "--prompt is empty" in capsys.readouterr().err
+
+
+def test_a_byte_level_text_model_takes_and_prints_text(tmp_path, capsys):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for name in ("a", "b"):
+        (texts / f"{name}.txt").write_text("ROMEO: But soft, what light through yonder window breaks? " * 4)
+    experiment = load_experiment("shakespeare_lm", ["preset=tiny", f"data.settings.path={texts}"])
+    parser = cli._experiment_parser("jxformers generate", "", run_config=True)
+    assert cli._prompt_ids(parser, experiment, "ROMEO:") == list(b"ROMEO:")
+    cli._print_generated(experiment, [list("ROMEO: hé".encode())])
+    assert capsys.readouterr().out == "ROMEO: hé\n"
+
+
+# ----------------------------------------------------------------------------- item 7
+
+
+def test_a_second_train_on_a_locked_workdir_says_who_holds_it(tmp_path, capsys):
+    from jxformers.train.workdir import workdir_lock
+
+    config = write_config(tmp_path)
+    (tmp_path / "run").mkdir()
+    with workdir_lock(tmp_path / "run"):
+        assert cli.main(["train", str(config), "--workdir", str(tmp_path / "run"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"in use by another jxformers train (pid {os.getpid()} on " in err and " since " in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # A lock left by a dead process (its file says so, but nobody holds it) does not block.
+    (tmp_path / "run" / "lock").write_text(json.dumps({"pid": 999999, "host": "gone", "since": "yesterday"}))
+    summary = train(load_experiment(config, ["train.steps=1"]), tmp_path / "run", progress=False)
+    assert summary["step"] == 1
+
+
+# ----------------------------------------------------------------------------- item 8
+
+
+def test_missing_or_file_workdirs_and_yaml_errors_are_plain_errors(tmp_path, capsys):
+    config = write_config(tmp_path)
+    for command in (["eval"], ["generate", "--prompt", "1"]):
+        with pytest.raises(SystemExit):
+            cli.main([*command, "--workdir", str(tmp_path / "absent")])
+        assert "does not exist: train first" in capsys.readouterr().err
+        assert not (tmp_path / "absent").exists()
+    (tmp_path / "file").write_text("")
+    assert cli.main(["train", str(config), "--workdir", str(tmp_path / "file"), "--no-progress"]) == 1
+    assert "is a file, not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--workdir", str(tmp_path / "file")])
+    assert "is a file, not a directory" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ntrain: {steps: 3\nmodel: {}\n")
+    with pytest.raises(SystemExit):
+        cli.main(["train", str(bad), "--workdir", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert f"{bad}:3:" in err and "YAML syntax error" in err and "<unicode string>" not in err
+
+
+# ----------------------------------------------------------------------------- item 9
+
+
+def test_non_finite_before_any_checkpoint_says_so_and_metrics_stay_json(tmp_path):
+    config = write_config(tmp_path)
+    blow_up = ["train.learning_rate=1e38", "train.clip_norm=null", "train.warmup_steps=0", "train.schedule=constant"]
+    with pytest.raises(Exception, match="no checkpoint was saved yet") as info:
+        train(load_experiment(config, blow_up), tmp_path / "run", progress=False)
+    assert "last good checkpoint is kept" not in str(info.value)
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    records = [json.loads(x, parse_constant=refuse) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
+               .splitlines()]
+    skipped = next(r for r in records if r.get("skipped"))
+    assert isinstance(skipped["loss"], str) and not float(skipped["loss"]) == float(skipped["loss"])  # "NaN"
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def test_an_override_mapping_without_a_space_after_the_colon_is_explained(tmp_path):
+    with pytest.raises(ValueError, match=r"put a space after the colon: \{window: 16\}"):
+        load_experiment(write_config(tmp_path), ["model.attention=local", "model.attention_kwargs={window:16}"])
+
+
+def test_a_checkpoint_fallback_during_eval_is_one_clean_line(trained, tmp_path, capsys):
+    _, run = trained
+    run = _copy(run, tmp_path)
+    for f in (run / "checkpoints" / "12" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(b"garbage")
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert _last_json(captured.out)["step"] == 8
+    # One line, without Python's file:line and source line; "using", not "resuming".
+    [line] = [x for x in captured.err.splitlines() if "step 12" in x]
+    assert line.startswith("jxformers: warning: checkpoint at step 12 could not be restored (")
+    assert line.endswith("; using step 8") and "resuming" not in line and len(line) < 300
+    assert captured.err.count("\n") == 1
+
+
+def test_version_and_eval_best(trained, capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("jxformers 0.1.0")
+    _, run = trained
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}  # steps 6 and 12
+    # Checkpoint 8 carries the evaluation of step 6, checkpoint 12 its own.
+    best = 8 if evals[6] > evals[12] else 12
+    assert cli.main(["eval", "--workdir", str(run), "--best"]) == 0
+    assert _last_json(capsys.readouterr().out)["step"] == best
+
+
+def test_progress_is_plain_lines_off_a_terminal_and_silent_when_off(tmp_path, capsys, monkeypatch):
+    from jxformers.train import loop
+
+    config = write_config(tmp_path, train={"steps": 3, "eval_every": 3})
+    monkeypatch.setattr(loop, "PLAIN_PROGRESS_EVERY_S", 1e9)  # only the first and the last step
+    train(load_experiment(config), tmp_path / "on", progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert [x.split(" loss")[0] for x in err.splitlines()] == ["tiny: step 1/3", "tiny: step 3/3"]
+    assert cli.main(["train", str(config), "--workdir", str(tmp_path / "off"), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and len(captured.out.strip().splitlines()) == 1  # only the summary
+
+
+def test_ctrl_c_is_acknowledged_at_once_and_says_what_was_saved(tmp_path):
+    config = write_config(tmp_path, train={"steps": 4000}, checkpoint={"every": 1000})
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "jxformers.tools.cli", "train", str(config), "--workdir",
+                             str(tmp_path / "run"), "--no-progress"], stderr=subprocess.PIPE, text=True, env=env)
+    lines, seen = [], {}
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), x)) for x in proc.stderr], daemon=True)
+    reader.start()
+    start = time.monotonic()
+    while not (tmp_path / "run" / "lock").exists():  # the handlers are in place before the lock is taken
+        assert proc.poll() is None and time.monotonic() - start < 120
+        time.sleep(0.02)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=240) == 128 + signal.SIGINT
+    reader.join(timeout=10)
+    for when, line in lines:
+        seen.setdefault("ack" if "SIGINT received" in line else "done" if line.startswith("jxformers train: ")
+                        and ("saved step" in line or "nothing" in line) else "other", when)
+    assert "ack" in seen and "done" in seen, "".join(x for _, x in lines)[-2000:]
+    assert seen["ack"] - sent < 5.0
+    last = lines[-1][1]
+    assert "nothing to save yet" in last or ("saved step" in last and "rerun to resume" in last)
