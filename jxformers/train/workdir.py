@@ -20,6 +20,7 @@ import os
 import pathlib
 import socket
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -185,6 +186,9 @@ def workdir_lock(workdir: pathlib.Path) -> Iterator[None]:
         except BlockingIOError:
             raise WorkdirLocked(f"{workdir} is in use by another jxformers train ({_holder(path)}); wait for "
                                 f"it to finish or stop it, or use another work directory") from None
+        except OSError as error:  # a file system without locks (some network mounts): run, but say so
+            warnings.warn(f"cannot lock {path} ({error.strerror}); a second train on {workdir} would not be "
+                          f"stopped", stacklevel=3)
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
