@@ -74,9 +74,7 @@ def _load_run(p, args):
     _one_line_checkpoint_warnings()
     try:
         workdir = check_workdir(args.workdir, exists=True)
-        if not (workdir / CONFIG).exists():
-            if args.config is None:
-                p.error(f"{workdir} holds no {CONFIG}: name the experiment, e.g. {p.prog} copy --workdir {workdir}")
+        if args.config is not None and not (workdir / CONFIG).exists():  # a run from before config.yaml
             return load_experiment(args.config, args.overrides)
         experiment = load_run_experiment(workdir, args.overrides)
         if args.config is not None:
@@ -96,7 +94,7 @@ def _train(rest: list[str]) -> int:
     p = _experiment_parser("jxformers train", "train (or resume) an experiment in a work directory")
     p.add_argument("--no-progress", action="store_true",
                    help="print only errors and the final summary (default: a bar on a terminal, "
-                        "a plain line every few seconds elsewhere)")
+                        "periodic plain lines elsewhere, e.g. in a log file)")
     args = p.parse_args(rest)
     experiment = _load(p, args)
     from jxformers.train import NonFiniteError, train

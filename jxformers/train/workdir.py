@@ -147,8 +147,8 @@ def load_run_experiment(workdir: pathlib.Path, overrides: Sequence[str] = ()) ->
     leave the model alone (eval sizes, batch size); one that changes the model is refused."""
     saved = saved_config(workdir)
     if saved is None:
-        raise ValueError(f"{workdir} holds no {CONFIG}: name the experiment (e.g. jxformers eval CONFIG "
-                         f"--workdir {workdir})")
+        raise ValueError(f"{workdir} holds no {CONFIG} (is it a work directory of jxformers train?); for a run "
+                         f"from before config.yaml was saved, name its experiment: CONFIG --workdir {workdir}")
     experiment = load_experiment(_base_config(saved), _overrides_for_saved(saved, overrides))
     changed = differences(saved, experiment.raw, section="model")
     if changed:
