@@ -48,3 +48,41 @@ def test_short_sequence_warning_is_a_user_warning_that_can_be_filtered():
 def test_a_layer_override_that_is_dense_warns_too():
     with pytest.warns(ShortSequenceWarning, match="local attention at max_len 64"):
         ModelConfig(attention="softmax", max_len=64, num_layers=2, layer_overrides={1: {"attention": "local"}})
+
+
+def test_demo_calls_gaps_within_noise_noise():
+    from jxformers.tools.demo import noise_verdict
+
+    # The case: 256 eval examples, gaps of about one standard error.
+    text = noise_verdict({"softmax": [0.41, 0.43, 0.40], "linear": [0.39, 0.42, 0.38]}, 256)
+    assert text.startswith("Every gap is within noise, so this run does not rank the models")
+    assert "softmax - linear = +0.017" in text and "3 seeds" in text and "256 eval examples" in text
+
+
+def test_demo_names_a_clear_gap_and_the_noisy_ones():
+    from jxformers.tools.demo import noise_verdict
+
+    text = noise_verdict({"a": [0.70, 0.72], "b": [0.40, 0.41], "c": [0.41, 0.40]}, 1000)
+    assert text.startswith("Clear: a - b = +0.305") and "a - c" in text.split("Within noise")[0]
+    assert "Within noise: b - c = +0.000" in text
+
+
+def test_demo_standard_error_never_drops_below_the_eval_sampling_error():
+    from jxformers.tools.demo import standard_error
+
+    assert standard_error([0.5, 0.5, 0.5], 100) == pytest.approx(0.05)  # identical seeds: binomial only
+    assert standard_error([0.4, 0.6], 10**9) == pytest.approx(0.1)  # sd 0.141 over sqrt(2) seeds
+
+
+def test_demo_reports_mean_and_spread_over_seeds(tmp_path, capsys, monkeypatch):
+    from jxformers.tools import demo
+
+    monkeypatch.setattr(demo, "MODELS", {"softmax": [], "linear": ["model.attention=linear"]})  # fewer compilations
+    args = ["--workdir", str(tmp_path), "--no-progress", "--seeds", "2", "--set", "train.steps=2",
+            "--set", "train.eval_batches=1", "--set", "data.eval_size=16", "--set", "train.batch_size=8",
+            "--set", "data.train_size=16"]
+    assert demo.main(args) == 0
+    out = capsys.readouterr().out
+    assert "eval accuracy (mean ± sd, 2 seeds)" in out and "within noise" in out
+    for name in demo.MODELS:
+        assert (tmp_path / name / "metrics.jsonl").exists() and (tmp_path / f"{name}_seed1" / "metrics.jsonl").exists()
