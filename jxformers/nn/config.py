@@ -15,6 +15,7 @@ bias) are ValueErrors that list the options.
 import dataclasses
 import os
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -211,6 +212,53 @@ def _int_keys(name, mapping):
     return out
 
 
+class ShortSequenceWarning(UserWarning):
+    """An attention's hyper-parameters make it dense at the model's max_len (a window or
+    blocks spanning the whole sequence, a low-rank summary no shorter than it): it then
+    costs at least softmax's time and memory and saves nothing. Silence it with
+    `warnings.simplefilter("ignore", ShortSequenceWarning)`."""
+
+
+# How far one query reaches, in keys (or, for the low-rank and kernelized ones, the rows
+# or features it summarises the keys into), from the pattern each op's docstring defines.
+# Defaults were chosen for sequences in the thousands; at a max_len this width reaches
+# the op is dense (BigBird's default blocks at N = 256 take 2.5x softmax's memory).
+_WIDTH = {
+    "local": ("its window (2 window + 1 keys)", lambda hp, n: 2 * hp["window"] + 1),
+    "longformer": ("its window and globals (2 window + 1 + globals keys)",
+                   lambda hp, n: 2 * hp["window"] + 1 + len(hp["global_indices"])),
+    "block_local": ("its block (block_size keys)", lambda hp, n: hp["block_size"]),
+    "bigbird": ("its blocks (block_size x (window + global + random blocks) keys)",
+                lambda hp, n: hp["block_size"] * (hp["num_window_blocks"] + hp["num_global_blocks"]
+                                                  + hp["num_random_blocks"])),
+    "sparse_transformer": ("its pattern (stride + max_len / stride keys)",
+                           lambda hp, n: hp["stride"] + -(-n // hp["stride"]) * (
+                               hp["num_summary"] if hp["pattern"] == "fixed" else 1)),
+    "axial": ("its row and column (width + max_len / width keys)", lambda hp, n: hp["width"] + -(-n // hp["width"])),
+    "linformer": ("its projected length (proj_len)", lambda hp, n: hp["proj_len"]),
+    "nystrom": ("its landmarks (num_landmarks)", lambda hp, n: hp["num_landmarks"]),
+    "induced": ("its inducing points (num_inducing)", lambda hp, n: hp["num_inducing"]),
+    "performer": ("its random features (num_features)", lambda hp, n: hp["num_features"]),
+    "rfa": ("its random features (num_features)", lambda hp, n: hp["num_features"]),
+}
+
+
+def warn_if_dense(bound: registry.BoundAttention, max_len: int) -> None:
+    """ShortSequenceWarning when `bound` is no sparser (or lower-rank) than softmax at max_len."""
+    name = bound.spec.name
+    if name not in _WIDTH:
+        return
+    what, width_of = _WIDTH[name]
+    width = width_of(bound.hyper_parameters, max_len)
+    if width >= max_len:
+        warnings.warn(
+            f"{name} attention at max_len {max_len}: {what} spans {width} >= {max_len}, so it is dense at this "
+            f"length and costs at least softmax's time and memory; use softmax, or smaller hyper-parameters "
+            f"(now {dict(bound.hyper_parameters)})",
+            ShortSequenceWarning, stacklevel=3,
+        )
+
+
 def bind_attention(name: str, hyper_parameters: Mapping[str, Any], max_len: int) -> registry.BoundAttention:
     """The attention bound with its hyper-parameters. The one that bounds the sequence
     length (the spec's `covers_length`, e.g. Linformer's `max_len`) defaults to the
@@ -225,6 +273,7 @@ def bind_attention(name: str, hyper_parameters: Mapping[str, Any], max_len: int)
         raise ValueError(
             f"{name}: attention_kwargs {role} ({bound.hyper_parameters[role]}) must cover the model's max_len ({max_len})"
         )
+    warn_if_dense(bound, max_len)
     return bound
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import re
 import sys
 import time
 
@@ -34,6 +35,17 @@ class Row:
     fwd_bwd_s: float
     fwd_flops: float
     fwd_bwd_temp_bytes: int
+    loops: bool = False  # the forward compiles to a while loop: XLA counts its body's FLOPs once
+
+
+# An HLO while instruction (`%while.3 = ... while(...)`); op names in metadata read "while/body".
+_WHILE = re.compile(r"\swhile\(")
+LOOP_MARK = "†"
+LOOP_FOOTNOTE = (
+    f"{LOOP_MARK} This forward compiles to a loop (an XLA while: a scan or a map over chunks). XLA's cost "
+    "analysis counts a loop body once, not once per iteration, so its GFLOP is undercounted; "
+    "`chunked` really does softmax's FLOPs (its point is memory)."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +72,7 @@ def _build(entry: Entry, length: int, batch: int, heads: int, d: int):
     shape = (batch, length, heads, d)
     q, k, v = (jax.random.normal(x, shape, jnp.float32) for x in (kq, kk, kv))
     arrays = attention.init_arrays(ka, heads=heads, kv_heads=heads, d_k=d, d_v=d)
-    causal = entry.causal and attention.spec.supports_causal
+    causal = entry.causal  # an attention that cannot be causal never gets here (see `causal_names`)
 
     def forward(q, k, v):
         return jax.vmap(lambda q, k, v: attention(q, k, v, arrays=arrays, causal=causal))(q, k, v)
@@ -70,8 +82,8 @@ def _build(entry: Entry, length: int, batch: int, heads: int, d: int):
 
     fwd, fwd_cost = compile_with_cost(forward, q, k, v)
     fwd_bwd, fwd_bwd_cost = compile_with_cost(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
-    flops, temp = fwd_cost.flops, fwd_bwd_cost.temp_bytes
-    return (q, k, v), fwd, fwd_bwd, flops, temp
+    loops = bool(_WHILE.search(fwd.as_text()))
+    return (q, k, v), fwd, fwd_bwd, (fwd_cost.flops, fwd_bwd_cost.temp_bytes, loops)
 
 
 def _time(fn, args) -> float:
@@ -93,13 +105,13 @@ def run(entries: list[Entry], lengths, *, batch=2, heads=4, d=64, repeats=3, pro
             bar.update(1)
         best = {label: [float("inf"), float("inf")] for label in built}
         for rep in range(repeats + 1):  # the first round warms up
-            for label, (args, fwd, fwd_bwd, _, _) in built.items():
+            for label, (args, fwd, fwd_bwd, _) in built.items():
                 bar.set_postfix_str(f"N={length} {label} (run {rep})")
                 t_f, t_fb = _time(fwd, args), _time(fwd_bwd, args)
                 if rep > 0:
                     best[label] = [min(best[label][0], t_f), min(best[label][1], t_fb)]
-        for label, (_, _, _, flops, temp) in built.items():
-            rows.append(Row(label, length, best[label][0], best[label][1], flops, temp))
+        for label, (_, _, _, (flops, temp, loops)) in built.items():
+            rows.append(Row(label, length, best[label][0], best[label][1], flops, temp, loops))
     bar.close()
     return rows
 
@@ -140,9 +152,11 @@ def table(rows: list[Row], base_label: str = "softmax") -> str:
         lines.append(
             f"| {r.length} | {r.name} | {1e3 * r.fwd_s:.1f} | {ratio(r.fwd_s, b.fwd_s if b else 0)} "
             f"| {1e3 * r.fwd_bwd_s:.1f} | {ratio(r.fwd_bwd_s, b.fwd_bwd_s if b else 0)} "
-            f"| {r.fwd_flops / 1e9:.2f} | {r.fwd_bwd_temp_bytes / 2**20:.1f} "
+            f"| {r.fwd_flops / 1e9:.2f}{LOOP_MARK if r.loops else ''} | {r.fwd_bwd_temp_bytes / 2**20:.1f} "
             f"| {ratio(r.fwd_bwd_temp_bytes, b.fwd_bwd_temp_bytes if b else 0)} |"
         )
+    if any(r.loops for r in rows):
+        lines += ["", LOOP_FOOTNOTE]
     return "\n".join(lines)
 
 
@@ -205,22 +219,45 @@ NOTES = """\
 """
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jxformers bench", description=__doc__.splitlines()[0])
-    p.add_argument("--short", action="store_true", help=f"lengths {SHORT_LENGTHS}, 1 repeat (the demo)")
-    p.add_argument("--lengths", type=int, nargs="+", help=f"sequence lengths (default {FULL_LENGTHS})")
-    p.add_argument("--names", nargs="+", help="attentions to run (default: all registered)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--causal", action="store_true", help="causal where the attention supports it")
+    p.add_argument("--short", action="store_true",
+                   help=f"the demo's size: lengths {SHORT_LENGTHS}, 1 repeat, no notes after the table")
+    p.add_argument("--lengths", type=int, nargs="+", metavar="N",
+                   help=f"sequence lengths (default {' '.join(map(str, FULL_LENGTHS))})")
+    p.add_argument("--names", nargs="+", metavar="NAME",
+                   help="attentions to run (default: all registered; softmax, the baseline, is always added)")
+    p.add_argument("--batch", type=int, default=2, help="examples per call (default %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads; keys and values have as many "
+                   "(default %(default)s)")
+    p.add_argument("--dim", type=int, default=64, help="d_k = d_v, per head (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per measurement after one warm-up run; the minimum is kept "
+                   "(default 3, or 1 with --short)")
+    p.add_argument("--causal", action="store_true",
+                   help="causal attention (ratios to causal softmax); attentions that cannot be causal are "
+                   "left out and named under the table (naming one in --names is an error)")
     p.add_argument(
         "--linear-forms", type=int, nargs="*", metavar="N",
         help="also compare the causal forms of linear attention (chunked, scan, quadratic) at these lengths "
         "(default 256 1024 4096)",
     )
-    p.add_argument("--out", help="write the markdown report to this file")
+    p.add_argument("--out", metavar="FILE", help="also write the markdown report to this file")
+    return p
+
+
+def causal_names(names: list[str], *, named: bool) -> tuple[list[str], list[str]]:
+    """(those of `names` that can be causal, those that cannot). Names the user gave
+    (`named`) that cannot be causal are an error rather than left out silently."""
+    cannot = [n for n in names if not registry.get(n).supports_causal]
+    if cannot and named:
+        raise ValueError(f"--causal: {', '.join(cannot)} cannot be causal; attentions that can: "
+                         f"{', '.join(registry.names(supports_causal=True))}")
+    return [n for n in names if n not in cannot], cannot
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
 
     names = args.names or registry.names()
@@ -236,11 +273,19 @@ def main(argv=None) -> int:
         p.error("--lengths must be positive")
     repeats = args.repeats if args.repeats is not None else (1 if args.short else 3)
     shapes = dict(batch=args.batch, heads=args.heads, d=args.dim)
+    left_out = []
+    if args.causal:
+        try:
+            names, left_out = causal_names(names, named=bool(args.names))
+        except ValueError as e:
+            p.error(str(e))
     entries = [Entry(n, n, causal=args.causal) for n in names]
     rows = run(entries, lengths, repeats=repeats, **shapes)
     command = " ".join(["jxformers bench", *(argv if argv is not None else sys.argv[1:])])
-    mode = "causal where supported" if args.causal else "bidirectional"
+    mode = "causal" if args.causal else "bidirectional"
     text = header(command, **shapes) + f"\n### Every attention against softmax ({mode})\n\n" + table(rows) + "\n"
+    if left_out:
+        text += f"\nLeft out (they cannot be causal): {', '.join(left_out)}.\n"
     if args.linear_forms is not None:
         form_lengths = tuple(args.linear_forms or (256, 1024, 4096))
         form_rows = run(linear_forms_entries(), form_lengths, repeats=repeats, **shapes)

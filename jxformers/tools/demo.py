@@ -1,6 +1,7 @@
 """`make demo`: train softmax, linear-attention and Fourier-Transformer classifiers on
-generated ListOps at a tiny size on a CPU (a few minutes), then print a comparison table
-(eval accuracy, step time, throughput, compiled step memory) and write the curves.
+generated ListOps at a tiny size on a CPU (a few minutes), each from a few seeds, then
+print a comparison table (eval accuracy as mean ± spread over the seeds, step time,
+throughput, compiled step memory), say which gaps are within noise, and write the curves.
 
 The Fourier Transformer here is softmax attention with the spectral filter after the
 first block keeping 20% of the sequence (seed 001 section 5.1.1 shortens the input by
@@ -10,9 +11,16 @@ first block keeping 20% of the sequence (seed 001 section 5.1.1 shortens the inp
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
+import math
 import pathlib
+import statistics
 import sys
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from jxformers.tools.plot import plot_runs
 from jxformers.train import load_experiment, train
@@ -22,6 +30,9 @@ MODELS = {
     "linear": ["model.attention=linear"],
     "fourier_transformer": ["model.filters={0: 0.2}"],
 }
+SEEDS = 3
+# Two means differ clearly when their gap exceeds this many standard errors of the gap.
+CLEAR_GAP_SE = 2.0
 
 
 def _step_stats(workdir: pathlib.Path) -> dict[str, float]:
@@ -34,31 +45,115 @@ def _step_stats(workdir: pathlib.Path) -> dict[str, float]:
             "step_temp_mib": (timed[-1].get("step_temp_bytes") or 0) / 2**20}
 
 
+@contextlib.contextmanager
+def shared_compilation(cache_dir: pathlib.Path):
+    """Every seed of a model compiles the same programs: a persistent compilation cache
+    in `cache_dir` lets the later seeds load the first one's executables instead of
+    compiling again. A cache the user set up is left alone; ours is dropped on exit."""
+    if jax.config.jax_compilation_cache_dir:
+        yield
+        return
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
+
+
+def run_dir(root: pathlib.Path, name: str, seed_index: int) -> pathlib.Path:
+    """The first seed's run is `root/name`; the others `root/name_seedS`."""
+    return root / (name if seed_index == 0 else f"{name}_seed{seed_index}")
+
+
+def eval_examples(experiment) -> int:
+    """How many eval examples the train loop's evaluation sees (whole batches only)."""
+    t, size = experiment.train, experiment.data.eval_size
+    batch = min(t.batch_size, size)
+    return min(t.eval_batches, size // batch) * batch
+
+
+def standard_error(accuracies: list[float], examples: int) -> float:
+    """Standard error of the mean accuracy over seeds: the seed-to-seed variance over the
+    number of seeds, plus the binomial sampling error of `examples` eval examples (a floor
+    that keeps a few lucky seeds that agree from looking certain)."""
+    p = statistics.fmean(accuracies)
+    seeds = statistics.variance(accuracies) / len(accuracies) if len(accuracies) > 1 else 0.0
+    return math.sqrt(seeds + p * (1 - p) / examples)
+
+
+def noise_verdict(accuracies: dict[str, list[float]], examples: int) -> str:
+    """A plain sentence per pair of models: a clear gap, or within noise."""
+    se = {name: standard_error(a, examples) for name, a in accuracies.items()}
+    mean = {name: statistics.fmean(a) for name, a in accuracies.items()}
+    clear, noise = [], []
+    for a, b in itertools.combinations(sorted(mean, key=mean.get, reverse=True), 2):
+        gap, gap_se = mean[a] - mean[b], math.hypot(se[a], se[b])
+        (clear if gap > CLEAR_GAP_SE * gap_se else noise).append(f"{a} - {b} = {gap:+.3f} ({gap / gap_se:.1f} SE)")
+    how = (f"mean eval accuracy over {len(next(iter(accuracies.values())))} seeds; a gap is clear above "
+           f"{CLEAR_GAP_SE:g} standard errors (seed spread and the sampling error of {examples} eval examples)")
+    if not clear:
+        return f"Every gap is within noise, so this run does not rank the models: {'; '.join(noise)} ({how})."
+    text = f"Clear: {'; '.join(clear)}."
+    return text + (f" Within noise: {'; '.join(noise)}." if noise else "") + f" ({how})"
+
+
+def _train_all(root: pathlib.Path, args) -> dict[str, tuple[list[dict], list[dict]]]:
+    """(summaries, step stats) per seed, for each model."""
+    results = {}
+    for name, overrides in MODELS.items():
+        summaries, stats = [], []
+        for s in range(args.seeds):
+            experiment = load_experiment("lra_listops", ["preset=tiny", *overrides, *args.overrides, f"train.seed={s}"])
+            workdir = run_dir(root, name, s)
+            print(f"== {name}, seed {s}: training {experiment.train.steps} steps in {workdir}", file=sys.stderr)
+            summaries.append(train(experiment, workdir, progress=not args.no_progress))
+            stats.append(_step_stats(workdir))
+        results[name] = (summaries, stats)
+    return results
+
+
+def _row(name, summaries, stats) -> str:
+    acc = [s.get("eval_accuracy", float("nan")) for s in summaries]
+    loss = statistics.fmean(s.get("eval_loss", float("nan")) for s in summaries)
+    spread = statistics.stdev(acc) if len(acc) > 1 else 0.0
+    t = stats[0]
+    return (f"| {name} | {statistics.fmean(acc):.3f} ± {spread:.3f} | {' '.join(f'{a:.3f}' for a in acc)} "
+            f"| {loss:.3f} | {t.get('step_ms', float('nan')):.1f} | {t.get('tokens_per_s', float('nan')):,.0f} "
+            f"| {t.get('step_temp_mib', float('nan')):.1f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jxformers demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", default="runs/demo", help="one sub-directory per model, and demo.png")
+    p.add_argument("--workdir", default="runs/demo",
+                   help="one sub-directory per model and seed (NAME, NAME_seed1, ...), and demo.png")
+    p.add_argument("--seeds", type=int, default=SEEDS,
+                   help="training seeds per model (train.seed 0, 1, ...); the table shows mean ± standard "
+                   "deviation over them (default %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra overrides for every run, e.g. train.steps=50")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error(f"--seeds must be >= 1; got {args.seeds}")
     root = pathlib.Path(args.workdir)
-    rows = []
-    for name, overrides in MODELS.items():
-        experiment = load_experiment("lra_listops", ["preset=tiny", *overrides, *args.overrides])
-        print(f"== {name}: training {experiment.train.steps} steps in {root / name}", file=sys.stderr)
-        summary = train(experiment, root / name, progress=not args.no_progress)
-        rows.append((name, summary, _step_stats(root / name)))
-    lines = ["| model | eval accuracy | eval loss | step ms | tokens/s | step temp MiB |", "|---|---:|---:|---:|---:|---:|"]
-    for name, s, t in rows:
-        lines.append(f"| {name} | {s.get('eval_accuracy', float('nan')):.3f} | {s.get('eval_loss', float('nan')):.3f} "
-                     f"| {t.get('step_ms', float('nan')):.1f} | {t.get('tokens_per_s', float('nan')):,.0f} "
-                     f"| {t.get('step_temp_mib', float('nan')):.1f} |")
+    with shared_compilation(root / "compile_cache"):
+        results = _train_all(root, args)
+    lines = [f"| model | eval accuracy (mean ± sd, {args.seeds} seeds) | per seed | eval loss | step ms | tokens/s "
+             "| step temp MiB |", "|---|---:|---|---:|---:|---:|---:|"]
+    lines += [_row(name, summaries, stats) for name, (summaries, stats) in results.items()]
+    experiment = load_experiment("lra_listops", ["preset=tiny", *args.overrides])
     _, eval_source = experiment.sources()
     labels = [int(eval_source[i]["label"]) for i in range(len(eval_source))]
     majority = max(labels.count(c) for c in set(labels)) / len(labels)
-    print(f"\nListOps, tiny preset (expressions of 21-119 tokens); predicting the most frequent "
-          f"class scores {majority:.3f} on this eval split\n")
+    examples = eval_examples(experiment)
+    print(f"\nListOps, tiny preset (expressions of {eval_source.min_length + 1}-{eval_source.max_length - 1} tokens); "
+          f"predicting the most frequent "
+          f"class scores {majority:.3f} on this eval split; accuracy on {examples} eval examples\n")
     print("\n".join(lines))
+    accuracies = {name: [s.get("eval_accuracy", float("nan")) for s in summaries]
+                  for name, (summaries, _) in results.items()}
+    print("\n" + noise_verdict(accuracies, examples))
     out = plot_runs([root / name for name in MODELS], root / "demo.png")
-    print(f"\ncurves: {out}")
+    print(f"\ncurves (first seed): {out}")
     return 0
