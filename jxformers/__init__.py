@@ -12,7 +12,8 @@
 from jxformers import ops, registry, decoding, nn
 # isort: on
 from jxformers.nn import ModelConfig, build_model
+from jxformers.nn.config import ShortSequenceWarning
 from jxformers.nn.generation import generate
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "build_model", "decoding", "generate", "nn", "ops", "registry"]
+__all__ = ["ModelConfig", "ShortSequenceWarning", "build_model", "decoding", "generate", "nn", "ops", "registry"]

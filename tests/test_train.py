@@ -292,7 +292,7 @@ def test_plot_draws_several_runs(tmp_path):
 
 
 def test_demo_trains_three_models_and_prints_the_table(tmp_path, capsys):
-    args = ["--workdir", str(tmp_path), "--no-progress", "--set", "train.steps=3", "--set", "train.eval_batches=1",
+    args = ["--workdir", str(tmp_path), "--no-progress", "--seeds", "1", "--set", "train.steps=3", "--set", "train.eval_batches=1",
             "--set", "data.eval_size=32", "--set", "train.batch_size=8"]
     assert cli.main(["demo", *args]) == 0
     out = capsys.readouterr().out
