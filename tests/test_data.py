@@ -202,6 +202,15 @@ def test_shakespeare_bytes_split_by_play(tmp_path):
         make_source("shakespeare", seed=0, size=1, path=str(tmp_path / "nowhere"))
 
 
+def test_shakespeare_with_fewer_than_eight_texts_validates_on_the_last(tmp_path):
+    for i in range(3):
+        (tmp_path / f"play{i}_gut.txt").write_bytes(bytes([65 + i]) * 500)
+    train = make_source("shakespeare", seed=0, size=30, path=str(tmp_path), max_len=32)
+    valid = make_source("shakespeare", seed=0, size=30, path=str(tmp_path), max_len=32, split="valid")
+    assert {int(valid[i]["tokens"][0]) for i in range(30)} == {67}
+    assert {int(train[i]["tokens"][0]) for i in range(30)} == {65, 66}
+
+
 def test_shakespeare_reads_only_the_works_not_the_packages_metadata(tmp_path):
     # Named so that metadata.txt sorts to index 7 among the texts: every eighth text is validation.
     for name in [f"a{i}" for i in range(7)] + ["z0", "z1"]:

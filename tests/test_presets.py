@@ -86,3 +86,10 @@ def test_demo_reports_mean_and_spread_over_seeds(tmp_path, capsys, monkeypatch):
     assert "eval accuracy (mean ± sd, 2 seeds)" in out and "within noise" in out
     for name in demo.MODELS:
         assert (tmp_path / name / "metrics.jsonl").exists() and (tmp_path / f"{name}_seed1" / "metrics.jsonl").exists()
+
+
+def test_demo_noise_verdict_when_every_model_scores_zero():
+    from jxformers.tools.demo import noise_verdict
+
+    text = noise_verdict({"softmax": [0.0], "linear": [0.0]}, 8)
+    assert "within noise" in text and "+0.000 (0.0 SE)" in text

@@ -123,7 +123,7 @@ def test_a_byte_level_text_model_takes_and_prints_text(tmp_path, capsys):
     texts = tmp_path / "texts"
     texts.mkdir()
     for name in ("a", "b"):
-        (texts / f"{name}.txt").write_text("ROMEO: But soft, what light through yonder window breaks? " * 4)
+        (texts / f"{name}_gut.txt").write_text("ROMEO: But soft, what light through yonder window breaks? " * 4)
     experiment = load_experiment("shakespeare_lm", ["preset=tiny", f"data.settings.path={texts}"])
     parser = cli._experiment_parser("jxformers generate", "", run_config=True)
     assert cli._prompt_ids(parser, experiment, "ROMEO:") == list(b"ROMEO:")

@@ -122,7 +122,9 @@ def _plays(path: str, split: str) -> tuple[bytes, ...]:
     files = sorted(root.glob(SHAKESPEARE_TEXTS))
     if len(files) < 2:
         raise ValueError(f"{root} holds {len(files)} texts named {SHAKESPEARE_TEXTS}; need at least 2. {SHAKESPEARE_HOWTO}")
-    chosen = [f for i, f in enumerate(files) if (i % 8 == 7) == (split == "valid")]
+    # Every eighth text is validation; with fewer than eight, the last one is.
+    valid = set(range(7, len(files), 8)) or {len(files) - 1}
+    chosen = [f for i, f in enumerate(files) if (i in valid) == (split == "valid")]
     return tuple(f.read_bytes() for f in chosen)
 
 
@@ -130,7 +132,8 @@ def _plays(path: str, split: str) -> tuple[bytes, ...]:
 class ShakespeareBytes:
     """Byte-level language modelling on Shakespeare: windows of `max_len` bytes at
     (seed, index)-determined places, the play chosen in proportion to its length. Split
-    by play: every eighth text (in name order) is validation."""
+    by play: every eighth text (in name order) is validation (the last one when there
+    are fewer than eight)."""
 
     seed: int
     size: int

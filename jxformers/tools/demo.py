@@ -76,8 +76,9 @@ def eval_examples(experiment) -> int:
 def standard_error(accuracies: list[float], examples: int) -> float:
     """Standard error of the mean accuracy over seeds: the seed-to-seed variance over the
     number of seeds, plus the binomial sampling error of `examples` eval examples (a floor
-    that keeps a few lucky seeds that agree from looking certain)."""
-    p = statistics.fmean(accuracies)
+    that keeps a few lucky seeds that agree from looking certain). The accuracy is
+    smoothed by half an example each way so that 0.0 or 1.0 still has an error."""
+    p = (statistics.fmean(accuracies) * examples + 0.5) / (examples + 1)
     seeds = statistics.variance(accuracies) / len(accuracies) if len(accuracies) > 1 else 0.0
     return math.sqrt(seeds + p * (1 - p) / examples)
 
