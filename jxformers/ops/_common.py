@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 # ----------------------------------------------------------------------------- checks
 
@@ -31,13 +31,26 @@ def check_positive(name: str, value: int, *, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be >= {minimum}; got {value}")
 
 
-def check_qkv(q: Array, k: Array, v: Array, *, self_attention: bool = False) -> None:
-    """Validate per-example q/k/v shapes ([len, heads, features]) and raise a named ValueError."""
+def check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, self_attention: bool = False) -> None:
+    """Validate per-example q/k/v shapes ([len, heads, features]) and dtypes, and raise a
+    named ValueError. Every op calls this before computing anything."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 3:
+        shape, dtype = jnp.shape(x), jnp.result_type(x)
+        if len(shape) != 3:
             raise ValueError(
                 f"{name} must have shape [len, heads, features] (one example; batch with "
-                f"jax.vmap); got shape {x.shape}"
+                f"jax.vmap); got shape {shape}"
+            )
+        if 0 in shape:
+            raise ValueError(
+                f"{name} has shape {shape}: lengths, heads and features must all be >= 1 "
+                "(a length-0 sequence has nothing to attend)"
+            )
+        # Integer inputs would give integer probabilities, i.e. silent zeros.
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"{name} must be a floating-point array (float32, bfloat16, float16, float64); "
+                f"got dtype {dtype}; cast it, e.g. {name}.astype(jnp.float32)"
             )
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k has d_k={k.shape[2]} but q has d_k={q.shape[2]}; they must match")

@@ -304,6 +304,7 @@ def bigbird_attention(
         raise ValueError(f"num_window_blocks must be odd (a centred window); got {num_window_blocks}")
     check_positive("num_global_blocks", num_global_blocks, minimum=0)
     check_positive("num_random_blocks", num_random_blocks, minimum=0)
+    length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block_size)
     n = q.shape[0]
     nb = ceil_div(n, block_size)
     if random_blocks is None and num_random_blocks > 0:
@@ -320,7 +321,6 @@ def bigbird_attention(
             f"random_blocks must have shape [num_blocks={nb}, r] for seq={n}, block_size={block_size}; "
             f"got {tuple(random_blocks.shape)}"
         )
-    length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block_size)
     scale = default_scale(q.shape[2], scale)
     b = block_size
     glob_ids = jnp.asarray(bigbird_global_blocks(nb, num_global_blocks), jnp.int32)
