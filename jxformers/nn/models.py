@@ -65,7 +65,13 @@ class Embedding(eqx.Module):
         return x.astype(self.dtype)
 
     def logits(self, x: Float[Array, "*n d_model"]) -> Float[Array, "*n vocab"]:
-        return (x @ self.table.T.astype(x.dtype)).astype(jnp.float32)
+        """The tied readout, scaled by 1/sqrt(d_model) as T5 (Mesh TensorFlow) and PaLM do.
+        Unscaled (Vaswani et al.'s tied softmax with this table), a normalised x that still
+        holds its token's embedding scores that token sqrt(d_model) above the others, so an
+        untrained model echoes its input and starts far above ln(vocab). GPT-2 instead
+        draws a small table (std 0.02) without scaling the input; we keep the input scale."""
+        scale = 1.0 / math.sqrt(self.table.shape[1])
+        return (x @ self.table.T.astype(x.dtype)).astype(jnp.float32) * scale
 
 
 def _bias(positions: Positions, n: int):
