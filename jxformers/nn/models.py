@@ -48,7 +48,8 @@ def _check_mask(mask, n):
 
 class Embedding(eqx.Module):
     """Token embedding scaled by sqrt(d_model) plus absolute positions (if any), cast to
-    the compute dtype; its table doubles as the tied output projection."""
+    the compute dtype; its table, scaled by 1/sqrt(d_model), doubles as the tied output
+    projection (`logits`)."""
 
     table: Float[Array, "vocab d_model"]
     positions: Positions
