@@ -10,7 +10,7 @@ import pytest
 from attention_facts import FACTS
 from conftest import assert_close, qkv
 
-from jxformers import registry
+from jxformers import ops, registry
 
 NAMES = registry.names()
 
@@ -50,3 +50,22 @@ def test_empty_sequence_is_a_clear_error(name, runtime_checks):
     empty = jnp.zeros((0, 2, 4))
     with pytest.raises(ValueError, match=r"shape \(0, 2, 4\)"):
         call(name, empty, empty, empty)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_numpy_inputs_and_masks_are_accepted(name):
+    """Users pass numpy arrays (a mask from np.arange); the annotations must accept them
+    (the suite runs with runtime checks on) and give what jax arrays give. The arrays are
+    closed over, so under jit the op still sees numpy (one compilation, not op-by-op)."""
+    q, k, v = (np.asarray(x) for x in qkv(0, 12))
+    kwargs = {"kv_mask": np.arange(12) < 9} if registry.get(name).supports_kv_mask else {}
+    as_jax = {n: jnp.asarray(x) for n, x in kwargs.items()}
+    out, expected = jax.jit(lambda: (call(name, q, k, v, **kwargs), call(name, *map(jnp.asarray, (q, k, v)), **as_jax)))()
+    assert_close(out, expected, atol=1e-6)
+
+
+def test_softmax_takes_numpy_mask_and_bias():
+    q, k, v = qkv(1, 6)
+    mask, bias = np.tril(np.ones((6, 6), bool)), np.linspace(-1, 1, 36, dtype=np.float32).reshape(6, 6)
+    out = ops.softmax_attention(np.asarray(q), np.asarray(k), np.asarray(v), mask=mask, bias=bias)
+    assert_close(out, ops.softmax_attention(q, k, v, mask=jnp.asarray(mask), bias=jnp.asarray(bias)), atol=1e-6)
