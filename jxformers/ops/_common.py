@@ -206,9 +206,9 @@ def positions(n: int) -> Int[Array, "n"]:
 
 
 class Part(NamedTuple):
-    logits: Float[ArrayLike, "h g L _k"]
-    mask: Bool[ArrayLike, "..."]
-    apply: Callable[[Float[ArrayLike, "h g L _k"]], Float[ArrayLike, "L h g _dv"]]
+    logits: Float[Array, "h g L _k"]
+    mask: Bool[Array, "..."]
+    apply: Callable[[Float[Array, "h g L _k"]], Float[Array, "L h g _dv"]]
 
 
 def dense_part(
