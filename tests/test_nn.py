@@ -401,3 +401,21 @@ def test_attention_module_holds_its_bound_core_and_names_its_scope():
     assert "/local/" in compiled  # the named scope is in the ops' metadata (and so in profiles)
     with pytest.raises(ValueError, match="attention_kwargs go with an attention name"):
         Attention(attn.core, 16, 4, attention_kwargs={"window": 2}, key=jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------- initialisation
+
+
+@pytest.mark.parametrize("d_model", [16, 128])
+def test_untrained_language_model_starts_near_chance(d_model):
+    """Before training, the tied readout must not echo the input token: the loss on random
+    tokens is close to ln(V) (copy's vocabulary: 11) and the input token gets little mass."""
+    vocab = 11
+    config = ModelConfig(task="lm", vocab_size=vocab, num_layers=2, d_model=d_model, num_heads=4, max_len=64)
+    model = build_model(config, key=jax.random.key(0))
+    x = jax.random.randint(jax.random.key(1), (4, 64), 0, vocab)
+    log_p = jax.nn.log_softmax(jax.vmap(model)(x), axis=-1)
+    loss = -jnp.take_along_axis(log_p[:, :-1], x[:, 1:, None], axis=-1).mean()
+    assert abs(float(loss) - math.log(vocab)) < 0.5, float(loss)
+    p_input = jnp.exp(jnp.take_along_axis(log_p, x[..., None], axis=-1))
+    assert float(p_input.mean()) < 0.5, float(p_input.mean())

@@ -1,13 +1,29 @@
-"""The README's Python examples run as written (in order, sharing one namespace)."""
+"""The README's Python examples run as written: each on its own (a reader copies one
+block, imports included) and all in order in one namespace."""
 
 import pathlib
 import re
 
+import pytest
 
-def test_readme_python_blocks_run():
-    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "the README should show Python usage"
+TEXT = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
+
+
+def run(block: str, namespace: dict, index: int) -> None:
+    exec(compile(block, f"README.md python block {index}", "exec"), namespace)  # noqa: S102
+
+
+def test_readme_shows_python_usage():
+    assert BLOCKS, "the README should show Python usage"
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_python_block_runs_on_its_own(index):
+    run(BLOCKS[index], {}, index)
+
+
+def test_readme_python_blocks_run_in_order():
     namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    for index, block in enumerate(BLOCKS):
+        run(block, namespace, index)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 # ----------------------------------------------------------------------------- checks
 
@@ -31,13 +31,26 @@ def check_positive(name: str, value: int, *, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be >= {minimum}; got {value}")
 
 
-def check_qkv(q: Array, k: Array, v: Array, *, self_attention: bool = False) -> None:
-    """Validate per-example q/k/v shapes ([len, heads, features]) and raise a named ValueError."""
+def check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, self_attention: bool = False) -> None:
+    """Validate per-example q/k/v shapes ([len, heads, features]) and dtypes, and raise a
+    named ValueError. Every op calls this before computing anything."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 3:
+        shape, dtype = jnp.shape(x), jnp.result_type(x)
+        if len(shape) != 3:
             raise ValueError(
                 f"{name} must have shape [len, heads, features] (one example; batch with "
-                f"jax.vmap); got shape {x.shape}"
+                f"jax.vmap); got shape {shape}"
+            )
+        if 0 in shape:
+            raise ValueError(
+                f"{name} has shape {shape}: lengths, heads and features must all be >= 1 "
+                "(a length-0 sequence has nothing to attend)"
+            )
+        # Integer inputs would give integer probabilities, i.e. silent zeros.
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"{name} must be a floating-point array (float32, bfloat16, float16, float64); "
+                f"got dtype {dtype}; cast it, e.g. {name}.astype(jnp.float32)"
             )
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k has d_k={k.shape[2]} but q has d_k={q.shape[2]}; they must match")
@@ -56,7 +69,7 @@ def check_qkv(q: Array, k: Array, v: Array, *, self_attention: bool = False) -> 
         )
 
 
-def check_mask_shape(name: str, mask: Array | None, shape: tuple[int, ...]) -> None:
+def check_mask_shape(name: str, mask: ArrayLike | None, shape: tuple[int, ...]) -> None:
     if mask is None:
         return
     if tuple(mask.shape) != tuple(shape):
@@ -69,20 +82,20 @@ def default_scale(d_k: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(d_k) if scale is None else float(scale)
 
 
-def out_dtype(q: Array, k: Array, v: Array) -> jnp.dtype:
+def out_dtype(q: ArrayLike, k: ArrayLike, v: ArrayLike) -> jnp.dtype:
     return jnp.result_type(q.dtype, k.dtype, v.dtype)
 
 
 # ----------------------------------------------------------------------------- softmax
 
 
-def group_heads(q: Float[Array, "*lead heads d"], kv_heads: int) -> Float[Array, "*lead h g d"]:
+def group_heads(q: Float[ArrayLike, "*lead heads d"], kv_heads: int) -> Float[Array, "*lead h g d"]:
     """Split query heads into [kv_heads, group] so one key head serves `group` queries."""
     *lead, heads, d = q.shape
-    return q.reshape(*lead, kv_heads, heads // kv_heads, d)
+    return jnp.asarray(q).reshape(*lead, kv_heads, heads // kv_heads, d)
 
 
-def einsum_f32(spec: str, a: Array, b: Array) -> Array:
+def einsum_f32(spec: str, a: ArrayLike, b: ArrayLike) -> Array:
     """einsum accumulating in float32. Operands are cast to their common dtype; on CPU,
     16-bit floats are upcast to float32 first, because XLA:CPU's dot thunk rejects
     bf16 x bf16 -> f32 for some layouts (seen with jax 0.10: "Unsupported element type
@@ -94,14 +107,14 @@ def einsum_f32(spec: str, a: Array, b: Array) -> Array:
 
 
 def logits(
-    q: Float[Array, "*n q h g d"], k: Float[Array, "*n k h d"], scale: float
+    q: Float[ArrayLike, "*n q h g d"], k: Float[ArrayLike, "*n k h d"], scale: float
 ) -> Float[Array, "*n h g q k"]:
     """Scaled dot products in float32 (bf16 inputs accumulate in float32)."""
     return einsum_f32("...qhgd,...khd->...hgqk", q, k) * jnp.float32(scale)
 
 
 def softmax_parts(
-    parts: list[tuple[Float[Array, "*n h g q _k"], Bool[Array, "*#n #h #g #q _k"]]],
+    parts: list[tuple[Float[ArrayLike, "*n h g q _k"], Bool[ArrayLike, "*#n #h #g #q _k"]]],
 ) -> list[Float[Array, "*n h g q _k"]]:
     """Probabilities of a softmax taken jointly over several groups of keys.
 
@@ -121,12 +134,12 @@ def softmax_parts(
     return [e * inv[..., None] for e in exps]
 
 
-def weighted_values(p: Float[Array, "*n h g q k"], v: Float[Array, "*n k h dv"]) -> Float[Array, "*n q h g dv"]:
+def weighted_values(p: Float[ArrayLike, "*n h g q k"], v: Float[ArrayLike, "*n k h dv"]) -> Float[Array, "*n q h g dv"]:
     """p @ v with float32 accumulation."""
     return einsum_f32("...hgqk,...khd->...qhgd", p.astype(v.dtype), v)
 
 
-def head_mask(mask: Bool[Array, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:
+def head_mask(mask: Bool[ArrayLike, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:
     """Give a [*n, q, k] mask the two head axes of the logits."""
     return mask[..., None, None, :, :]
 
@@ -134,7 +147,7 @@ def head_mask(mask: Bool[Array, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:
 _TINY = 1e-30  # below this a denominator is treated as empty (all keys masked)
 
 
-def guarded_divide(num: Array, den: Array) -> Array:
+def guarded_divide(num: ArrayLike, den: ArrayLike) -> Array:
     """num / den with empty rows (den == 0: every key masked) giving zeros, not NaN."""
     ok = jnp.abs(den) > _TINY
     return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
@@ -143,28 +156,28 @@ def guarded_divide(num: Array, den: Array) -> Array:
 # ----------------------------------------------------------------------------- blocking
 
 
-def pad_to(x: Array, length: int, axis: int = 0, value=0) -> Array:
+def pad_to(x: ArrayLike, length: int, axis: int = 0, value=0) -> Array:
     """Pad `x` at the end of `axis` up to `length`."""
     extra = length - x.shape[axis]
     if extra == 0:
-        return x
+        return jnp.asarray(x)  # numpy in, jax out, as when padding
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
     return jnp.pad(x, widths, constant_values=value)
 
 
-def valid_keys(kv_mask: Bool[Array, "kv_len"] | None, kv_len: int, padded_len: int) -> Bool[Array, "padded"]:
+def valid_keys(kv_mask: Bool[ArrayLike, "kv_len"] | None, kv_len: int, padded_len: int) -> Bool[Array, "padded"]:
     """kv_mask (True = real) extended with False over the padding to `padded_len`."""
     real = jnp.ones((kv_len,), bool) if kv_mask is None else kv_mask
     return pad_to(real, padded_len, value=False)
 
 
-def to_blocks(x: Array, block: int) -> Array:
+def to_blocks(x: ArrayLike, block: int) -> Array:
     """[L, ...] -> [L // block, block, ...]; L must already be a multiple of `block`."""
     return x.reshape(x.shape[0] // block, block, *x.shape[1:])
 
 
-def neighbour_blocks(x: Array, before: int, after: int) -> Array:
+def neighbour_blocks(x: ArrayLike, before: int, after: int) -> Array:
     """For blocked `x` [n, b, ...] return [n, (before + 1 + after) * b, ...]: each block
     concatenated with its `before` predecessors and `after` successors (zero-padded past
     the ends; callers mask those slots by position)."""
@@ -199,17 +212,17 @@ class Part(NamedTuple):
 
 
 def dense_part(
-    qg: Float[Array, "L h g d"], k: Float[Array, "_k h d"], v: Float[Array, "_k h dv"], mask: Bool[Array, "L _k"], scale: float
+    qg: Float[ArrayLike, "L h g d"], k: Float[ArrayLike, "_k h d"], v: Float[ArrayLike, "_k h dv"], mask: Bool[ArrayLike, "L _k"], scale: float
 ) -> Part:
     """All query rows against one shared set of keys."""
     return Part(logits(qg, k, scale), head_mask(mask), lambda p: weighted_values(p, v))
 
 
 def block_part(
-    qg: Float[Array, "n b h g d"],
-    k: Float[Array, "n _k h d"],
-    v: Float[Array, "n _k h dv"],
-    mask: Bool[Array, "n b _k"],
+    qg: Float[ArrayLike, "n b h g d"],
+    k: Float[ArrayLike, "n _k h d"],
+    v: Float[ArrayLike, "n _k h dv"],
+    mask: Bool[ArrayLike, "n b _k"],
     scale: float,
     *,
     interleaved: bool = False,
@@ -245,7 +258,7 @@ def attend_parts(parts: list[Part]) -> Float[Array, "L h g dv"]:
     return sum(part.apply(p) for part, p in zip(parts, probs))
 
 
-def first_occurrence(idx: Int[Array, "m"]) -> Bool[Array, "m"]:
+def first_occurrence(idx: Int[ArrayLike, "m"]) -> Bool[Array, "m"]:
     """True where idx[i] differs from every earlier entry (so a key listed twice counts once)."""
     m = idx.shape[0]
     same = idx[:, None] == idx[None, :]
@@ -258,13 +271,13 @@ def first_occurrence(idx: Int[Array, "m"]) -> Bool[Array, "m"]:
 MIN_BLOCK = 16  # small windows still get blocks big enough to keep the matmuls busy
 
 
-def check_self(q: Array, k: Array, v: Array, kv_mask: Array | None) -> None:
+def check_self(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_mask: ArrayLike | None) -> None:
     """Validate self-attention inputs (one length, kv_mask of that length)."""
     check_qkv(q, k, v, self_attention=True)
     check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
 
 
-def prepare_self(q: Array, k: Array, v: Array, kv_mask: Array | None, block: int):
+def prepare_self(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_mask: ArrayLike | None, block: int):
     """Validate self-attention inputs and pad them to whole blocks.
 
     Returns `(length, qg [length, h, g, d], k, v, real [length])` where `real` is False
@@ -284,7 +297,7 @@ def window_block(n: int, window: int) -> int:
 
 
 def sliding_window_part(
-    qg: Float[Array, "L h g d"], k: Float[Array, "L h d"], v: Float[Array, "L h dv"], real: Bool[Array, "L"],
+    qg: Float[ArrayLike, "L h g d"], k: Float[ArrayLike, "L h d"], v: Float[ArrayLike, "L h dv"], real: Bool[ArrayLike, "L"],
     *, block: int, window: int, causal: bool, scale: float,
 ) -> Part:
     """Query i against keys j with |i - j| <= window (0 <= i - j <= window if causal),
@@ -299,6 +312,6 @@ def sliding_window_part(
     return block_part(to_blocks(qg, block), kb, vb, near & rb[:, None, :], scale)
 
 
-def rows_to_output(rows: Float[Array, "L h g dv"], n: int, dtype) -> Float[Array, "n heads dv"]:
+def rows_to_output(rows: Float[ArrayLike, "L h g dv"], n: int, dtype) -> Float[Array, "n heads dv"]:
     """[L, h, g, dv] -> [n, h * g, dv] in `dtype` (drops the padding rows)."""
     return rows.reshape(rows.shape[0], -1, rows.shape[-1])[:n].astype(dtype)

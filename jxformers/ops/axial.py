@@ -10,7 +10,7 @@ position reaches every other in two hops at O(N * (rows + width)) cost.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jxformers.ops._common import ceil_div, check_positive, check_self
 from jxformers.ops.local import block_local_attention, dilated_attention
@@ -18,14 +18,14 @@ from jxformers.registry import register
 
 
 def axial_attention(
-    q: Float[Array, "seq heads d_k"],
-    k: Float[Array, "_seq kv_heads _d_k"],
-    v: Float[Array, "_seq _kv_heads d_v"],
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     width: int = 64,
     order: str = "row_then_column",
     causal: bool = False,
-    kv_mask: Bool[Array, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Axial attention over a grid of `width` columns (rows = ceil(seq / width); a short

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from jxformers.registry import register
 from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype
@@ -22,12 +22,12 @@ def _alpha(n: int) -> Array:
     return jnp.full((n,), math.sqrt(2.0 / n)).at[0].set(math.sqrt(1.0 / n))
 
 
-def _last_axis(vec: Array, ndim: int) -> Array:
+def _last_axis(vec: ArrayLike, ndim: int) -> Array:
     """Shape a [n] vector to broadcast along the last axis of a rank-`ndim` array."""
     return vec.reshape((1,) * (ndim - 1) + vec.shape)
 
 
-def _check_axis(x: Array, axis: int) -> int:
+def _check_axis(x: ArrayLike, axis: int) -> int:
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis must be in [{-x.ndim}, {x.ndim}) for an array of rank {x.ndim}; got {axis}")
     if x.shape[axis] == 0:
@@ -35,7 +35,7 @@ def _check_axis(x: Array, axis: int) -> int:
     return axis % x.ndim
 
 
-def dct(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
+def dct(x: Float[ArrayLike, "..."], axis: int = 0) -> Float[Array, "..."]:
     """Orthonormal DCT-II along `axis` (seed 001 eq. 1): y_k = a_k sum_n x_n cos(pi k (2n + 1) / 2N).
 
     Computed with one length-N FFT (eq. 4-6), any N; float32 (or float64) result.
@@ -52,7 +52,7 @@ def dct(x: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
     return jnp.moveaxis(y, -1, axis)
 
 
-def idct(y: Float[Array, "..."], axis: int = 0) -> Float[Array, "..."]:
+def idct(y: Float[ArrayLike, "..."], axis: int = 0) -> Float[Array, "..."]:
     """Inverse of `dct` (seed 001 eq. 3): x_n = sum_k a_k y_k cos(pi k (2n + 1) / 2N)."""
     axis = _check_axis(y, axis)
     ym = jnp.moveaxis(y, axis, -1)
@@ -77,7 +77,7 @@ def kept_length(n: int, keep_ratio: float) -> int:
     return max(1, math.ceil(keep_ratio * n - 1e-9))
 
 
-def fourier_downsample(x: Float[Array, "..."], keep_ratio: float, axis: int = 0) -> Float[Array, "..."]:
+def fourier_downsample(x: Float[ArrayLike, "..."], keep_ratio: float, axis: int = 0) -> Float[Array, "..."]:
     """The Fourier Transformer's spectral filter (seed 001 section 4.1, eq. 7-8).
 
     DCT along `axis`, keep the first M = ceil(keep_ratio * N) coefficients, inverse DCT at
@@ -100,7 +100,7 @@ def fourier_downsample(x: Float[Array, "..."], keep_ratio: float, axis: int = 0)
     return (idct(y, axis) * math.sqrt(m / n)).astype(x.dtype)
 
 
-def _dct_matrix(rows: int, cols: int, length: Array) -> Array:
+def _dct_matrix(rows: int, cols: int, length: ArrayLike) -> Array:
     """Orthonormal DCT-II basis [k, n] of a signal of (traced) `length` <= cols, rows k,
     zero for n >= length; its transpose is the inverse at that length."""
     k = jnp.arange(rows, dtype=jnp.float32)[:, None]
@@ -112,7 +112,7 @@ def _dct_matrix(rows: int, cols: int, length: Array) -> Array:
 
 
 def fourier_downsample_padded(
-    x: Float[Array, "n *rest"], length: Int[Array, ""] | int, keep_ratio: float
+    x: Float[ArrayLike, "n *rest"], length: Int[ArrayLike, ""] | int, keep_ratio: float
 ) -> tuple[Float[Array, "m *rest"], Bool[Array, " m"]]:
     """`fourier_downsample` of the real prefix `x[:length]` of a padded sequence.
 
@@ -141,7 +141,7 @@ def fourier_downsample_padded(
     return y.reshape(m, *x.shape[1:]).astype(x.dtype), mask
 
 
-def nearest_upsample(x: Float[Array, "..."], length: int, axis: int = 0) -> Float[Array, "..."]:
+def nearest_upsample(x: Float[ArrayLike, "..."], length: int, axis: int = 0) -> Float[Array, "..."]:
     """Parameter-free nearest-neighbour upsampling to `length` along `axis` (position n
     takes sample floor(n * M / length)); the Fourier Transformer's encoder-decoder setting
     upsamples every block's output this way before summing them (seed 001 section 4.1)."""
@@ -153,17 +153,17 @@ def nearest_upsample(x: Float[Array, "..."], length: int, axis: int = 0) -> Floa
     return jnp.take(x, idx, axis=axis)
 
 
-def fnet_mixing(x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
+def fnet_mixing(x: Float[ArrayLike, "seq hidden"]) -> Float[Array, "seq hidden"]:
     """FNet token mixing: Re(FFT_seq(FFT_hidden(x))), no parameters, O(N log N)."""
     return jnp.real(jnp.fft.fft2(x.astype(jnp.promote_types(x.dtype, jnp.float32)))).astype(x.dtype)
 
 
 def fnet_attention(
-    q: Float[Array, "seq heads d_k"],
-    k: Float[Array, "_seq kv_heads _d_k"],
-    v: Float[Array, "_seq _kv_heads d_v"],
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
-    kv_mask: Bool[Array, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """FNet as a drop-in attention: `fnet_mixing` of the values flattened to
     `[seq, kv_heads * d_v]` (q and k are ignored; FNet has no attention weights).

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from jxformers.decoding import recurrent
 from jxformers.ops._common import (
@@ -83,7 +83,7 @@ def _scan(fq, fk, v, decay):
     return out
 
 
-def _decay_matrix(gate: Array) -> Array:
+def _decay_matrix(gate: ArrayLike) -> Array:
     """For gates g [n, h]: D[h, i, j] = prod_{j < l <= i} g_l for j <= i, else 0."""
     log_g = jnp.log(jnp.clip(gate.astype(jnp.float32), 1e-30, 1.0))
     c = jnp.cumsum(log_g, axis=0)  # [n, h]
@@ -134,16 +134,16 @@ def _chunked(fq, fk, v, decay, chunk, key_log_scale):
 
 
 def kernel_attention(
-    phi_q: Float[Array, "q_len heads m"],
-    phi_k: Float[Array, "kv_len kv_heads _m"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
+    phi_q: Float[ArrayLike, "q_len heads m"],
+    phi_k: Float[ArrayLike, "kv_len kv_heads _m"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
     causal: bool = False,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     form: str = "chunked",
     chunk_size: int | None = None,
-    gate: Float[Array, "_kv_len _kv_heads"] | None = None,
-    key_log_scale: Float[Array, "_chunks"] | None = None,
+    gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
+    key_log_scale: Float[ArrayLike, "_chunks"] | None = None,
     dtype: jnp.dtype | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Attention with the similarity phi(q_i) . phi(k_j) (features already applied).
@@ -201,13 +201,13 @@ FEATURE_MAPS: dict[str, Callable[[Array], Array]] = {
 
 
 def linear_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
     feature_map: str | Callable[[Array], Array] = "elu",
     causal: bool = False,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
 ) -> Float[Array, "q_len heads d_v"]:
@@ -289,11 +289,11 @@ def performer_projection(
 
 
 def performer_features(
-    x: Float[Array, "n heads d_k"],
-    projection: Float[Array, "m _d_k"],
+    x: Float[ArrayLike, "n heads d_k"],
+    projection: Float[ArrayLike, "m _d_k"],
     *,
     kernel: str = "softmax",
-    shift: Float[Array, "..."] | float = 0.0,
+    shift: Float[ArrayLike, "..."] | float = 0.0,
 ) -> Float[Array, "n heads m"]:
     """FAVOR+ features with E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) ("softmax") or the
     generalised ReLU kernel ("relu"). Inputs are scaled by d^(-1/4) first.
@@ -317,14 +317,14 @@ def _projected(x, projection):
     return jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32)), xs
 
 
-def performer_log_features(x: Float[Array, "n heads d_k"], projection: Float[Array, "m _d_k"]) -> Float[Array, "n heads m"]:
+def performer_log_features(x: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]) -> Float[Array, "n heads m"]:
     """log of the unnormalised FAVOR+ softmax features, W x' - |x'|^2 / 2 with
     x' = x d^(-1/4), in float32: `performer_features` is exp(this - shift) / sqrt(m)."""
     wx, xs = _projected(x, projection)
     return wx - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True)
 
 
-def performer_query_features(q: Float[Array, "n heads d_k"], projection: Float[Array, "m _d_k"]) -> Float[Array, "n heads m"]:
+def performer_query_features(q: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]) -> Float[Array, "n heads m"]:
     """FAVOR+ softmax features of queries, stabilised by each row's own max (a per-query
     constant, so it cancels between numerator and denominator)."""
     log_q = performer_log_features(q, projection)
@@ -333,14 +333,14 @@ def performer_query_features(q: Float[Array, "n heads d_k"], projection: Float[A
 
 
 def performer_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
-    projection: Float[Array, "num_features _d_k"],
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
+    projection: Float[ArrayLike, "num_features _d_k"],
     *,
     kernel: str = "softmax",
     causal: bool = False,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
 ) -> Float[Array, "q_len heads d_v"]:
@@ -433,7 +433,7 @@ register(
 # ----------------------------------------------------------------------------- RFA
 
 
-def rfa_features(x: Float[Array, "n heads d_k"], projection: Float[Array, "m _d_k"]) -> Float[Array, "n heads two_m"]:
+def rfa_features(x: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]) -> Float[Array, "n heads two_m"]:
     """Random Fourier features of the l2-normalised input:
     phi(x) = [sin(W x), cos(W x)] / sqrt(m), so phi(x) . phi(y) estimates the Gaussian
     kernel exp(-|x - y|^2 / (2 sigma^2)) = exp((x . y - 1) / sigma^2) for unit vectors when
@@ -445,14 +445,14 @@ def rfa_features(x: Float[Array, "n heads d_k"], projection: Float[Array, "m _d_
 
 
 def rfa_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
-    projection: Float[Array, "num_features _d_k"],
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
+    projection: Float[ArrayLike, "num_features _d_k"],
     *,
-    gate: Float[Array, "_kv_len _kv_heads"] | None = None,
+    gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
     causal: bool = False,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
 ) -> Float[Array, "q_len heads d_v"]:

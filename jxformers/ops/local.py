@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jxformers.decoding import ring_buffer
 from jxformers.ops._common import (
@@ -35,13 +35,13 @@ from jxformers.registry import register
 
 
 def local_attention(
-    q: Float[Array, "seq heads d_k"],
-    k: Float[Array, "_seq kv_heads _d_k"],
-    v: Float[Array, "_seq _kv_heads d_v"],
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     window: int = 128,
     causal: bool = False,
-    kv_mask: Bool[Array, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Sliding-window attention (Image Transformer / Longformer local attention).
@@ -77,13 +77,13 @@ register(
 
 
 def block_local_attention(
-    q: Float[Array, "seq heads d_k"],
-    k: Float[Array, "_seq kv_heads _d_k"],
-    v: Float[Array, "_seq _kv_heads d_v"],
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     block_size: int = 128,
     causal: bool = False,
-    kv_mask: Bool[Array, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Blockwise attention over non-overlapping contiguous blocks (Image Transformer's
@@ -120,14 +120,14 @@ register(
 
 
 def dilated_attention(
-    q: Float[Array, "seq heads d_k"],
-    k: Float[Array, "_seq kv_heads _d_k"],
-    v: Float[Array, "_seq _kv_heads d_v"],
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     window: int = 64,
     dilation: int = 2,
     causal: bool = False,
-    kv_mask: Bool[Array, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Dilated sliding window (Longformer, Beltagy et al. 2020, section 3.1).

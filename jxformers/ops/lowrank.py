@@ -7,7 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from jxformers.ops._common import (
     check_mask_shape,
@@ -28,13 +28,13 @@ from jxformers.registry import register
 
 
 def linformer_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
-    e_proj: Float[Array, "proj_len max_len"],
-    f_proj: Float[Array, "_proj_len _max_len"],
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    e_proj: Float[ArrayLike, "proj_len max_len"],
+    f_proj: Float[ArrayLike, "_proj_len _max_len"],
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     causal: bool = False,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
@@ -106,16 +106,16 @@ SYNTHESIZER_KINDS = ("dense", "random", "factorized_random")
 
 
 def synthesizer_logits(
-    q: Float[Array, "q_len heads d_k"],
+    q: Float[ArrayLike, "q_len heads d_k"],
     kv_len: int,
     *,
     kind: str,
-    w1: Float[Array, "_heads _d_k _hidden"] | None = None,
-    b1: Float[Array, "_heads _hidden"] | None = None,
-    w2: Float[Array, "_heads _hidden _max_len"] | None = None,
-    random: Float[Array, "_heads _max_len _max_len2"] | None = None,
-    factor_a: Float[Array, "_heads _max_len _r"] | None = None,
-    factor_b: Float[Array, "_heads _max_len2 _r"] | None = None,
+    w1: Float[ArrayLike, "_heads _d_k _hidden"] | None = None,
+    b1: Float[ArrayLike, "_heads _hidden"] | None = None,
+    w2: Float[ArrayLike, "_heads _hidden _max_len"] | None = None,
+    random: Float[ArrayLike, "_heads _max_len _max_len2"] | None = None,
+    factor_a: Float[ArrayLike, "_heads _max_len _r"] | None = None,
+    factor_b: Float[ArrayLike, "_heads _max_len2 _r"] | None = None,
 ) -> Float[Array, "heads q_len kv_len"]:
     """Synthetic attention logits B [heads, q_len, kv_len] (seed 000 section 3.2.15):
 
@@ -157,15 +157,15 @@ def synthesizer_logits(
 
 
 def synthesizer_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
     kind: str = "random",
     dot_weight: float = 0.0,
     causal: bool = False,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
-    **weights: Array,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    **weights: ArrayLike,
 ) -> Float[Array, "q_len heads d_v"]:
     """Synthesizer attention: softmax(B + dot_weight * q k^T / sqrt(d)) v, with the
     synthetic logits B of `synthesizer_logits` (`kind` and its `weights`).
@@ -219,7 +219,7 @@ register(
 
 
 def segment_means(
-    x: Float[Array, "n heads d"], num_segments: int, real: Bool[Array, "n"] | None = None
+    x: Float[ArrayLike, "n heads d"], num_segments: int, real: Bool[ArrayLike, "n"] | None = None
 ) -> tuple[Float[Array, "num_segments heads d"], Bool[Array, "num_segments"]]:
     """Means of `num_segments` contiguous segments of near-equal size (segment s covers
     positions [floor(s n / m), floor((s + 1) n / m))), over real positions only; works for
@@ -235,7 +235,7 @@ def segment_means(
     return means.astype(x.dtype), count > 0
 
 
-def iterative_pinv(a: Float[Array, "*b m m"], iterations: int = 6) -> Float[Array, "*b m m"]:
+def iterative_pinv(a: Float[ArrayLike, "*b m m"], iterations: int = 6) -> Float[Array, "*b m m"]:
     """Moore-Penrose pseudo-inverse by the iteration of Razavi et al. (2014) used by
     Nystromformer: Z <- Z/4 (13 I - A Z (15 I - A Z (7 I - A Z))), from
     Z0 = A^T / (max row sum * max column sum) (A is row-stochastic here)."""
@@ -250,12 +250,12 @@ def iterative_pinv(a: Float[Array, "*b m m"], iterations: int = 6) -> Float[Arra
 
 
 def nystrom_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
     num_landmarks: int = 64,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     pinv_iterations: int = 6,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads d_v"]:

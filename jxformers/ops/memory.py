@@ -10,7 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from jxformers.ops._common import (
     ceil_div,
@@ -28,13 +28,13 @@ from jxformers.registry import register
 
 
 def induced_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
-    inducing: Float[Array, "num_inducing heads _d_k"],
-    unpack_keys: Float[Array, "heads _d_v _d_k"] | None = None,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    inducing: Float[ArrayLike, "num_inducing heads _d_k"],
+    unpack_keys: Float[ArrayLike, "heads _d_v _d_k"] | None = None,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Attention through m inducing points (Set Transformer ISAB; Luna pack/unpack).
@@ -82,11 +82,11 @@ register(
 
 
 def latent_attention(
-    latents: Float[Array, "num_latents heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
+    latents: Float[ArrayLike, "num_latents heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "num_latents heads d_v"]:
     """Cross attention from a small latent array to the inputs: Perceiver's encoder and
@@ -96,7 +96,7 @@ def latent_attention(
 
 
 def funnel_pool(
-    x: Float[Array, "n *rest"], stride: int = 2, mask: Bool[Array, "_n"] | None = None
+    x: Float[ArrayLike, "n *rest"], stride: int = 2, mask: Bool[ArrayLike, "_n"] | None = None
 ) -> tuple[Float[Array, "pooled *rest"], Bool[Array, "pooled"]]:
     """Funnel Transformer's strided mean pooling along the sequence (Dai et al., 2020):
     windows of `stride` positions, averaged over real positions only; returns the pooled
@@ -116,12 +116,12 @@ def funnel_pool(
 
 
 def funnel_attention(
-    q: Float[Array, "seq heads d_k"],
-    k: Float[Array, "_seq kv_heads _d_k"],
-    v: Float[Array, "_seq _kv_heads d_v"],
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     stride: int = 2,
-    kv_mask: Bool[Array, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "pooled heads d_v"]:
     """Funnel attention: queries mean-pooled by `stride` attend the full keys and values,

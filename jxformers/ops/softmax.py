@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jxformers.decoding import kv_cache
 from jxformers.ops._common import (
@@ -41,13 +41,13 @@ def causal_mask(q_len: int, kv_len: int) -> Bool[Array, "q_len kv_len"]:
 
 
 def softmax_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
-    mask: Bool[Array, "_q_len _kv_len"] | None = None,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
-    bias: Float[Array, "_q_len _kv_len"] | Float[Array, "_heads _q_len _kv_len"] | None = None,
+    mask: Bool[ArrayLike, "_q_len _kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    bias: Float[ArrayLike, "_q_len _kv_len"] | Float[ArrayLike, "_heads _q_len _kv_len"] | None = None,
     causal: bool = False,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
@@ -108,11 +108,11 @@ register(
 
 
 def chunked_attention(
-    q: Float[Array, "q_len heads d_k"],
-    k: Float[Array, "kv_len kv_heads _d_k"],
-    v: Float[Array, "_kv_len _kv_heads d_v"],
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
-    kv_mask: Bool[Array, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     causal: bool = False,
     chunk_size: int = 512,
     scale: float | None = None,

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.ops._common import (
     attend_parts,
@@ -41,15 +42,15 @@ from jxformers.registry import register
 
 
 def sparse_transformer_attention(
-    q: Float[Array, "seq heads d_k"],
-    k: Float[Array, "_seq kv_heads _d_k"],
-    v: Float[Array, "_seq _kv_heads d_v"],
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     stride: int = 64,
     pattern: str = "strided",
     num_summary: int = 1,
     causal: bool = False,
-    kv_mask: Bool[Array, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Sparse Transformer attention (Child et al., 2019), the union of its two heads.
@@ -134,14 +135,14 @@ register(
 
 
 def longformer_attention(
-    q: Float[Array, "seq heads d_k"],
-    k: Float[Array, "_seq kv_heads _d_k"],
-    v: Float[Array, "_seq _kv_heads d_v"],
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     window: int = 128,
-    global_indices: Int[Array, "num_global"] | Sequence[int] = (0,),
+    global_indices: Int[ArrayLike, "num_global"] | Sequence[int] = (0,),
     causal: bool = False,
-    kv_mask: Bool[Array, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Longformer attention (Beltagy et al., 2020): a sliding window plus global tokens.
@@ -169,7 +170,7 @@ def longformer_attention(
     check_self(q, k, v, kv_mask)
     check_positive("window", window, minimum=0)
     n = q.shape[0]
-    if isinstance(global_indices, jax.Array):
+    if isinstance(global_indices, (jax.Array, np.ndarray)):
         if global_indices.ndim != 1 or not jnp.issubdtype(global_indices.dtype, jnp.integer):
             raise ValueError(f"global_indices must be a 1-D int array; got {global_indices.dtype}{list(global_indices.shape)}")
     else:
@@ -205,7 +206,7 @@ def longformer_attention(
     rows_mask = jnp.ones((idx.shape[0], n), bool)
     if causal:
         rows_mask = positions(n)[None, :] <= safe[:, None]
-    g_out = softmax_attention(q[safe], k, v, mask=rows_mask, kv_mask=kv_mask, scale=scale)
+    g_out = softmax_attention(jnp.asarray(q)[safe], k, v, mask=rows_mask, kv_mask=kv_mask, scale=scale)
     return out.at[jnp.where(in_range, idx, n)].set(g_out.astype(out.dtype), mode="drop")
 
 
@@ -261,17 +262,17 @@ def bigbird_random_blocks(
 
 
 def bigbird_attention(
-    q: Float[Array, "seq heads d_k"],
-    k: Float[Array, "_seq kv_heads _d_k"],
-    v: Float[Array, "_seq _kv_heads d_v"],
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     block_size: int = 64,
-    random_blocks: Int[Array, "_num_blocks _r"] | None = None,
+    random_blocks: Int[ArrayLike, "_num_blocks _r"] | None = None,
     key: PRNGKeyArray | None = None,
     num_random_blocks: int = 3,
     num_window_blocks: int = 3,
     num_global_blocks: int = 2,
-    kv_mask: Bool[Array, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """BigBird-ITC attention (Zaheer et al., 2020), block-sparse and bidirectional.
@@ -304,6 +305,7 @@ def bigbird_attention(
         raise ValueError(f"num_window_blocks must be odd (a centred window); got {num_window_blocks}")
     check_positive("num_global_blocks", num_global_blocks, minimum=0)
     check_positive("num_random_blocks", num_random_blocks, minimum=0)
+    length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block_size)
     n = q.shape[0]
     nb = ceil_div(n, block_size)
     if random_blocks is None and num_random_blocks > 0:
@@ -320,7 +322,6 @@ def bigbird_attention(
             f"random_blocks must have shape [num_blocks={nb}, r] for seq={n}, block_size={block_size}; "
             f"got {tuple(random_blocks.shape)}"
         )
-    length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block_size)
     scale = default_scale(q.shape[2], scale)
     b = block_size
     glob_ids = jnp.asarray(bigbird_global_blocks(nb, num_global_blocks), jnp.int32)
