@@ -4,7 +4,9 @@
     pathfinder.py  the Pathfinder image generator (`render(seed, index) -> (image, label)`)
     real.py     Fashion-MNIST (idx files) and Shakespeare (texts) readers
     tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, FashionMNIST, ShakespeareBytes
-    loader.py   grain DataLoader: seeded shuffle, per-process sharding, batching
+    loader.py   grain DataLoader: seeded shuffle, per-process sharding, worker processes, batching
+    baselines.py  what an accuracy means: majority class, ListOps' root operator, Pathfinder's shortcut
+    cache.py    built splits: records written once to ArrayRecord files and read back
 """
 
 from jxformers.data.loader import make_loader

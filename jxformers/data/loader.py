@@ -1,32 +1,115 @@
 """Batches from a task source with grain: an index sampler that shuffles with a seed,
-repeats for ever and shards by JAX process, and a Batch operation. The iterator's state
-(a few bytes: where it is in the index stream) is saved with every checkpoint, so a
-resumed run sees exactly the batches it would have seen."""
+repeats for ever and shards by JAX process; records made in `workers` grain worker
+processes (0: in this one) and stacked into batches here.
+
+Batching happens after the workers, on the record stream grain delivers in sampler
+order whatever the worker count, so every worker count gives the same batches. The
+iterator's state (grain's: where it is in the index stream) is saved with every
+checkpoint; it is rewritten for this loader's worker count on restore, so a run may
+resume with another `data.workers`, and a resumed run sees exactly the batches it
+would have seen.
+"""
 
 from __future__ import annotations
 
+import json
+
 import grain
+import numpy as np
+from absl import flags
+
+
+def stack(records: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.stack([r[k] for r in records]) for k in records[0]}
+
+
+def state_for_workers(state: dict, workers: int, *, shard_index: int = 0, shard_count: int = 1) -> dict:
+    """A grain DataLoader state (decoded) rewritten for `workers` worker processes.
+    grain hands records to its workers round robin and delivers them in sampler order,
+    so a state is given by how many records this shard has consumed; grain stores the
+    last index each worker read, and refuses a state of another worker count."""
+    last_read = max(state["last_seen_indices"].values())  # the newest record read, by any worker
+    consumed = (last_read - shard_index) // shard_count + 1
+    slots = max(workers, 1)
+    per_worker = [(consumed - i + slots - 1) // slots for i in range(slots)]
+    return state | {
+        "worker_count": workers,
+        "last_seen_indices": {str(i): shard_index + shard_count * (i + (n - 1) * slots)
+                              for i, n in enumerate(per_worker)},
+        "last_worker_index": consumed % slots - 1,
+    }
+
+
+class BatchIterator:
+    """Batches of `batch_size` records from a grain DataLoader of single records, with
+    grain's iterator state (bytes, as `grain.checkpoint` saves it)."""
+
+    def __init__(self, loader: grain.DataLoader, batch_size: int):
+        self.loader, self.batch_size = loader, batch_size
+        self.records = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        records = [next(self.records) for _ in range(self.batch_size)]  # a partial batch ends the epoch
+        return stack(records)
+
+    def get_state(self) -> bytes:
+        return self.records.get_state()
+
+    def set_state(self, state: bytes) -> None:
+        shard = self.loader._shard_options  # noqa: SLF001 - grain keeps the resolved sharding here
+        values = state_for_workers(json.loads(state.decode()), self.loader.multiprocessing_options.num_workers,
+                                   shard_index=shard.shard_index, shard_count=shard.shard_count)
+        self.records.set_state(json.dumps(values).encode())
+
+    def start_prefetch(self) -> None:
+        self.records.start_prefetch()
+
+    def close(self) -> None:
+        close = getattr(self.records._iterator, "close", None)  # noqa: SLF001 - stops worker processes
+        if close is not None:
+            close()
+
+
+class Loader:
+    """Iterable of batches (see `make_loader`); each `iter` starts a fresh iterator."""
+
+    def __init__(self, loader: grain.DataLoader, batch_size: int):
+        self.loader, self.batch_size = loader, batch_size
+
+    def __iter__(self) -> BatchIterator:
+        return BatchIterator(self.loader, self.batch_size)
 
 
 def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num_epochs: int | None = None,
-                workers: int = 0) -> grain.DataLoader:
-    """A grain DataLoader over `source` giving dicts of `[batch_size, ...]` numpy arrays.
+                workers: int = 0) -> Loader:
+    """Batches of `source` as dicts of `[batch_size, ...]` numpy arrays (iterate it).
 
     Arguments:
         source: a random-access source (`__len__`, `__getitem__`), e.g. from `make_source`.
         batch_size: examples per batch on this process (the last partial batch is dropped).
         seed: shuffling seed. shuffle: shuffle each epoch. num_epochs: None repeats for ever.
-        workers: grain worker processes (0: in the main process).
+        workers: grain worker processes making records (0: in this process); the batches
+            are the same for every value.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+    if workers < 0:
+        raise ValueError(f"workers must be >= 0 (0: records are made in this process); got {workers}")
     if len(source) < batch_size:
         raise ValueError(f"the source holds {len(source)} records, fewer than one batch of {batch_size}")
     sampler = grain.samplers.IndexSampler(
         num_records=len(source), shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
         shuffle=shuffle, num_epochs=num_epochs, seed=seed,
     )
-    return grain.DataLoader(
-        data_source=source, sampler=sampler, operations=[grain.transforms.Batch(batch_size, drop_remainder=True)],
-        worker_count=workers,
-    )
+    if workers and not flags.FLAGS.is_parsed():
+        # grain <= 0.2.18 reads an absl flag in its worker start-up and fails unless flags
+        # were parsed (google/grain#1355, fixed after 0.2.18); scripts without absl.app
+        # never parse them, and the flags' defaults are what they get.
+        flags.FLAGS.mark_as_parsed()
+    # Records leave the workers one by one (batching there would give each worker's
+    # batches its own records, and change them with the worker count).
+    return Loader(grain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
+                                   worker_buffer_size=batch_size), batch_size)

@@ -1,8 +1,8 @@
 """Experiment configs: one YAML file per experiment (in `experiments/`), with sections
 
     name:        the experiment's name
-    data:        task (listops, copy, recall), train_size, eval_size, seed, and the task's
-                 own settings under `settings` (max_len, ...)                (DataConfig)
+    data:        task (listops, copy, recall), train_size, eval_size, seed, the task's
+                 own settings under `settings` (max_len, ...), workers, path  (DataConfig)
     model:       ModelConfig fields (task, vocab_size and num_classes come from the data)
     train:       steps, batch_size, optimizer, learning_rate, schedule, ...  (TrainConfig)
     checkpoint:  every, keep, best_metric, best_mode, async_save           (CheckpointConfig)
@@ -48,18 +48,24 @@ class _Section:
 @typing.no_type_check
 @dataclasses.dataclass(frozen=True)
 class DataConfig(_Section):
-    """The `data` section: a task's name, split sizes, the seed, and the task's own
-    `settings` (max_len, ...; checked by the task's source)."""
+    """The `data` section: a task's name, split sizes, the seed, the task's own
+    `settings` (max_len, ...; checked by the task's source), the grain worker processes
+    that make records (`workers`; 0: the training process), and `path`, a directory of
+    splits built by `jxformers data build` to read instead of generating (the same
+    records either way)."""
 
     task: str = "listops"
     train_size: int = 96_000
     eval_size: int = 2_000
     seed: int = 0
     settings: dict = dataclasses.field(default_factory=dict)
+    workers: int = 0
+    path: str | None = None
 
     def __post_init__(self):
         check_fields(self, "data.")
         check_at_least(self, "data.", 1, "train_size", "eval_size")
+        check_at_least(self, "data.", 0, "workers")
 
 
 @typing.no_type_check
@@ -114,6 +120,8 @@ class CheckpointConfig(_Section):
         check_at_least(self, "checkpoint.", 1, "every", "keep")
 
 
+# The splits of an experiment, in the order `Experiment.sources` returns them.
+SPLITS = ("train", "eval")
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig}
 
 
@@ -128,11 +136,18 @@ class Experiment:
     checkpoint: CheckpointConfig
     raw: dict[str, Any]  # the merged config as loaded (saved in the work directory)
 
-    def sources(self):
-        """(train source, eval source): the eval split is the stream with seed + 1."""
+    def sources(self, *, generated: bool = False):
+        """(train source, eval source): the eval split is the stream with seed + 1. With
+        `data.path`, the built splits there (checked to hold these records), unless
+        `generated`."""
         d = self.data
-        return (make_source(d.task, seed=d.seed, size=d.train_size, **d.settings),
-                make_source(d.task, seed=d.seed + 1, size=d.eval_size, split="valid", **d.settings))
+        specs = (make_source(d.task, seed=d.seed, size=d.train_size, **d.settings),
+                 make_source(d.task, seed=d.seed + 1, size=d.eval_size, split="valid", **d.settings))
+        if d.path is None or generated:
+            return specs
+        from jxformers.data.cache import read_split
+
+        return tuple(read_split(d.path, split, spec) for split, spec in zip(SPLITS, specs))
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import jax
 from tqdm import tqdm
 
 from jxformers.data import make_loader
+from jxformers.data.baselines import baselines
 from jxformers.nn import redraw
 from jxformers.tools.xla_cost import cost_of
 from jxformers.train.checkpoint import Checkpointer
@@ -91,14 +93,21 @@ def restore_model(experiment: Experiment, workdir: str | pathlib.Path, *, best: 
 
 def evaluate_checkpoint(experiment: Experiment, workdir: str | pathlib.Path, *, batches: int | None = None,
                         best: bool = False):
-    """Eval metrics of the newest (or the best) checkpoint on the eval split."""
+    """Eval metrics of the newest (or the best) checkpoint on the eval split; for a
+    classification task also `eval_examples` and `baselines` ({name: accuracy} of the
+    task's cheap predictors on the same examples, see `jxformers.data.baselines`)."""
     state, static = restore_train_state(experiment, workdir, best=best)
-    _, eval_source = experiment.sources()
+    train_source, eval_source = experiment.sources()
     batch = min(experiment.train.batch_size, len(eval_source))
-    loader = make_loader(eval_source, batch_size=batch, seed=0, shuffle=False, num_epochs=1)
-    n = batches if batches is not None else math.ceil(len(eval_source) / batch)
-    return {"step": int(state.step), **evaluate(make_eval_step(static), state, loader, n,
-                                                language_model=experiment.model.task == "lm")}
+    workers = experiment.data.workers
+    loader = make_loader(eval_source, batch_size=batch, seed=0, shuffle=False, num_epochs=1, workers=workers)
+    n = min(batches if batches is not None else math.ceil(len(eval_source) / batch), len(eval_source) // batch)
+    metrics = {"step": int(state.step), **evaluate(make_eval_step(static), state, loader, n,
+                                                   language_model=experiment.model.task == "lm")}
+    if experiment.model.task != "classify":
+        return metrics
+    return metrics | {"eval_examples": n * batch,
+                      "baselines": baselines(train_source, eval_source, records=n * batch, workers=workers)}
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -202,16 +211,22 @@ class _StepReport:
 
 
 class _Evaluator:
-    """Eval metrics of a state on the first `eval_batches` batches of the eval split."""
+    """Eval metrics of a state on the first `eval_batches` batches of the eval split.
+    Those batches are the same at every evaluation: made once (by `data.workers`
+    workers) and kept in memory."""
 
     def __init__(self, experiment: Experiment, static, eval_source):
         self.source, self.step = eval_source, make_eval_step(static)
         self.batch = min(experiment.train.batch_size, len(eval_source))
         self.batches, self.lm = experiment.train.eval_batches, experiment.model.task == "lm"
+        self.workers, self.kept = experiment.data.workers, None
 
     def __call__(self, state: TrainState) -> dict[str, float]:
-        loader = make_loader(self.source, batch_size=self.batch, seed=0, shuffle=False, num_epochs=1)
-        return evaluate(self.step, state, loader, self.batches, language_model=self.lm)
+        if self.kept is None:
+            loader = make_loader(self.source, batch_size=self.batch, seed=0, shuffle=False, num_epochs=1,
+                                 workers=self.workers)
+            self.kept = list(itertools.islice(loader, self.batches))
+        return evaluate(self.step, state, self.kept, self.batches, language_model=self.lm)
 
 
 class _Signals:
@@ -343,7 +358,8 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         changes = _prepare_workdir(experiment, workdir, stack)
         state, static, optimizer, schedule = init_train_state(experiment)
         train_source, eval_source = experiment.sources()
-        iterator = iter(make_loader(train_source, batch_size=t.batch_size, seed=t.seed))
+        iterator = stack.enter_context(contextlib.closing(iter(make_loader(
+            train_source, batch_size=t.batch_size, seed=t.seed, workers=experiment.data.workers))))
         checkpointer = stack.enter_context(contextlib.closing(
             _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save)))
         state = _restore(checkpointer, state, iterator, training=True) or state

@@ -1,0 +1,186 @@
+"""The data pipeline around the generators: baselines that say what an accuracy means,
+grain workers that give the same batches as none (and resume with any worker count),
+and built splits on disk that give the same records as generating them."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from jxformers.data import listops, make_loader, make_source
+from jxformers.data.baselines import baselines, predict_by_key
+from jxformers.data.cache import build_split, read_split
+from jxformers.data.loader import state_for_workers
+from jxformers.tools import cli
+
+SHORT = {"max_len": 64, "min_length": 10, "max_length": 60}  # ListOps at the tiny preset's lengths
+
+
+def batches(loader, n):
+    iterator = iter(loader)
+    try:
+        return [next(iterator) for _ in range(n)]
+    finally:
+        iterator.close()
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def test_listops_root_operator_baseline_is_well_above_the_majority_class():
+    train = make_source("listops", seed=0, size=500, **SHORT)
+    valid = make_source("listops", seed=1, size=300, **SHORT)
+    scores = baselines(train, valid)
+    labels = np.asarray([int(valid[i]["label"]) for i in range(len(valid))])
+    assert scores["majority_class"] == pytest.approx(np.bincount(labels).max() / len(labels))
+    assert 0.1 < scores["majority_class"] < 0.3
+    assert scores["root_operator"] > scores["majority_class"] + 0.08, scores
+    # the root operator is the first token: MIN/MAX of many digits is mostly 0/9
+    root = valid[0]["tokens"][0]
+    assert listops.VOCAB[root] in listops.OPERATORS
+
+
+def test_predict_by_key_takes_the_most_frequent_label_per_key():
+    keys, labels = np.array([1, 1, 1, 2, 2, 3]), np.array([4, 4, 5, 7, 6, 4])
+    assert predict_by_key(keys, labels, np.array([1, 2, 3, 9])).tolist() == [4, 6, 4, 4]  # 9 unseen: overall
+
+
+def test_baselines_of_other_tasks():
+    copy = make_source("copy", seed=0, size=16, max_len=16)
+    assert baselines(copy, copy) == {}  # language modelling: no classes
+    pf = make_source("pathfinder", seed=1, size=6, image_size=16, contour_length=3, distractors=0)
+    assert baselines(pf, pf)["majority_class"] == 0.5  # labels alternate with the index
+    with pytest.raises(ValueError, match="records must be >= 1 or None; got 0"):
+        baselines(pf, pf, records=0)
+
+
+def _listops_config(tmp_path, **data):
+    config = {
+        "name": "tiny_listops",
+        "data": {"task": "listops", "train_size": 64, "eval_size": 32, "settings": SHORT} | data,
+        "model": {"num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 16, "position": "sinusoidal"},
+        "train": {"steps": 2, "batch_size": 8, "warmup_steps": 1, "eval_every": 2, "eval_batches": 1},
+        "checkpoint": {"every": 2},
+    }
+    path = tmp_path / "tiny_listops.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def test_workers_give_the_same_batches_and_resume_with_any_worker_count():
+    source = make_source("copy", seed=0, size=40, max_len=16)
+    expected = batches(make_loader(source, batch_size=4, seed=3), 14)  # crosses an epoch boundary
+    iterator = iter(make_loader(source, batch_size=4, seed=3, workers=2))
+    try:
+        got = [next(iterator) for _ in range(5)]
+        state = iterator.get_state()
+        got += [next(iterator) for _ in range(9)]
+    finally:
+        iterator.close()
+    assert all(same(a, b) for a, b in zip(expected, got))
+    resumed = iter(make_loader(source, batch_size=4, seed=3))  # saved with 2 workers, resumed with none
+    resumed.set_state(state)
+    assert all(same(a, next(resumed)) for a in expected[5:])
+    # grain's own state after 5 batches with 2 workers is what the rewrite makes of the 0-worker one
+    plain = iter(make_loader(source, batch_size=4, seed=3))
+    for _ in range(5):
+        next(plain)
+    assert state_for_workers(json.loads(plain.get_state()), 2) == json.loads(state)
+
+
+def test_state_for_workers_keeps_the_position_on_every_shard():
+    for shard_index, shard_count in ((0, 1), (1, 2), (2, 3)):
+        for consumed in (0, 1, 5, 6, 7):
+            state = {"worker_count": 0, "last_worker_index": -1,
+                     "last_seen_indices": {"0": shard_index + shard_count * (consumed - 1)}}
+            there = state_for_workers(state, 3, shard_index=shard_index, shard_count=shard_count)
+            back = state_for_workers(there, 0, shard_index=shard_index, shard_count=shard_count)
+            assert back == state
+            assert there["last_worker_index"] == consumed % 3 - 1
+
+
+def test_bad_worker_counts_are_refused():
+    source = make_source("copy", seed=0, size=8, max_len=16)
+    with pytest.raises(ValueError, match="workers must be >= 0 .*got -1"):
+        make_loader(source, batch_size=2, seed=0, workers=-1)
+    from jxformers.train import load_experiment
+
+    with pytest.raises(ValueError, match="data.workers"):
+        load_experiment("copy", ["data.workers=-2"])
+
+
+# ----------------------------------------------------------------------------- built splits
+
+
+def test_a_built_split_gives_the_same_records_the_same_bytes_and_resumes(tmp_path):
+    source = make_source("listops", seed=4, size=30, **SHORT)
+    build_split(source, tmp_path / "a", processes=2, records_per_shard=7, progress=False)
+    build_split(source, tmp_path / "b", processes=1, records_per_shard=7, progress=False)
+    shards = sorted(p.name for p in (tmp_path / "a").glob("*.array_record"))
+    assert len(shards) == 5
+    assert all((tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes() for n in shards)
+    built = read_split(tmp_path, "a", source)
+    assert len(built) == 30 and built.vocab_size == source.vocab_size and repr(built) == repr(source)
+    assert all(same(built[i], source[i]) for i in range(30))
+    # an interrupted build: a shard missing, another half-written; the rest is kept
+    kept = tmp_path / "a" / shards[0]
+    before = kept.stat().st_mtime_ns
+    (tmp_path / "a" / shards[2]).unlink()
+    (tmp_path / "a" / (shards[3] + ".partial")).write_bytes(b"junk")
+    with pytest.raises(ValueError, match="incomplete .1 of 5 shards missing"):
+        read_split(tmp_path, "a", source)
+    build_split(source, tmp_path / "a", processes=1, records_per_shard=7, progress=False)
+    assert (tmp_path / "a" / shards[2]).read_bytes() == (tmp_path / "b" / shards[2]).read_bytes()
+    assert kept.stat().st_mtime_ns == before and not list((tmp_path / "a").glob("*.partial"))
+    other = make_source("listops", seed=5, size=30, **SHORT)
+    with pytest.raises(ValueError, match="source.fields.seed: 4 built, 5 wanted"):
+        read_split(tmp_path, "a", other)
+    with pytest.raises(ValueError, match="holds a build of another source"):
+        build_split(other, tmp_path / "a", processes=1, records_per_shard=7, progress=False)
+    with pytest.raises(ValueError, match="no built split"):
+        read_split(tmp_path, "missing", source)
+
+
+def test_a_run_from_a_built_split_with_workers_matches_one_generating_and_eval_prints_baselines(tmp_path, capsys):
+    """Train generating records in this process; train again from a built split, first
+    2 steps with 2 workers, then resumed to 4 steps with none: the same losses. Then
+    `jxformers eval` prints the task's baselines next to the accuracy."""
+    from jxformers.train import load_experiment, train
+
+    config = _listops_config(tmp_path)
+    assert cli.main(["data", "build", str(config), "--out", str(tmp_path / "built"), "--processes", "1",
+                     "--no-progress"]) == 0
+    assert "data.path=" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "built")) == ["eval", "train"]
+    four = ["train.steps=4", "checkpoint.every=2", "train.log_every=1"]
+    straight = train(load_experiment(config, four), tmp_path / "straight", progress=False)
+    built = [f"data.path={tmp_path / 'built'}"]
+    train(load_experiment(config, [*built, "data.workers=2", "train.steps=2", *four[1:]]), tmp_path / "run",
+          progress=False)
+    resumed = train(load_experiment(config, [*built, *four]), tmp_path / "run", progress=False)
+
+    def losses(workdir):
+        lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in lines if "loss" in r}
+
+    assert losses(tmp_path / "run") == losses(tmp_path / "straight") and len(losses(tmp_path / "run")) == 4
+    assert resumed["eval_accuracy"] == straight["eval_accuracy"]
+
+    assert cli.main(["eval", "--workdir", str(tmp_path / "run"), "--batches", "2"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    train_source = make_source("listops", seed=0, size=64, **SHORT)
+    eval_source = make_source("listops", seed=1, size=32, **SHORT)
+    assert result["eval_examples"] == 16
+    assert result["baselines"] == baselines(train_source, eval_source, records=16)
+    assert set(result["baselines"]) == {"majority_class", "root_operator"}
+    assert "baselines on the same examples: majority class" in captured.err and "root operator" in captured.err
