@@ -73,6 +73,57 @@ def _listops_config(tmp_path, **data):
     return path
 
 
+# ----------------------------------------------------------------------------- the ListOps generator
+
+
+def test_listops_draws_are_numpys_value_for_value():
+    """The generator makes numpy's draws from raw words (for speed): the same values as
+    `Generator.random` and `Generator.integers`, in any mix, across block refills."""
+    choose = np.random.default_rng(0)
+    for seed in range(3):
+        numpy_rng, ours = np.random.default_rng([seed, 9]), listops._Draws(np.random.default_rng([seed, 9]))
+        for kind in choose.integers(0, 4, size=3 * listops._BLOCK):
+            if kind == 0:
+                assert numpy_rng.random() == ours.random()
+            else:
+                k = (10, 4, 9)[kind - 1]
+                assert int(numpy_rng.integers(k)) == ours.integers(k)
+
+
+def _reference_sample(seed, index, min_length, max_length):
+    """The generator as first written: a tree drawn with numpy's Generator, then flattened."""
+    rng = np.random.default_rng([seed, index])
+
+    def tree(depth, budget):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise OverflowError
+        if depth > 1 and (depth >= listops.MAX_DEPTH or rng.random() < listops.LEAF_PROBABILITY):
+            return int(rng.integers(10))
+        budget[0] -= 1
+        op = listops.OPERATORS[int(rng.integers(4))]
+        return op, [tree(depth + 1, budget) for _ in range(int(rng.integers(2, 11)))]
+
+    while True:
+        try:
+            t = tree(1, [max_length - 1])
+        except OverflowError:
+            continue
+        toks = listops.tokens(t)
+        if min_length < len(toks) < max_length:
+            return " ".join(toks), listops.evaluate(t)
+
+
+def test_listops_fast_generator_gives_the_records_of_the_reference():
+    for lengths in ((10, 60), (100, 400)):
+        for index in range(12):
+            assert listops.sample(2, index, min_length=lengths[0], max_length=lengths[1]) == \
+                _reference_sample(2, index, *lengths)
+    ids, label = listops.sample_ids(2, 0)
+    assert 500 < ids.shape[0] < 2000 and ids.dtype == np.int32 and label == listops.evaluate(
+        listops.parse(" ".join(listops.VOCAB[i] for i in ids)))
+
+
 # ----------------------------------------------------------------------------- workers
 
 

@@ -14,7 +14,7 @@ process.
 
 from __future__ import annotations
 
-import statistics
+import typing
 
 import numpy as np
 
@@ -31,19 +31,101 @@ class _TooLong(Exception):
     pass
 
 
-def _tree(rng: np.random.Generator, depth: int, max_depth: int, budget: list[int]):
-    """A leaf digit, or (operator, [children]); the root is always an operator.
-    `budget[0]` counts the tokens still allowed: generation stops (the draw is rejected)
-    as soon as it is spent, which leaves the distribution of accepted trees unchanged
-    and saves building the huge trees the length window would reject anyway."""
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise _TooLong
-    if depth > 1 and (depth >= max_depth or rng.random() < LEAF_PROBABILITY):
-        return int(rng.integers(10))
-    budget[0] -= 1  # the closing bracket
-    op = OPERATORS[int(rng.integers(len(OPERATORS)))]
-    return op, [_tree(rng, depth + 1, max_depth, budget) for _ in range(int(rng.integers(MIN_ARGS, MAX_ARGS + 1)))]
+# The hot path (`_median`, `_Draws`, `_draw`) is kept out of the tests' runtime type
+# checker, which would wrap every call of it (5x slower records).
+@typing.no_type_check
+def _median(values):
+    """int(statistics.median(values)) for non-negative ints, without the float."""
+    s, n = sorted(values), len(values)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) // 2
+
+
+_APPLY = {"[MIN": min, "[MAX": max, "[MED": _median, "[SM": lambda v: sum(v) % 10}
+_OPERATOR_IDS = [TOKEN_ID[op] for op in OPERATORS]
+_APPLY_BY_INDEX = [_APPLY[op] for op in OPERATORS]
+_CLOSE, _DIGIT0 = TOKEN_ID["]"], TOKEN_ID["0"]
+
+
+# Raw 64-bit words fetched from the bit generator at a time.
+_BLOCK = 4096
+
+
+@typing.no_type_check
+class _Draws:
+    """`rng.random()` and `rng.integers(k)` of a fresh `np.random.default_rng` (PCG64),
+    value for value, made in Python from raw words fetched in blocks: numpy's per-call
+    overhead (about 1.6 us for `integers`) was most of the generator's time.
+
+    As numpy's Generator does it: a double is the top 53 bits of one 64-bit word; a
+    bounded integer is Lemire's method on 32-bit draws, each word giving its low half
+    and keeping its high half for the next 32-bit draw. Words fetched beyond those used
+    are never seen (each record has its own generator)."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.bits, self.half = rng.bit_generator, None
+        self._next = iter(()).__next__
+
+    def _word(self):
+        try:
+            return self._next()
+        except StopIteration:
+            self._next = iter(self.bits.random_raw(_BLOCK).tolist()).__next__
+            return self._next()
+
+    def _uint32(self):
+        if self.half is not None:
+            value, self.half = self.half, None
+            return value
+        word = self._word()
+        self.half = word >> 32
+        return word & 0xFFFFFFFF
+
+    def random(self):
+        return (self._word() >> 11) * 2.0**-53
+
+    def integers(self, k):
+        """Uniform in [0, k) (k < 2**32)."""
+        m = self._uint32() * k
+        if m & 0xFFFFFFFF < k:  # rarely: reject the biased low end
+            threshold = (0x100000000 - k) % k
+            while m & 0xFFFFFFFF < threshold:
+                m = self._uint32() * k
+        return m >> 32
+
+
+@typing.no_type_check
+def _draw(draws: _Draws, max_depth: int, budget: int) -> tuple[list[int], int]:
+    """One random expression as (token ids, value); the root is always an operator.
+
+    A node is a leaf digit with LEAF_PROBABILITY (always at max_depth, never at the
+    root), else an operator with 2-10 children. Token ids and the value are made in
+    the same pass as the draws (no tree is built: this is the generator's hot loop).
+    `budget` counts the tokens allowed: the draw is abandoned (_TooLong) as soon as it is
+    spent, which leaves the distribution of accepted expressions unchanged and saves
+    building the huge ones the length window would reject anyway.
+    """
+    ids: list[int] = []
+    random, integers = draws.random, draws.integers
+    left = budget
+
+    def node(depth):
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise _TooLong
+        if depth > 1 and (depth >= max_depth or random() < LEAF_PROBABILITY):
+            digit = integers(10)
+            ids.append(_DIGIT0 + digit)
+            return digit
+        left -= 1  # the closing bracket
+        op = integers(len(OPERATORS))
+        ids.append(_OPERATOR_IDS[op])
+        values = [node(depth + 1) for _ in range(MIN_ARGS + integers(MAX_ARGS - MIN_ARGS + 1))]
+        ids.append(_CLOSE)
+        return _APPLY_BY_INDEX[op](values)
+
+    value = node(1)
+    return ids, value
 
 
 def evaluate(tree) -> int:
@@ -51,16 +133,9 @@ def evaluate(tree) -> int:
     if isinstance(tree, int):
         return tree
     op, children = tree
-    values = [evaluate(c) for c in children]
-    if op == "[MIN":
-        return min(values)
-    if op == "[MAX":
-        return max(values)
-    if op == "[MED":
-        return int(statistics.median(values))
-    if op == "[SM":
-        return sum(values) % 10
-    raise ValueError(f"unknown operator {op!r}")
+    if op not in _APPLY:
+        raise ValueError(f"unknown operator {op!r}")
+    return _APPLY[op]([evaluate(c) for c in children])
 
 
 def tokens(tree) -> list[str]:
@@ -88,21 +163,27 @@ def parse(text: str):
     return stack[0][1][0]
 
 
-def sample(seed: int, index: int, *, min_length: int = MIN_LENGTH, max_length: int = MAX_LENGTH,
-           max_depth: int = MAX_DEPTH) -> tuple[str, int]:
-    """Record `index` of the stream seeded by `seed`: `(text, label)`, the expression
-    as space-separated tokens and its value, with min_length < len(tokens) < max_length."""
+def sample_ids(seed: int, index: int, *, min_length: int = MIN_LENGTH, max_length: int = MAX_LENGTH,
+               max_depth: int = MAX_DEPTH) -> tuple[np.ndarray, int]:
+    """Record `index` of the stream seeded by `seed`: `(ids, label)`, the expression's
+    token ids (`int32`, ids of VOCAB) and its value, with min_length < len(ids) < max_length."""
     if not 0 <= min_length < max_length - 1:
         raise ValueError(f"need 0 <= min_length < max_length - 1; got {min_length}, {max_length}")
-    rng = np.random.default_rng([seed, index])
+    draws = _Draws(np.random.default_rng([seed, index]))
     while True:
         try:
-            tree = _tree(rng, 1, max_depth, [max_length - 1])
+            ids, value = _draw(draws, max_depth, max_length - 1)
         except _TooLong:
             continue
-        toks = tokens(tree)
-        if min_length < len(toks) < max_length:
-            return " ".join(toks), evaluate(tree)
+        if min_length < len(ids) < max_length:
+            return np.asarray(ids, np.int32), value
+
+
+def sample(seed: int, index: int, *, min_length: int = MIN_LENGTH, max_length: int = MAX_LENGTH,
+           max_depth: int = MAX_DEPTH) -> tuple[str, int]:
+    """`sample_ids` as text: `(text, label)`, the expression as space-separated tokens."""
+    ids, value = sample_ids(seed, index, min_length=min_length, max_length=max_length, max_depth=max_depth)
+    return " ".join(VOCAB[i] for i in ids), value
 
 
 def encode(text: str) -> np.ndarray:

@@ -59,8 +59,8 @@ class ListOps:
         return self.size
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        text, label = listops.sample(self.seed, int(index), min_length=self.min_length, max_length=self.max_length)
-        tokens, mask = _pad(listops.encode(text), self.max_len)
+        ids, label = listops.sample_ids(self.seed, int(index), min_length=self.min_length, max_length=self.max_length)
+        tokens, mask = _pad(ids, self.max_len)
         return {"tokens": tokens, "mask": mask, "label": np.int32(label)}
 
 
