@@ -51,6 +51,29 @@ def test_predict_by_key_takes_the_most_frequent_label_per_key():
     assert predict_by_key(keys, labels, np.array([1, 2, 3, 9])).tolist() == [4, 6, 4, 4]  # 9 unseen: overall
 
 
+class _Counted:
+    """A source that counts the records made."""
+
+    def __init__(self, size):
+        self.size, self.made = size, 0
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        self.made += 1
+        return {"tokens": np.full((4,), index % 7, np.int32), "label": np.int32(index % 3)}
+
+
+def test_baselines_make_only_the_records_they_score():
+    source = _Counted(20_000)
+    from jxformers.data.baselines import first_records
+
+    records = first_records(source, 16)
+    assert records["label"].tolist() == [i % 3 for i in range(16)]
+    assert source.made < 2000  # grain reads a little ahead, never the whole split
+
+
 def test_baselines_of_other_tasks():
     copy = make_source("copy", seed=0, size=16, max_len=16)
     assert baselines(copy, copy) == {}  # language modelling: no classes

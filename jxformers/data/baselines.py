@@ -77,8 +77,11 @@ SHORTCUTS: dict[type, Callable[[Records, Records], dict[str, float]]] = {
 def first_records(source, count: int, *, workers: int = 0) -> Records:
     """The first `count` records of `source` in index order, stacked."""
     count = min(count, len(source))
-    batches = list(make_loader(source, batch_size=count, seed=0, shuffle=False, num_epochs=1, workers=workers))
-    return batches[0]
+    iterator = iter(make_loader(source, batch_size=count, seed=0, shuffle=False, num_epochs=1, workers=workers))
+    try:
+        return next(iterator)
+    finally:
+        iterator.close()
 
 
 def baselines(train_source, eval_source, *, records: int | None = None, workers: int = 0) -> dict[str, float]:
