@@ -169,6 +169,12 @@ def test_workers_give_the_same_batches_and_resume_with_any_worker_count():
     for _ in range(5):
         next(plain)
     assert state_for_workers(json.loads(plain.get_state()), 2) == json.loads(state)
+    workers = iter(make_loader(source, batch_size=4, seed=3, workers=2))  # saved with none, resumed with 2
+    try:
+        workers.set_state(plain.get_state())
+        assert all(same(a, next(workers)) for a in expected[5:9])
+    finally:
+        workers.close()
 
 
 def test_state_for_workers_keeps_the_position_on_every_shard():
