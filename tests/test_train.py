@@ -299,6 +299,7 @@ def test_demo_trains_three_models_and_prints_the_table(tmp_path, capsys):
     for name in ("softmax", "linear", "fourier_transformer"):
         assert f"| {name} |" in out
         assert (tmp_path / name / "metrics.jsonl").exists()
+    assert "| baseline: majority class |" in out and "| baseline: root operator |" in out
     assert (tmp_path / "demo.png").exists()
 
 
