@@ -256,15 +256,25 @@ def test_dct_equals_the_textbook_definition_and_idct_inverts_it(n):
     assert_close(ops.dct(jnp.asarray(x.T), axis=1), (basis @ x).T, atol=1e-5)
 
 
-def test_fourier_downsample_keeps_constants_and_resamples_kept_cosines():
+def test_fourier_downsample_is_the_orthonormal_inverse_at_the_new_length_or_rescaled():
+    # Eq. 7-8: orthonormal DCT, keep M coefficients, orthonormal inverse DCT at length M.
+    # That scales the band-limited resampling by sqrt(N / M); rescale=True removes it.
     n, ratio = 24, 0.4
     m = math.ceil(ratio * n)
-    assert_close(ops.fourier_downsample(jnp.full((n, 2), 3.0), ratio), np.full((m, 2), 3.0), atol=1e-5)
     i, j = np.arange(n), np.arange(m)
     wave = lambda length, idx, kk: np.cos(np.pi * kk * (2 * idx + 1) / (2 * length))  # noqa: E731
     x = 1.0 + 2 * wave(n, i, 3) - wave(n, i, 7)
-    expected = 1.0 + 2 * wave(m, j, 3) - wave(m, j, 7)
-    assert_close(ops.fourier_downsample(jnp.asarray(x, jnp.float32), ratio), expected, atol=1e-5)
+    resampled = 1.0 + 2 * wave(m, j, 3) - wave(m, j, 7)
+    x32 = jnp.asarray(x, jnp.float32)
+    assert_close(ops.fourier_downsample(x32, ratio), resampled * math.sqrt(n / m), atol=1e-5)
+    assert_close(ops.fourier_downsample(x32, ratio, rescale=True), resampled, atol=1e-5)
+    assert_close(ops.fourier_downsample(jnp.full((n, 2), 3.0), ratio, rescale=True), np.full((m, 2), 3.0), atol=1e-5)
+    # The padded (dense-matrix) form agrees with both on the real prefix.
+    padded = jnp.concatenate([x32, jnp.ones(5)])[:, None]
+    for rescale in (False, True):
+        y, mask = ops.fourier_downsample_padded(padded, n, ratio, rescale=rescale)
+        assert int(mask.sum()) == m
+        assert_close(y[:m, 0], ops.fourier_downsample(x32, ratio, rescale=rescale), atol=1e-5)
     with pytest.raises(ValueError, match="keep_ratio"):
         ops.fourier_downsample(jnp.ones(4), 0.0)
 

@@ -77,27 +77,41 @@ def kept_length(n: int, keep_ratio: float) -> int:
     return max(1, math.ceil(keep_ratio * n - 1e-9))
 
 
-def fourier_downsample(x: Float[ArrayLike, "..."], keep_ratio: float, axis: int = 0) -> Float[Array, "..."]:
+def fourier_downsample(
+    x: Float[ArrayLike, "..."], keep_ratio: float, axis: int = 0, *, rescale: bool = False
+) -> Float[Array, "..."]:
     """The Fourier Transformer's spectral filter (seed 001 section 4.1, eq. 7-8).
 
     DCT along `axis`, keep the first M = ceil(keep_ratio * N) coefficients, inverse DCT at
-    length M, scaled by sqrt(M / N): the band-limited resampling of the input, so a
-    constant sequence stays the same constant and a sum of the kept cosines
-    cos(pi k (2n + 1) / 2N) becomes the same sum of cos(pi k (2m + 1) / 2M).
+    length M. Two amplitudes:
+
+    * `rescale=False` (the paper's, and the default): eq. 8 is the orthonormal inverse
+      DCT at the new length, as in the official code (`idct(..., norm='ortho')`), so the
+      output is sqrt(N / M) times the band-limited resampling: a constant c becomes
+      c sqrt(N / M) (2.24 c at keep_ratio 0.2). Use it to reproduce the paper or to load
+      weights trained with it: the layers after the filter learnt that scale.
+    * `rescale=True`: times sqrt(M / N) on top, the band-limited resampling itself, so a
+      constant stays the same constant and a sum of the kept cosines
+      cos(pi k (2n + 1) / 2N) becomes the same sum of cos(pi k (2m + 1) / 2M). Use it to
+      keep the residual stream's scale, e.g. when inserting filters into a pretrained
+      plain transformer without further pretraining, or when stacking many filters
+      (the paper's form multiplies the stream by sqrt(N / M) at each).
 
     Arguments:
         x: any array; only `axis` (the sequence) is transformed.
         keep_ratio: r in (0, 1].
         axis: the sequence axis.
+        rescale: multiply by sqrt(M / N) (see above).
 
     Returns:
-        `x` with `axis` shortened to M, in x's dtype (computed in float32).
+        `x` with `axis` shortened to M, in x's dtype (computed in float32). Time
+        O(N log N) per feature.
     """
     axis = _check_axis(x, axis)
     n = x.shape[axis]
     m = kept_length(n, keep_ratio)
-    y = jnp.take(dct(x, axis), jnp.arange(m), axis=axis)
-    return (idct(y, axis) * math.sqrt(m / n)).astype(x.dtype)
+    y = idct(jnp.take(dct(x, axis), jnp.arange(m), axis=axis), axis)
+    return (y * math.sqrt(m / n) if rescale else y).astype(x.dtype)
 
 
 def _dct_matrix(rows: int, cols: int, length: ArrayLike) -> Array:
@@ -112,7 +126,7 @@ def _dct_matrix(rows: int, cols: int, length: ArrayLike) -> Array:
 
 
 def fourier_downsample_padded(
-    x: Float[ArrayLike, "n *rest"], length: Int[ArrayLike, ""] | int, keep_ratio: float
+    x: Float[ArrayLike, "n *rest"], length: Int[ArrayLike, ""] | int, keep_ratio: float, *, rescale: bool = False
 ) -> tuple[Float[Array, "m *rest"], Bool[Array, " m"]]:
     """`fourier_downsample` of the real prefix `x[:length]` of a padded sequence.
 
@@ -121,10 +135,11 @@ def fourier_downsample_padded(
     `arange(M) < M_L`; positions past `length` never enter. `length` may be traced (one
     per example under vmap), so the transform is two dense DCT matrices, O(M * n) per
     feature instead of the FFT's O(n log n): a padded batch costs what an attention head's
-    logits cost.
+    logits cost; unpadded sequences should take `fourier_downsample` instead.
 
     Returns:
-        `(y [M, ...], mask [M])`; `y[:M_L]` equals `fourier_downsample(x[:L], keep_ratio)`.
+        `(y [M, ...], mask [M])`; `y[:M_L]` equals
+        `fourier_downsample(x[:L], keep_ratio, rescale=rescale)`.
     """
     n = x.shape[0]
     m = kept_length(n, keep_ratio)
@@ -135,7 +150,9 @@ def fourier_downsample_padded(
     forward = jnp.where(jnp.arange(m)[:, None] < kept, forward, 0.0)
     inverse = _dct_matrix(m, m, kept).T  # [M (position), M (coefficient)]
     flat = x.reshape(n, -1).astype(jnp.float32)
-    y = inverse @ (forward @ flat) * jnp.sqrt(kept / jnp.maximum(length, 1).astype(jnp.float32))
+    y = inverse @ (forward @ flat)
+    if rescale:
+        y = y * jnp.sqrt(kept / jnp.maximum(length, 1).astype(jnp.float32))
     mask = jnp.arange(m) < kept
     y = jnp.where(mask[:, None], y, 0.0)
     return y.reshape(m, *x.shape[1:]).astype(x.dtype), mask
