@@ -189,8 +189,9 @@ class Encoder(eqx.Module):
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens (padding at the end
                 when downsampling, which keeps the real prefix). Without a mask the
-                spectral filter takes the FFT path (O(n log n)); with one, two dense
-                DCT matrices sized to each example's real length (O(n^2 r)).
+                spectral filter is one FFT each way; with one, a chirp transform sized
+                to each example's real length (FFTs of twice the length; both
+                O(n log n)).
             upsample_sum: return, instead of the last block's output, the sum of every
                 block's output upsampled (nearest neighbour) to the input length and
                 then normalised: the Fourier Transformer's encoder-decoder output. A
