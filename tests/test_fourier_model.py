@@ -126,6 +126,26 @@ def test_relative_positions_follow_the_resampled_grid(position):
     assert_close(eqx.filter_jit(model)(x)[0], reference(model, x), atol=2e-5)
 
 
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+def test_funnel_queries_sit_at_the_pooled_grid_and_keys_at_the_unpooled_one(position):
+    # Stride 2 before block 0: pooled token j at 1 + 2j (CLS at 0), keys at 0..n.
+    cfg = dict(TINY, position=position, filters={0: 0.5}, downsample="funnel")
+    model = build_model(cfg, key=jax.random.key(0)).encoder
+
+    @eqx.filter_jit
+    def reference(e, x):
+        full = embed(e, x)
+        pooled = jnp.concatenate([full[:1], ops.funnel_pool(full[1:], 2)[0]])
+        q_pos = jnp.concatenate([jnp.zeros(1), 1.0 + 2.0 * jnp.arange(pooled.shape[0] - 1)])
+        kv_pos = jnp.arange(full.shape[0], dtype=jnp.float32)
+        bias = e.embedding.positions.bias
+        h = e.blocks[0](pooled, bias=bias(q_pos, kv_pos), positions=q_pos, source=full, source_positions=kv_pos)
+        return e.norm(e.blocks[1](h, bias=bias(q_pos, q_pos), positions=q_pos))
+
+    x = tokens(7, 12)
+    assert_close(eqx.filter_jit(model)(x)[0], reference(model, x), atol=2e-5)
+
+
 def test_funnel_pools_the_queries_and_attends_to_the_unpooled_keys_and_values():
     # Dai et al. 2020 (post-norm): h' = LayerNorm(pool(h) + Attention(Q = pool(h), KV = h)).
     # Mean pooling commutes with the query projection, so ops.funnel_attention on the
