@@ -170,7 +170,7 @@ class Encoder(eqx.Module):
             rescale = self.downsample == "fourier_rescaled"
             if padded:
                 body, body_mask = fourier_downsample_padded(body, length, ratio, rescale=rescale)
-            else:  # no padding: the FFT, O(n log n) instead of two dense DCT matrices
+            else:  # no padding: one plain FFT each way, cheaper than the chirp transforms of twice the length
                 body = fourier_downsample(body, ratio, rescale=rescale)
                 body_mask = jnp.ones(body.shape[:1], bool)
             spacing = spacing * length / jnp.maximum(body_mask.sum(), 1)
