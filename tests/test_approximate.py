@@ -11,6 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jxformers import ops
+from jxformers.ops import fourier
+from jxformers.tools.xla_cost import compile_with_cost
 
 # ----------------------------------------------------------------------------- linear attention
 
@@ -256,17 +258,53 @@ def test_dct_equals_the_textbook_definition_and_idct_inverts_it(n):
     assert_close(ops.dct(jnp.asarray(x.T), axis=1), (basis @ x).T, atol=1e-5)
 
 
-def test_fourier_downsample_keeps_constants_and_resamples_kept_cosines():
+def test_fourier_downsample_is_the_orthonormal_inverse_at_the_new_length_or_rescaled():
+    # Eq. 7-8: orthonormal DCT, keep M coefficients, orthonormal inverse DCT at length M.
+    # That scales the band-limited resampling by sqrt(N / M); rescale=True removes it.
     n, ratio = 24, 0.4
     m = math.ceil(ratio * n)
-    assert_close(ops.fourier_downsample(jnp.full((n, 2), 3.0), ratio), np.full((m, 2), 3.0), atol=1e-5)
     i, j = np.arange(n), np.arange(m)
     wave = lambda length, idx, kk: np.cos(np.pi * kk * (2 * idx + 1) / (2 * length))  # noqa: E731
     x = 1.0 + 2 * wave(n, i, 3) - wave(n, i, 7)
-    expected = 1.0 + 2 * wave(m, j, 3) - wave(m, j, 7)
-    assert_close(ops.fourier_downsample(jnp.asarray(x, jnp.float32), ratio), expected, atol=1e-5)
+    resampled = 1.0 + 2 * wave(m, j, 3) - wave(m, j, 7)
+    x32 = jnp.asarray(x, jnp.float32)
+    assert_close(ops.fourier_downsample(x32, ratio), resampled * math.sqrt(n / m), atol=1e-5)
+    assert_close(ops.fourier_downsample(x32, ratio, rescale=True), resampled, atol=1e-5)
+    assert_close(ops.fourier_downsample(jnp.full((n, 2), 3.0), ratio, rescale=True), np.full((m, 2), 3.0), atol=1e-5)
+    # The padded (dense-matrix) form agrees with both on the real prefix.
+    padded = jnp.concatenate([x32, jnp.ones(5)])[:, None]
+    for rescale in (False, True):
+        y, mask = jax.jit(lambda a: ops.fourier_downsample_padded(a, n, ratio, rescale=rescale))(padded)
+        assert int(mask.sum()) == m
+        assert_close(y[:m, 0], ops.fourier_downsample(x32, ratio, rescale=rescale), atol=1e-5)
     with pytest.raises(ValueError, match="keep_ratio"):
         ops.fourier_downsample(jnp.ones(4), 0.0)
+
+
+@pytest.mark.parametrize("chirp", [True, False])
+def test_padded_filter_equals_the_filter_of_each_real_prefix(chirp, monkeypatch):
+    # Bluestein's chirp transform (lengths up to 32767), or the dense DCT matrices beyond.
+    if not chirp:
+        monkeypatch.setattr(fourier, "_CHIRP_MAX_LEN", 8)
+    x = jax.random.normal(jax.random.key(0), (40, 3))
+    filtered = jax.jit(jax.vmap(lambda length: ops.fourier_downsample_padded(x, length, 0.2)))
+    ys, masks = filtered(jnp.array([40, 33, 1, 0]))
+    for y, mask, length in zip(ys, masks, [40, 33, 1, 0]):
+        kept = math.ceil(0.2 * length)
+        assert mask.tolist() == [True] * kept + [False] * (8 - kept)
+        assert_close(y[kept:], np.zeros((8 - kept, 3)))
+        if length:
+            assert_close(y[:kept], ops.fourier_downsample(x[:length], 0.2), atol=2e-6)
+
+
+def test_padded_filter_costs_n_log_n():
+    # XLA-counted FLOPs grow about 4.7x from n = 1024 to 4096 (dense DCT matrices: 16x).
+    def flops(n):
+        fn = lambda x, length: ops.fourier_downsample_padded(x, length, 0.2)[0]  # noqa: E731
+        args = jax.ShapeDtypeStruct((n, 8), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
+        return compile_with_cost(fn, *args)[1].flops
+
+    assert flops(4096) < 6 * flops(1024)
 
 
 def test_nearest_upsample_repeats_samples():

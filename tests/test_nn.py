@@ -167,13 +167,14 @@ def test_fourier_encoder_shortens_the_sequence_and_keeps_the_cls_token():
 
 def test_the_spectral_filter_is_the_papers_on_a_smooth_sequence():
     # The encoder's filter is fourier_downsample of the non-CLS tokens: check the op on a
-    # band-limited input (kept cosines are resampled exactly).
+    # band-limited input (kept cosines are resampled exactly, times sqrt(n / m): eq. 8's
+    # orthonormal inverse DCT at the new length).
     n, m = 20, 10
     t = jnp.arange(n)
     x = jnp.cos(jnp.pi * 3 * (2 * t + 1) / (2 * n))[:, None]
     y = fourier_downsample(x, m / n)
     s = jnp.arange(m)
-    assert_close(y[:, 0], jnp.cos(jnp.pi * 3 * (2 * s + 1) / (2 * m)) * math.sqrt(m / n) * math.sqrt(n / m), atol=1e-5)
+    assert_close(y[:, 0], jnp.cos(jnp.pi * 3 * (2 * s + 1) / (2 * m)) * math.sqrt(n / m), atol=1e-5)
 
 
 def test_encoder_decoder_forward_decoding_and_upsample_sum():

@@ -15,7 +15,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 
 from jxformers import decoding, registry
 from jxformers.nn.layers import Linear
@@ -121,8 +121,8 @@ class Attention(eqx.Module):
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
         bias: Float[Array, "heads seq kv"] | None = None,
-        positions: Int[Array, " seq"] | None = None,
-        context_positions: Int[Array, " kv"] | None = None,
+        positions: Real[Array, " seq"] | None = None,
+        context_positions: Real[Array, " kv"] | None = None,
     ) -> Float[Array, "seq d_model"]:
         """Arguments:
             x: `[seq, d_model]` queries (and keys/values for self-attention).
@@ -130,7 +130,7 @@ class Attention(eqx.Module):
             kv_mask: `[kv]` True for real keys (padding mask).
             bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5).
             positions, context_positions: token positions for rotary embeddings
-                (default 0..n-1).
+                (default 0..n-1; fractional ones allowed).
 
         Returns:
             `[seq, d_model]`.

@@ -8,7 +8,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 
 from jxformers import decoding
 from jxformers.nn.attention import Attention
@@ -52,14 +52,25 @@ class Block(eqx.Module):
         return x + branch_out if self.pre_norm else norm(x + branch_out)
 
     def attention_branch(
-        self, x: Float[Array, "seq d_model"], *, kv_mask: Bool[Array, " seq"] | None = None,
-        bias: Float[Array, "heads seq seq"] | None = None, positions: Int[Array, " seq"] | None = None,
+        self, x: Float[Array, "seq d_model"], *, kv_mask: Bool[Array, " kv"] | None = None,
+        bias: Float[Array, "heads seq kv"] | None = None, positions: Real[Array, " seq"] | None = None,
+        source: Float[Array, "kv d_model"] | None = None, source_positions: Real[Array, " kv"] | None = None,
         key: PRNGKeyArray | None = None, inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
         """The self-attention branch without its residual: dropout(attention(norm(x)))
-        (pre-norm). The reversible stack calls this and `ffn_branch`."""
-        attend = lambda h: self.attention(h, kv_mask=kv_mask, bias=bias, positions=positions)  # noqa: E731
-        return self._branch(attend, self.norms[0], x, key, inference)
+        (pre-norm). The reversible stack calls this and `ffn_branch`.
+
+        With `source` (Funnel's pooling layer: x pooled, source the unpooled stream), the
+        keys and values come from norm(source) instead of norm(x) (source itself with
+        post-norm); `kv_mask` and `source_positions` are then the source's."""
+        norm = self.norms[0]
+        if source is None:
+            attend = lambda h: self.attention(h, kv_mask=kv_mask, bias=bias, positions=positions)  # noqa: E731
+        else:
+            kv = norm(source) if self.pre_norm else source
+            attend = lambda h: self.attention(  # noqa: E731
+                h, kv, kv_mask=kv_mask, bias=bias, positions=positions, context_positions=source_positions)
+        return self._branch(attend, norm, x, key, inference)
 
     def ffn_branch(
         self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False
@@ -74,16 +85,31 @@ class Block(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         *,
-        kv_mask: Bool[Array, " seq"] | None = None,
-        bias: Float[Array, "heads seq seq"] | None = None,
-        positions: Int[Array, " seq"] | None = None,
+        kv_mask: Bool[Array, " kv"] | None = None,
+        bias: Float[Array, "heads seq kv"] | None = None,
+        positions: Real[Array, " seq"] | None = None,
         context: Float[Array, "ctx d_model"] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
+        source: Float[Array, "kv d_model"] | None = None,
+        source_positions: Real[Array, " kv"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
+        """Arguments:
+            x: `[seq, d_model]`; kv_mask: `[kv]` True for real keys (kv = seq unless
+                `source` is given); bias: `[heads, seq, kv]` logit bias; positions:
+                `[seq]` (and source_positions `[kv]`) for rotary embeddings.
+            context, context_mask: the encoder output a cross-attention block reads.
+            source: `[kv, d_model]` the sequence self-attention takes its keys and
+                values from when it is not x (Funnel's pooling layer); the block's
+                attention must then be built with `cross=True`.
+
+        Returns:
+            `[seq, d_model]`.
+        """
         k_attn, k_cross, k_ffn = (None, None, None) if key is None else jax.random.split(key, 3)
-        out = self.attention_branch(x, kv_mask=kv_mask, bias=bias, positions=positions, key=k_attn, inference=inference)
+        out = self.attention_branch(x, kv_mask=kv_mask, bias=bias, positions=positions, source=source,
+                                    source_positions=source_positions, key=k_attn, inference=inference)
         x = self._residual(x, out, self.norms[0])
         if self.cross_attention is not None:
             if context is None:

@@ -70,8 +70,15 @@ class ModelConfig:
         dropout: on residual branches and FFN hidden units.
         pooling: cls or mean (classify, retrieval). dtype: compute dtype (parameters stay float32).
         tie_embeddings: output projection shares the embedding table (lm, seq2seq).
-        filters: encoder block index -> keep ratio of the downsampling after that block
-            (the Fourier Transformer); downsample: "fourier" or "funnel".
+        filters: encoder block index i -> keep ratio r of the downsampling that sits
+            right before block i, ahead of its attention, so block i and all later ones
+            run at the shorter length; {0: 0.2} is seed 001's LRA setting (80% removed
+            at the first layer). (Until this definition, i meant "after block i": old
+            configs with {0: r} now shorten one block earlier.)
+        downsample: "fourier" (seed 001's DCT filter with the paper's amplitude),
+            "fourier_rescaled" (the same, scaled to keep the stream's amplitude) or
+            "funnel" (Dai et al.'s pooled queries over the unpooled keys and values);
+            see `Encoder`.
         layer_overrides: block index -> any of attention, attention_kwargs, ffn, d_ff.
         reversible: Reformer's reversible residual wiring (pre-norm; classify, retrieval
             and lm; no filters): activation memory independent of depth in training.
@@ -200,6 +207,13 @@ class ModelConfig:
                     f"filters maps an encoder block index in [0, {self.num_layers}) to a keep ratio in (0, 1]; "
                     f"got {index}: {ratio!r}"
                 )
+            spec = self.layer(index)["attention"].spec
+            if self.downsample == "funnel" and not spec.supports_cross:
+                raise ValueError(
+                    f"downsample 'funnel' at block {index}: its attention takes pooled queries and unpooled keys, "
+                    f"which {spec.name!r} cannot; use one of {registry.names(supports_cross=True)} there "
+                    f"(layer_overrides)"
+                )
 
 
 def _int_keys(name, mapping):
@@ -287,14 +301,18 @@ def _as_config(config) -> ModelConfig:
     raise ValueError(f"config must be a ModelConfig, a dict or YAML; got {type(config).__name__}")
 
 
-def _blocks(config: ModelConfig, count: int, *, causal: bool, cross: bool, key) -> list[Block]:
+def _blocks(
+    config: ModelConfig, count: int, *, causal: bool, cross: bool, key, pooled: frozenset[int] = frozenset()
+) -> list[Block]:
+    """`count` blocks; those in `pooled` (Funnel's pooling layers) get a self-attention
+    that takes its keys and values from a separate sequence."""
     blocks = []
     for i, k in enumerate(jax.random.split(key, count)):
         layer = config.layer(i)
         ka, kc, kf = jax.random.split(k, 3)
         attention = Attention(
             layer["attention"], config.d_model, config.num_heads, kv_heads=config.kv_heads, causal=causal,
-            rope=config.position == "rope", key=ka,
+            cross=i in pooled, rope=config.position == "rope", key=ka,
         )
         cross_attention = None
         if cross:
@@ -328,9 +346,12 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         kt, _ = jax.random.split(k)
         return Embedding(config.vocab_size, config.d_model, positions, dtype=config.dtype, key=kt)
 
+    funnel_layers = frozenset(config.filters) if config.downsample == "funnel" else frozenset()
+
     def encoder(use_cls):
         return Encoder(
-            embedding(keys[0], False), _blocks(config, config.num_layers, causal=False, cross=False, key=keys[1]),
+            embedding(keys[0], False),
+            _blocks(config, config.num_layers, causal=False, cross=False, key=keys[1], pooled=funnel_layers),
             make_norm(config.norm, config.d_model), max_len=config.max_len, use_cls=use_cls, filters=config.filters,
             downsample=config.downsample, reversible=config.reversible, key=keys[2],
         )

@@ -2,11 +2,17 @@
 classification head (`Classifier`) or a dual-tower retrieval head (`DualClassifier`), a
 decoder-only `LanguageModel` with incremental decoding, and `EncoderDecoder`.
 
-The encoder can shorten its sequence between blocks: the Fourier Transformer's spectral
-filter (seed 001 section 4; `fourier_downsample` of the tokens with the CLS token kept out
-of the DCT), or Funnel's strided mean pooling as its comparison. For encoder-decoder use,
-every block's output is upsampled back to the input length (nearest neighbour), summed
-and renormalised, as the paper does.
+The encoder can shorten its sequence: `filters={i: r}` puts a downsampling right before
+block i, ahead of its attention (i = 0: on the embeddings), so block i and every later
+block run at the shorter length; the CLS token is never downsampled. The Fourier
+Transformer's spectral filter (seed 001 section 4.1, eq. 7-8; `fourier_downsample` with
+the paper's amplitude, or "fourier_rescaled") keeps ceil(r L) of L real tokens, and
+{0: 0.2} is the paper's LRA setting; Funnel (Dai et al. 2020) mean-pools with stride
+1/r, and block i attends from the pooled queries to the unpooled keys and values. After
+a filter, relative positions (RoPE, ALiBi, T5) are those of the shortened grid (token j
+at j L / M). For encoder-decoder use (`upsample_sum`), the output of every block (the
+run of layers between two filters) is upsampled back to the input length (nearest
+neighbour), summed and renormalised, as the paper does.
 
 Parameters are float32; activations run in the model's `dtype` (e.g. bfloat16); norms,
 softmax and attention normalisers work in float32; logits come back in float32.
@@ -26,9 +32,9 @@ from jxformers.nn.blocks import Block
 from jxformers.nn.layers import LayerNorm, Linear, RMSNorm
 from jxformers.nn.positions import BIAS_KINDS, Positions
 from jxformers.nn.reversible import reversible_decode_step, reversible_stack
-from jxformers.ops import fourier_downsample_padded, funnel_pool
+from jxformers.ops import fourier_downsample, fourier_downsample_padded, funnel_pool
 
-DOWNSAMPLE_KINDS = ("fourier", "funnel")
+DOWNSAMPLE_KINDS = ("fourier", "fourier_rescaled", "funnel")
 POOLING_KINDS = ("cls", "mean")
 
 
@@ -80,11 +86,36 @@ def _bias_fn(positions: Positions):
 
 
 class Encoder(eqx.Module):
-    """Embedding, blocks (non-causal), optional downsampling between blocks, final norm.
+    """Embedding, blocks (non-causal), optional downsampling before chosen blocks, final norm.
 
-    `filters` maps a block index i to a keep ratio r: after block i the sequence is
-    shortened to ceil(r * n) by the spectral filter ("fourier") or pooled with stride
-    round(1 / r) ("funnel").
+    `filters` maps a block index i to a keep ratio r: the sequence is shortened right
+    before block i, ahead of its attention (before block 0 the filter acts on the
+    embeddings), so block i and every later block run at the shorter length. Only the
+    tokens are shortened; the CLS token, if any, is kept as it is. By `downsample`:
+
+    * "fourier" (seed 001 eq. 7-8): the L real tokens become ceil(r L) by
+      `fourier_downsample` (orthonormal inverse DCT at the new length, the paper's
+      amplitude); "fourier_rescaled" multiplies that by sqrt(ceil(r L) / L) (see
+      `fourier_downsample`'s `rescale`). `{0: 0.2}` is the paper's LRA setting (80% of
+      the sequence removed at the first layer, as the official code does inside layer
+      0). One difference from that code: it filters the normed stream norm1(x) and
+      carries the filtered normed stream on as the residual; here the residual stream x
+      itself is filtered, and block i normalises the result as every pre-norm block does.
+    * "funnel" (Dai et al. 2020, pool-query-only): mean pooling with stride 1/r; block
+      i's self-attention takes the pooled stream as queries and the unpooled stream of
+      block i - 1 (the embeddings for i = 0) as keys and values, and the residual stream
+      continues pooled. Block i's attention module must therefore take separate keys and
+      values (built with `cross=True`; `build_model` does this).
+
+    Relative positions (RoPE, ALiBi, T5) follow the shortened grid: after a filter that
+    turns L real tokens into M, token j sits at position j L / M of the sequence before
+    it (stride s for Funnel), so the distances between tokens keep their meaning;
+    absolute positions are added once to the embeddings and need nothing.
+
+    Arguments (constructor): `embedding`, `blocks`, `norm` (the final norm), `max_len`,
+    `use_cls` (prepend a learned CLS token), `filters` ({block index: keep ratio}),
+    `downsample` (one of DOWNSAMPLE_KINDS), `reversible` (Reformer's wiring; no
+    filters), `key` (for the CLS token).
     """
 
     embedding: Embedding
@@ -111,6 +142,13 @@ class Encoder(eqx.Module):
                 raise ValueError(f"filter keep ratio must be in (0, 1]; got {ratio!r} at layer {layer}")
             if downsample == "funnel" and abs(1 / ratio - round(1 / ratio)) > 1e-6:
                 raise ValueError(f"funnel pooling needs keep ratios 1/stride (1/2, 1/3...); got {ratio} at layer {layer}")
+        for i, block in enumerate(blocks):
+            pooling = downsample == "funnel" and i in filters
+            if block.attention.cross != pooling:
+                raise ValueError(
+                    f"block {i}'s attention must take separate keys and values (cross=True) exactly when funnel "
+                    f"pooling sits before it; got cross={block.attention.cross} with {downsample=}, {filters=}"
+                )
         if reversible and filters:
             raise ValueError("a reversible encoder cannot shorten its sequence (filters)")
         self.reversible = reversible
@@ -118,15 +156,31 @@ class Encoder(eqx.Module):
         self.cls = 0.02 * jax.random.normal(key, (norm.weight.shape[0],)) if use_cls else None
         self.filters, self.downsample, self.max_len = tuple(sorted(filters.items())), downsample, max_len
 
-    def _shorten(self, x, mask, ratio):
-        """Filter the non-CLS tokens; returns the shorter x and mask."""
+    def _shorten(self, x, mask, spacing, ratio, padded):
+        """Downsample the tokens after the CLS token; returns the shorter x, its mask and
+        the new spacing of the tokens' positions (in positions of the input)."""
         start = 0 if self.cls is None else 1
         head, body, body_mask = x[:start], x[start:], mask[start:]
-        if self.downsample == "fourier":
-            body, body_mask = fourier_downsample_padded(body, body_mask.sum(), ratio)
+        length = body_mask.sum()
+        if self.downsample == "funnel":
+            stride = round(1 / ratio)
+            body, body_mask = funnel_pool(body, stride, body_mask)
+            spacing = spacing * stride
         else:
-            body, body_mask = funnel_pool(body, round(1 / ratio), body_mask)
-        return jnp.concatenate([head, body]), jnp.concatenate([mask[:start], body_mask])
+            rescale = self.downsample == "fourier_rescaled"
+            if padded:
+                body, body_mask = fourier_downsample_padded(body, length, ratio, rescale=rescale)
+            else:  # no padding: one plain FFT each way, cheaper than the chirp transforms of twice the length
+                body = fourier_downsample(body, ratio, rescale=rescale)
+                body_mask = jnp.ones(body.shape[:1], bool)
+            spacing = spacing * length / jnp.maximum(body_mask.sum(), 1)
+        return jnp.concatenate([head, body]), jnp.concatenate([mask[:start], body_mask]), spacing
+
+    def _positions(self, n: int, spacing) -> Float[Array, " n"]:
+        """Positions of a sequence of n (CLS at 0, token j at 1 + j * spacing with CLS)."""
+        start = 0 if self.cls is None else 1
+        body = start + jnp.arange(n - start, dtype=jnp.float32) * spacing
+        return jnp.concatenate([jnp.zeros((start,), jnp.float32), body])
 
     def __call__(
         self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
@@ -134,18 +188,26 @@ class Encoder(eqx.Module):
     ) -> tuple[Float[Array, "out d_model"], Bool[Array, " out"]]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens (padding at the end
-                when downsampling, which keeps the real prefix).
-            upsample_sum: return the sum of every block's output upsampled to the input
-                length (the Fourier Transformer's encoder-decoder output).
+                when downsampling, which keeps the real prefix). Without a mask the
+                spectral filter is one FFT each way; with one, a chirp transform sized
+                to each example's real length (FFTs of twice the length; both
+                O(n log n)).
+            upsample_sum: return, instead of the last block's output, the sum of every
+                block's output upsampled (nearest neighbour) to the input length and
+                then normalised: the Fourier Transformer's encoder-decoder output. A
+                block is a run of layers between two filters (a filter before layer 0
+                leaves no run before it), so filters {2: r} on 12 layers sum two terms:
+                the output of layers 0-1 at full length and that of layers 2-11.
 
         Returns:
             `(hidden [out, d_model], mask [out])`; `out` = seq (+1 for the CLS token) unless
-            filters shorten it.
+            filters shorten it (upsample_sum: always seq, with the input's mask).
         """
         n = tokens.shape[0]
         _check_mask(mask, n)
         start = 0 if self.cls is None else 1
         _check_length(n + start, self.max_len)
+        padded = mask is not None
         mask = jnp.ones((n,), bool) if mask is None else mask
         x = self.embedding(tokens, jnp.arange(start, n + start))
         if self.cls is not None:
@@ -156,14 +218,23 @@ class Encoder(eqx.Module):
             x = reversible_stack(self.blocks, x, kv_mask=mask, bias=bias, key=key, inference=inference)
             return self.norm(x), mask
         input_mask, filters, outputs = mask, dict(self.filters), []
-        keys = _split(key, len(self.blocks))
-        for i, block in enumerate(self.blocks):
-            x = block(x, kv_mask=mask, bias=_bias(self.embedding.positions, x.shape[0]), key=keys[i], inference=inference)
+        spacing = jnp.ones((), jnp.float32)
+        pos = self._positions(x.shape[0], spacing)
+        for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)))):
+            source = {}
             if i in filters:
-                x, mask = self._shorten(x, mask, filters[i])
-            if upsample_sum:
-                outputs.append(_upsample(x, mask, input_mask))
+                if upsample_sum and i > 0:
+                    outputs.append(_upsample(x, mask, input_mask))
+                if self.downsample == "funnel":
+                    source = {"source": x, "source_positions": pos}
+                full_mask, full_pos = mask, pos
+                x, mask, spacing = self._shorten(x, mask, spacing, filters[i], padded)
+                pos = self._positions(x.shape[0], spacing)
+            kv_mask, kv_pos = (full_mask, full_pos) if source else (mask, pos)
+            bias = self.embedding.positions.bias(pos, kv_pos)
+            x = block(x, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, **source)
         if upsample_sum:
+            outputs.append(_upsample(x, mask, input_mask))
             return self.norm(sum(outputs[1:], outputs[0])), input_mask
         return self.norm(x), mask
 

@@ -15,7 +15,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 POSITION_KINDS = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
 BIAS_KINDS = ("alibi", "t5")
@@ -30,9 +30,10 @@ def sinusoidal(positions: Int[Array, " n"], dim: int) -> Float[Array, "n dim"]:
     return jnp.pad(out, ((0, 0), (0, dim - 2 * half)))
 
 
-def rotary(x: Float[Array, "n heads d"], positions: Int[Array, " n"], base: float = 10000.0) -> Float[Array, "n heads d"]:
+def rotary(x: Float[Array, "n heads d"], positions: Real[Array, " n"], base: float = 10000.0) -> Float[Array, "n heads d"]:
     """Rotate feature pairs (i, i + d/2) of each head by angle p * base^(-2i/d)
-    (RoFormer, eq. 34, "rotate half" layout), so q_m . k_n depends on m - n only."""
+    (RoFormer, eq. 34, "rotate half" layout), so q_m . k_n depends on m - n only.
+    Positions may be fractional (a shortened encoder's resampled grid)."""
     d = x.shape[-1]
     if d % 2:
         raise ValueError(f"rope needs an even head size; got d_head = {d}")
@@ -111,12 +112,15 @@ class Positions(eqx.Module):
             return self.table[positions]
         return None
 
-    def bias(self, q_pos: Int[Array, " q"], kv_pos: Int[Array, " kv"]) -> Float[Array, "heads q kv"] | None:
-        """The additive logit bias for these query and key positions (None: none)."""
+    def bias(self, q_pos: Real[Array, " q"], kv_pos: Real[Array, " kv"]) -> Float[Array, "heads q kv"] | None:
+        """The additive logit bias for these query and key positions (None: none).
+        Positions may be fractional (a shortened encoder's resampled grid): ALiBi takes
+        the distance as it is, T5 its nearest integer (its buckets are of integers)."""
         rel = kv_pos[None, :] - q_pos[:, None]
         if self.kind == "alibi":
             return -alibi_slopes(self.heads)[:, None, None] * jnp.abs(rel)[None].astype(jnp.float32)
         if self.kind == "t5":
             assert self.table is not None
+            rel = jnp.round(rel).astype(jnp.int32)
             return jnp.moveaxis(self.table[t5_buckets(rel, bidirectional=not self.causal)], -1, 0)
         return None

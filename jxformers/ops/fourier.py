@@ -77,27 +77,93 @@ def kept_length(n: int, keep_ratio: float) -> int:
     return max(1, math.ceil(keep_ratio * n - 1e-9))
 
 
-def fourier_downsample(x: Float[ArrayLike, "..."], keep_ratio: float, axis: int = 0) -> Float[Array, "..."]:
+def fourier_downsample(
+    x: Float[ArrayLike, "..."], keep_ratio: float, axis: int = 0, *, rescale: bool = False
+) -> Float[Array, "..."]:
     """The Fourier Transformer's spectral filter (seed 001 section 4.1, eq. 7-8).
 
     DCT along `axis`, keep the first M = ceil(keep_ratio * N) coefficients, inverse DCT at
-    length M, scaled by sqrt(M / N): the band-limited resampling of the input, so a
-    constant sequence stays the same constant and a sum of the kept cosines
-    cos(pi k (2n + 1) / 2N) becomes the same sum of cos(pi k (2m + 1) / 2M).
+    length M. Two amplitudes:
+
+    * `rescale=False` (the paper's, and the default): eq. 8 is the orthonormal inverse
+      DCT at the new length, as in the official code (`idct(..., norm='ortho')`), so the
+      output is sqrt(N / M) times the band-limited resampling: a constant c becomes
+      c sqrt(N / M) (2.24 c at keep_ratio 0.2). Use it to reproduce the paper or to load
+      weights trained with it: the layers after the filter learnt that scale.
+    * `rescale=True`: times sqrt(M / N) on top, the band-limited resampling itself, so a
+      constant stays the same constant and a sum of the kept cosines
+      cos(pi k (2n + 1) / 2N) becomes the same sum of cos(pi k (2m + 1) / 2M). Use it to
+      keep the residual stream's scale, e.g. when inserting filters into a pretrained
+      plain transformer without further pretraining, or when stacking many filters
+      (the paper's form multiplies the stream by sqrt(N / M) at each).
 
     Arguments:
         x: any array; only `axis` (the sequence) is transformed.
         keep_ratio: r in (0, 1].
         axis: the sequence axis.
+        rescale: multiply by sqrt(M / N) (see above).
 
     Returns:
-        `x` with `axis` shortened to M, in x's dtype (computed in float32).
+        `x` with `axis` shortened to M, in x's dtype (computed in float32). Time
+        O(N log N) per feature.
     """
     axis = _check_axis(x, axis)
     n = x.shape[axis]
     m = kept_length(n, keep_ratio)
-    y = jnp.take(dct(x, axis), jnp.arange(m), axis=axis)
-    return (idct(y, axis) * math.sqrt(m / n)).astype(x.dtype)
+    y = idct(jnp.take(dct(x, axis), jnp.arange(m), axis=axis), axis)
+    return (y * math.sqrt(m / n) if rescale else y).astype(x.dtype)
+
+
+# Bluestein's chirps need j^2 mod 4L for j < 2L: exact in uint32 while (2n)^2 < 2^32.
+_CHIRP_MAX_LEN = 2**15 - 1
+
+
+def _chirp(j: Array, length: Array, sign: int) -> Array:
+    """exp(sign i pi j^2 / (2 length)) for integer j (any sign): the phase j^2 is reduced
+    modulo 4 length in integers first, so it stays exact for long sequences."""
+    j = (j % (2 * length)).astype(jnp.uint32)
+    phase = (j * j) % (4 * length).astype(jnp.uint32)
+    return jnp.exp(sign * 1j * jnp.pi * phase.astype(jnp.float32) / (2 * length.astype(jnp.float32)))
+
+
+def _chirp_dft(u: Array, length: Array, out_len: int, sign: int) -> Array:
+    """z_k = sum_n u_n exp(sign i pi k n / length) for k < out_len, u `[n, d]` complex, with
+    a traced `length` (Bluestein: k n = (k^2 + n^2 - (k - n)^2) / 2 turns the sum into a
+    convolution with a chirp, done by FFTs of a static power-of-two size >= n + out_len - 1).
+    O((n + out_len) log(n + out_len)) per feature."""
+    n = u.shape[0]
+    size = 1 << max(n + out_len - 2, 0).bit_length()
+    length = jnp.maximum(length, 1)
+    a = u * _chirp(jnp.arange(n), length, sign)[:, None]
+    lag = jnp.arange(size)
+    lag = jnp.where(lag < out_len, lag, lag - size)  # circular index of k - n, from -(n - 1) to out_len - 1
+    kernel = jnp.fft.fft(jnp.conj(_chirp(lag, length, sign)))
+    conv = jnp.fft.ifft(jnp.fft.fft(a, size, axis=0) * kernel[:, None], axis=0)[:out_len]
+    return conv * _chirp(jnp.arange(out_len), length, sign)[:, None]
+
+
+def _alpha_at(rows: int, length: Array) -> Array:
+    """`_alpha` of a traced length, for the first `rows` coefficients."""
+    size = jnp.maximum(length, 1).astype(jnp.float32)
+    return jnp.where(jnp.arange(rows) == 0, jnp.sqrt(1.0 / size), jnp.sqrt(2.0 / size))
+
+
+def _dct_padded(flat: Array, length: Array, rows: int) -> Array:
+    """The first `rows` orthonormal DCT-II coefficients of `flat[:length]` `[n, d]`."""
+    k = jnp.arange(rows, dtype=jnp.float32)[:, None]
+    size = jnp.maximum(length, 1).astype(jnp.float32)
+    z = _chirp_dft(flat.astype(jnp.complex64), length, rows, -1)
+    return jnp.real(jnp.exp(-1j * jnp.pi * k / (2 * size)) * z) * _alpha_at(rows, length)[:, None]
+
+
+def _idct_padded(coef: Array, length: Array) -> Array:
+    """Orthonormal inverse DCT at a traced `length` of `coef[:length]` `[m, d]` (rows past
+    `length` must be zero); rows past `length` of the result are not meaningful."""
+    m = coef.shape[0]
+    k = jnp.arange(m, dtype=jnp.float32)[:, None]
+    size = jnp.maximum(length, 1).astype(jnp.float32)
+    v = coef * _alpha_at(m, length)[:, None] * jnp.exp(1j * jnp.pi * k / (2 * size))
+    return jnp.real(_chirp_dft(v, length, m, 1))
 
 
 def _dct_matrix(rows: int, cols: int, length: ArrayLike) -> Array:
@@ -112,31 +178,36 @@ def _dct_matrix(rows: int, cols: int, length: ArrayLike) -> Array:
 
 
 def fourier_downsample_padded(
-    x: Float[ArrayLike, "n *rest"], length: Int[ArrayLike, ""] | int, keep_ratio: float
+    x: Float[ArrayLike, "n *rest"], length: Int[ArrayLike, ""] | int, keep_ratio: float, *, rescale: bool = False
 ) -> tuple[Float[Array, "m *rest"], Bool[Array, " m"]]:
     """`fourier_downsample` of the real prefix `x[:length]` of a padded sequence.
 
     The prefix of length L is filtered to M_L = ceil(keep_ratio * L) samples, written to the
     front of an output of static length M = ceil(keep_ratio * n) with the mask
     `arange(M) < M_L`; positions past `length` never enter. `length` may be traced (one
-    per example under vmap), so the transform is two dense DCT matrices, O(M * n) per
-    feature instead of the FFT's O(n log n): a padded batch costs what an attention head's
-    logits cost.
+    per example under vmap): the DCT at length L and the inverse at M_L are computed
+    with Bluestein's chirp transform, FFTs of a static size, O(n log n) per feature
+    (for n > 32767, where its integer phases would overflow, two dense DCT matrices,
+    O(M n)). Unpadded sequences can take `fourier_downsample` (one plain FFT each way).
 
     Returns:
-        `(y [M, ...], mask [M])`; `y[:M_L]` equals `fourier_downsample(x[:L], keep_ratio)`.
+        `(y [M, ...], mask [M])`; `y[:M_L]` equals
+        `fourier_downsample(x[:L], keep_ratio, rescale=rescale)`.
     """
     n = x.shape[0]
     m = kept_length(n, keep_ratio)
     length = jnp.clip(jnp.asarray(length, jnp.int32), 0, n)
     kept = jnp.clip(jnp.ceil(keep_ratio * length.astype(jnp.float32) - 1e-6).astype(jnp.int32), min(1, n), m)
     kept = jnp.where(length > 0, kept, 0)
-    forward = _dct_matrix(m, n, length)  # [M, n]
-    forward = jnp.where(jnp.arange(m)[:, None] < kept, forward, 0.0)
-    inverse = _dct_matrix(m, m, kept).T  # [M (position), M (coefficient)]
-    flat = x.reshape(n, -1).astype(jnp.float32)
-    y = inverse @ (forward @ flat) * jnp.sqrt(kept / jnp.maximum(length, 1).astype(jnp.float32))
     mask = jnp.arange(m) < kept
+    flat = jnp.where((jnp.arange(n) < length)[:, None], x.reshape(n, -1).astype(jnp.float32), 0.0)
+    if n > _CHIRP_MAX_LEN:
+        forward = jnp.where(mask[:, None], _dct_matrix(m, n, length), 0.0)  # [M, n]
+        y = _dct_matrix(m, m, kept).T @ (forward @ flat)
+    else:
+        y = _idct_padded(jnp.where(mask[:, None], _dct_padded(flat, length, m), 0.0), kept)
+    if rescale:
+        y = y * jnp.sqrt(kept / jnp.maximum(length, 1).astype(jnp.float32))
     y = jnp.where(mask[:, None], y, 0.0)
     return y.reshape(m, *x.shape[1:]).astype(x.dtype), mask
 
