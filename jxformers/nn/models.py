@@ -24,12 +24,17 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.blocks import Block
 from jxformers.nn.layers import LayerNorm, Linear, RMSNorm
+from jxformers.nn.luna import LunaStack
 from jxformers.nn.positions import BIAS_KINDS, Positions
 from jxformers.nn.reversible import reversible_decode_step, reversible_stack
+from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.ops import fourier_downsample_padded, funnel_pool
 
 DOWNSAMPLE_KINDS = ("fourier", "funnel")
-POOLING_KINDS = ("cls", "mean")
+POOLING_KINDS = ("cls", "mean", "pma")
+# What an Encoder or a LanguageModel stacks: transformer blocks, Set Transformer's ISABs,
+# or one LunaStack (which carries its packed sequence between its own layers).
+AnyBlock = Block | ISAB | LunaStack
 
 
 def _split(key, n):
@@ -89,7 +94,7 @@ class Encoder(eqx.Module):
 
     embedding: Embedding
     cls: Float[Array, " d_model"] | None
-    blocks: tuple[Block, ...]
+    blocks: tuple[AnyBlock, ...]
     norm: LayerNorm | RMSNorm
     filters: tuple[tuple[int, float], ...] = eqx.field(static=True)
     downsample: str = eqx.field(static=True)
@@ -97,7 +102,7 @@ class Encoder(eqx.Module):
     reversible: bool = eqx.field(static=True)
 
     def __init__(
-        self, embedding: Embedding, blocks: list[Block], norm: LayerNorm | RMSNorm, *, max_len: int, use_cls: bool,
+        self, embedding: Embedding, blocks: list[AnyBlock], norm: LayerNorm | RMSNorm, *, max_len: int, use_cls: bool,
         filters: dict[int, float] | None = None, downsample: str = "fourier", reversible: bool = False,
         key: PRNGKeyArray,
     ):
@@ -177,24 +182,35 @@ def _upsample(x, mask, target_mask):
 
 
 class Classifier(eqx.Module):
-    """Sequence classification: encoder, CLS or masked-mean pooling, linear head."""
+    """Sequence classification: encoder (an `Encoder`, or a `PerceiverEncoder`), CLS,
+    masked-mean or PMA pooling (Set Transformer's PMA_k; its k pooled vectors are
+    concatenated), linear head."""
 
-    encoder: Encoder
+    encoder: eqx.Module
+    pma: PMA | None
     head: Linear
     pooling: str = eqx.field(static=True)
 
-    def __init__(self, encoder: Encoder, num_classes: int, *, pooling: str, key: PRNGKeyArray):
+    def __init__(
+        self, encoder: eqx.Module, num_classes: int, *, pooling: str, pma: PMA | None = None, key: PRNGKeyArray
+    ):
         if pooling not in POOLING_KINDS:
             raise ValueError(f"pooling must be one of {POOLING_KINDS}; got {pooling!r}")
         if (pooling == "cls") != (encoder.cls is not None):
-            raise ValueError("pooling='cls' needs an encoder with a CLS token (and mean pooling one without)")
-        self.encoder, self.pooling = encoder, pooling
-        self.head = Linear(encoder.norm.weight.shape[0], num_classes, key=key)
+            raise ValueError("pooling='cls' needs an encoder with a CLS token (and mean or PMA pooling one without)")
+        if (pooling == "pma") != (pma is not None):
+            raise ValueError(f"pooling='pma' needs a PMA module (and no other pooling takes one); got {pooling=}")
+        self.encoder, self.pooling, self.pma = encoder, pooling, pma
+        width = encoder.norm.weight.shape[0] * (1 if pma is None else pma.seeds.shape[0])
+        self.head = Linear(width, num_classes, key=key)
 
-    def pool(self, tokens, mask=None, *, key=None, inference=False) -> Float[Array, " d_model"]:
-        h, m = self.encoder(tokens, mask, key=key, inference=inference)
+    def pool(self, tokens, mask=None, *, key=None, inference=False) -> Float[Array, " width"]:
+        k_enc, k_pool = _split(key, 2)
+        h, m = self.encoder(tokens, mask, key=k_enc, inference=inference)
         if self.pooling == "cls":
             return h[0]
+        if self.pma is not None:
+            return self.pma(h, m, key=k_pool, inference=inference).reshape(-1)
         w = m.astype(jnp.float32)[:, None]
         return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype)
 
@@ -215,7 +231,7 @@ class DualClassifier(eqx.Module):
     out: Linear
 
     def __init__(self, tower: Classifier, num_classes: int, *, key: PRNGKeyArray):
-        d = tower.encoder.norm.weight.shape[0]
+        d = tower.head.weight.shape[1]
         k1, k2 = jax.random.split(key)
         self.tower, self.hidden, self.out = tower, Linear(4 * d, d, key=k1), Linear(d, num_classes, key=k2)
 
@@ -260,14 +276,14 @@ class LanguageModel(eqx.Module):
     """
 
     embedding: Embedding
-    blocks: tuple[Block, ...]
+    blocks: tuple[AnyBlock, ...]
     norm: LayerNorm | RMSNorm
     unembed: Linear | None  # None: tied to the embedding table
     max_len: int = eqx.field(static=True)
     reversible: bool = eqx.field(static=True)
 
     def __init__(
-        self, embedding: Embedding, blocks: list[Block], norm, *, max_len: int, tie: bool, reversible: bool = False,
+        self, embedding: Embedding, blocks: list[AnyBlock], norm, *, max_len: int, tie: bool, reversible: bool = False,
         key: PRNGKeyArray,
     ):
         vocab, d = embedding.table.shape
@@ -311,7 +327,7 @@ class LanguageModel(eqx.Module):
         _check_length(max_len, self.max_len, "decoding")
         dtype = jnp.dtype(self.embedding.dtype)
         return {
-            "layers": tuple(b.attention.init_decode_state(max_len, dtype) for b in self.blocks),
+            "layers": tuple(b.init_decode_state(max_len, dtype) for b in self.blocks),
             "length": jnp.zeros((), jnp.int32),
         }
 
