@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_close
-from suites import decode_all, forward
+from suites import decode_all, finite_grads, forward, loss_grad
 
 from jxformers import ModelConfig, build_model, ops, registry
 from jxformers.nn.luna import LunaStack
@@ -67,6 +67,16 @@ def ref_multihead(att, x, y, y_mask=None):
     return ref_linear(att.o_proj, out.reshape(len(x), heads * dh))
 
 
+def ref_pack(pack, p, x, x_mask):
+    """Luna's pack: Multihead(P, X, X) without an output projection."""
+    heads = pack.num_heads
+    q, k, v = (ref_linear(proj, z).reshape(len(z), heads, -1) for proj, z in
+               ((pack.q_proj, p), (pack.k_proj, x), (pack.v_proj, x)))
+    logits = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    logits = jnp.where(x_mask[None, None, :], logits, -jnp.inf)
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(logits, -1), v).reshape(p.shape)
+
+
 def ref_rff(ffn, x):
     return ref_linear(ffn.w_out, jax.nn.gelu(ref_linear(ffn.w_in, x)))
 
@@ -114,6 +124,7 @@ def test_isab_encoder_is_permutation_equivariant_and_pma_invariant():
     other = jnp.where(mask, tokens, 7)
     assert_close(forward(model, other, mask), forward(model, tokens, mask), atol=2e-5)
     assert_close(forward(model, tokens[perm], mask[perm]), forward(model, tokens, mask), atol=2e-5)
+    assert finite_grads(loss_grad(model, tokens, mask))
 
 
 # ----------------------------------------------------------------------------- Luna
@@ -127,7 +138,7 @@ def test_luna_carries_the_packed_sequence_from_layer_to_layer():
     assert_close(seen[0], stack.packed, atol=0)
 
     def reference(first, p0):
-        y_p = ref_multihead(first.pack, p0, x, mask)  # Pack(P, X): P's queries read X
+        y_p = ref_pack(first.pack, p0, x, mask)  # Pack(P, X): P's queries read X
         x_a = ref_layernorm(first.norms[0], x + ref_multihead(first.unpack, x, y_p))  # unpack: X reads Y_P
         x1 = ref_layernorm(first.norms[2], x_a + ref_rff(first.ffn, x_a))
         return x1, ref_layernorm(first.norms[1], p0 + y_p)  # P_1 = LayerNorm(P_0 + Y_P)
@@ -163,6 +174,8 @@ def test_causal_luna_never_reads_the_future_and_decodes_recurrently(placement):
     assert_close(changed[:6], logits[:6], atol=1e-5)
     assert not np.allclose(changed[6:], logits[6:], atol=1e-3)
     assert_close(decode_all(model, tokens), logits, atol=3e-5, rtol=1e-4)
+    if placement == "post":  # the paper's; the pre-norm variant runs the same ops
+        assert finite_grads(loss_grad(model, tokens))
     assert sum(x.size for x in jax.tree.leaves(model.init_decode_state(4))) == \
         sum(x.size for x in jax.tree.leaves(model.init_decode_state(16)))  # a fixed-size recurrent state
 

@@ -5,8 +5,10 @@ an extra packed sequence P `[l, d_model]` beside the tokens X:
     Y_X = Attn_unpack(X, Y_P)      (unpack: X's queries read the packed sequence)
     X_A = LayerNorm(X + Y_X),  P' = LayerNorm(P + Y_P),  X' = LayerNorm(X_A + FFN(X_A))
 
-Pack and unpack are multi-head attentions with their own query/key/value/output
-projections. P' is the next layer's P; the first layer's P is learned (`LunaStack.packed`).
+Pack and unpack are multi-head attentions with their own query/key/value projections;
+the unpack has an output projection, the pack none (its heads are concatenated, as the
+authors' code: the unpack's key/value projections and P's residual read Y_P directly).
+P' is the next layer's P; the first layer's P is learned (`LunaStack.packed`).
 Post-norm as the paper; `pre_norm=True` normalises each branch's input instead.
 
 Causal (autoregressive) Luna replaces the pack by `ops.luna_causal_pack`: position t
@@ -29,16 +31,42 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.attention import Attention
-from jxformers.nn.layers import FeedForward, LayerNorm, RMSNorm, make_norm
-from jxformers.ops import luna_causal_pack
+from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm, make_norm, split_key
+from jxformers.ops import luna_causal_pack, softmax_attention
 
 
-def _keys(key, n):
-    return [None] * n if key is None else list(jax.random.split(key, n))
+class Pack(eqx.Module):
+    """Luna's pack attention: P's queries read X, per head softmax(P Wq (X Wk)^T /
+    sqrt(d_head)) X Wv, heads concatenated (no output projection). `pack(p, x)` is the
+    non-causal Y_P `[l, d_model]`; `prefixes(p, x)` the causal Y_P^t of every t."""
 
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    num_heads: int = eqx.field(static=True)
 
-def _heads(attention: Attention, proj, x):
-    return proj(x).reshape(*x.shape[:-1], attention.num_heads, attention.d_head)
+    def __init__(self, d_model: int, num_heads: int, *, key: PRNGKeyArray):
+        kq, kk, kv = jax.random.split(key, 3)
+        self.q_proj, self.k_proj, self.v_proj = (Linear(d_model, d_model, key=k) for k in (kq, kk, kv))
+        self.num_heads = num_heads
+
+    def _heads(self, proj, x):
+        return proj(x).reshape(*x.shape[:-1], self.num_heads, -1)
+
+    def __call__(
+        self, p: Float[Array, "l d_model"], x: Float[Array, "n d_model"], kv_mask: Bool[Array, " n"] | None = None
+    ) -> Float[Array, "l d_model"]:
+        out = softmax_attention(self._heads(self.q_proj, p), self._heads(self.k_proj, x), self._heads(self.v_proj, x),
+                                kv_mask=kv_mask)
+        return out.reshape(p.shape)
+
+    def prefixes(
+        self, p: Float[Array, "l d_model"], x: Float[Array, "n d_model"], kv_mask: Bool[Array, " n"] | None = None
+    ) -> Float[Array, "n l d_model"]:
+        """Y_P^t for every t: `ops.luna_causal_pack`, the pack of x_{<=t} only."""
+        out = luna_causal_pack(self._heads(self.q_proj, p), self._heads(self.k_proj, x), self._heads(self.v_proj, x),
+                               kv_mask=kv_mask)
+        return out.reshape(x.shape[0], *p.shape)
 
 
 class LunaBlock(eqx.Module):
@@ -48,7 +76,7 @@ class LunaBlock(eqx.Module):
     `causal`, `dropout` (on each branch's output), `key`.
     """
 
-    pack: Attention
+    pack: Pack
     unpack: Attention
     ffn: FeedForward
     norms: tuple[LayerNorm | RMSNorm, LayerNorm | RMSNorm, LayerNorm | RMSNorm]  # x after attention, p, x after FFN
@@ -61,23 +89,12 @@ class LunaBlock(eqx.Module):
         pre_norm: bool = False, causal: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
     ):
         kp, ku, kf = jax.random.split(key, 3)
-        self.pack = Attention("softmax", d_model, num_heads, cross=True, key=kp)
+        self.pack = Pack(d_model, num_heads, key=kp)
         self.unpack = Attention("softmax", d_model, num_heads, cross=True, key=ku)
         self.ffn = FeedForward(d_model, d_ff, ffn, dropout=dropout, key=kf)
         self.norms = tuple(make_norm(norm, d_model) for _ in range(3))
         self.dropout = eqx.nn.Dropout(dropout)
         self.pre_norm, self.causal = pre_norm, causal
-
-    # ------------------------------------------------------------------ causal form
-
-    def packed_prefixes(
-        self, x: Float[Array, "n d_model"], p: Float[Array, "l d_model"], kv_mask: Bool[Array, " n"] | None = None
-    ) -> Float[Array, "n l d_model"]:
-        """Y_P^t for every t: the pack of x_{<=t}, through the pack's output projection."""
-        pack = self.pack
-        summed = luna_causal_pack(_heads(pack, pack.q_proj, p), _heads(pack, pack.k_proj, x),
-                                  _heads(pack, pack.v_proj, x), kv_mask=kv_mask)
-        return pack.o_proj(summed.reshape(*summed.shape[:2], -1).astype(x.dtype))
 
     def unpack_one(self, x_t: Float[Array, " d_model"], packed_t: Float[Array, "l d_model"]) -> Float[Array, " d_model"]:
         """Position t's unpack: its query attends its own packed sequence Y_P^t."""
@@ -95,11 +112,11 @@ class LunaBlock(eqx.Module):
     ) -> tuple[Float[Array, "n d_model"], Float[Array, "l d_model"]]:
         """Returns `(x', p')`; padded rows of x (kv_mask False) are never packed. Causal:
         p' is p (see the module docstring)."""
-        kx, kp, kf, kh = _keys(key, 4)
+        kx, kp, kf, kh = split_key(key, 4)
         xn = self.norms[0](x) if self.pre_norm else x
         pn = self.norms[1](p) if self.pre_norm else p
         if self.causal:
-            y_x = jax.vmap(self.unpack_one)(xn, self.packed_prefixes(xn, pn, kv_mask))
+            y_x = jax.vmap(self.unpack_one)(xn, self.pack.prefixes(pn, xn, kv_mask))
         else:
             y_p = self.pack(pn, xn, kv_mask=kv_mask)
             y_x = self.unpack(xn, y_p)
@@ -114,12 +131,9 @@ class LunaBlock(eqx.Module):
         """Causal Luna, one token: add its pack to the running sum, unpack from the mean."""
         xn = self.norms[0](x) if self.pre_norm else x
         pn = self.norms[1](p) if self.pre_norm else p
-        pack = self.pack
-        one = luna_causal_pack(_heads(pack, pack.q_proj, pn), _heads(pack, pack.k_proj, xn[None]),
-                               _heads(pack, pack.v_proj, xn[None]))[0]
+        one = self.pack.prefixes(pn, xn[None])[0]  # this token's own pack term
         state = {"sum": state["sum"] + one.astype(jnp.float32), "count": state["count"] + 1}
-        mean = (state["sum"] / state["count"]).astype(x.dtype)
-        y_x = self.unpack_one(xn, pack.o_proj(mean.reshape(mean.shape[0], -1)))
+        y_x = self.unpack_one(xn, (state["sum"] / state["count"]).astype(x.dtype))
         x = self._residual(x, y_x, self.norms[0], None, True)
         ffn_in = self.norms[2](x) if self.pre_norm else x
         return self._residual(x, self.ffn(ffn_in[None], inference=True)[0], self.norms[2], None, True), state
@@ -160,7 +174,7 @@ class LunaStack(eqx.Module):
     ) -> tuple[Float[Array, "n d_model"], list[Float[Array, "l d_model"]]]:
         """The output and the packed sequence each layer read (`[P_0, P_1, ...]`, one per layer)."""
         p, seen = self.packed.astype(x.dtype), []
-        for block, k in zip(self.blocks, _keys(key, len(self.blocks))):
+        for block, k in zip(self.blocks, split_key(key, len(self.blocks))):
             seen.append(p)
             x, p = block(x, p, kv_mask=kv_mask, key=k, inference=inference)
         return x, seen
@@ -173,12 +187,12 @@ class LunaStack(eqx.Module):
         return self.layers(x, kv_mask=kv_mask, key=key, inference=inference)[0]
 
     def init_decode_state(self, max_len: int, dtype=jnp.float32) -> tuple[dict[str, Array], ...]:
-        """Per layer, the running pack sum `[l, heads, d_head]` (float32) and its count:
-        a fixed size, whatever `max_len`."""
+        """Per layer, the running pack sum `[l, d_model]` (float32) and its count: a fixed
+        size, whatever `max_len`."""
         if not self.causal:
             raise ValueError("only causal Luna decodes incrementally")
-        shape = (self.packed.shape[0], self.blocks[0].pack.num_heads, self.blocks[0].pack.d_head)
-        return tuple({"sum": jnp.zeros(shape, jnp.float32), "count": jnp.zeros((), jnp.float32)} for _ in self.blocks)
+        zero = {"sum": jnp.zeros(self.packed.shape, jnp.float32), "count": jnp.zeros((), jnp.float32)}
+        return tuple(dict(zero) for _ in self.blocks)
 
     def decode_step(
         self, x: Float[Array, " d_model"], state: tuple[dict[str, Array], ...], *, bias_fn: Any = None,

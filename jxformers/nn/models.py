@@ -205,11 +205,11 @@ class Classifier(eqx.Module):
         self.head = Linear(width, num_classes, key=key)
 
     def pool(self, tokens, mask=None, *, key=None, inference=False) -> Float[Array, " width"]:
-        k_enc, k_pool = _split(key, 2)
-        h, m = self.encoder(tokens, mask, key=k_enc, inference=inference)
+        h, m = self.encoder(tokens, mask, key=key, inference=inference)
         if self.pooling == "cls":
             return h[0]
         if self.pma is not None:
+            k_pool = None if key is None else jax.random.fold_in(key, 1)
             return self.pma(h, m, key=k_pool, inference=inference).reshape(-1)
         w = m.astype(jnp.float32)[:, None]
         return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype)

@@ -26,13 +26,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.blocks import Block
-from jxformers.nn.layers import LayerNorm, RMSNorm, make_norm
+from jxformers.nn.layers import LayerNorm, RMSNorm, make_norm, split_key
 from jxformers.nn.models import Embedding
 from jxformers.nn.set_transformer import MAB
-
-
-def _keys(key, n):
-    return [None] * n if key is None else list(jax.random.split(key, n))
 
 
 class PerceiverEncoder(eqx.Module):
@@ -95,10 +91,10 @@ class PerceiverEncoder(eqx.Module):
             raise ValueError(f"sequence length {n} exceeds the model's max_len {self.max_len}")
         x = self.embedding(tokens, jnp.arange(n))
         z = self.latents.astype(x.dtype)
-        for r, k in enumerate(_keys(key, self.cross_attends)):
-            kc, kt = _keys(k, 2)
+        for r, k in enumerate(split_key(key, self.cross_attends)):
+            kc, kt = split_key(k, 2)
             which = min(r, 1)
             z = self.cross[which](z, self.input_norms[which](x), y_mask=mask, key=kc, inference=inference)
-            for block, kb in zip(self.tower, _keys(kt, len(self.tower))):
+            for block, kb in zip(self.tower, split_key(kt, len(self.tower))):
                 z = block(z, key=kb, inference=inference)
         return self.norm(z), jnp.ones((z.shape[0],), bool)

@@ -21,11 +21,7 @@ import jax
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from jxformers.nn.attention import Attention
-from jxformers.nn.layers import FeedForward, LayerNorm, RMSNorm, make_norm
-
-
-def _keys(key, n):
-    return [None] * n if key is None else list(jax.random.split(key, n))
+from jxformers.nn.layers import FeedForward, LayerNorm, RMSNorm, make_norm, split_key
 
 
 class MAB(eqx.Module):
@@ -65,7 +61,7 @@ class MAB(eqx.Module):
         self, x: Float[Array, "nx d_model"], y: Float[Array, "ny d_model"], *, y_mask: Bool[Array, " ny"] | None = None,
         key: PRNGKeyArray | None = None, inference: bool = False,
     ) -> Float[Array, "nx d_model"]:
-        k1, k2, k3 = _keys(key, 3)
+        k1, k2, k3 = split_key(key, 3)
         h = self._residual(lambda q: self.attention(q, y, kv_mask=y_mask), self.norms[0], x, k1, inference)
         return self._residual(lambda z: self.ffn(z, key=k3, inference=inference), self.norms[1], h, k2, inference)
 
@@ -99,7 +95,7 @@ class ISAB(eqx.Module):
         self, x: Float[Array, "n d_model"], *, kv_mask: Bool[Array, " n"] | None = None, bias: None = None,
         key: PRNGKeyArray | None = None, inference: bool = False,
     ) -> Float[Array, "n d_model"]:
-        k1, k2 = _keys(key, 2)
+        k1, k2 = split_key(key, 2)
         h = self.mab_in(self.inducing.astype(x.dtype), x, y_mask=kv_mask, key=k1, inference=inference)
         return self.mab_out(x, h, key=k2, inference=inference)
 
@@ -128,6 +124,6 @@ class PMA(eqx.Module):
         self, z: Float[Array, "n d_model"], mask: Bool[Array, " n"] | None = None, *,
         key: PRNGKeyArray | None = None, inference: bool = False,
     ) -> Float[Array, "k d_model"]:
-        k1, k2 = _keys(key, 2)
+        k1, k2 = split_key(key, 2)
         return self.mab(self.seeds.astype(z.dtype), self.rff(z, key=k1, inference=inference), y_mask=mask, key=k2,
                         inference=inference)
