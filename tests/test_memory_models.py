@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from suites import decode_all, finite_grads, forward, loss_grad
 
 from jxformers import ModelConfig, build_model, ops, registry
+from jxformers.nn import Encoder, LayerNorm
 from jxformers.nn.luna import LunaStack
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.tools import cli
@@ -270,6 +271,19 @@ def test_perceiver_trains_on_a_toy_set_task():
 def test_invalid_combinations_are_refused(extra, word):
     with pytest.raises(ValueError, match=word):
         ModelConfig(**extra)
+
+
+def test_modules_refuse_what_they_cannot_wire():
+    isab = ISAB(D, HEADS, num_inducing=2, d_ff=D_FF, key=jax.random.key(0))
+    embedding = build_model(ModelConfig(architecture="isab", **SMALL), key=jax.random.key(0)).encoder.embedding
+    with pytest.raises(ValueError, match="reversible"):
+        Encoder(embedding, [isab], LayerNorm(D), max_len=16, use_cls=False, reversible=True, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="num_inducing"):
+        ISAB(D, HEADS, num_inducing=0, d_ff=D_FF, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="packed_len"):
+        LunaStack(D, HEADS, num_layers=1, packed_len=0, d_ff=D_FF, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="only causal"):
+        LunaStack(D, HEADS, num_layers=1, packed_len=2, d_ff=D_FF, key=jax.random.key(0)).init_decode_state(4)
 
 
 def test_norm_placement_defaults_to_the_papers():

@@ -1,6 +1,8 @@
 """Models, one example at a time (batch with `jax.vmap`): an `Encoder` with a
 classification head (`Classifier`) or a dual-tower retrieval head (`DualClassifier`), a
-decoder-only `LanguageModel` with incremental decoding, and `EncoderDecoder`.
+decoder-only `LanguageModel` with incremental decoding, and `EncoderDecoder`. Encoders
+and language models stack transformer `Block`s, Set Transformer `ISAB`s or a `LunaStack`;
+a `Classifier` also takes a `PerceiverEncoder` and pools by CLS, mean or PMA.
 
 The encoder can shorten its sequence between blocks: the Fourier Transformer's spectral
 filter (seed 001 section 4; `fourier_downsample` of the tokens with the CLS token kept out
@@ -44,6 +46,11 @@ def _split(key, n):
 def _check_length(n: int, max_len: int, what: str = "sequence"):
     if n > max_len:
         raise ValueError(f"{what} length {n} exceeds the model's max_len {max_len}")
+
+
+def _check_reversible(blocks, reversible):
+    if reversible and not all(isinstance(b, Block) for b in blocks):
+        raise ValueError(f"reversible wiring needs transformer Blocks; got {sorted({type(b).__name__ for b in blocks})}")
 
 
 def _check_mask(mask, n):
@@ -118,6 +125,7 @@ class Encoder(eqx.Module):
                 raise ValueError(f"funnel pooling needs keep ratios 1/stride (1/2, 1/3...); got {ratio} at layer {layer}")
         if reversible and filters:
             raise ValueError("a reversible encoder cannot shorten its sequence (filters)")
+        _check_reversible(blocks, reversible)
         self.reversible = reversible
         self.embedding, self.blocks, self.norm = embedding, tuple(blocks), norm
         self.cls = 0.02 * jax.random.normal(key, (norm.weight.shape[0],)) if use_cls else None
@@ -286,6 +294,7 @@ class LanguageModel(eqx.Module):
         self, embedding: Embedding, blocks: list[AnyBlock], norm, *, max_len: int, tie: bool, reversible: bool = False,
         key: PRNGKeyArray,
     ):
+        _check_reversible(blocks, reversible)
         vocab, d = embedding.table.shape
         self.embedding, self.blocks, self.max_len = embedding, tuple(blocks), max_len
         self.norm = _quiet_readout(norm, d) if tie else norm
