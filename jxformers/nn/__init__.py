@@ -5,6 +5,9 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     layers.py     Linear, LayerNorm, RMSNorm, FeedForward
     positions.py  sinusoidal, learned, rotary, ALiBi, T5 relative buckets
     blocks.py     Block (pre/post-norm residual branches)
+    set_transformer.py  MAB, ISAB, PMA (Set Transformer)
+    luna.py       LunaBlock, LunaStack (Luna, with its causal form)
+    perceiver.py  PerceiverEncoder (Perceiver)
     models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
     config.py     ModelConfig, build_model
 """
@@ -13,6 +16,7 @@ from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import Block
 from jxformers.nn.config import ModelConfig, build_model
 from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm
+from jxformers.nn.luna import LunaBlock, LunaStack
 from jxformers.nn.models import (
     Classifier,
     ConditionedDecoder,
@@ -22,6 +26,7 @@ from jxformers.nn.models import (
     EncoderDecoder,
     LanguageModel,
 )
+from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.positions import (
     Positions,
     alibi_slopes,
@@ -29,10 +34,12 @@ from jxformers.nn.positions import (
     sinusoidal,
     t5_buckets,
 )
+from jxformers.nn.set_transformer import ISAB, MAB, PMA
 from jxformers.nn.trainable import redraw, trainable
 
 __all__ = [
     "Attention", "Block", "Classifier", "ConditionedDecoder", "DualClassifier", "Embedding", "Encoder",
-    "EncoderDecoder", "FeedForward", "LanguageModel", "LayerNorm", "Linear", "ModelConfig", "Positions", "RMSNorm",
+    "EncoderDecoder", "FeedForward", "ISAB", "LanguageModel", "LayerNorm", "Linear", "LunaBlock", "LunaStack", "MAB",
+    "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "RMSNorm",
     "alibi_slopes", "build_model", "redraw", "rotary", "sinusoidal", "t5_buckets", "trainable",
 ]

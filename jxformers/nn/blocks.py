@@ -119,6 +119,10 @@ class Block(eqx.Module):
             x = self._residual(x, out, self.norms[1])
         return self._residual(x, self.ffn_branch(x, key=k_ffn, inference=inference), self.norms[-1])
 
+    def init_decode_state(self, max_len: int, dtype) -> decoding.State:
+        """The self-attention's empty decoding state (fixed shape)."""
+        return self.attention.init_decode_state(max_len, dtype)
+
     def decode_step(
         self,
         x: Float[Array, " d_model"],

@@ -27,6 +27,7 @@ from jxformers.validate import check_fields, from_mapping
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import NORM_PLACEMENTS, Block
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS, FeedForward, make_norm
+from jxformers.nn.luna import LunaStack
 from jxformers.nn.models import (
     DOWNSAMPLE_KINDS,
     POOLING_KINDS,
@@ -37,13 +38,23 @@ from jxformers.nn.models import (
     EncoderDecoder,
     LanguageModel,
 )
+from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.positions import BIAS_KINDS, POSITION_KINDS, Positions
+from jxformers.nn.set_transformer import ISAB, PMA
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
 DTYPES = ("float32", "bfloat16", "float16")
 OVERRIDABLE = ("attention", "attention_kwargs", "ffn", "d_ff")
+# architecture -> (the norm placement its paper uses, the tasks it serves, what it is)
+_ARCHITECTURES = {
+    "transformer": ("pre", TASKS, "blocks of the named attention"),
+    "isab": ("post", ("classify", "retrieval"), "Set Transformer's ISAB blocks (Lee et al. 2019)"),
+    "luna": ("post", ("classify", "retrieval", "lm"), "Luna layers carrying a packed sequence (Ma et al. 2021)"),
+    "perceiver": ("pre", ("classify", "retrieval"), "latent array cross-attending the input (Jaegle et al. 2021)"),
+}
+ARCHITECTURES = tuple(_ARCHITECTURES)
 _CHOICES = {
-    "task": TASKS, "ffn": FFN_KINDS, "position": POSITION_KINDS, "norm": NORM_KINDS,
+    "architecture": ARCHITECTURES, "task": TASKS, "ffn": FFN_KINDS, "position": POSITION_KINDS, "norm": NORM_KINDS,
     "norm_placement": NORM_PLACEMENTS, "pooling": POOLING_KINDS, "dtype": DTYPES, "downsample": DOWNSAMPLE_KINDS,
 }
 
@@ -66,9 +77,20 @@ class ModelConfig:
         attention, attention_kwargs: registry name and hyper-parameters of self-attention.
         cross_attention, cross_attention_kwargs: of seq2seq cross-attention.
         ffn: relu, gelu, geglu, swiglu. position: sinusoidal, learned, rope, alibi, t5, none.
-        norm: layernorm or rmsnorm; norm_placement: pre or post.
+        norm: layernorm or rmsnorm; norm_placement: pre or post (default: the
+            architecture's paper: post for isab and luna, pre otherwise).
         dropout: on residual branches and FFN hidden units.
-        pooling: cls or mean (classify, retrieval). dtype: compute dtype (parameters stay float32).
+        pooling: cls, mean or pma (Set Transformer's pooling by multihead attention
+            with `pma_seeds` learned seeds; classify, retrieval). dtype: compute dtype
+            (parameters stay float32).
+        architecture: the layer stack. "transformer": `num_layers` blocks of the named
+            attention. "isab": Set Transformer's induced set attention blocks (two full
+            attention blocks each, through `memory_size` learned inducing points).
+            "luna": Luna layers carrying a packed sequence of length `memory_size`
+            from layer to layer (causal in an lm). "perceiver": a latent array of
+            `memory_size` rows cross-attends to the input `cross_attends` times, each
+            followed by a shared latent tower of `num_layers` blocks. The last three
+            use softmax attention inside, as their papers.
         tie_embeddings: output projection shares the embedding table (lm, seq2seq).
         filters: encoder block index i -> keep ratio r of the downsampling that sits
             right before block i, ahead of its attention, so block i and all later ones
@@ -100,7 +122,7 @@ class ModelConfig:
     ffn: str = "gelu"
     position: str = "sinusoidal"
     norm: str = "layernorm"
-    norm_placement: str = "pre"
+    norm_placement: str | None = None
     dropout: float = 0.0
     pooling: str = "cls"
     dtype: str = "float32"
@@ -110,8 +132,14 @@ class ModelConfig:
     downsample: str = "fourier"
     layer_overrides: dict = dataclasses.field(default_factory=dict)
     reversible: bool = False
+    architecture: str = "transformer"
+    memory_size: int = 16
+    cross_attends: int = 1
+    pma_seeds: int = 1
 
     def __post_init__(self):
+        if self.norm_placement is None and isinstance(self.architecture, str):
+            object.__setattr__(self, "norm_placement", _ARCHITECTURES.get(self.architecture, ("pre",))[0])
         check_fields(self, "config ", _CHOICES)
         object.__setattr__(self, "filters", _int_keys("filters", self.filters))
         object.__setattr__(self, "layer_overrides", _int_keys("layer_overrides", self.layer_overrides))
@@ -159,7 +187,7 @@ class ModelConfig:
 
     def _check(self):
         for name in ("vocab_size", "num_classes", "num_layers", "d_model", "num_heads", "kv_heads", "d_ff", "max_len",
-                     "decoder_layers"):
+                     "decoder_layers", "memory_size", "cross_attends", "pma_seeds"):
             self._positive(name, getattr(self, name))
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"config dropout must be in [0, 1); got {self.dropout}")
@@ -199,6 +227,7 @@ class ModelConfig:
                 )
         if self.reversible and (self.task == "seq2seq" or self.norm_placement != "pre" or self.filters):
             raise ValueError("reversible blocks need norm_placement 'pre', no filters, and task classify, retrieval or lm")
+        self._check_architecture()
         if self.filters and self.task == "lm":
             raise ValueError("filters (downsampling) apply to encoders: tasks classify, retrieval, seq2seq")
         for index, ratio in self.filters.items():
@@ -214,6 +243,51 @@ class ModelConfig:
                     f"which {spec.name!r} cannot; use one of {registry.names(supports_cross=True)} there "
                     f"(layer_overrides)"
                 )
+
+
+    def _check_architecture(self):
+        """What the isab, luna and perceiver stacks (their own softmax attentions, their
+        own wiring) and the PMA pooling can be combined with."""
+        arch, defaults = self.architecture, _defaults()
+        tasks = _ARCHITECTURES[arch][1]
+        if self.task not in tasks:
+            raise ValueError(f"architecture {arch!r} serves tasks {list(tasks)}; got task {self.task!r}")
+        if self.pooling == "pma" and self.task not in ("classify", "retrieval"):
+            raise ValueError(f"pooling 'pma' pools a classifier's sequence (tasks classify, retrieval); got {self.task!r}")
+        if self.pma_seeds != 1 and self.pooling != "pma":
+            raise ValueError(f"pma_seeds ({self.pma_seeds}) is PMA's number of seeds: set pooling 'pma' or leave it 1")
+        if self.cross_attends != 1 and arch != "perceiver":
+            raise ValueError(f"cross_attends ({self.cross_attends}) applies to architecture 'perceiver' only")
+        if arch == "transformer":
+            if self.memory_size != defaults["memory_size"]:
+                raise ValueError(f"memory_size ({self.memory_size}) applies to architectures isab, luna and perceiver")
+            return
+        own = {name: getattr(self, name) for name in ("attention", "attention_kwargs", "layer_overrides", "filters",
+                                                        "reversible") if getattr(self, name) != defaults[name]}
+        if own:
+            raise ValueError(f"architecture {arch!r} builds its own softmax attentions and wiring; leave {sorted(own)} "
+                             f"at their defaults (got {own})")
+        if self.kv_heads not in (None, self.num_heads):
+            raise ValueError(f"architecture {arch!r} has no grouped-query attention; kv_heads ({self.kv_heads}) must "
+                             f"equal num_heads ({self.num_heads}) or be left unset")
+        if self.position in BIAS_KINDS or self.position == "rope":
+            raise ValueError(f"architecture {arch!r} takes positions added to the embeddings (sinusoidal, learned) or "
+                             f"none; got {self.position!r}")
+        if arch == "perceiver" and self.pooling == "cls":
+            raise ValueError("a perceiver has no CLS token: pool its latents with pooling 'mean' (the paper's average) "
+                             "or 'pma'")
+
+
+def architectures_table() -> str:
+    """The architectures and poolings a ModelConfig can name (printed by `jxformers list`)."""
+    rows = [f"  {name:<12} {', '.join(tasks):<32} {what}" for name, (_, tasks, what) in _ARCHITECTURES.items()]
+    return "\n".join(["architectures (ModelConfig architecture; memory_size, cross_attends):", *rows,
+                      f"poolings (ModelConfig pooling; pma_seeds): {', '.join(POOLING_KINDS)}"])
+
+
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(ModelConfig)}
 
 
 def _int_keys(name, mapping):
@@ -328,6 +402,28 @@ def _blocks(
     return blocks
 
 
+def _stack(config: ModelConfig, *, causal: bool, key, pooled: frozenset[int] = frozenset()) -> list:
+    """The blocks of an Encoder (or LanguageModel) for the config's architecture;
+    `pooled`: Funnel's pooling layers (transformer blocks only)."""
+    common = dict(d_ff=config.d_ff or 4 * config.d_model, ffn=config.ffn, norm=config.norm,
+                  pre_norm=config.norm_placement == "pre", dropout=config.dropout)
+    if config.architecture == "isab":
+        return [ISAB(config.d_model, config.num_heads, num_inducing=config.memory_size, **common, key=k)
+                for k in jax.random.split(key, config.num_layers)]
+    if config.architecture == "luna":
+        return [LunaStack(config.d_model, config.num_heads, num_layers=config.num_layers,
+                          packed_len=config.memory_size, causal=causal, **common, key=key)]
+    return _blocks(config, config.num_layers, causal=causal, cross=False, key=key, pooled=pooled)
+
+
+def _pma(config: ModelConfig, key) -> PMA | None:
+    if config.pooling != "pma":
+        return None
+    return PMA(config.d_model, config.num_heads, num_seeds=config.pma_seeds, d_ff=config.d_ff or 4 * config.d_model,
+               ffn=config.ffn, norm=config.norm, pre_norm=config.norm_placement == "pre", dropout=config.dropout,
+               key=key)
+
+
 def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array):
     """The model a config describes: `Classifier` (classify), `DualClassifier`
     (retrieval), `LanguageModel` (lm) or `EncoderDecoder` (seq2seq).
@@ -349,16 +445,25 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
     funnel_layers = frozenset(config.filters) if config.downsample == "funnel" else frozenset()
 
     def encoder(use_cls):
+        if config.architecture == "perceiver":
+            return PerceiverEncoder(
+                embedding(keys[0], False), _blocks(config, config.num_layers, causal=False, cross=False, key=keys[1]),
+                make_norm(config.norm, config.d_model), num_latents=config.memory_size,
+                cross_attends=config.cross_attends, d_ff=config.d_ff or 4 * config.d_model, ffn=config.ffn,
+                norm_kind=config.norm, pre_norm=config.norm_placement == "pre", dropout=config.dropout,
+                max_len=config.max_len, key=keys[2],
+            )
         return Encoder(
-            embedding(keys[0], False),
-            _blocks(config, config.num_layers, causal=False, cross=False, key=keys[1], pooled=funnel_layers),
+            embedding(keys[0], False), _stack(config, causal=False, key=keys[1], pooled=funnel_layers),
             make_norm(config.norm, config.d_model), max_len=config.max_len, use_cls=use_cls, filters=config.filters,
             downsample=config.downsample, reversible=config.reversible, key=keys[2],
         )
 
     def decoder(layers, cross):
+        blocks = _blocks(config, layers, causal=True, cross=True, key=keys[4]) if cross else \
+            _stack(config, causal=True, key=keys[4])
         return LanguageModel(
-            embedding(keys[3], True), _blocks(config, layers, causal=True, cross=cross, key=keys[4]),
+            embedding(keys[3], True), blocks,
             make_norm(config.norm, config.d_model), max_len=config.max_len, tie=config.tie_embeddings,
             reversible=config.reversible, key=keys[5],
         )
@@ -367,7 +472,8 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         return decoder(config.num_layers, cross=False)
     if config.task == "seq2seq":
         return EncoderDecoder(encoder(False), decoder(config.decoder_layers or config.num_layers, cross=True))
-    tower = Classifier(encoder(config.pooling == "cls"), config.num_classes, pooling=config.pooling, key=keys[6])
+    tower = Classifier(encoder(config.pooling == "cls"), config.num_classes, pooling=config.pooling,
+                       pma=_pma(config, jax.random.fold_in(keys[6], 1)), key=keys[6])
     if config.task == "classify":
         return tower
     return DualClassifier(tower, config.num_classes, key=keys[7])

@@ -111,3 +111,8 @@ class FeedForward(eqx.Module):
             act = jax.nn.gelu if self.kind == "geglu" else jax.nn.silu
             h = act(h) * self.w_gate(x)
         return self.w_out(self.dropout(h, key=key, inference=inference))
+
+
+def split_key(key: PRNGKeyArray | None, n: int) -> list:
+    """`n` keys from `key`, or `n` Nones without one (inference: no dropout)."""
+    return [None] * n if key is None else list(jax.random.split(key, n))

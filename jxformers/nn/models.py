@@ -1,6 +1,8 @@
 """Models, one example at a time (batch with `jax.vmap`): an `Encoder` with a
 classification head (`Classifier`) or a dual-tower retrieval head (`DualClassifier`), a
-decoder-only `LanguageModel` with incremental decoding, and `EncoderDecoder`.
+decoder-only `LanguageModel` with incremental decoding, and `EncoderDecoder`. Encoders
+and language models stack transformer `Block`s, Set Transformer `ISAB`s or a `LunaStack`;
+a `Classifier` also takes a `PerceiverEncoder` and pools by CLS, mean or PMA.
 
 The encoder can shorten its sequence: `filters={i: r}` puts a downsampling right before
 block i, ahead of its attention (i = 0: on the embeddings), so block i and every later
@@ -30,12 +32,17 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.blocks import Block
 from jxformers.nn.layers import LayerNorm, Linear, RMSNorm
+from jxformers.nn.luna import LunaStack
 from jxformers.nn.positions import BIAS_KINDS, Positions
 from jxformers.nn.reversible import reversible_decode_step, reversible_stack
+from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.ops import fourier_downsample, fourier_downsample_padded, funnel_pool
 
 DOWNSAMPLE_KINDS = ("fourier", "fourier_rescaled", "funnel")
-POOLING_KINDS = ("cls", "mean")
+POOLING_KINDS = ("cls", "mean", "pma")
+# What an Encoder or a LanguageModel stacks: transformer blocks, Set Transformer's ISABs,
+# or one LunaStack (which carries its packed sequence between its own layers).
+AnyBlock = Block | ISAB | LunaStack
 
 
 def _split(key, n):
@@ -45,6 +52,11 @@ def _split(key, n):
 def _check_length(n: int, max_len: int, what: str = "sequence"):
     if n > max_len:
         raise ValueError(f"{what} length {n} exceeds the model's max_len {max_len}")
+
+
+def _check_reversible(blocks, reversible):
+    if reversible and not all(isinstance(b, Block) for b in blocks):
+        raise ValueError(f"reversible wiring needs transformer Blocks; got {sorted({type(b).__name__ for b in blocks})}")
 
 
 def _check_mask(mask, n):
@@ -120,7 +132,7 @@ class Encoder(eqx.Module):
 
     embedding: Embedding
     cls: Float[Array, " d_model"] | None
-    blocks: tuple[Block, ...]
+    blocks: tuple[AnyBlock, ...]
     norm: LayerNorm | RMSNorm
     filters: tuple[tuple[int, float], ...] = eqx.field(static=True)
     downsample: str = eqx.field(static=True)
@@ -128,7 +140,7 @@ class Encoder(eqx.Module):
     reversible: bool = eqx.field(static=True)
 
     def __init__(
-        self, embedding: Embedding, blocks: list[Block], norm: LayerNorm | RMSNorm, *, max_len: int, use_cls: bool,
+        self, embedding: Embedding, blocks: list[AnyBlock], norm: LayerNorm | RMSNorm, *, max_len: int, use_cls: bool,
         filters: dict[int, float] | None = None, downsample: str = "fourier", reversible: bool = False,
         key: PRNGKeyArray,
     ):
@@ -144,13 +156,14 @@ class Encoder(eqx.Module):
                 raise ValueError(f"funnel pooling needs keep ratios 1/stride (1/2, 1/3...); got {ratio} at layer {layer}")
         for i, block in enumerate(blocks):
             pooling = downsample == "funnel" and i in filters
-            if block.attention.cross != pooling:
+            if isinstance(block, Block) and block.attention.cross != pooling:
                 raise ValueError(
                     f"block {i}'s attention must take separate keys and values (cross=True) exactly when funnel "
                     f"pooling sits before it; got cross={block.attention.cross} with {downsample=}, {filters=}"
                 )
         if reversible and filters:
             raise ValueError("a reversible encoder cannot shorten its sequence (filters)")
+        _check_reversible(blocks, reversible)
         self.reversible = reversible
         self.embedding, self.blocks, self.norm = embedding, tuple(blocks), norm
         self.cls = 0.02 * jax.random.normal(key, (norm.weight.shape[0],)) if use_cls else None
@@ -232,7 +245,10 @@ class Encoder(eqx.Module):
                 pos = self._positions(x.shape[0], spacing)
             kv_mask, kv_pos = (full_mask, full_pos) if source else (mask, pos)
             bias = self.embedding.positions.bias(pos, kv_pos)
-            x = block(x, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, **source)
+            if isinstance(block, Block):
+                x = block(x, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, **source)
+            else:  # ISAB, LunaStack: no filters and no bias positions (ModelConfig refuses them)
+                x = block(x, kv_mask=kv_mask, key=k, inference=inference)
         if upsample_sum:
             outputs.append(_upsample(x, mask, input_mask))
             return self.norm(sum(outputs[1:], outputs[0])), input_mask
@@ -248,24 +264,35 @@ def _upsample(x, mask, target_mask):
 
 
 class Classifier(eqx.Module):
-    """Sequence classification: encoder, CLS or masked-mean pooling, linear head."""
+    """Sequence classification: encoder (an `Encoder`, or a `PerceiverEncoder`), CLS,
+    masked-mean or PMA pooling (Set Transformer's PMA_k; its k pooled vectors are
+    concatenated), linear head."""
 
-    encoder: Encoder
+    encoder: eqx.Module
+    pma: PMA | None
     head: Linear
     pooling: str = eqx.field(static=True)
 
-    def __init__(self, encoder: Encoder, num_classes: int, *, pooling: str, key: PRNGKeyArray):
+    def __init__(
+        self, encoder: eqx.Module, num_classes: int, *, pooling: str, pma: PMA | None = None, key: PRNGKeyArray
+    ):
         if pooling not in POOLING_KINDS:
             raise ValueError(f"pooling must be one of {POOLING_KINDS}; got {pooling!r}")
         if (pooling == "cls") != (encoder.cls is not None):
-            raise ValueError("pooling='cls' needs an encoder with a CLS token (and mean pooling one without)")
-        self.encoder, self.pooling = encoder, pooling
-        self.head = Linear(encoder.norm.weight.shape[0], num_classes, key=key)
+            raise ValueError("pooling='cls' needs an encoder with a CLS token (and mean or PMA pooling one without)")
+        if (pooling == "pma") != (pma is not None):
+            raise ValueError(f"pooling='pma' needs a PMA module (and no other pooling takes one); got {pooling=}")
+        self.encoder, self.pooling, self.pma = encoder, pooling, pma
+        width = encoder.norm.weight.shape[0] * (1 if pma is None else pma.seeds.shape[0])
+        self.head = Linear(width, num_classes, key=key)
 
-    def pool(self, tokens, mask=None, *, key=None, inference=False) -> Float[Array, " d_model"]:
+    def pool(self, tokens, mask=None, *, key=None, inference=False) -> Float[Array, " width"]:
         h, m = self.encoder(tokens, mask, key=key, inference=inference)
         if self.pooling == "cls":
             return h[0]
+        if self.pma is not None:
+            k_pool = None if key is None else jax.random.fold_in(key, 1)
+            return self.pma(h, m, key=k_pool, inference=inference).reshape(-1)
         w = m.astype(jnp.float32)[:, None]
         return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype)
 
@@ -286,7 +313,7 @@ class DualClassifier(eqx.Module):
     out: Linear
 
     def __init__(self, tower: Classifier, num_classes: int, *, key: PRNGKeyArray):
-        d = tower.encoder.norm.weight.shape[0]
+        d = tower.head.weight.shape[1]
         k1, k2 = jax.random.split(key)
         self.tower, self.hidden, self.out = tower, Linear(4 * d, d, key=k1), Linear(d, num_classes, key=k2)
 
@@ -331,16 +358,17 @@ class LanguageModel(eqx.Module):
     """
 
     embedding: Embedding
-    blocks: tuple[Block, ...]
+    blocks: tuple[AnyBlock, ...]
     norm: LayerNorm | RMSNorm
     unembed: Linear | None  # None: tied to the embedding table
     max_len: int = eqx.field(static=True)
     reversible: bool = eqx.field(static=True)
 
     def __init__(
-        self, embedding: Embedding, blocks: list[Block], norm, *, max_len: int, tie: bool, reversible: bool = False,
+        self, embedding: Embedding, blocks: list[AnyBlock], norm, *, max_len: int, tie: bool, reversible: bool = False,
         key: PRNGKeyArray,
     ):
+        _check_reversible(blocks, reversible)
         vocab, d = embedding.table.shape
         self.embedding, self.blocks, self.max_len = embedding, tuple(blocks), max_len
         self.norm = _quiet_readout(norm, d) if tie else norm
@@ -382,7 +410,7 @@ class LanguageModel(eqx.Module):
         _check_length(max_len, self.max_len, "decoding")
         dtype = jnp.dtype(self.embedding.dtype)
         return {
-            "layers": tuple(b.attention.init_decode_state(max_len, dtype) for b in self.blocks),
+            "layers": tuple(b.init_decode_state(max_len, dtype) for b in self.blocks),
             "length": jnp.zeros((), jnp.int32),
         }
 

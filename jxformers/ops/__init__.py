@@ -13,7 +13,7 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     compressed.py  memory_compressed_attention
     kernelized.py  linear_attention, performer_attention, rfa_attention (and their features)
     lowrank.py     linformer_attention, synthesizer_attention, nystrom_attention
-    memory.py      induced_attention (ISAB / Luna), latent_attention (Perceiver / PMA),
+    memory.py      induced_attention, latent_attention, luna_causal_pack (Luna's causal pack),
                    funnel_pool and funnel_attention
     fourier.py     dct, idct, fourier_downsample(_padded), nearest_upsample, fnet_mixing, fnet_attention
 """
@@ -56,6 +56,7 @@ from jxformers.ops.memory import (
     funnel_pool,
     induced_attention,
     latent_attention,
+    luna_causal_pack,
 )
 from jxformers.ops.fourier import (
     dct,
@@ -93,6 +94,7 @@ __all__ = [
     "linear_attention",
     "linformer_attention",
     "local_attention",
+    "luna_causal_pack",
     "longformer_attention",
     "memory_compressed_attention",
     "nearest_upsample",

@@ -1,7 +1,11 @@
-"""Memory attention: attention through a small set of inducing / latent points (Set Transformer's ISAB and
-PMA, Lee et al. 2019; Luna's pack and unpack, Ma et al. 2021; Perceiver's cross
-attention to a latent array, Jaegle et al. 2021) and Funnel-style query pooling
-(Dai et al., 2020).
+"""Memory attention: attention through a small set of inducing / latent points, and
+Funnel-style query pooling (Dai et al., 2020).
+
+The models these ops come from are built whole in `jxformers.nn` (ModelConfig
+`architecture`): Set Transformer's ISAB and PMA (Lee et al. 2019; `nn/set_transformer.py`),
+Luna (Ma et al. 2021; `nn/luna.py`, whose causal pack is `luna_causal_pack` here) and
+Perceiver (Jaegle et al. 2021; `nn/perceiver.py`). `induced_attention` is a registered
+single-op reduction of ISAB that fits any attention slot.
 """
 
 from __future__ import annotations
@@ -37,15 +41,18 @@ def induced_attention(
     kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
-    """Attention through m inducing points (Set Transformer ISAB; Luna pack/unpack).
+    """Inducing-point attention in one op: a reduction of Set Transformer's ISAB (Lee et
+    al. 2019) to two softmaxes inside one attention module.
 
     pack:   P = softmax(I K^T) V                      `[m, heads, d_v]` (I = `inducing`)
     unpack: Y = softmax(Q (P W)^T) P                  `[q_len, heads, d_v]`
     where W = `unpack_keys` `[heads, d_v, d_k]` maps packed values to keys (identity
-    when omitted, which needs d_v == d_k). Modules add their own projections around.
+    when omitted, which needs d_v == d_k; the registered attention always learns it).
 
-    Non-causal: every unpacked position sees a pack of the whole sequence (Luna's causal
-    variant, which packs each prefix separately, is not provided).
+    Not the paper's ISAB, which is two full attention blocks MAB(X, MAB(I, X)), each
+    with its own projections, residual, LayerNorm and feed-forward network: that is
+    ModelConfig(architecture="isab") (`jxformers.nn.set_transformer.ISAB`). This op keeps
+    only the two attentions, so it can replace softmax in any model. Non-causal.
 
     Time O(N * m * d).
     """
@@ -65,17 +72,19 @@ def induced_attention(
 
 
 def induced_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, d_v: int, num_inducing: int = 32) -> dict[str, Array]:
-    """The learned inducing points (and the unpacking keys when d_v != d_k)."""
+    """The learned inducing points and the unpacking keys (packed values to keys, per
+    head: the unpack's own key projection)."""
     check_positive("num_inducing", num_inducing)
     ki, ku = jax.random.split(key)
-    arrays = {"inducing": jax.random.normal(ki, (num_inducing, heads, d_k))}
-    if d_v != d_k:
-        arrays["unpack_keys"] = jax.random.normal(ku, (heads, d_v, d_k)) / math.sqrt(d_v)
-    return arrays
+    return {
+        "inducing": jax.random.normal(ki, (num_inducing, heads, d_k)),
+        "unpack_keys": jax.random.normal(ku, (heads, d_v, d_k)) / math.sqrt(d_v),
+    }
 
 
 register(
-    "induced", induced_attention, family="memory", paper="Lee et al. 2019 (ISAB); Ma et al. 2021 (Luna)",
+    "induced", induced_attention, family="memory",
+    paper="after Lee et al. 2019: ISAB reduced to one op (the paper's ISAB: ModelConfig architecture='isab')",
     complexity="O(N*m)", supports_cross=True, exact=False, init_arrays=induced_arrays,
     docs={"num_inducing": "inducing points m"},
 )
@@ -93,6 +102,38 @@ def latent_attention(
     Set Transformer's pooling by multihead attention (PMA, with k seed vectors as
     `latents`). O(N * m * d); the output has the latents' length, not the input's."""
     return softmax_attention(latents, k, v, kv_mask=kv_mask, scale=scale)
+
+
+def luna_causal_pack(
+    pack_q: Float[ArrayLike, "packed heads d_k"],
+    k: Float[ArrayLike, "n heads _d_k"],
+    v: Float[ArrayLike, "_n _heads d_v"],
+    *,
+    kv_mask: Bool[ArrayLike, "_n"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "_n packed heads d_v"]:
+    """Luna's causal pack (Ma et al. 2021, section 3.4, as the authors' fairseq code):
+    the packed sequence that position t may read, built from positions <= t only,
+
+        Y_P^t[l] = (1 / t) sum_{j <= t} f(P_l . k_j * scale) v_j,   f(x) = softplus(x ln 2) / ln 2
+
+    (f(0) = 1; t counts the real positions up to t, padded ones (kv_mask False) add
+    nothing). The pack's softmax over positions is replaced by f and a mean, so every
+    prefix's pack is a prefix sum: O(N m d) time and memory for m = `packed` rows.
+    `pack_q`: the packed sequence's queries; `k`, `v`: the sequence's pack keys and values.
+    """
+    check_qkv(pack_q, k, v)
+    n = k.shape[0]
+    check_mask_shape("kv_mask", kv_mask, (n,))
+    if k.shape[1] != pack_q.shape[1]:
+        raise ValueError(f"k must have the packed queries' {pack_q.shape[1]} heads; got {k.shape[1]}")
+    scale = 1.0 / math.sqrt(pack_q.shape[-1]) if scale is None else scale
+    real = valid_keys(kv_mask, n, n)
+    logits = jnp.einsum("lhd,nhd->nlh", pack_q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    weights = jnp.where(real[:, None, None], jax.nn.softplus(logits * math.log(2.0)) / math.log(2.0), 0.0)
+    sums = jnp.cumsum(weights[..., None] * v.astype(jnp.float32)[:, None], axis=0)
+    count = jnp.maximum(jnp.cumsum(real.astype(jnp.float32)), 1.0)
+    return (sums / count[:, None, None, None]).astype(v.dtype)
 
 
 def funnel_pool(
@@ -138,4 +179,5 @@ __all__ = [
     "funnel_pool",
     "induced_attention",
     "latent_attention",
+    "luna_causal_pack",
 ]

@@ -1,6 +1,6 @@
-"""The `jxformers` command: `list` prints the attention registry, `bench` runs the
-attention benchmark, `train` / `eval` / `generate` run experiments, `data build` writes
-an experiment's splits to disk (see each `--help`)."""
+"""The `jxformers` command: `list` prints the attention registry and the architectures,
+`bench` runs the attention benchmark, `train` / `eval` / `generate` run experiments,
+`data build` writes an experiment's splits to disk (see each `--help`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import warnings
 USAGE = """usage: jxformers COMMAND [ARGS]   (jxformers --version prints the version)
 
 commands:
-  list      print the attention registry (names, capabilities, hyper-parameters)
+  list      print the attention registry (names, capabilities, hyper-parameters) and the model architectures
   bench     time and measure every attention against softmax (--help for options)
   train     train an experiment: jxformers train CONFIG --workdir DIR [--set key=value ...]
   eval      evaluate the newest (--best: the best) checkpoint of a work directory: eval --workdir DIR
@@ -284,10 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "list":
-        argparse.ArgumentParser(prog="jxformers list", description="print the attention registry").parse_args(rest)
+        argparse.ArgumentParser(prog="jxformers list", description="print the attention registry and the model architectures").parse_args(rest)
         from jxformers import registry
+        from jxformers.nn.config import architectures_table
 
         print(registry.table())
+        print(architectures_table())
         return 0
     if command == "bench":
         from jxformers.tools import bench
