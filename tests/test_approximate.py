@@ -276,3 +276,30 @@ def test_nearest_upsample_repeats_samples():
 def test_fnet_mixing_is_the_real_part_of_a_2d_fft():
     x = np.asarray(jax.random.normal(jax.random.key(0), (12, 6)))
     assert_close(ops.fnet_mixing(jnp.asarray(x)), np.real(np.fft.fft2(x)), atol=1e-4)
+
+
+def test_performer_relu_kernel_is_the_papers_relu_of_wx_plus_epsilon():
+    # The official JAX code (generalized_kernel_feature_creator, normalize_data=False):
+    # phi(x) = relu(W x) + 1e-3, the epsilon added to the unscaled features.
+    q, k, v = (np.asarray(x, np.float64) for x in qkv(11, 40, heads=2, kv_heads=2, d=16))
+    for m in (64, 256):
+        w = np.asarray(ops.performer_projection(jax.random.key(m), m, 16), np.float64)
+        fq, fk = (np.maximum(np.einsum("nhd,md->nhm", x, w), 0) + 1e-3 for x in (q, k))
+        num = np.einsum("qhm,khm,khd->qhd", fq, fk, v)
+        den = np.einsum("qhm,khm->qh", fq, fk)
+        got = ops.performer_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(w, jnp.float32),
+                                      kernel="relu")
+        assert_close(got, num / den[..., None], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal,form", [(False, "chunked"), (True, "chunked"), (True, "scan"), (True, "quadratic")])
+def test_performer_stabiliser_is_per_head_so_heads_never_couple(causal, form):
+    # A head whose q/k norms are 7x the other's must not shift the other's features: with
+    # one maximum shared by all heads the small head's causal rows underflow to zero.
+    q, k, v = qkv(3, 64, heads=2, kv_heads=2, d=16)
+    q, k = (x.at[:, 1].multiply(7.0) for x in (q, k))
+    w = ops.performer_projection(jax.random.key(103), 64, 16)
+    together = ops.performer_attention(q, k, v, w, causal=causal, form=form)
+    for h in range(2):
+        alone = ops.performer_attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], w, causal=causal, form=form)
+        assert_close(together[:, h:h + 1], alone, atol=1e-5, rtol=1e-4)

@@ -94,22 +94,23 @@ def _decay_matrix(gate: ArrayLike) -> Array:
 
 def _chunked(fq, fk, v, decay, chunk, key_log_scale):
     """One scan step per chunk (a chunkwise-parallel variant with an associative scan
-    over chunk states was measured 1.5x slower on CPU: its chunk matmuls are small). `key_log_scale` [n_chunks] (Performer's stabiliser) says
-    that chunk c's key features were divided by exp(key_log_scale[c]); it must not
-    decrease, and the carried state is rescaled when it grows."""
+    over chunk states was measured 1.5x slower on CPU: its chunk matmuls are small).
+    `key_log_scale` [n_chunks, h] (Performer's stabiliser) says that chunk c's key
+    features of head h were divided by exp(key_log_scale[c, h]); it must not decrease
+    along the chunks, and each head's carried state is rescaled when its scale grows."""
     n, h, g, m = fq.shape
     dv = v.shape[2]
     nc = ceil_div(n, chunk)
     qc, kc, vc = (to_blocks(pad_to(x, nc * chunk), chunk) for x in (fq, fk, v))
     gates = None if decay is None else to_blocks(pad_to(decay, nc * chunk, value=1.0), chunk)
-    scales = jnp.zeros((nc,), jnp.float32) if key_log_scale is None else key_log_scale
+    scales = jnp.zeros((nc, h), jnp.float32) if key_log_scale is None else key_log_scale
     tril = jnp.tril(jnp.ones((chunk, chunk), bool))
 
     def step(carry, xs):
         state, norm, prev_scale = carry
         q_c, k_c, v_c, g_c, scale = xs
-        rescale = jnp.exp(prev_scale - scale)  # <= 1: earlier chunks were shifted less
-        state, norm = state * rescale, norm * rescale
+        rescale = jnp.exp(prev_scale - scale)  # [h], <= 1: earlier chunks were shifted less
+        state, norm = state * rescale[:, None, None], norm * rescale[:, None]
         a = einsum_f32("qhgm,khm->hgqk", q_c, k_c)
         a = jnp.where(tril, a, 0.0)
         inter_q = q_c.astype(jnp.float32)
@@ -143,7 +144,7 @@ def kernel_attention(
     form: str = "chunked",
     chunk_size: int | None = None,
     gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
-    key_log_scale: Float[ArrayLike, "_chunks"] | None = None,
+    key_log_scale: Float[ArrayLike, "_chunks _kv_heads"] | None = None,
     dtype: jnp.dtype | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Attention with the similarity phi(q_i) . phi(k_j) (features already applied).
@@ -157,7 +158,8 @@ def kernel_attention(
         chunk_size: chunk of the "chunked" form (default 64).
         gate: optional per-token forget gate in (0, 1] (causal only): the states become
             S_i = g_i S_{i-1} + phi(k_i) v_i^T (RFA's gated recurrence).
-        key_log_scale: internal (Performer's per-chunk stabiliser), "chunked" form only.
+        key_log_scale: internal (Performer's per-chunk, per-head stabiliser), "chunked"
+            form only.
         dtype: of the result (default: the inputs' promoted dtype). Features, values and
             states are computed in float32 whatever the input dtype.
 
@@ -288,6 +290,10 @@ def performer_projection(
     return rows * norms[:, None]
 
 
+# The generalised kernel's additive epsilon (`kernel_epsilon` of the official code).
+RELU_EPSILON = 1e-3
+
+
 def performer_features(
     x: Float[ArrayLike, "n heads d_k"],
     projection: Float[ArrayLike, "m _d_k"],
@@ -296,19 +302,22 @@ def performer_features(
     shift: Float[ArrayLike, "..."] | float = 0.0,
 ) -> Float[Array, "n heads m"]:
     """FAVOR+ features with E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) ("softmax") or the
-    generalised ReLU kernel ("relu"). Inputs are scaled by d^(-1/4) first.
+    generalised ReLU kernel ("relu").
 
     "softmax": phi(x) = exp(W x' - |x'|^2 / 2 - shift) / sqrt(m) with x' = x d^(-1/4);
     `shift` (broadcast to `[n, heads, 1]` or a scalar) is the stabiliser: it cancels
     between numerator and denominator when constant over the keys (or per query row).
-    "relu": phi(x) = relu(W x') / sqrt(m) + 1e-3 (the official code's epsilon).
+    "relu": phi(x) = relu(W x) + RELU_EPSILON, exactly the official JAX code's
+    generalised kernel (no input scaling, the epsilon added to the unscaled features:
+    a common factor such as 1/sqrt(m) would cancel, but an epsilon added after it would
+    be sqrt(m) times larger relative to the features).
     """
-    m = projection.shape[0]
     if kernel == "relu":
-        return jax.nn.relu(_projected(x, projection)[0]) / math.sqrt(m) + 1e-3
+        wx = jnp.einsum("nhd,md->nhm", x.astype(jnp.float32), projection.astype(jnp.float32))
+        return jax.nn.relu(wx) + RELU_EPSILON
     if kernel != "softmax":
         raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
-    return jnp.exp(performer_log_features(x, projection) - shift) / math.sqrt(m)
+    return jnp.exp(performer_log_features(x, projection) - shift) / math.sqrt(projection.shape[0])
 
 
 def _projected(x, projection):
@@ -379,21 +388,23 @@ def performer_attention(
     m = projection.shape[0]
     fq, lk = performer_query_features(q, projection), performer_log_features(k, projection)
     real = jnp.ones((k.shape[0],), bool) if kv_mask is None else kv_mask
-    key_max = jnp.max(jnp.where(real[:, None, None], lk, -jnp.inf), axis=(1, 2))  # per position
-    key_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(key_max), key_max, -jnp.inf))
+    # The key stabiliser is per head: a maximum shared by the heads would let one head
+    # with large norms shift another's features into underflow, coupling the heads.
+    key_max = jnp.max(jnp.where(real[:, None, None], lk, -jnp.inf), axis=2)  # [kv_len, kv_heads]
+    key_max = jax.lax.stop_gradient(key_max)
     if not causal or form != "chunked":
-        shift = jnp.max(key_max)
+        shift = jnp.max(key_max, axis=0)
         shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
-        fk = jnp.exp(lk - shift) / math.sqrt(m)
+        fk = jnp.exp(lk - shift[None, :, None]) / math.sqrt(m)
         return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype)
     chunk = min(chunk_size, q.shape[0])
     check_positive("chunk_size", chunk)
     nc = ceil_div(k.shape[0], chunk)
-    chunk_max = jnp.max(to_blocks(pad_to(key_max, nc * chunk, value=-jnp.inf), chunk), axis=1)
-    running = jax.lax.cummax(chunk_max)  # never decreases: the state only shrinks when rescaled
+    chunk_max = jnp.max(to_blocks(pad_to(key_max, nc * chunk, value=-jnp.inf), chunk), axis=1)  # [nc, kv_heads]
+    running = jax.lax.cummax(chunk_max, axis=0)  # never decreases: the state only shrinks when rescaled
     running = jnp.where(jnp.isfinite(running), running, 0.0)
-    per_token = jnp.repeat(running, chunk)[: k.shape[0]]
-    fk = jnp.exp(lk - per_token[:, None, None]) / math.sqrt(m)
+    per_token = jnp.repeat(running, chunk, axis=0)[: k.shape[0]]
+    fk = jnp.exp(lk - per_token[:, :, None]) / math.sqrt(m)
     return kernel_attention(
         fq, fk, v, causal=True, kv_mask=kv_mask, form="chunked", chunk_size=chunk, key_log_scale=running, dtype=dtype
     )
@@ -406,12 +417,13 @@ def performer_arrays(key: PRNGKeyArray, *, d_k: int, num_features: int = 256, or
 
 
 def _performer_key_features(k, arrays, hyper_parameters):
-    """Plain features (ReLU kernel) or log-features and their max (softmax kernel), which
-    the recurrent decoder shifts by its running stabiliser as the chunked form does."""
+    """Plain features (ReLU kernel) or log-features and each head's max (softmax kernel),
+    which the recurrent decoder shifts by its running per-head stabiliser as the chunked
+    form does."""
     if hyper_parameters["kernel"] == "relu":
         return performer_features(k[None], arrays["projection"], kernel="relu")[0], None
     log_k = performer_log_features(k[None], arrays["projection"])[0]
-    return log_k, jnp.max(log_k)
+    return log_k, jnp.max(log_k, axis=-1)
 
 
 def _performer_query_features(q, arrays, hyper_parameters):
