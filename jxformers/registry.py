@@ -190,6 +190,9 @@ class AttentionSpec:
         drawn: names of arrays from `init_arrays` drawn at random rather than learned
             (Performer's projection, BigBird's key): modules keep them out of the
             gradient and resample them with `redraw(key)`.
+        redrawn: training redraws the drawn arrays periodically (`nn.redraw`, every
+            `train.redraw_every` steps: Performer's feature redrawing); False when the
+            paper draws them once and keeps them for the run (BigBird's random pattern).
         exact: equals `softmax_attention` under some explicit mask (tested).
         content_based: the weights depend on q and k (False for FNet, Synthesizer).
         covers_length: the hyper-parameter that bounds the sequence length (position-
@@ -210,6 +213,7 @@ class AttentionSpec:
     decoder: Decoder | None = None
     init_arrays_fn: Callable[..., dict[str, Any]] | None = None
     drawn: tuple[str, ...] = ()
+    redrawn: bool = True
     exact: bool = True
     content_based: bool = True
     covers_length: str | None = None
@@ -345,6 +349,7 @@ def register(
     decoder: Decoder | None = None,
     init_arrays: Callable[..., dict[str, Any]] | None = None,
     drawn: tuple[str, ...] = (),
+    redrawn: bool = True,
     exact: bool = True,
     content_based: bool = True,
     covers_length: str | None = None,
@@ -381,7 +386,7 @@ def register(
         resolved[flag] = argument in op_params if given is None else given
     spec = AttentionSpec(
         name, op, family, paper, complexity, params, supports_cross=supports_cross, decoder=decoder,
-        init_arrays_fn=init_arrays, drawn=tuple(drawn), exact=exact, content_based=content_based,
+        init_arrays_fn=init_arrays, drawn=tuple(drawn), redrawn=redrawn, exact=exact, content_based=content_based,
         covers_length=covers_length, **resolved,
     )
     for p in params:  # the defaults themselves must pass the checks

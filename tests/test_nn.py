@@ -125,6 +125,16 @@ def test_drawn_arrays_are_not_trained_and_redraw_resamples_them():
     for old, new in zip(model.blocks, fresh.blocks):
         assert not bool(jnp.allclose(old.attention.drawn["projection"], new.attention.drawn["projection"]))
         assert bool(jnp.all(old.ffn.w_in.weight == new.ffn.w_in.weight))
+    # BigBird's random pattern is drawn once for the run (its paper's code seeds it per
+    # layer): the periodic redraw leaves it, an explicit Attention.redraw does not.
+    bird = build_model(dict(TINY, attention="bigbird", attention_kwargs={"block_size": 4}), key=jax.random.key(0))
+    kept = jxformers.nn.redraw(bird, jax.random.key(1))
+    data = lambda m: jax.random.key_data(m.drawn["key"])  # noqa: E731
+    attentions = lambda m: [x for x in jax.tree.leaves(m, is_leaf=is_attention) if is_attention(x)]  # noqa: E731
+    is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
+    for old, new in zip(attentions(bird), attentions(kept), strict=True):
+        assert bool(jnp.all(data(old) == data(new)))
+    assert not bool(jnp.all(data(attentions(bird)[0].redraw(jax.random.key(1))) == data(attentions(bird)[0])))
     # Learned core arrays (Linformer's E and F) are parameters.
     lin = Attention("linformer", 16, 4, attention_kwargs={"proj_len": 4, "max_len": 8}, key=jax.random.key(0))
     assert set(lin.arrays) == {"e_proj", "f_proj"} and trainable(lin).arrays["e_proj"] is True

@@ -281,7 +281,9 @@ def bigbird_attention(
     iff |a - b| <= num_window_blocks // 2 (sliding), a or b is a global block
     (`bigbird_global_blocks`), or b is one of a's random blocks. The random blocks are
     `random_blocks` if given, else drawn from `key` with `bigbird_random_blocks` (the
-    same key gives the same pattern: fixed per call, redrawn only by a new key).
+    same key gives the same pattern: fixed per call, redrawn only by a new key). In a
+    model the key is drawn once per layer and kept for the whole run, as the paper's
+    code seeds its pattern per layer: training's periodic `nn.redraw` leaves it alone.
     Padded keys (`kv_mask`) are masked in every part, global ones included.
 
     Arguments:
@@ -374,7 +376,7 @@ def bigbird_arrays(key: PRNGKeyArray) -> dict[str, PRNGKeyArray]:
 
 register(
     "bigbird", bigbird_attention, family="fixed pattern", paper="Zaheer et al. 2020", complexity="O(N*b*(w+g+r))",
-    init_arrays=bigbird_arrays, drawn=("key",),
+    init_arrays=bigbird_arrays, drawn=("key",), redrawn=False,
     docs={"block_size": "tokens per block", "num_random_blocks": "random key blocks per query block",
           "num_window_blocks": "sliding window in blocks (odd)", "num_global_blocks": "global blocks (first and last)"},
 )
