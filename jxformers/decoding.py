@@ -117,8 +117,10 @@ def recurrent(
         query_features: `(q [heads, d_k], arrays, hyper_parameters) -> [heads, m]`, when
             queries are featurised differently (Performer stabilises each query by its
             own max); default: `features` (which must then return plain features).
-        gate: `(k [kv_heads, d_k], arrays, hyper_parameters) -> [kv_heads]` in (0, 1]:
-            S_t = g_t S_{t-1} + phi(k_t) v_t^T (RFA's gate; gated linear attention).
+        gate: `(k [kv_heads, d_k], arrays, hyper_parameters) -> [kv_heads]` in (0, 1],
+            or None for no decay this step: S_t = g_t S_{t-1} + phi(k_t) v_t^T (gated
+            linear attention; RFA's gate, which the module computes from the token and
+            passes in `arrays`, its key features carrying the (1 - g_t)).
     """
 
     def query(q, arrays, hp):
@@ -144,8 +146,9 @@ def recurrent(
             s, z, log_scale = s * shrink[:, None, None], z * shrink[:, None], new_scale
             phi_k = jnp.exp(phi_k - new_scale[:, None]) / math.sqrt(phi_k.shape[-1])
         phi_k = phi_k.astype(jnp.float32)
-        if gate is not None:
-            g = gate(k, arrays, hyper_parameters).astype(jnp.float32)
+        g = None if gate is None else gate(k, arrays, hyper_parameters)
+        if g is not None:
+            g = g.astype(jnp.float32)
             s, z = s * g[:, None, None], z * g[:, None]
         s = s + jnp.einsum("hm,hd->hmd", phi_k, v.astype(jnp.float32))
         z = z + phi_k

@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_close
 
 import jxformers
-from jxformers import ModelConfig, build_model
+from jxformers import ModelConfig, build_model, ops
 from jxformers.nn import (
     Attention,
     FeedForward,
@@ -429,3 +429,35 @@ def test_untrained_language_model_starts_near_chance(d_model):
     assert abs(float(loss) - math.log(vocab)) < 0.5, float(loss)
     p_input = jnp.exp(jnp.take_along_axis(log_p, x[..., None], axis=-1))
     assert float(p_input.mean()) < 0.5, float(p_input.mean())
+
+
+def test_rfa_gate_and_sigma_are_parameters_of_the_module():
+    attn = Attention("rfa", 16, 4, kv_heads=2, causal=True, key=jax.random.key(0),
+                     attention_kwargs={"num_features": 8, "gated": True, "sigma": 0.5})
+    assert set(attn.token_params) == {"gate_w", "gate_b"} and set(attn.arrays) == {"log_sigma"}
+    mask = trainable(attn)
+    assert mask.token_params["gate_w"] is True and mask.arrays["log_sigma"] is True
+    assert_close(jnp.exp(attn.arrays["log_sigma"]), jnp.full((2, 4), 0.5))  # positive by parametrisation
+    x = jax.random.normal(jax.random.key(1), (9, 16))
+    q, k, v = (attn._heads(x, p, h) for p, h in ((attn.q_proj, 4), (attn.k_proj, 2), (attn.v_proj, 2)))
+    gate = jax.nn.sigmoid(x @ attn.token_params["gate_w"] + attn.token_params["gate_b"][None])  # [tokens, heads]
+    expected = ops.rfa_attention(q, k, v, attn.drawn["projection"], log_sigma=attn.arrays["log_sigma"], gate=gate,
+                                 causal=True)
+    assert_close(attn(x), attn._out(expected, x), atol=1e-5)
+    grads = eqx.filter_grad(lambda a: jnp.sum(a(x) ** 2))(attn)
+    assert float(jnp.abs(grads.token_params["gate_w"]).max()) > 0 and float(jnp.abs(grads.arrays["log_sigma"]).max()) > 0
+    # Ungated RFA has no gate; the gate needs a causal state.
+    assert Attention("rfa", 16, 4, key=jax.random.key(0)).token_params == {}
+    encoder = Attention("rfa", 16, 4, key=jax.random.key(0), attention_kwargs={"gated": True})
+    with pytest.raises(ValueError, match="causal"):
+        encoder(x)
+
+
+def test_rfa_learned_sigma_scales_the_random_features():
+    q, k, v = (jax.random.normal(jax.random.key(i), (7, 2, 4)) for i in range(3))
+    w = ops.performer_projection(jax.random.key(3), 8, 4)
+    scaled = ops.rfa_attention(q, k, v, w * 0.7)
+    assert_close(ops.rfa_attention(q, k, v, w, log_sigma=jnp.full((2, 4), math.log(0.7))), scaled, atol=1e-5)
+    with pytest.raises(ValueError, match="log_sigma"):
+        ops.rfa_attention(q, k, v, w, log_sigma=jnp.zeros((3, 4)))
+

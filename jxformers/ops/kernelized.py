@@ -4,8 +4,8 @@
 * `linear_attention`: deterministic feature maps (elu + 1, relu, identity, a callable).
 * `performer_attention`: FAVOR+ positive orthogonal random features for the softmax
   kernel, and the generalised ReLU kernel (Choromanski et al., 2021).
-* `rfa_attention`: random Fourier features with an optional recurrent gate
-  (Peng et al., 2021).
+* `rfa_attention`: random Fourier features with a learned scale and an optional
+  recurrent gate computed from the layer input (Peng et al., 2021).
 
 All three share one core (`kernel_attention`): non-causal by associativity; causal as
 the prefix sums S_i = sum_{j<=i} phi(k_j) v_j^T, Z_i = sum_{j<=i} phi(k_j) in one of three
@@ -37,7 +37,7 @@ from jxformers.ops._common import (
     pad_to,
     to_blocks,
 )
-from jxformers.registry import register
+from jxformers.registry import TokenInputs, register
 
 FORMS = ("chunked", "scan", "quadratic")
 DEFAULT_CHUNK = 64
@@ -445,13 +445,24 @@ register(
 # ----------------------------------------------------------------------------- RFA
 
 
-def rfa_features(x: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]) -> Float[Array, "n heads two_m"]:
+def rfa_features(
+    x: Float[ArrayLike, "n heads d_k"],
+    projection: Float[ArrayLike, "m _d_k"],
+    log_sigma: Float[ArrayLike, "sigma_heads _d_k"] | None = None,
+) -> Float[Array, "n heads two_m"]:
     """Random Fourier features of the l2-normalised input:
-    phi(x) = [sin(W x), cos(W x)] / sqrt(m), so phi(x) . phi(y) estimates the Gaussian
-    kernel exp(-|x - y|^2 / (2 sigma^2)) = exp((x . y - 1) / sigma^2) for unit vectors when
-    the rows of W are N(0, I / sigma^2)."""
+    phi(x) = [sin(W x), cos(W x)] / sqrt(m) with W = epsilon * diag(sigma), epsilon the
+    standard-normal `projection` and sigma = exp(log_sigma) (default 1): RFA's
+    reparametrised random feature variance, w_i ~ N(0, diag(sigma^2)), so that sigma is
+    learned. phi(x) . phi(y) estimates the Gaussian kernel exp(-|sigma (x - y)|^2 / 2),
+    for unit vectors and a scalar sigma exp((x . y - 1) sigma^2).
+
+    `log_sigma` is per key head `[kv_heads, d_k]`; query heads of one group share it.
+    """
     xs = x.astype(jnp.float32)
     xs = xs / jnp.maximum(jnp.linalg.norm(xs, axis=-1, keepdims=True), 1e-6)
+    if log_sigma is not None:
+        xs = xs * jnp.repeat(jnp.exp(log_sigma.astype(jnp.float32)), x.shape[1] // log_sigma.shape[0], axis=0)[None]
     wx = jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32))
     return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1) / math.sqrt(projection.shape[0])
 
@@ -462,6 +473,7 @@ def rfa_attention(
     v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     projection: Float[ArrayLike, "num_features _d_k"],
     *,
+    log_sigma: Float[ArrayLike, "_kv_heads _d_k"] | None = None,
     gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
     causal: bool = False,
     kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
@@ -471,11 +483,12 @@ def rfa_attention(
     """Random Feature Attention (Peng et al., 2021).
 
     sim(q, k) = phi(q) . phi(k) with random Fourier features of unit-normalised q and k
-    (`rfa_features`); draw the projection as `sigma^-1 * performer_projection(...)`.
-    With `gate` (causal only; values in (0, 1], computed by the caller, e.g.
-    sigmoid(w . x_t + b)), the states follow RFA's gated recurrence
-    S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T: pass the gate, and the (1 - g_t) factor
-    is applied to keys and values here.
+    (`rfa_features`): `projection` is standard normal (`performer_projection`), the
+    learned `log_sigma [kv_heads, d_k]` scales it (default: sigma = 1). With `gate`
+    (causal only; values in (0, 1], the paper's g_t = sigmoid(w_g . x_t + b_g) per token
+    and head, made from the layer input by the module), the states follow RFA's gated
+    recurrence S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T (and z_t alike): pass the
+    gate, and the (1 - g_t) factor is applied to keys and values here.
 
     Note: Fourier features are not positive, so the estimated normaliser can approach
     zero for some rows (a known weakness of RFA); such rows are returned as zero rather
@@ -487,7 +500,10 @@ def rfa_attention(
     check_qkv(q, k, v, self_attention=causal)
     if projection.shape[1] != q.shape[2]:
         raise ValueError(f"projection must have shape [num_features, d_k={q.shape[2]}]; got {tuple(projection.shape)}")
-    fq, fk = rfa_features(q, projection), rfa_features(k, projection)
+    if log_sigma is not None and log_sigma.shape != (k.shape[1], k.shape[2]):
+        raise ValueError(f"log_sigma must have shape [kv_heads={k.shape[1]}, d_k={k.shape[2]}]; "
+                         f"got {tuple(log_sigma.shape)}")
+    fq, fk = rfa_features(q, projection, log_sigma), rfa_features(k, projection, log_sigma)
     if gate is not None:
         if gate.shape != k.shape[:2]:
             raise ValueError(f"gate must have shape {k.shape[:2]} ([kv_len, kv_heads]); got {gate.shape}")
@@ -497,20 +513,60 @@ def rfa_attention(
     )
 
 
-def rfa_arrays(key: PRNGKeyArray, *, d_k: int, num_features: int = 128, sigma: float = 1.0
-               ) -> dict[str, Float[Array, "num_features d_k"]]:
-    """RFA's drawn projection, rows ~ N(0, I / sigma^2) (redrawn with the module)."""
+def rfa_arrays(key: PRNGKeyArray, *, kv_heads: int, d_k: int, num_features: int = 128, sigma: float = 1.0
+               ) -> dict[str, Array]:
+    """RFA's drawn standard-normal projection (redrawn with the module) and its learned
+    random-feature scale, `log_sigma [kv_heads, d_k]` starting at log(sigma) (positive
+    by parametrisation)."""
     if not sigma > 0:
-        raise ValueError(f"sigma (the Gaussian kernel width) must be > 0; got {sigma!r}")
-    return {"projection": performer_projection(key, num_features, d_k) / sigma}
+        raise ValueError(f"sigma (the initial random feature scale) must be > 0; got {sigma!r}")
+    return {"projection": performer_projection(key, num_features, d_k),
+            "log_sigma": jnp.full((kv_heads, d_k), math.log(sigma), jnp.float32)}
 
 
-def _rfa_features(x, arrays, hyper_parameters):
-    return rfa_features(x[None], arrays["projection"])[0], None
+def rfa_gate_params(key: PRNGKeyArray, *, d_model: int, kv_heads: int, gated: bool = False) -> dict[str, Array]:
+    """The gate's projection (w_g [d_model, kv_heads], b_g [kv_heads]) when `gated`."""
+    if not gated:
+        return {}
+    return {"gate_w": jax.random.normal(key, (d_model, kv_heads)) / math.sqrt(d_model),
+            "gate_b": jnp.zeros((kv_heads,))}
+
+
+def rfa_gate(
+    params: dict[str, Array],
+    queries: Float[Array, "q_len d_model"],
+    keys: Float[Array, "kv_len d_model"] | None,
+    hyper_parameters: dict,
+) -> dict[str, Float[Array, "kv_len kv_heads"]]:
+    """g_t = sigmoid(w_g . x_t + b_g) for each key token x_t and head (gated RFA)."""
+    if not params:
+        return {}
+    if keys is None:
+        raise ValueError("gated RFA decays a causal self-attention state; it has no gate in cross-attention")
+    x = keys.astype(jnp.float32)
+    return {"gate": jax.nn.sigmoid(x @ params["gate_w"].astype(jnp.float32) + params["gate_b"][None])}
+
+
+def _rfa_key_features(k, arrays, hyper_parameters):
+    phi = rfa_features(k[None], arrays["projection"], arrays.get("log_sigma"))[0]
+    if "gate" in arrays:  # the gated update adds (1 - g_t) phi(k_t) v_t^T
+        phi = phi * (1.0 - arrays["gate"][0])[:, None]
+    return phi, None
+
+
+def _rfa_query_features(q, arrays, hyper_parameters):
+    return rfa_features(q[None], arrays["projection"], arrays.get("log_sigma"))[0]
+
+
+def _rfa_decay(k, arrays, hyper_parameters):
+    return arrays["gate"][0] if "gate" in arrays else None
 
 
 register(
     "rfa", rfa_attention, family="kernelized", paper="Peng et al. 2021", complexity="O(N*m*d)",
-    supports_cross=True, exact=False, init_arrays=rfa_arrays, drawn=("projection",), decoder=recurrent(_rfa_features),
-    choices=_FORMS, docs={"num_features": "random Fourier features m", "sigma": "Gaussian kernel width", **_FORM_DOCS},
+    supports_cross=True, exact=False, init_arrays=rfa_arrays, drawn=("projection",),
+    token_inputs=TokenInputs(rfa_gate_params, rfa_gate),
+    decoder=recurrent(_rfa_key_features, query_features=_rfa_query_features, gate=_rfa_decay),
+    choices=_FORMS, docs={"num_features": "random Fourier features m", "sigma": "initial random feature scale (learned)",
+                          "gated": "gate the causal state (sigmoid of the layer input)", **_FORM_DOCS},
 )
