@@ -84,8 +84,10 @@ FACTS: dict[str, Facts] = {
         growth=Growth("n sqrt n", lambda n: {"stride": math.isqrt(n)}),
     ),
     "longformer": Facts(
-        variants=({"window": 2, "global_indices": (0, 11)},), mask=masks.longformer,
-        errors=(({"global_indices": (0, 99)}, "global_indices"), ({"window": -1}, "window")),
+        variants=({"window": 2, "global_indices": (0, 11)}, {"window": 2, "dilation": 3, "global_indices": (0, 11)}),
+        mask=masks.longformer,
+        errors=(({"global_indices": (0, 99)}, "global_indices"), ({"window": -1}, "window"),
+                ({"dilation": 0}, "dilation")),
         growth=Growth("linear", lambda n: {"window": 32, "global_indices": (0, 5)}),
     ),
     "bigbird": Facts(

@@ -461,3 +461,18 @@ def test_rfa_learned_sigma_scales_the_random_features():
     with pytest.raises(ValueError, match="log_sigma"):
         ops.rfa_attention(q, k, v, w, log_sigma=jnp.zeros((3, 4)))
 
+
+def test_longformer_global_projections_change_only_the_global_rows():
+    attn = Attention("longformer", 16, 4, key=jax.random.key(0),
+                     attention_kwargs={"window": 2, "dilation": 2, "global_indices": (0, 5)})
+    assert sorted(attn.token_params) == sorted(f"global_{p}_{w}" for p in "qkv" for w in "wb")
+    assert all(trainable(attn).token_params.values())
+    x = jax.random.normal(jax.random.key(1), (12, 16))
+    call = eqx.filter_jit(lambda a, x: a(x))
+    moved = eqx.tree_at(lambda a: a.token_params, attn, {n: p + 0.5 for n, p in attn.token_params.items()})
+    change = jnp.abs(call(moved, x) - call(attn, x)).max(-1)
+    is_global = jnp.isin(jnp.arange(12), jnp.array([0, 5]))
+    assert bool(jnp.all(change[is_global] > 1e-3)) and float(change[~is_global].max()) == 0.0
+    plain = Attention("longformer", 16, 4, key=jax.random.key(0), attention_kwargs={"global_projections": False})
+    assert plain.token_params == {}
+
