@@ -188,18 +188,22 @@ def test_synthesizer_kinds_match_their_formulas():
     r = jax.random.normal(jax.random.key(1), (4, 16, 16))
     assert_close(ops.synthesizer_attention(q, k, v, kind="random", random=r),
                  ops.softmax_attention(q, k, v, bias=r[:, :10, :10], scale=0.0), atol=1e-6)
+    assert_close(ops.synthesizer_attention(q, k, v, kind="random", fixed_random=r),
+                 ops.softmax_attention(q, k, v, bias=r[:, :10, :10], scale=0.0), atol=1e-6)
+    # The paper's mixture: softmax(a1 B + a2 q k^T / sqrt(d)), (a1, a2) = softmax(learned logits).
     a, b = jax.random.normal(jax.random.key(2), (2, 4, 16, 3))
-    assert_close(ops.synthesizer_attention(q, k, v, kind="factorized_random", factor_a=a, factor_b=b, dot_weight=0.5),
-                 ops.softmax_attention(q, k, v, bias=jnp.einsum("hqr,hkr->hqk", a[:, :10], b[:, :10]), scale=0.5 / math.sqrt(8)),
-                 atol=1e-5)
-    w1 = jax.random.normal(jax.random.key(3), (4, 8, 5))
-    b1 = jnp.zeros((4, 5))
-    w2 = jax.random.normal(jax.random.key(4), (4, 5, 16))
-    dense = jnp.einsum("hqe,hem->hqm", jnp.maximum(jnp.einsum("qhd,hde->hqe", q, w1), 0), w2[:, :, :10])
-    assert_close(ops.synthesizer_attention(q, k, v, kind="dense", w1=w1, b1=b1, w2=w2, causal=True),
-                 ops.softmax_attention(q, k, v, bias=dense, scale=0.0, causal=True), atol=1e-5)
+    mix = jnp.array([0.3, -0.4])
+    a1, a2 = np.exp([0.3, -0.4]) / np.exp([0.3, -0.4]).sum()
+    assert_close(ops.synthesizer_attention(q, k, v, kind="factorized_random", factor_a=a, factor_b=b, mixture_logits=mix),
+                 ops.softmax_attention(q, k, v, bias=a1 * jnp.einsum("hqr,hkr->hqk", a[:, :10], b[:, :10]),
+                                       scale=a2 / math.sqrt(8)), atol=1e-5)
+    dense = jax.random.normal(jax.random.key(3), (4, 10, 16))  # rows made from the tokens by the module
+    assert_close(ops.synthesizer_attention(q, k, v, kind="dense", dense_logits=dense, causal=True),
+                 ops.softmax_attention(q, k, v, bias=dense[:, :, :10], scale=0.0, causal=True), atol=1e-5)
     with pytest.raises(ValueError, match="needs `random`"):
         ops.synthesizer_attention(q, k, v, kind="random")
+    with pytest.raises(ValueError, match="dense_logits"):
+        ops.synthesizer_attention(q, k, v, kind="dense")
 
 
 def test_nystrom_with_a_landmark_per_token_is_softmax():

@@ -476,3 +476,70 @@ def test_longformer_global_projections_change_only_the_global_rows():
     plain = Attention("longformer", 16, 4, key=jax.random.key(0), attention_kwargs={"global_projections": False})
     assert plain.token_params == {}
 
+
+_call = eqx.filter_jit(lambda attention, x: attention(x))
+_grad = eqx.filter_jit(eqx.filter_grad(lambda attention, x: jnp.sum(attention(x) ** 2)))
+
+
+def _synthesizer(kind, **kwargs):
+    return Attention("synthesizer", 16, 2, key=jax.random.key(0),
+                     attention_kwargs={"kind": kind, "max_len": 12, **kwargs})
+
+
+def test_dense_synthesizer_reads_the_layer_input_not_the_queries():
+    # B_i = W2 relu(W1 X_i + b1) + b2 per head, from the token X_i (Tay et al. 2021, eq. 1).
+    attn = _synthesizer("dense", hidden=8)
+    p = attn.token_params
+    assert {n: a.shape for n, a in p.items()} == {"w1": (2, 16, 8), "b1": (2, 8), "w2": (2, 8, 12), "b2": (2, 12)}
+    assert _synthesizer("dense").token_params["w1"].shape == (2, 16, 16)  # hidden = d_model, the paper's d x d
+    p = {n: a + 0.1 * jax.random.normal(jax.random.key(i), a.shape) for i, (n, a) in enumerate(p.items())}
+    attn = eqx.tree_at(lambda a: a.token_params, attn, p)
+    x = jax.random.normal(jax.random.key(1), (9, 16))
+    xn, pn = np.asarray(x), {n: np.asarray(a) for n, a in p.items()}
+    logits = np.stack([np.maximum(xn @ pn["w1"][h] + pn["b1"][h], 0) @ pn["w2"][h] + pn["b2"][h] for h in range(2)])
+    v = attn._heads(x, attn.v_proj, 2)
+    expected = ops.softmax_attention(v, v, v, bias=jnp.asarray(logits[:, :, :9], jnp.float32), scale=0.0)
+    assert_close(_call(attn, x), attn._out(expected, x), atol=1e-5)
+    other_q = eqx.tree_at(lambda a: a.q_proj.weight, attn, attn.q_proj.weight * 3)
+    assert_close(_call(other_q, x), _call(attn, x), atol=1e-6)  # the query projection plays no part
+    grads = _grad(attn, x)
+    assert float(jnp.abs(grads.token_params["w1"]).max()) > 0
+
+
+def test_factorized_dense_synthesizer_tiles_a_and_repeats_b():
+    attn = _synthesizer("factorized_dense", factor=4)  # a = 4, b = 3: a * b = max_len
+    p = attn.token_params
+    x = jax.random.normal(jax.random.key(1), (12, 16))
+    xn, pn = np.asarray(x), {n: np.asarray(a) for n, a in p.items()}
+    a = np.stack([xn @ pn["wa"][h] + pn["ba"][h] for h in range(2)])  # [heads, n, 4]
+    b = np.stack([xn @ pn["wb"][h] + pn["bb"][h] for h in range(2)])  # [heads, n, 3]
+    c = np.stack([[np.array([a[h, i, t % 4] * b[h, i, t // 4] for t in range(12)]) for i in range(12)]
+                  for h in range(2)])
+    assert_close(attn.core.token_arrays(p, x, x)["dense_logits"], c, atol=1e-5)
+
+
+def test_synthesizer_random_logits_fixed_or_trained_and_the_mixture_is_learned():
+    trained, fixed = _synthesizer("random"), _synthesizer("random", trainable_random=False)
+    assert trainable(trained).arrays["random"] is True
+    assert set(fixed.drawn) == {"fixed_random"} and trainable(fixed).drawn["fixed_random"] is False
+    assert jxformers.nn.redraw(fixed, jax.random.key(3)) is fixed  # drawn once, never redrawn
+    mixed = _synthesizer("random", mixture=True)
+    assert_close(mixed.arrays["mixture_logits"], jnp.zeros(2))  # equal weights to start
+    x = jax.random.normal(jax.random.key(1), (9, 16))
+    grads = _grad(mixed, x)
+    assert float(jnp.abs(grads.arrays["mixture_logits"]).max()) > 0
+    assert float(jnp.abs(grads.q_proj.weight).max()) > 0  # the dot-product half reads q and k
+
+
+def test_dense_synthesizer_language_model_is_causal_and_trains():
+    from suites import TINY as SMALL
+    from suites import finite_grads, forward, loss_grad, tokens
+
+    model = build_model(ModelConfig(task="lm", attention="synthesizer", **SMALL,
+                                    attention_kwargs={"kind": "dense", "hidden": 8}), key=jax.random.key(0))
+    x = tokens(3)
+    logits = forward(model, x)
+    changed = forward(model, x.at[12:].set(tokens(4)[12:]))
+    assert_close(changed[:12], logits[:12], atol=1e-5)
+    assert not bool(jnp.allclose(changed[12:], logits[12:]))
+    assert finite_grads(loss_grad(model, x))
