@@ -431,6 +431,10 @@ def test_untrained_language_model_starts_near_chance(d_model):
     assert float(p_input.mean()) < 0.5, float(p_input.mean())
 
 
+_call = eqx.filter_jit(lambda attention, x: attention(x))
+_grad = eqx.filter_jit(eqx.filter_grad(lambda attention, x: jnp.sum(attention(x) ** 2)))
+
+
 def test_rfa_gate_and_sigma_are_parameters_of_the_module():
     attn = Attention("rfa", 16, 4, kv_heads=2, causal=True, key=jax.random.key(0),
                      attention_kwargs={"num_features": 8, "gated": True, "sigma": 0.5})
@@ -443,14 +447,14 @@ def test_rfa_gate_and_sigma_are_parameters_of_the_module():
     gate = jax.nn.sigmoid(x @ attn.token_params["gate_w"] + attn.token_params["gate_b"][None])  # [tokens, heads]
     expected = ops.rfa_attention(q, k, v, attn.drawn["projection"], log_sigma=attn.arrays["log_sigma"], gate=gate,
                                  causal=True)
-    assert_close(attn(x), attn._out(expected, x), atol=1e-5)
-    grads = eqx.filter_grad(lambda a: jnp.sum(a(x) ** 2))(attn)
+    assert_close(_call(attn, x), attn._out(expected, x), atol=1e-5)
+    grads = _grad(attn, x)
     assert float(jnp.abs(grads.token_params["gate_w"]).max()) > 0 and float(jnp.abs(grads.arrays["log_sigma"]).max()) > 0
     # Ungated RFA has no gate; the gate needs a causal state.
     assert Attention("rfa", 16, 4, key=jax.random.key(0)).token_params == {}
     encoder = Attention("rfa", 16, 4, key=jax.random.key(0), attention_kwargs={"gated": True})
     with pytest.raises(ValueError, match="causal"):
-        encoder(x)
+        _call(encoder, x)
 
 
 def test_rfa_learned_sigma_scales_the_random_features():
@@ -475,10 +479,6 @@ def test_longformer_global_projections_change_only_the_global_rows():
     assert bool(jnp.all(change[is_global] > 1e-3)) and float(change[~is_global].max()) == 0.0
     plain = Attention("longformer", 16, 4, key=jax.random.key(0), attention_kwargs={"global_projections": False})
     assert plain.token_params == {}
-
-
-_call = eqx.filter_jit(lambda attention, x: attention(x))
-_grad = eqx.filter_jit(eqx.filter_grad(lambda attention, x: jnp.sum(attention(x) ** 2)))
 
 
 def _synthesizer(kind, **kwargs):
