@@ -38,8 +38,9 @@ import jaxtyping
 CALL_ARGUMENTS = ("causal", "kv_mask", "mask", "bias", "scale")
 # Arguments of an array initialiser that come from the module's shapes.
 SHAPE_ARGUMENTS = ("heads", "kv_heads", "d_k", "d_v")
-# ... and of a token-input initialiser, which also sees the model width.
-TOKEN_SHAPE_ARGUMENTS = (*SHAPE_ARGUMENTS, "d_model")
+# ... and of a token-input initialiser, which also sees the model width and whether the
+# module is causal (to refuse, before any call, what needs a causal state).
+TOKEN_SHAPE_ARGUMENTS = (*SHAPE_ARGUMENTS, "d_model", "causal")
 _REQUIRED = inspect.Parameter.empty
 
 
@@ -178,7 +179,7 @@ class TokenInputs:
     (RFA's gate sigmoid(w . x_t + b), the dense Synthesizer's B_i = F(X_i)): the
     attention module owns their learned parameters and calls `apply` on its input.
 
-    `init(key, *, d_model, heads, kv_heads, d_k, d_v, <hyper-parameters>) -> params`
+    `init(key, *, d_model, heads, kv_heads, d_k, d_v, causal, <hyper-parameters>) -> params`
     (hyper-parameters it alone takes shape the parameters, like `init_arrays`'s);
     `apply(params, queries [q_len, d_model], keys [kv_len, d_model] or None,
     hyper_parameters) -> {op argument: array}`. `keys` is None in cross-attention
@@ -336,14 +337,15 @@ class BoundAttention:
         given = {"heads": heads, "kv_heads": kv_heads, "d_k": d_k, "d_v": d_v} | self.hyper_parameters
         return fn(key, **{n: v for n, v in given.items() if n in wanted})
 
-    def init_token_params(self, key, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int
-                          ) -> dict[str, Any]:
-        """The learned parameters of its token inputs (empty when it reads no tokens)."""
+    def init_token_params(self, key, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int,
+                          causal: bool = False) -> dict[str, Any]:
+        """The learned parameters of its token inputs (empty when it reads no tokens) for
+        a module that is `causal` or not."""
         token_inputs = self.spec.token_inputs
         if token_inputs is None:
             return {}
         wanted = inspect.signature(token_inputs.init).parameters
-        given = {"d_model": d_model, "heads": heads, "kv_heads": kv_heads, "d_k": d_k, "d_v": d_v}
+        given = {"d_model": d_model, "heads": heads, "kv_heads": kv_heads, "d_k": d_k, "d_v": d_v, "causal": causal}
         given |= self.hyper_parameters
         return token_inputs.init(key, **{n: v for n, v in given.items() if n in wanted})
 

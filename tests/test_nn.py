@@ -452,9 +452,8 @@ def test_rfa_gate_and_sigma_are_parameters_of_the_module():
     assert float(jnp.abs(grads.token_params["gate_w"]).max()) > 0 and float(jnp.abs(grads.arrays["log_sigma"]).max()) > 0
     # Ungated RFA has no gate; the gate needs a causal state.
     assert Attention("rfa", 16, 4, key=jax.random.key(0)).token_params == {}
-    encoder = Attention("rfa", 16, 4, key=jax.random.key(0), attention_kwargs={"gated": True})
-    with pytest.raises(ValueError, match="causal"):
-        _call(encoder, x)
+    with pytest.raises(ValueError, match="gated=True needs causal"):
+        Attention("rfa", 16, 4, key=jax.random.key(0), attention_kwargs={"gated": True})
 
 
 def test_rfa_learned_sigma_scales_the_random_features():

@@ -97,7 +97,7 @@ class Attention(eqx.Module):
         self.arrays = {n: a for n, a in made.items() if n not in drawn}
         self.drawn = {n: a for n, a in made.items() if n in drawn}
         self.token_params = attention.init_token_params(kt, d_model=d_model, heads=num_heads, kv_heads=kv_heads,
-                                                        d_k=d_head, d_v=d_head)
+                                                        d_k=d_head, d_v=d_head, causal=causal)
 
     @property
     def name(self) -> str:

@@ -524,10 +524,14 @@ def rfa_arrays(key: PRNGKeyArray, *, kv_heads: int, d_k: int, num_features: int 
             "log_sigma": jnp.full((kv_heads, d_k), math.log(sigma), jnp.float32)}
 
 
-def rfa_gate_params(key: PRNGKeyArray, *, d_model: int, kv_heads: int, gated: bool = False) -> dict[str, Array]:
+def rfa_gate_params(key: PRNGKeyArray, *, d_model: int, kv_heads: int, causal: bool, gated: bool = False
+                    ) -> dict[str, Array]:
     """The gate's projection (w_g [d_model, kv_heads], b_g [kv_heads]) when `gated`."""
     if not gated:
         return {}
+    if not causal:
+        raise ValueError("rfa: gated=True needs causal self-attention (the gate decays a running state); "
+                         "this attention is not causal (an encoder or cross-attention): use gated=False there")
     return {"gate_w": jax.random.normal(key, (d_model, kv_heads)) / math.sqrt(d_model),
             "gate_b": jnp.zeros((kv_heads,))}
 
