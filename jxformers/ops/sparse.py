@@ -283,7 +283,9 @@ def longformer_globals(
     keys: Float[Array, "kv_len d_model"] | None,
     hyper_parameters: dict,
 ) -> dict[str, Array]:
-    """The global projections of the layer's tokens (nothing when there are none)."""
+    """The global projections of the layer's tokens (nothing when there are none).
+    Rotary embeddings (position="rope") rotate the module's q and k, not these: with
+    rope the global rows see no positions (the paper uses learned absolute ones)."""
     if not params:
         return {}
     if keys is None:
