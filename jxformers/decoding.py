@@ -10,7 +10,7 @@ with its own pieces; nothing here knows any attention by name.
 * `recurrent(features, query_features=None, gate=None)`: the constant-size state of
   seed 002 eq. 4-6, S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j): the transformer as an
   RNN, O(m * d) per step and O(1) memory in the length. Log-features (Performer's) are
-  stabilised by a running max that rescales (S, Z) when it grows, as the chunked form
+  stabilised by a running max per head that rescales (S, Z) when it grows, as the chunked form
   does; an optional gate decays the state, S_t = g_t S_{t-1} + phi(k_t) v_t^T.
 
 Parity (tested for every registered decoder): decoding a sequence token by token gives
@@ -38,7 +38,7 @@ Arrays = Mapping[str, Any]
 BiasFn = Callable[[Int[Array, " q"], Int[Array, " kv"]], Float[Array, "heads q kv"]]
 # (q [1, heads, d_k], k [slots, kv_heads, d_k], v [slots, kv_heads, d_v], *, kv_mask, bias) -> [1, heads, d_v]
 Attend = Callable[..., Float[Array, "1 heads d_v"]]
-# (x [n_heads, d_k], arrays, hyper_parameters) -> (features [n_heads, m], log_max or None)
+# (x [n_heads, d_k], arrays, hyper_parameters) -> (features [n_heads, m], log_max [n_heads] or None)
 Features = Callable[[Array, Arrays, HyperParameters], tuple[Array, Array | None]]
 
 
@@ -57,7 +57,7 @@ class RecurrentState(eqx.Module):
 
     s: Float[Array, "kv_heads m d_v"]
     z: Float[Array, "kv_heads m"]
-    log_scale: Float[Array, ""]  # key features were divided by exp(log_scale) (log-features)
+    log_scale: Float[Array, " kv_heads"]  # each head's key features were divided by exp(this) (log-features)
     length: Int[Array, ""]
 
 
@@ -111,13 +111,16 @@ def recurrent(
 
     Arguments:
         features: `(x [n_heads, d_k], arrays, hyper_parameters) -> (phi [n_heads, m],
-            log_max)`; `log_max` is None for plain features, or the max of `phi` when
-            `phi` holds log-features (exp is taken here, shifted by a running max).
+            log_max)`; `log_max` is None for plain features, or each head's max of `phi`
+            `[n_heads]` when `phi` holds log-features (exp is taken here, shifted by a
+            running max per head, so heads never share a stabiliser).
         query_features: `(q [heads, d_k], arrays, hyper_parameters) -> [heads, m]`, when
             queries are featurised differently (Performer stabilises each query by its
             own max); default: `features` (which must then return plain features).
-        gate: `(k [kv_heads, d_k], arrays, hyper_parameters) -> [kv_heads]` in (0, 1]:
-            S_t = g_t S_{t-1} + phi(k_t) v_t^T (RFA's gate; gated linear attention).
+        gate: `(k [kv_heads, d_k], arrays, hyper_parameters) -> [kv_heads]` in (0, 1],
+            or None for no decay this step: S_t = g_t S_{t-1} + phi(k_t) v_t^T (gated
+            linear attention; RFA's gate, which the module computes from the token and
+            passes in `arrays`, its key features carrying the (1 - g_t)).
     """
 
     def query(q, arrays, hp):
@@ -132,7 +135,7 @@ def recurrent(
         probe = jax.eval_shape(lambda: features(jnp.zeros((kv_heads, d_k)), arrays, hyper_parameters)[0])
         m = probe.shape[-1]
         return RecurrentState(jnp.zeros((kv_heads, m, d_v), jnp.float32), jnp.zeros((kv_heads, m), jnp.float32),
-                              jnp.asarray(_NO_SCALE, jnp.float32), jnp.zeros((), jnp.int32))
+                              jnp.full((kv_heads,), _NO_SCALE, jnp.float32), jnp.zeros((), jnp.int32))
 
     def step(q, k, v, state: RecurrentState, *, hyper_parameters, arrays, bias_fn):
         phi_k, log_max = features(k, arrays, hyper_parameters)
@@ -140,11 +143,12 @@ def recurrent(
         if log_max is not None:  # phi_k holds log-features: shift by the running max
             new_scale = jnp.maximum(log_scale, jax.lax.stop_gradient(log_max))
             shrink = jnp.exp(log_scale - new_scale)
-            s, z, log_scale = s * shrink, z * shrink, new_scale
-            phi_k = jnp.exp(phi_k - new_scale) / math.sqrt(phi_k.shape[-1])
+            s, z, log_scale = s * shrink[:, None, None], z * shrink[:, None], new_scale
+            phi_k = jnp.exp(phi_k - new_scale[:, None]) / math.sqrt(phi_k.shape[-1])
         phi_k = phi_k.astype(jnp.float32)
-        if gate is not None:
-            g = gate(k, arrays, hyper_parameters).astype(jnp.float32)
+        g = None if gate is None else gate(k, arrays, hyper_parameters)
+        if g is not None:
+            g = g.astype(jnp.float32)
             s, z = s * g[:, None, None], z * g[:, None]
         s = s + jnp.einsum("hm,hd->hmd", phi_k, v.astype(jnp.float32))
         z = z + phi_k

@@ -38,6 +38,9 @@ import jaxtyping
 CALL_ARGUMENTS = ("causal", "kv_mask", "mask", "bias", "scale")
 # Arguments of an array initialiser that come from the module's shapes.
 SHAPE_ARGUMENTS = ("heads", "kv_heads", "d_k", "d_v")
+# ... and of a token-input initialiser, which also sees the model width and whether the
+# module is causal (to refuse, before any call, what needs a causal state).
+TOKEN_SHAPE_ARGUMENTS = (*SHAPE_ARGUMENTS, "d_model", "causal")
 _REQUIRED = inspect.Parameter.empty
 
 
@@ -167,6 +170,26 @@ class Decoder:
     step: Callable[..., tuple[Any, Any]]
 
 
+# ----------------------------------------------------------------------------- token inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenInputs:
+    """Op arguments computed from the layer's input tokens rather than from q, k, v
+    (RFA's gate sigmoid(w . x_t + b), the dense Synthesizer's B_i = F(X_i)): the
+    attention module owns their learned parameters and calls `apply` on its input.
+
+    `init(key, *, d_model, heads, kv_heads, d_k, d_v, causal, <hyper-parameters>) -> params`
+    (hyper-parameters it alone takes shape the parameters, like `init_arrays`'s);
+    `apply(params, queries [q_len, d_model], keys [kv_len, d_model] or None,
+    hyper_parameters) -> {op argument: array}`. `keys` is None in cross-attention
+    decoding, where only the query token is at hand.
+    """
+
+    init: Callable[..., dict[str, Any]]
+    apply: Callable[..., dict[str, Any]]
+
+
 # ----------------------------------------------------------------------------- specs
 
 
@@ -190,6 +213,11 @@ class AttentionSpec:
         drawn: names of arrays from `init_arrays` drawn at random rather than learned
             (Performer's projection, BigBird's key): modules keep them out of the
             gradient and resample them with `redraw(key)`.
+        token_inputs: op arguments computed from the layer's input tokens (`TokenInputs`),
+            or None; `reads_tokens` says the module must pass them.
+        redrawn: training redraws the drawn arrays periodically (`nn.redraw`, every
+            `train.redraw_every` steps: Performer's feature redrawing); False when the
+            paper draws them once and keeps them for the run (BigBird's random pattern).
         exact: equals `softmax_attention` under some explicit mask (tested).
         content_based: the weights depend on q and k (False for FNet, Synthesizer).
         covers_length: the hyper-parameter that bounds the sequence length (position-
@@ -210,6 +238,8 @@ class AttentionSpec:
     decoder: Decoder | None = None
     init_arrays_fn: Callable[..., dict[str, Any]] | None = None
     drawn: tuple[str, ...] = ()
+    token_inputs: TokenInputs | None = None
+    redrawn: bool = True
     exact: bool = True
     content_based: bool = True
     covers_length: str | None = None
@@ -217,6 +247,10 @@ class AttentionSpec:
     @property
     def decodes(self) -> bool:
         return self.decoder is not None
+
+    @property
+    def reads_tokens(self) -> bool:
+        return self.token_inputs is not None
 
     def defaults(self) -> dict[str, Any]:
         return {p.name: p.default for p in self.hyper_parameters if not p.required}
@@ -303,6 +337,25 @@ class BoundAttention:
         given = {"heads": heads, "kv_heads": kv_heads, "d_k": d_k, "d_v": d_v} | self.hyper_parameters
         return fn(key, **{n: v for n, v in given.items() if n in wanted})
 
+    def init_token_params(self, key, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int,
+                          causal: bool = False) -> dict[str, Any]:
+        """The learned parameters of its token inputs (empty when it reads no tokens) for
+        a module that is `causal` or not."""
+        token_inputs = self.spec.token_inputs
+        if token_inputs is None:
+            return {}
+        wanted = inspect.signature(token_inputs.init).parameters
+        given = {"d_model": d_model, "heads": heads, "kv_heads": kv_heads, "d_k": d_k, "d_v": d_v, "causal": causal}
+        given |= self.hyper_parameters
+        return token_inputs.init(key, **{n: v for n, v in given.items() if n in wanted})
+
+    def token_arrays(self, params: Mapping[str, Any], queries, keys) -> dict[str, Any]:
+        """The op arguments its token inputs make from `queries [q_len, d_model]` and
+        `keys [kv_len, d_model]` (None: cross-attention decoding); empty if none."""
+        if self.spec.token_inputs is None:
+            return {}
+        return self.spec.token_inputs.apply(params, queries, keys, self.hyper_parameters)
+
     def _decoder(self) -> Decoder:
         if self.spec.decoder is None:
             raise ValueError(f"{self.name} attention cannot decode incrementally; ones that can: {names(decodes=True)}")
@@ -345,6 +398,8 @@ def register(
     decoder: Decoder | None = None,
     init_arrays: Callable[..., dict[str, Any]] | None = None,
     drawn: tuple[str, ...] = (),
+    token_inputs: TokenInputs | None = None,
+    redrawn: bool = True,
     exact: bool = True,
     content_based: bool = True,
     covers_length: str | None = None,
@@ -359,11 +414,15 @@ def register(
         raise ValueError(f"attention {name!r} is already registered")
     op_params = inspect.signature(op).parameters
     found = _signature_parameters(op, CALL_ARGUMENTS)
-    if init_arrays is not None:
-        for n, p in _signature_parameters(init_arrays, SHAPE_ARGUMENTS).items():
+    initialisers = [(init_arrays, SHAPE_ARGUMENTS, "init_arrays"),
+                    (token_inputs and token_inputs.init, TOKEN_SHAPE_ARGUMENTS, "token_inputs.init")]
+    for fn, shapes, what in initialisers:
+        if fn is None:
+            continue
+        for n, p in _signature_parameters(fn, shapes).items():
             if n in found and found[n].default != p.default:
                 raise ValueError(f"{name}: {n} defaults to {found[n].default!r} in the op but {p.default!r} in "
-                                 "init_arrays; give it one default")
+                                 f"{what}; give it one default")
             found.setdefault(n, dataclasses.replace(p, arrays_only=True))
     docs, choices = dict(docs or {}), dict(choices or {})
     for extra in sorted((set(docs) | set(choices) | {covers_length} - {None}) - set(found)):
@@ -381,7 +440,7 @@ def register(
         resolved[flag] = argument in op_params if given is None else given
     spec = AttentionSpec(
         name, op, family, paper, complexity, params, supports_cross=supports_cross, decoder=decoder,
-        init_arrays_fn=init_arrays, drawn=tuple(drawn), exact=exact, content_based=content_based,
+        init_arrays_fn=init_arrays, drawn=tuple(drawn), token_inputs=token_inputs, redrawn=redrawn, exact=exact, content_based=content_based,
         covers_length=covers_length, **resolved,
     )
     for p in params:  # the defaults themselves must pass the checks

@@ -84,8 +84,10 @@ FACTS: dict[str, Facts] = {
         growth=Growth("n sqrt n", lambda n: {"stride": math.isqrt(n)}),
     ),
     "longformer": Facts(
-        variants=({"window": 2, "global_indices": (0, 11)},), mask=masks.longformer,
-        errors=(({"global_indices": (0, 99)}, "global_indices"), ({"window": -1}, "window")),
+        variants=({"window": 2, "global_indices": (0, 11)}, {"window": 2, "dilation": 3, "global_indices": (0, 11)}),
+        mask=masks.longformer,
+        errors=(({"global_indices": (0, 99)}, "global_indices"), ({"window": -1}, "window"),
+                ({"dilation": 0}, "dilation")),
         growth=Growth("linear", lambda n: {"window": 32, "global_indices": (0, 5)}),
     ),
     "bigbird": Facts(
@@ -123,9 +125,10 @@ FACTS: dict[str, Facts] = {
         growth=Growth("linear", lambda n: {"proj_len": 32, "max_len": n}),
     ),
     "synthesizer": Facts(
-        variants=({"max_len": 40}, {"kind": "dense", "max_len": 40, "hidden": 8, "dot_weight": 1.0},
+        # The dense kinds read the layer input, not q: tests/test_nn.py checks them in the module.
+        variants=({"max_len": 40}, {"max_len": 40, "trainable_random": False, "mixture": True},
                   {"kind": "factorized_random", "max_len": 40, "rank": 3}),
-        errors=(({"max_len": 8}, "max_len"), ({"kind": "learned"}, "kind"), ({"dot_weight": -1.0}, "dot_weight")),
+        errors=(({"max_len": 8}, "max_len"), ({"kind": "learned"}, "kind")),
     ),
     "nystrom": Facts(
         variants=({"num_landmarks": 5},), errors=(({"num_landmarks": 0}, "num_landmarks"),),

@@ -57,7 +57,9 @@ def longformer(n, hp, arrays, causal):
     i, j = _grid(n)
     g = np.zeros(n, bool)
     g[list(hp["global_indices"])] = True
-    return [((abs(i - j) <= hp["window"]) | g[:, None] | g[None, :]) & _causal(n, causal)]
+    d = hp["dilation"]
+    window = ((i - j) % d == 0) & (abs(i - j) <= hp["window"] * d)
+    return [(window | g[:, None] | g[None, :]) & _causal(n, causal)]
 
 
 def bigbird(n, hp, arrays, causal):

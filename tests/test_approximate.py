@@ -190,18 +190,22 @@ def test_synthesizer_kinds_match_their_formulas():
     r = jax.random.normal(jax.random.key(1), (4, 16, 16))
     assert_close(ops.synthesizer_attention(q, k, v, kind="random", random=r),
                  ops.softmax_attention(q, k, v, bias=r[:, :10, :10], scale=0.0), atol=1e-6)
+    assert_close(ops.synthesizer_attention(q, k, v, kind="random", fixed_random=r),
+                 ops.softmax_attention(q, k, v, bias=r[:, :10, :10], scale=0.0), atol=1e-6)
+    # The paper's mixture: softmax(a1 B + a2 q k^T / sqrt(d)), (a1, a2) = softmax(learned logits).
     a, b = jax.random.normal(jax.random.key(2), (2, 4, 16, 3))
-    assert_close(ops.synthesizer_attention(q, k, v, kind="factorized_random", factor_a=a, factor_b=b, dot_weight=0.5),
-                 ops.softmax_attention(q, k, v, bias=jnp.einsum("hqr,hkr->hqk", a[:, :10], b[:, :10]), scale=0.5 / math.sqrt(8)),
-                 atol=1e-5)
-    w1 = jax.random.normal(jax.random.key(3), (4, 8, 5))
-    b1 = jnp.zeros((4, 5))
-    w2 = jax.random.normal(jax.random.key(4), (4, 5, 16))
-    dense = jnp.einsum("hqe,hem->hqm", jnp.maximum(jnp.einsum("qhd,hde->hqe", q, w1), 0), w2[:, :, :10])
-    assert_close(ops.synthesizer_attention(q, k, v, kind="dense", w1=w1, b1=b1, w2=w2, causal=True),
-                 ops.softmax_attention(q, k, v, bias=dense, scale=0.0, causal=True), atol=1e-5)
+    mix = jnp.array([0.3, -0.4])
+    a1, a2 = np.exp([0.3, -0.4]) / np.exp([0.3, -0.4]).sum()
+    assert_close(ops.synthesizer_attention(q, k, v, kind="factorized_random", factor_a=a, factor_b=b, mixture_logits=mix),
+                 ops.softmax_attention(q, k, v, bias=a1 * jnp.einsum("hqr,hkr->hqk", a[:, :10], b[:, :10]),
+                                       scale=a2 / math.sqrt(8)), atol=1e-5)
+    dense = jax.random.normal(jax.random.key(3), (4, 10, 16))  # rows made from the tokens by the module
+    assert_close(ops.synthesizer_attention(q, k, v, kind="dense", dense_logits=dense, causal=True),
+                 ops.softmax_attention(q, k, v, bias=dense[:, :, :10], scale=0.0, causal=True), atol=1e-5)
     with pytest.raises(ValueError, match="needs `random`"):
         ops.synthesizer_attention(q, k, v, kind="random")
+    with pytest.raises(ValueError, match="dense_logits"):
+        ops.synthesizer_attention(q, k, v, kind="dense")
 
 
 def test_nystrom_with_a_landmark_per_token_is_softmax():
@@ -314,3 +318,30 @@ def test_nearest_upsample_repeats_samples():
 def test_fnet_mixing_is_the_real_part_of_a_2d_fft():
     x = np.asarray(jax.random.normal(jax.random.key(0), (12, 6)))
     assert_close(ops.fnet_mixing(jnp.asarray(x)), np.real(np.fft.fft2(x)), atol=1e-4)
+
+
+def test_performer_relu_kernel_is_the_papers_relu_of_wx_plus_epsilon():
+    # The official JAX code (generalized_kernel_feature_creator, normalize_data=False):
+    # phi(x) = relu(W x) + 1e-3, the epsilon added to the unscaled features.
+    q, k, v = (np.asarray(x, np.float64) for x in qkv(11, 40, heads=2, kv_heads=2, d=16))
+    for m in (64, 256):
+        w = np.asarray(ops.performer_projection(jax.random.key(m), m, 16), np.float64)
+        fq, fk = (np.maximum(np.einsum("nhd,md->nhm", x, w), 0) + 1e-3 for x in (q, k))
+        num = np.einsum("qhm,khm,khd->qhd", fq, fk, v)
+        den = np.einsum("qhm,khm->qh", fq, fk)
+        got = ops.performer_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(w, jnp.float32),
+                                      kernel="relu")
+        assert_close(got, num / den[..., None], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal,form", [(False, "chunked"), (True, "chunked"), (True, "scan"), (True, "quadratic")])
+def test_performer_stabiliser_is_per_head_so_heads_never_couple(causal, form):
+    # A head whose q/k norms are 7x the other's must not shift the other's features: with
+    # one maximum shared by all heads the small head's causal rows underflow to zero.
+    q, k, v = qkv(3, 64, heads=2, kv_heads=2, d=16)
+    q, k = (x.at[:, 1].multiply(7.0) for x in (q, k))
+    w = ops.performer_projection(jax.random.key(103), 64, 16)
+    together = ops.performer_attention(q, k, v, w, causal=causal, form=form)
+    for h in range(2):
+        alone = ops.performer_attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], w, causal=causal, form=form)
+        assert_close(together[:, h:h + 1], alone, atol=1e-5, rtol=1e-4)

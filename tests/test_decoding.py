@@ -61,3 +61,17 @@ def test_decoders_belong_to_their_specs():
     assert kinds["softmax"] == "cache" and kinds["local"] == "ring buffer" and kinds["performer"] == "recurrent"
     with pytest.raises(ValueError, match="cannot decode incrementally"):
         registry.get("block_local").bind().init_state(max_len=4, kv_heads=1, d_k=2, d_v=2)
+
+
+def test_gated_rfa_language_model_decodes_like_its_parallel_forward():
+    # The gate is made from each token's layer input by the module (RFA's
+    # g_t = sigmoid(w_g . x_t + b_g) per head), so only a model can test its decoding.
+    from suites import TINY, decode_all, forward, tokens
+
+    from jxformers import ModelConfig, build_model
+
+    config = ModelConfig(task="lm", attention="rfa", position="rope", **TINY,
+                         attention_kwargs={"num_features": 16, "chunk_size": 5, "gated": True})
+    model = build_model(config, key=jax.random.key(0))
+    x = tokens(5)
+    assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)

@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_close
 
 import jxformers
-from jxformers import ModelConfig, build_model
+from jxformers import ModelConfig, build_model, ops
 from jxformers.nn import (
     Attention,
     FeedForward,
@@ -125,6 +125,16 @@ def test_drawn_arrays_are_not_trained_and_redraw_resamples_them():
     for old, new in zip(model.blocks, fresh.blocks):
         assert not bool(jnp.allclose(old.attention.drawn["projection"], new.attention.drawn["projection"]))
         assert bool(jnp.all(old.ffn.w_in.weight == new.ffn.w_in.weight))
+    # BigBird's random pattern is drawn once for the run (its paper's code seeds it per
+    # layer): the periodic redraw leaves it, an explicit Attention.redraw does not.
+    bird = build_model(dict(TINY, attention="bigbird", attention_kwargs={"block_size": 4}), key=jax.random.key(0))
+    kept = jxformers.nn.redraw(bird, jax.random.key(1))
+    data = lambda m: jax.random.key_data(m.drawn["key"])  # noqa: E731
+    attentions = lambda m: [x for x in jax.tree.leaves(m, is_leaf=is_attention) if is_attention(x)]  # noqa: E731
+    is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
+    for old, new in zip(attentions(bird), attentions(kept), strict=True):
+        assert bool(jnp.all(data(old) == data(new)))
+    assert not bool(jnp.all(data(attentions(bird)[0].redraw(jax.random.key(1))) == data(attentions(bird)[0])))
     # Learned core arrays (Linformer's E and F) are parameters.
     lin = Attention("linformer", 16, 4, attention_kwargs={"proj_len": 4, "max_len": 8}, key=jax.random.key(0))
     assert set(lin.arrays) == {"e_proj", "f_proj"} and trainable(lin).arrays["e_proj"] is True
@@ -420,3 +430,116 @@ def test_untrained_language_model_starts_near_chance(d_model):
     assert abs(float(loss) - math.log(vocab)) < 0.5, float(loss)
     p_input = jnp.exp(jnp.take_along_axis(log_p, x[..., None], axis=-1))
     assert float(p_input.mean()) < 0.5, float(p_input.mean())
+
+
+_call = eqx.filter_jit(lambda attention, x: attention(x))
+_grad = eqx.filter_jit(eqx.filter_grad(lambda attention, x: jnp.sum(attention(x) ** 2)))
+
+
+def test_rfa_gate_and_sigma_are_parameters_of_the_module():
+    attn = Attention("rfa", 16, 4, kv_heads=2, causal=True, key=jax.random.key(0),
+                     attention_kwargs={"num_features": 8, "gated": True, "sigma": 0.5})
+    assert set(attn.token_params) == {"gate_w", "gate_b"} and set(attn.arrays) == {"log_sigma"}
+    mask = trainable(attn)
+    assert mask.token_params["gate_w"] is True and mask.arrays["log_sigma"] is True
+    assert_close(jnp.exp(attn.arrays["log_sigma"]), jnp.full((2, 4), 0.5))  # positive by parametrisation
+    x = jax.random.normal(jax.random.key(1), (9, 16))
+    q, k, v = (attn._heads(x, p, h) for p, h in ((attn.q_proj, 4), (attn.k_proj, 2), (attn.v_proj, 2)))
+    gate = jax.nn.sigmoid(x @ attn.token_params["gate_w"] + attn.token_params["gate_b"][None])  # [tokens, heads]
+    expected = ops.rfa_attention(q, k, v, attn.drawn["projection"], log_sigma=attn.arrays["log_sigma"], gate=gate,
+                                 causal=True)
+    assert_close(_call(attn, x), attn._out(expected, x), atol=1e-5)
+    grads = _grad(attn, x)
+    assert float(jnp.abs(grads.token_params["gate_w"]).max()) > 0 and float(jnp.abs(grads.arrays["log_sigma"]).max()) > 0
+    # Ungated RFA has no gate; the gate needs a causal state.
+    assert Attention("rfa", 16, 4, key=jax.random.key(0)).token_params == {}
+    with pytest.raises(ValueError, match="gated=True needs causal"):
+        Attention("rfa", 16, 4, key=jax.random.key(0), attention_kwargs={"gated": True})
+
+
+def test_rfa_learned_sigma_scales_the_random_features():
+    q, k, v = (jax.random.normal(jax.random.key(i), (7, 2, 4)) for i in range(3))
+    w = ops.performer_projection(jax.random.key(3), 8, 4)
+    scaled = ops.rfa_attention(q, k, v, w * 0.7)
+    assert_close(ops.rfa_attention(q, k, v, w, log_sigma=jnp.full((2, 4), math.log(0.7))), scaled, atol=1e-5)
+    with pytest.raises(ValueError, match="log_sigma"):
+        ops.rfa_attention(q, k, v, w, log_sigma=jnp.zeros((3, 4)))
+
+
+def test_longformer_global_projections_change_only_the_global_rows():
+    attn = Attention("longformer", 16, 4, key=jax.random.key(0),
+                     attention_kwargs={"window": 2, "dilation": 2, "global_indices": (0, 5)})
+    assert sorted(attn.token_params) == sorted(f"global_{p}_{w}" for p in "qkv" for w in "wb")
+    assert all(trainable(attn).token_params.values())
+    x = jax.random.normal(jax.random.key(1), (12, 16))
+    call = eqx.filter_jit(lambda a, x: a(x))
+    moved = eqx.tree_at(lambda a: a.token_params, attn, {n: p + 0.5 for n, p in attn.token_params.items()})
+    change = jnp.abs(call(moved, x) - call(attn, x)).max(-1)
+    is_global = jnp.isin(jnp.arange(12), jnp.array([0, 5]))
+    assert bool(jnp.all(change[is_global] > 1e-3)) and float(change[~is_global].max()) == 0.0
+    plain = Attention("longformer", 16, 4, key=jax.random.key(0), attention_kwargs={"global_projections": False})
+    assert plain.token_params == {}
+
+
+def _synthesizer(kind, **kwargs):
+    return Attention("synthesizer", 16, 2, key=jax.random.key(0),
+                     attention_kwargs={"kind": kind, "max_len": 12, **kwargs})
+
+
+def test_dense_synthesizer_reads_the_layer_input_not_the_queries():
+    # B_i = W2 relu(W1 X_i + b1) + b2 per head, from the token X_i (Tay et al. 2021, eq. 1).
+    attn = _synthesizer("dense", hidden=8)
+    p = attn.token_params
+    assert {n: a.shape for n, a in p.items()} == {"w1": (2, 16, 8), "b1": (2, 8), "w2": (2, 8, 12), "b2": (2, 12)}
+    assert _synthesizer("dense").token_params["w1"].shape == (2, 16, 16)  # hidden = d_model, the paper's d x d
+    p = {n: a + 0.1 * jax.random.normal(jax.random.key(i), a.shape) for i, (n, a) in enumerate(p.items())}
+    attn = eqx.tree_at(lambda a: a.token_params, attn, p)
+    x = jax.random.normal(jax.random.key(1), (9, 16))
+    xn, pn = np.asarray(x), {n: np.asarray(a) for n, a in p.items()}
+    logits = np.stack([np.maximum(xn @ pn["w1"][h] + pn["b1"][h], 0) @ pn["w2"][h] + pn["b2"][h] for h in range(2)])
+    v = attn._heads(x, attn.v_proj, 2)
+    expected = ops.softmax_attention(v, v, v, bias=jnp.asarray(logits[:, :, :9], jnp.float32), scale=0.0)
+    assert_close(_call(attn, x), attn._out(expected, x), atol=1e-5)
+    other_q = eqx.tree_at(lambda a: a.q_proj.weight, attn, attn.q_proj.weight * 3)
+    assert_close(_call(other_q, x), _call(attn, x), atol=1e-6)  # the query projection plays no part
+    grads = _grad(attn, x)
+    assert float(jnp.abs(grads.token_params["w1"]).max()) > 0
+
+
+def test_factorized_dense_synthesizer_tiles_a_and_repeats_b():
+    attn = _synthesizer("factorized_dense", factor=4)  # a = 4, b = 3: a * b = max_len
+    p = attn.token_params
+    x = jax.random.normal(jax.random.key(1), (12, 16))
+    xn, pn = np.asarray(x), {n: np.asarray(a) for n, a in p.items()}
+    a = np.stack([xn @ pn["wa"][h] + pn["ba"][h] for h in range(2)])  # [heads, n, 4]
+    b = np.stack([xn @ pn["wb"][h] + pn["bb"][h] for h in range(2)])  # [heads, n, 3]
+    c = np.stack([[np.array([a[h, i, t % 4] * b[h, i, t // 4] for t in range(12)]) for i in range(12)]
+                  for h in range(2)])
+    assert_close(attn.core.token_arrays(p, x, x)["dense_logits"], c, atol=1e-5)
+
+
+def test_synthesizer_random_logits_fixed_or_trained_and_the_mixture_is_learned():
+    trained, fixed = _synthesizer("random"), _synthesizer("random", trainable_random=False)
+    assert trainable(trained).arrays["random"] is True
+    assert set(fixed.drawn) == {"fixed_random"} and trainable(fixed).drawn["fixed_random"] is False
+    assert jxformers.nn.redraw(fixed, jax.random.key(3)) is fixed  # drawn once, never redrawn
+    mixed = _synthesizer("random", mixture=True)
+    assert_close(mixed.arrays["mixture_logits"], jnp.zeros(2))  # equal weights to start
+    x = jax.random.normal(jax.random.key(1), (9, 16))
+    grads = _grad(mixed, x)
+    assert float(jnp.abs(grads.arrays["mixture_logits"]).max()) > 0
+    assert float(jnp.abs(grads.q_proj.weight).max()) > 0  # the dot-product half reads q and k
+
+
+def test_dense_synthesizer_language_model_is_causal_and_trains():
+    from suites import TINY as SMALL
+    from suites import finite_grads, forward, loss_grad, tokens
+
+    model = build_model(ModelConfig(task="lm", attention="synthesizer", **SMALL,
+                                    attention_kwargs={"kind": "dense", "hidden": 8}), key=jax.random.key(0))
+    x = tokens(3)
+    logits = forward(model, x)
+    changed = forward(model, x.at[12:].set(tokens(4)[12:]))
+    assert_close(changed[:12], logits[:12], atol=1e-5)
+    assert not bool(jnp.allclose(changed[12:], logits[12:]))
+    assert finite_grads(loss_grad(model, x))

@@ -233,3 +233,24 @@ def test_memory_compressed_equals_softmax_over_the_convolved_memory(causal):
     assert_close(out, expected, atol=1e-5)
     if causal:
         assert_close(out[: s - 1], np.zeros((s - 1, 4, 6)), atol=0)
+
+
+def test_longformer_dilated_window_with_global_tokens_and_global_projections_equal_the_dense_reference():
+    n, window, dilation, glob = 29, 2, 3, (0, 13)
+    q, k, v = qkv(21, n)
+    gq, gk, gv = (x * 1.5 + 0.3 for x in qkv(22, n))  # the paper's separate Q_g, K_g, V_g
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    is_global = np.isin(np.arange(n), glob)
+    longformer = jax.jit(lambda *x, causal: ops.longformer_attention(
+        *x[:3], window=window, dilation=dilation, global_indices=glob, causal=causal, global_q=x[3], global_k=x[4],
+        global_v=x[5]), static_argnames="causal")
+    dense = jax.jit(lambda q, k, v, mask: ops.softmax_attention(q, k, v, mask=mask))
+    for causal in (False, True):
+        got = longformer(q, k, v, gq, gk, gv, causal=causal)
+        past = (j <= i) if causal else np.ones((n, n), bool)
+        pattern = ((i - j) % dilation == 0) & (abs(i - j) <= window * dilation) | is_global[None, :]
+        local_rows = dense(q, k, v, jnp.asarray(pattern & past))
+        global_rows = dense(gq, gk, gv, jnp.asarray(past))
+        assert_close(got, jnp.where(jnp.asarray(is_global)[:, None, None], global_rows, local_rows), atol=2e-5)
+    with pytest.raises(ValueError, match="global_v"):
+        ops.longformer_attention(q, k, v, window=2, global_q=gq, global_k=gk)

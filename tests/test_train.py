@@ -205,6 +205,25 @@ def test_non_finite_steps_stop_or_are_skipped(tmp_path):
     assert any(r.get("skipped") for r in records)
 
 
+def test_performer_features_are_redrawn_and_a_resumed_run_redraws_the_same_way(tmp_path):
+    from jxformers.train import restore_train_state
+    from jxformers.train.state import init_train_state
+
+    config = write_config(tmp_path, model={"attention": "performer", "attention_kwargs": {"num_features": 8}},
+                          train={"steps": 8, "redraw_every": 3, "eval_every": 8})
+    experiment = load_experiment(config, ["checkpoint.async_save=false"])
+    run = tmp_path / "run"
+    train(experiment, run, progress=False)
+    straight, straight_drawn = losses(run), restore_train_state(experiment, run)[0].drawn
+    shutil.rmtree(run / "checkpoints" / "8")  # as if killed after step 4's checkpoint
+    train(experiment, run, progress=False)  # steps 5-8 again, redrawing at step 6
+    assert losses(run) == straight  # exact, step by step
+    resumed_drawn = restore_train_state(experiment, run)[0].drawn
+    initial = init_train_state(experiment)[0].drawn
+    for a, b, first in zip(*(jax.tree.leaves(x) for x in (straight_drawn, resumed_drawn, initial))):
+        assert bool(jnp.all(a == b)) and not bool(jnp.allclose(a, first))  # redrawn, the same way
+
+
 def _run_cli(config, workdir, *extra):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.Popen(
@@ -343,7 +362,7 @@ def test_config_sections_are_typed_frozen_dataclasses_with_defaults():
 
     t = TrainConfig()
     assert (t.steps, t.batch_size, t.optimizer, t.learning_rate, t.clip_norm, t.redraw_every) == \
-        (1000, 32, "adamw", 1e-3, 1.0, 0)
+        (1000, 32, "adamw", 1e-3, 1.0, 1000)  # Performer's features are redrawn by default
     assert DataConfig().settings == {} and CheckpointConfig().async_save is True
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.steps = 3

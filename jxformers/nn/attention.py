@@ -2,9 +2,11 @@
 
 The module owns the query/key/value/output projections and the core's own arrays: the
 learned ones (Linformer's E/F, Synthesizer's matrices, compressed attention's kernels,
-inducing points) are parameters; the drawn ones (Performer's and RFA's projection,
-BigBird's random-pattern key) are held out of the gradient and resampled with the pure
-`redraw(key)`. Swapping one attention for another changes nothing else (the "builder"
+inducing points, RFA's sigma) are parameters; the drawn ones (Performer's and RFA's
+projection, BigBird's random-pattern key) are held out of the gradient and resampled
+with the pure `redraw(key)`. A core that reads the layer's input tokens
+(`spec.reads_tokens`: RFA's gate, the dense Synthesizer) gets the parameters of those
+token inputs here too, and the module passes it what they make from its input. Swapping one attention for another changes nothing else (the "builder"
 design of seed 002 section 4.1).
 """
 
@@ -55,6 +57,7 @@ class Attention(eqx.Module):
     o_proj: Linear
     arrays: dict[str, Array]
     drawn: dict[str, Array]
+    token_params: dict[str, Array]
 
     def __init__(
         self,
@@ -81,7 +84,7 @@ class Attention(eqx.Module):
         if d_head < 1:
             raise ValueError(f"d_head must be >= 1 (d_model {d_model} // num_heads {num_heads}); got {d_head}")
         attention.check_call(causal=causal, cross=cross)
-        kq, kk, kv, ko, ka = jax.random.split(key, 5)
+        kq, kk, kv, ko, ka, kt = jax.random.split(key, 6)
         self.core = attention
         self.num_heads, self.kv_heads, self.d_head = num_heads, kv_heads, d_head
         self.causal, self.cross, self.rope = causal, cross, rope
@@ -93,6 +96,8 @@ class Attention(eqx.Module):
         drawn = attention.spec.drawn
         self.arrays = {n: a for n, a in made.items() if n not in drawn}
         self.drawn = {n: a for n, a in made.items() if n in drawn}
+        self.token_params = attention.init_token_params(kt, d_model=d_model, heads=num_heads, kv_heads=kv_heads,
+                                                        d_k=d_head, d_v=d_head, causal=causal)
 
     @property
     def name(self) -> str:
@@ -105,8 +110,13 @@ class Attention(eqx.Module):
         made = self.core.init_arrays(key, heads=self.num_heads, kv_heads=self.kv_heads, d_k=self.d_head, d_v=self.d_head)
         return eqx.tree_at(lambda m: m.drawn, self, {n: made[n] for n in self.drawn})
 
-    def _core_arrays(self) -> dict[str, Any]:
-        return self.arrays | jax.lax.stop_gradient(self.drawn)
+    def _core_arrays(self, queries=None, keys=None) -> dict[str, Any]:
+        """The core's arrays, and what its token inputs make of `queries` / `keys`
+        (the layer's input tokens, `[len, d_model]`) when it reads tokens."""
+        arrays = self.arrays | jax.lax.stop_gradient(self.drawn)
+        if queries is None:
+            return arrays
+        return arrays | self.core.token_arrays(self.token_params, queries, keys)
 
     def _heads(self, x, proj, heads):
         return proj(x).reshape(x.shape[0], heads, self.d_head)
@@ -147,7 +157,8 @@ class Attention(eqx.Module):
                 if context_positions is None:
                     context_positions = positions if context is None else jnp.arange(source.shape[0])
                 q, k = rotary(q, positions), rotary(k, context_positions)
-            out = self.core(q, k, v, arrays=self._core_arrays(), causal=self.causal, kv_mask=kv_mask, bias=bias)
+            arrays = self._core_arrays(x, source)
+            out = self.core(q, k, v, arrays=arrays, causal=self.causal, kv_mask=kv_mask, bias=bias)
             return self._out(out, x)
 
     # ------------------------------------------------------------------ decoding
@@ -171,7 +182,8 @@ class Attention(eqx.Module):
             if self.rope:
                 pos = state.length[None]
                 q, k = rotary(q, pos), rotary(k, pos)
-            out, state = self.core.decode_step(q[0], k[0], v[0], state, arrays=self._core_arrays(), bias_fn=bias_fn)
+            arrays = self._core_arrays(x[None], x[None])
+            out, state = self.core.decode_step(q[0], k[0], v[0], state, arrays=arrays, bias_fn=bias_fn)
             return self._out(out[None], x[None])[0], state
 
     def cross_step(
@@ -182,7 +194,7 @@ class Attention(eqx.Module):
         (`project_context`)."""
         with jax.named_scope(self.name):
             q = self._heads(x[None], self.q_proj, self.num_heads)
-            out = self.core(q, k, v, arrays=self._core_arrays(), kv_mask=kv_mask)
+            out = self.core(q, k, v, arrays=self._core_arrays(x[None], None), kv_mask=kv_mask)
             return self._out(out, x[None])[0]
 
     def project_context(self, context: Float[Array, "ctx d_model"]) -> tuple[Array, Array]:

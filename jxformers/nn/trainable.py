@@ -26,12 +26,17 @@ def _attentions(model) -> list[Attention]:
     return [x for x in jax.tree.leaves(model, is_leaf=is_attention) if is_attention(x)]
 
 
+def _redrawn(model) -> list[Attention]:
+    return [a for a in _attentions(model) if a.drawn and a.core.spec.redrawn]
+
+
 def redraw(model, key: PRNGKeyArray):
-    """`model` with every attention module's drawn arrays resampled (Performer's
-    features, BigBird's random pattern), each from its own key; a pure function, as
-    Performer's periodic feature redrawing needs."""
-    attentions = _attentions(model)
+    """`model` with the drawn arrays of every attention module whose paper redraws them
+    (`spec.redrawn`: Performer's and RFA's features) resampled, each from its own key; a
+    pure function, as Performer's periodic feature redrawing needs. Arrays drawn once
+    for the run (BigBird's random pattern) stay; `Attention.redraw` resamples any one."""
+    attentions = _redrawn(model)
     if not attentions:
         return model
     keys = jax.random.split(key, len(attentions))
-    return eqx.tree_at(_attentions, model, [a.redraw(k) for a, k in zip(attentions, keys)])
+    return eqx.tree_at(_redrawn, model, [a.redraw(k) for a, k in zip(attentions, keys)])

@@ -4,8 +4,8 @@
 * `linear_attention`: deterministic feature maps (elu + 1, relu, identity, a callable).
 * `performer_attention`: FAVOR+ positive orthogonal random features for the softmax
   kernel, and the generalised ReLU kernel (Choromanski et al., 2021).
-* `rfa_attention`: random Fourier features with an optional recurrent gate
-  (Peng et al., 2021).
+* `rfa_attention`: random Fourier features with a learned scale and an optional
+  recurrent gate computed from the layer input (Peng et al., 2021).
 
 All three share one core (`kernel_attention`): non-causal by associativity; causal as
 the prefix sums S_i = sum_{j<=i} phi(k_j) v_j^T, Z_i = sum_{j<=i} phi(k_j) in one of three
@@ -37,7 +37,7 @@ from jxformers.ops._common import (
     pad_to,
     to_blocks,
 )
-from jxformers.registry import register
+from jxformers.registry import TokenInputs, register
 
 FORMS = ("chunked", "scan", "quadratic")
 DEFAULT_CHUNK = 64
@@ -94,22 +94,23 @@ def _decay_matrix(gate: ArrayLike) -> Array:
 
 def _chunked(fq, fk, v, decay, chunk, key_log_scale):
     """One scan step per chunk (a chunkwise-parallel variant with an associative scan
-    over chunk states was measured 1.5x slower on CPU: its chunk matmuls are small). `key_log_scale` [n_chunks] (Performer's stabiliser) says
-    that chunk c's key features were divided by exp(key_log_scale[c]); it must not
-    decrease, and the carried state is rescaled when it grows."""
+    over chunk states was measured 1.5x slower on CPU: its chunk matmuls are small).
+    `key_log_scale` [n_chunks, h] (Performer's stabiliser) says that chunk c's key
+    features of head h were divided by exp(key_log_scale[c, h]); it must not decrease
+    along the chunks, and each head's carried state is rescaled when its scale grows."""
     n, h, g, m = fq.shape
     dv = v.shape[2]
     nc = ceil_div(n, chunk)
     qc, kc, vc = (to_blocks(pad_to(x, nc * chunk), chunk) for x in (fq, fk, v))
     gates = None if decay is None else to_blocks(pad_to(decay, nc * chunk, value=1.0), chunk)
-    scales = jnp.zeros((nc,), jnp.float32) if key_log_scale is None else key_log_scale
+    scales = jnp.zeros((nc, h), jnp.float32) if key_log_scale is None else key_log_scale
     tril = jnp.tril(jnp.ones((chunk, chunk), bool))
 
     def step(carry, xs):
         state, norm, prev_scale = carry
         q_c, k_c, v_c, g_c, scale = xs
-        rescale = jnp.exp(prev_scale - scale)  # <= 1: earlier chunks were shifted less
-        state, norm = state * rescale, norm * rescale
+        rescale = jnp.exp(prev_scale - scale)  # [h], <= 1: earlier chunks were shifted less
+        state, norm = state * rescale[:, None, None], norm * rescale[:, None]
         a = einsum_f32("qhgm,khm->hgqk", q_c, k_c)
         a = jnp.where(tril, a, 0.0)
         inter_q = q_c.astype(jnp.float32)
@@ -143,7 +144,7 @@ def kernel_attention(
     form: str = "chunked",
     chunk_size: int | None = None,
     gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
-    key_log_scale: Float[ArrayLike, "_chunks"] | None = None,
+    key_log_scale: Float[ArrayLike, "_chunks _kv_heads"] | None = None,
     dtype: jnp.dtype | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Attention with the similarity phi(q_i) . phi(k_j) (features already applied).
@@ -157,7 +158,8 @@ def kernel_attention(
         chunk_size: chunk of the "chunked" form (default 64).
         gate: optional per-token forget gate in (0, 1] (causal only): the states become
             S_i = g_i S_{i-1} + phi(k_i) v_i^T (RFA's gated recurrence).
-        key_log_scale: internal (Performer's per-chunk stabiliser), "chunked" form only.
+        key_log_scale: internal (Performer's per-chunk, per-head stabiliser), "chunked"
+            form only.
         dtype: of the result (default: the inputs' promoted dtype). Features, values and
             states are computed in float32 whatever the input dtype.
 
@@ -288,6 +290,10 @@ def performer_projection(
     return rows * norms[:, None]
 
 
+# The generalised kernel's additive epsilon (`kernel_epsilon` of the official code).
+RELU_EPSILON = 1e-3
+
+
 def performer_features(
     x: Float[ArrayLike, "n heads d_k"],
     projection: Float[ArrayLike, "m _d_k"],
@@ -296,19 +302,22 @@ def performer_features(
     shift: Float[ArrayLike, "..."] | float = 0.0,
 ) -> Float[Array, "n heads m"]:
     """FAVOR+ features with E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) ("softmax") or the
-    generalised ReLU kernel ("relu"). Inputs are scaled by d^(-1/4) first.
+    generalised ReLU kernel ("relu").
 
     "softmax": phi(x) = exp(W x' - |x'|^2 / 2 - shift) / sqrt(m) with x' = x d^(-1/4);
     `shift` (broadcast to `[n, heads, 1]` or a scalar) is the stabiliser: it cancels
     between numerator and denominator when constant over the keys (or per query row).
-    "relu": phi(x) = relu(W x') / sqrt(m) + 1e-3 (the official code's epsilon).
+    "relu": phi(x) = relu(W x) + RELU_EPSILON, exactly the official JAX code's
+    generalised kernel (no input scaling, the epsilon added to the unscaled features:
+    a common factor such as 1/sqrt(m) would cancel, but an epsilon added after it would
+    be sqrt(m) times larger relative to the features).
     """
-    m = projection.shape[0]
     if kernel == "relu":
-        return jax.nn.relu(_projected(x, projection)[0]) / math.sqrt(m) + 1e-3
+        wx = jnp.einsum("nhd,md->nhm", x.astype(jnp.float32), projection.astype(jnp.float32))
+        return jax.nn.relu(wx) + RELU_EPSILON
     if kernel != "softmax":
         raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
-    return jnp.exp(performer_log_features(x, projection) - shift) / math.sqrt(m)
+    return jnp.exp(performer_log_features(x, projection) - shift) / math.sqrt(projection.shape[0])
 
 
 def _projected(x, projection):
@@ -379,21 +388,23 @@ def performer_attention(
     m = projection.shape[0]
     fq, lk = performer_query_features(q, projection), performer_log_features(k, projection)
     real = jnp.ones((k.shape[0],), bool) if kv_mask is None else kv_mask
-    key_max = jnp.max(jnp.where(real[:, None, None], lk, -jnp.inf), axis=(1, 2))  # per position
-    key_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(key_max), key_max, -jnp.inf))
+    # The key stabiliser is per head: a maximum shared by the heads would let one head
+    # with large norms shift another's features into underflow, coupling the heads.
+    key_max = jnp.max(jnp.where(real[:, None, None], lk, -jnp.inf), axis=2)  # [kv_len, kv_heads]
+    key_max = jax.lax.stop_gradient(key_max)
     if not causal or form != "chunked":
-        shift = jnp.max(key_max)
+        shift = jnp.max(key_max, axis=0)
         shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
-        fk = jnp.exp(lk - shift) / math.sqrt(m)
+        fk = jnp.exp(lk - shift[None, :, None]) / math.sqrt(m)
         return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype)
     chunk = min(chunk_size, q.shape[0])
     check_positive("chunk_size", chunk)
     nc = ceil_div(k.shape[0], chunk)
-    chunk_max = jnp.max(to_blocks(pad_to(key_max, nc * chunk, value=-jnp.inf), chunk), axis=1)
-    running = jax.lax.cummax(chunk_max)  # never decreases: the state only shrinks when rescaled
+    chunk_max = jnp.max(to_blocks(pad_to(key_max, nc * chunk, value=-jnp.inf), chunk), axis=1)  # [nc, kv_heads]
+    running = jax.lax.cummax(chunk_max, axis=0)  # never decreases: the state only shrinks when rescaled
     running = jnp.where(jnp.isfinite(running), running, 0.0)
-    per_token = jnp.repeat(running, chunk)[: k.shape[0]]
-    fk = jnp.exp(lk - per_token[:, None, None]) / math.sqrt(m)
+    per_token = jnp.repeat(running, chunk, axis=0)[: k.shape[0]]
+    fk = jnp.exp(lk - per_token[:, :, None]) / math.sqrt(m)
     return kernel_attention(
         fq, fk, v, causal=True, kv_mask=kv_mask, form="chunked", chunk_size=chunk, key_log_scale=running, dtype=dtype
     )
@@ -406,12 +417,13 @@ def performer_arrays(key: PRNGKeyArray, *, d_k: int, num_features: int = 256, or
 
 
 def _performer_key_features(k, arrays, hyper_parameters):
-    """Plain features (ReLU kernel) or log-features and their max (softmax kernel), which
-    the recurrent decoder shifts by its running stabiliser as the chunked form does."""
+    """Plain features (ReLU kernel) or log-features and each head's max (softmax kernel),
+    which the recurrent decoder shifts by its running per-head stabiliser as the chunked
+    form does."""
     if hyper_parameters["kernel"] == "relu":
         return performer_features(k[None], arrays["projection"], kernel="relu")[0], None
     log_k = performer_log_features(k[None], arrays["projection"])[0]
-    return log_k, jnp.max(log_k)
+    return log_k, jnp.max(log_k, axis=-1)
 
 
 def _performer_query_features(q, arrays, hyper_parameters):
@@ -433,13 +445,24 @@ register(
 # ----------------------------------------------------------------------------- RFA
 
 
-def rfa_features(x: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]) -> Float[Array, "n heads two_m"]:
+def rfa_features(
+    x: Float[ArrayLike, "n heads d_k"],
+    projection: Float[ArrayLike, "m _d_k"],
+    log_sigma: Float[ArrayLike, "sigma_heads _d_k"] | None = None,
+) -> Float[Array, "n heads two_m"]:
     """Random Fourier features of the l2-normalised input:
-    phi(x) = [sin(W x), cos(W x)] / sqrt(m), so phi(x) . phi(y) estimates the Gaussian
-    kernel exp(-|x - y|^2 / (2 sigma^2)) = exp((x . y - 1) / sigma^2) for unit vectors when
-    the rows of W are N(0, I / sigma^2)."""
+    phi(x) = [sin(W x), cos(W x)] / sqrt(m) with W = epsilon * diag(sigma), epsilon the
+    standard-normal `projection` and sigma = exp(log_sigma) (default 1): RFA's
+    reparametrised random feature variance, w_i ~ N(0, diag(sigma^2)), so that sigma is
+    learned. phi(x) . phi(y) estimates the Gaussian kernel exp(-|sigma (x - y)|^2 / 2),
+    for unit vectors and a scalar sigma exp((x . y - 1) sigma^2).
+
+    `log_sigma` is per key head `[kv_heads, d_k]`; query heads of one group share it.
+    """
     xs = x.astype(jnp.float32)
     xs = xs / jnp.maximum(jnp.linalg.norm(xs, axis=-1, keepdims=True), 1e-6)
+    if log_sigma is not None:
+        xs = xs * jnp.repeat(jnp.exp(log_sigma.astype(jnp.float32)), x.shape[1] // log_sigma.shape[0], axis=0)[None]
     wx = jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32))
     return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1) / math.sqrt(projection.shape[0])
 
@@ -450,6 +473,7 @@ def rfa_attention(
     v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     projection: Float[ArrayLike, "num_features _d_k"],
     *,
+    log_sigma: Float[ArrayLike, "_kv_heads _d_k"] | None = None,
     gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
     causal: bool = False,
     kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
@@ -459,11 +483,12 @@ def rfa_attention(
     """Random Feature Attention (Peng et al., 2021).
 
     sim(q, k) = phi(q) . phi(k) with random Fourier features of unit-normalised q and k
-    (`rfa_features`); draw the projection as `sigma^-1 * performer_projection(...)`.
-    With `gate` (causal only; values in (0, 1], computed by the caller, e.g.
-    sigmoid(w . x_t + b)), the states follow RFA's gated recurrence
-    S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T: pass the gate, and the (1 - g_t) factor
-    is applied to keys and values here.
+    (`rfa_features`): `projection` is standard normal (`performer_projection`), the
+    learned `log_sigma [kv_heads, d_k]` scales it (default: sigma = 1). With `gate`
+    (causal only; values in (0, 1], the paper's g_t = sigmoid(w_g . x_t + b_g) per token
+    and head, made from the layer input by the module), the states follow RFA's gated
+    recurrence S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T (and z_t alike): pass the
+    gate, and the (1 - g_t) factor is applied to keys and values here.
 
     Note: Fourier features are not positive, so the estimated normaliser can approach
     zero for some rows (a known weakness of RFA); such rows are returned as zero rather
@@ -475,7 +500,10 @@ def rfa_attention(
     check_qkv(q, k, v, self_attention=causal)
     if projection.shape[1] != q.shape[2]:
         raise ValueError(f"projection must have shape [num_features, d_k={q.shape[2]}]; got {tuple(projection.shape)}")
-    fq, fk = rfa_features(q, projection), rfa_features(k, projection)
+    if log_sigma is not None and log_sigma.shape != (k.shape[1], k.shape[2]):
+        raise ValueError(f"log_sigma must have shape [kv_heads={k.shape[1]}, d_k={k.shape[2]}]; "
+                         f"got {tuple(log_sigma.shape)}")
+    fq, fk = rfa_features(q, projection, log_sigma), rfa_features(k, projection, log_sigma)
     if gate is not None:
         if gate.shape != k.shape[:2]:
             raise ValueError(f"gate must have shape {k.shape[:2]} ([kv_len, kv_heads]); got {gate.shape}")
@@ -485,20 +513,64 @@ def rfa_attention(
     )
 
 
-def rfa_arrays(key: PRNGKeyArray, *, d_k: int, num_features: int = 128, sigma: float = 1.0
-               ) -> dict[str, Float[Array, "num_features d_k"]]:
-    """RFA's drawn projection, rows ~ N(0, I / sigma^2) (redrawn with the module)."""
+def rfa_arrays(key: PRNGKeyArray, *, kv_heads: int, d_k: int, num_features: int = 128, sigma: float = 1.0
+               ) -> dict[str, Array]:
+    """RFA's drawn standard-normal projection (redrawn with the module) and its learned
+    random-feature scale, `log_sigma [kv_heads, d_k]` starting at log(sigma) (positive
+    by parametrisation)."""
     if not sigma > 0:
-        raise ValueError(f"sigma (the Gaussian kernel width) must be > 0; got {sigma!r}")
-    return {"projection": performer_projection(key, num_features, d_k) / sigma}
+        raise ValueError(f"sigma (the initial random feature scale) must be > 0; got {sigma!r}")
+    return {"projection": performer_projection(key, num_features, d_k),
+            "log_sigma": jnp.full((kv_heads, d_k), math.log(sigma), jnp.float32)}
 
 
-def _rfa_features(x, arrays, hyper_parameters):
-    return rfa_features(x[None], arrays["projection"])[0], None
+def rfa_gate_params(key: PRNGKeyArray, *, d_model: int, kv_heads: int, causal: bool, gated: bool = False
+                    ) -> dict[str, Array]:
+    """The gate's projection (w_g [d_model, kv_heads], b_g [kv_heads]) when `gated`."""
+    if not gated:
+        return {}
+    if not causal:
+        raise ValueError("rfa: gated=True needs causal self-attention (the gate decays a running state); "
+                         "this attention is not causal (an encoder or cross-attention): use gated=False there")
+    return {"gate_w": jax.random.normal(key, (d_model, kv_heads)) / math.sqrt(d_model),
+            "gate_b": jnp.zeros((kv_heads,))}
+
+
+def rfa_gate(
+    params: dict[str, Array],
+    queries: Float[Array, "q_len d_model"],
+    keys: Float[Array, "kv_len d_model"] | None,
+    hyper_parameters: dict,
+) -> dict[str, Float[Array, "kv_len kv_heads"]]:
+    """g_t = sigmoid(w_g . x_t + b_g) for each key token x_t and head (gated RFA)."""
+    if not params:
+        return {}
+    if keys is None:
+        raise ValueError("gated RFA decays a causal self-attention state; it has no gate in cross-attention")
+    x = keys.astype(jnp.float32)
+    return {"gate": jax.nn.sigmoid(x @ params["gate_w"].astype(jnp.float32) + params["gate_b"][None])}
+
+
+def _rfa_key_features(k, arrays, hyper_parameters):
+    phi = rfa_features(k[None], arrays["projection"], arrays.get("log_sigma"))[0]
+    if "gate" in arrays:  # the gated update adds (1 - g_t) phi(k_t) v_t^T
+        phi = phi * (1.0 - arrays["gate"][0])[:, None]
+    return phi, None
+
+
+def _rfa_query_features(q, arrays, hyper_parameters):
+    return rfa_features(q[None], arrays["projection"], arrays.get("log_sigma"))[0]
+
+
+def _rfa_decay(k, arrays, hyper_parameters):
+    return arrays["gate"][0] if "gate" in arrays else None
 
 
 register(
     "rfa", rfa_attention, family="kernelized", paper="Peng et al. 2021", complexity="O(N*m*d)",
-    supports_cross=True, exact=False, init_arrays=rfa_arrays, drawn=("projection",), decoder=recurrent(_rfa_features),
-    choices=_FORMS, docs={"num_features": "random Fourier features m", "sigma": "Gaussian kernel width", **_FORM_DOCS},
+    supports_cross=True, exact=False, init_arrays=rfa_arrays, drawn=("projection",),
+    token_inputs=TokenInputs(rfa_gate_params, rfa_gate),
+    decoder=recurrent(_rfa_key_features, query_features=_rfa_query_features, gate=_rfa_decay),
+    choices=_FORMS, docs={"num_features": "random Fourier features m", "sigma": "initial random feature scale (learned)",
+                          "gated": "gate the causal state (sigmoid of the layer input)", **_FORM_DOCS},
 )

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from jxformers.ops._common import (
+    ceil_div,
     check_mask_shape,
     check_positive,
     check_qkv,
@@ -24,7 +25,7 @@ from jxformers.ops._common import (
     weighted_values,
 )
 from jxformers.ops.softmax import softmax_attention
-from jxformers.registry import register
+from jxformers.registry import TokenInputs, register
 
 
 def linformer_attention(
@@ -102,47 +103,46 @@ register(
 )
 
 
-SYNTHESIZER_KINDS = ("dense", "random", "factorized_random")
+SYNTHESIZER_KINDS = ("dense", "factorized_dense", "random", "factorized_random")
+_FROM_TOKENS = ("dense", "factorized_dense")  # kinds whose logits the module makes from X
 
 
 def synthesizer_logits(
-    q: Float[ArrayLike, "q_len heads d_k"],
+    q_len: int,
     kv_len: int,
+    heads: int,
     *,
     kind: str,
-    w1: Float[ArrayLike, "_heads _d_k _hidden"] | None = None,
-    b1: Float[ArrayLike, "_heads _hidden"] | None = None,
-    w2: Float[ArrayLike, "_heads _hidden _max_len"] | None = None,
+    dense_logits: Float[ArrayLike, "_heads _q_len _max_len"] | None = None,
     random: Float[ArrayLike, "_heads _max_len _max_len2"] | None = None,
+    fixed_random: Float[ArrayLike, "_heads _max_len _max_len2"] | None = None,
     factor_a: Float[ArrayLike, "_heads _max_len _r"] | None = None,
     factor_b: Float[ArrayLike, "_heads _max_len2 _r"] | None = None,
 ) -> Float[Array, "heads q_len kv_len"]:
-    """Synthetic attention logits B [heads, q_len, kv_len] (seed 000 section 3.2.15):
+    """Synthetic attention logits B [heads, q_len, kv_len] (Tay et al. 2021, section 3):
 
-    * "dense": B_i = relu(x_i W1 + b1) W2 from each query token alone (here x_i = q_i per
-      head), `w1 [heads, d_k, hidden]`, `b1 [heads, hidden]`, `w2 [heads, hidden, max_len]`;
-    * "random": B = R, a `[heads, max_len, max_len]` matrix independent of the input
-      (trainable or fixed: the caller decides what it differentiates);
+    * "dense" / "factorized_dense": `dense_logits [heads, q_len, max_len]`, row i made
+      from the query token's layer input X_i alone (`synthesizer_dense_logits`, called
+      by the attention module);
+    * "random": B = R, a `[heads, max_len, max_len]` matrix independent of the input:
+      `random` when trained, `fixed_random` when kept fixed (drawn once);
     * "factorized_random": B = R1 R2^T with `factor_a [heads, max_len, r]`,
       `factor_b [heads, max_len, r]`.
     Lengths shorter than `max_len` take the leading rows/columns.
     """
-    q_len, heads, _ = q.shape
-
     def need(name, value, shape_hint):
         if value is None:
             raise ValueError(f"synthesizer kind {kind!r} needs `{name}` {shape_hint}")
         return value
 
-    if kind == "dense":
-        w1, b1, w2 = need("w1", w1, "[heads, d_k, hidden]"), need("b1", b1, "[heads, hidden]"), need("w2", w2, "[heads, hidden, max_len]")
-        if w2.shape[2] < kv_len or w1.shape[0] != heads:
-            raise ValueError(f"w2 must cover kv_len={kv_len} columns (max_len >= the sequence) and w1/w2 have {heads} "
-                             f"heads; got w1 {w1.shape}, w2 {w2.shape}")
-        hid = jnp.maximum(jnp.einsum("qhd,hde->hqe", q.astype(jnp.float32), w1.astype(jnp.float32)) + b1[:, None, :], 0)
-        return jnp.einsum("hqe,hem->hqm", hid, w2[:, :, :kv_len].astype(jnp.float32))
+    if kind in _FROM_TOKENS:
+        b = need("dense_logits", dense_logits, "[heads, q_len, max_len] (from the layer input; use nn.Attention)")
+        if b.shape[0] != heads or b.shape[1] != q_len or b.shape[2] < kv_len:
+            raise ValueError(f"dense_logits must have shape [{heads}, {q_len}, >= {kv_len}] (max_len >= the sequence); "
+                             f"got {b.shape}")
+        return b[:, :, :kv_len].astype(jnp.float32)
     if kind == "random":
-        r = need("random", random, "[heads, max_len, max_len]")
+        r = random if random is not None else need("random", fixed_random, "(or `fixed_random`) [heads, max_len, max_len]")
         if r.shape[0] != heads or r.shape[1] < q_len or r.shape[2] < kv_len:
             raise ValueError(f"random must have shape [{heads}, >= {q_len}, >= {kv_len}] (max_len >= the sequence); "
                              f"got {r.shape}")
@@ -162,56 +162,114 @@ def synthesizer_attention(
     v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
     kind: str = "random",
-    dot_weight: float = 0.0,
     causal: bool = False,
     kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
-    **weights: ArrayLike,
+    mixture_logits: Float[ArrayLike, "2"] | None = None,
+    dense_logits: Float[ArrayLike, "_heads _q_len _max_len"] | None = None,
+    random: Float[ArrayLike, "_heads _max_len _max_len2"] | None = None,
+    fixed_random: Float[ArrayLike, "_heads _max_len _max_len2"] | None = None,
+    factor_a: Float[ArrayLike, "_heads _max_len _r"] | None = None,
+    factor_b: Float[ArrayLike, "_heads _max_len2 _r"] | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
-    """Synthesizer attention: softmax(B + dot_weight * q k^T / sqrt(d)) v, with the
-    synthetic logits B of `synthesizer_logits` (`kind` and its `weights`).
+    """Synthesizer attention (Tay et al. 2021): softmax(B) v with the synthetic logits B
+    of `synthesizer_logits` (`kind` and its arrays); q and k are unused.
 
-    `dot_weight=0` is the pure Synthesizer (keys unused); a positive weight mixes it with
-    dot-product attention (the paper's "Random + Vanilla" mixtures). Causal and padding
-    masks apply to the synthetic logits as to any softmax attention.
+    With `mixture_logits` (2 learned numbers) it is the paper's mixture of the synthetic
+    and the dot-product attention, softmax(a_1 B + a_2 q k^T / sqrt(d)) v with
+    (a_1, a_2) = softmax(mixture_logits): weights learned and summing to one (section
+    3.3; "Random + Vanilla" with kind="random"). Causal and padding masks apply to the
+    logits as to any softmax attention.
 
     Time O(N^2) like softmax (the point is no query-key interaction, not speed); the
-    factorized variant cuts parameters, not time.
+    factorized kinds cut parameters, not time.
     """
     check_qkv(q, k, v)
-    if not isinstance(dot_weight, (int, float)) or dot_weight < 0:
-        raise ValueError(f"dot_weight must be a float >= 0; got {dot_weight!r}")
-    bias = synthesizer_logits(q, k.shape[0], kind=kind, **weights)
-    scale = dot_weight * default_scale(q.shape[2], None)
-    return softmax_attention(q, k, v, bias=bias, scale=scale, causal=causal, kv_mask=kv_mask)
+    bias = synthesizer_logits(q.shape[0], k.shape[0], q.shape[1], kind=kind, dense_logits=dense_logits, random=random,
+                              fixed_random=fixed_random, factor_a=factor_a, factor_b=factor_b)
+    if mixture_logits is None:
+        return softmax_attention(q, k, v, bias=bias, scale=0.0, causal=causal, kv_mask=kv_mask)
+    if jnp.shape(mixture_logits) != (2,):
+        raise ValueError(f"mixture_logits must have shape (2,) (synthetic, dot product); got {jnp.shape(mixture_logits)}")
+    weights = jax.nn.softmax(jnp.asarray(mixture_logits, jnp.float32))
+    return softmax_attention(q * weights[1].astype(q.dtype), k, v, bias=weights[0] * bias, causal=causal,
+                             kv_mask=kv_mask)
 
 
-
-def synthesizer_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, kind: str = "random", hidden: int = 64,
-                       max_len: int = 512, rank: int = 8) -> dict[str, Array]:
-    """The learned weights of each kind (see `synthesizer_logits`)."""
-    for name, value in (("hidden", hidden), ("max_len", max_len), ("rank", rank)):
+def synthesizer_arrays(key: PRNGKeyArray, *, heads: int, kind: str = "random", max_len: int = 512, rank: int = 8,
+                       trainable_random: bool = True, mixture: bool = False) -> dict[str, Array]:
+    """The random kinds' matrices (`random` trained, or `fixed_random` drawn once when
+    not `trainable_random`) and, with `mixture`, the mixture's logits (equal weights)."""
+    for name, value in (("max_len", max_len), ("rank", rank)):
         check_positive(name, value)
-    k1, k2, k3 = jax.random.split(key, 3)
-    if kind == "dense":
-        return {
-            "w1": jax.random.normal(k1, (heads, d_k, hidden)) / math.sqrt(d_k),
-            "b1": jnp.zeros((heads, hidden)),
-            "w2": jax.random.normal(k2, (heads, hidden, max_len)) / math.sqrt(hidden),
-        }
+    k1, k2 = jax.random.split(key)
+    arrays = {}
     if kind == "random":
-        return {"random": jax.random.normal(k3, (heads, max_len, max_len))}
-    return {
-        "factor_a": jax.random.normal(k1, (heads, max_len, rank)) / rank**0.25,
-        "factor_b": jax.random.normal(k2, (heads, max_len, rank)) / rank**0.25,
-    }
+        arrays["random" if trainable_random else "fixed_random"] = jax.random.normal(k1, (heads, max_len, max_len))
+    elif kind == "factorized_random":
+        arrays["factor_a"] = jax.random.normal(k1, (heads, max_len, rank)) / rank**0.25
+        arrays["factor_b"] = jax.random.normal(k2, (heads, max_len, rank)) / rank**0.25
+    if mixture:
+        arrays["mixture_logits"] = jnp.zeros((2,))
+    return arrays
+
+
+def synthesizer_dense_params(key: PRNGKeyArray, *, d_model: int, heads: int, kind: str = "random", max_len: int = 512,
+                             hidden: int | None = None, factor: int = 8) -> dict[str, Array]:
+    """The dense kinds' per-head layers on the token X_i (`d_model` wide).
+
+    "dense": F(X_i) = W2 relu(W1 X_i + b1) + b2 with W1 `[heads, d_model, hidden]`
+    (hidden defaults to d_model, the paper's d x d) and W2 `[heads, hidden, max_len]`.
+    "factorized_dense": A = W_a X_i + b_a `[factor]` and B = W_b X_i + b_b
+    `[ceil(max_len / factor)]`; row i is A tiled times B repeated (C[p] = A[p mod a] *
+    B[p div a]), cut to max_len.
+    """
+    if kind not in _FROM_TOKENS:
+        return {}
+    hidden = d_model if hidden is None else hidden
+    for name, value in (("hidden", hidden), ("max_len", max_len), ("factor", factor)):
+        check_positive(name, value)
+    if kind == "dense":
+        shapes = {"w1": (d_model, hidden), "w2": (hidden, max_len)}
+    else:
+        shapes = {"wa": (d_model, factor), "wb": (d_model, ceil_div(max_len, factor))}
+    params = {}
+    for (name, (fan_in, fan_out)), k in zip(shapes.items(), jax.random.split(key, len(shapes))):
+        params[name] = jax.random.normal(k, (heads, fan_in, fan_out)) / math.sqrt(fan_in)
+        params[name.replace("w", "b")] = jnp.zeros((heads, fan_out))
+    return params
+
+
+def synthesizer_dense_logits(
+    params: dict[str, Array],
+    queries: Float[Array, "q_len d_model"],
+    keys: Float[Array, "kv_len d_model"] | None,
+    hyper_parameters: dict,
+) -> dict[str, Float[Array, "heads q_len max_len"]]:
+    """The dense kinds' logits from each query token's layer input X_i alone."""
+    if not params:
+        return {}
+    x = queries.astype(jnp.float32)
+
+    def layer(w, b, h):  # h [q, d_in] (shared) or [heads, q, d_in] -> [heads, q, d_out]
+        spec = "qd,hde->hqe" if h.ndim == 2 else "hqd,hde->hqe"
+        return jnp.einsum(spec, h, params[w].astype(jnp.float32)) + params[b][:, None, :]
+
+    if "w1" in params:
+        return {"dense_logits": layer("w2", "b2", jax.nn.relu(layer("w1", "b1", x)))}
+    a, b = layer("wa", "ba", x), layer("wb", "bb", x)
+    c = jnp.tile(a, (1, 1, b.shape[-1])) * jnp.repeat(b, a.shape[-1], axis=-1)
+    return {"dense_logits": c[:, :, : hyper_parameters["max_len"]]}
 
 
 register(
     "synthesizer", synthesizer_attention, family="low rank", paper="Tay et al. 2021", complexity="O(N^2)",
-    supports_cross=True, exact=False, content_based=False, init_arrays=synthesizer_arrays, covers_length="max_len",
-    choices={"kind": SYNTHESIZER_KINDS},
-    docs={"kind": "synthetic logits", "dot_weight": "weight of dot-product logits mixed in",
-          "hidden": "dense: hidden width", "max_len": "longest sequence", "rank": "factorized: rank"},
+    supports_cross=True, exact=False, content_based=False, init_arrays=synthesizer_arrays,
+    token_inputs=TokenInputs(synthesizer_dense_params, synthesizer_dense_logits), drawn=("fixed_random",),
+    redrawn=False, covers_length="max_len", choices={"kind": SYNTHESIZER_KINDS},
+    docs={"kind": "synthetic logits", "max_len": "longest sequence", "rank": "factorized_random: rank",
+          "trainable_random": "random: train R (else fixed)",
+          "mixture": "learned softmax-normalised mixture with dot-product attention",
+          "hidden": "dense: hidden width (default d_model)", "factor": "factorized_dense: a (b = max_len / a)"},
 )
 
 

@@ -1,6 +1,7 @@
 """Fixed sparse patterns that combine several sub-patterns into one softmax:
-Sparse Transformer (strided and fixed), Longformer (window + global tokens) and BigBird
-(sliding blocks + global blocks + random blocks).
+Sparse Transformer (strided and fixed), Longformer (dilated window + global tokens, with
+its separate global projections) and BigBird (sliding blocks + global blocks + random
+blocks).
 
 Each sub-pattern is gathered in the layout that makes it cheap (blocks, residue
 classes, a shared set of global keys) and the softmax is taken jointly over the union,
@@ -10,6 +11,7 @@ with keys that two sub-patterns share counted once, so each op equals dense
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -28,6 +30,7 @@ from jxformers.ops._common import (
     first_occurrence,
     neighbour_blocks,
     out_dtype,
+    pad_to,
     positions,
     prepare_self,
     rows_to_output,
@@ -36,7 +39,7 @@ from jxformers.ops._common import (
     window_block,
 )
 from jxformers.ops.softmax import softmax_attention
-from jxformers.registry import register
+from jxformers.registry import TokenInputs, register
 
 # ----------------------------------------------------------------------------- Sparse Transformer
 
@@ -134,29 +137,68 @@ register(
 # ----------------------------------------------------------------------------- Longformer
 
 
+def _check_global_indices(global_indices, n: int) -> Int[Array, " num_global"]:
+    if isinstance(global_indices, (jax.Array, np.ndarray)):
+        if global_indices.ndim != 1 or not jnp.issubdtype(global_indices.dtype, jnp.integer):
+            raise ValueError(f"global_indices must be a 1-D int array; got {global_indices.dtype}{list(global_indices.shape)}")
+    else:
+        bad = [i for i in global_indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise ValueError(f"global_indices must be ints in [0, {n}); got {list(global_indices)}")
+    return jnp.asarray(global_indices, dtype=jnp.int32).reshape(-1)
+
+
+def _global_projections(q, k, v, global_q, global_k, global_v):
+    """The queries, keys and values of the global rows: the separate projections when
+    given (all three), else q, k, v themselves."""
+    given = [x is not None for x in (global_q, global_k, global_v)]
+    if not any(given):
+        return q, k, v
+    if not all(given):
+        raise ValueError("global_q, global_k and global_v go together (Longformer's Q_g, K_g, V_g); "
+                         f"got only {[n for n, g in zip(('global_q', 'global_k', 'global_v'), given) if g]}")
+    for name, x, like in (("global_q", global_q, q), ("global_k", global_k, k), ("global_v", global_v, v)):
+        if jnp.shape(x) != jnp.shape(like):
+            raise ValueError(f"{name} must have the shape of its local projection {jnp.shape(like)}; got {jnp.shape(x)}")
+    return global_q, global_k, global_v
+
+
 def longformer_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],
     v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     window: int = 128,
+    dilation: int = 1,
     global_indices: Int[ArrayLike, "num_global"] | Sequence[int] = (0,),
+    global_q: Float[ArrayLike, "_seq _heads _d_k"] | None = None,
+    global_k: Float[ArrayLike, "_seq _kv_heads _d_k"] | None = None,
+    global_v: Float[ArrayLike, "_seq _kv_heads _d_v"] | None = None,
     causal: bool = False,
     kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
-    """Longformer attention (Beltagy et al., 2020): a sliding window plus global tokens.
+    """Longformer attention (Beltagy et al., 2020, section 3.1): a (dilated) sliding
+    window plus global tokens, one softmax per query.
 
-    Query i attends key j iff |i - j| <= window, or i or j is a global position (global
-    tokens attend every key and every query attends them). `causal=True` intersects the
-    pattern with j <= i.
+    Query i attends key j iff (i - j) is a multiple of `dilation` and
+    |i - j| <= window * dilation (the dilated window; `dilation=1` is a plain window), or
+    i or j is a global position. `causal=True` intersects the pattern with j <= i.
+
+    The paper computes the global attention with its own projections Q_g, K_g, V_g:
+    give `global_q`, `global_k`, `global_v` (the same shapes as q, k, v) and a global
+    query's row is softmax(Q_g[i] K_g^T) V_g over every key, while the other rows, global
+    keys included, use the sliding-window projections q, k, v (as the authors' code).
+    Without them the global rows use q, k, v.
 
     Arguments:
         q, k, v: self-attention inputs of one length `seq`.
-        window: keys each side of the query (behind it when causal), int >= 0.
+        window: keys each side (behind the query when causal), int >= 0.
+        dilation: stride between the window's keys, int >= 1.
         global_indices: positions of the global tokens (e.g. `(0,)` for [CLS]), a Python
             sequence (checked against `seq`) or an int array (may differ per example under
             vmap; entries outside [0, seq) are ignored). Repeats count once.
+        global_q, global_k, global_v: the global projections of the same tokens, or None.
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens (padded global tokens are masked
             as keys like any padding).
@@ -165,40 +207,49 @@ def longformer_attention(
     Returns:
         `[seq, heads, d_v]`.
 
-    Time and memory O(seq * (window + num_global) * d).
+    Time and memory O(seq * (window + num_global) * d) whatever the dilation: the window
+    runs over the `dilation` interleaved subsequences laid end to end, each followed by
+    `window` masked slots so no window crosses into the next.
     """
     check_self(q, k, v, kv_mask)
     check_positive("window", window, minimum=0)
+    check_positive("dilation", dilation)
     n = q.shape[0]
-    if isinstance(global_indices, (jax.Array, np.ndarray)):
-        if global_indices.ndim != 1 or not jnp.issubdtype(global_indices.dtype, jnp.integer):
-            raise ValueError(f"global_indices must be a 1-D int array; got {global_indices.dtype}{list(global_indices.shape)}")
-    else:
-        bad = [i for i in global_indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
-        if bad:
-            raise ValueError(f"global_indices must be ints in [0, {n}); got {list(global_indices)}")
-    idx = jnp.asarray(global_indices, dtype=jnp.int32).reshape(-1)
-    block = window_block(n, window)
-    length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block)
+    idx = _check_global_indices(global_indices, n)
+    gq, gk, gv = _global_projections(q, k, v, global_q, global_k, global_v)
+    d = dilation
+    real_n = jnp.ones((n,), bool) if kv_mask is None else jnp.asarray(kv_mask)
+    if d == 1:
+        slots, slot, origin, laid_out = n, None, positions(n), (q, k, v, kv_mask)
+    else:  # position i sits at slot (i mod d) * seg + i // d: residue classes end to end
+        seg = ceil_div(n, d) + window
+        slots = d * seg
+        slot = (positions(n) % d) * seg + positions(n) // d
+        origin = jnp.full((slots,), -1, jnp.int32).at[slot].set(positions(n))  # -1: a gap
+        laid_out = tuple(jnp.zeros((slots, *jnp.shape(x)[1:]), jnp.result_type(x)).at[slot].set(x)
+                         for x in (q, k, v, real_n))
+    block = window_block(slots, window)
+    length, qg, kp, vp, real = prepare_self(*laid_out, block)
     scale = default_scale(q.shape[2], scale)
-    pos = positions(length)
+    pos = pad_to(origin, length, value=-1)  # each row's position
 
     def near(i, j):
-        d = i - j
-        return (d >= 0) & (d <= window) if causal else jnp.abs(d) <= window
+        delta = i - j
+        inside = (delta % d == 0) & (jnp.abs(delta) <= window * d)
+        return inside & (delta >= 0) if causal else inside
 
     parts = [sliding_window_part(qg, kp, vp, real, block=block, window=window, causal=causal, scale=scale)]
-
     in_range = (idx >= 0) & (idx < n)
     safe = jnp.where(in_range, idx, 0)
     if idx.shape[0] > 0:
-        g_ok = in_range & first_occurrence(idx) & real[safe]
+        g_ok = in_range & first_occurrence(idx) & real_n[safe]
         # Global keys not already inside the query's window.
         mask = g_ok[None, :] & ~near(pos[:, None], safe[None, :])
         if causal:
             mask = mask & (safe[None, :] <= pos[:, None])
-        parts.append(dense_part(qg, kp[safe], vp[safe], mask, scale))
-    out = rows_to_output(attend_parts(parts), n, out_dtype(q, k, v))
+        parts.append(dense_part(qg, jnp.asarray(k)[safe], jnp.asarray(v)[safe], mask, scale))
+    out = rows_to_output(attend_parts(parts), length, out_dtype(q, k, v))
+    out = out[:n] if slot is None else out[slot]
     if idx.shape[0] == 0:
         return out
 
@@ -206,13 +257,50 @@ def longformer_attention(
     rows_mask = jnp.ones((idx.shape[0], n), bool)
     if causal:
         rows_mask = positions(n)[None, :] <= safe[:, None]
-    g_out = softmax_attention(jnp.asarray(q)[safe], k, v, mask=rows_mask, kv_mask=kv_mask, scale=scale)
+    g_out = softmax_attention(jnp.asarray(gq)[safe], gk, gv, mask=rows_mask, kv_mask=kv_mask, scale=scale)
     return out.at[jnp.where(in_range, idx, n)].set(g_out.astype(out.dtype), mode="drop")
+
+
+def longformer_global_params(key: PRNGKeyArray, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int,
+                             global_projections: bool = True) -> dict[str, Array]:
+    """Q_g, K_g, V_g: weights `[d_model, heads, d]` and biases `[heads, d]` at
+    `nn.Linear`'s scale (uniform in +-1/sqrt(d_model)), when `global_projections`."""
+    if not global_projections:
+        return {}
+    bound = 1.0 / math.sqrt(d_model)
+    shapes = {"global_q": (heads, d_k), "global_k": (kv_heads, d_k), "global_v": (kv_heads, d_v)}
+    params = {}
+    for (name, shape), k in zip(shapes.items(), jax.random.split(key, 3)):
+        kw, kb = jax.random.split(k)
+        params[name + "_w"] = jax.random.uniform(kw, (d_model, *shape), minval=-bound, maxval=bound)
+        params[name + "_b"] = jax.random.uniform(kb, shape, minval=-bound, maxval=bound)
+    return params
+
+
+def longformer_globals(
+    params: dict[str, Array],
+    queries: Float[Array, "q_len d_model"],
+    keys: Float[Array, "kv_len d_model"] | None,
+    hyper_parameters: dict,
+) -> dict[str, Array]:
+    """The global projections of the layer's tokens (nothing when there are none).
+    Rotary embeddings (position="rope") rotate the module's q and k, not these: with
+    rope the global rows see no positions (the paper uses learned absolute ones)."""
+    if not params:
+        return {}
+    if keys is None:
+        raise ValueError("Longformer is self-attention: its global projections need the keys' tokens")
+    sources = {"global_q": queries, "global_k": keys, "global_v": keys}
+    return {n: jnp.einsum("nm,mhd->nhd", x, params[n + "_w"].astype(x.dtype)) + params[n + "_b"].astype(x.dtype)[None]
+            for n, x in sources.items()}
 
 
 register(
     "longformer", longformer_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N*(w+g))",
-    docs={"window": "keys each side", "global_indices": "positions of global tokens"},
+    token_inputs=TokenInputs(longformer_global_params, longformer_globals),
+    docs={"window": "keys each side", "dilation": "stride between window keys",
+          "global_indices": "positions of global tokens",
+          "global_projections": "separate Q_g, K_g, V_g for the global attention (the paper's)"},
 )
 
 
@@ -281,7 +369,9 @@ def bigbird_attention(
     iff |a - b| <= num_window_blocks // 2 (sliding), a or b is a global block
     (`bigbird_global_blocks`), or b is one of a's random blocks. The random blocks are
     `random_blocks` if given, else drawn from `key` with `bigbird_random_blocks` (the
-    same key gives the same pattern: fixed per call, redrawn only by a new key).
+    same key gives the same pattern: fixed per call, redrawn only by a new key). In a
+    model the key is drawn once per layer and kept for the whole run, as the paper's
+    code seeds its pattern per layer: training's periodic `nn.redraw` leaves it alone.
     Padded keys (`kv_mask`) are masked in every part, global ones included.
 
     Arguments:
@@ -374,7 +464,7 @@ def bigbird_arrays(key: PRNGKeyArray) -> dict[str, PRNGKeyArray]:
 
 register(
     "bigbird", bigbird_attention, family="fixed pattern", paper="Zaheer et al. 2020", complexity="O(N*b*(w+g+r))",
-    init_arrays=bigbird_arrays, drawn=("key",),
+    init_arrays=bigbird_arrays, drawn=("key",), redrawn=False,
     docs={"block_size": "tokens per block", "num_random_blocks": "random key blocks per query block",
           "num_window_blocks": "sliding window in blocks (odd)", "num_global_blocks": "global blocks (first and last)"},
 )

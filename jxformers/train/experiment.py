@@ -73,7 +73,15 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     """The `train` section: optimizer and schedule (see `make_optimizer`), batch and
     gradient accumulation, evaluation / logging cadence, the seed, what a non-finite
-    step does (`stop` or `skip`), and how often drawn arrays are redrawn (0: never)."""
+    step does (`stop` or `skip`), and how often drawn arrays are redrawn.
+
+    `redraw_every`: every this many steps (from step 0) `nn.redraw` resamples the drawn
+    features of the attentions whose paper redraws them (Performer, RFA), from the run's
+    key and the step alone, so a resumed run redraws exactly as an uninterrupted one;
+    0 never redraws. The default, 1000, is performer-pytorch's `feature_redraw_interval`
+    (the Performer paper redraws but fixes no interval; its JAX code redraws at every
+    call). BigBird's random pattern is drawn once and never redrawn (its paper's code
+    seeds it per layer)."""
 
     steps: int = 1000
     batch_size: int = 32
@@ -89,7 +97,7 @@ class TrainConfig(_Section):
     log_every: int = 10
     seed: int = 0
     on_nonfinite: str = "stop"
-    redraw_every: int = 0
+    redraw_every: int = 1000
 
     def __post_init__(self):
         check_fields(self, "train.", {"optimizer": OPTIMIZERS, "schedule": SCHEDULES,

@@ -4,8 +4,8 @@
 saved config (`workdir.py`), builds the state (`init_train_state`) and the grain loader,
 resumes from the newest good checkpoint in `workdir/checkpoints` if there is one, and
 runs the jitted train step (`step.py`; state donated, gradient accumulation with
-`lax.scan`). Around the step, small hooks: redraw the drawn arrays every `redraw_every`
-steps, log (each logged step is one JSON object in `workdir/metrics.jsonl`, with
+`lax.scan`). Around the step, small hooks: redraw the drawn features every `redraw_every`
+steps (default 1000; see `TrainConfig`), log (each logged step is one JSON object in `workdir/metrics.jsonl`, with
 non-finite numbers as the strings "NaN" / "Infinity" that float() reads, and TensorBoard
 scalars in `workdir/tensorboard/`; tokens_per_s counts real tokens, padded_tokens_per_s
 all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` steps, and
