@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fcntl
 import json
 import os
@@ -26,7 +27,8 @@ from typing import Any
 
 import yaml
 
-from jxformers.train.experiment import Experiment, load_experiment, parse_override, read_yaml
+from jxformers.nn import ModelConfig
+from jxformers.train.experiment import SECTIONS, Experiment, load_experiment, parse_override, read_yaml
 
 CONFIG = "config.yaml"
 LOCK = "lock"
@@ -98,8 +100,22 @@ def differences(saved: Mapping, new: Mapping, *, section: str | None = None) -> 
     # Both as they read back from config.yaml (tuples become lists).
     a, b = ({k: v for k, v in _flat(yaml.safe_load(yaml.safe_dump(dict(tree)))).items()
              if k.split(".")[0] not in _LABELS} for tree in (saved, new))
+    # A setting added after the run was saved reads as its default there, so that old runs
+    # resume under a newer version unless the rerun asks for something else.
+    defaults = _field_defaults()
+    a |= {k: defaults[k] for k in b.keys() - a.keys() if k in defaults}
     keys = sorted(k for k in a.keys() | b.keys() if section is None or k.split(".")[0] == section)
     return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in keys if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
+
+
+def _field_defaults() -> dict[str, Any]:
+    """{"section.field": default} of every config field that has a plain default."""
+    out = {}
+    for section, cls in SECTIONS.items() | {("model", ModelConfig)}:
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f"{section}.{f.name}"] = yaml.safe_load(yaml.safe_dump(f.default))  # as config.yaml reads back
+    return out
 
 
 def describe(changes: Mapping[str, tuple[Any, Any]]) -> str:
