@@ -4,7 +4,6 @@ missing or odd directories and YAML, honest messages and metrics."""
 
 import json
 import os
-import pathlib
 import shutil
 import signal
 import subprocess
