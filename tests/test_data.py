@@ -135,20 +135,22 @@ def _connected(image, a, b):
     return False
 
 
-def _marker_centres(image, radius_pixels=5):
-    """Centres of the plus-shaped marker discs (a lit pixel whose 4 neighbours are lit)."""
-    lit = image > 0
-    core = lit[1:-1, 1:-1] & lit[:-2, 1:-1] & lit[2:, 1:-1] & lit[1:-1, :-2] & lit[1:-1, 2:]
+def _marker_centres(image):
+    """Centres of the marker discs: a full-intensity pixel whose 4 neighbours are at full
+    intensity too (anti-aliased strokes are 1 px wide and never fill such a plus)."""
+    full = image == 255
+    core = full[1:-1, 1:-1] & full[:-2, 1:-1] & full[2:, 1:-1] & full[1:-1, :-2] & full[1:-1, 2:]
     return [(int(y) + 1, int(x) + 1) for y, x in zip(*np.nonzero(core))]
 
 
-@pytest.mark.parametrize("length", [6, 9])
-def test_pathfinder_labels_mean_the_markers_are_connected(length):
+@pytest.mark.parametrize("length", [6, 9, 14])
+@pytest.mark.parametrize("gap", [0, 1])  # solid strokes and LRA's dashes (they stay 8-connected)
+def test_pathfinder_labels_mean_the_markers_are_connected(length, gap):
     from jxformers.data.pathfinder import render
 
     labels = []
     for index in range(16):
-        image, label = render(5, index, size=32, contour_length=length, gap=0)  # solid strokes
+        image, label = render(5, index, size=32, contour_length=length, gap=gap)
         centres = _marker_centres(image)
         assert len(centres) == 2, centres
         assert _connected(image, *centres) == bool(label)

@@ -77,10 +77,17 @@ def test_baselines_make_only_the_records_they_score():
 def test_baselines_of_other_tasks():
     copy = make_source("copy", seed=0, size=16, max_len=16)
     assert baselines(copy, copy) == {}  # language modelling: no classes
-    pf = make_source("pathfinder", seed=1, size=6, image_size=16, contour_length=3, distractors=0)
+    pf = make_source("pathfinder", seed=1, size=6, image_size=16, contour_length=4, distractors=0)
     assert baselines(pf, pf)["majority_class"] == 0.5  # labels alternate with the index
     with pytest.raises(ValueError, match="records must be >= 1 or None; got 0"):
         baselines(pf, pf, records=0)
+
+
+def test_pathfinder_baselines_include_its_best_shortcut_at_chance():
+    train = make_source("pathfinder", seed=1, size=300, image_size=32, contour_length=9)
+    scored = make_source("pathfinder", seed=2, size=300, image_size=32, contour_length=9)
+    result = baselines(train, scored)
+    assert result["majority_class"] == 0.5 and 0.35 < result["best_shortcut"] < 0.65
 
 
 def _listops_config(tmp_path, **data):

@@ -2,6 +2,7 @@
 
     listops.py  the LRA ListOps generator (`sample(seed, index) -> (text, label)`)
     pathfinder.py  the Pathfinder image generator (`render(seed, index) -> (image, label)`)
+    pathfinder_check.py  Pathfinder's shortcut baselines (features a model should not need)
     real.py     Fashion-MNIST (idx files) and Shakespeare (texts) readers
     tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, FashionMNIST, ShakespeareBytes
     loader.py   grain DataLoader: seeded shuffle, per-process sharding, worker processes, batching

@@ -8,8 +8,8 @@ eval split, to print next to a model's.
 * `root_operator` (ListOps): for each root operator, predict the label most frequent
   under it in the first `FIT_RECORDS` training records. It reads one token of the
   expression and scores about 0.37 at LRA lengths, the published LRA Transformer's level.
-* Pathfinder: its generator's best geometric shortcut, through `pathfinder_shortcut`
-  (a hook: it adds a number once the generator module provides one).
+* Pathfinder: the best of its geometric shortcuts (`pathfinder_check`: marker distance,
+  ink, components, ink near the markers, all together), which the generator keeps at chance.
 
 A shortcut is a function of (train records, eval records), each a dict of stacked
 arrays (`tokens [n, max_len]`, `label [n]`, ...), returning {name: accuracy}.
@@ -21,12 +21,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jxformers.data import pathfinder
+from jxformers.data import pathfinder_check
 from jxformers.data.loader import make_loader
 from jxformers.data.tasks import ListOps, Pathfinder
 
 # Training records a fitted shortcut learns from (enough for a table of a few cells).
 FIT_RECORDS = 2000
+MIN_SHORTCUT_RECORDS = 40
 
 Records = dict[str, np.ndarray]
 
@@ -51,20 +52,21 @@ def root_operator(train: Records, eval_records: Records) -> dict[str, float]:
 
 
 def pathfinder_shortcut(train: Records, eval_records: Records) -> dict[str, float]:
-    """Pathfinder's best geometric shortcut. HOOK: `jxformers.data.pathfinder` is being
-    rewritten to ship `best_shortcut_baseline(train_images, train_labels, eval_images,
-    eval_labels) -> float` (images `uint8 [n, size, size]`); until it does, this adds
-    nothing and Pathfinder reports its majority class only."""
-    best = getattr(pathfinder, "best_shortcut_baseline", None)
-    if best is None:
-        return {}
+    """Pathfinder's best geometric shortcut: the highest held-out accuracy of the cues in
+    `pathfinder_check.SHORTCUTS` (marker distance, ink, components, ink near the markers)
+    and of all of them together, fitted on the train records."""
+
+    if min(len(train["label"]), len(eval_records["label"])) < MIN_SHORTCUT_RECORDS:
+        return {}  # a cue fitted or scored on a handful of images says nothing
 
     def images(records):
         n, pixels = records["tokens"].shape
         side = int(round(pixels**0.5))
         return records["tokens"].reshape(n, side, side).astype(np.uint8)
 
-    return {"best_shortcut": float(best(images(train), train["label"], images(eval_records), eval_records["label"]))}
+    scores = pathfinder_check.held_out_baselines(images(train), train["label"], images(eval_records),
+                                                 eval_records["label"])
+    return {"best_shortcut": max(scores[name] for name in (*pathfinder_check.SHORTCUTS, "all shortcuts together"))}
 
 
 # A task's source class -> its shortcuts beyond the majority class.

@@ -148,13 +148,14 @@ class AssociativeRecall:
 class Pathfinder:
     """Generated Pathfinder images as pixel sequences (row-major, values 0..255 as
     tokens), 2 classes. Every pixel is a real token (mask all True): a black pixel is
-    data, never padding (the LRA code's fault)."""
+    data, never padding (the LRA code's fault). `distractors` defaults to LRA's
+    20 // (contour_length // 3)."""
 
     seed: int
     size: int
     image_size: int = 32
     contour_length: int = 6
-    distractors: int = 2
+    distractors: int | None = None  # None: LRA's clutter for the contour length
 
     model_task = "classify"
     vocab_size = 256

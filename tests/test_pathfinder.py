@@ -1,0 +1,80 @@
+"""Pathfinder's generator: the label means connectivity and nothing cheaper. Shortcut
+baselines (marker distance, ink, components, ink near the markers) stay at chance;
+contours never touch and each is one 8-connected stroke; records are a pure function of
+(seed, index); bad settings raise. (The flood-fill test of the labels is in test_data.)"""
+
+import numpy as np
+import pytest
+from scipy import ndimage
+
+from jxformers.data import pathfinder
+from jxformers.data.pathfinder_check import PATH_CUES, SHORTCUTS, baselines, features, marker_centres, render_many
+
+
+def test_shortcut_baselines_stay_at_chance():
+    # 1600 images of the experiment's default difficulty: held-out half of 800, so
+    # chance is 0.5 +- 0.018 and 0.56 is over three standard errors away
+    images, labels = render_many(7, 1600, size=32, contour_length=9)
+    result = baselines(images, labels)
+    assert result["images used"] == 1600
+    shortcuts = {name: result[name] for name in SHORTCUTS + ("all shortcuts together",)}
+    assert max(shortcuts.values()) <= 0.56, shortcuts
+    # the path cues read the path itself where it runs straight; bounded against regressions
+    # (the old generator: 0.62 and 0.75 at this length)
+    path = {name: result[name] for name in PATH_CUES + ("all cues together",)}
+    assert max(path.values()) <= 0.60, path
+
+
+@pytest.mark.parametrize("length", [6, 14])
+def test_each_contour_is_one_stroke_and_none_touch(length):
+    # ink > 0 (anti-aliased grey included) falls into exactly one 8-connected component
+    # per contour: the two main ones and the distractors, markers attached to their ends
+    for index in range(6):
+        image, _ = pathfinder.render(2, index, contour_length=length)
+        count = ndimage.label(image > 0, np.ones((3, 3), bool))[1]
+        assert count == 2 + pathfinder.default_distractors(32, length)
+        assert len(marker_centres(image)) == 2
+        assert ((image > 0) & (image < 255)).sum() > 0.5 * (image > 0).sum()  # grey strokes
+
+
+def test_markers_are_anti_aliased_discs_of_radius_1_5():
+    image, _ = pathfinder.render(0, 1)
+    for y, x in marker_centres(image):
+        patch = image[y - 1:y + 2, x - 1:x + 2].astype(int)
+        assert (patch[[0, 1, 1, 1, 2], [1, 0, 1, 2, 1]] == 255).all()
+        assert (patch[[0, 0, 2, 2], [0, 2, 0, 2]] >= 149).all()  # 2 - sqrt(2) of full ink, or a stroke's
+
+
+def test_records_are_a_pure_function_of_seed_and_index():
+    first = pathfinder.render(3, 5, contour_length=9)[0]
+    for index in range(4):  # nothing carries over from one record to the next
+        pathfinder.render(4, index, contour_length=14)
+    assert np.array_equal(first, pathfinder.render(3, 5, contour_length=9)[0])
+    assert not np.array_equal(first, pathfinder.render(3, 7, contour_length=9)[0])
+
+
+def test_lra_clutter():
+    assert [pathfinder.default_distractors(32, n) for n in (6, 9, 14)] == [10, 6, 5]  # 20 // (n // 3)
+
+
+def test_features_count_grey_ink_as_ink():
+    image = np.zeros((1, 12, 12), np.uint8)
+    image[0, 2:5, 2:5] = 255  # a marker-like plus (its corners are full too)
+    image[0, 5, 5] = 1  # faint grey joins a diagonal stroke to it
+    image[0, 6, 6] = image[0, 7, 7] = 80
+    image[0, 8:11, 8:11] = 255
+    cues, ok = features(image)
+    assert ok[0] and cues["components"][0, 0] == 1
+    assert cues["marker distance"][0, 0] == pytest.approx(np.hypot(6, 6))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(size=8), "size must be >= 12; got 8"),
+    (dict(contour_length=3), "contour_length must be >= 4; got 3"),
+    (dict(gap=3), r"gap must be in \[0, 2\].*got 3"),
+    (dict(distractors=-1), "distractors must be >= 0.*got -1"),
+    (dict(size=12, contour_length=6, distractors=30), "could not fit 2 contours of 6 steps and 30 distractors"),
+])
+def test_bad_settings_raise(settings, message):
+    with pytest.raises(ValueError, match=message):
+        pathfinder.render(0, 0, **settings)
