@@ -77,8 +77,9 @@ class ModelConfig:
         attention, attention_kwargs: registry name and hyper-parameters of self-attention.
         cross_attention, cross_attention_kwargs: of seq2seq cross-attention.
         ffn: relu, gelu, geglu, swiglu. position: sinusoidal, learned, rope, alibi, t5, none.
-        norm: layernorm or rmsnorm; norm_placement: pre or post (default: the
-            architecture's paper: post for isab and luna, pre otherwise).
+        norm: layernorm or rmsnorm; norm_placement: pre or post (default: post for isab and luna, as
+            their papers; pre for transformer and perceiver: Perceiver's paper, and for
+            the transformer the stable choice (Xiong et al. 2020), not Vaswani's post).
         dropout: on residual branches and FFN hidden units.
         pooling: cls, mean or pma (Set Transformer's pooling by multihead attention
             with `pma_seeds` learned seeds; classify, retrieval). dtype: compute dtype

@@ -1,0 +1,18 @@
+"""docs/fidelity.md has a row for every registered attention and every architecture, so a
+new one cannot land without saying how it compares with its paper."""
+
+import pathlib
+
+from jxformers import registry
+from jxformers.nn.config import ARCHITECTURES
+
+ROWS = [line.split("|")[1] for line in (pathlib.Path(__file__).parents[1] / "docs" / "fidelity.md").read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| model / option")]
+
+
+def test_every_registered_attention_and_architecture_has_a_fidelity_row():
+    names = {r.strip().split(",")[0].split(" ")[0].strip("`").lower() for r in ROWS}
+    text = " ".join(ROWS)
+    missing = [n for n in registry.names() if n not in names and f"`{n}`" not in text]
+    missing += [a for a in ARCHITECTURES if a != "transformer" and f'architecture="{a}"' not in text]
+    assert not missing, f"docs/fidelity.md lacks rows for {missing}"
