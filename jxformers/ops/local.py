@@ -14,6 +14,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jxformers.decoding import ring_buffer
+from jxformers.kernels import IMPLS, choose_kernel
+from jxformers.kernels import pattern as kp
+from jxformers.kernels.flash import pattern_attention
 from jxformers.ops._common import (
     attend_parts,
     block_part,
@@ -33,6 +36,18 @@ from jxformers.ops._common import (
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import register
 
+IMPL_DOC = {"impl": "auto, xla, pallas or interpret (block-sparse flash kernel)"}
+
+
+def local_pattern(window: int, *, causal: bool, q_len: int, kv_len: int) -> kp.Pattern:
+    """|i - j| <= window, or 0 <= i - j <= window when causal."""
+    return kp.intersect(kp.Band(-window, window), kp.causal(q_len, kv_len) if causal else None)
+
+
+def block_local_pattern(block_size: int, *, causal: bool, q_len: int, kv_len: int) -> kp.Pattern:
+    """i // block_size == j // block_size (and j <= i when causal)."""
+    return kp.intersect(kp.Band(0, 0, unit=block_size), kp.causal(q_len, kv_len) if causal else None)
+
 
 def local_attention(
     q: Float[ArrayLike, "seq heads d_k"],
@@ -43,6 +58,7 @@ def local_attention(
     causal: bool = False,
     kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
+    impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
     """Sliding-window attention (Image Transformer / Longformer local attention).
 
@@ -54,6 +70,7 @@ def local_attention(
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
+        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`).
 
     Returns:
         `[seq, heads, d_v]`.
@@ -62,6 +79,11 @@ def local_attention(
     of the last `window` keys.
     """
     check_positive("window", window, minimum=0)
+    check_self(q, k, v, kv_mask)
+    choice = choose_kernel(impl, what="local attention", q_len=q.shape[0])
+    if choice is not None:
+        pattern = local_pattern(window, causal=causal, q_len=q.shape[0], kv_len=k.shape[0])
+        return pattern_attention(q, k, v, pattern, choice, kv_mask=kv_mask, scale=scale).astype(out_dtype(q, k, v))
     block = window_block(q.shape[0], window)
     _, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block)
     scale = default_scale(q.shape[2], scale)
@@ -72,7 +94,7 @@ def local_attention(
 register(
     "local", local_attention, family="fixed pattern", paper="Parmar et al. 2018; Beltagy et al. 2020",
     complexity="O(N*w)", decoder=ring_buffer(softmax_attention, slots=lambda hp: hp["window"] + 1),
-    docs={"window": "keys each side (behind when causal)"},
+    choices={"impl": IMPLS}, docs={"window": "keys each side (behind when causal)"} | IMPL_DOC,
 )
 
 
@@ -85,6 +107,7 @@ def block_local_attention(
     causal: bool = False,
     kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
+    impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
     """Blockwise attention over non-overlapping contiguous blocks (Image Transformer's
     local 1-D blocks; Qiu et al.'s blockwise attention with the identity permutation).
@@ -97,6 +120,7 @@ def block_local_attention(
         causal: restrict to the past within the block.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
+        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`).
 
     Returns:
         `[seq, heads, d_v]`.
@@ -104,6 +128,11 @@ def block_local_attention(
     Time and memory O(seq * block_size * d). Causal supported.
     """
     check_positive("block_size", block_size)
+    check_self(q, k, v, kv_mask)
+    choice = choose_kernel(impl, what="block-local attention", q_len=q.shape[0])
+    if choice is not None:
+        pattern = block_local_pattern(block_size, causal=causal, q_len=q.shape[0], kv_len=k.shape[0])
+        return pattern_attention(q, k, v, pattern, choice, kv_mask=kv_mask, scale=scale).astype(out_dtype(q, k, v))
     block = min(block_size, q.shape[0])  # one block holding everything when the block is longer
     _, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block)
     mask = jnp.broadcast_to(to_blocks(real, block)[:, None, :], (real.shape[0] // block, block, block))
@@ -115,7 +144,7 @@ def block_local_attention(
 
 register(
     "block_local", block_local_attention, family="fixed pattern", paper="Parmar et al. 2018; Qiu et al. 2019",
-    complexity="O(N*b)", docs={"block_size": "tokens per block"},
+    complexity="O(N*b)", choices={"impl": IMPLS}, docs={"block_size": "tokens per block"} | IMPL_DOC,
 )
 
 
@@ -129,6 +158,7 @@ def dilated_attention(
     causal: bool = False,
     kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
+    impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
     """Dilated sliding window (Longformer, Beltagy et al. 2020, section 3.1).
 
@@ -148,6 +178,8 @@ def dilated_attention(
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
+        impl: "auto", "xla", "pallas" or "interpret": the interleaved subsequences run
+            through `local_attention`'s kernel (a dense band, not a sparse one).
 
     Returns:
         `[seq, heads, d_v]`.
@@ -162,7 +194,8 @@ def dilated_attention(
         return jnp.swapaxes(to_blocks(pad_to(x, length), dilation), 0, 1)
 
     real = interleave(valid_keys(kv_mask, n, length))
-    run = jax.vmap(lambda q_, k_, v_, m_: local_attention(q_, k_, v_, window=window, causal=causal, kv_mask=m_, scale=scale))
+    run = jax.vmap(lambda q_, k_, v_, m_: local_attention(q_, k_, v_, window=window, causal=causal, kv_mask=m_, scale=scale,
+                                                                      impl=impl))
     out = run(interleave(q), interleave(k), interleave(v), real)
     out = jnp.swapaxes(out, 0, 1).reshape(length, *out.shape[2:])
     return out[:n]
@@ -170,5 +203,5 @@ def dilated_attention(
 
 register(
     "dilated", dilated_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N*w)",
-    docs={"window": "attended keys each side", "dilation": "stride between attended keys"},
+    choices={"impl": IMPLS}, docs={"window": "attended keys each side", "dilation": "stride between attended keys"} | IMPL_DOC,
 )

@@ -13,6 +13,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jxformers.decoding import kv_cache
+from jxformers.kernels import IMPLS, choose_kernel
+from jxformers.kernels import pattern as kp
+from jxformers.kernels.flash import pattern_attention
 from jxformers.ops._common import (
     ceil_div,
     check_mask_shape,
@@ -40,6 +43,12 @@ def causal_mask(q_len: int, kv_len: int) -> Bool[Array, "q_len kv_len"]:
     return positions(q_len)[:, None] + offset >= positions(kv_len)[None, :]
 
 
+def softmax_pattern(q_len: int, kv_len: int, *, causal: bool) -> kp.Pattern:
+    """Softmax attention's pattern for the block-sparse kernel: every key, or the
+    bottom-right causal band."""
+    return kp.causal(q_len, kv_len) if causal else kp.DENSE
+
+
 def softmax_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],
@@ -50,6 +59,7 @@ def softmax_attention(
     bias: Float[ArrayLike, "_q_len _kv_len"] | Float[ArrayLike, "_heads _q_len _kv_len"] | None = None,
     causal: bool = False,
     scale: float | None = None,
+    impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Dense scaled dot-product attention (Vaswani et al., 2017), the reference op.
 
@@ -63,18 +73,26 @@ def softmax_attention(
         bias: optional additive logits bias, `[q_len, kv_len]` or `[heads, q_len, kv_len]`.
         causal: if True, query i attends keys j <= i + kv_len - q_len (bottom-right).
         scale: logits multiplier; default `1 / sqrt(d_k)`.
+        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
+            flash-attention kernel (O(N) memory) takes calls without `mask` and `bias`.
 
     Returns:
         `[q_len, heads, d_v]`. A query with every key masked returns zeros.
 
-    Time O(q_len * kv_len * d), memory O(q_len * kv_len). Causal, cross attention and
-    decoding (q_len = 1 against a cache) are supported. Softmax runs in float32.
+    Time O(q_len * kv_len * d), memory O(q_len * kv_len) (O(N) with the kernel).
+    Causal, cross attention and decoding (q_len = 1 against a cache) are supported.
+    Softmax runs in float32.
     """
     check_qkv(q, k, v)
     q_len, heads, d_k = q.shape
     kv_len = k.shape[0]
     check_mask_shape("mask", mask, (q_len, kv_len))
     check_mask_shape("kv_mask", kv_mask, (kv_len,))
+    unsupported = "a dense mask or a bias (use kv_mask and causal)" if mask is not None or bias is not None else None
+    choice = choose_kernel(impl, unsupported=unsupported, what="softmax attention", q_len=q_len)
+    if choice is not None:
+        return pattern_attention(q, k, v, softmax_pattern(q_len, kv_len, causal=causal), choice, kv_mask=kv_mask,
+                                 scale=scale).astype(out_dtype(q, k, v))
     if bias is not None and tuple(bias.shape) not in {(q_len, kv_len), (heads, q_len, kv_len)}:
         raise ValueError(
             f"bias must have shape {(q_len, kv_len)} or {(heads, q_len, kv_len)}; got {tuple(bias.shape)}"
@@ -103,7 +121,8 @@ def softmax_attention(
 
 register(
     "softmax", softmax_attention, family="exact", paper="Vaswani et al. 2017", complexity="O(N^2)",
-    supports_cross=True, decoder=kv_cache(softmax_attention),
+    supports_cross=True, decoder=kv_cache(softmax_attention), choices={"impl": IMPLS},
+    docs={"impl": "auto, xla, pallas or interpret (flash-attention kernel)"},
 )
 
 

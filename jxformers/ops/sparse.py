@@ -38,6 +38,10 @@ from jxformers.ops._common import (
     to_blocks,
     window_block,
 )
+from jxformers.kernels import IMPLS, choose_kernel
+from jxformers.kernels import pattern as kp
+from jxformers.kernels.flash import BlockSizes, pattern_attention
+from jxformers.ops.local import IMPL_DOC
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import TokenInputs, register
 
@@ -55,6 +59,7 @@ def sparse_transformer_attention(
     causal: bool = False,
     kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
+    impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
     """Sparse Transformer attention (Child et al., 2019), the union of its two heads.
 
@@ -72,6 +77,9 @@ def sparse_transformer_attention(
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
+        impl: "xla", "pallas" or "interpret" run as named; "auto" keeps XLA: the
+            column and summary keys are spread over every key block, so the
+            block-sparse kernel visits all blocks (dense cost) where this op gathers.
 
     Returns:
         `[seq, heads, d_v]`.
@@ -86,6 +94,11 @@ def sparse_transformer_attention(
     if num_summary > stride:
         raise ValueError(f"num_summary must be <= stride ({stride}); got {num_summary}")
     n = q.shape[0]
+    check_self(q, k, v, kv_mask)
+    choice = choose_kernel("xla" if impl == "auto" else impl, what="sparse_transformer attention")
+    if choice is not None:
+        pat = sparse_transformer_pattern(stride, pattern, num_summary, causal=causal, n=n)
+        return pattern_attention(q, k, v, pat, choice, kv_mask=kv_mask, scale=scale).astype(out_dtype(q, k, v))
     s = stride
     length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, s)
     nb = length // s
@@ -127,10 +140,21 @@ def sparse_transformer_attention(
     return rows_to_output(out, n, out_dtype(q, k, v))
 
 
+def sparse_transformer_pattern(stride: int, pattern: str, num_summary: int, *, causal: bool, n: int) -> kp.Pattern:
+    """|i - j| < s or s | (i - j) ("strided"); j // s == i // s or j mod s >= s - c ("fixed")."""
+    s = stride
+    if pattern == "strided":
+        union = kp.union(kp.Band(-(s - 1), s - 1), kp.Band(step=s))
+    else:
+        union = kp.union(kp.Band(0, 0, unit=s), kp.KeyResidue(s, s - num_summary))
+    return kp.intersect(union, kp.causal(n, n) if causal else None)
+
+
 register(
     "sparse_transformer", sparse_transformer_attention, family="fixed pattern", paper="Child et al. 2019",
-    complexity="O(N*sqrt(N))", choices={"pattern": ("strided", "fixed")},
-    docs={"stride": "s, about sqrt(N)", "pattern": "strided or fixed", "num_summary": "c, summary positions per block (fixed)"},
+    complexity="O(N*sqrt(N))", choices={"pattern": ("strided", "fixed"), "impl": IMPLS},
+    docs={"stride": "s, about sqrt(N)", "pattern": "strided or fixed", "num_summary": "c, summary positions per block (fixed)"}
+    | IMPL_DOC,
 )
 
 
@@ -177,6 +201,7 @@ def longformer_attention(
     causal: bool = False,
     kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
+    impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
     """Longformer attention (Beltagy et al., 2020, section 3.1): a (dilated) sliding
     window plus global tokens, one softmax per query.
@@ -203,6 +228,10 @@ def longformer_attention(
         kv_mask: optional `[seq]`, True for real tokens (padded global tokens are masked
             as keys like any padding).
         scale: default `1 / sqrt(d_k)`.
+        impl: "auto", "xla", "pallas" or "interpret": the kernel runs the window and
+            the global keys as one block-sparse pattern (global indices must be a Python
+            sequence; a dilated window is visited as a dense band, `dilation` times the
+            work); the global rows are then recomputed densely as here.
 
     Returns:
         `[seq, heads, d_v]`.
@@ -217,6 +246,14 @@ def longformer_attention(
     n = q.shape[0]
     idx = _check_global_indices(global_indices, n)
     gq, gk, gv = _global_projections(q, k, v, global_q, global_k, global_v)
+    static_globals = not isinstance(global_indices, (jax.Array, np.ndarray))
+    pattern = longformer_pattern(window, dilation, global_indices, causal=causal, n=n) if static_globals else None
+    unsupported = ("global_indices given as an array (the kernel's pattern is static: give a tuple)" if not static_globals
+                   else "more than 16 runs of global positions" if pattern is None else None)
+    choice = choose_kernel(impl, unsupported=unsupported, what="longformer attention", q_len=n)
+    if choice is not None:
+        out = pattern_attention(q, k, v, pattern, choice, kv_mask=kv_mask, scale=scale).astype(out_dtype(q, k, v))
+        return _longformer_global_rows(out, idx, gq, gk, gv, kv_mask, causal, scale)
     d = dilation
     real_n = jnp.ones((n,), bool) if kv_mask is None else jnp.asarray(kv_mask)
     if d == 1:
@@ -250,15 +287,32 @@ def longformer_attention(
         parts.append(dense_part(qg, jnp.asarray(k)[safe], jnp.asarray(v)[safe], mask, scale))
     out = rows_to_output(attend_parts(parts), length, out_dtype(q, k, v))
     out = out[:n] if slot is None else out[slot]
+    return _longformer_global_rows(out, idx, gq, gk, gv, kv_mask, causal, scale)
+
+
+def _longformer_global_rows(out, idx, gq, gk, gv, kv_mask, causal, scale):
+    """`out` with the global queries' rows replaced: each attends every (real, and with
+    causal: earlier) key, through the global projections when given."""
     if idx.shape[0] == 0:
         return out
-
-    # Global queries attend every (real, and with causal: earlier) key.
+    n = out.shape[0]
+    in_range = (idx >= 0) & (idx < n)
+    safe = jnp.where(in_range, idx, 0)
     rows_mask = jnp.ones((idx.shape[0], n), bool)
     if causal:
         rows_mask = positions(n)[None, :] <= safe[:, None]
     g_out = softmax_attention(jnp.asarray(gq)[safe], gk, gv, mask=rows_mask, kv_mask=kv_mask, scale=scale)
     return out.at[jnp.where(in_range, idx, n)].set(g_out.astype(out.dtype), mode="drop")
+
+
+def longformer_pattern(window: int, dilation: int, global_indices: Sequence[int], *, causal: bool, n: int) -> kp.Pattern | None:
+    """The (dilated) window or a global key, within j <= i when causal; None when the
+    global positions form more than 16 runs."""
+    globals_ = kp.key_set(global_indices)
+    if globals_ is None and len(global_indices):
+        return None
+    band = kp.Band(-window * dilation, window * dilation, step=dilation)
+    return kp.intersect(kp.union(band, globals_), kp.causal(n, n) if causal else None)
 
 
 def longformer_global_params(key: PRNGKeyArray, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int,
@@ -297,10 +351,10 @@ def longformer_globals(
 
 register(
     "longformer", longformer_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N*(w+g))",
-    token_inputs=TokenInputs(longformer_global_params, longformer_globals),
+    token_inputs=TokenInputs(longformer_global_params, longformer_globals), choices={"impl": IMPLS},
     docs={"window": "keys each side", "dilation": "stride between window keys",
           "global_indices": "positions of global tokens",
-          "global_projections": "separate Q_g, K_g, V_g for the global attention (the paper's)"},
+          "global_projections": "separate Q_g, K_g, V_g for the global attention (the paper's)"} | IMPL_DOC,
 )
 
 
@@ -362,6 +416,7 @@ def bigbird_attention(
     num_global_blocks: int = 2,
     kv_mask: Bool[ArrayLike, "_seq"] | None = None,
     scale: float | None = None,
+    impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
     """BigBird-ITC attention (Zaheer et al., 2020), block-sparse and bidirectional.
 
@@ -383,6 +438,9 @@ def bigbird_attention(
         num_random_blocks, num_window_blocks (odd), num_global_blocks: the pattern.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
+        impl: "auto", "xla", "pallas" or "interpret": the kernel visits the sliding,
+            global and random key blocks with tiles of `block_size` (a power of two
+            >= 16); the global query blocks are computed densely as here.
 
     Returns:
         `[seq, heads, d_v]`.
@@ -412,9 +470,15 @@ def bigbird_attention(
             f"random_blocks must have shape [num_blocks={nb}, r] for seq={n}, block_size={block_size}; "
             f"got {tuple(random_blocks.shape)}"
         )
-    scale = default_scale(q.shape[2], scale)
     b = block_size
     glob_ids = jnp.asarray(bigbird_global_blocks(nb, num_global_blocks), jnp.int32)
+    unsupported = None if b >= 16 and not b & (b - 1) else f"block_size={b} is not a power of two >= 16"
+    choice = choose_kernel(impl, unsupported=unsupported, what="bigbird attention", q_len=n)
+    if choice is not None:
+        out = pattern_attention(q, k, v, bigbird_pattern(n, b, num_window_blocks, num_global_blocks), choice,
+                                kv_mask=kv_mask, scale=scale, extra_blocks=random_blocks, block_sizes=BlockSizes(b, b))
+        return _bigbird_global_rows(out.astype(out_dtype(q, k, v)), q, k, v, glob_ids, b, kv_mask, scale, impl)
+    scale = default_scale(q.shape[2], scale)
     is_glob = jnp.zeros((nb,), bool).at[glob_ids].set(True)
     half = num_window_blocks // 2
     q_blocks = to_blocks(qg, b)
@@ -449,12 +513,28 @@ def bigbird_attention(
         parts.append(block_part(q_blocks, r_k, r_v, jnp.broadcast_to(r_real[:, None, :], (nb, b, r * b)), scale))
 
     out = rows_to_output(attend_parts(parts), n, out_dtype(q, k, v))
+    return _bigbird_global_rows(out, q, k, v, glob_ids, b, kv_mask, scale, impl)
+
+
+def _bigbird_global_rows(out, q, k, v, glob_ids, b, kv_mask, scale, impl):
+    """`out` with the global query blocks' rows replaced: they attend every real key."""
     if glob_ids.shape[0] == 0:
         return out
-    # Global query blocks attend every real key.
+    n = out.shape[0]
     g_rows = (glob_ids[:, None] * b + positions(b)[None, :]).reshape(-1)
-    g_out = softmax_attention(jnp.take(q, g_rows, axis=0, mode="clip"), k, v, kv_mask=kv_mask, scale=scale)
+    g_out = softmax_attention(jnp.take(q, g_rows, axis=0, mode="clip"), k, v, kv_mask=kv_mask, scale=scale, impl=impl)
     return out.at[jnp.where(g_rows < n, g_rows, n)].set(g_out.astype(out.dtype), mode="drop")
+
+
+def bigbird_pattern(n: int, block_size: int, num_window_blocks: int, num_global_blocks: int) -> kp.Pattern:
+    """The static part of BigBird's pattern for the kernel (random blocks come at run
+    time): the sliding blocks and the global key blocks (global query blocks are
+    recomputed densely, so they are left out)."""
+    b, nb = block_size, ceil_div(n, block_size)
+    first, last = ceil_div(num_global_blocks, 2), num_global_blocks // 2
+    half = num_window_blocks // 2
+    return kp.union(kp.Band(-half, half, unit=b), kp.KeyRange(0, min(first, nb) * b) if first else None,
+                    kp.KeyRange(max(0, nb - last) * b, None) if last else None)
 
 
 def bigbird_arrays(key: PRNGKeyArray) -> dict[str, PRNGKeyArray]:
@@ -464,7 +544,8 @@ def bigbird_arrays(key: PRNGKeyArray) -> dict[str, PRNGKeyArray]:
 
 register(
     "bigbird", bigbird_attention, family="fixed pattern", paper="Zaheer et al. 2020", complexity="O(N*b*(w+g+r))",
-    init_arrays=bigbird_arrays, drawn=("key",), redrawn=False,
+    init_arrays=bigbird_arrays, drawn=("key",), redrawn=False, choices={"impl": IMPLS},
     docs={"block_size": "tokens per block", "num_random_blocks": "random key blocks per query block",
-          "num_window_blocks": "sliding window in blocks (odd)", "num_global_blocks": "global blocks (first and last)"},
+          "num_window_blocks": "sliding window in blocks (odd)", "num_global_blocks": "global blocks (first and last)"}
+    | IMPL_DOC,
 )

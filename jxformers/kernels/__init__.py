@@ -1,0 +1,19 @@
+"""Pallas kernels beside the pure-JAX ops they accelerate.
+
+* `impl`: the `impl="auto" | "xla" | "pallas" | "interpret"` choice every kernel-backed
+  op takes, and where each kernel runs.
+* `pattern`, `block_mask`: static attention patterns as position rules, and the
+  block-sparse metadata (visit lists) computed from them at trace time.
+* `flash`: block-sparse flash attention (`block_sparse_attention`) with its custom VJP
+  and its dense reference; `flash_gpu` (Triton lowering) and `flash_tpu` (Mosaic TPU)
+  hold the kernels.
+"""
+
+from jxformers.kernels.flash import BlockSizes, block_sparse_attention, block_sparse_reference, visited_fraction
+from jxformers.kernels.impl import IMPLS, KernelChoice, check_impl, choose_kernel
+from jxformers.kernels.pattern import Band, KeyRange, Pattern, QueryRange, causal, intersect, union
+
+__all__ = [
+    "IMPLS", "Band", "BlockSizes", "KernelChoice", "KeyRange", "Pattern", "QueryRange", "block_sparse_attention",
+    "block_sparse_reference", "causal", "check_impl", "choose_kernel", "intersect", "union", "visited_fraction",
+]
