@@ -182,7 +182,7 @@ def _merge_bands(a: Band, b: Band) -> Band | None:
     return Band(lo, hi, max(a.step, b.step), a.unit)
 
 
-def intersect(*parts: Pattern) -> Pattern:
+def intersect(*parts: Pattern | None) -> Pattern:
     out: list[Pattern] = []
     for p in parts:
         if p is None or p == DENSE:

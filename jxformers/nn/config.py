@@ -23,6 +23,7 @@ import jax
 import yaml
 
 from jxformers import registry
+from jxformers.kernels import IMPLS
 from jxformers.validate import check_fields, from_mapping
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import NORM_PLACEMENTS, Block
@@ -44,7 +45,7 @@ from jxformers.nn.set_transformer import ISAB, PMA
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
 DTYPES = ("float32", "bfloat16", "float16")
-OVERRIDABLE = ("attention", "attention_kwargs", "ffn", "d_ff")
+OVERRIDABLE = ("attention", "attention_kwargs", "impl", "ffn", "d_ff")
 # architecture -> (the norm placement its paper uses, the tasks it serves, what it is)
 _ARCHITECTURES = {
     "transformer": ("pre", TASKS, "blocks of the named attention"),
@@ -56,6 +57,7 @@ ARCHITECTURES = tuple(_ARCHITECTURES)
 _CHOICES = {
     "architecture": ARCHITECTURES, "task": TASKS, "ffn": FFN_KINDS, "position": POSITION_KINDS, "norm": NORM_KINDS,
     "norm_placement": NORM_PLACEMENTS, "pooling": POOLING_KINDS, "dtype": DTYPES, "downsample": DOWNSAMPLE_KINDS,
+    "impl": IMPLS,
 }
 
 
@@ -102,7 +104,11 @@ class ModelConfig:
             "fourier_rescaled" (the same, scaled to keep the stream's amplitude) or
             "funnel" (Dai et al.'s pooled queries over the unpooled keys and values);
             see `Encoder`.
-        layer_overrides: block index -> any of attention, attention_kwargs, ffn, d_ff.
+        impl: "auto", "xla", "pallas" or "interpret": how every attention the config
+            names runs where it has a Pallas kernel (`jxformers.kernels.impl`); an
+            `impl` in attention_kwargs wins. "pallas"/"interpret" with an attention that
+            has no kernel is an error; "auto" uses a kernel where one fits.
+        layer_overrides: block index -> any of attention, attention_kwargs, impl, ffn, d_ff.
         reversible: Reformer's reversible residual wiring (pre-norm; classify, retrieval
             and lm; no filters): activation memory independent of depth in training.
     """
@@ -131,6 +137,7 @@ class ModelConfig:
     decoder_layers: int | None = None
     filters: dict = dataclasses.field(default_factory=dict)
     downsample: str = "fourier"
+    impl: str = "auto"
     layer_overrides: dict = dataclasses.field(default_factory=dict)
     reversible: bool = False
     architecture: str = "transformer"
@@ -177,14 +184,15 @@ class ModelConfig:
         per config and remembered)."""
         if index in self._layers:
             return self._layers[index]
-        values = {"attention": self.attention, "attention_kwargs": self.attention_kwargs, "ffn": self.ffn,
-                  "d_ff": self.d_ff or 4 * self.d_model} | dict(self.layer_overrides.get(index, {}))
-        bound = bind_attention(values.pop("attention"), values.pop("attention_kwargs"), self.max_len)
+        values = {"attention": self.attention, "attention_kwargs": self.attention_kwargs, "impl": self.impl,
+                  "ffn": self.ffn, "d_ff": self.d_ff or 4 * self.d_model} | dict(self.layer_overrides.get(index, {}))
+        bound = bind_attention(values.pop("attention"), values.pop("attention_kwargs"), self.max_len,
+                               impl=values.pop("impl"))
         self._layers[index] = values | {"attention": bound}
         return self._layers[index]
 
     def bound_cross_attention(self) -> registry.BoundAttention:
-        return bind_attention(self.cross_attention, self.cross_attention_kwargs, self.max_len)
+        return bind_attention(self.cross_attention, self.cross_attention_kwargs, self.max_len, impl=self.impl)
 
     def _check(self):
         for name in ("vocab_size", "num_classes", "num_layers", "d_model", "num_heads", "kv_heads", "d_ff", "max_len",
@@ -348,12 +356,21 @@ def warn_if_dense(bound: registry.BoundAttention, max_len: int) -> None:
         )
 
 
-def bind_attention(name: str, hyper_parameters: Mapping[str, Any], max_len: int) -> registry.BoundAttention:
+def bind_attention(name: str, hyper_parameters: Mapping[str, Any], max_len: int, *,
+                   impl: str = "auto") -> registry.BoundAttention:
     """The attention bound with its hyper-parameters. The one that bounds the sequence
     length (the spec's `covers_length`, e.g. Linformer's `max_len`) defaults to the
-    model's max_len and may not be smaller."""
+    model's max_len and may not be smaller. `impl` fills the op's `impl` unless the
+    hyper-parameters give one; an attention without a kernel refuses "pallas" and
+    "interpret"."""
     spec = registry.get(name)
     hyper_parameters = dict(hyper_parameters)
+    if any(p.name == "impl" for p in spec.hyper_parameters):
+        hyper_parameters.setdefault("impl", impl)
+    elif impl not in ("auto", "xla"):
+        with_kernels = [n for n in registry.names() if any(p.name == "impl" for p in registry.get(n).hyper_parameters)]
+        raise ValueError(f"impl {impl!r}: {name} attention has no Pallas kernel; attentions with one: {with_kernels} "
+                         "(set impl per layer with layer_overrides)")
     role = spec.covers_length
     if role is not None:
         hyper_parameters.setdefault(role, max_len)

@@ -476,7 +476,8 @@ def bigbird_attention(
     choice = choose_kernel(impl, unsupported=unsupported, what="bigbird attention", q_len=n)
     if choice is not None:
         out = pattern_attention(q, k, v, bigbird_pattern(n, b, num_window_blocks, num_global_blocks), choice,
-                                kv_mask=kv_mask, scale=scale, extra_blocks=random_blocks, block_sizes=BlockSizes(b, b))
+                                kv_mask=kv_mask, scale=scale, extra_blocks=random_blocks,
+                                block_sizes=BlockSizes(b, b, block_q_bwd=b, block_k_bwd=b))
         return _bigbird_global_rows(out.astype(out_dtype(q, k, v)), q, k, v, glob_ids, b, kv_mask, scale, impl)
     scale = default_scale(q.shape[2], scale)
     is_glob = jnp.zeros((nb,), bool).at[glob_ids].set(True)

@@ -35,9 +35,10 @@ LOCK = "lock"
 CHECKPOINTS = "checkpoints"
 # What a rerun may change once checkpoints exist: none of these changes the saved state's
 # tree, the data order or the meaning of the steps already taken (workers and a built
-# split give the same records; the iterator state is rewritten for the worker count).
+# split give the same records; the iterator state is rewritten for the worker count;
+# model.impl picks a kernel for the same function and the same parameters).
 RESUMABLE = frozenset({
-    "data.workers", "data.path",
+    "data.workers", "data.path", "model.impl",
     "train.steps", "train.learning_rate", "train.warmup_steps", "train.schedule", "train.weight_decay",
     "train.eval_every", "train.eval_batches", "train.log_every", "train.on_nonfinite",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.best_metric", "checkpoint.best_mode",

@@ -1,0 +1,285 @@
+"""The block-sparse flash-attention kernel, run in Pallas interpret mode (the GPU
+variant; the TPU one has tests/test_kernels_tpu.py), against the XLA ops and the dense
+reference: block metadata against dense masks, every fixed-pattern op's kernel path
+against its XLA path (outputs and gradients, causal, grouped-query heads, padding, odd
+lengths), bf16, cross attention, models, and the `impl` choice."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import masks
+import numpy as np
+import pytest
+from conftest import assert_close, qkv
+
+from jxformers import ModelConfig, build_model, ops
+from jxformers.kernels import Band, BlockSizes, KeyRange, QueryRange, block_sparse_attention, causal, impl
+from jxformers.kernels import block_sparse_reference, intersect, union
+from jxformers.kernels.block_mask import EMPTY, FULL, PARTIAL, add_full_blocks, block_kinds, visit_lists
+from jxformers.kernels.pattern import KeyResidue, dense_mask, key_set
+from jxformers.ops.local import block_local_pattern, local_pattern
+from jxformers.ops.softmax import softmax_pattern
+from jxformers.ops.sparse import bigbird_pattern, longformer_pattern, sparse_transformer_pattern
+
+N = 37  # an odd length: tails of every block size
+PRIMITIVES = [
+    Band(), Band(-5, 5), Band(0, None), Band(-6, 6, step=3), Band(0, 0, unit=8), Band(-1, 1, unit=8),
+    Band(None, None, step=5), KeyRange(3, 9), KeyRange(30, None), QueryRange(0, 4), KeyResidue(6, 4),
+]
+COMBINED = [
+    union(Band(-3, 3), KeyRange(0, 2)), intersect(Band(-9, 9, step=2), causal(N, N)),
+    union(Band(-4, 4), Band(step=7)), intersect(union(Band(0, 0, unit=8), KeyResidue(8, 7)), causal(N, N)),
+    intersect(Band(-3, 3), causal(20, N)),
+]
+
+
+def _check_blocks(pattern, q_len, kv_len, bq, bk, exact):
+    dense = dense_mask(pattern, q_len, kv_len)
+    kinds = block_kinds(pattern, q_len, kv_len, bq, bk)
+    assert kinds.shape == (-(-q_len // bq), -(-kv_len // bk))
+    for a in range(kinds.shape[0]):
+        for b in range(kinds.shape[1]):
+            tile = dense[a * bq:(a + 1) * bq, b * bk:(b + 1) * bk]
+            if kinds[a, b] == EMPTY:
+                assert not tile.any(), (pattern, a, b)
+            elif kinds[a, b] == FULL:
+                assert tile.all(), (pattern, a, b)
+            elif exact and tile.shape == (bq, bk):  # whole blocks: a primitive's answer is exact
+                assert tile.any() and not tile.all(), (pattern, a, b)
+
+
+@pytest.mark.parametrize("pattern", PRIMITIVES, ids=repr)
+@pytest.mark.parametrize("bq,bk", [(16, 16), (16, 32), (32, 16)])
+def test_primitive_blocks_are_exact(pattern, bq, bk):
+    _check_blocks(pattern, N, N, bq, bk, exact=True)
+    _check_blocks(pattern, 64, 96, bq, bk, exact=True)
+
+
+@pytest.mark.parametrize("pattern", COMBINED, ids=repr)
+def test_combined_blocks_are_safe(pattern):
+    for q_len in (N, 20):
+        _check_blocks(pattern, q_len, N, 16, 16, exact=False)
+
+
+def test_padded_key_block_is_never_full():
+    kinds = block_kinds(Band(), 20, 20, 16, 16)
+    assert list(kinds[:, -1]) == [PARTIAL, PARTIAL] and list(kinds[:, 0]) == [FULL, FULL]
+
+
+def test_visit_lists_put_full_blocks_first_and_agree_with_jax():
+    kinds = block_kinds(union(Band(-20, 20), KeyRange(0, 1)), 128, 128, 16, 16)
+    lists = visit_lists(kinds)
+    dynamic = visit_lists(jnp.asarray(kinds))
+    for row in range(kinds.shape[0]):
+        visited = lists.index[row, :lists.count[row]]
+        assert sorted(visited) == list(np.flatnonzero(kinds[row]))
+        assert all(kinds[row, visited[:lists.full[row]]] == FULL) and all(kinds[row, visited[lists.full[row]:]] == PARTIAL)
+        assert list(np.asarray(dynamic.index[row, :dynamic.count[row]])) == list(visited)
+    assert np.array_equal(np.asarray(dynamic.full), lists.full)
+    assert visit_lists(block_kinds(Band(-20, 20), 128, 128, 16, 16)).full_contiguous
+    assert not visit_lists(add_full_blocks(kinds, jnp.array([[5]] * 8))).full_contiguous
+
+
+def test_key_set_merges_runs_and_refuses_many():
+    assert key_set((3, 0, 1, 2, 9)) == union(KeyRange(0, 4), KeyRange(9, 10))
+    assert key_set(range(0, 40, 2)) is None
+
+
+# ----------------------------------------------------------------------------- op patterns
+
+
+def _one(mask_list):
+    (mask,) = mask_list
+    return np.asarray(mask)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_op_patterns_equal_the_papers_masks(is_causal):
+    n = 50
+    cases = [
+        (local_pattern(5, causal=is_causal, q_len=n, kv_len=n), masks.local(n, {"window": 5}, {}, is_causal)),
+        (block_local_pattern(8, causal=is_causal, q_len=n, kv_len=n), masks.block_local(n, {"block_size": 8}, {}, is_causal)),
+        (softmax_pattern(n, n, causal=is_causal), masks.softmax(n, {}, {}, is_causal)),
+        (sparse_transformer_pattern(6, "strided", 1, causal=is_causal, n=n),
+         masks.sparse_transformer(n, {"stride": 6}, {}, is_causal)),
+        (sparse_transformer_pattern(6, "fixed", 2, causal=is_causal, n=n),
+         masks.sparse_transformer(n, {"stride": 6, "pattern": "fixed", "num_summary": 2}, {}, is_causal)),
+    ]
+    for d in (1, 3):
+        hp = {"window": 4, "dilation": d, "global_indices": (0, 7)}
+        want = _one(masks.longformer(n, hp, {}, is_causal))
+        got = dense_mask(longformer_pattern(4, d, (0, 7), causal=is_causal, n=n), n, n)
+        # The kernel's pattern holds the global keys; the global rows are recomputed densely.
+        rows = np.ones(n, bool)
+        rows[[0, 7]] = False
+        assert np.array_equal(got[rows], want[rows])
+    for pattern, want in cases:
+        assert np.array_equal(dense_mask(pattern, n, n), _one(want)), pattern
+
+
+def test_bigbird_blocks_equal_the_papers_mask():
+    n, b = 100, 16
+    key = jax.random.key(3)
+    hp = {"block_size": b, "num_random_blocks": 2, "num_window_blocks": 3, "num_global_blocks": 2}
+    want = _one(masks.bigbird(n, hp, {"key": key}, False))
+    rnd = ops.bigbird_random_blocks(key, n, block_size=b, num_random_blocks=2)
+    kinds = np.asarray(add_full_blocks(block_kinds(bigbird_pattern(n, b, 3, 2), n, n, b, b), rnd))
+    got = kinds[np.arange(n)[:, None] // b, np.arange(n)[None, :] // b] != EMPTY
+    rows = np.arange(n) // b
+    ordinary = (rows > 0) & (rows < rows.max())  # global query blocks are recomputed densely
+    assert np.array_equal(got[ordinary], want[ordinary])
+
+
+# ----------------------------------------------------------------------------- kernel vs XLA
+
+
+def _grads(op, q, k, v, **kw):
+    w = jax.random.normal(jax.random.key(9), op(q, k, v, **kw).shape)
+    return jax.grad(lambda q, k, v: jnp.sum(op(q, k, v, **kw) * w), (0, 1, 2))(q, k, v)
+
+
+OPS = {
+    "softmax": (ops.softmax_attention, {}),
+    "local": (ops.local_attention, {"window": 5}),
+    "block_local": (ops.block_local_attention, {"block_size": 16}),
+    "dilated": (ops.dilated_attention, {"window": 3, "dilation": 2}),
+    "sparse_transformer": (ops.sparse_transformer_attention, {"stride": 6, "pattern": "fixed", "num_summary": 2}),
+    "longformer": (ops.longformer_attention, {"window": 4, "global_indices": (0, 9)}),
+}
+
+
+# Each pair costs two interpret-mode compilations with their gradients: both directions
+# for the ops whose causal kernel differs most, one for the rest.
+@pytest.mark.parametrize("name,is_causal", [
+    ("softmax", False), ("softmax", True), ("local", False), ("local", True), ("block_local", True),
+    ("dilated", False), ("sparse_transformer", True), ("longformer", False),
+])
+def test_kernel_path_equals_xla_path(name, is_causal):
+    op, hp = OPS[name]
+    q, k, v = qkv(0, N)
+    kw = dict(hp, causal=is_causal, kv_mask=jnp.arange(N) < N - 4)
+    assert_close(op(q, k, v, impl="interpret", **kw), op(q, k, v, impl="xla", **kw), atol=2e-6)
+    for got, want in zip(_grads(op, q, k, v, impl="interpret", **kw), _grads(op, q, k, v, impl="xla", **kw)):
+        assert_close(got, want, atol=2e-5)
+
+
+def test_bigbird_kernel_path_equals_xla_path():
+    q, k, v = qkv(1, 70)
+    kw = dict(block_size=16, num_random_blocks=1, key=jax.random.key(4), kv_mask=jnp.arange(70) < 66)
+    op = ops.bigbird_attention
+    assert_close(op(q, k, v, impl="interpret", **kw), op(q, k, v, impl="xla", **kw), atol=2e-6)
+    for got, want in zip(_grads(op, q, k, v, impl="interpret", **kw), _grads(op, q, k, v, impl="xla", **kw)):
+        assert_close(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cross_attention_and_block_sizes(is_causal):
+    q, k, v = qkv(2, 20, kv_len=N)
+    sizes = BlockSizes(16, 32, block_q_bwd=32, block_k_bwd=16)
+    pattern = causal(20, N) if is_causal else Band()
+    got = block_sparse_attention(q, k, v, pattern, interpret=True, block_sizes=sizes)
+    assert_close(got, ops.softmax_attention(q, k, v, causal=is_causal, impl="xla"), atol=2e-6)
+    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) ** 2)  # noqa: E731
+    got = jax.grad(loss(lambda q, k, v: block_sparse_attention(q, k, v, pattern, interpret=True, block_sizes=sizes)),
+                   (0, 1, 2))(q, k, v)
+    want = jax.grad(loss(functools.partial(ops.softmax_attention, causal=is_causal, impl="xla")), (0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        assert_close(a, b, atol=2e-5)
+
+
+def test_lse_is_exact_and_differentiable():
+    q, k, v = qkv(3, N)
+    pattern = union(Band(-3, 3), KeyRange(0, 2))
+    out, lse = block_sparse_attention(q, k, v, pattern, interpret=True, return_lse=True)
+    ref_out, ref_lse = block_sparse_reference(q, k, v, pattern)
+    assert_close(out, ref_out, atol=2e-6)
+    assert_close(lse, ref_lse, atol=2e-6)
+    f = lambda fn: jax.grad(lambda q: jnp.sum(jnp.sin(fn(q)[1])))(q)  # noqa: E731
+    assert_close(f(lambda q: block_sparse_attention(q, k, v, pattern, interpret=True, return_lse=True)),
+                 f(lambda q: block_sparse_reference(q, k, v, pattern)), atol=2e-5)
+
+
+def test_rows_without_keys_are_zero_with_finite_gradients():
+    q, k, v = qkv(4, 24)
+    kv_mask = jnp.zeros(24, bool)
+    out = ops.local_attention(q, k, v, window=3, kv_mask=kv_mask, impl="interpret")
+    assert not jnp.any(out)
+    grads = _grads(ops.local_attention, q, k, v, window=3, kv_mask=kv_mask, impl="interpret")
+    assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_bf16_tracks_float32():
+    q, k, v = qkv(5, N, d=16, dv=16)
+    got = ops.local_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), window=6, causal=True, impl="interpret")
+    assert got.dtype == jnp.bfloat16
+    assert_close(got, ops.local_attention(q, k, v, window=6, causal=True, impl="xla"), atol=3e-2, rtol=3e-2)
+
+
+def test_batched_with_vmap():
+    q, k, v = (jnp.stack([x, x[::-1]]) for x in qkv(6, N))
+    run = jax.vmap(functools.partial(ops.softmax_attention, causal=True, impl="interpret"))
+    want = jax.vmap(functools.partial(ops.softmax_attention, causal=True, impl="xla"))(q, k, v)
+    assert_close(run(q, k, v), want, atol=2e-6)
+
+
+def test_residuals_are_linear_in_length():
+    n = 256
+    q, k, v = qkv(7, n, d=16, dv=16)
+    _, vjp = jax.vjp(lambda q, k, v: block_sparse_attention(q, k, v, causal(n, n), interpret=True), q, k, v)
+    biggest = max(x.size for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "size"))
+    assert biggest < n * n, biggest
+
+
+# ----------------------------------------------------------------------------- impl choice
+
+
+def test_impl_errors_name_what_is_allowed():
+    q, k, v = qkv(8, N)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ops.local_attention(q, k, v, impl="cuda")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="'cpu' backend"):
+            ops.local_attention(q, k, v, impl="pallas")
+    with pytest.raises(ValueError, match="global_indices given as an array"):
+        ops.longformer_attention(q, k, v, global_indices=jnp.array([0]), impl="interpret")
+    with pytest.raises(ValueError, match="block_size=24 is not a power of two"):
+        ops.bigbird_attention(q, k, v, block_size=24, num_random_blocks=0, impl="interpret")
+    with pytest.raises(ValueError, match="a dense mask or a bias"):
+        ops.softmax_attention(q, k, v, mask=jnp.ones((N, N), bool), impl="interpret")
+
+
+def test_auto_falls_back_where_the_kernel_does_not_fit():
+    q, k, v = qkv(9, N)
+    out = ops.longformer_attention(q, k, v, global_indices=jnp.array([0]), impl="auto")
+    assert_close(out, ops.longformer_attention(q, k, v, global_indices=(0,), impl="xla"), atol=1e-6)
+    jaxpr = str(jax.make_jaxpr(functools.partial(ops.local_attention, window=4))(q, k, v))
+    assert "pallas_call" not in jaxpr  # auto on this backend (or this short) runs XLA
+
+
+def test_auto_choice_by_backend(monkeypatch):
+    monkeypatch.setattr(impl, "device_backend", lambda: "gpu")
+    for capability, auto, pallas in ((9.0, "gpu", "gpu"), (8.0, None, "gpu")):
+        monkeypatch.setattr(impl, "_gpu_capability", lambda c=capability: c)
+        assert getattr(impl.choose_kernel("auto", q_len=512), "backend", None) == auto
+        assert impl.choose_kernel("pallas").backend == pallas
+        assert impl.choose_kernel("auto", q_len=8) is None  # too short to pay for a launch
+    monkeypatch.setattr(impl, "_gpu_capability", lambda: 7.5)
+    with pytest.raises(ValueError, match="compute capability"):
+        impl.choose_kernel("pallas")
+    monkeypatch.setattr(impl, "device_backend", lambda: "tpu")
+    assert impl.choose_kernel("auto", q_len=512) is None and impl.choose_kernel("pallas").backend == "tpu"
+
+
+def test_model_impl_reaches_every_layer_and_matches_xla():
+    tokens = jnp.arange(40) % 50
+    base = dict(task="lm", vocab_size=50, num_layers=2, d_model=16, num_heads=2, max_len=40, attention="local",
+                attention_kwargs={"window": 6})
+    config = ModelConfig(**base, impl="interpret", layer_overrides={1: {"impl": "xla"}})
+    assert [config.layer(i)["attention"].hyper_parameters["impl"] for i in range(2)] == ["interpret", "xla"]
+    key = jax.random.key(0)
+    got = build_model(config, key=key)(tokens)
+    want = build_model(ModelConfig(**base, impl="xla"), key=key)(tokens)
+    assert_close(got, want, atol=2e-5)
+    with pytest.raises(ValueError, match="has no Pallas kernel"):
+        ModelConfig(**(base | {"attention": "performer", "attention_kwargs": {}}), impl="pallas")
