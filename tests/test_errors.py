@@ -40,7 +40,7 @@ def test_registry_refuses_unknown_names_and_hyper_parameters():
     with pytest.raises(ValueError, match="registered: softmax"):
         registry.get("perfomer")
     spec = registry.get("local")
-    with pytest.raises(ValueError, match="unknown hyper-parameter.*windw.*known: \\['window'\\]"):
+    with pytest.raises(ValueError, match="unknown hyper-parameter.*windw.*known: \\['impl', 'window'\\]"):
         spec(q, k, v, windw=3)
     with pytest.raises(ValueError, match="'window' must be int"):
         spec(q, k, v, window="3")
