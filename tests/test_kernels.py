@@ -283,3 +283,42 @@ def test_model_impl_reaches_every_layer_and_matches_xla():
     assert_close(got, want, atol=2e-5)
     with pytest.raises(ValueError, match="has no Pallas kernel"):
         ModelConfig(**(base | {"attention": "performer", "attention_kwargs": {}}), impl="pallas")
+
+
+def test_segment_ids_keep_packed_sequences_apart():
+    q, k, v = qkv(10, N)
+    segments = (jnp.arange(N) // 10, jnp.arange(N) // 10)
+    pattern = causal(N, N)
+    got = block_sparse_attention(q, k, v, pattern, segment_ids=segments, interpret=True, block_sizes=BlockSizes(16, 16))
+    want, _ = block_sparse_reference(q, k, v, pattern, segment_ids=segments)
+    assert_close(got, want, atol=2e-6)
+    # Each segment alone gives the same rows: nothing crosses a boundary.
+    alone = ops.softmax_attention(q[10:20], k[10:20], v[10:20], causal=True, impl="xla")
+    assert_close(got[10:20], alone, atol=2e-6)
+    with pytest.raises(ValueError, match="key segment ids must be an int array of shape"):
+        block_sparse_attention(q, k, v, pattern, segment_ids=(segments[0], segments[1][:5]), interpret=True)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cudnn_route_maps_the_patterns(is_causal):
+    from jxformers.kernels.cudnn import cudnn_attention, cudnn_unsupported
+
+    q, k, v = qkv(11, N, d=16, dv=16)
+    # implementation="xla" runs the very call the cudnn route makes, on any device.
+    assert_close(cudnn_attention(q, k, v, causal=is_causal, implementation="xla"),
+                 ops.softmax_attention(q, k, v, causal=is_causal, impl="xla"), atol=2e-6)
+    assert_close(cudnn_attention(q, k, v, causal=is_causal, window=5, implementation="xla"),
+                 ops.local_attention(q, k, v, causal=is_causal, window=5, impl="xla"), atol=2e-6)
+    assert "bfloat16 or float16" in cudnn_unsupported(q, k, v, causal=is_causal)
+    with pytest.raises(ValueError, match="has no cuDNN route"):
+        ops.block_local_attention(q, k, v, impl="cudnn")
+
+
+def test_auto_prefers_cudnn_where_it_fits(monkeypatch):
+    monkeypatch.setattr(impl, "device_backend", lambda: "gpu")
+    monkeypatch.setattr(impl, "_gpu_capability", lambda: 9.0)
+    assert impl.choose_kernel("auto", q_len=512, cudnn=True).backend == "cudnn"
+    assert impl.choose_kernel("auto", q_len=512, cudnn="float32 inputs").backend == "gpu"
+    assert impl.choose_kernel("cudnn", cudnn=True).backend == "cudnn"
+    with pytest.raises(ValueError, match="cannot run this call: float32 inputs"):
+        impl.choose_kernel("cudnn", cudnn="float32 inputs")

@@ -90,6 +90,7 @@ class _Static:
     scale: float
     sizes: BlockSizes
     has_kv_mask: bool
+    has_segments: bool
     backend: str
     interpret: bool
 
@@ -101,11 +102,11 @@ class _Static:
         return ceil_div(self.q_len, bq) * bq, ceil_div(self.kv_len, bk) * bk
 
 
-def block_sparse_reference(q, k, v, pattern: Pattern, *, kv_mask=None, scale: float | None = None,
+def block_sparse_reference(q, k, v, pattern: Pattern, *, kv_mask=None, segment_ids=None, scale: float | None = None,
                            extra_blocks=None, block_size: int | None = None):
-    """Dense masked softmax attention under `pattern` (and `kv_mask`, and the FULL
-    `extra_blocks` of `block_size`), computed with an N x N mask: the reference the
-    kernels are tested against. Returns `(out [q_len, heads, d_v], lse [q_len, heads])`."""
+    """Dense masked softmax attention under `pattern` (and `kv_mask`, `segment_ids`, and
+    the FULL `extra_blocks` of `block_size`), computed with an N x N mask: the reference
+    the kernels are tested against. Returns `(out [q_len, heads, d_v], lse [q_len, heads])`."""
     q_len, heads, d_k = q.shape
     kv_len, kv_heads, _ = k.shape
     scale = 1.0 / math.sqrt(d_k) if scale is None else scale
@@ -117,6 +118,8 @@ def block_sparse_reference(q, k, v, pattern: Pattern, *, kv_mask=None, scale: fl
         mask = mask | hit
     if kv_mask is not None:
         mask = mask & jnp.asarray(kv_mask)[None, :]
+    if segment_ids is not None:
+        mask = mask & (jnp.asarray(segment_ids[0])[:, None] == jnp.asarray(segment_ids[1])[None, :])
     g = heads // kv_heads
     s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), jnp.repeat(k, g, axis=1).astype(jnp.float32)) * scale
     s = jnp.where(mask[None], s, -jnp.inf)
@@ -186,6 +189,17 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, pad)
 
 
+def _check_segments(segment_ids, q_len: int, kv_len: int) -> None:
+    try:
+        q_seg, kv_seg = segment_ids
+    except (TypeError, ValueError):
+        raise ValueError("segment_ids must be a pair (query segments [q_len], key segments [kv_len])") from None
+    for name, x, n in (("query", q_seg, q_len), ("key", kv_seg, kv_len)):
+        if tuple(jnp.shape(x)) != (n,) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"{name} segment ids must be an int array of shape {(n,)}; "
+                             f"got {jnp.result_type(x)}{list(jnp.shape(x))}")
+
+
 def check_inputs(q, k, v, kv_mask=None) -> None:
     """ValueError for inputs the kernels do not take (the ops' own checks come first)."""
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
@@ -199,7 +213,8 @@ def check_inputs(q, k, v, kv_mask=None) -> None:
         raise ValueError(f"kv_mask must have shape {(k.shape[0],)}; got {tuple(kv_mask.shape)}")
 
 
-def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, scale: float | None = None, extra_blocks=None,
+def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_ids=None, scale: float | None = None,
+                           extra_blocks=None,
                            block_sizes: BlockSizes | None = None, backend: str = "gpu", interpret: bool = False,
                            return_lse: bool = False):
     """Flash attention restricted to `pattern`, visiting only its blocks.
@@ -209,6 +224,9 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, scale: fl
             one float dtype; heads a multiple of kv_heads (K/V are never repeated).
         pattern: which key each query may attend (`jxformers.kernels.pattern`).
         kv_mask: optional `[kv_len]` bool, True for real keys.
+        segment_ids: optional `(query segments [q_len], key segments [kv_len])` int
+            arrays (ids >= 0): query i sees key j only within one segment (packed
+            sequences); GPU kernel only.
         scale: logits multiplier; default `1 / sqrt(d_k)`.
         extra_blocks: optional `[num_q_blocks, r]` int array of key blocks each query
             block also sees in full (run-time values: BigBird's random blocks); needs
@@ -233,14 +251,26 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, scale: fl
         want = (ceil_div(q_len, sizes.block_q),)
         if tuple(extra_blocks.shape[:1]) != want or extra_blocks.ndim != 2:
             raise ValueError(f"extra_blocks must be [num_q_blocks={want[0]}, r]; got {tuple(extra_blocks.shape)}")
+    if segment_ids is not None:
+        _check_segments(segment_ids, q_len, kv_len)
+        if backend != "gpu":
+            raise ValueError(f"segment_ids run on the GPU kernel only; got backend={backend!r}")
+    has_tags = kv_mask is not None or segment_ids is not None
     static = _Static(pattern, q_len, kv_len, float(1.0 / math.sqrt(d_k) if scale is None else scale), sizes,
-                     kv_mask is not None, backend, interpret)
+                     has_tags, segment_ids is not None, backend, interpret)
     lq, lk = static.padded
     dk_pad, dv_pad = _pow2(d_k), _pow2(d_v)
     qp = _pad_axis(_pad_axis(q, 0, lq), 2, dk_pad)
     kp = _pad_axis(_pad_axis(k, 0, lk), 2, dk_pad)
     vp = _pad_axis(_pad_axis(v, 0, lk), 2, dv_pad)
-    mask = None if kv_mask is None else _pad_axis(jnp.asarray(kv_mask).astype(jnp.int32), 0, lk)
+    # Key tags: 0 for padding, else 1 (or segment + 1); query tags segment + 1.
+    tags = jnp.ones((kv_len,), jnp.int32) if kv_mask is None else jnp.asarray(kv_mask).astype(jnp.int32)
+    if segment_ids is not None:
+        tags = tags * (jnp.asarray(segment_ids[1], jnp.int32) + 1)
+        q_tags = _pad_axis(jnp.asarray(segment_ids[0], jnp.int32) + 1, 0, lq)
+        mask = (_pad_axis(tags, 0, lk), q_tags)
+    else:
+        mask = _pad_axis(tags, 0, lk) if kv_mask is not None else None
     extra = None if extra_blocks is None else jnp.asarray(extra_blocks, jnp.int32)
     out, lse = _flash(qp, kp, vp, mask, extra, static)
     out = out[:q_len, :, :d_v]

@@ -48,13 +48,16 @@ def _tile_mask(static, q_start, k_start, bq, bk):
     return static.pattern.allowed(i, j) & (j < static.kv_len)
 
 
-def _logits2(static, q, k, partial, q_start, k_start, kvm_ref):
+def _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags=None):
     """Base-2 logits of one tile, masked: -inf where not allowed (the pattern's rule is
-    evaluated on `partial` tiles only)."""
+    evaluated on `partial` tiles only). `kvm_ref` holds key tags (0: padding; with
+    segments, segment + 1), `q_tags [bq]` the queries' segment + 1."""
     bq, bk = q.shape[0], k.shape[0]
     s = _dot(q, k, trans_b=True) * (static.scale * LOG2E)
     if kvm_ref is not None:
-        s = jnp.where(kvm_ref[pl.ds(k_start, bk)][None, :] != 0, s, -jnp.inf)
+        tags = kvm_ref[pl.ds(k_start, bk)]
+        keep = tags[None, :] != 0 if q_tags is None else q_tags[:, None] == tags[None, :]
+        s = jnp.where(keep, s, -jnp.inf)
     if partial:
         s = jnp.where(_tile_mask(static, q_start, k_start, bq, bk), s, -jnp.inf)
     return s
@@ -74,19 +77,26 @@ def _visit(index_ref, full_ref, count_ref, row, body, init, *, contiguous):
     return lax.fori_loop(full_ref[row], count_ref[row], partial_body, carry)
 
 
-def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, static, bq, bk, contiguous):
+def _tag_refs(rest, static):
+    """(key tags, query tags) refs among a kernel's trailing inputs, None when absent."""
     kvm_ref = rest[0] if static.has_kv_mask else None
+    return kvm_ref, (rest[1] if static.has_segments else None)
+
+
+def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, static, bq, bk, contiguous):
+    kvm_ref, qt_ref = _tag_refs(rest, static)
     o_ref, lse_ref = rest[-2:]
     qb = pl.program_id(1)
     q = q_ref[...]
     q_start = qb * bq
+    q_tags = None if qt_ref is None else qt_ref[pl.ds(q_start, bq)]
 
     def body(block, carry, partial):
         acc, m, l = carry
         k_start = block * bk
         k = k_ref[pl.ds(k_start, bk), :]
         v = v_ref[pl.ds(k_start, bk), :]
-        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref)
+        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
@@ -111,6 +121,13 @@ def _full_spec(x):
     return pl.BlockSpec(x.shape, lambda h, b: (0,) * x.ndim)
 
 
+def _tags(kv_mask, static):
+    """The trailing tag inputs: key tags alone, or (key tags, query tags) with segments."""
+    if not static.has_kv_mask:
+        return []
+    return list(kv_mask) if static.has_segments else [kv_mask]
+
+
 def forward(q, k, v, kv_mask, rows: VisitLists, static):
     """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key)."""
     lq, heads, dk = q.shape
@@ -118,11 +135,10 @@ def forward(q, k, v, kv_mask, rows: VisitLists, static):
     group = heads // kv_heads
     bq, bk = static.sizes.block_q, static.sizes.block_k
     meta = [jnp.asarray(rows.index), jnp.asarray(rows.full), jnp.asarray(rows.count)]
-    inputs = [*meta, q, k, v] + ([kv_mask] if static.has_kv_mask else [])
+    tags = _tags(kv_mask, static)
+    inputs = [*meta, q, k, v, *tags]
     in_specs = [*map(_full_spec, meta), pl.BlockSpec((bq, None, dk), lambda h, b: (b, h, 0)),
-                _kv_spec(lk, dk, group), _kv_spec(lk, dv, group)]
-    if static.has_kv_mask:
-        in_specs.append(_full_spec(kv_mask))
+                _kv_spec(lk, dk, group), _kv_spec(lk, dv, group), *map(_full_spec, tags)]
     return pl.pallas_call(
         functools.partial(_forward_kernel, static=static, bq=bq, bk=bk, contiguous=rows.full_contiguous),
         grid=(heads, lq // bq),
@@ -136,19 +152,20 @@ def forward(q, k, v, kv_mask, rows: VisitLists, static):
 
 
 def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk, contiguous):
-    kvm_ref = rest[0] if static.has_kv_mask else None
+    kvm_ref, qt_ref = _tag_refs(rest, static)
     dq_ref = rest[-1]
     qb = pl.program_id(1)
     q, do = q_ref[...], do_ref[...]
     lse2 = lse_ref[...] * LOG2E
     delta = delta_ref[...]
     q_start = qb * bq
+    q_tags = None if qt_ref is None else qt_ref[pl.ds(q_start, bq)]
 
     def body(block, dq, partial):
         k_start = block * bk
         k = k_ref[pl.ds(k_start, bk), :]
         v = v_ref[pl.ds(k_start, bk), :]
-        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref)
+        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags)
         p = jnp.exp2(s - lse2[:, None])
         dp = _dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
@@ -159,7 +176,7 @@ def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_
 
 
 def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk, contiguous):
-    kvm_ref = rest[0] if static.has_kv_mask else None
+    kvm_ref, qt_ref = _tag_refs(rest, static)
     dk_ref, dv_ref = rest[-2:]
     kb = pl.program_id(1)
     k, v = k_ref[...], v_ref[...]
@@ -172,7 +189,8 @@ def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse
         do = do_ref[pl.ds(q_start, bq), :]
         lse2 = lse_ref[pl.ds(q_start, bq)] * LOG2E
         delta = delta_ref[pl.ds(q_start, bq)]
-        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref)
+        q_tags = None if qt_ref is None else qt_ref[pl.ds(q_start, bq)]
+        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags)
         p = jnp.exp2(s - lse2[:, None])
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         dp = _dot(do, v, trans_b=True)
@@ -193,7 +211,7 @@ def backward(q, k, v, kv_mask, do, lse, delta, rows: VisitLists, cols: VisitList
     lk, kv_heads, dv_ = v.shape
     group = heads // kv_heads
     sizes = static.sizes
-    extra = [kv_mask] if static.has_kv_mask else []
+    extra = _tags(kv_mask, static)
 
     bq, bk = sizes.backward
     meta = [jnp.asarray(rows.index), jnp.asarray(rows.full), jnp.asarray(rows.count)]

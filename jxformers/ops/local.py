@@ -16,6 +16,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from jxformers.decoding import ring_buffer
 from jxformers.kernels import IMPLS, choose_kernel
 from jxformers.kernels import pattern as kp
+from jxformers.kernels.cudnn import cudnn_attention, cudnn_unsupported
 from jxformers.kernels.flash import pattern_attention
 from jxformers.ops._common import (
     attend_parts,
@@ -70,7 +71,7 @@ def local_attention(
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
-        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`).
+        impl: "auto", "xla", "pallas", "interpret" or "cudnn" (`jxformers.kernels.impl`).
 
     Returns:
         `[seq, heads, d_v]`.
@@ -80,7 +81,10 @@ def local_attention(
     """
     check_positive("window", window, minimum=0)
     check_self(q, k, v, kv_mask)
-    choice = choose_kernel(impl, what="local attention", q_len=q.shape[0])
+    cudnn = cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask) or True
+    choice = choose_kernel(impl, what="local attention", q_len=q.shape[0], cudnn=cudnn)
+    if choice is not None and choice.backend == "cudnn":
+        return cudnn_attention(q, k, v, causal=causal, window=window, scale=scale)
     if choice is not None:
         pattern = local_pattern(window, causal=causal, q_len=q.shape[0], kv_len=k.shape[0])
         return pattern_attention(q, k, v, pattern, choice, kv_mask=kv_mask, scale=scale).astype(out_dtype(q, k, v))
@@ -94,7 +98,8 @@ def local_attention(
 register(
     "local", local_attention, family="fixed pattern", paper="Parmar et al. 2018; Beltagy et al. 2020",
     complexity="O(N*w)", decoder=ring_buffer(softmax_attention, slots=lambda hp: hp["window"] + 1),
-    choices={"impl": IMPLS}, docs={"window": "keys each side (behind when causal)"} | IMPL_DOC,
+    choices={"impl": IMPLS}, docs={"window": "keys each side (behind when causal)",
+                                   "impl": "auto, xla, pallas, interpret (block-sparse flash kernel) or cudnn"},
 )
 
 

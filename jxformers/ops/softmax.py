@@ -15,6 +15,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from jxformers.decoding import kv_cache
 from jxformers.kernels import IMPLS, choose_kernel
 from jxformers.kernels import pattern as kp
+from jxformers.kernels.cudnn import cudnn_attention, cudnn_unsupported
 from jxformers.kernels.flash import pattern_attention
 from jxformers.ops._common import (
     ceil_div,
@@ -73,8 +74,9 @@ def softmax_attention(
         bias: optional additive logits bias, `[q_len, kv_len]` or `[heads, q_len, kv_len]`.
         causal: if True, query i attends keys j <= i + kv_len - q_len (bottom-right).
         scale: logits multiplier; default `1 / sqrt(d_k)`.
-        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
-            flash-attention kernel (O(N) memory) takes calls without `mask` and `bias`.
+        impl: "auto", "xla", "pallas", "interpret" or "cudnn" (`jxformers.kernels.impl`):
+            the flash-attention kernel (O(N) memory) takes calls without `mask` and
+            `bias`; cuDNN bf16/fp16 calls without any mask.
 
     Returns:
         `[q_len, heads, d_v]`. A query with every key masked returns zeros.
@@ -89,7 +91,10 @@ def softmax_attention(
     check_mask_shape("mask", mask, (q_len, kv_len))
     check_mask_shape("kv_mask", kv_mask, (kv_len,))
     unsupported = "a dense mask or a bias (use kv_mask and causal)" if mask is not None or bias is not None else None
-    choice = choose_kernel(impl, unsupported=unsupported, what="softmax attention", q_len=q_len)
+    cudnn = cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask, mask=mask, bias=bias) or True
+    choice = choose_kernel(impl, unsupported=unsupported, what="softmax attention", q_len=q_len, cudnn=cudnn)
+    if choice is not None and choice.backend == "cudnn":
+        return cudnn_attention(q, k, v, causal=causal, scale=scale)
     if choice is not None:
         return pattern_attention(q, k, v, softmax_pattern(q_len, kv_len, causal=causal), choice, kv_mask=kv_mask,
                                  scale=scale).astype(out_dtype(q, k, v))
@@ -122,7 +127,7 @@ def softmax_attention(
 register(
     "softmax", softmax_attention, family="exact", paper="Vaswani et al. 2017", complexity="O(N^2)",
     supports_cross=True, decoder=kv_cache(softmax_attention), choices={"impl": IMPLS},
-    docs={"impl": "auto, xla, pallas or interpret (flash-attention kernel)"},
+    docs={"impl": "auto, xla, pallas, interpret (flash-attention kernel) or cudnn"},
 )
 
 
