@@ -76,9 +76,37 @@ def main(argv=None) -> int:
                 failures += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} {jnp.dtype(dtype).name:8s} n={n} h={heads}/{kv_heads} d={d} {name:16s} "
                       f"rel err out/dq/dk/dv = {' '.join(f'{e:.1e}' for e in errors)}")
+    failures += check_routes()
     failures += check_training()
     print(f"{failures} failure(s)")
     return 1 if failures else 0
+
+
+def check_routes() -> int:
+    """cuDNN through the ops (impl="cudnn"), and segment ids in the kernel, against XLA."""
+    from jxformers import ops
+
+    failures = 0
+    n = 1000
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    q, k, v = (jax.random.normal(x, (n, 8, 64), jnp.bfloat16) for x in keys)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    segments = (jnp.arange(n) // 300, jnp.arange(n) // 300)
+    with jax.default_matmul_precision("highest"):
+        cases = {
+            "cudnn softmax causal": (ops.softmax_attention(q, k, v, causal=True, impl="cudnn"),
+                                     ops.softmax_attention(*f32, causal=True, impl="xla")),
+            "cudnn local w=100": (ops.local_attention(q, k, v, window=100, impl="cudnn"),
+                                  ops.local_attention(*f32, window=100, impl="xla")),
+            "kernel segment ids": (block_sparse_attention(q, k, v, causal(n, n), segment_ids=segments),
+                                   block_sparse_reference(*f32, causal(n, n), segment_ids=segments)[0]),
+        }
+    for name, (got, want) in cases.items():
+        err = rel(got, want)
+        ok = err < 2e-2 and bool(jnp.isfinite(got).all())
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name:24s} rel err {err:.1e}")
+    return failures
 
 
 def check_training(steps: int = 8) -> int:
