@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-tokens", type=int, default=32768, help="batch = max(1, this / N)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--only", nargs="*", help="config names to run (default: all)")
+    parser.add_argument("--impls", nargs="*", help="implementations to run, e.g. pallas cudnn (default: all)")
     parser.add_argument("--no-xla-above", type=int, default=8192, help="skip the dense XLA baselines above this N (memory)")
     defaults = BlockSizes()
     parser.add_argument("--block", type=int, nargs=2, default=[defaults.block_q, defaults.block_k], metavar=("Q", "K"))
@@ -138,6 +139,8 @@ def main(argv=None) -> int:
                     impls["bundled pallas mha"] = functools.partial(bundled.mha, segment_ids=None, causal=mha,
                                                                    sm_scale=d ** -0.5)
                 for impl, fn in impls.items():
+                    if args.impls and not any(impl.startswith(x) or impl.endswith(x) for x in args.impls):
+                        continue
                     whole_batch = impl.startswith(("dot_product", "bundled"))
                     fwd = jax.jit(fn if whole_batch else batched(fn))
                     try:

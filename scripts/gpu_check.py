@@ -42,10 +42,10 @@ def cases(n):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="gpu")
-    parser.add_argument("--training-only", action="store_true", help="skip the op checks")
+    parser.add_argument("--training-only", action="store_true", help="only the cuDNN/segment routes and training")
     args = parser.parse_args(argv)
     if args.training_only:
-        return 1 if check_training() else 0
+        return 1 if check_routes() + check_training() else 0
     print("devices:", jax.devices(), "jax", jax.__version__)
     failures = 0
     for dtype, tol in ((jnp.float32, 2e-4), (jnp.bfloat16, 2e-2)):

@@ -66,8 +66,12 @@ def _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags=None):
 def _visit(index_ref, full_ref, count_ref, row, body, init, *, contiguous):
     """Run `body(block, carry, partial)` over a row's visited blocks: the FULL ones
     (numbered index[row, 0] + t when `contiguous`), then the partial ones."""
+    # Loaded once, outside the loop: addresses that depend on a load inside the loop
+    # keep Triton's pipeliner from prefetching the next tiles.
+    first = index_ref[row, 0]
+
     def full_body(t, carry):
-        block = index_ref[row, 0] + t if contiguous else index_ref[row, t]
+        block = first + t if contiguous else index_ref[row, t]
         return body(block, carry, partial=False)
 
     def partial_body(t, carry):
