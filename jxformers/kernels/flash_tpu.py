@@ -1,0 +1,313 @@
+"""Block-sparse flash attention for TPUs: Pallas kernels through the Mosaic TPU lowering.
+
+The same two functions as `flash_gpu` (`forward`, `backward`), with the same padded
+inputs and outputs, written the TPU way (as JAX's splash attention is): a grid
+(head, block, visit slot) whose last axis walks a block's visit list. The lists are
+scalar-prefetch arguments (in SMEM), and the BlockSpec index maps read the visited
+block number from them, so Pallas double-buffers the DMA of the next visited tile
+while the current one computes; the online-softmax state (m, l, acc) and the
+gradient accumulators live in VMEM scratch across the slot axis. Slots past a
+block's `count` are padding: their index repeats the last visited block (no new
+DMA) and `pl.when` skips their compute. The pattern's rule and the key bound are
+evaluated only on slots past `full` (the PARTIAL blocks).
+
+Arrays are head-major inside the kernels (`[heads, seq, d]`: a tile's last two dims
+are then (block, d), which Mosaic's (8, 128) tiling takes for any block that is a
+multiple of 8 and a full head size); the wrappers transpose at the boundary.
+
+`interpret=True` runs the kernels in TPU interpret mode (`pltpu.InterpretParams`),
+which executes on CPU and checks TPU semantics; the CPU tests run them that way.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jxformers.kernels.block_mask import VisitLists
+
+# Lanes of a TPU vreg: per-row statistics are kept broadcast across a full lane row
+# ([rows, 128]) so that their scratch buffers and the forward's lse output are
+# natively tiled arrays, as splash attention keeps them.
+LANES = 128
+
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T: the transposed operand on the right, which the MXU takes natively
+_NN = (((1,), (0,)), ((), ()))
+
+
+def _dot(a, b, dims):
+    """float32-accumulated product; float32 inputs at full precision (the MXU's default
+    for float32 is a bf16 pass, too coarse for the tests' tolerances and for lse)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _slots(lists: VisitLists):
+    """`[rows, width]` block numbers per visit slot: the list, with the padding slots
+    (t >= count) repeating the last visited block. Pallas skips the copy of a block
+    whose index did not change, so padding slots cost no DMA; rows visiting nothing
+    keep entry 0 (always a valid block number)."""
+    xp = np if isinstance(lists.index, np.ndarray) and isinstance(lists.count, np.ndarray) else jnp
+    index = xp.asarray(lists.index).astype(xp.int32)
+    count = xp.asarray(lists.count).astype(xp.int32)
+    last = xp.clip(xp.minimum(xp.arange(index.shape[1])[None, :], count[:, None] - 1), 0, None)
+    return xp.take_along_axis(index, last, axis=1)
+
+
+def _prefetch(lists: VisitLists):
+    return [jnp.asarray(_slots(lists)), jnp.asarray(lists.full, jnp.int32), jnp.asarray(lists.count, jnp.int32)]
+
+
+def _call(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch, static):
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
+                                              out_specs=out_specs, scratch_shapes=scratch),
+        out_shape=out_shape,
+        # Heads and blocks are independent (megacore may split them); the slot axis
+        # carries the accumulators, so it runs in order.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if static.interpret else False,
+        name=name,
+    )
+
+
+def _tile_mask(static, q_start, k_start, shape, q_axis):
+    """The pattern's rule and the key bound on one tile (partial slots only); the query
+    positions run along `q_axis` of `shape`, the keys along the other."""
+    i = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    j = k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+    return static.pattern.allowed(i, j) & (j < static.kv_len)
+
+
+def _run_slot(step, full_ref, count_ref, row, t):
+    """`step(partial)` on visit slot `t` of `row`: FULL slots without the pattern's rule,
+    PARTIAL ones with it; padding slots (t >= count) compute nothing."""
+    full, count = full_ref[row], count_ref[row]
+    pl.when(t < full)(lambda: step(False))
+    pl.when((t >= full) & (t < count))(lambda: step(True))
+
+
+def _row_vectors(x, heads: int, length: int, block: int):
+    """A `[heads, length]` per-query vector as `[heads, length // block, 1, block]`: its
+    tiles `(1, block)` are then the array's last two dims whatever the block (a
+    `(None, block)` tile of `[heads, length]` would need block % 128 == 0)."""
+    return x.reshape(heads, length // block, 1, block)
+
+
+def _kv_mask_tiles(kv_mask, block: int):
+    """`[kv_len]` int32 as `[kv_len // block, 1, block]`: key tiles along lanes, legal for any block."""
+    return kv_mask.reshape(-1, 1, block)
+
+
+def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, static, bq, bk):
+    kvm_ref = rest[0] if static.has_kv_mask else None
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = rest[-5:]
+    qb, t = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def step(partial):
+        s = _dot(q_ref[...], k_ref[...], _NT) * static.scale
+        if kvm_ref is not None:
+            s = jnp.where(kvm_ref[...] != 0, s, -jnp.inf)
+        if partial:
+            s = jnp.where(_tile_mask(static, qb * bq, index_ref[qb, t] * bk, (bq, bk), 0), s, -jnp.inf)
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        # A row with no visible key so far keeps m = -inf; shift it by 0 instead so
+        # that exp(-inf - -inf) never makes a NaN.
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe[:, :1])
+        l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[...] = m_next
+        v = v_ref[...]
+        acc_ref[...] = acc_ref[...] * alpha[:, :1] + _dot(p.astype(v.dtype), v, _NN)
+
+    _run_slot(step, full_ref, count_ref, qb, t)
+
+    @pl.when(t == pl.num_programs(2) - 1)
+    def _finish():
+        l, m = l_ref[...], m_ref[...]
+        seen = l > 0
+        l_safe = jnp.where(seen, l, 1.0)
+        o_ref[...] = jnp.where(seen[:, :1], acc_ref[...] / l_safe[:, :1], 0.0).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
+
+
+def forward(q, k, v, kv_mask, rows: VisitLists, static):
+    """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key)."""
+    lq, heads, dk = q.shape
+    lk, kv_heads, dv = v.shape
+    group = heads // kv_heads
+    bq, bk = static.sizes.block_q, static.sizes.block_k
+    qt, kt, vt = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))
+
+    def kv_map(h, b, t, index, full, count):
+        return h // group, index[b, t], 0
+
+    in_specs = [pl.BlockSpec((None, bq, dk), lambda h, b, t, *_: (h, b, 0)),
+                pl.BlockSpec((None, bk, dk), kv_map), pl.BlockSpec((None, bk, dv), kv_map)]
+    inputs = [qt, kt, vt]
+    if static.has_kv_mask:
+        in_specs.append(pl.BlockSpec((None, 1, bk), lambda h, b, t, index, *_: (index[b, t], 0, 0)))
+        inputs.append(_kv_mask_tiles(kv_mask, bk))
+    out, lse = _call(
+        functools.partial(_forward_kernel, static=static, bq=bq, bk=bk),
+        name="block_sparse_flash_forward_tpu",
+        grid=(heads, lq // bq, rows.width),
+        in_specs=in_specs,
+        # The lse leaves as [heads, Lq, 128], every lane the same (splash's layout):
+        # the kernel holds it as a column broadcast over lanes, and writing it as a row
+        # would need an in-kernel transpose.
+        out_specs=[pl.BlockSpec((None, bq, dv), lambda h, b, t, *_: (h, b, 0)),
+                   pl.BlockSpec((None, bq, LANES), lambda h, b, t, *_: (h, b, 0))],
+        out_shape=[jax.ShapeDtypeStruct((heads, lq, dv), q.dtype), jax.ShapeDtypeStruct((heads, lq, LANES), jnp.float32)],
+        scratch=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+                 pltpu.VMEM((bq, dv), jnp.float32)],
+        static=static,
+    )(*_prefetch(rows), *inputs)
+    return jnp.swapaxes(out, 0, 1), lse[:, :, 0]
+
+
+def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk):
+    kvm_ref = rest[0] if static.has_kv_mask else None
+    dq_ref, acc_ref = rest[-2:]
+    qb, t = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def step(partial):
+        k, v = k_ref[...], v_ref[...]
+        s = _dot(q_ref[...], k, _NT) * static.scale
+        if kvm_ref is not None:
+            s = jnp.where(kvm_ref[...] != 0, s, -jnp.inf)
+        if partial:
+            s = jnp.where(_tile_mask(static, qb * bq, index_ref[qb, t] * bk, (bq, bk), 0), s, -jnp.inf)
+        # Row vectors (1, bq) to columns (bq, 1), as splash's dq kernel reads them.
+        p = jnp.exp(s - lse_ref[0][:, None])  # lse = +inf (no visible key) gives p = 0
+        dp = _dot(do_ref[...], v, _NT)
+        ds = p * (dp - delta_ref[0][:, None])
+        acc_ref[...] += _dot(ds.astype(k.dtype), k, _NN)
+
+    _run_slot(step, full_ref, count_ref, qb, t)
+
+    @pl.when(t == pl.num_programs(2) - 1)
+    def _finish():
+        dq_ref[...] = (acc_ref[...] * static.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk):
+    kvm_ref = rest[0] if static.has_kv_mask else None
+    dk_ref, dv_ref, dk_acc, dv_acc = rest[-4:]
+    kb, t = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    # Tiles are transposed, [keys, queries] (splash's dk/dv layout): every product is
+    # then a plain or right-transposed one, and lse/delta are rows of queries.
+    def step(partial):
+        q, do = q_ref[...], do_ref[...]
+        s = _dot(k_ref[...], q, _NT) * static.scale
+        if partial:
+            s = jnp.where(_tile_mask(static, index_ref[kb, t] * bq, kb * bk, (bk, bq), 1), s, -jnp.inf)
+        p = jnp.exp(s - lse_ref[...])  # lse = +inf (no visible key) gives p = 0
+        dv_acc[...] += _dot(p.astype(do.dtype), do, _NN)
+        dp = _dot(v_ref[...], do, _NT)
+        ds = p * (dp - delta_ref[...])
+        dk_acc[...] += _dot(ds.astype(q.dtype), q, _NN)
+
+    _run_slot(step, full_ref, count_ref, kb, t)
+
+    @pl.when(t == pl.num_programs(2) - 1)
+    def _finish():
+        dk, dv = dk_acc[...] * static.scale, dv_acc[...]
+        if kvm_ref is not None:
+            # A masked key's row of p touches only its own rows of dk and dv, so
+            # zeroing those rows once equals masking every tile. (Its p may overflow,
+            # never anyone else's; `where` drops the inf/NaN.)
+            real = kvm_ref[0][:, None] != 0
+            dk, dv = jnp.where(real, dk, 0.0), jnp.where(real, dv, 0.0)
+        dk_ref[...] = dk
+        dv_ref[...] = dv
+
+
+def backward(q, k, v, kv_mask, do, lse, delta, rows: VisitLists, cols: VisitLists, static):
+    """dq `[Lq, H, dk]` (q's dtype), and float32 per-query-head dk `[Lk, H, dk]`, dv
+    `[Lk, H, dv]` (the caller sums each kv head's group)."""
+    lq, heads, dk_ = q.shape
+    lk, kv_heads, dv_ = v.shape
+    group = heads // kv_heads
+    bq, bk = static.sizes.backward
+    qt, kt, vt, dot_ = (jnp.swapaxes(x, 0, 1) for x in (q, k, v, do))
+    lse_rows, delta_rows = (_row_vectors(x.astype(jnp.float32), heads, lq, bq) for x in (lse, delta))
+    mask = [_kv_mask_tiles(kv_mask, bk)] if static.has_kv_mask else []
+
+    # dq: one program per (head, query block), walking the block's row.
+    def visited_kv(h, b, t, index, full, count):
+        return h // group, index[b, t], 0
+
+    def own_q(h, b, t, *_):
+        return h, b, 0
+
+    def own_rows(h, b, t, *_):
+        return h, b, 0, 0
+
+    row_spec = pl.BlockSpec((None, None, 1, bq), own_rows)
+    dq = _call(
+        functools.partial(_dq_kernel, static=static, bq=bq, bk=bk),
+        name="block_sparse_flash_dq_tpu",
+        grid=(heads, lq // bq, rows.width),
+        in_specs=[pl.BlockSpec((None, bq, dk_), own_q), pl.BlockSpec((None, bk, dk_), visited_kv),
+                  pl.BlockSpec((None, bk, dv_), visited_kv), pl.BlockSpec((None, bq, dv_), own_q), row_spec, row_spec,
+                  *[pl.BlockSpec((None, 1, bk), lambda h, b, t, index, *_: (index[b, t], 0, 0))] * len(mask)],
+        out_specs=pl.BlockSpec((None, bq, dk_), own_q),
+        out_shape=jax.ShapeDtypeStruct((heads, lq, dk_), q.dtype),
+        scratch=[pltpu.VMEM((bq, dk_), jnp.float32)],
+        static=static,
+    )(*_prefetch(rows), qt, kt, vt, dot_, lse_rows, delta_rows, *mask)
+
+    # dk/dv: one program per (query head, key block), walking the block's column; the
+    # accumulators are per query head (the caller folds grouped heads).
+    def visited_q(h, b, t, index, full, count):
+        return h, index[b, t], 0
+
+    def visited_rows(h, b, t, index, full, count):
+        return h, index[b, t], 0, 0
+
+    def own_kv(h, b, t, *_):
+        return h // group, b, 0
+
+    def own_out(h, b, t, *_):
+        return h, b, 0
+
+    row_spec = pl.BlockSpec((None, None, 1, bq), visited_rows)
+    dk, dv = _call(
+        functools.partial(_dkv_kernel, static=static, bq=bq, bk=bk),
+        name="block_sparse_flash_dkv_tpu",
+        grid=(heads, lk // bk, cols.width),
+        in_specs=[pl.BlockSpec((None, bq, dk_), visited_q), pl.BlockSpec((None, bk, dk_), own_kv),
+                  pl.BlockSpec((None, bk, dv_), own_kv), pl.BlockSpec((None, bq, dv_), visited_q), row_spec, row_spec,
+                  *[pl.BlockSpec((None, 1, bk), lambda h, b, t, *_: (b, 0, 0))] * len(mask)],
+        out_specs=[pl.BlockSpec((None, bk, dk_), own_out), pl.BlockSpec((None, bk, dv_), own_out)],
+        out_shape=[jax.ShapeDtypeStruct((heads, lk, dk_), jnp.float32), jax.ShapeDtypeStruct((heads, lk, dv_), jnp.float32)],
+        scratch=[pltpu.VMEM((bk, dk_), jnp.float32), pltpu.VMEM((bk, dv_), jnp.float32)],
+        static=static,
+    )(*_prefetch(cols), qt, kt, vt, dot_, lse_rows, delta_rows, *mask)
+    return jnp.swapaxes(dq, 0, 1), jnp.swapaxes(dk, 0, 1), jnp.swapaxes(dv, 0, 1)
