@@ -5,8 +5,9 @@ bf16 and BigBird (run-time extra blocks) patterns; that the kernels pass Pallas'
 lowering (block shapes, primitives); and that `impl="pallas"` picks it on TPUs.
 
 Every case is one compilation of the forward and backward kernels (a few seconds in
-interpret mode), so the cases are few and small; tiles are 64 or 128 wide, within the
-TPU's (8, 128) tiling rules.
+interpret mode), so the cases are few and small (one head where heads do not matter);
+tiles are 64 or 128 wide. A single head, or a head size of 128, takes the kernels'
+untransposed head layout, other cases the transposed one (`flash_tpu._Heads`).
 """
 
 import functools
@@ -71,18 +72,19 @@ def _check(pattern, *, q_len=256, kv_len=None, heads=2, kv_heads=2, d=32, dv=32,
 W = 40  # window half-width: several partial blocks per row at 64-wide tiles
 
 CASES = {
-    "dense": dict(pattern=Band()),
-    "causal": dict(pattern=causal(256, 256), sizes=MIXED),
-    "window": dict(pattern=Band(-W, W), sizes=B64),
+    # Head size 128: q and k enter as [seq, heads * d] (no transpose), v as [heads, seq, d].
+    "dense": dict(pattern=Band(), d=128),
+    "causal": dict(pattern=causal(256, 256), heads=1, kv_heads=1, sizes=MIXED),
+    "window": dict(pattern=Band(-W, W), heads=1, kv_heads=1, sizes=B64),
     # Cross attention of unequal, odd lengths too (a tail tile on both sides).
     "longformer": dict(pattern=union(Band(-W, W), KeyRange(0, 8), QueryRange(0, 8)), q_len=200, kv_len=136, sizes=B64),
-    "dilated": dict(pattern=Band(-2 * W, 2 * W, step=2), sizes=MIXED),
+    "dilated": dict(pattern=Band(-2 * W, 2 * W, step=2), heads=1, kv_heads=1, sizes=MIXED),
     "grouped_heads": dict(pattern=causal(256, 256), heads=4, kv_heads=2, d=32, dv=64, sizes=MIXED),
     # Padded keys (kv_mask), and rows that see no key at all: zeros, lse = +inf.
     "kv_mask": dict(pattern=Band(-W, W), kv_mask=jnp.arange(256) >= 100, sizes=MIXED),
     # 200 = one full tile and a tail: the kernels mask padded keys and drop padded queries.
-    "odd_length": dict(pattern=causal(200, 200), q_len=200),
-    "bf16": dict(pattern=causal(256, 256), dtype=jnp.bfloat16, tol=3e-2, sizes=MIXED),
+    "odd_length": dict(pattern=causal(200, 200), q_len=200, heads=1, kv_heads=1),
+    "bf16": dict(pattern=causal(256, 256), heads=1, kv_heads=1, dtype=jnp.bfloat16, tol=3e-2, sizes=MIXED),
 }
 
 
@@ -107,7 +109,7 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
     if not hasattr(tpu_info, "registry") or not hasattr(tpu_info, "get_tpu_info_for_chip"):
         pytest.skip("this JAX has no TPU-info registry to stand in for a chip")
     monkeypatch.setitem(tpu_info.registry, "cpu", lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
-    q, k, v = qkv(0, 200, heads=4, kv_heads=2, d=32, dv=64, dtype=jnp.bfloat16)
+    q, k, v = qkv(0, 200, heads=4, kv_heads=2, d=128, dv=64, dtype=jnp.bfloat16)  # both head layouts
     pattern = union(Band(-W, W, step=2), KeyRange(0, 8), QueryRange(0, 8))
 
     def loss(q, k, v):

@@ -11,9 +11,10 @@ block's `count` are padding: their index repeats the last visited block (no new
 DMA) and `pl.when` skips their compute. The pattern's rule and the key bound are
 evaluated only on slots past `full` (the PARTIAL blocks).
 
-Arrays are head-major inside the kernels (`[heads, seq, d]`: a tile's last two dims
-are then (block, d), which Mosaic's (8, 128) tiling takes for any block that is a
-multiple of 8 and a full head size); the wrappers transpose at the boundary.
+A kernel reads one head's `[block, d]` tiles of a `[seq, heads, d]` array: as
+`[seq, heads * d]` (a free reshape) when d is a multiple of 128, else transposed to
+`[heads, seq, d]` (see `_Heads`: Mosaic's tiling rules). Per-row vectors (lse, delta)
+and the key mask are laid out so that any block size is a legal tile.
 
 `interpret=True` runs the kernels in TPU interpret mode (`pltpu.InterpretParams`),
 which executes on CPU and checks TPU semantics; the CPU tests run them that way.
@@ -21,6 +22,7 @@ which executes on CPU and checks TPU semantics; the CPU tests run them that way.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -61,7 +63,15 @@ def _slots(lists: VisitLists):
 
 
 def _prefetch(lists: VisitLists):
-    return [jnp.asarray(_slots(lists)), jnp.asarray(lists.full, jnp.int32), jnp.asarray(lists.count, jnp.int32)]
+    """The scalar-prefetch arguments: slots, full, count. The slots go flat: SMEM pads a
+    2-D array's rows to whole tiles, a 1-D one far less, and SMEM is small."""
+    return [jnp.asarray(_slots(lists)).reshape(-1), jnp.asarray(lists.full, jnp.int32),
+            jnp.asarray(lists.count, jnp.int32)]
+
+
+def _visited(index, row, t):
+    """The block number at visit slot `t` of `row` (grid axis 2 walks the slots)."""
+    return index[row * pl.num_programs(2) + t]
 
 
 def _call(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch, static):
@@ -76,6 +86,39 @@ def _call(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch, static
         interpret=pltpu.InterpretParams() if static.interpret else False,
         name=name,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    """How a `[seq, heads, d]` array meets the kernels, which read one head's `[block, d]`
+    tiles. Mosaic takes a tile whose last two dims are multiples of (8, 128) or the
+    array's own: so with d a multiple of 128 (or one head) the array goes in as
+    `[seq, heads * d]` (a free reshape) and a head is a column of tiles; otherwise it is
+    transposed to `[heads, seq, d]` (an HBM copy), where a tile spans the whole d."""
+
+    heads: int
+    d: int
+
+    @property
+    def flat(self) -> bool:
+        return self.d % LANES == 0 or self.heads == 1
+
+    def put(self, x):
+        return x.reshape(x.shape[0], self.heads * self.d) if self.flat else jnp.swapaxes(x, 0, 1)
+
+    def take(self, y):
+        """The kernel's output back as `[seq, heads, d]`."""
+        return y.reshape(y.shape[0], self.heads, self.d) if self.flat else jnp.swapaxes(y, 0, 1)
+
+    def shape(self, length: int, dtype):
+        return jax.ShapeDtypeStruct((length, self.heads * self.d) if self.flat else (self.heads, length, self.d), dtype)
+
+    def spec(self, block: int, where):
+        """The BlockSpec of a head's `[block, d]` tiles; `where(h, b, t, *prefetch)` gives
+        (head, block number)."""
+        if self.flat:
+            return pl.BlockSpec((block, self.d), lambda *grid: where(*grid)[::-1])
+        return pl.BlockSpec((None, block, self.d), lambda *grid: (*where(*grid), 0))
 
 
 def _tile_mask(static, q_start, k_start, shape, q_axis):
@@ -122,7 +165,7 @@ def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, 
         if kvm_ref is not None:
             s = jnp.where(kvm_ref[...] != 0, s, -jnp.inf)
         if partial:
-            s = jnp.where(_tile_mask(static, qb * bq, index_ref[qb, t] * bk, (bq, bk), 0), s, -jnp.inf)
+            s = jnp.where(_tile_mask(static, qb * bq, _visited(index_ref, qb, t) * bk, (bq, bk), 0), s, -jnp.inf)
         m_prev = m_ref[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         # A row with no visible key so far keeps m = -inf; shift it by 0 instead so
@@ -152,16 +195,18 @@ def forward(q, k, v, kv_mask, rows: VisitLists, static):
     lk, kv_heads, dv = v.shape
     group = heads // kv_heads
     bq, bk = static.sizes.block_q, static.sizes.block_k
-    qt, kt, vt = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))
+    qh, kh, vh, oh = _Heads(heads, dk), _Heads(kv_heads, dk), _Heads(kv_heads, dv), _Heads(heads, dv)
 
-    def kv_map(h, b, t, index, full, count):
-        return h // group, index[b, t], 0
+    def own_q(h, b, t, *_):
+        return h, b
 
-    in_specs = [pl.BlockSpec((None, bq, dk), lambda h, b, t, *_: (h, b, 0)),
-                pl.BlockSpec((None, bk, dk), kv_map), pl.BlockSpec((None, bk, dv), kv_map)]
-    inputs = [qt, kt, vt]
+    def visited_kv(h, b, t, index, *_):
+        return h // group, _visited(index, b, t)
+
+    in_specs = [qh.spec(bq, own_q), kh.spec(bk, visited_kv), vh.spec(bk, visited_kv)]
+    inputs = [qh.put(q), kh.put(k), vh.put(v)]
     if static.has_kv_mask:
-        in_specs.append(pl.BlockSpec((None, 1, bk), lambda h, b, t, index, *_: (index[b, t], 0, 0)))
+        in_specs.append(pl.BlockSpec((None, 1, bk), lambda h, b, t, index, *_: (_visited(index, b, t), 0, 0)))
         inputs.append(_kv_mask_tiles(kv_mask, bk))
     out, lse = _call(
         functools.partial(_forward_kernel, static=static, bq=bq, bk=bk),
@@ -171,14 +216,13 @@ def forward(q, k, v, kv_mask, rows: VisitLists, static):
         # The lse leaves as [heads, Lq, 128], every lane the same (splash's layout):
         # the kernel holds it as a column broadcast over lanes, and writing it as a row
         # would need an in-kernel transpose.
-        out_specs=[pl.BlockSpec((None, bq, dv), lambda h, b, t, *_: (h, b, 0)),
-                   pl.BlockSpec((None, bq, LANES), lambda h, b, t, *_: (h, b, 0))],
-        out_shape=[jax.ShapeDtypeStruct((heads, lq, dv), q.dtype), jax.ShapeDtypeStruct((heads, lq, LANES), jnp.float32)],
+        out_specs=[oh.spec(bq, own_q), pl.BlockSpec((None, bq, LANES), lambda h, b, t, *_: (h, b, 0))],
+        out_shape=[oh.shape(lq, q.dtype), jax.ShapeDtypeStruct((heads, lq, LANES), jnp.float32)],
         scratch=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
                  pltpu.VMEM((bq, dv), jnp.float32)],
         static=static,
     )(*_prefetch(rows), *inputs)
-    return jnp.swapaxes(out, 0, 1), lse[:, :, 0]
+    return oh.take(out), lse[:, :, 0]
 
 
 def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk):
@@ -196,7 +240,7 @@ def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_
         if kvm_ref is not None:
             s = jnp.where(kvm_ref[...] != 0, s, -jnp.inf)
         if partial:
-            s = jnp.where(_tile_mask(static, qb * bq, index_ref[qb, t] * bk, (bq, bk), 0), s, -jnp.inf)
+            s = jnp.where(_tile_mask(static, qb * bq, _visited(index_ref, qb, t) * bk, (bq, bk), 0), s, -jnp.inf)
         # Row vectors (1, bq) to columns (bq, 1), as splash's dq kernel reads them.
         p = jnp.exp(s - lse_ref[0][:, None])  # lse = +inf (no visible key) gives p = 0
         dp = _dot(do_ref[...], v, _NT)
@@ -226,7 +270,7 @@ def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse
         q, do = q_ref[...], do_ref[...]
         s = _dot(k_ref[...], q, _NT) * static.scale
         if partial:
-            s = jnp.where(_tile_mask(static, index_ref[kb, t] * bq, kb * bk, (bk, bq), 1), s, -jnp.inf)
+            s = jnp.where(_tile_mask(static, _visited(index_ref, kb, t) * bq, kb * bk, (bk, bq), 1), s, -jnp.inf)
         p = jnp.exp(s - lse_ref[...])  # lse = +inf (no visible key) gives p = 0
         dv_acc[...] += _dot(p.astype(do.dtype), do, _NN)
         dp = _dot(v_ref[...], do, _NT)
@@ -255,59 +299,54 @@ def backward(q, k, v, kv_mask, do, lse, delta, rows: VisitLists, cols: VisitList
     lk, kv_heads, dv_ = v.shape
     group = heads // kv_heads
     bq, bk = static.sizes.backward
-    qt, kt, vt, dot_ = (jnp.swapaxes(x, 0, 1) for x in (q, k, v, do))
+    qh, kh, vh, oh = _Heads(heads, dk_), _Heads(kv_heads, dk_), _Heads(kv_heads, dv_), _Heads(heads, dv_)
+    inputs = [qh.put(q), kh.put(k), vh.put(v), oh.put(do)]
     lse_rows, delta_rows = (_row_vectors(x.astype(jnp.float32), heads, lq, bq) for x in (lse, delta))
     mask = [_kv_mask_tiles(kv_mask, bk)] if static.has_kv_mask else []
 
     # dq: one program per (head, query block), walking the block's row.
-    def visited_kv(h, b, t, index, full, count):
-        return h // group, index[b, t], 0
-
     def own_q(h, b, t, *_):
-        return h, b, 0
+        return h, b
 
-    def own_rows(h, b, t, *_):
-        return h, b, 0, 0
+    def visited_kv(h, b, t, index, *_):
+        return h // group, _visited(index, b, t)
 
-    row_spec = pl.BlockSpec((None, None, 1, bq), own_rows)
+    row_spec = pl.BlockSpec((None, None, 1, bq), lambda h, b, t, *_: (h, b, 0, 0))
     dq = _call(
         functools.partial(_dq_kernel, static=static, bq=bq, bk=bk),
         name="block_sparse_flash_dq_tpu",
         grid=(heads, lq // bq, rows.width),
-        in_specs=[pl.BlockSpec((None, bq, dk_), own_q), pl.BlockSpec((None, bk, dk_), visited_kv),
-                  pl.BlockSpec((None, bk, dv_), visited_kv), pl.BlockSpec((None, bq, dv_), own_q), row_spec, row_spec,
-                  *[pl.BlockSpec((None, 1, bk), lambda h, b, t, index, *_: (index[b, t], 0, 0))] * len(mask)],
-        out_specs=pl.BlockSpec((None, bq, dk_), own_q),
-        out_shape=jax.ShapeDtypeStruct((heads, lq, dk_), q.dtype),
+        in_specs=[qh.spec(bq, own_q), kh.spec(bk, visited_kv), vh.spec(bk, visited_kv), oh.spec(bq, own_q),
+                  row_spec, row_spec,
+                  *[pl.BlockSpec((None, 1, bk), lambda h, b, t, index, *_: (_visited(index, b, t), 0, 0))] * len(mask)],
+        out_specs=qh.spec(bq, own_q),
+        out_shape=qh.shape(lq, q.dtype),
         scratch=[pltpu.VMEM((bq, dk_), jnp.float32)],
         static=static,
-    )(*_prefetch(rows), qt, kt, vt, dot_, lse_rows, delta_rows, *mask)
+    )(*_prefetch(rows), *inputs, lse_rows, delta_rows, *mask)
 
     # dk/dv: one program per (query head, key block), walking the block's column; the
     # accumulators are per query head (the caller folds grouped heads).
-    def visited_q(h, b, t, index, full, count):
-        return h, index[b, t], 0
-
-    def visited_rows(h, b, t, index, full, count):
-        return h, index[b, t], 0, 0
+    def visited_q(h, b, t, index, *_):
+        return h, _visited(index, b, t)
 
     def own_kv(h, b, t, *_):
-        return h // group, b, 0
+        return h // group, b
 
     def own_out(h, b, t, *_):
-        return h, b, 0
+        return h, b
 
-    row_spec = pl.BlockSpec((None, None, 1, bq), visited_rows)
+    dkh, dvh = _Heads(heads, dk_), _Heads(heads, dv_)
+    row_spec = pl.BlockSpec((None, None, 1, bq), lambda h, b, t, index, *_: (h, _visited(index, b, t), 0, 0))
     dk, dv = _call(
         functools.partial(_dkv_kernel, static=static, bq=bq, bk=bk),
         name="block_sparse_flash_dkv_tpu",
         grid=(heads, lk // bk, cols.width),
-        in_specs=[pl.BlockSpec((None, bq, dk_), visited_q), pl.BlockSpec((None, bk, dk_), own_kv),
-                  pl.BlockSpec((None, bk, dv_), own_kv), pl.BlockSpec((None, bq, dv_), visited_q), row_spec, row_spec,
-                  *[pl.BlockSpec((None, 1, bk), lambda h, b, t, *_: (b, 0, 0))] * len(mask)],
-        out_specs=[pl.BlockSpec((None, bk, dk_), own_out), pl.BlockSpec((None, bk, dv_), own_out)],
-        out_shape=[jax.ShapeDtypeStruct((heads, lk, dk_), jnp.float32), jax.ShapeDtypeStruct((heads, lk, dv_), jnp.float32)],
+        in_specs=[qh.spec(bq, visited_q), kh.spec(bk, own_kv), vh.spec(bk, own_kv), oh.spec(bq, visited_q),
+                  row_spec, row_spec, *[pl.BlockSpec((None, 1, bk), lambda h, b, t, *_: (b, 0, 0))] * len(mask)],
+        out_specs=[dkh.spec(bk, own_out), dvh.spec(bk, own_out)],
+        out_shape=[dkh.shape(lk, jnp.float32), dvh.shape(lk, jnp.float32)],
         scratch=[pltpu.VMEM((bk, dk_), jnp.float32), pltpu.VMEM((bk, dv_), jnp.float32)],
         static=static,
-    )(*_prefetch(cols), qt, kt, vt, dot_, lse_rows, delta_rows, *mask)
-    return jnp.swapaxes(dq, 0, 1), jnp.swapaxes(dk, 0, 1), jnp.swapaxes(dv, 0, 1)
+    )(*_prefetch(cols), *inputs, lse_rows, delta_rows, *mask)
+    return qh.take(dq), dkh.take(dk), dvh.take(dv)
