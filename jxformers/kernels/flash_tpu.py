@@ -44,8 +44,8 @@ _NN = (((1,), (0,)), ((), ()))
 
 
 def _dot(a, b, dims):
-    """float32-accumulated product; float32 inputs at full precision (the MXU's default
-    for float32 is a bf16 pass, too coarse for the tests' tolerances and for lse)."""
+    """float32-accumulated product; float32 inputs at HIGHEST precision, asked for
+    explicitly (a TPU's default for float32 products may be a single bf16 pass)."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
