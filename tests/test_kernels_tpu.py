@@ -1,16 +1,15 @@
 """The block-sparse flash-attention kernel's TPU variant (`flash_tpu`, Mosaic TPU), run
 in TPU interpret mode on CPU, against the dense reference: outputs, lse and gradients
-for dense, causal, windowed, Longformer-like, dilated, grouped-query, padded, odd-length,
-bf16 and BigBird (run-time extra blocks) patterns; that the kernels pass Pallas's TPU
-lowering (block shapes, primitives); and that `impl="pallas"` picks it on TPUs.
+for dense, causal, windowed, Longformer-like, dilated, grouped-query, padded,
+odd-length, bf16 and BigBird (run-time extra blocks, under vmap) patterns; that the
+kernels pass Pallas's TPU lowering (block shapes, primitives); and that
+`impl="pallas"` picks it on TPUs.
 
 Every case is one compilation of the forward and backward kernels (a few seconds in
 interpret mode), so the cases are few and small (one head where heads do not matter);
 tiles are 64 or 128 wide. A single head, or a head size of 128, takes the kernels'
 untransposed head layout, other cases the transposed one (`flash_tpu._Heads`).
 """
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +25,9 @@ MIXED = BlockSizes(128, 64, 64, 128)  # the dq/dk-dv tiles differ from the forwa
 B64 = BlockSizes(64, 64, 64, 64)
 
 
-def _loss_weights(seed, q_len, heads, d_v):
+def _loss_weights(seed, out_shape):
     kw, kl = jax.random.split(jax.random.key(seed + 100))
-    return jax.random.normal(kw, (q_len, heads, d_v)), jax.random.normal(kl, (q_len, heads))
+    return jax.random.normal(kw, out_shape), jax.random.normal(kl, out_shape[:-1])
 
 
 def _run(fn, q, k, v, w_out, w_lse):
@@ -37,7 +36,8 @@ def _run(fn, q, k, v, w_out, w_lse):
     are left out of it)."""
     def loss(q, k, v):
         out, lse = fn(q, k, v)
-        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse), (out, lse)
+        lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)
+        return jnp.sum(out.astype(jnp.float32) * w_out) + lse_term, (out, lse)
 
     grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return out, lse, grads
@@ -53,17 +53,29 @@ def _close(got, want, tol, what):
 
 
 def _check(pattern, *, q_len=256, kv_len=None, heads=2, kv_heads=2, d=32, dv=32, sizes=B128, kv_mask=None,
-           extra_blocks=None, block_size=None, dtype=jnp.float32, tol=2e-5, seed=0):
+           extra_blocks=None, block_size=None, dtype=jnp.float32, tol=2e-5, seed=0, batch=None):
+    """The kernel against the reference on one example, or on `batch` examples under
+    `jax.vmap` (as the models run it; kv_mask and extra_blocks then per example)."""
     kv_len = q_len if kv_len is None else kv_len
-    q, k, v = qkv(seed, q_len, heads=heads, kv_heads=kv_heads, d=d, dv=dv, kv_len=kv_len)
-    w_out, w_lse = _loss_weights(seed, q_len, heads, dv)
-    kernel = functools.partial(block_sparse_attention, pattern=pattern, kv_mask=kv_mask, extra_blocks=extra_blocks,
-                               block_sizes=sizes, backend="tpu", interpret=True, return_lse=True)
-    reference = functools.partial(block_sparse_reference, pattern=pattern, kv_mask=kv_mask, extra_blocks=extra_blocks,
-                                  block_size=block_size)
-    got = _run(kernel, *(x.astype(dtype) for x in (q, k, v)), w_out, w_lse)
-    want = _run(reference, q, k, v, w_out, w_lse)  # float32 whatever the kernel's dtype
-    assert got[0].dtype == dtype and got[0].shape == (q_len, heads, dv)
+    examples = [qkv(seed + n, q_len, heads=heads, kv_heads=kv_heads, d=d, dv=dv, kv_len=kv_len)
+                for n in range(batch or 1)]
+    q, k, v = (jnp.stack(xs) for xs in zip(*examples)) if batch else examples[0]
+
+    def kernel(q, k, v, kv_mask, extra_blocks):
+        return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks, block_sizes=sizes,
+                                      backend="tpu", interpret=True, return_lse=True)
+
+    def reference(q, k, v, kv_mask, extra_blocks):
+        return block_sparse_reference(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks,
+                                      block_size=block_size)
+
+    if batch:
+        kernel, reference = jax.vmap(kernel), jax.vmap(reference)
+    w_out, w_lse = _loss_weights(seed, (*q.shape[:-1], dv))
+    got = _run(lambda *qkv_: kernel(*qkv_, kv_mask, extra_blocks), *(x.astype(dtype) for x in (q, k, v)), w_out, w_lse)
+    # The reference runs in float32 whatever the kernel's dtype.
+    want = _run(lambda *qkv_: reference(*qkv_, kv_mask, extra_blocks), q, k, v, w_out, w_lse)
+    assert got[0].dtype == dtype and got[0].shape == (*q.shape[:-1], dv)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (*got[:2], *got[2]), (*want[:2], *want[2])):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         _close(a, b, tol, name)
@@ -93,11 +105,14 @@ def test_tpu_kernel_matches_reference(name):
     _check(**CASES[name])
 
 
-def test_tpu_kernel_bigbird_extra_blocks():
-    # Run-time FULL blocks (the visit lists are jax arrays), one block size throughout;
-    # -1 is "none", and a repeat of a static block must not be counted twice.
-    extra = jnp.asarray([[3, -1], [0, 1], [2, 2], [-1, -1]], jnp.int32)
-    _check(union(Band(-W, W), KeyRange(0, 8)), extra_blocks=extra, block_size=64, sizes=B64)
+def test_tpu_kernel_bigbird_extra_blocks_under_vmap():
+    # Run-time FULL blocks (the visit lists are jax arrays, batched scalar-prefetch
+    # arguments under vmap), one block size throughout; -1 is "none", and a repeat of a
+    # static block must not be counted twice. The key masks differ per example too.
+    extra = jnp.asarray([[[3, -1], [0, 1], [2, 2], [-1, -1]], [[1, 2], [3, -1], [0, 0], [1, 3]]], jnp.int32)
+    kv_mask = jnp.stack([jnp.arange(256) < 200, jnp.arange(256) >= 30])
+    _check(union(Band(-W, W), KeyRange(0, 8)), extra_blocks=extra, kv_mask=kv_mask, block_size=64, sizes=B64,
+           heads=1, kv_heads=1, batch=2)
 
 
 def test_tpu_kernels_lower_to_mosaic(monkeypatch):
@@ -108,7 +123,8 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
     tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
     if not hasattr(tpu_info, "registry") or not hasattr(tpu_info, "get_tpu_info_for_chip"):
         pytest.skip("this JAX has no TPU-info registry to stand in for a chip")
-    monkeypatch.setitem(tpu_info.registry, "cpu", lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1))
+    v5e = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    monkeypatch.setitem(tpu_info.registry, "cpu", lambda: v5e)
     q, k, v = qkv(0, 200, heads=4, kv_heads=2, d=128, dv=64, dtype=jnp.bfloat16)  # both head layouts
     pattern = union(Band(-W, W, step=2), KeyRange(0, 8), QueryRange(0, 8))
 
