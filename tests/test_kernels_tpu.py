@@ -128,16 +128,26 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
     q, k, v = qkv(0, 200, heads=4, kv_heads=2, d=128, dv=64, dtype=jnp.bfloat16)  # both head layouts
     pattern = union(Band(-W, W, step=2), KeyRange(0, 8), QueryRange(0, 8))
 
-    def loss(q, k, v):
-        out = block_sparse_attention(q, k, v, pattern, kv_mask=jnp.arange(200) < 190, block_sizes=MIXED, backend="tpu")
+    def loss(q, k, v, kv_mask, extra_blocks, sizes):
+        out = block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks, block_sizes=sizes,
+                                     backend="tpu")
         return jnp.sum(out.astype(jnp.float32))
 
+    def lower(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
     try:
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+        texts = [lower(lambda q, k, v: grad(q, k, v, jnp.arange(200) < 190, None, MIXED), q, k, v),
+                 # Batched, with per-example run-time blocks: vmap adds a grid axis and
+                 # batches the scalar-prefetch visit lists.
+                 lower(jax.vmap(lambda q, k, v, e: grad(q, k, v, None, e, B64)), *(jnp.stack([x, x]) for x in (q, k, v)),
+                       jnp.zeros((2, 4, 2), jnp.int32))]
     finally:  # the stand-in chip must not outlive the test (get_tpu_info caches)
         getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)()
-    for name in ("forward", "dq", "dkv"):
-        assert f"block_sparse_flash_{name}_tpu" in text
+    for text in texts:
+        for name in ("forward", "dq", "dkv"):
+            assert f"block_sparse_flash_{name}_tpu" in text
 
 
 def test_pallas_impl_picks_the_tpu_kernel_on_tpus(monkeypatch):

@@ -17,7 +17,9 @@ A kernel reads one head's `[block, d]` tiles of a `[seq, heads, d]` array: as
 and the key mask are laid out so that any block size is a legal tile.
 
 `interpret=True` runs the kernels in TPU interpret mode (`pltpu.InterpretParams`),
-which executes on CPU and checks TPU semantics; the CPU tests run them that way.
+which executes on CPU and checks TPU semantics; the CPU tests run them that way and
+also run Pallas's TPU lowering (block shapes, lowering rules) on CPU. Mosaic's own
+compilation (libtpu) and real TPUs have not run them yet.
 """
 
 from __future__ import annotations
