@@ -66,7 +66,9 @@ def _slots(lists: VisitLists):
 
 def _prefetch(lists: VisitLists):
     """The scalar-prefetch arguments: slots, full, count. The slots go flat: SMEM pads a
-    2-D array's rows to whole tiles, a 1-D one far less, and SMEM is small."""
+    2-D array's rows to whole tiles, a 1-D one far less, and SMEM is small.
+    (`full_contiguous` is for the GPU kernels: here the index maps read every slot from
+    SMEM and Pallas pipelines the copies whatever the block numbers.)"""
     return [jnp.asarray(_slots(lists)).reshape(-1), jnp.asarray(lists.full, jnp.int32),
             jnp.asarray(lists.count, jnp.int32)]
 
