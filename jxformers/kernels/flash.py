@@ -65,6 +65,8 @@ class BlockSizes:
 
 
 _default_sizes = [BlockSizes()]
+# TPU tiles are 128 lanes wide: 64-key blocks would half-fill them (splash uses 512).
+TPU_BLOCK_SIZES = BlockSizes(128, 128, block_q_bwd=128, block_k_bwd=128)
 
 
 @contextlib.contextmanager
@@ -244,7 +246,9 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
     check_inputs(q, k, v, kv_mask)
     q_len, heads, d_k = q.shape
     kv_len, _, d_v = v.shape
-    sizes = (block_sizes or _default_sizes[-1]).fitted(q_len, kv_len)
+    if block_sizes is None:
+        block_sizes = TPU_BLOCK_SIZES if backend == "tpu" and len(_default_sizes) == 1 else _default_sizes[-1]
+    sizes = block_sizes.fitted(q_len, kv_len)
     if extra_blocks is not None:
         if len({sizes.block_q, sizes.block_k, *sizes.backward}) != 1:
             raise ValueError(f"extra_blocks count blocks of one size; got {sizes}")
