@@ -331,6 +331,10 @@ _WIDTH = {
     "induced": ("its inducing points (num_inducing)", lambda hp, n: hp["num_inducing"]),
     "performer": ("its random features (num_features)", lambda hp, n: hp["num_features"]),
     "rfa": ("its random features (num_features)", lambda hp, n: hp["num_features"]),
+    "lsh": ("its chunks (2 chunk_size keys per hash round)", lambda hp, n: 2 * hp["chunk_size"]),
+    "routing": ("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
+    "sinkhorn": ("its own and sorted blocks (2 block_size keys)", lambda hp, n: 2 * hp["block_size"]),
+    "clusterformer": ("its chunks (chunk_size keys)", lambda hp, n: hp["chunk_size"]),
 }
 
 

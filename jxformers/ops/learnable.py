@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from jxformers.decoding import TaggedCache
 from jxformers.ops._common import (
     ceil_div,
     check_positive,
@@ -40,7 +41,8 @@ from jxformers.ops._common import (
     valid_keys,
 )
 from jxformers.ops.local import local_attention
-from jxformers.registry import register
+from jxformers.ops.softmax import softmax_attention
+from jxformers.registry import Decoder, register
 
 _INT32_MAX = 2**31 - 1
 
@@ -126,6 +128,32 @@ def _recent_in_bucket(q, k, v, q_bucket, k_bucket, real, *, window: int, self_ma
         m = _unless_alone(m, j == pos[:, None])
     p, lse = _softmax_lse(s, m)
     return jnp.einsum("lw,lwd->ld", p, v[j]), lse
+
+
+def _combine_rounds(outs: Float[Array, "r *L dv"], lses: Float[Array, "r *L"]) -> Float[Array, "*L dv"]:
+    """Hash rounds combined by their log-sum-exp weights, o = sum_r exp(z^r - z) o^r
+    (rounds where a query had no key weigh nothing)."""
+    top = jnp.max(lses, axis=0, keepdims=True)
+    w = jnp.where(jnp.isfinite(lses), jnp.exp(lses - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = w.sum(0, keepdims=True)
+    w = w / jnp.where(total > 0, total, 1.0)
+    return jnp.sum(w[..., None] * outs, axis=0)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _recent_step(q, keys, values, buckets, bucket, filled, t, *, window: int, self_mask: bool, scale: float):
+    """One query at position t against the cache: `_recent_in_bucket`'s keys (the
+    window + 1 most recent of its bucket up to t) by counting, in position order, the
+    same-bucket keys after each slot. Returns (out [dv], log-sum-exp [])."""
+    same = filled & (buckets == bucket)
+    after = jnp.cumsum(same[::-1].astype(jnp.int32))[::-1] - same.astype(jnp.int32)
+    m = same & (after <= window)
+    if self_mask:
+        m = _unless_alone(m, positions(keys.shape[0]) == t)
+    p, lse = _softmax_lse(keys @ q * scale, m)
+    return p @ values, lse
 
 
 def _check_bucket_range(n_buckets: int, length: int) -> None:
@@ -247,8 +275,8 @@ def lsh_attention(
     Returns:
         `[seq, heads, d_v]`.
 
-    Time and memory O(n_hashes * seq * chunk_size * d) plus the sort. No decoding (see
-    docs/fidelity.md).
+    Time and memory O(n_hashes * seq * chunk_size * d) plus the sort. Decodes its causal
+    form one token at a time against a cache of every key and its buckets.
     """
     check_positive("n_buckets", n_buckets)
     if n_buckets != 1 and n_buckets % 2:
@@ -280,19 +308,44 @@ def lsh_attention(
                 return _recent_in_bucket(q_h, key_h, v_h, b, b, real, window=chunk, self_mask=True, scale=scale)
             return _sorted_chunks(q_h, key_h, v_h, b, real, chunk=chunk, before=1, self_mask=True, scale=scale)
 
-        outs, lses = jax.vmap(round_)(buckets)  # [R, L, dv], [R, L]
-        top = jnp.max(lses, axis=0)
-        w = jnp.where(jnp.isfinite(lses), jnp.exp(lses - jnp.where(jnp.isfinite(top), top, 0.0)[None]), 0.0)
-        w = w / jnp.where(w.sum(0) > 0, w.sum(0), 1.0)[None]
-        return jnp.einsum("rl,rld->ld", w, outs)
+        return _combine_rounds(*jax.vmap(round_)(buckets))  # rounds [R, L, dv], [R, L]
 
     out = jax.vmap(head)(qh, keys, vh, jnp.asarray(rotations))
     return _to_output(out, n, out_dtype(q, k, v))
 
 
+def _lsh_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> TaggedCache:
+    heads, rounds = arrays["rotations"].shape[:2]
+    return TaggedCache(jnp.zeros((max_len, heads, d_k), jnp.float32), jnp.zeros((max_len, kv_heads, d_v), jnp.float32),
+                       jnp.zeros((max_len, heads, rounds), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def _lsh_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn):
+    """The causal form, one token: its key (its own query, normalised) and buckets join
+    the cache; each round attends to the chunk_size most recent earlier keys of the
+    query's bucket (itself only when alone); rounds combine by log-sum-exp."""
+    hp = hyper_parameters
+    t, rotations = state.length, arrays["rotations"]
+    qf = jnp.asarray(q, jnp.float32)
+    buckets = jax.vmap(lambda x, r: lsh_buckets(x[None], r, hp["n_buckets"])[:, 0])(qf, rotations)  # [heads, R]
+    state = TaggedCache(state.k.at[t].set(_unit(qf)), state.v.at[t].set(v.astype(jnp.float32)),
+                        state.buckets.at[t].set(buckets), t + 1)
+    filled = positions(state.k.shape[0]) <= t
+    group = q.shape[0] // v.shape[0]
+    scale = default_scale(q.shape[1], None)
+
+    def head(h):
+        one = lambda r: _recent_step(qf[h], state.k[:, h], state.v[:, h // group], state.buckets[:, h, r],  # noqa: E731
+                                     buckets[h, r], filled, t, window=hp["chunk_size"], self_mask=True, scale=scale)
+        return _combine_rounds(*jax.vmap(one)(jnp.arange(buckets.shape[1])))
+
+    return jax.vmap(head)(jnp.arange(q.shape[0])).astype(q.dtype), state
+
+
 register(
     "lsh", lsh_attention, family="learnable pattern", paper="Kitaev et al. 2020 (Reformer)",
     complexity="O(N*c*r)", exact=False, init_arrays=lsh_arrays, drawn=("rotations",), shared_qk=True,
+    decoder=Decoder("tagged cache", _lsh_init, _lsh_step),
     docs={"n_buckets": "hash buckets (1 or even)", "n_hashes": "hash rounds r",
           "chunk_size": "c, tokens per chunk of the sorted order (keys behind when causal)"},
 )
@@ -359,6 +412,8 @@ def routing_attention(
         `[seq, heads, d_v]`.
 
     Time and memory O(seq * w * d) per routing head, O(seq^1.5) at n_clusters = sqrt(seq).
+    Decodes its causal form against a cache of every key and its cluster, with
+    w = ceil(max_len / n_clusters) (the parallel form's w at length max_len).
     """
     check_positive("n_clusters", n_clusters)
     check_positive("local_window", local_window, minimum=0)
@@ -417,10 +472,49 @@ def routing_update(
     return {"centroids": kmeans_update(arrays["centroids"], x, both, decay=decay)}
 
 
+def _routing_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> TaggedCache:
+    heads = arrays["centroids"].shape[0]
+    return TaggedCache(jnp.zeros((max_len, kv_heads, d_k), jnp.float32), jnp.zeros((max_len, kv_heads, d_v), jnp.float32),
+                       jnp.zeros((max_len, heads, 1), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def _routing_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn):
+    """The causal form, one token: local heads attend to the last local_window + 1 keys;
+    a routing head attends to the w + 1 most recent keys routed to its query's nearest
+    centroid, w = ceil(max_len / n_clusters) (the parallel form's w at length max_len)."""
+    hp = hyper_parameters
+    t, mu = state.length, jnp.asarray(arrays["centroids"], jnp.float32)
+    heads, kv_heads, slots = q.shape[0], k.shape[0], state.k.shape[0]
+    group = heads // kv_heads
+    qf, kf = jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
+    key_cluster = jax.vmap(lambda h: _nearest(kf[h // group][None], mu[h])[0])(jnp.arange(heads))
+    state = TaggedCache(state.k.at[t].set(kf), state.v.at[t].set(v.astype(jnp.float32)),
+                        state.buckets.at[t, :, 0].set(key_cluster), t + 1)
+    filled = positions(slots) <= t
+    n_local = _routing_heads(heads, kv_heads, hp["local_heads"])
+    scale = default_scale(q.shape[1], None)
+    outs = []
+    if n_local:
+        near = filled & (t - positions(slots) <= hp["local_window"])
+        kv_local = n_local // group
+        outs.append(softmax_attention(qf[None, :n_local], state.k[:, :kv_local], state.v[:, :kv_local],
+                                      kv_mask=near)[0])
+    if n_local < heads:
+        width = ceil_div(slots, hp["n_clusters"])
+
+        def head(h):
+            cluster = _nearest(qf[h][None], mu[h])[0]
+            return _recent_step(qf[h], state.k[:, h // group], state.v[:, h // group], state.buckets[:, h, 0], cluster,
+                                filled, t, window=width, self_mask=False, scale=scale)[0]
+
+        outs.append(jax.vmap(head)(jnp.arange(n_local, heads)))
+    return jnp.concatenate(outs).astype(q.dtype), state
+
+
 register(
     "routing", routing_attention, family="learnable pattern", paper="Roy et al. 2021 (Routing Transformer)",
     complexity="O(N*N/k)", exact=False, init_arrays=kmeans_centroids, drawn=("centroids",), redrawn=False,
-    update_arrays=routing_update,
+    update_arrays=routing_update, decoder=Decoder("tagged cache", _routing_init, _routing_step),
     docs={"n_clusters": "k-means clusters k per routing head (about sqrt(N))",
           "local_heads": "query heads doing local attention (default half)",
           "local_window": "keys each side of the local heads", "decay": "EMA decay of the centroids in training"},
@@ -448,8 +542,8 @@ def sinkhorn_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, block_size: int 
     }
 
 
-def sinkhorn_balance(log_r: Float[ArrayLike, "n n"], allowed: Bool[ArrayLike, "n n"], iters: int, *,
-                     rows_only: bool = False) -> Float[Array, "n n"]:
+def sinkhorn_balance(log_r: Float[ArrayLike, "m n"], allowed: Bool[ArrayLike, "m n"], iters: int, *,
+                     rows_only: bool = False) -> Float[Array, "m n"]:
     """Sinkhorn normalisation in log space (Adams & Zemel 2011): `iters` rounds of row
     then column normalisation over the allowed entries; returns the soft permutation
     exp(log P) (zeros where not allowed, and on empty rows). `rows_only`: normalise rows
@@ -529,7 +623,8 @@ def sinkhorn_attention(
 
     Time O(seq * (block_size + blocks) * d) per head (the soft permutation mixes every
     block into every sorted block): O(seq^1.5) at block_size = sqrt(seq); memory
-    O(seq * block_size + blocks^2).
+    O(seq * block_size + blocks^2). Decodes its causal form against a cache of every key
+    (blocks of min(block_size, max_len), the parallel form's at length max_len).
     """
     check_positive("block_size", block_size)
     check_positive("max_len", max_len)
@@ -599,10 +694,51 @@ def sinkhorn_attention(
     return _to_output(out, n, out_dtype(q, k, v))
 
 
+def _sinkhorn_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> TaggedCache:
+    b = min(hyper_parameters["block_size"], max_len)
+    slots = ceil_div(max_len, b) * b
+    return TaggedCache(jnp.zeros((slots, kv_heads, d_k), jnp.float32), jnp.zeros((slots, kv_heads, d_v), jnp.float32),
+                       jnp.zeros((slots, 0, 0), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def _sinkhorn_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn):
+    """The causal form, one token at position t in block i (blocks of
+    min(block_size, max_len), the parallel form's at length max_len): the sorted block is
+    softmax_j<i(R_i / tau) @ key blocks, R_i from block i - 1's key sum (complete by
+    then); the token attends to its block's keys up to t and to the sorted block."""
+    hp = hyper_parameters
+    t, slots = state.length, state.k.shape[0]
+    state = TaggedCache(state.k.at[t].set(jnp.asarray(k, jnp.float32)), state.v.at[t].set(jnp.asarray(v, jnp.float32)),
+                        state.buckets, t + 1)
+    heads, kv_heads = q.shape[0], k.shape[0]
+    b = min(hp["block_size"], slots)  # the parallel form's block at length max_len
+    blocks = slots // b
+    i = t // b
+    group = heads // kv_heads
+    scale = default_scale(q.shape[1], None)
+    earlier = positions(blocks) < i
+
+    def head(h):
+        kb, vb = to_blocks(state.k[:, h // group], b), to_blocks(state.v[:, h // group], b)  # [blocks, b, d]
+        summary = jnp.where(i > 0, kb.sum(axis=1)[jnp.maximum(i - 1, 0)], 0.0)
+        hidden = jax.nn.relu(summary @ arrays["sort_w1"][h].astype(jnp.float32) + arrays["sort_b1"][h])
+        r = hidden @ arrays["sort_w2"][h, :, :blocks].astype(jnp.float32) + arrays["sort_b2"][h, :blocks]
+        perm = sinkhorn_balance((r / hp["temperature"])[None], earlier[None], hp["sinkhorn_iters"], rows_only=True)[0]
+        ks, vs = jnp.einsum("j,jsd->sd", perm, kb), jnp.einsum("j,jsd->sd", perm, vb)
+        own_k = jax.lax.dynamic_index_in_dim(kb, i, keepdims=False)
+        own_v = jax.lax.dynamic_index_in_dim(vb, i, keepdims=False)
+        own = i * b + positions(b) <= t
+        qh = jnp.asarray(q[h], jnp.float32)
+        p_own, p_sort = _joint_softmax([(own_k @ qh * scale, own), (ks @ qh * scale, jnp.broadcast_to(i > 0, (b,)))])
+        return p_own @ own_v + p_sort @ vs
+
+    return jax.vmap(head)(jnp.arange(heads)).astype(q.dtype), state
+
+
 register(
     "sinkhorn", sinkhorn_attention, family="learnable pattern", paper="Tay et al. 2020 (Sparse Sinkhorn Attention)",
     complexity="O(N*(b+N/b))", exact=False, init_arrays=sinkhorn_arrays, covers_length="max_len",
-    noise_key="gumbel_key",
+    noise_key="gumbel_key", decoder=Decoder("tagged cache", _sinkhorn_init, _sinkhorn_step),
     docs={"block_size": "tokens per block b", "max_len": "longest sequence the sorting network covers",
           "sinkhorn_iters": "balancing rounds", "temperature": "tau of the Gumbel-Sinkhorn",
           "sortcut_blocks": "SortCut: attend only to the first n sorted blocks (0: off)"},
