@@ -96,3 +96,14 @@ def test_demo_noise_verdict_when_every_model_scores_zero():
 
     text = noise_verdict({"softmax": [0.0], "linear": [0.0]}, 8)
     assert "within noise" in text and "+0.000 (0.0 SE)" in text
+
+
+def test_demo_adds_a_model_per_named_attention_and_refuses_unknown_ones(capsys):
+    from jxformers.tools import demo
+
+    models = demo._models(["lsh", "sinkhorn", "softmax"])
+    assert list(models) == [*demo.MODELS, "lsh", "sinkhorn"]
+    assert models["lsh"] == ["model.attention=lsh"]
+    with pytest.raises(SystemExit):
+        demo.main(["--attention", "no_such_attention"])
+    assert "unknown attention 'no_such_attention'" in capsys.readouterr().err
