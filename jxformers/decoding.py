@@ -7,6 +7,8 @@ with its own pieces; nothing here knows any attention by name.
   chunked); a step costs O(max_len * d), slots not yet written are masked out.
 * `ring_buffer(attend, slots)`: the last `slots(hyper_parameters)` keys and values
   (causal sliding window: `window + 1`), O(window * d) memory and time per step.
+* `TaggedCache`: every key with integer tags (buckets, clusters), the state of the
+  decoders the learnable patterns (LSH, Routing, Sinkhorn) build from their own steps.
 * `recurrent(features, query_features=None, gate=None)`: the constant-size state of
   seed 002 eq. 4-6, S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j): the transformer as an
   RNN, O(m * d) per step and O(1) memory in the length. Log-features (Performer's) are
@@ -61,7 +63,21 @@ class RecurrentState(eqx.Module):
     length: Int[Array, ""]
 
 
-State = KVCache | RecurrentState
+class TaggedCache(eqx.Module):
+    """Every key and value so far (slot p holds position p) with integer tags per key
+    (the buckets or clusters of the learnable patterns, per head and hash round; none
+    for Sinkhorn, which recomputes its sort from the keys): the state of a decoder that
+    recomputes a content-based pattern from the whole cache at each step, O(max_len * d)
+    per step, so one token at a time equals the causal parallel forward. Built by the
+    attention's own `init` and `step` (`jxformers/ops/learnable.py`)."""
+
+    k: Float[Array, "slots kh d_k"]
+    v: Float[Array, "slots kv_heads d_v"]
+    buckets: Int[Array, "slots heads rounds"]
+    length: Int[Array, ""]
+
+
+State = KVCache | RecurrentState | TaggedCache
 
 
 # ----------------------------------------------------------------------------- caches

@@ -41,6 +41,8 @@ SHAPE_ARGUMENTS = ("heads", "kv_heads", "d_k", "d_v")
 # ... and of a token-input initialiser, which also sees the model width and whether the
 # module is causal (to refuse, before any call, what needs a causal state).
 TOKEN_SHAPE_ARGUMENTS = (*SHAPE_ARGUMENTS, "d_model", "causal")
+# ... and of a training-time array update, which sees a batch of the module's inputs.
+UPDATE_ARGUMENTS = ("arrays", "q", "k", "kv_mask")
 _REQUIRED = inspect.Parameter.empty
 
 
@@ -108,8 +110,9 @@ class HyperParameter:
     Fields:
         name, annotation, default: from the signature (`default` is `inspect.Parameter.empty`
             when the op requires it). doc, choices: written in the registration.
-        arrays_only: taken by the array initialiser only (it shapes the arrays; the op
-            reads the shapes, not the value).
+        arrays_only: taken by the array initialiser (or the training-time array update)
+            only, not by the op: it shapes the arrays (the op reads the shapes, not the
+            value) or tunes the update.
     """
 
     name: str
@@ -223,6 +226,16 @@ class AttentionSpec:
         covers_length: the hyper-parameter that bounds the sequence length (position-
             indexed weights: Linformer's, Synthesizer's `max_len`); models fill it with
             their own max_len and refuse a smaller one.
+        shared_qk: the op takes its keys from the queries (Reformer's shared-QK
+            attention): its `k` argument is unused (only its shape is checked).
+        noise_key: the op argument that takes a fresh PRNG key on every training call
+            (Sinkhorn's Gumbel noise); modules pass one when called with a key and not
+            in inference, and none at inference.
+        update_arrays_fn: state updated in training outside the gradient (Routing's
+            k-means centroids): `fn(arrays, q [batch, q_len, heads, d_k], k [batch,
+            kv_len, kv_heads, d_k], *, kv_mask [batch, kv_len] or None, <hyper-parameters>)
+            -> {name: new array}` gives new values of drawn arrays from a batch of the
+            module's inputs; the train step calls it after each step (`nn.update_arrays`).
     """
 
     name: str
@@ -243,6 +256,13 @@ class AttentionSpec:
     exact: bool = True
     content_based: bool = True
     covers_length: str | None = None
+    shared_qk: bool = False
+    noise_key: str | None = None
+    update_arrays_fn: Callable[..., dict[str, Any]] | None = None
+
+    @property
+    def updates_arrays(self) -> bool:
+        return self.update_arrays_fn is not None
 
     @property
     def decodes(self) -> bool:
@@ -337,6 +357,17 @@ class BoundAttention:
         given = {"heads": heads, "kv_heads": kv_heads, "d_k": d_k, "d_v": d_v} | self.hyper_parameters
         return fn(key, **{n: v for n, v in given.items() if n in wanted})
 
+    def update_arrays(self, arrays: Mapping[str, Any], q, k, *, kv_mask=None) -> dict[str, Any]:
+        """New values of the drawn arrays this attention updates in training (its spec's
+        `update_arrays_fn`) from a batch `q [batch, q_len, heads, d_k]`, `k [batch, kv_len,
+        kv_heads, d_k]` and `kv_mask [batch, kv_len]`; empty when it updates none."""
+        fn = self.spec.update_arrays_fn
+        if fn is None:
+            return {}
+        wanted = inspect.signature(fn).parameters
+        return fn(dict(arrays), q, k, kv_mask=kv_mask,
+                  **{n: v for n, v in self.hyper_parameters.items() if n in wanted})
+
     def init_token_params(self, key, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int,
                           causal: bool = False) -> dict[str, Any]:
         """The learned parameters of its token inputs (empty when it reads no tokens) for
@@ -403,6 +434,9 @@ def register(
     exact: bool = True,
     content_based: bool = True,
     covers_length: str | None = None,
+    shared_qk: bool = False,
+    noise_key: str | None = None,
+    update_arrays: Callable[..., dict[str, Any]] | None = None,
     docs: Mapping[str, str] | None = None,
     choices: Mapping[str, tuple[Any, ...]] | None = None,
 ) -> AttentionSpec:
@@ -415,7 +449,8 @@ def register(
     op_params = inspect.signature(op).parameters
     found = _signature_parameters(op, CALL_ARGUMENTS)
     initialisers = [(init_arrays, SHAPE_ARGUMENTS, "init_arrays"),
-                    (token_inputs and token_inputs.init, TOKEN_SHAPE_ARGUMENTS, "token_inputs.init")]
+                    (token_inputs and token_inputs.init, TOKEN_SHAPE_ARGUMENTS, "token_inputs.init"),
+                    (update_arrays, UPDATE_ARGUMENTS, "update_arrays")]
     for fn, shapes, what in initialisers:
         if fn is None:
             continue
@@ -424,6 +459,8 @@ def register(
                 raise ValueError(f"{name}: {n} defaults to {found[n].default!r} in the op but {p.default!r} in "
                                  f"{what}; give it one default")
             found.setdefault(n, dataclasses.replace(p, arrays_only=True))
+    if noise_key is not None and noise_key not in op_params:
+        raise ValueError(f"{name}: {noise_key=} is not an argument of its op")
     docs, choices = dict(docs or {}), dict(choices or {})
     for extra in sorted((set(docs) | set(choices) | {covers_length} - {None}) - set(found)):
         raise ValueError(f"{name}: {extra!r} is not a hyper-parameter of its op; found {sorted(found)}")
@@ -441,7 +478,8 @@ def register(
     spec = AttentionSpec(
         name, op, family, paper, complexity, params, supports_cross=supports_cross, decoder=decoder,
         init_arrays_fn=init_arrays, drawn=tuple(drawn), token_inputs=token_inputs, redrawn=redrawn, exact=exact, content_based=content_based,
-        covers_length=covers_length, **resolved,
+        covers_length=covers_length, shared_qk=shared_qk, noise_key=noise_key, update_arrays_fn=update_arrays,
+        **resolved,
     )
     for p in params:  # the defaults themselves must pass the checks
         if not p.required:

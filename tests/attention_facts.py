@@ -138,5 +138,28 @@ FACTS: dict[str, Facts] = {
         variants=({"num_inducing": 4},), errors=(({"num_inducing": 0}, "num_inducing"),),
         growth=Growth("linear", lambda n: {"num_inducing": 32}),
     ),
+    "lsh": Facts(
+        variants=({"n_buckets": 4, "n_hashes": 2, "chunk_size": 5},),
+        errors=(({"n_buckets": 3}, "n_buckets"), ({"n_hashes": 0}, "n_hashes"), ({"chunk_size": 0}, "chunk_size")),
+        growth=Growth("linear", lambda n: {"n_buckets": 16, "chunk_size": 32}),
+    ),
+    "routing": Facts(
+        variants=({"n_clusters": 3, "local_heads": 2, "local_window": 3},),  # 2 local and 2 routing query heads
+        errors=(({"local_heads": 1}, "local_heads"), ({"n_clusters": 0}, "n_clusters"),
+                ({"local_window": -1}, "local_window")),
+        growth=Growth("n sqrt n", lambda n: {"n_clusters": math.isqrt(n), "local_heads": 0}),
+    ),
+    "sinkhorn": Facts(  # SortCut cannot be causal: tests/test_learnable.py checks it
+        variants=({"block_size": 5, "max_len": 40, "sinkhorn_iters": 4},),
+        errors=(({"block_size": 0}, "block_size"), ({"temperature": 0.0}, "temperature"), ({"max_len": 8}, "max_len"),
+                ({"sinkhorn_iters": 0}, "sinkhorn_iters")),
+        # Sorting N/b key blocks by a soft permutation costs (N/b)^2 b d: N^1.5 at b = sqrt(N).
+        growth=Growth("n sqrt n", lambda n: {"block_size": math.isqrt(n), "max_len": n}),
+    ),
+    "clusterformer": Facts(
+        variants=({"n_clusters": 3, "chunk_size": 5},),
+        errors=(({"n_clusters": 0}, "n_clusters"), ({"chunk_size": 0}, "chunk_size")),
+        growth=Growth("linear", lambda n: {"n_clusters": 8, "chunk_size": 32}),
+    ),
     "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
 }

@@ -285,6 +285,9 @@ def jit_variants(names) -> type[chex.TestCase]:
             chex.assert_trees_all_equal_shapes(grads, (q, k, v))
             chex.assert_tree_all_finite(grads)
             used = (0, 1, 2) if spec.content_based else (2,)  # FNet / Synthesizer ignore q, k
+            if spec.shared_qk:  # Reformer's shared QK takes its keys from q: k must not be read at all
+                assert float(jnp.abs(grads[1]).max()) == 0, f"{name}: shared-QK attention read k"
+                used = tuple(i for i in used if i != 1)
             for i in used:
                 assert float(jnp.abs(grads[i]).max()) > 0, f"{name}: zero gradient for argument {i}"
 

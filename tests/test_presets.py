@@ -18,6 +18,8 @@ from jxformers.nn.config import ModelConfig, ShortSequenceWarning
         ("block_local", {"block_size": 32}, 32, r"block_local"),
         ("linformer", {"proj_len": 256}, 128, r"linformer attention at max_len 128: its projected length"),
         ("nystrom", {"num_landmarks": 64}, 64, r"nystrom"),
+        ("lsh", {}, 128, r"lsh attention at max_len 128: its chunks .* spans 128 >= 128"),
+        ("sinkhorn", {"block_size": 32}, 64, r"sinkhorn attention at max_len 64: its own and sorted blocks"),
     ],
 )
 def test_an_attention_dense_at_max_len_warns(attention, kwargs, max_len, match):
@@ -28,7 +30,8 @@ def test_an_attention_dense_at_max_len_warns(attention, kwargs, max_len, match):
 @pytest.mark.parametrize(
     "attention,kwargs,max_len",
     [("local", {"window": 63}, 128), ("bigbird", {}, 1024), ("linformer", {"proj_len": 64}, 128),
-     ("softmax", {}, 8), ("dilated", {"window": 64}, 64)],
+     ("softmax", {}, 8), ("dilated", {"window": 64}, 64), ("lsh", {"chunk_size": 32}, 128),
+     ("routing", {"n_clusters": 4}, 128), ("clusterformer", {"chunk_size": 32}, 64)],
 )
 def test_an_attention_sparser_than_its_sequence_does_not_warn(attention, kwargs, max_len):
     with warnings.catch_warnings():
@@ -93,3 +96,14 @@ def test_demo_noise_verdict_when_every_model_scores_zero():
 
     text = noise_verdict({"softmax": [0.0], "linear": [0.0]}, 8)
     assert "within noise" in text and "+0.000 (0.0 SE)" in text
+
+
+def test_demo_adds_a_model_per_named_attention_and_refuses_unknown_ones(capsys):
+    from jxformers.tools import demo
+
+    models = demo._models(["lsh", "sinkhorn", "softmax"])
+    assert list(models) == [*demo.MODELS, "lsh", "sinkhorn"]
+    assert models["lsh"] == ["model.attention=lsh"]
+    with pytest.raises(SystemExit):
+        demo.main(["--attention", "no_such_attention"])
+    assert "unknown attention 'no_such_attention'" in capsys.readouterr().err

@@ -12,7 +12,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     config.py     ModelConfig, build_model
 """
 
-from jxformers.nn.attention import Attention
+from jxformers.nn.attention import Attention, attention_modules, record_attention_inputs
 from jxformers.nn.blocks import Block
 from jxformers.nn.config import ModelConfig, build_model
 from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm
@@ -35,11 +35,12 @@ from jxformers.nn.positions import (
     t5_buckets,
 )
 from jxformers.nn.set_transformer import ISAB, MAB, PMA
-from jxformers.nn.trainable import redraw, trainable
+from jxformers.nn.trainable import redraw, trainable, update_arrays, updates_arrays
 
 __all__ = [
     "Attention", "Block", "Classifier", "ConditionedDecoder", "DualClassifier", "Embedding", "Encoder",
     "EncoderDecoder", "FeedForward", "ISAB", "LanguageModel", "LayerNorm", "Linear", "LunaBlock", "LunaStack", "MAB",
     "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "RMSNorm",
-    "alibi_slopes", "build_model", "redraw", "rotary", "sinusoidal", "t5_buckets", "trainable",
+    "alibi_slopes", "attention_modules", "build_model", "record_attention_inputs", "redraw", "rotary", "sinusoidal",
+    "t5_buckets", "trainable", "update_arrays", "updates_arrays",
 ]

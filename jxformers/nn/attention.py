@@ -8,10 +8,19 @@ with the pure `redraw(key)`. A core that reads the layer's input tokens
 (`spec.reads_tokens`: RFA's gate, the dense Synthesizer) gets the parameters of those
 token inputs here too, and the module passes it what they make from its input. Swapping one attention for another changes nothing else (the "builder"
 design of seed 002 section 4.1).
+
+Two more hooks serve the learnable patterns: a core that draws noise in training
+(`spec.noise_key`: Sinkhorn's Gumbel noise) gets a fresh key on every call made with a
+key and not in inference; a core whose drawn arrays are state updated in training
+(`spec.updates_arrays`: Routing's k-means centroids) has its inputs recorded while
+`record_attention_inputs(model)` is active, so the train step can compute the update
+outside the gradient (`nn.update_arrays`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import equinox as eqx
@@ -22,6 +31,52 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 from jxformers import decoding, registry
 from jxformers.nn.layers import Linear
 from jxformers.nn.positions import rotary
+
+
+class AttentionInputs:
+    """The inputs of the attention modules of one model whose cores update arrays in
+    training, in call order: `owners[i]` is the module's index in
+    `attention_modules(model)`, `values[i]` its `(q, k, kv_mask)` (kv_mask None when
+    unpadded)."""
+
+    def __init__(self, model):
+        self._index = {id(a): i for i, a in enumerate(attention_modules(model))}
+        self.owners: list[int] = []
+        self.values: list[tuple[Array, Array, Array | None]] = []
+
+    def add(self, module: "Attention", q, k, kv_mask) -> None:
+        i = self._index.get(id(module))
+        if i is not None:  # a module outside the recorded model (a copy) is not updated
+            self.owners.append(i)
+            self.values.append((jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), kv_mask))
+
+
+_RECORDING: contextvars.ContextVar[AttentionInputs | None] = contextvars.ContextVar("attention_inputs", default=None)
+
+
+@contextlib.contextmanager
+def record_attention_inputs(model):
+    """While active, every attention module of `model` whose core updates arrays in
+    training records its core's q, k and kv_mask (`AttentionInputs`). Use it inside
+    the function that is vmapped over the batch and return `values` from there."""
+    recorder = AttentionInputs(model)
+    token = _RECORDING.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDING.reset(token)
+
+
+def recording() -> bool:
+    """True while `record_attention_inputs` is active (the reversible stack then runs
+    its plain forward, so the recorded values are not trapped in its custom backward)."""
+    return _RECORDING.get() is not None
+
+
+def attention_modules(model) -> list["Attention"]:
+    """The attention modules of a model, in tree order."""
+    is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
+    return [x for x in jax.tree.leaves(model, is_leaf=is_attention) if is_attention(x)]
 
 
 class Attention(eqx.Module):
@@ -38,9 +93,10 @@ class Attention(eqx.Module):
         attention_kwargs: the core's hyper-parameters when `attention` is a name.
         key: PRNG key for the projections and the core's arrays.
 
-    `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None)` maps
-    `x: [seq, d_model]` to `[seq, d_model]` under `jax.named_scope(<attention name>)`.
-    Dropout belongs to the residual branch around this module (`Block`), not here.
+    `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
+    inference=False)` maps `x: [seq, d_model]` to `[seq, d_model]` under
+    `jax.named_scope(<attention name>)`; `key` only feeds a core that draws noise in
+    training (Sinkhorn's Gumbel noise). Dropout belongs to the residual branch around this module (`Block`), not here.
     Complexity, causal and decoding support are the core's (`jxformers list`).
     """
 
@@ -133,6 +189,8 @@ class Attention(eqx.Module):
         bias: Float[Array, "heads seq kv"] | None = None,
         positions: Real[Array, " seq"] | None = None,
         context_positions: Real[Array, " kv"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
         """Arguments:
             x: `[seq, d_model]` queries (and keys/values for self-attention).
@@ -141,6 +199,8 @@ class Attention(eqx.Module):
             bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5).
             positions, context_positions: token positions for rotary embeddings
                 (default 0..n-1; fractional ones allowed).
+            key, inference: the training noise of a core that draws some
+                (`spec.noise_key`); none without a key or at inference.
 
         Returns:
             `[seq, d_model]`.
@@ -158,6 +218,12 @@ class Attention(eqx.Module):
                     context_positions = positions if context is None else jnp.arange(source.shape[0])
                 q, k = rotary(q, positions), rotary(k, context_positions)
             arrays = self._core_arrays(x, source)
+            noise = self.core.spec.noise_key
+            if noise is not None and key is not None and not inference:
+                arrays = arrays | {noise: key}
+            recorder = _RECORDING.get()
+            if recorder is not None and self.core.spec.updates_arrays:
+                recorder.add(self, q, k, kv_mask)
             out = self.core(q, k, v, arrays=arrays, causal=self.causal, kv_mask=kv_mask, bias=bias)
             return self._out(out, x)
 

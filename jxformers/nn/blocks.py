@@ -64,12 +64,16 @@ class Block(eqx.Module):
         keys and values come from norm(source) instead of norm(x) (source itself with
         post-norm); `kv_mask` and `source_positions` are then the source's."""
         norm = self.norms[0]
+        # The core's own training noise (Sinkhorn's Gumbel); the dropout key stays as it was.
+        noise = None if key is None or inference else jax.random.fold_in(key, 1)
         if source is None:
-            attend = lambda h: self.attention(h, kv_mask=kv_mask, bias=bias, positions=positions)  # noqa: E731
+            attend = lambda h: self.attention(  # noqa: E731
+                h, kv_mask=kv_mask, bias=bias, positions=positions, key=noise, inference=inference)
         else:
             kv = norm(source) if self.pre_norm else source
             attend = lambda h: self.attention(  # noqa: E731
-                h, kv, kv_mask=kv_mask, bias=bias, positions=positions, context_positions=source_positions)
+                h, kv, kv_mask=kv_mask, bias=bias, positions=positions, context_positions=source_positions,
+                key=noise, inference=inference)
         return self._branch(attend, norm, x, key, inference)
 
     def ffn_branch(

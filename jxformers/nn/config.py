@@ -78,7 +78,8 @@ class ModelConfig:
         max_len: longest sequence (including the CLS token).
         attention, attention_kwargs: registry name and hyper-parameters of self-attention.
         cross_attention, cross_attention_kwargs: of seq2seq cross-attention.
-        ffn: relu, gelu, geglu, swiglu. position: sinusoidal, learned, rope, alibi, t5, none.
+        ffn: relu, gelu, geglu, swiglu. ffn_chunk_size: run the FFN over chunks of this
+            many positions (Reformer's chunked feed-forward; None: all at once). position: sinusoidal, learned, rope, alibi, t5, none.
         norm: layernorm or rmsnorm; norm_placement: pre or post (default: post for isab and luna, as
             their papers; pre for transformer and perceiver: Perceiver's paper, and for
             the transformer the stable choice (Xiong et al. 2020), not Vaswani's post).
@@ -127,6 +128,7 @@ class ModelConfig:
     cross_attention: str = "softmax"
     cross_attention_kwargs: dict = dataclasses.field(default_factory=dict)
     ffn: str = "gelu"
+    ffn_chunk_size: int | None = None
     position: str = "sinusoidal"
     norm: str = "layernorm"
     norm_placement: str | None = None
@@ -196,7 +198,7 @@ class ModelConfig:
 
     def _check(self):
         for name in ("vocab_size", "num_classes", "num_layers", "d_model", "num_heads", "kv_heads", "d_ff", "max_len",
-                     "decoder_layers", "memory_size", "cross_attends", "pma_seeds"):
+                     "decoder_layers", "memory_size", "cross_attends", "pma_seeds", "ffn_chunk_size"):
             self._positive(name, getattr(self, name))
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"config dropout must be in [0, 1); got {self.dropout}")
@@ -337,6 +339,10 @@ _WIDTH = {
     "induced": ("its inducing points (num_inducing)", lambda hp, n: hp["num_inducing"]),
     "performer": ("its random features (num_features)", lambda hp, n: hp["num_features"]),
     "rfa": ("its random features (num_features)", lambda hp, n: hp["num_features"]),
+    "lsh": ("its chunks (2 chunk_size keys per hash round)", lambda hp, n: 2 * hp["chunk_size"]),
+    "routing": ("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
+    "sinkhorn": ("its own and sorted blocks (2 block_size keys)", lambda hp, n: 2 * hp["block_size"]),
+    "clusterformer": ("its chunks (chunk_size keys)", lambda hp, n: hp["chunk_size"]),
 }
 
 
@@ -412,7 +418,8 @@ def _blocks(
                 config.bound_cross_attention(), config.d_model, config.num_heads, kv_heads=config.kv_heads, cross=True,
                 key=kc,
             )
-        ffn = FeedForward(config.d_model, layer["d_ff"], layer["ffn"], dropout=config.dropout, key=kf)
+        ffn = FeedForward(config.d_model, layer["d_ff"], layer["ffn"], dropout=config.dropout,
+                          chunk_size=config.ffn_chunk_size, key=kf)
         blocks.append(Block(
             attention, ffn, d_model=config.d_model, norm=config.norm, pre_norm=config.norm_placement == "pre",
             cross_attention=cross_attention, dropout=config.dropout,

@@ -80,19 +80,27 @@ def make_norm(kind: str, dim: int) -> LayerNorm | RMSNorm:
 
 class FeedForward(eqx.Module):
     """Position-wise FFN: W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated kinds
-    (GEGLU: GELU gate, SwiGLU: SiLU gate; Shazeer, 2020)."""
+    (GEGLU: GELU gate, SwiGLU: SiLU gate; Shazeer, 2020).
+
+    `chunk_size`: run the positions in chunks of this many, one after another
+    (`lax.map`), so the `[seq, d_ff]` hidden layer is never held at once: Reformer's
+    chunked feed-forward (Kitaev et al. section 4). The same function; None: one chunk."""
 
     kind: str = eqx.field(static=True)
+    chunk_size: int | None = eqx.field(static=True)
     w_in: Linear
     w_gate: Linear | None
     w_out: Linear
     dropout: eqx.nn.Dropout
 
-    def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", *, dropout: float = 0.0, key: PRNGKeyArray):
+    def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", *, dropout: float = 0.0,
+                 chunk_size: int | None = None, key: PRNGKeyArray):
         if kind not in FFN_KINDS:
             raise ValueError(f"ffn must be one of {FFN_KINDS}; got {kind!r}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"{chunk_size=} must be None or an int >= 1")
         k1, k2, k3 = jax.random.split(key, 3)
-        self.kind = kind
+        self.kind, self.chunk_size = kind, chunk_size
         self.w_in = Linear(d_model, d_ff, key=k1)
         self.w_gate = Linear(d_model, d_ff, key=k3) if kind in ("geglu", "swiglu") else None
         self.w_out = Linear(d_ff, d_model, key=k2)
@@ -101,6 +109,16 @@ class FeedForward(eqx.Module):
     def __call__(
         self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False
     ) -> Float[Array, "seq d_model"]:
+        n, c = x.shape[0], self.chunk_size
+        if c is None or n <= c:
+            return self._apply(x, key, inference)
+        chunks = -(-n // c)
+        xs = jnp.pad(x, ((0, chunks * c - n), (0, 0))).reshape(chunks, c, x.shape[1])
+        keys = None if key is None else jax.random.split(key, chunks)
+        out = jax.lax.map(lambda a: self._apply(a[0], a[1], inference), (xs, keys))
+        return out.reshape(chunks * c, -1)[:n]
+
+    def _apply(self, x, key, inference):
         h = self.w_in(x)
         if self.kind == "relu":
             h = jax.nn.relu(h)

@@ -1,11 +1,12 @@
-"""Which leaves of a model an optimizer should update, and resampling the ones it should
-not (the drawn arrays of attention modules)."""
+"""Which leaves of a model an optimizer should update, and resampling or updating the
+ones it should not (the drawn arrays of attention modules)."""
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from jxformers.nn.attention import Attention
+from jxformers.nn.attention import Attention, attention_modules
 
 
 def trainable(model) -> object:
@@ -21,9 +22,7 @@ def trainable(model) -> object:
     return jax.tree_util.tree_map_with_path(leaf, model)
 
 
-def _attentions(model) -> list[Attention]:
-    is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
-    return [x for x in jax.tree.leaves(model, is_leaf=is_attention) if is_attention(x)]
+_attentions = attention_modules
 
 
 def _redrawn(model) -> list[Attention]:
@@ -40,3 +39,39 @@ def redraw(model, key: PRNGKeyArray):
         return model
     keys = jax.random.split(key, len(attentions))
     return eqx.tree_at(_redrawn, model, [a.redraw(k) for a, k in zip(attentions, keys)])
+
+
+def updates_arrays(model) -> bool:
+    """True when some attention module of `model` updates drawn arrays in training
+    (Routing's and Cluster-Former's k-means centroids)."""
+    return any(a.core.spec.updates_arrays for a in _attentions(model))
+
+
+def update_arrays(model, owners: list[int], values: list[tuple]):
+    """`model` with the drawn arrays of its updating attention modules replaced by their
+    update (`BoundAttention.update_arrays`) from the recorded batch inputs.
+
+    Arguments:
+        owners: each record's module index in tree order (`AttentionInputs.owners`).
+        values: each record's `(q [batch, q_len, heads, d], k [batch, kv_len, kv_heads,
+            d], kv_mask [batch, kv_len] or None)`; a module called several times (a
+            dual-tower model) is updated once from all its calls' inputs together.
+    """
+    attentions = _attentions(model)
+    grouped: dict[int, list[tuple]] = {}
+    for i, value in zip(owners, values):
+        grouped.setdefault(i, []).append(value)
+    if not grouped:
+        return model
+    new = []
+    for i, records in grouped.items():
+        a = attentions[i]
+        if len({r[0].shape[1:] for r in records}) > 1:
+            raise ValueError(f"attention module {i} was called on different lengths; update it per length")
+        q = jnp.concatenate([r[0] for r in records])
+        k = jnp.concatenate([r[1] for r in records])
+        masks = [jnp.ones(r[1].shape[:2], bool) if r[2] is None else r[2] for r in records]
+        made = a.core.update_arrays(a.drawn, q, k, kv_mask=jnp.concatenate(masks))
+        new.append(eqx.tree_at(lambda m: m.drawn, a, a.drawn | made))
+    chosen = list(grouped)
+    return eqx.tree_at(lambda m: [_attentions(m)[i] for i in chosen], model, new)

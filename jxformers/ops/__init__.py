@@ -15,6 +15,8 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     lowrank.py     linformer_attention, synthesizer_attention, nystrom_attention
     memory.py      induced_attention, latent_attention, luna_causal_pack (Luna's causal pack),
                    funnel_pool and funnel_attention
+    learnable.py   lsh_attention (Reformer), routing_attention, sinkhorn_attention, clusterformer_attention,
+                   and their pieces (lsh_buckets, kmeans_update, sinkhorn_balance)
     fourier.py     dct, idct, fourier_downsample(_padded), nearest_upsample, fnet_mixing, fnet_attention
 """
 
@@ -58,6 +60,18 @@ from jxformers.ops.memory import (
     latent_attention,
     luna_causal_pack,
 )
+from jxformers.ops.learnable import (
+    clusterformer_attention,
+    kmeans_centroids,
+    kmeans_update,
+    lsh_arrays,
+    lsh_attention,
+    lsh_buckets,
+    routing_attention,
+    sinkhorn_arrays,
+    sinkhorn_attention,
+    sinkhorn_balance,
+)
 from jxformers.ops.fourier import (
     dct,
     fnet_attention,
@@ -70,6 +84,16 @@ from jxformers.ops.fourier import (
 # isort: on
 
 __all__ = [
+    "sinkhorn_balance",
+    "sinkhorn_attention",
+    "sinkhorn_arrays",
+    "routing_attention",
+    "lsh_buckets",
+    "lsh_attention",
+    "lsh_arrays",
+    "kmeans_update",
+    "kmeans_centroids",
+    "clusterformer_attention",
     "axial_attention",
     "bigbird_attention",
     "bigbird_global_blocks",

@@ -9,6 +9,10 @@ The Fourier Transformer here is softmax attention with the spectral filter befor
 first block's attention keeping 20% of the sequence (`model.filters={0: 0.2}`), as seed
 001 section 5.1.1 does ("80% of the input removed at the first layer") and its official
 code (the filter inside layer 0, before its attention): every block runs at 20% length.
+
+`--attention NAME` (repeatable) adds a classifier with that registered attention at the
+same settings, e.g. the learnable patterns: `jxformers demo --attention lsh --attention
+routing --attention sinkhorn --attention clusterformer`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import sys
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from jxformers import registry
 from jxformers.data.baselines import baselines
 from jxformers.tools.plot import plot_runs
 from jxformers.train import load_experiment, train
@@ -103,10 +108,16 @@ def noise_verdict(accuracies: dict[str, list[float]], examples: int) -> str:
     return text + (f" Within noise: {'; '.join(noise)}." if noise else "") + f" ({how})"
 
 
+def _models(attentions: list[str]) -> dict[str, list[str]]:
+    """MODELS plus one model per attention named with --attention."""
+    extra = {name: [f"model.attention={name}"] for name in attentions if name not in MODELS}
+    return MODELS | extra
+
+
 def _train_all(root: pathlib.Path, args) -> dict[str, tuple[list[dict], list[dict]]]:
     """(summaries, step stats) per seed, for each model."""
     results = {}
-    for name, overrides in MODELS.items():
+    for name, overrides in _models(args.attentions).items():
         summaries, stats = [], []
         for s in range(args.seeds):
             experiment = load_experiment("lra_listops", ["preset=tiny", *overrides, *args.overrides, f"train.seed={s}"])
@@ -137,8 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                    "deviation over them (default %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra overrides for every run, e.g. train.steps=50")
+    p.add_argument("--attention", dest="attentions", action="append", default=[], metavar="NAME",
+                   help="also train a classifier with this registered attention (repeatable), e.g. lsh, routing, "
+                   "sinkhorn, clusterformer")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    for name in args.attentions:
+        try:
+            registry.get(name)
+        except ValueError as e:
+            p.error(str(e))
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1; got {args.seeds}")
     root = pathlib.Path(args.workdir)
@@ -159,6 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     accuracies = {name: [s.get("eval_accuracy", float("nan")) for s in summaries]
                   for name, (summaries, _) in results.items()}
     print("\n" + noise_verdict(accuracies, examples))
-    out = plot_runs([root / name for name in MODELS], root / "demo.png")
+    out = plot_runs([root / name for name in _models(args.attentions)], root / "demo.png")
     print(f"\ncurves (first seed): {out}")
     return 0

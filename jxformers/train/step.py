@@ -8,6 +8,11 @@ The train step draws its dropout key as `fold_in(state.rng, 2 * state.step)` (re
 the odd numbers), so randomness is a function of (seed, step) alone; micro-batches are
 accumulated with `lax.scan`; the update is applied only when the loss and the gradient
 norm are finite (`metrics["finite"]`), and the step counter advances either way.
+
+State updated outside the gradient (the k-means centroids of Routing and Cluster-Former
+attention, `spec.update_arrays`) is updated by the same step: the forward records those
+attention modules' inputs (`nn.record_attention_inputs`) and the step replaces their
+drawn arrays with `nn.update_arrays` of the batch (not when the step is skipped).
 """
 
 from __future__ import annotations
@@ -19,18 +24,34 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jxformers.train.state import TrainState
+from jxformers.nn import record_attention_inputs, update_arrays, updates_arrays
+from jxformers.train.state import TrainState, split_model
 
 
-def _forward(model, batch, key, inference):
+def _forward(model, batch, key, inference, owners=None):
+    """Batched logits; with `owners` (a list), also the recorded inputs of the attention
+    modules that update arrays (their indices are appended to `owners`)."""
     keys = None if key is None else jax.random.split(key, batch["tokens"].shape[0])  # None vmaps as an empty tree
-    return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(batch["tokens"], batch["mask"], keys)
+    if owners is None:
+        return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(batch["tokens"], batch["mask"], keys)
+
+    def one(t, m, k):
+        with record_attention_inputs(model) as recorder:
+            out = model(t, m, key=k, inference=inference)
+        owners[:] = recorder.owners  # traced once: the same modules for every example
+        return out, recorder.values
+
+    return jax.vmap(one)(batch["tokens"], batch["mask"], keys)
 
 
-def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool = False):
+def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool = False, owners=None):
     """Mean cross-entropy and (loss sum, correct, count) for a classification batch
-    (`label`) or a language-modelling batch (`loss_mask`)."""
-    logits = _forward(model, batch, key, inference)
+    (`label`) or a language-modelling batch (`loss_mask`). With `owners` (a list to
+    fill), the metrics are `(stats, recorded attention inputs)` (see `_forward`)."""
+    logits = _forward(model, batch, key, inference, owners)
+    records = None
+    if owners is not None:
+        logits, records = logits
     if "label" in batch:
         labels, weights = batch["label"], jnp.ones(batch["label"].shape, jnp.float32)
     else:  # position i predicts token i + 1
@@ -40,33 +61,40 @@ def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool
     count = jnp.maximum(weights.sum(), 1.0)
     correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
     total = (losses * weights).sum()
-    return total / count, (total, correct, weights.sum())
+    stats = (total, correct, weights.sum())
+    return total / count, stats if owners is None else (stats, records)
 
 
 def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int):
     """A jitted (state, batch) -> (state, metrics) with the state donated; metrics: loss,
     accuracy, grad_norm, finite (the update was applied)."""
 
+    updating = updates_arrays(static)
+    owners: list[int] = []
+
     def micro_grads(params, drawn, batch, key):
         def loss_fn(p):
-            return loss_and_metrics(eqx.combine(p, drawn, static), batch, key)
+            return loss_and_metrics(eqx.combine(p, drawn, static), batch, key, owners=owners if updating else None)
 
-        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        stats, records = aux if updating else (aux, [])
+        return (loss, stats), grads, records
 
     def step(state: TrainState, batch):
         params, key = state.params, jax.random.fold_in(state.rng, 2 * state.step)
         if grad_accum == 1:
-            (loss, stats), grads = micro_grads(params, state.drawn, batch, key)
+            (loss, stats), grads, records = micro_grads(params, state.drawn, batch, key)
         else:
             micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
 
             def body(acc, xs):
                 b, k = xs
-                (loss, stats), grads = micro_grads(params, state.drawn, b, k)
-                return jax.tree.map(jnp.add, acc, (loss, stats, grads)), None
+                (loss, stats), grads, records = micro_grads(params, state.drawn, b, k)
+                return jax.tree.map(jnp.add, acc, (loss, stats, grads)), records
 
             zero = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), jax.tree.map(jnp.zeros_like, params))
-            (loss, stats, grads), _ = jax.lax.scan(body, zero, (micro, jax.random.split(key, grad_accum)))
+            (loss, stats, grads), records = jax.lax.scan(body, zero, (micro, jax.random.split(key, grad_accum)))
+            records = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), records)  # micro-batches back to one batch
             loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -75,7 +103,11 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         metrics = {"loss": loss, "accuracy": stats[1] / jnp.maximum(stats[2], 1.0), "grad_norm": grad_norm,
                    "finite": finite}
-        new_state = TrainState(params=keep(new_params, params), drawn=state.drawn,
+        drawn = state.drawn
+        if updating:  # state moved outside the gradient (k-means centroids)
+            _, drawn, _ = split_model(update_arrays(eqx.combine(params, drawn, static), owners, records))
+            drawn = keep(drawn, state.drawn)
+        new_state = TrainState(params=keep(new_params, params), drawn=drawn,
                                opt_state=keep(new_opt_state, state.opt_state), step=state.step + 1, rng=state.rng)
         return new_state, metrics
 

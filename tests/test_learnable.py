@@ -1,0 +1,376 @@
+"""The learnable patterns (jxformers/ops/learnable.py) beyond the generic suite: each
+equals dense attention where its paper says it should, each fault of the Long Range
+Arena reference code is absent (one test per fault), randomness comes only from explicit
+keys, and the k-means centroids move towards the data in training, outside the gradient.
+Small shapes throughout (one or two compilations per test)."""
+
+import dataclasses
+import functools
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close, qkv
+
+from jxformers import ModelConfig, build_model, nn, ops, registry
+from jxformers.ops import softmax_attention
+
+HEADS, KV_HEADS, D_K, D_V = 4, 2, 8, 6
+
+
+@functools.cache
+def _jitted(fn, static):
+    return jax.jit(functools.partial(fn, **dict(static)))
+
+
+def call(fn, *args, **kwargs):
+    """fn(*args, **kwargs) under jit (arrays traced, everything else static): one
+    compilation per shape, much faster than running the op eagerly."""
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+    return _jitted(fn, static)(*args, **arrays)
+
+
+def arrays_for(name, seed=1, **hp):
+    return registry.bind(name, **hp).init_arrays(jax.random.key(seed), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
+
+
+def shared_qk_reference(q, v, *, mask=None, kv_mask=None):
+    """Dense softmax with Reformer's shared keys k_j = q_j / |q_j| and its self-mask
+    (a token attends to itself only when nothing else is allowed), from the paper."""
+    n = q.shape[0]
+    keys = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
+    allowed = np.ones((n, n), bool) if mask is None else np.asarray(mask)
+    if kv_mask is not None:
+        allowed = allowed & np.asarray(kv_mask)[None, :]
+    others = (allowed & ~np.eye(n, dtype=bool)).any(1, keepdims=True)
+    allowed = allowed & (~np.eye(n, dtype=bool) | ~others)
+    values = jnp.repeat(v, HEADS // v.shape[1], axis=1)
+    return call(softmax_attention, q, keys, values, mask=jnp.asarray(allowed))
+
+
+# ----------------------------------------------------------------------------- Reformer (LSH)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lsh_with_one_bucket_is_dense_shared_qk_softmax_with_the_self_mask(causal):
+    n = 19
+    q, k, v = qkv(0, n)
+    kv_mask = jnp.arange(n) < n - 4
+    hp = dict(n_buckets=1, n_hashes=2, chunk_size=n)
+    out = call(ops.lsh_attention, q, k, v, **hp, **arrays_for("lsh", **hp), causal=causal, kv_mask=kv_mask)
+    mask = np.tril(np.ones((n, n), bool)) if causal else None
+    expected = shared_qk_reference(q, v, mask=mask, kv_mask=kv_mask)
+    assert_close(out[: n - 4], expected[: n - 4], atol=2e-5)
+
+
+def test_lsh_rotations_come_from_the_key_not_a_fixed_seed():
+    # LRA hashes with a fixed PRNGKey(0): here two keys give two hashings, one key twice the same.
+    q, _, _ = qkv(3, 32)
+    hp = dict(n_buckets=8, n_hashes=2)
+    a, b, again = (arrays_for("lsh", seed=s, **hp)["rotations"] for s in (1, 2, 1))
+    buckets = [ops.lsh_buckets(q[:, 0], r[0], 8) for r in (a, b, again)]
+    assert not bool(jnp.all(buckets[0] == buckets[1]))
+    assert bool(jnp.all(buckets[0] == buckets[2]))
+    assert registry.get("lsh").drawn == ("rotations",) and registry.get("lsh").redrawn  # nn.redraw draws new ones
+
+
+def test_lsh_divides_logits_by_sqrt_d():
+    # LRA multiplies by sqrt(d): with one bucket the output is softmax(q k^T / sqrt(d)) and not the other.
+    n = 12
+    q, k, v = qkv(1, n)
+    hp = dict(n_buckets=1, n_hashes=1, chunk_size=n)
+    out = call(ops.lsh_attention, q, k, v, **hp, **arrays_for("lsh", **hp))
+    assert_close(out, shared_qk_reference(q, v), atol=2e-5)
+    wrong = call(ops.lsh_attention, q, k, v, **hp, **arrays_for("lsh", **hp), scale=math.sqrt(D_K))
+    assert not np.allclose(out, wrong, atol=1e-3)
+
+
+def test_lsh_normalises_the_shared_keys():
+    # LRA does not normalise: here scaling token j's vector leaves every other token's output as it was.
+    n, j = 12, 5
+    q, k, v = qkv(2, n)
+    hp = dict(n_buckets=1, n_hashes=1, chunk_size=n)
+    arrays = arrays_for("lsh", **hp)
+    out = call(ops.lsh_attention, q, k, v, **hp, **arrays)
+    scaled = call(ops.lsh_attention, q.at[j].multiply(7.0), k, v, **hp, **arrays)
+    others = np.arange(n) != j
+    assert_close(out[others], scaled[others], atol=2e-5)
+
+
+def test_lsh_never_attends_to_itself_unless_alone():
+    # LRA has no self-mask: here a token's own value never reaches its output while others are there.
+    n, i = 12, 4
+    q, k, v = qkv(4, n)
+    hp = dict(n_buckets=2, n_hashes=2, chunk_size=4)
+    arrays = arrays_for("lsh", **hp)
+    out = call(ops.lsh_attention, q, k, v, **hp, **arrays)
+    shared = q.shape[1] // v.shape[1]
+    v_heads = jnp.repeat(v, shared, axis=1)
+    # Change token i's value in a layout where only its own query could see it (values are per kv head).
+    changed = call(ops.lsh_attention, q, k, v.at[i].add(100.0), **hp, **arrays)
+    touched = np.abs(np.asarray(changed - out)).max(axis=(1, 2)) > 1e-4
+    assert not touched[i], "a token attended to itself although it had other keys"
+    assert v_heads.shape[1] == HEADS
+    alone = jnp.arange(n) == i  # one real token: it has only itself
+    single = call(ops.lsh_attention, q, k, v, **hp, **arrays, kv_mask=alone)
+    assert_close(single[i], v_heads[i], atol=1e-5)
+
+
+def test_lsh_has_a_causal_branch():
+    # LRA's causal branch is `pass`: here the first token sees only itself and later keys never matter.
+    n = 16
+    q, k, v = qkv(5, n)
+    hp = dict(n_buckets=4, n_hashes=2, chunk_size=4)
+    arrays = arrays_for("lsh", **hp)
+    out = call(ops.lsh_attention, q, k, v, **hp, **arrays, causal=True)
+    assert_close(out[0], jnp.repeat(v, 2, axis=1)[0], atol=1e-5)
+    later = call(ops.lsh_attention, q.at[9:].set(-q[9:]), k, v.at[9:].set(50.0), **hp, **arrays, causal=True)
+    assert_close(out[:9], later[:9], atol=1e-5)
+    assert not np.allclose(out, call(ops.lsh_attention, q, k, v, **hp, **arrays))
+
+
+def test_lsh_any_length_padding_and_bf16():
+    n = 29  # not a multiple of the chunk
+    q, k, v = qkv(6, n)
+    hp = dict(n_buckets=4, n_hashes=2, chunk_size=8)
+    arrays = arrays_for("lsh", **hp)
+    kv_mask = jnp.arange(n) < 21
+    out = call(ops.lsh_attention, q, k, v, **hp, **arrays, kv_mask=kv_mask)
+    junk = call(ops.lsh_attention, q.at[21:].set(9.0), k, v.at[21:].set(1e4), **hp, **arrays, kv_mask=kv_mask)
+    assert_close(out[:21], junk[:21], atol=1e-5)  # padded tokens never attended, never moving a real one
+    half = call(ops.lsh_attention, *(x.astype(jnp.bfloat16) for x in (q, k, v)), **hp, **arrays, kv_mask=kv_mask)
+    assert half.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(half.astype(jnp.float32))))
+
+
+def test_lsh_errors_name_the_value():
+    q, k, v = qkv(0, 8)
+    with pytest.raises(ValueError, match="n_buckets=3"):
+        ops.lsh_attention(q, k, v, n_buckets=3, rotations=jnp.zeros((HEADS, 2, D_K, 1)))
+    with pytest.raises(ValueError, match="rotations"):
+        ops.lsh_attention(q, k, v, n_buckets=4)
+
+
+def test_reformer_model_lsh_in_a_reversible_stack_with_chunked_ffn():
+    config = ModelConfig(task="lm", vocab_size=17, num_layers=2, d_model=16, num_heads=2, max_len=32,
+                         attention="lsh", attention_kwargs={"n_buckets": 4, "chunk_size": 4}, reversible=True,
+                         ffn_chunk_size=5)
+    model = build_model(config, key=jax.random.key(0))
+    forward = eqx.filter_jit(lambda m, x: m(x))
+    x = jax.random.randint(jax.random.key(1), (23,), 0, 17)
+    logits = forward(model, x)
+    plain = build_model(dataclasses.replace(config, ffn_chunk_size=None), key=jax.random.key(0))
+    assert_close(logits, forward(plain, x), atol=1e-5)  # chunking the FFN changes the memory, not the function
+    changed = forward(model, x.at[15:].set(3))
+    assert_close(changed[:15], logits[:15], atol=1e-5)  # causal through hashing, sorting and chunks
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x, key=jax.random.key(2)) ** 2)))(model)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array)))
+
+
+# ----------------------------------------------------------------------------- Routing Transformer
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_routing_with_one_cluster_is_dense_attention(causal):
+    n = 17
+    q, k, v = qkv(7, n)
+    hp = dict(n_clusters=1, local_heads=0)
+    out = call(ops.routing_attention, q, k, v, **hp, **arrays_for("routing", **hp), causal=causal)
+    assert_close(out, softmax_attention(q, k, v, causal=causal), atol=2e-5)
+
+
+def test_routing_local_heads_are_local_attention():
+    n = 21
+    q, k, v = qkv(8, n)
+    hp = dict(n_clusters=3, local_heads=2, local_window=3)
+    out = call(ops.routing_attention, q, k, v, **hp, **arrays_for("routing", **hp), causal=True)
+    local = call(ops.local_attention, q[:, :2], k[:, :1], v[:, :1], window=3, causal=True)
+    assert_close(out[:, :2], local, atol=1e-6)
+
+
+def test_routing_queries_attend_only_within_their_cluster():
+    # Two clusters of keys in opposite directions; centroids on them: a query near one never sees the other's values.
+    n, d = 16, D_K
+    base = jnp.zeros((d,)).at[0].set(1.0)
+    side = jnp.where(jnp.arange(n) % 2 == 0, 1.0, -1.0)[:, None, None]
+    noise = 0.1 * jax.random.normal(jax.random.key(0), (n, 1, d))
+    qk = side * base[None, None, :] + noise
+    v = jnp.broadcast_to(side, (n, 1, 1)) * jnp.ones((n, 1, 3))
+    centroids = jnp.stack([base, -base])[None]
+    out = call(ops.routing_attention, qk, qk, v, n_clusters=2, local_heads=0, centroids=centroids)
+    assert_close(out, jnp.broadcast_to(side, out.shape), atol=1e-6)
+
+
+def test_kmeans_centroids_move_towards_the_data():
+    key = jax.random.key(0)
+    targets = jnp.stack([jnp.eye(D_K)[0], jnp.eye(D_K)[3]])  # two directions
+    data = targets[jnp.arange(64) % 2] + 0.05 * jax.random.normal(key, (64, D_K))
+    centroids = ops.kmeans_centroids(jax.random.key(1), heads=1, d_k=D_K, n_clusters=2)["centroids"]
+
+    def closeness(c, points):  # the mean cosine of each point to its nearest centroid (k-means' objective)
+        cn = c[0] / jnp.linalg.norm(c[0], axis=-1, keepdims=True)
+        return float(jnp.mean(jnp.max(points @ cn.T, axis=1)))
+
+    @jax.jit
+    def fit(c):
+        return jax.lax.fori_loop(0, 30, lambda _, c: ops.kmeans_update(c, data[:, None], jnp.ones(64, bool), decay=0.8), c)
+
+    start = closeness(centroids, data)
+    assert closeness(fit(centroids), data) > start + 0.3
+    one_each = (targets + 0.25 * jax.random.normal(jax.random.key(2), targets.shape))[None]  # one near each cluster
+    assert closeness(one_each, targets) < 0.9
+    assert closeness(fit(one_each), targets) > 0.99
+    ignored = ops.kmeans_update(centroids, data[:, None] * 0 + 5.0, jnp.zeros(64, bool), decay=0.8)
+    assert_close(ignored, centroids, atol=0)  # padding never moves a centroid
+
+
+@pytest.mark.parametrize("name, kwargs, reversible", [("routing", {"n_clusters": 2, "local_heads": 0}, False),
+                                                      ("routing", {"n_clusters": 2, "local_heads": 0}, True),
+                                                      ("clusterformer", {"n_clusters": 2, "chunk_size": 4}, False)])
+def test_train_step_moves_the_centroids_outside_the_gradient(name, kwargs, reversible):
+    import optax
+
+    from jxformers.train.state import TrainState, split_model
+    from jxformers.train.step import make_train_step
+
+    config = ModelConfig(task="classify", vocab_size=11, num_layers=1, d_model=16, num_heads=2, d_ff=16, max_len=16,
+                         attention=name, attention_kwargs=kwargs, reversible=reversible)
+    model = build_model(config, key=jax.random.key(0))
+    assert nn.updates_arrays(model)
+    params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))  # the step donates these
+    def paths(tree):
+        return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+    assert not [p for p in paths(params) if "centroids" in p]  # never given to the optimizer
+    assert [p for p in paths(drawn) if "centroids" in p]
+    optimizer = optax.adam(1e-3)
+    state = TrainState(params=params, drawn=drawn, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                       rng=jax.random.key(3))
+    tokens = jax.random.randint(jax.random.key(4), (4, 12), 0, 11)
+    batch = {"tokens": tokens, "mask": jnp.arange(12)[None, :] < jnp.array([[12], [9], [12], [7]]),
+             "label": jnp.array([0, 1, 1, 0])}
+    before = [np.asarray(a.drawn["centroids"]) for a in nn.attention_modules(model)]
+    new_state, metrics = make_train_step(static, optimizer, grad_accum=2)(state, batch)  # donates state
+    assert bool(metrics["finite"])
+    after = [a.drawn["centroids"] for a in nn.attention_modules(new_state.model(static))]
+    for a, b in zip(before, after):
+        assert not bool(jnp.allclose(a, b))  # moved by the k-means update, not by the optimizer
+    # The update is the pure function of the batch's recorded inputs, no gradient involved.
+    def one(t, m):
+        with nn.record_attention_inputs(model) as recorder:
+            model(t, m)
+        return recorder.values
+
+    owners = [0]
+    expected = nn.update_arrays(model, owners, jax.jit(jax.vmap(one))(tokens, batch["mask"]))
+    again = nn.attention_modules(expected)[0].drawn["centroids"]
+    assert not bool(jnp.allclose(again, before[0]))
+
+
+# ----------------------------------------------------------------------------- Sinkhorn Transformer
+
+
+def permutation_logits(blocks, shift):
+    """Logits whose Sinkhorn balancing is the permutation sending block i to block i - shift."""
+    return jnp.broadcast_to(1e4 * jnp.roll(jnp.eye(blocks), -shift, axis=1), (HEADS, blocks, blocks))
+
+
+def block_mask(n, b, shift=None):
+    i, j = np.arange(n)[:, None] // b, np.arange(n)[None, :] // b
+    blocks = -(-n // b)
+    m = i == j
+    return m if shift is None else m | (j == (i - shift) % blocks)
+
+
+def test_sinkhorn_with_the_identity_is_contiguous_block_local_attention():
+    # LRA groups strided positions: here a block is contiguous, and the identity sort adds nothing to it.
+    n, b = 23, 6
+    q, k, v = qkv(9, n)
+    out = call(ops.sinkhorn_attention, q, k, v, block_size=b, max_len=32, sort_logits=permutation_logits(4, 0))
+    assert_close(out, call(ops.block_local_attention, q, k, v, block_size=b), atol=2e-5)
+    strided = softmax_attention(q, k, v, mask=jnp.asarray(np.arange(n)[:, None] % 4 == np.arange(n)[None, :] % 4))
+    assert not np.allclose(out, strided, atol=1e-3)
+
+
+def test_sinkhorn_with_a_shift_adds_the_neighbour_block():
+    n, b = 24, 6
+    q, k, v = qkv(10, n)
+    out = call(ops.sinkhorn_attention, q, k, v, block_size=b, max_len=32, sort_logits=permutation_logits(4, 1))
+    assert_close(out, softmax_attention(q, k, v, mask=jnp.asarray(block_mask(n, b, shift=1))), atol=2e-5)
+
+
+def test_sinkhorn_sorts_and_its_sorting_network_gets_a_gradient():
+    # LRA's "sort" gives every block the sum of all key blocks: it sorts nothing and its network gets no gradient.
+    n, b = 24, 6
+    q, k, v = qkv(11, n)
+    one, other = (call(ops.sinkhorn_attention, q, k, v, block_size=b, max_len=32, sort_logits=permutation_logits(4, s))
+                  for s in (1, 2))
+    assert not np.allclose(one, other, atol=1e-3)  # the sorted block is the one the permutation picks
+    arrays = arrays_for("sinkhorn", block_size=b, max_len=32)
+    for causal in (False, True):
+        grads = jax.jit(jax.grad(lambda a: jnp.sum(ops.sinkhorn_attention(
+            q, k, v, block_size=b, max_len=32, causal=causal, **a) ** 2)))(arrays)
+        for name in ("sort_w1", "sort_w2", "sort_b2"):
+            assert float(jnp.abs(grads[name]).max()) > 0, f"{name} got no gradient (causal={causal})"
+
+
+def test_sinkhorn_adds_gumbel_noise_in_training_only():
+    # LRA never adds Gumbel noise: here a training key perturbs the sort, one key twice the same, inference none.
+    n, b = 24, 6
+    q, k, v = qkv(12, n)
+    arrays = arrays_for("sinkhorn", block_size=b, max_len=32)
+    run = lambda key: call(ops.sinkhorn_attention, q, k, v, block_size=b, max_len=32, gumbel_key=key, **arrays)  # noqa: E731
+    clean, a, a2, other = run(None), run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
+    assert_close(a, a2, atol=0)
+    assert not np.allclose(a, clean, atol=1e-4) and not np.allclose(a, other, atol=1e-4)
+    module = nn.Attention("sinkhorn", 16, 2, attention_kwargs={"block_size": 4, "max_len": 32},
+                          key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(3), (13, 16))
+    key = jax.random.key(4)
+    apply = eqx.filter_jit(lambda m, x, key, inference: m(x, key=key, inference=inference))
+    clean = apply(module, x, None, False)
+    assert_close(apply(module, x, key, True), clean, atol=0)
+    assert not np.allclose(apply(module, x, key, False), clean, atol=1e-5)
+
+
+def test_sinkhorn_sortcut_attends_only_to_the_first_sorted_blocks():
+    n, b = 24, 6
+    q, k, v = qkv(13, n)
+    out = call(ops.sinkhorn_attention, q, k, v, block_size=b, max_len=32, sortcut_blocks=1,
+                                 sort_logits=permutation_logits(4, 1))  # sorted block 0 is block 3
+    mask = np.broadcast_to(np.arange(n)[None, :] // b == 3, (n, n))
+    assert_close(out, softmax_attention(q, k, v, mask=jnp.asarray(mask)), atol=2e-5)
+    with pytest.raises(ValueError, match="sortcut_blocks"):
+        ops.sinkhorn_attention(q, k, v, block_size=b, max_len=32, sortcut_blocks=1, causal=True,
+                               **arrays_for("sinkhorn", block_size=b, max_len=32))
+
+
+# ----------------------------------------------------------------------------- Cluster-Former
+
+
+def test_clusterformer_with_one_cluster_and_one_chunk_is_dense():
+    n = 19
+    q, k, v = qkv(14, n)
+    kv_mask = jnp.arange(n) < 15
+    out = call(ops.clusterformer_attention, q, k, v, n_clusters=1, chunk_size=32, kv_mask=kv_mask,
+                                      **arrays_for("clusterformer", n_clusters=1))
+    assert_close(out, softmax_attention(q, k, v, kv_mask=kv_mask), atol=2e-5)
+
+
+def test_clusterformer_attends_within_chunks_of_the_cluster_sorted_order():
+    n, chunk, clusters = 22, 5, 3
+    q, k, v = qkv(15, n, heads=1, kv_heads=1)
+    centroids = jax.random.normal(jax.random.key(16), (1, clusters, q.shape[2]))
+    out = call(ops.clusterformer_attention, q, k, v, n_clusters=clusters, chunk_size=chunk, centroids=centroids)
+    # Reference from the paper's definition, in numpy: nearest centroid, sort by (cluster, position), chunk.
+    qn = np.asarray(q[:, 0]) / np.linalg.norm(np.asarray(q[:, 0]), axis=1, keepdims=True)
+    cn = np.asarray(centroids[0]) / np.linalg.norm(np.asarray(centroids[0]), axis=1, keepdims=True)
+    cluster = np.argmax(qn @ cn.T, axis=1)
+    order = sorted(range(n), key=lambda i: (cluster[i], i))
+    chunk_of = np.empty(n, int)
+    chunk_of[order] = np.arange(n) // chunk
+    mask = chunk_of[:, None] == chunk_of[None, :]
+    assert_close(out, softmax_attention(q, k, v, mask=jnp.asarray(mask)), atol=2e-5)
