@@ -35,29 +35,13 @@ if HAVE_FLA:  # JAX would otherwise take 75% of the GPU's memory before PyTorch 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import timed, with_grad  # noqa: E402 - the block-sparse benchmark's timing, shared
+
 from jxformers import ops  # noqa: E402
 from jxformers.ops.kernelized import FEATURE_MAPS  # noqa: E402
 
 CHUNK = 64
-
-
-def timed(fn, *args, repeat: int) -> float:
-    """Median milliseconds of `repeat` calls after two warm-up calls."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def with_grad(attend):
-    def loss(q, k, v, do):
-        return jnp.sum(attend(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
-
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
 def linear_flops(n: int, m: int, dv: int, chunk: int = CHUNK) -> tuple[float, float]:
