@@ -102,7 +102,7 @@ def test_ops_through_the_kernel_equal_their_xla_forms(name):
                  _op(name, q, k, v, causal=False, impl="xla", kv_mask=kv_mask), **tol)
 
 
-def test_bf16_inputs_through_the_kernel():
+def test_bf16_and_fp16_inputs_through_the_kernel():
     name = "rfa gated"  # features, a gate and bf16 products at once
     q, k, v = qkv(7, 64, heads=2, kv_heads=2, d=16, dv=16, dtype=jnp.bfloat16)
     gate = jax.nn.sigmoid(jax.random.normal(jax.random.key(8), (64, 2)) + 2.0) if name == "rfa gated" else None
@@ -120,6 +120,9 @@ def test_bf16_inputs_through_the_kernel():
     for a, b in zip(g_ker, g_ref):
         assert a.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(a)))
         assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) <= 5e-2 * float(jnp.max(jnp.abs(b))) + 1e-2
+    half = _op(name, *(x.astype(jnp.float16) for x in (q, k, v)), causal=True, impl="interpret", gate=gate)
+    assert half.dtype == jnp.float16
+    assert_close(half, want, atol=3e-2, rtol=3e-2)
 
 
 def _decode(name, q, k, v, arrays, state=None):
