@@ -29,6 +29,11 @@ from jxformers.kernels import linear_gpu
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DEFAULT_CHUNK = 64
+# Whether impl="auto" picks these kernels on a GPU. False until they have been checked and
+# timed on one (scripts/bench_linear_kernels.py checks each kernel row against XLA in
+# float32 and states where it wins): they were written and tested in interpret mode and
+# lowered for CUDA from a CPU, never run on a GPU. impl="pallas" runs them regardless.
+AUTO_ON_GPU = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from jxformers.decoding import recurrent
 from jxformers.kernels.impl import IMPLS, choose_kernel, device_backend
+from jxformers.kernels import linear as linear_kernels
 from jxformers.kernels.linear import chunked_linear_attention
 from jxformers.ops._common import (
     ceil_div,
@@ -171,7 +172,8 @@ def kernel_attention(
         impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
             chunked kernel (`jxformers.kernels.linear`) computes the "chunked" form and
             the non-causal reduction; other forms, and chunk sizes that are not a power
-            of two >= 16, run in XLA ("auto") or raise ("pallas").
+            of two >= 16, run in XLA ("auto") or raise ("pallas"). "auto" keeps XLA
+            until the kernel is enabled for GPUs (`kernels.linear.AUTO_ON_GPU`).
 
     Returns:
         `[q_len, heads, d_v]`; rows whose keys are all masked are zero.
@@ -216,6 +218,8 @@ def _kernel_unsupported(impl: str, causal: bool, form: str, chunk: int) -> str |
         return f"chunk_size={chunk} (the kernel needs a power of two >= 16)"
     if impl == "pallas" and device_backend() == "tpu":
         return "the backend is a TPU (the linear-attention kernel is written for GPUs only: Triton lowering)"
+    if impl == "auto" and not linear_kernels.AUTO_ON_GPU:
+        return "not yet measured on a GPU (jxformers.kernels.linear.AUTO_ON_GPU)"
     return None
 
 
