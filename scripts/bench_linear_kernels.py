@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import inspect
 import os
 import platform
 import shlex
@@ -137,18 +138,21 @@ def fla_rows(n, d, batch, heads, repeat):
     do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     rows = {}
     calls = {}
-    def first(result):  # (output, final state) in most versions
-        return result[0] if isinstance(result, tuple) else result
+    def call(fn, **kwargs):  # [B, T, H, d] inputs; older versions default to head-first
+        if "head_first" in inspect.signature(fn).parameters:
+            kwargs["head_first"] = False
+        result = fn(q_f, k_f, v, scale=1.0, **kwargs)
+        return result[0] if isinstance(result, tuple) else result  # (output, final state)
 
     if chunk_linear_attn is not None:
-        calls[("linear causal", "fla chunk_linear_attn")] = lambda: first(chunk_linear_attn(q_f, k_f, v, normalize=True))
+        calls[("linear causal", "fla chunk_linear_attn")] = lambda: call(chunk_linear_attn, normalize=True)
     if chunk_simple_gla is not None:
-        calls[("linear gated", "fla chunk_simple_gla")] = lambda: first(chunk_simple_gla(q_f, k_f, v, g=g))
-    for key, call in calls.items():
+        calls[("linear gated", "fla chunk_simple_gla")] = lambda: call(chunk_simple_gla, g=g)
+    for key, run in calls.items():
         try:
             with torch.no_grad():
-                fwd = torch_timed(call, repeat)
-            bwd = torch_timed(lambda: call().backward(do), repeat)  # noqa: B023 - called here, in this iteration
+                fwd = torch_timed(run, repeat)
+            bwd = torch_timed(lambda: run().backward(do), repeat)  # noqa: B023 - called here, in this iteration
         except Exception as e:  # noqa: BLE001 - an optional baseline that fails is reported, not fatal
             print(f"{n} {d} {key}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
