@@ -12,7 +12,9 @@ the prefix sums S_i = sum_{j<=i} phi(k_j) v_j^T, Z_i = sum_{j<=i} phi(k_j) in on
 forms that agree to float32 rounding: "quadratic" (the masked N x N reference), "scan"
 (the RNN of eq. 4 in seed 000 section 3.2.14, one token per step) and "chunked" (the
 default: quadratic inside chunks, a carried state between chunks, one step per chunk).
-States and denominators accumulate in float32.
+States and denominators accumulate in float32. `impl="pallas"` (or "interpret") runs the
+chunked form and the non-causal reduction as Pallas kernels (`jxformers.kernels.linear`:
+forward and backward, gates and Performer's stabiliser included).
 """
 
 from __future__ import annotations
