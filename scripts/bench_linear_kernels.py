@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import timed, with_grad  # noqa: E402 - the block-sparse benchmark's timing, shared
 
 from jxformers import ops  # noqa: E402
+from jxformers.kernels.linear import chunked_linear_attention  # noqa: E402
 from jxformers.ops.kernelized import FEATURE_MAPS  # noqa: E402
 
 CHUNK = 64
@@ -66,6 +67,11 @@ def configs(kernel_impl: str, chunk: int = CHUNK):
 
     yield "linear causal", {"pallas": linear(kernel_impl), "xla chunked": linear("xla"), "xla scan": linear("xla", "scan")}
     yield "linear gated", {"pallas": gated(kernel_impl), "xla chunked": gated("xla"), "xla scan": gated("xla", "scan")}
+    def per_feature(q, k, v, gate_logits):  # gated linear attention's decay per feature (the kernel's API only)
+        return chunked_linear_attention(elu(q), elu(k), v, log_gate=jax.nn.log_sigmoid(gate_logits), chunk_size=chunk,
+                                        interpret=kernel_impl == "interpret")
+
+    yield "linear gated per feature", {"pallas": per_feature}
     yield "linear non-causal", {"pallas": linear(kernel_impl, causal=False), "xla": linear("xla", causal=False)}
     yield "softmax causal", {
         "flash pallas": functools.partial(ops.softmax_attention, causal=True, impl=kernel_impl),
@@ -75,7 +81,9 @@ def configs(kernel_impl: str, chunk: int = CHUNK):
 
 def compiled(name, impl, fn, q, k, v, gate_logits):
     """(jitted forward, jitted gradient taking an output cotangent, inputs) over the batch."""
-    if name == "linear gated":
+    if name.startswith("linear gated"):
+        if name.endswith("per feature"):
+            gate_logits = jnp.broadcast_to(gate_logits[..., None], q.shape)
         fwd = jax.jit(jax.vmap(fn))
         grad = jax.jit(jax.grad(lambda q, k, v, g, do: jnp.sum(fwd(q, k, v, g).astype(jnp.float32) * do.astype(jnp.float32)),
                                 argnums=(0, 1, 2)))
@@ -113,6 +121,10 @@ def fla_rows(n, d, batch, heads, repeat):
         from fla.ops.simple_gla import chunk_simple_gla
     except ImportError:
         chunk_simple_gla = None
+    try:
+        from fla.ops.gla import chunk_gla
+    except ImportError:
+        chunk_gla = None
     if not torch.cuda.is_available():
         return {}
 
@@ -148,6 +160,9 @@ def fla_rows(n, d, batch, heads, repeat):
         calls[("linear causal", "fla chunk_linear_attn")] = lambda: call(chunk_linear_attn, normalize=True)
     if chunk_simple_gla is not None:
         calls[("linear gated", "fla chunk_simple_gla")] = lambda: call(chunk_simple_gla, g=g)
+    if chunk_gla is not None:
+        g_feature = g[..., None].expand(shape).contiguous()
+        calls[("linear gated per feature", "fla chunk_gla")] = lambda: call(chunk_gla, g=g_feature)
     for key, run in calls.items():
         try:
             with torch.no_grad():
@@ -157,7 +172,7 @@ def fla_rows(n, d, batch, heads, repeat):
             print(f"{n} {d} {key}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         rows[key] = (fwd, bwd)
-    del q, k, v, q_f, k_f, g, do
+    del q, k, v, q_f, k_f, g, do, calls
     torch.cuda.empty_cache()
     return rows
 

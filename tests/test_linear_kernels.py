@@ -1,7 +1,7 @@
 """The chunked linear-attention kernels (jxformers/kernels/linear*.py) in Pallas
 interpret mode against the XLA forms of `kernel_attention` (quadratic, scan, chunked):
-outputs and gradients, causal and not, every feature map, gate on and off, padding, odd
-lengths, grouped-query heads, bf16; the recurrent decoder's state; bf16 stability at
+outputs and gradients, causal and not, every feature map, gate on and off (per token, and
+per feature against a dense reference), padding, odd lengths, grouped-query heads, bf16; the recurrent decoder's state; bf16 stability at
 64K tokens against float64. Shapes are small and shared so that few kernels compile."""
 
 import jax
@@ -58,6 +58,48 @@ def test_kernel_equals_the_quadratic_form_with_gradients_and_final_state(causal,
     for a, b in zip(o_ker, o_ref):
         assert_close(a, b, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_ker, g_ref):
+        assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_per_feature_gates_equal_a_dense_reference_without_overflow():
+    # Gated linear attention's decay per feature, S_i = diag(g_i) S_{i-1} + phi(k_i) v_i^T:
+    # against the N x N x m reference, with gates down to exp(-30) per token (a chunk's
+    # decay far beyond float32's range when split into query and key factors).
+    fq, fk, v, _ = _features(20)
+    log_gate = jax.nn.log_sigmoid(8.0 * jax.random.normal(jax.random.key(21), fk.shape))
+    assert float(log_gate.min()) < -20
+    cot = jax.random.normal(jax.random.key(22), (N, 4, 10))
+    cot_s = jax.random.normal(jax.random.key(23), (2, 12, 10))
+
+    # Log-decays summed over (j, i] directly: differences of global cumulative sums
+    # (down to -170 here) would cost the reference float32's precision, not the kernel.
+    i, j, t = (jnp.arange(N)[idx] for idx in ((slice(None), None, None), (None, slice(None), None), (None, None, slice(None))))
+    between = ((j < t) & (t <= i)).astype(jnp.float32)  # [i, j, t]
+
+    def ref(fq, fk, v, lg):
+        log_decay = jnp.einsum("ijt,thm->ijhm", between, lg)
+        decay = jnp.where((j[..., 0] <= i[..., 0])[:, :, None, None], jnp.exp(log_decay), 0.0)
+        w = jnp.einsum("ihgm,jhm,ijhm->ihgj", fq.reshape(N, 2, 2, 12), fk, decay)
+        out = (jnp.einsum("ihgj,jhd->ihgd", w, v) / w.sum(-1)[..., None]).reshape(N, 4, 10)
+        tail = fk * jnp.exp(log_decay[-1])
+        return out, jnp.einsum("jhm,jhd->hmd", tail, v), tail.sum(0)
+
+    def ker(fq, fk, v, lg):
+        out, (s, z) = chunked_linear_attention(fq, fk, v, log_gate=lg, chunk_size=CHUNK, interpret=True,
+                                               return_state=True)
+        return out, s, z
+
+    def grads(fn):
+        def value(*args):
+            out, s, z = fn(*args)
+            return jnp.sum(out * cot) + jnp.sum(s * cot_s) + jnp.sum(z), (out, s, z)
+        return jax.jit(jax.grad(value, argnums=(0, 1, 2, 3), has_aux=True))
+
+    (g_ref, o_ref), (g_ker, o_ker) = grads(ref)(fq, fk, v, log_gate), grads(ker)(fq, fk, v, log_gate)
+    for a, b in zip(o_ker, o_ref):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_ker, g_ref):
+        assert bool(jnp.all(jnp.isfinite(a)))
         assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
@@ -233,7 +275,7 @@ def test_kernel_choices_and_errors(monkeypatch):
         ops.linear_attention(q, k, v, causal=True, impl="pallas")
     with pytest.raises(ValueError, match="chunk_size must be a power of two >= 16 for the kernel; got 24"):
         chunked_linear_attention(q, k, v, chunk_size=24, interpret=True)
-    with pytest.raises(ValueError, match=r"log_gate must have shape \(20, 2\)"):
+    with pytest.raises(ValueError, match=r"log_gate must have shape \(20, 2\) .* or \(20, 2, 16\) .*; got \(20, 4\)"):
         chunked_linear_attention(q, k, v, log_gate=jnp.zeros((20, 4)), interpret=True)
     assert registry.get("rfa").bind(impl="xla").hyper_parameters["impl"] == "xla"
 
@@ -244,7 +286,7 @@ def test_the_kernels_lower_for_cuda_through_triton():
     # the forward or backward kernels fails here, not first on the GPU.
     n, m = 128, 64
     fq, fk, v = (jnp.ones((n, h, m), jnp.bfloat16) for h in (4, 2, 2))
-    for causal, log_gate in ((True, jnp.zeros((n, 2))), (True, None), (False, None)):
+    for causal, log_gate in ((True, jnp.zeros((n, 2))), (True, jnp.zeros((n, 2, m))), (True, None), (False, None)):
         def loss(fq, fk, v, log_gate):
             return jnp.sum(chunked_linear_attention(fq, fk, v, causal=causal, log_gate=log_gate).astype(jnp.float32))
 

@@ -42,6 +42,7 @@ class _Static:
     chunk: int
     causal: bool
     gated: bool
+    per_feature: bool  # the log-gates are [n, kv_heads, m] (one decay per feature), else [kv_heads, n]
     group: int  # query heads per kv head
     mma: jnp.dtype  # operand dtype of the products of float32 intermediates (states, weights)
     num_warps: int
@@ -54,7 +55,11 @@ def _pow2(n: int) -> int:
 
 
 def _within_chunks(log_gate, chunk):
-    """[kv_heads, n] log-gates -> their cumulative sums within each chunk."""
+    """[kv_heads, n] (or per feature [n, kv_heads, m]) log-gates -> their cumulative sums
+    within each chunk."""
+    if log_gate.ndim == 3:
+        n, h, m = log_gate.shape
+        return jnp.cumsum(log_gate.reshape(n // chunk, chunk, h, m), axis=1).reshape(n, h, m)
     h, n = log_gate.shape
     return jnp.cumsum(log_gate.reshape(h, n // chunk, chunk), axis=-1).reshape(h, n)
 
@@ -96,7 +101,12 @@ def _backward(static, residuals, cotangents):
 
     dk, dv = fold(dk), fold(dv)
     d_gate = None
-    if static.gated:
+    if static.per_feature:  # as below, feature by feature
+        qdq = (q.astype(jnp.float32) * dq).reshape(q.shape[0], kv_heads, group, -1).sum(axis=2)
+        d_cum = qdq - k.astype(jnp.float32) * dk
+        d_cum = d_cum.at[-1].add(jnp.einsum("hmd,hmd->hm", d_s, s_fin) + d_z * z_fin)
+        d_gate = jnp.cumsum(d_cum[::-1], axis=0)[::-1]
+    elif static.gated:
         # w_ij = (q_i . k_j) exp(G_i - G_j) with G the cumulative log-gate: dL/dG_t is
         # q_t . dq_t - k_t . dk_t (plus <dS, S> + <dz, z> at the end, for the final state).
         qdq = jnp.einsum("nhm,nhm->nh", q.astype(jnp.float32), dq)
@@ -134,9 +144,9 @@ def check_inputs(phi_q, phi_k, v, log_gate=None, *, causal: bool, chunk_size: in
     if log_gate is not None:
         if not causal:
             raise ValueError("log_gate needs causal=True (the gate decays a running state)")
-        if tuple(log_gate.shape) != tuple(phi_k.shape[:2]):
-            raise ValueError(f"log_gate must have shape {tuple(phi_k.shape[:2])} ([kv_len, kv_heads]); "
-                             f"got {tuple(log_gate.shape)}")
+        if tuple(log_gate.shape) not in (tuple(phi_k.shape[:2]), tuple(phi_k.shape)):
+            raise ValueError(f"log_gate must have shape {tuple(phi_k.shape[:2])} ([kv_len, kv_heads]) or "
+                             f"{tuple(phi_k.shape)} ([kv_len, kv_heads, m], per feature); got {tuple(log_gate.shape)}")
 
 
 def chunked_linear_attention(phi_q, phi_k, v, *, causal: bool = True, log_gate=None, chunk_size: int = DEFAULT_CHUNK,
@@ -150,7 +160,12 @@ def chunked_linear_attention(phi_q, phi_k, v, *, causal: bool = True, log_gate=N
             states and normalisers in float32). Heads a multiple of kv_heads.
         causal: prefix sums (q_len == kv_len); otherwise one reduction over all keys.
         log_gate: optional `[kv_len, kv_heads]` log of the forget gate (<= 0; causal
-            only): S_i = exp(log_gate_i) S_{i-1} + phi(k_i) v_i^T. Differentiable.
+            only): S_i = exp(log_gate_i) S_{i-1} + phi(k_i) v_i^T; or `[kv_len, kv_heads, m]`,
+            one decay per feature (gated linear attention): S_i = diag(exp(log_gate_i))
+            S_{i-1} + phi(k_i) v_i^T, z alike. Differentiable. The per-feature form
+            computes the in-chunk weights key by key on CUDA cores (exp(b_i - b_j) per
+            feature has no overflow-free split into a query and a key factor), so it is
+            slower than the scalar form.
         chunk_size: tokens per chunk, a power of two >= 16 (clipped for short inputs).
         return_state: also return the final `(S [kv_heads, m, d_v], z [kv_heads, m])`,
             float32 (the recurrent decoder's state after the last token).
@@ -176,8 +191,13 @@ def chunked_linear_attention(phi_q, phi_k, v, *, causal: bool = True, log_gate=N
     qp = _pad(_pad(phi_q, 0, n), 2, m_pad)
     kp = _pad(_pad(phi_k, 0, n), 2, m_pad)
     vp = _pad(_pad(v, 0, n), 2, dv_pad)
-    lg = None if log_gate is None else _pad(jnp.asarray(log_gate, jnp.float32).T, 1, n)
-    static = _Static(n=n, chunk=chunk, causal=causal, gated=log_gate is not None, group=heads // kv_heads,
+    per_feature = log_gate is not None and log_gate.ndim == 3
+    if per_feature:
+        lg = _pad(_pad(jnp.asarray(log_gate, jnp.float32), 0, n), 2, m_pad)
+    else:
+        lg = None if log_gate is None else _pad(jnp.asarray(log_gate, jnp.float32).T, 1, n)
+    static = _Static(n=n, chunk=chunk, causal=causal, gated=log_gate is not None, per_feature=per_feature,
+                     group=heads // kv_heads,
                      mma=jnp.dtype(jnp.bfloat16 if in_dtype == jnp.bfloat16 else jnp.float32),
                      num_warps=num_warps or (4 if max(m_pad, dv_pad) <= 64 else 8), num_stages=num_stages,
                      interpret=interpret)

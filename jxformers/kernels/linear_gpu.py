@@ -67,6 +67,26 @@ def _kv_spec(n, d, group):
     return pl.BlockSpec((n, None, d), lambda h: (0, h // group, 0))
 
 
+def _gate_spec(static, n, m, group):
+    """A head's whole within-chunk cumulative log-gates: [kv_heads, n] (scalar) or
+    [n, kv_heads, m] (per feature)."""
+    if static.per_feature:
+        return _kv_spec(n, m, group)
+    return pl.BlockSpec((None, n), lambda h: (h // group, 0))
+
+
+def _chunk_gate_spec(static, c_len, m, group):
+    """One chunk's within-chunk cumulative log-gates, for a (head, chunk) program."""
+    if static.per_feature:
+        return pl.BlockSpec((c_len, None, m), lambda h, c: (c, h // group, 0))
+    return pl.BlockSpec((None, c_len), lambda h, c: (h // group, c))
+
+
+def _rows(c_len, j):
+    """[C] mask of the rows i >= j (the queries that see key j of the chunk)."""
+    return lax.broadcasted_iota(jnp.int32, (c_len,), 0) >= j
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -87,7 +107,12 @@ def _states_kernel(k_ref, v_ref, *rest, static):
         k = k_ref[pl.ds(start, c_len), :]
         v = v_ref[pl.ds(start, c_len), :]
         kf = k.astype(jnp.float32)
-        if static.gated:
+        if static.per_feature:  # b [C, m]: each feature decays at its own rate
+            b = b_ref[pl.ds(start, c_len), :]
+            total = b_ref[start + c_len - 1, :]
+            kf = kf * jnp.exp(total[None, :] - b)
+            s, z = s * jnp.exp(total)[:, None], z * jnp.exp(total)
+        elif static.gated:
             b = b_ref[pl.ds(start, c_len)]
             total = b_ref[start + c_len - 1]
             kf = kf * jnp.exp(total - b)[:, None]
@@ -109,7 +134,7 @@ def states(k, v, b, static):
     dv = v.shape[-1]
     nc = n // static.chunk
     inputs = [k, v] + ([b] if static.gated else [])
-    in_specs = [_kv_spec(n, m, 1), _kv_spec(n, dv, 1)] + ([pl.BlockSpec((None, n), lambda h: (h, 0))] if static.gated else [])
+    in_specs = [_kv_spec(n, m, 1), _kv_spec(n, dv, 1)] + ([_gate_spec(static, n, m, 1)] if static.gated else [])
     out_specs = [pl.BlockSpec((None, m, dv), lambda h: (h, 0, 0)), pl.BlockSpec((None, m), lambda h: (h, 0))]
     out_shape = [jax.ShapeDtypeStruct((kv_heads, m, dv), jnp.float32), jax.ShapeDtypeStruct((kv_heads, m), jnp.float32)]
     if static.causal:
@@ -142,7 +167,24 @@ def _output_kernel(q_ref, k_ref, v_ref, s_ref, z_ref, *rest, static):
     c_len = static.chunk
     q = q_ref[...]
     s, z = s_ref[...], z_ref[...]
-    if static.causal:
+    if static.per_feature:
+        # exp(b_i - b_j) per feature cannot be split into a query and a key factor
+        # without overflow, so the chunk's keys are visited one at a time (i >= j only:
+        # every factor is <= 1), on CUDA cores; the state term is one product.
+        b = b_ref[...]
+        qf = q.astype(jnp.float32)
+        qd = qf * jnp.exp(b)
+        init = (_dot(qd, s, dtype=static.mma), jnp.sum(qd * z[None, :], axis=1))
+
+        def key(j, carry):
+            num, den = carry
+            k_j, v_j, b_j = k_ref[j, :].astype(jnp.float32), v_ref[j, :].astype(jnp.float32), b_ref[j, :]
+            w = jnp.sum(qf * k_j[None, :] * jnp.exp(jnp.minimum(b - b_j[None, :], 0.0)), axis=1)
+            w = jnp.where(_rows(c_len, j), w, 0.0)
+            return num + w[:, None] * v_j[None, :], den + w
+
+        num, den = lax.fori_loop(0, c_len, key, init)
+    elif static.causal:
         k, v = k_ref[...], v_ref[...]
         a = _dot(q, k, trans_b=True)
         qd = q.astype(jnp.float32)
@@ -174,7 +216,7 @@ def output(q, k, v, s, z, b, static):
                 *_state_specs(static, m, dv, group)]
     inputs = [q, k, v, s, z]
     if static.gated:
-        in_specs.append(pl.BlockSpec((None, c_len), lambda h, c: (h // group, c)))
+        in_specs.append(_chunk_gate_spec(static, c_len, m, group))
         inputs.append(b)
     return pl.pallas_call(
         functools.partial(_output_kernel, static=static),
@@ -207,7 +249,12 @@ def _dstates_kernel(q_ref, g_ref, r_ref, ds0_ref, dz0_ref, *rest, static):
         qd = q_ref[pl.ds(start, c_len), :].astype(jnp.float32)
         g = g_ref[pl.ds(start, c_len), :]
         r = r_ref[pl.ds(start, c_len)]
-        if static.gated:
+        if static.per_feature:
+            b = b_ref[pl.ds(start, c_len), :]
+            total = b_ref[start + c_len - 1, :]
+            qd = qd * jnp.exp(b)
+            acc, accz = acc * jnp.exp(total)[:, None], accz * jnp.exp(total)
+        elif static.gated:
             b = b_ref[pl.ds(start, c_len)]
             total = b_ref[start + c_len - 1]
             qd = qd * jnp.exp(b)[:, None]
@@ -232,7 +279,7 @@ def dstates(q, g, r, ds0, dz0, b, static):
                 pl.BlockSpec((None, m, dv), lambda h: (h, 0, 0)), pl.BlockSpec((None, m), lambda h: (h, 0))]
     inputs = [q, g, r, ds0, dz0]
     if static.gated:
-        in_specs.append(pl.BlockSpec((None, n), lambda h: (h // static.group, 0)))
+        in_specs.append(_gate_spec(static, n, m, static.group))
         inputs.append(b)
     rows = nc * m if static.causal else m
     out_specs = [pl.BlockSpec((None, rows, dv), lambda h: (h, 0, 0)), pl.BlockSpec((None, rows), lambda h: (h, 0))]
@@ -252,6 +299,27 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, r_ref, s_ref, z_ref, ds_ref, dz_re
     g, r = g_ref[...], r_ref[...]
     s, z, ds, dz = s_ref[...], z_ref[...], ds_ref[...], dz_ref[...]
     mma = static.mma
+    if static.per_feature:
+        b = b_ref[...]
+        total = b_ref[c_len - 1, :]
+        q_decay, k_decay = jnp.exp(b), jnp.exp(total[None, :] - b)
+        qf = q.astype(jnp.float32)
+        dq = q_decay * (_dot(g, s, trans_b=True, dtype=mma) + r[:, None] * z[None, :])
+        dk_ref[...] = k_decay * (_dot(v, ds, trans_b=True, dtype=mma) + dz[None, :])
+        dv_ref[...] = _dot(k.astype(jnp.float32) * k_decay, ds, dtype=mma)
+
+        def key(j, dq):  # the chunk's key j: its column of the weights, its rows of dk, dv
+            k_j, v_j, b_j = k_ref[j, :].astype(jnp.float32), v_ref[j, :].astype(jnp.float32), b_ref[j, :]
+            seen = _rows(c_len, j)
+            decay = jnp.exp(jnp.minimum(b - b_j[None, :], 0.0))
+            w = jnp.where(seen, jnp.sum(qf * k_j[None, :] * decay, axis=1), 0.0)
+            dw = jnp.where(seen, jnp.sum(g * v_j[None, :], axis=1) + r, 0.0)
+            dk_ref[j, :] = dk_ref[j, :] + jnp.sum(dw[:, None] * qf * decay, axis=0)
+            dv_ref[j, :] = dv_ref[j, :] + jnp.sum(w[:, None] * g, axis=0)
+            return dq + dw[:, None] * k_j[None, :] * decay
+
+        dq_ref[...] = lax.fori_loop(0, c_len, key, dq)
+        return
     if not static.causal:
         dq = _dot(g, s, trans_b=True, dtype=mma) + r[:, None] * z[None, :]
         dk = _dot(v, ds, trans_b=True, dtype=mma) + dz[None, :]
@@ -292,7 +360,7 @@ def grads(q, k, v, g, r, s, z, ds, dz, b, static):
                 *_state_specs(static, m, dv, group), *own]
     inputs = [q, k, v, g, r, s, z, ds, dz]
     if static.gated:
-        in_specs.append(pl.BlockSpec((None, c_len), lambda h, c: (h // group, c)))
+        in_specs.append(_chunk_gate_spec(static, c_len, m, group))
         inputs.append(b)
     tile = lambda d: pl.BlockSpec((c_len, None, d), lambda h, c: (c, h, 0))  # noqa: E731
     return pl.pallas_call(
