@@ -7,8 +7,10 @@ computes, with features already applied, out_i = num_i / den_i where
 num_i = sum_j w_ij v_j, den_i = sum_j w_ij, w_ij = (phi(q_i) . phi(k_j)) prod_{j<l<=i} g_l
 over j <= i (causal) or all j (no gate): the function `ops.kernel_attention` computes
 in its quadratic, scan and chunked XLA forms (rows with a zero denominator are zero).
-The gate is given as log-gates (<= 0) per token and kv head; a Performer's per-chunk
-stabiliser is the same thing (a log-gate on the token where the running max grows).
+The gate is given as log-gates (<= 0) per token and kv head, or per token, kv head and
+feature (gated linear attention, where the product above is taken feature by feature);
+a Performer's per-chunk stabiliser is a per-token gate too (a log-gate on the token
+where the running max grows).
 
 States and normalisers accumulate in float32 whatever the input dtype. The forward
 saves the inputs, the output and one denominator per row (O(N) per head); the backward

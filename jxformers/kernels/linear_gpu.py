@@ -16,6 +16,10 @@ carried beside the state. For chunks of C tokens, b the within-chunk cumulative 
 * `grads`: one program per (query head, chunk): dq, dk, dv of the chunk from its
   recomputed state and the dS, dz after it.
 
+Per-feature gates (gated linear attention: b is [C, m]) take the same kernels with the
+in-chunk weights built key by key (every factor exp(b_i - b_j) with i >= j is <= 1, so no
+gate can overflow them) on CUDA cores; the state terms stay matrix products.
+
 Every function here takes padded inputs (sequence a multiple of the chunk, feature and
 value sizes powers of two >= 16); `jxformers.kernels.linear` pads, checks, and holds the
 custom VJP. The same kernels run in interpret mode on any backend (`interpret=True`).
