@@ -61,6 +61,22 @@ def test_kernel_equals_the_quadratic_form_with_gradients_and_final_state(causal,
         assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
+def test_the_forward_saves_no_chunk_states(capsys):
+    # The backward recomputes the per-chunk states ([kv_heads, chunks * m, d_v], here
+    # twice the size of q): the forward saves q, k, v, the gates, the output, the
+    # denominators and the final state only.
+    import jax.ad_checkpoint
+
+    n, m = 512, 32
+    fq, fk, v = (jnp.ones((n, 2, m)) for _ in range(3))
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda fq, fk, v, lg: chunked_linear_attention(fq, fk, v, log_gate=lg, chunk_size=16, interpret=True),
+        fq, fk, v, jnp.zeros((n, 2)))
+    shapes = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    sizes = [int(np.prod([int(x) for x in shape[shape.index("[") + 1:-1].split(",")])) for shape in shapes]
+    assert len(sizes) == 8 and max(sizes) == n * 2 * m, shapes
+
+
 def test_per_feature_gates_equal_a_dense_reference_without_overflow():
     # Gated linear attention's decay per feature, S_i = diag(g_i) S_{i-1} + phi(k_i) v_i^T:
     # against the N x N x m reference, with gates down to exp(-30) per token (a chunk's
