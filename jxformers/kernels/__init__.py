@@ -7,13 +7,17 @@
 * `flash`: block-sparse flash attention (`block_sparse_attention`) with its custom VJP
   and its dense reference; `flash_gpu` (Triton lowering) and `flash_tpu` (Mosaic TPU)
   hold the kernels.
+* `linear`: chunked (gated) linear attention for the kernelized family
+  (`chunked_linear_attention`: linear, Performer, RFA) with its custom VJP; `linear_gpu`
+  (Triton lowering) holds the kernels.
 """
 
 from jxformers.kernels.flash import BlockSizes, block_sparse_attention, block_sparse_reference, visited_fraction
 from jxformers.kernels.impl import IMPLS, KernelChoice, check_impl, choose_kernel
+from jxformers.kernels.linear import chunked_linear_attention
 from jxformers.kernels.pattern import Band, KeyRange, Pattern, QueryRange, causal, intersect, union
 
 __all__ = [
     "IMPLS", "Band", "BlockSizes", "KernelChoice", "KeyRange", "Pattern", "QueryRange", "block_sparse_attention",
-    "block_sparse_reference", "causal", "check_impl", "choose_kernel", "intersect", "union", "visited_fraction",
+    "block_sparse_reference", "causal", "chunked_linear_attention", "check_impl", "choose_kernel", "intersect", "union", "visited_fraction",
 ]

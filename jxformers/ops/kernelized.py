@@ -12,7 +12,9 @@ the prefix sums S_i = sum_{j<=i} phi(k_j) v_j^T, Z_i = sum_{j<=i} phi(k_j) in on
 forms that agree to float32 rounding: "quadratic" (the masked N x N reference), "scan"
 (the RNN of eq. 4 in seed 000 section 3.2.14, one token per step) and "chunked" (the
 default: quadratic inside chunks, a carried state between chunks, one step per chunk).
-States and denominators accumulate in float32.
+States and denominators accumulate in float32. `impl="pallas"` (or "interpret") runs the
+chunked form and the non-causal reduction as Pallas kernels (`jxformers.kernels.linear`:
+forward and backward, gates and Performer's stabiliser included).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from jxformers.decoding import recurrent
+from jxformers.kernels.impl import IMPLS, choose_kernel, device_backend
+from jxformers.kernels import linear as linear_kernels
+from jxformers.kernels.linear import chunked_linear_attention
 from jxformers.ops._common import (
     ceil_div,
     check_mask_shape,
@@ -41,6 +46,7 @@ from jxformers.registry import TokenInputs, register
 
 FORMS = ("chunked", "scan", "quadratic")
 DEFAULT_CHUNK = 64
+IMPL_DOC = {"impl": "auto, xla, pallas or interpret (chunked linear-attention kernel)"}
 
 # ----------------------------------------------------------------------------- core
 
@@ -146,6 +152,7 @@ def kernel_attention(
     gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
     key_log_scale: Float[ArrayLike, "_chunks _kv_heads"] | None = None,
     dtype: jnp.dtype | None = None,
+    impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Attention with the similarity phi(q_i) . phi(k_j) (features already applied).
 
@@ -160,8 +167,15 @@ def kernel_attention(
             S_i = g_i S_{i-1} + phi(k_i) v_i^T (RFA's gated recurrence).
         key_log_scale: internal (Performer's per-chunk, per-head stabiliser), "chunked"
             form only.
-        dtype: of the result (default: the inputs' promoted dtype). Features, values and
-            states are computed in float32 whatever the input dtype.
+        dtype: of the result (default: the inputs' promoted dtype). The XLA forms compute
+            features, values and states in float32 whatever the input dtype; the kernel
+            takes features and values in `dtype` when it is bfloat16 or float16 (float32
+            otherwise) and accumulates states and normalisers in float32.
+        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
+            chunked kernel (`jxformers.kernels.linear`) computes the "chunked" form and
+            the non-causal reduction; other forms, and chunk sizes that are not a power
+            of two >= 16, run in XLA ("auto") or raise ("pallas"). "auto" keeps XLA
+            until the kernel is enabled for GPUs (`kernels.linear.AUTO_ON_GPU`).
 
     Returns:
         `[q_len, heads, d_v]`; rows whose keys are all masked are zero.
@@ -177,6 +191,11 @@ def kernel_attention(
     if gate is not None and not causal:
         raise ValueError("gate needs causal=True (the gate decays a running state)")
     dtype = out_dtype(phi_q, phi_k, v) if dtype is None else dtype
+    choice = choose_kernel(impl, unsupported=_kernel_unsupported(impl, causal, form, chunk),
+                           what="kernelized (linear) attention", q_len=phi_q.shape[0])
+    if choice is not None:
+        return _kernel_path(phi_q, phi_k, v, kv_mask, causal, gate, key_log_scale, min(chunk, phi_q.shape[0]),
+                            chunk, dtype, choice)
     phi_q, phi_k, v = (x.astype(jnp.float32) for x in (phi_q, phi_k, v))
     if kv_mask is not None:
         phi_k = jnp.where(kv_mask[:, None, None], phi_k, 0)
@@ -191,6 +210,42 @@ def kernel_attention(
     else:
         out = _chunked(fq, phi_k, v, gate, min(chunk, phi_q.shape[0]), key_log_scale)
     return out.reshape(phi_q.shape[0], phi_q.shape[1], v.shape[2]).astype(dtype)
+
+
+def _kernel_unsupported(impl: str, causal: bool, form: str, chunk: int) -> str | None:
+    """Why the chunked kernel cannot take this call (None when it can)."""
+    if causal and form != "chunked":
+        return f"form={form!r} (the kernel computes the 'chunked' form)"
+    if chunk < 16 or chunk & (chunk - 1):
+        return f"chunk_size={chunk} (the kernel needs a power of two >= 16)"
+    if impl == "pallas" and device_backend() == "tpu":
+        return "the backend is a TPU (the linear-attention kernel is written for GPUs only: Triton lowering)"
+    if impl == "auto" and not linear_kernels.AUTO_ON_GPU:
+        return "not yet measured on a GPU (jxformers.kernels.linear.AUTO_ON_GPU)"
+    return None
+
+
+def _kernel_path(phi_q, phi_k, v, kv_mask, causal, gate, key_log_scale, scale_chunk, chunk, dtype, choice):
+    """`kernel_attention` through `chunked_linear_attention`: gates become log-gates and
+    Performer's per-chunk stabiliser (chunks of `scale_chunk`) a log-gate on the first
+    token of each chunk, exp(previous scale - scale) (exact whatever the kernel's chunk)."""
+    compute = dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    if kv_mask is not None:
+        phi_k = jnp.where(kv_mask[:, None, None], phi_k, 0)
+        v = jnp.where(kv_mask[:, None, None], v, 0)
+    log_gate = None
+    if gate is not None:
+        log_gate = jnp.log(jnp.clip(gate.astype(jnp.float32), 1e-30, 1.0))
+    if key_log_scale is not None:
+        scales = key_log_scale.astype(jnp.float32)
+        steps = jnp.concatenate([jnp.zeros_like(scales[:1]), scales[:-1] - scales[1:]])  # [chunks, kv_heads], <= 0
+        starts = jnp.zeros((scales.shape[0], scale_chunk, scales.shape[1]), jnp.float32).at[:, 0].set(steps)
+        boundary = starts.reshape(-1, scales.shape[1])[: phi_k.shape[0]]
+        log_gate = boundary if log_gate is None else log_gate + boundary
+    out = chunked_linear_attention(phi_q.astype(compute), phi_k.astype(compute), v.astype(compute), causal=causal,
+                                   log_gate=log_gate, chunk_size=chunk, backend=choice.backend,
+                                   interpret=choice.interpret)
+    return out.astype(dtype)
 
 
 # ----------------------------------------------------------------------------- linear attention
@@ -212,6 +267,7 @@ def linear_attention(
     kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
+    impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Linear attention (Katharopoulos et al., 2020): sim(q, k) = phi(q) . phi(k).
 
@@ -224,6 +280,9 @@ def linear_attention(
         chunk_size: chunk of the causal "chunked" form (default 64).
         form: causal form: "chunked" (default), "scan" (token-by-token RNN) or
             "quadratic" (masked N x N reference). All agree to float32 rounding.
+        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
+            chunked Pallas kernel (`jxformers.kernels.linear`) for the "chunked" form
+            and the non-causal reduction.
 
     Returns:
         `[q_len, heads, d_v]`. A row whose denominator is zero (every key padded) is zero.
@@ -242,7 +301,8 @@ def linear_attention(
         raise ValueError(f"feature_map must be a name or a callable; got {feature_map!r}")
     check_qkv(q, k, v, self_attention=causal)
     return kernel_attention(
-        phi(q), phi(k), v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=out_dtype(q, k, v)
+        phi(q), phi(k), v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=out_dtype(q, k, v),
+        impl=impl,
     )
 
 
@@ -254,8 +314,8 @@ def _linear_features(x, arrays, hyper_parameters):
     return _feature_map(hyper_parameters["feature_map"])(x.astype(jnp.float32)), None
 
 
-_FORMS = {"form": FORMS}
-_FORM_DOCS = {"chunk_size": "chunk of the causal chunked form", "form": "causal form"}
+_FORMS = {"form": FORMS, "impl": IMPLS}
+_FORM_DOCS = {"chunk_size": "chunk of the causal chunked form", "form": "causal form"} | IMPL_DOC
 
 register(
     "linear", linear_attention, family="kernelized", paper="Katharopoulos et al. 2020", complexity="O(N*d^2)",
@@ -352,6 +412,7 @@ def performer_attention(
     kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
+    impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Performer FAVOR+ attention (Choromanski et al., 2021).
 
@@ -368,7 +429,7 @@ def performer_attention(
         kernel: "softmax" (FAVOR+) or "relu" (generalised ReLU kernel).
         causal: prefix-sum form (chunked by default, as `linear_attention`).
         kv_mask: optional `[kv_len]`, True for real tokens.
-        chunk_size, form: as `linear_attention`.
+        chunk_size, form, impl: as `linear_attention`.
 
     Returns:
         `[q_len, heads, d_v]`.
@@ -382,7 +443,8 @@ def performer_attention(
     dtype = out_dtype(q, k, v)
     if kernel == "relu":
         fq, fk = performer_features(q, projection, kernel="relu"), performer_features(k, projection, kernel="relu")
-        return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype)
+        return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype,
+                                impl=impl)
     if kernel != "softmax":
         raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
     m = projection.shape[0]
@@ -396,7 +458,8 @@ def performer_attention(
         shift = jnp.max(key_max, axis=0)
         shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
         fk = jnp.exp(lk - shift[None, :, None]) / math.sqrt(m)
-        return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype)
+        return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype,
+                                impl=impl)
     chunk = min(chunk_size, q.shape[0])
     check_positive("chunk_size", chunk)
     nc = ceil_div(k.shape[0], chunk)
@@ -406,7 +469,8 @@ def performer_attention(
     per_token = jnp.repeat(running, chunk, axis=0)[: k.shape[0]]
     fk = jnp.exp(lk - per_token[:, :, None]) / math.sqrt(m)
     return kernel_attention(
-        fq, fk, v, causal=True, kv_mask=kv_mask, form="chunked", chunk_size=chunk, key_log_scale=running, dtype=dtype
+        fq, fk, v, causal=True, kv_mask=kv_mask, form="chunked", chunk_size=chunk_size, key_log_scale=running,
+        dtype=dtype, impl=impl,
     )
 
 
@@ -479,6 +543,7 @@ def rfa_attention(
     kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
+    impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Random Feature Attention (Peng et al., 2021).
 
@@ -493,6 +558,8 @@ def rfa_attention(
     Note: Fourier features are not positive, so the estimated normaliser can approach
     zero for some rows (a known weakness of RFA); such rows are returned as zero rather
     than NaN.
+
+    `chunk_size`, `form` and `impl` are as `linear_attention`'s (the kernel takes the gate).
 
     Returns:
         `[q_len, heads, d_v]`.
@@ -509,7 +576,8 @@ def rfa_attention(
             raise ValueError(f"gate must have shape {k.shape[:2]} ([kv_len, kv_heads]); got {gate.shape}")
         fk = fk * (1.0 - gate.astype(jnp.float32))[:, :, None]
     return kernel_attention(
-        fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, gate=gate, dtype=out_dtype(q, k, v)
+        fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, gate=gate, dtype=out_dtype(q, k, v),
+        impl=impl,
     )
 
 
