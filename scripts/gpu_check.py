@@ -96,8 +96,8 @@ def check_routes() -> int:
         cases = {
             "cudnn softmax causal": (ops.softmax_attention(q, k, v, causal=True, impl="cudnn"),
                                      ops.softmax_attention(*f32, causal=True, impl="xla")),
-            "cudnn local w=100": (ops.local_attention(q, k, v, window=100, impl="cudnn"),
-                                  ops.local_attention(*f32, window=100, impl="xla")),
+            "cudnn local causal w=100": (ops.local_attention(q, k, v, window=100, causal=True, impl="cudnn"),
+                                         ops.local_attention(*f32, window=100, causal=True, impl="xla")),
             "kernel segment ids": (block_sparse_attention(q, k, v, causal(n, n), segment_ids=segments),
                                    block_sparse_reference(*f32, causal(n, n), segment_ids=segments)[0]),
         }

@@ -310,6 +310,8 @@ def test_cudnn_route_maps_the_patterns(is_causal):
     assert_close(cudnn_attention(q, k, v, causal=is_causal, window=5, implementation="xla"),
                  ops.local_attention(q, k, v, causal=is_causal, window=5, impl="xla"), atol=2e-6)
     assert "bfloat16 or float16" in cudnn_unsupported(q, k, v, causal=is_causal)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    assert (cudnn_unsupported(*bf16, causal=is_causal, window=5) is None) == is_causal  # no right window in cuDNN
     with pytest.raises(ValueError, match="has no cuDNN route"):
         ops.block_local_attention(q, k, v, impl="cudnn")
 

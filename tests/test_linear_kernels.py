@@ -274,12 +274,13 @@ def test_kernel_choices_and_errors(monkeypatch):
         ops.rfa_attention(q, k, v, jnp.ones((4, 16)), causal=True, chunk_size=8, impl="interpret")
     with pytest.raises(ValueError, match="impl must be one of"):
         ops.performer_attention(q, k, v, jnp.ones((4, 16)), impl="triton")
-    # On an H100, "auto" keeps XLA until the kernel is enabled there, then picks it.
+    # On an H100, "auto" picks the kernel when it is enabled there (AUTO_ON_GPU), else XLA.
     monkeypatch.setattr(kernel_impl, "device_backend", lambda: "gpu")
     monkeypatch.setattr(kernel_impl, "_gpu_capability", lambda: 9.0)
     calls = []
     monkeypatch.setattr(kernelized, "chunked_linear_attention", lambda *a, **kw: calls.append(kw) or a[0])  # d_k == d_v
     long_q, long_k, long_v = qkv(2, 128, d=16, dv=16)
+    monkeypatch.setattr(linear_kernels, "AUTO_ON_GPU", False)
     ops.linear_attention(long_q, long_k, long_v, causal=True, impl="auto")
     assert not calls
     monkeypatch.setattr(linear_kernels, "AUTO_ON_GPU", True)

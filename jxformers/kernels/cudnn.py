@@ -1,5 +1,5 @@
 """cuDNN's fused attention through `jax.nn.dot_product_attention`, for the patterns it
-covers: dense, causal (q_len == kv_len) and a sliding window, without padding masks.
+covers: dense, causal (q_len == kv_len) and a causal sliding window, without padding masks.
 
 On an H100 it is 2-3x faster than the Pallas kernel for these (docs/kernels.md), so
 `impl="auto"` sends such calls here on GPUs; `impl="cudnn"` asks for it explicitly.
@@ -13,8 +13,10 @@ import jax.numpy as jnp
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def cudnn_unsupported(q, k, v, *, causal: bool, kv_mask=None, mask=None, bias=None) -> str | None:
+def cudnn_unsupported(q, k, v, *, causal: bool, kv_mask=None, mask=None, bias=None, window: int | None = None) -> str | None:
     """Why cuDNN's fused attention cannot take this call, or None when it can."""
+    if window is not None and not causal:
+        return "cuDNN takes a sliding window only with causal=True (no right window; seen on an H100, cuDNN 9)"
     if mask is not None or bias is not None or kv_mask is not None:
         return "cuDNN takes no mask, bias or kv_mask here"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in CUDNN_DTYPES:

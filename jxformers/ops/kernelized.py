@@ -174,8 +174,8 @@ def kernel_attention(
         impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
             chunked kernel (`jxformers.kernels.linear`) computes the "chunked" form and
             the non-causal reduction; other forms, and chunk sizes that are not a power
-            of two >= 16, run in XLA ("auto") or raise ("pallas"). "auto" keeps XLA
-            until the kernel is enabled for GPUs (`kernels.linear.AUTO_ON_GPU`).
+            of two >= 16, run in XLA ("auto") or raise ("pallas"). "auto" uses the
+            kernel on Hopper GPUs (measured there; `kernels.linear.AUTO_ON_GPU`).
 
     Returns:
         `[q_len, heads, d_v]`; rows whose keys are all masked are zero.
@@ -221,7 +221,7 @@ def _kernel_unsupported(impl: str, causal: bool, form: str, chunk: int) -> str |
     if impl == "pallas" and device_backend() == "tpu":
         return "the backend is a TPU (the linear-attention kernel is written for GPUs only: Triton lowering)"
     if impl == "auto" and not linear_kernels.AUTO_ON_GPU:
-        return "not yet measured on a GPU (jxformers.kernels.linear.AUTO_ON_GPU)"
+        return "disabled for impl='auto' (jxformers.kernels.linear.AUTO_ON_GPU is False)"
     return None
 
 

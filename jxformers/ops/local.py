@@ -81,7 +81,7 @@ def local_attention(
     """
     check_positive("window", window, minimum=0)
     check_self(q, k, v, kv_mask)
-    cudnn = cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask) or True
+    cudnn = cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask, window=window) or True
     choice = choose_kernel(impl, what="local attention", q_len=q.shape[0], cudnn=cudnn)
     if choice is not None and choice.backend == "cudnn":
         return cudnn_attention(q, k, v, causal=causal, window=window, scale=scale)
