@@ -20,6 +20,12 @@ from jxformers.nn.moe import (
 D, FF = 8, 16
 
 
+@eqx.filter_jit
+def _run(moe, x, mask=None, key=None, inference=False):
+    """moe(x, ...) jitted: one compilation instead of one per operation."""
+    return moe(x, mask=mask, key=key, inference=inference)
+
+
 def _x(seed, n=12, dtype=jnp.float32):
     return jax.random.normal(jax.random.key(seed), (n, D), dtype)
 
@@ -95,18 +101,18 @@ def test_capacity_overflow_dropped_exactly():
     cap = moe.capacity(n, inference=False)
     assert cap == 3  # ceil(1.0 * 12 * 1 / 4)
     x = _x(1, n)
-    y, aux = moe(x)
+    y, aux = _run(moe, x)
     assert float(aux["dropped"]) == n - cap
     assert_close(aux["expert_load"], [cap, 0, 0, 0])
     assert_close(y[:cap], _expert(moe, 0, x[:cap]) / e, atol=1e-5)  # gate = 1/E
     assert_close(y[cap:], jnp.zeros((n - cap, D)))
     mask = jnp.arange(n) >= 2
-    y, aux = moe(x, mask=mask)
+    y, aux = _run(moe, x, mask=mask)
     assert float(aux["dropped"]) == n - 2 - cap
     assert_close(y[:2], jnp.zeros((2, D)))
     assert_close(y[2:2 + cap], _expert(moe, 0, x[2:2 + cap]) / e, atol=1e-5)
     # inference uses the eval factor: 2.0 -> capacity 6
-    _, aux = moe(x, inference=True)
+    _, aux = _run(moe, x, inference=True)
     assert float(aux["dropped"]) == n - 6
 
 
@@ -115,18 +121,18 @@ def test_dropless_equals_per_token_loop(ffn):
     moe = MoE(D, FF, 4, top_k=2, dropless=True, ffn=ffn, key=jax.random.key(3))
     x = _x(4)
     mask = jnp.arange(12) < 10
-    y, aux = moe(x, mask=mask)
+    y, aux = _run(moe, x, mask=mask)
     experts, gates, active = top_k_route(moe.router_logits(x, inference=True), 2, mask=mask)
     assert float(aux["dropped"]) == 0.0
     assert float(aux["expert_load"].sum()) == 2 * 10
     assert_close(y, _loop(moe, x, experts, gates, active), atol=1e-5)
     # the same with enough capacity, and under vmap (one merged ragged_dot for the batch)
     roomy = MoE(D, FF, 4, top_k=2, ffn=ffn, capacity_factor=2.0, key=jax.random.key(3))
-    assert_close(roomy(x, mask=mask)[0], y, atol=1e-5)
+    assert_close(_run(roomy, x, mask=mask)[0], y, atol=1e-5)
     xs, masks = jnp.stack([x, _x(5)]), jnp.stack([mask, jnp.ones(12, bool)])
-    yb, _ = jax.vmap(lambda a, m: moe(a, mask=m))(xs, masks)
+    yb, _ = eqx.filter_jit(jax.vmap(lambda a, m: moe(a, mask=m)))(xs, masks)
     assert_close(yb[0], y, atol=1e-5)
-    assert_close(yb[1], moe(xs[1])[0], atol=1e-5)
+    assert_close(yb[1], _run(moe, xs[1])[0], atol=1e-5)
 
 
 def test_dropless_gradients_under_vmap_match_capacity_dispatch():
@@ -138,7 +144,8 @@ def test_dropless_gradients_under_vmap_match_capacity_dispatch():
         y, aux = jax.vmap(lambda a: m(a))(xs)
         return jnp.sum(y ** 2) + aux["balance_loss"].mean() + aux["z_loss"].mean()
 
-    g1, g2 = eqx.filter_grad(loss)(dropless), eqx.filter_grad(loss)(roomy)
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    g1, g2 = grad(dropless), grad(roomy)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         assert_close(a, b, atol=1e-4, rtol=1e-4)
 
@@ -155,7 +162,7 @@ def test_top1_with_one_expert_equals_the_ffn(ffn):
         moe = eqx.tree_at(lambda m: (m.experts.w_gate, m.experts.b_gate), moe,
                           (t(ffn_mod.w_gate.weight), ffn_mod.w_gate.bias[None]))
     x = _x(11)
-    y, aux = moe(x)
+    y, aux = _run(moe, x)
     assert_close(y, ffn_mod(x), atol=1e-5)
     assert float(aux["dropped"]) == 0.0 and float(aux["balance_loss"]) == pytest.approx(1.0)
 
@@ -165,7 +172,7 @@ def test_expert_choice_refuses_causal_and_picks_top_tokens():
         MoE(D, FF, 4, router="expert_choice", causal=True, key=jax.random.key(0))
     moe = MoE(D, FF, 4, router="expert_choice", capacity_factor=1.0, min_capacity=1, key=jax.random.key(12))
     x, mask = _x(13), jnp.arange(12) != 5
-    y, aux = moe(x, mask=mask)
+    y, aux = _run(moe, x, mask=mask)
     probs = jax.nn.softmax(moe.router_logits(x, inference=True), -1)
     cap = moe.capacity(12, inference=False)
     want = jnp.zeros((12, D))
@@ -186,15 +193,15 @@ def test_expert_choice_refuses_causal_and_picks_top_tokens():
 def test_padding_is_never_routed_nor_counted():
     moe = MoE(D, FF, 4, top_k=2, dropless=True, key=jax.random.key(14))
     x, mask = _x(15), jnp.arange(12) % 3 != 1
-    y, aux = moe(x, mask=mask)
+    y, aux = _run(moe, x, mask=mask)
     assert_close(y[~mask], jnp.zeros((int((~mask).sum()), D)))
-    y_real, aux_real = moe(x[mask])  # the real tokens alone
+    y_real, aux_real = _run(moe, x[mask])  # the real tokens alone
     assert_close(y[mask], y_real, atol=1e-5)
     for name in ("balance_loss", "z_loss", "router_entropy", "expert_load", "dropped"):
         assert_close(aux[name], aux_real[name], atol=1e-5)
     # capacity dispatch: padding takes no slot, counts in no drop
     capped = MoE(D, FF, 4, top_k=2, capacity_factor=0.5, min_capacity=1, key=jax.random.key(14))
-    _, aux = capped(x, mask=mask)
+    _, aux = _run(capped, x, mask=mask)
     assert float(aux["expert_load"].sum() + aux["dropped"]) == 2 * int(mask.sum())
 
 
@@ -207,8 +214,8 @@ def test_gshard_second_expert_used_in_proportion_to_its_gate():
     assert float(active[:, 1].mean()) == pytest.approx(expected, abs=0.03)
     moe = MoE(D, FF, 4, top_k=2, second_policy="random", capacity_factor=2.0, key=jax.random.key(18))
     x = _x(19)
-    train, aux_t = moe(x, key=jax.random.key(1))
-    infer, aux_i = moe(x, inference=True)  # inference: every chosen expert
+    train, aux_t = _run(moe, x, key=jax.random.key(1))
+    infer, aux_i = _run(moe, x, inference=True)  # inference: every chosen expert
     assert float(aux_i["expert_load"].sum()) == 24 and float(aux_t["expert_load"].sum()) < 24
 
 
@@ -217,7 +224,7 @@ def test_jitter_only_in_training():
     x = _x(21)
     plain = moe.router(x)
     assert_close(moe.router_logits(x, inference=True), plain)
-    assert_close(moe(x, key=jax.random.key(1), inference=True)[0], moe(x, inference=True)[0])
+    assert_close(_run(moe, x, key=jax.random.key(1), inference=True)[0], _run(moe, x, inference=True)[0])
     a, b = (moe.router_logits(x, key=jax.random.key(s)) for s in (1, 2))
     assert not np.allclose(a, plain) and not np.allclose(a, b)
     with pytest.raises(ValueError, match="needs a key"):
@@ -235,12 +242,12 @@ def test_gradients_finite_and_bf16(kw):
         y, aux = m(x, mask=mask, key=jax.random.key(1))
         return jnp.sum(y ** 2) + 0.01 * aux["balance_loss"] + 1e-3 * aux["z_loss"]
 
-    grads = eqx.filter_grad(loss)(moe)
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(moe)
     leaves = jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
     assert all(bool(jnp.isfinite(g).all()) for g in leaves)
     assert float(jnp.abs(grads.router.weight).sum()) > 0  # the router learns through the gates
-    y16, aux16 = moe(x.astype(jnp.bfloat16), mask=mask, inference=True)
-    y32, _ = moe(x, mask=mask, inference=True)
+    y16, aux16 = _run(moe, x.astype(jnp.bfloat16), mask=mask, inference=True)
+    y32, _ = _run(moe, x, mask=mask, inference=True)
     assert y16.dtype == jnp.bfloat16 and aux16["z_loss"].dtype == jnp.float32
     assert bool(jnp.isfinite(y16.astype(jnp.float32)).all())
     assert_close(y16, y32, atol=0.1, rtol=0.1)
