@@ -16,6 +16,7 @@ from jxformers.nn.moe import (
     top_k_route,
     z_loss,
 )
+from jxformers.nn.pkm import ProductKeyMemory, brute_force_lookup, product_key_lookup
 
 D, FF = 8, 16
 
@@ -262,3 +263,41 @@ def test_invalid_settings_are_errors():
         MoE(D, FF, 4, router="expert_choice", dropless=True, key=jax.random.key(0))
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         MoE(D, FF, 4, capacity_factor=0.0, key=jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------- product-key memory
+
+
+def test_product_key_lookup_equals_brute_force():
+    memory = ProductKeyMemory(D, 16, top_k=5, heads=3, d_key=6, key=jax.random.key(30))
+    x = _x(31, 20)
+    q = memory.queries(x)
+    scores, index = product_key_lookup(q, memory.sub_keys, 5)
+    want_scores, want_index = brute_force_lookup(q, memory.sub_keys, 5)
+    np.testing.assert_array_equal(index, want_index)
+    assert_close(scores, want_scores, atol=1e-5)
+    # the layer: softmax over the k best scores, summed over heads, of the value rows
+    weights = jax.nn.softmax(want_scores, -1)
+    want = jnp.einsum("shk,shkd->sd", weights, memory.values[want_index])
+    assert_close(eqx.filter_jit(lambda m, a: m(a))(memory, x), want, atol=1e-5)
+
+
+def test_product_key_memory_query_norm_padding_gradients_bf16():
+    memory = ProductKeyMemory(D, 8, top_k=4, heads=2, query_norm=True, key=jax.random.key(32))
+    x, mask = _x(33), jnp.arange(12) < 9
+    call = eqx.filter_jit(lambda m, a, mask: m(a, mask=mask))
+    y = call(memory, x, mask)
+    assert_close(y[:9], call(memory, x[:9], None), atol=1e-5)  # padding is not in the statistics
+    q = memory.queries(x[:9])
+    assert_close(q.reshape(9, -1).mean(0), jnp.zeros((2 * D,)), atol=1e-5)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x, mask=mask) ** 2)))(memory)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array)))
+    touched = (jnp.abs(grads.values).sum(-1) > 0).sum()
+    assert 0 < int(touched) <= 9 * 2 * 4  # only the looked-up rows get gradient
+    y16 = call(memory, x.astype(jnp.bfloat16), mask)
+    assert y16.dtype == jnp.bfloat16
+    assert_close(y16, y, atol=0.05, rtol=0.05)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        ProductKeyMemory(D, 4, top_k=5, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="d_key must be even"):
+        ProductKeyMemory(D, 4, d_key=5, key=jax.random.key(0))
