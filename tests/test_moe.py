@@ -1,5 +1,7 @@
 """Mixture-of-experts layers (jxformers/nn/moe.py): routers, losses, capacity and
-dropless dispatch against per-token loops, padding, jitter, gradients, bf16."""
+dropless dispatch against per-token loops, padding, jitter, gradients, bf16; the
+product-key memory (jxformers/nn/pkm.py) against a brute-force lookup; both in
+ModelConfig, with the MoE auxiliary losses in the training loss."""
 
 import equinox as eqx
 import jax
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import assert_close
 
+from jxformers import ModelConfig, build_model
 from jxformers.nn.layers import FeedForward
 from jxformers.nn.moe import (
     MoE,
@@ -17,6 +20,7 @@ from jxformers.nn.moe import (
     z_loss,
 )
 from jxformers.nn.pkm import ProductKeyMemory, brute_force_lookup, product_key_lookup
+from jxformers.train.step import loss_and_metrics
 
 D, FF = 8, 16
 
@@ -301,3 +305,54 @@ def test_product_key_memory_query_norm_padding_gradients_bf16():
         ProductKeyMemory(D, 4, top_k=5, key=jax.random.key(0))
     with pytest.raises(ValueError, match="d_key must be even"):
         ProductKeyMemory(D, 4, d_key=5, key=jax.random.key(0))
+
+
+# ----------------------------------------------------------------------------- configs and the training loss
+
+TINY = dict(vocab_size=29, num_layers=2, d_model=16, num_heads=4, d_ff=24, max_len=32)
+
+
+def test_config_moe_every_other_layer_adds_weighted_aux_losses_to_the_loss():
+    config = ModelConfig(task="lm", **TINY, layer_overrides={1: {"ffn": "moe"}},
+                         moe={"num_experts": 4, "top_k": 2, "dropless": True, "balance_weight": 0.5})
+    model = build_model(config, key=jax.random.key(40))
+    assert isinstance(model.blocks[0].ffn, FeedForward) and isinstance(model.blocks[1].ffn, MoE)
+    assert model.blocks[1].ffn.balance_weight == 0.5 and model.blocks[1].ffn.causal
+    tokens = jax.random.randint(jax.random.key(41), (2, 12), 0, 29)
+    mask = jnp.arange(12)[None, :] < jnp.array([[12], [9]])
+    batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
+    loss, (total, _, count) = eqx.filter_jit(loss_and_metrics)(model, batch, None, inference=True)
+
+    @eqx.filter_jit
+    def layer_aux(model, t, m):
+        sink = []
+        model(t, m, inference=True, aux=sink)
+        return sink
+
+    aux = []
+    for t, m in zip(tokens, mask):
+        sink = layer_aux(model, t, m)
+        assert len(sink) == 1
+        aux.append(0.5 * sink[0]["balance_loss"] + 0.001 * sink[0]["z_loss"])
+    assert float(loss) == pytest.approx(float(total / count + jnp.mean(jnp.stack(aux))), rel=1e-5)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: loss_and_metrics(m, batch, jax.random.key(1))[0]))(model)
+    assert float(jnp.abs(grads.blocks[1].ffn.router.weight).sum()) > 0
+
+
+def test_config_pkm_classifier_and_config_errors():
+    config = ModelConfig(**TINY, ffn="pkm", pkm={"num_keys": 8, "top_k": 4, "heads": 2, "query_norm": True})
+    model = build_model(config, key=jax.random.key(42))
+    assert isinstance(model.encoder.blocks[0].ffn, ProductKeyMemory)
+    assert eqx.filter_jit(lambda m, t: m(t))(model, jnp.arange(10) % 29).shape == (2,)
+    errors = [
+        (dict(task="lm", ffn="moe", moe={"router": "expert_choice"}), "leaks future tokens"),
+        (dict(ffn="moe", moe={"bogus": 1}), r"unknown MoE setting\(s\) \['bogus'\]; known"),
+        (dict(moe={"top_k": 2}), "no block has ffn 'moe'"),
+        (dict(task="lm", ffn="pkm", pkm={"query_norm": True}), "leaks future tokens"),
+        (dict(ffn="moe", reversible=True), "needs architecture 'transformer'"),
+        (dict(ffn="moe", moe={"num_experts": 2, "top_k": 3}), r"top_k must be in \[1, num_experts=2\]"),
+        (dict(layer_overrides={0: {"ffn": "sparse"}}), "ffn must be one of"),
+    ]
+    for kwargs, match in errors:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(**TINY | kwargs)

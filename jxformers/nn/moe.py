@@ -315,6 +315,59 @@ class Experts(eqx.Module):
 
 # ----------------------------------------------------------------------------- the layer
 
+# MoE's settings (what ModelConfig's `moe` mapping may set) and their defaults.
+SETTINGS = dict(num_experts=8, top_k=1, router="token_choice", ffn="gelu", second_policy="all", capacity_factor=1.25,
+                eval_capacity_factor=2.0, min_capacity=4, dropless=False, jitter_eps=0.0, shared_expert=False,
+                balance_weight=0.01, z_loss_weight=0.001)
+
+
+def check_settings(settings: dict, *, causal: bool, prefix: str = "") -> dict:
+    """`settings` (a subset of SETTINGS) completed with the defaults, after ValueErrors
+    for unknown names and out-of-range values; nothing is built."""
+    unknown = sorted(set(settings) - set(SETTINGS), key=str)
+    if unknown:
+        raise ValueError(f"{prefix}unknown MoE setting(s) {unknown}; known: {sorted(SETTINGS)}")
+    s = SETTINGS | dict(settings)
+    choices = {"router": ROUTERS, "ffn": FFN_KINDS, "second_policy": SECOND_POLICIES}
+    for name, allowed in choices.items():
+        if s[name] not in allowed:
+            raise ValueError(f"{prefix}{name} must be one of {list(allowed)}; got {s[name]!r}")
+    for name in ("dropless", "shared_expert"):
+        if not isinstance(s[name], bool):
+            raise ValueError(f"{prefix}{name} must be a bool; got {s[name]!r}")
+    if not (isinstance(s["num_experts"], int) and s["num_experts"] >= 1):
+        raise ValueError(f"{prefix}num_experts must be an int >= 1; got {s['num_experts']!r}")
+    if not (isinstance(s["top_k"], int) and 1 <= s["top_k"] <= s["num_experts"]):
+        raise ValueError(f"{prefix}top_k must be in [1, num_experts={s['num_experts']}]; got {s['top_k']!r}")
+    for name in ("capacity_factor", "eval_capacity_factor"):
+        if not (isinstance(s[name], (int, float)) and s[name] > 0):
+            raise ValueError(f"{prefix}{name} must be > 0; got {s[name]!r}")
+    if not (isinstance(s["min_capacity"], int) and s["min_capacity"] >= 1):
+        raise ValueError(f"{prefix}min_capacity must be an int >= 1; got {s['min_capacity']!r}")
+    if not (isinstance(s["jitter_eps"], (int, float)) and 0 <= s["jitter_eps"] < 1):
+        raise ValueError(f"{prefix}jitter_eps must be in [0, 1); got {s['jitter_eps']!r}")
+    for name in ("balance_weight", "z_loss_weight"):
+        if not (isinstance(s[name], (int, float)) and s[name] >= 0):
+            raise ValueError(f"{prefix}{name} must be >= 0; got {s[name]!r}")
+    if s["router"] == "expert_choice":
+        if causal:
+            raise ValueError(f"{prefix}router 'expert_choice' leaks future tokens (each expert picks among the whole "
+                             "sequence), so it cannot be causal; use router 'token_choice' in causal models")
+        if s["dropless"]:
+            raise ValueError(f"{prefix}dropless applies to router 'token_choice'; expert choice has a fixed capacity")
+    return s
+
+
+def has_moe(tree) -> bool:
+    """Whether `tree` (a model) holds an MoE layer (and so has auxiliary losses)."""
+    return any(isinstance(leaf, MoE) for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, MoE)))
+
+
+def aux_loss(aux: list[dict[str, Array]]) -> Float[Array, ""]:
+    """The sum of the MoE layers' weighted auxiliary losses (aux["loss"] each)."""
+    return sum((a["loss"] for a in aux), jnp.zeros((), jnp.float32))
+
+
 
 class MoE(eqx.Module):
     """A mixture-of-experts FFN replacement: router, dispatch, E experts, an optional
@@ -330,6 +383,9 @@ class MoE(eqx.Module):
         dropless: token choice without capacity (sorted assignments, ragged_dot).
         jitter_eps: router input jitter (training only; 0 disables).
         shared_expert: add a FeedForward of width d_ff applied to every token.
+        balance_weight, z_loss_weight: aux["loss"] = balance_weight * balance_loss +
+            z_loss_weight * z_loss, what a model adds to its training loss (Switch: 0.01;
+            ST-MoE: z-loss 0.001).
         causal: the layer sits in a causal model (expert choice then refuses).
 
     Call: `(x [seq, d_model], *, mask [seq] | None, key, inference) -> (y, aux)`.
@@ -349,35 +405,22 @@ class MoE(eqx.Module):
     min_capacity: int = eqx.field(static=True)
     dropless: bool = eqx.field(static=True)
     jitter_eps: float = eqx.field(static=True)
+    balance_weight: float = eqx.field(static=True)
+    z_loss_weight: float = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
 
     def __init__(
         self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = 1, router: str = "token_choice",
         ffn: str = "gelu", second_policy: str = "all", capacity_factor: float = 1.25,
         eval_capacity_factor: float = 2.0, min_capacity: int = 4, dropless: bool = False, jitter_eps: float = 0.0,
-        shared_expert: bool = False, causal: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
+        shared_expert: bool = False, balance_weight: float = 0.01, z_loss_weight: float = 0.001,
+        causal: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
     ):
-        if router not in ROUTERS:
-            raise ValueError(f"router must be one of {ROUTERS}; got {router!r}")
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1; got {num_experts}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}]; got {top_k}")
-        if second_policy not in SECOND_POLICIES:
-            raise ValueError(f"second_policy must be one of {SECOND_POLICIES}; got {second_policy!r}")
-        for name, value in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0; got {value}")
-        if min_capacity < 1:
-            raise ValueError(f"min_capacity must be >= 1; got {min_capacity}")
-        if not 0 <= jitter_eps < 1:
-            raise ValueError(f"jitter_eps must be in [0, 1); got {jitter_eps}")
-        if router == "expert_choice":
-            if causal:
-                raise ValueError("router 'expert_choice' leaks future tokens (each expert picks among the whole "
-                                 "sequence), so it cannot be causal; use router 'token_choice' in causal models")
-            if dropless:
-                raise ValueError("dropless applies to router 'token_choice'; expert choice has a fixed capacity")
+        check_settings(dict(num_experts=num_experts, top_k=top_k, router=router, ffn=ffn, second_policy=second_policy,
+                            capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
+                            min_capacity=min_capacity, dropless=dropless, jitter_eps=jitter_eps,
+                            shared_expert=shared_expert, balance_weight=balance_weight,
+                            z_loss_weight=z_loss_weight), causal=causal)
         kr, ke, ks = jax.random.split(key, 3)
         self.router = Linear(d_model, num_experts, use_bias=False, key=kr)
         self.experts = Experts(num_experts, d_model, d_ff, ffn, dropout=dropout, key=ke)
@@ -386,6 +429,7 @@ class MoE(eqx.Module):
         self.capacity_factor, self.eval_capacity_factor, self.min_capacity = (
             capacity_factor, eval_capacity_factor, min_capacity)
         self.dropless, self.jitter_eps, self.causal = dropless, jitter_eps, causal
+        self.balance_weight, self.z_loss_weight = balance_weight, z_loss_weight
 
     @property
     def num_experts(self) -> int:
@@ -417,6 +461,7 @@ class MoE(eqx.Module):
             y, more = self._token_choice(x, logits, real, policy_key=None if inference else k_policy,
                                          key=k_experts, inference=inference)
         aux.update(more)
+        aux["loss"] = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
         if self.shared is not None:
             y = y + self.shared(x, key=k_shared, inference=inference)
         return y, aux

@@ -33,6 +33,33 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from jxformers.nn.layers import Linear, _lift
 
 
+# ProductKeyMemory's settings (what ModelConfig's `pkm` mapping may set) and defaults.
+SETTINGS = dict(num_keys=32, top_k=8, heads=4, d_key=None, query_norm=False)
+
+
+def check_settings(settings: dict, *, d_model: int, causal: bool, prefix: str = "") -> dict:
+    """`settings` completed with the defaults, after ValueErrors for unknown names and
+    out-of-range values; nothing is built."""
+    unknown = sorted(set(settings) - set(SETTINGS), key=str)
+    if unknown:
+        raise ValueError(f"{prefix}unknown product-key memory setting(s) {unknown}; known: {sorted(SETTINGS)}")
+    s = SETTINGS | dict(settings)
+    d_key = d_model if s["d_key"] is None else s["d_key"]
+    if not (isinstance(d_key, int) and d_key >= 2 and d_key % 2 == 0):
+        raise ValueError(f"{prefix}d_key must be even and >= 2 (two halves); got {d_key!r}")
+    for name in ("num_keys", "heads"):
+        if not (isinstance(s[name], int) and s[name] >= 1):
+            raise ValueError(f"{prefix}{name} must be an int >= 1; got {s[name]!r}")
+    if not (isinstance(s["top_k"], int) and 1 <= s["top_k"] <= s["num_keys"]):
+        raise ValueError(f"{prefix}top_k must be in [1, num_keys={s['num_keys']}]; got {s['top_k']!r}")
+    if not isinstance(s["query_norm"], bool):
+        raise ValueError(f"{prefix}query_norm must be a bool; got {s['query_norm']!r}")
+    if causal and s["query_norm"]:
+        raise ValueError(f"{prefix}query_norm reads the statistics of the whole sequence, which leaks future tokens "
+                         "in a causal model; set query_norm False")
+    return s
+
+
 def product_key_lookup(
     query: Float[Array, "seq heads d_key"], sub_keys: Float[Array, "heads 2 n half"], k: int
 ) -> tuple[Float[Array, "seq heads k"], Int[Array, "seq heads k"]]:
@@ -81,13 +108,9 @@ class ProductKeyMemory(eqx.Module):
 
     def __init__(self, d_model: int, num_keys: int, *, top_k: int = 8, heads: int = 1, d_key: int | None = None,
                  query_norm: bool = False, dropout: float = 0.0, key: PRNGKeyArray):
+        check_settings(dict(num_keys=num_keys, top_k=top_k, heads=heads, d_key=d_key, query_norm=query_norm),
+                       d_model=d_model, causal=False)
         d_key = d_model if d_key is None else d_key
-        if d_key < 2 or d_key % 2:
-            raise ValueError(f"d_key must be even and >= 2 (two halves); got {d_key}")
-        if not 1 <= top_k <= num_keys:
-            raise ValueError(f"top_k must be in [1, num_keys={num_keys}]; got {top_k}")
-        if heads < 1:
-            raise ValueError(f"heads must be >= 1; got {heads}")
         kq, kk, kv = jax.random.split(key, 3)
         half = d_key // 2
         self.query = Linear(d_model, heads * d_key, use_bias=False, key=kq)

@@ -19,18 +19,31 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jxformers.nn.moe import aux_loss, has_moe
 from jxformers.train.state import TrainState
 
 
 def _forward(model, batch, key, inference):
+    """(logits, the batch's mean auxiliary loss or None when the model has no MoE layer)."""
     keys = None if key is None else jax.random.split(key, batch["tokens"].shape[0])  # None vmaps as an empty tree
-    return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(batch["tokens"], batch["mask"], keys)
+    if not has_moe(model):
+        return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(
+            batch["tokens"], batch["mask"], keys), None
+
+    def one(t, m, k):
+        sink: list = []  # the MoE layers' aux dicts, collected within this trace
+        return model(t, m, key=k, inference=inference, aux=sink), aux_loss(sink)
+
+    logits, aux = jax.vmap(one)(batch["tokens"], batch["mask"], keys)
+    return logits, aux.mean()
 
 
 def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool = False):
-    """Mean cross-entropy and (loss sum, correct, count) for a classification batch
-    (`label`) or a language-modelling batch (`loss_mask`)."""
-    logits = _forward(model, batch, key, inference)
+    """Mean cross-entropy (plus the MoE layers' weighted auxiliary losses, averaged over
+    the batch, when the model has any) and (loss sum, correct, count) of the
+    cross-entropy alone, for a classification batch (`label`) or a language-modelling
+    batch (`loss_mask`)."""
+    logits, aux = _forward(model, batch, key, inference)
     if "label" in batch:
         labels, weights = batch["label"], jnp.ones(batch["label"].shape, jnp.float32)
     else:  # position i predicts token i + 1
@@ -40,7 +53,8 @@ def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool
     count = jnp.maximum(weights.sum(), 1.0)
     correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
     total = (losses * weights).sum()
-    return total / count, (total, correct, weights.sum())
+    objective = total / count if aux is None else total / count + aux
+    return objective, (total, correct, weights.sum())
 
 
 def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int):
