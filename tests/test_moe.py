@@ -356,3 +356,23 @@ def test_config_pkm_classifier_and_config_errors():
     for kwargs, match in errors:
         with pytest.raises(ValueError, match=match):
             ModelConfig(**TINY | kwargs)
+
+
+def test_moe_and_pkm_language_model_decodes_like_its_parallel_forward():
+    """Token choice is per token once nothing is dropped (dropless), and the memory
+    without query normalisation is per token: decoding one token at a time equals the
+    parallel forward."""
+    config = ModelConfig(task="lm", **TINY, layer_overrides={0: {"ffn": "pkm"}, 1: {"ffn": "moe"}},
+                         moe={"num_experts": 4, "top_k": 2, "dropless": True}, pkm={"num_keys": 4, "top_k": 2})
+    model = build_model(config, key=jax.random.key(43))
+    tokens = jax.random.randint(jax.random.key(44), (8,), 0, 29)
+    parallel = eqx.filter_jit(lambda m, t: m(t, inference=True))(model, tokens)
+
+    @eqx.filter_jit
+    def decode(m, t):
+        def step(state, tok):
+            logits, state = m.decode_step(tok, state)
+            return state, logits
+        return jax.lax.scan(step, m.init_decode_state(8), t)[1]
+
+    assert_close(decode(model, tokens), parallel, atol=1e-4)
