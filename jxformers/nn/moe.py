@@ -48,6 +48,7 @@ expert processed). Expert choice is balanced by construction: its balance_loss i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -450,6 +451,15 @@ class MoE(eqx.Module):
         self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, " seq"] | None = None,
         key: PRNGKeyArray | None = None, inference: bool = False,
     ) -> tuple[Float[Array, "seq d_model"], dict[str, Array]]:
+        return self.forward(x, mask=mask, key=key, inference=inference)
+
+    def forward(
+        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None, inference: bool = False, experts_fn: Callable | None = None,
+    ) -> tuple[Float[Array, "seq d_model"], dict[str, Array]]:
+        """The layer, with the experts' step replaceable: `experts_fn(buffers [E, C, d],
+        key) -> [E, C, d]` (token choice with capacity; expert parallelism passes one
+        that sends the buffers to the experts' devices and back)."""
         seq = x.shape[0]
         real = _real(mask, seq)
         k_jitter, k_policy, k_experts, k_shared = split_key(key, 4)
@@ -458,8 +468,12 @@ class MoE(eqx.Module):
         if self.routing == "expert_choice":
             y, more = self._expert_choice(x, logits, real, key=k_experts, inference=inference)
         else:
+            if experts_fn is None:
+                experts_fn = lambda b, k: self.experts.dense(b, key=k, inference=inference)  # noqa: E731
+            elif self.dropless:
+                raise ValueError("experts_fn replaces the experts of capacity dispatch; this layer is dropless")
             y, more = self._token_choice(x, logits, real, policy_key=None if inference else k_policy,
-                                         key=k_experts, inference=inference)
+                                         key=k_experts, inference=inference, experts_fn=experts_fn)
         aux.update(more)
         aux["loss"] = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
         if self.shared is not None:
@@ -471,7 +485,7 @@ class MoE(eqx.Module):
         k = 1 if self.routing == "expert_choice" else self.top_k
         return capacity(seq, self.num_experts, k, factor, self.min_capacity)
 
-    def _token_choice(self, x, logits, real, *, policy_key, key, inference):
+    def _token_choice(self, x, logits, real, *, policy_key, key, inference, experts_fn):
         seq, num_experts, k = x.shape[0], self.num_experts, self.top_k
         experts, gates, active = top_k_route(logits, k, mask=real, second_policy=self.second_policy, key=policy_key)
         aux = {"balance_loss": load_balancing_loss(jax.nn.softmax(logits, -1), experts, real)}
@@ -488,7 +502,7 @@ class MoE(eqx.Module):
             slot = jnp.where(kept, experts * cap + position, num_experts * cap).reshape(-1)  # dropped: out of range
             tokens = jnp.broadcast_to(x[:, None, :], (seq, k, x.shape[1])).reshape(seq * k, -1)
             buffer = jnp.zeros((num_experts * cap, x.shape[1]), x.dtype).at[slot].set(tokens, mode="drop")
-            y = self.experts.dense(buffer.reshape(num_experts, cap, -1), key=key, inference=inference)
+            y = experts_fn(buffer.reshape(num_experts, cap, -1), key)
             out = y.reshape(num_experts * cap, -1).at[slot].get(mode="fill", fill_value=0).reshape(seq, k, -1)
         weight = jnp.where(kept, gates, 0.0).astype(x.dtype)
         y = (out * weight[..., None]).sum(1)
