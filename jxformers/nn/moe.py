@@ -434,7 +434,8 @@ class MoE(eqx.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.experts.num_experts
+        """E, from the router (the experts' arrays hold E / P under expert parallelism)."""
+        return self.router.weight.shape[0]
 
     def router_logits(
         self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False
