@@ -222,6 +222,8 @@ def test_gshard_second_expert_used_in_proportion_to_its_gate():
     train, aux_t = _run(moe, x, key=jax.random.key(1))
     infer, aux_i = _run(moe, x, inference=True)  # inference: every chosen expert
     assert float(aux_i["expert_load"].sum()) == 24 and float(aux_t["expert_load"].sum()) < 24
+    with pytest.raises(ValueError, match="needs a key"):
+        moe(x)
 
 
 def test_jitter_only_in_training():

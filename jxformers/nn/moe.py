@@ -12,7 +12,9 @@ Routers (logits always in float32):
                   expert of rank j >= 1 is used with probability min(1, g_j / threshold),
                   threshold 0.5 = GShard's Algorithm 1 (use e2 if 2 g2 > U(0, 1)); at
                   inference every chosen expert is used.
-    expert choice each expert picks its top-C tokens (Zhou et al. 2022). An expert sees
+    expert choice each expert picks its top-C tokens by router probability (softmax over
+                  experts; Zhou et al. 2022), C = max(min_capacity, ceil(cf * seq / E)),
+                  at most seq; a token may get several experts or none. An expert sees
                   the whole sequence before it picks, so it leaks future tokens: a causal
                   layer refuses it (ValueError).
     jitter        multiplicative uniform noise U(1 - eps, 1 + eps) on the router input,
@@ -26,23 +28,33 @@ Routers (logits always in float32):
 
 Dispatch:
     capacity   each expert takes at most C = max(min_capacity, ceil(cf * seq * k / E))
-               assignments (seq is the static length; `capacity_factor` in training,
+               assignments, at most seq (seq is the static length, padding included; `capacity_factor` in training,
                `eval_capacity_factor` at inference); first choices of every token are
                placed before any second choice (GShard), tokens in order. An overflowing
                assignment gets zero output (the residual carries the token) and is
                counted in aux["dropped"]. Memory O(E C d) plus an O(seq k E) position count.
     dropless   (token choice) every assignment is processed: assignments are sorted by
-               expert and multiplied with `jax.lax.ragged_dot` (grouped matmul; lowers on
-               CPU, GPU and TPU). `ragged_dot` has no batching rule for a batched lhs with
+               expert and multiplied with `jax.lax.ragged_dot` (grouped matmul). It
+               lowers and is tested on CPU (jax 0.10.2); it was not run on a GPU or TPU
+               in this work. `ragged_dot` has no batching rule for a batched lhs with
                unbatched weights, so `grouped_matmul` carries its own (custom_vmap inside
                a custom_vjp): under vmap the batch's rows are merged and sorted by expert
-               into one ragged_dot. Every token is independent here, so the layer may
-               also be called on a flattened batch [batch * seq, d].
+               into one ragged_dot (forward and input gradient); the weight gradient is
+               formed per example and summed by vmap (transient batch x expert-weights
+               memory). Every token is independent here, so the layer may also be
+               called on a flattened batch [batch * seq, d].
 
 aux (all float32): balance_loss, z_loss, router_entropy (mean over real tokens of the
 router distribution's entropy), dropped (token choice: assignments lost to capacity;
 expert choice: real tokens that no expert picked), expert_load [E] (assignments each
-expert processed). Expert choice is balanced by construction: its balance_loss is 0.
+expert processed), loss (balance_weight * balance_loss + z_loss_weight * z_loss: what
+a model adds to its training loss). Expert choice is balanced by construction: its
+balance_loss is 0.
+
+Elsewhere: `Block` takes an MoE as its FFN and appends the aux dict to a list the model's
+caller passes (`aux=`); `ModelConfig(ffn="moe", moe={...})` builds them (per block with
+layer_overrides) and the train step adds the losses; `moe_sharded.py` runs the layer
+with its experts split over devices (shard_map, all_to_all).
 """
 
 from __future__ import annotations
@@ -463,6 +475,8 @@ class MoE(eqx.Module):
         that sends the buffers to the experts' devices and back)."""
         seq = x.shape[0]
         real = _real(mask, seq)
+        if key is None and not inference and self.second_policy == "random" and self.top_k > 1:
+            raise ValueError("MoE second_policy 'random' in training needs a key (or pass inference=True)")
         k_jitter, k_policy, k_experts, k_shared = split_key(key, 4)
         logits = self.router_logits(x, key=k_jitter, inference=inference)
         aux = {"z_loss": z_loss(logits, real), "router_entropy": router_entropy(logits, real)}
