@@ -54,6 +54,10 @@ SCRIPT = textwrap.dedent("""
     for a, b in zip(jax.tree.leaves(eqx.filter(g1, eqx.is_inexact_array)),
                     jax.tree.leaves(eqx.filter(g2, eqx.is_inexact_array))):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    # training randomness (jitter, GShard's random second expert): a key per device
+    noisy = MoE(8, 16, 8, top_k=2, jitter_eps=0.1, second_policy="random", key=jax.random.key(2))
+    y, aux = eqx.filter_jit(lambda m, a, k: expert_parallel_moe(m, a, mesh=mesh, key=k))(noisy, x, jax.random.key(3))
+    assert bool(jnp.isfinite(y).all()) and float(aux["expert_load"].sum()) < 2 * x.shape[0] * x.shape[1]
     print("OK")
 """)
 
