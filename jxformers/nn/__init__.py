@@ -3,6 +3,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
 
     attention.py  Attention (projections + a registered core; redraw, decoding)
     layers.py     Linear, LayerNorm, RMSNorm, FeedForward
+    moe.py        MoE (token-choice / expert-choice routers, capacity and dropless dispatch)
+    pkm.py        ProductKeyMemory (product-key lookup over a large value table)
     positions.py  sinusoidal, learned, rotary, ALiBi, T5 relative buckets
     blocks.py     Block (pre/post-norm residual branches)
     set_transformer.py  MAB, ISAB, PMA (Set Transformer)
@@ -17,6 +19,7 @@ from jxformers.nn.blocks import Block
 from jxformers.nn.config import ModelConfig, build_model
 from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm
 from jxformers.nn.luna import LunaBlock, LunaStack
+from jxformers.nn.moe import MoE
 from jxformers.nn.models import (
     Classifier,
     ConditionedDecoder,
@@ -27,6 +30,7 @@ from jxformers.nn.models import (
     LanguageModel,
 )
 from jxformers.nn.perceiver import PerceiverEncoder
+from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.positions import (
     Positions,
     alibi_slopes,
@@ -40,7 +44,7 @@ from jxformers.nn.trainable import redraw, trainable, update_arrays, updates_arr
 __all__ = [
     "Attention", "Block", "Classifier", "ConditionedDecoder", "DualClassifier", "Embedding", "Encoder",
     "EncoderDecoder", "FeedForward", "ISAB", "LanguageModel", "LayerNorm", "Linear", "LunaBlock", "LunaStack", "MAB",
-    "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "RMSNorm",
+    "MoE", "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "ProductKeyMemory", "RMSNorm",
     "alibi_slopes", "attention_modules", "build_model", "record_attention_inputs", "redraw", "rotary", "sinusoidal",
     "t5_buckets", "trainable", "update_arrays", "updates_arrays",
 ]

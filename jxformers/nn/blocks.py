@@ -13,6 +13,8 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 from jxformers import decoding
 from jxformers.nn.attention import Attention
 from jxformers.nn.layers import FeedForward, LayerNorm, RMSNorm, make_norm
+from jxformers.nn.moe import MoE
+from jxformers.nn.pkm import ProductKeyMemory
 
 NORM_PLACEMENTS = ("pre", "post")
 
@@ -24,18 +26,21 @@ class Block(eqx.Module):
     Arguments (constructor): `attention` and `cross_attention` (Attention modules, the
     latter None unless the block reads a context), `ffn`, `norm` ("layernorm" or
     "rmsnorm"), `d_model`, `pre_norm`, `dropout` (once on each residual branch's
-    output; the attention modules hold none).
+    output; the attention modules hold none). The FFN may be a FeedForward, a
+    mixture of experts (`MoE`) or a `ProductKeyMemory`; the latter two see the token
+    mask, and an MoE's auxiliary losses are appended to the `aux` list the caller
+    passes (a trace-time collector, filled and read within one forward).
     """
 
     attention: Attention
     cross_attention: Attention | None
-    ffn: FeedForward
+    ffn: FeedForward | MoE | ProductKeyMemory
     norms: tuple[LayerNorm | RMSNorm, ...]
     dropout: eqx.nn.Dropout
     pre_norm: bool = eqx.field(static=True)
 
     def __init__(
-        self, attention: Attention, ffn: FeedForward, *, d_model: int, norm: str = "layernorm",
+        self, attention: Attention, ffn: FeedForward | MoE | ProductKeyMemory, *, d_model: int, norm: str = "layernorm",
         pre_norm: bool = True, cross_attention: Attention | None = None, dropout: float = 0.0,
     ):
         self.attention, self.cross_attention, self.ffn = attention, cross_attention, ffn
@@ -77,12 +82,24 @@ class Block(eqx.Module):
         return self._branch(attend, norm, x, key, inference)
 
     def ffn_branch(
-        self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False
+        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, " seq"] | None = None, aux: list | None = None,
+        key: PRNGKeyArray | None = None, inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
         """The feed-forward branch without its residual: dropout(ffn(norm(x))) (pre-norm);
-        the FFN's own dropout acts on its hidden units."""
+        the FFN's own dropout acts on its hidden units. `mask` (True for real tokens)
+        reaches an MoE or product-key memory; an MoE's aux dict is appended to `aux`."""
         k_hidden, k_out = (None, None) if key is None else jax.random.split(key)
-        feed = lambda h: self.ffn(h, key=k_hidden, inference=inference)  # noqa: E731
+
+        def feed(h):
+            if isinstance(self.ffn, FeedForward):
+                return self.ffn(h, key=k_hidden, inference=inference)
+            if isinstance(self.ffn, ProductKeyMemory):
+                return self.ffn(h, mask=mask, key=k_hidden, inference=inference)
+            y, extra = self.ffn(h, mask=mask, key=k_hidden, inference=inference)
+            if aux is not None:
+                aux.append(extra)
+            return y
+
         return self._branch(feed, self.norms[-1], x, k_out, inference)
 
     def __call__(
@@ -96,6 +113,7 @@ class Block(eqx.Module):
         context_mask: Bool[Array, " ctx"] | None = None,
         source: Float[Array, "kv d_model"] | None = None,
         source_positions: Real[Array, " kv"] | None = None,
+        aux: list | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
@@ -107,6 +125,7 @@ class Block(eqx.Module):
             source: `[kv, d_model]` the sequence self-attention takes its keys and
                 values from when it is not x (Funnel's pooling layer); the block's
                 attention must then be built with `cross=True`.
+            aux: a list an MoE FFN appends its aux dict to (see the class docstring).
 
         Returns:
             `[seq, d_model]`.
@@ -121,7 +140,9 @@ class Block(eqx.Module):
             cross = self.cross_attention
             out = self._branch(lambda h: cross(h, context, kv_mask=context_mask), self.norms[1], x, k_cross, inference)
             x = self._residual(x, out, self.norms[1])
-        return self._residual(x, self.ffn_branch(x, key=k_ffn, inference=inference), self.norms[-1])
+        ffn_mask = kv_mask if source is None else None  # with a source, kv_mask is not x's
+        out = self.ffn_branch(x, mask=ffn_mask, aux=aux, key=k_ffn, inference=inference)
+        return self._residual(x, out, self.norms[-1])
 
     def init_decode_state(self, max_len: int, dtype) -> decoding.State:
         """The self-attention's empty decoding state (fixed shape)."""

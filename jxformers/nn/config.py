@@ -29,6 +29,8 @@ from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import NORM_PLACEMENTS, Block
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS, FeedForward, make_norm
 from jxformers.nn.luna import LunaStack
+from jxformers.nn import moe as moe_lib
+from jxformers.nn import pkm as pkm_lib
 from jxformers.nn.models import (
     DOWNSAMPLE_KINDS,
     POOLING_KINDS,
@@ -46,6 +48,8 @@ from jxformers.nn.set_transformer import ISAB, PMA
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
 DTYPES = ("float32", "bfloat16", "float16")
 OVERRIDABLE = ("attention", "attention_kwargs", "impl", "ffn", "d_ff")
+# FFN choices of a config: the FeedForward kinds, a mixture of experts, a product-key memory
+CONFIG_FFNS = (*FFN_KINDS, "moe", "pkm")
 # architecture -> (the norm placement its paper uses, the tasks it serves, what it is)
 _ARCHITECTURES = {
     "transformer": ("pre", TASKS, "blocks of the named attention"),
@@ -55,7 +59,7 @@ _ARCHITECTURES = {
 }
 ARCHITECTURES = tuple(_ARCHITECTURES)
 _CHOICES = {
-    "architecture": ARCHITECTURES, "task": TASKS, "ffn": FFN_KINDS, "position": POSITION_KINDS, "norm": NORM_KINDS,
+    "architecture": ARCHITECTURES, "task": TASKS, "ffn": CONFIG_FFNS, "position": POSITION_KINDS, "norm": NORM_KINDS,
     "norm_placement": NORM_PLACEMENTS, "pooling": POOLING_KINDS, "dtype": DTYPES, "downsample": DOWNSAMPLE_KINDS,
     "impl": IMPLS,
 }
@@ -78,8 +82,20 @@ class ModelConfig:
         max_len: longest sequence (including the CLS token).
         attention, attention_kwargs: registry name and hyper-parameters of self-attention.
         cross_attention, cross_attention_kwargs: of seq2seq cross-attention.
-        ffn: relu, gelu, geglu, swiglu. ffn_chunk_size: run the FFN over chunks of this
-            many positions (Reformer's chunked feed-forward; None: all at once). position: sinusoidal, learned, rope, alibi, t5, none.
+        ffn: relu, gelu, geglu, swiglu, moe (a mixture of experts, `jxformers.nn.moe.MoE`,
+            set by `moe`) or pkm (a product-key memory, set by `pkm`); per block through
+            layer_overrides (Switch and GShard put experts in every other block).
+            ffn_chunk_size: run the FFN over chunks of this many positions (Reformer's
+            chunked feed-forward; None: all at once).
+        moe: MoE settings (`jxformers.nn.moe.SETTINGS`): num_experts, top_k, router
+            (token_choice, expert_choice), ffn (the experts' kind), second_policy,
+            capacity_factor, eval_capacity_factor, min_capacity, dropless,
+            shared_expert, jitter_eps, balance_weight, z_loss_weight; the weighted
+            auxiliary losses are added to the training loss. Tasks classify and lm,
+            architecture transformer, not reversible.
+        pkm: product-key memory settings (`jxformers.nn.pkm.SETTINGS`): num_keys,
+            top_k, heads, d_key, query_norm (not in causal models).
+        position: sinusoidal, learned, rope, alibi, t5, none.
         norm: layernorm or rmsnorm; norm_placement: pre or post (default: post for isab and luna, as
             their papers; pre for transformer and perceiver: Perceiver's paper, and for
             the transformer the stable choice (Xiong et al. 2020), not Vaswani's post).
@@ -141,6 +157,8 @@ class ModelConfig:
     downsample: str = "fourier"
     impl: str = "auto"
     layer_overrides: dict = dataclasses.field(default_factory=dict)
+    moe: dict = dataclasses.field(default_factory=dict)
+    pkm: dict = dataclasses.field(default_factory=dict)
     reversible: bool = False
     architecture: str = "transformer"
     memory_size: int = 16
@@ -213,9 +231,10 @@ class ModelConfig:
                 raise ValueError(f"layer_overrides: block {index} does not exist (num_layers = {self.num_layers})")
             if not isinstance(override, Mapping) or set(override) - set(OVERRIDABLE):
                 raise ValueError(f"layer_overrides[{index}] may set only {list(OVERRIDABLE)}; got {override!r}")
-            if override.get("ffn", self.ffn) not in FFN_KINDS:
-                raise ValueError(f"layer_overrides[{index}].ffn must be one of {list(FFN_KINDS)}")
+            if override.get("ffn", self.ffn) not in CONFIG_FFNS:
+                raise ValueError(f"layer_overrides[{index}].ffn must be one of {list(CONFIG_FFNS)}")
         causal = self.task in ("lm", "seq2seq")
+        self._check_sparse_ffns(causal)
         layers = (self.decoder_layers or self.num_layers) if self.task == "seq2seq" else self.num_layers
         for i in range(max(layers, self.num_layers)):
             spec = self.layer(i)["attention"].spec
@@ -255,6 +274,27 @@ class ModelConfig:
                     f"(layer_overrides)"
                 )
 
+
+    def _check_sparse_ffns(self, causal: bool):
+        """The moe and pkm settings, and where those FFNs can go."""
+        layers = max(self.num_layers, self.decoder_layers or 0)
+        kinds = {self.layer_overrides.get(i, {}).get("ffn", self.ffn) for i in range(layers)}
+        for kind, settings in (("moe", self.moe), ("pkm", self.pkm)):
+            if kind not in kinds:
+                if settings:
+                    raise ValueError(f"config {kind} settings are given but no block has ffn {kind!r}")
+                continue
+            if self.architecture != "transformer" or self.reversible or self.task not in ("classify", "lm"):
+                raise ValueError(f"ffn {kind!r} needs architecture 'transformer', task classify or lm, and no "
+                                 f"reversible wiring; got architecture {self.architecture!r}, task {self.task!r}, "
+                                 f"reversible {self.reversible}")
+            if self.ffn == kind and self.pooling == "pma":
+                raise ValueError(f"pooling 'pma' builds its own FeedForward of kind ffn: with ffn {kind!r} set ffn to "
+                                 f"one of {list(FFN_KINDS)} and put {kind!r} in blocks through layer_overrides")
+            if kind == "moe":
+                moe_lib.check_settings(self.moe, causal=causal, prefix="config moe: ")
+            else:
+                pkm_lib.check_settings(self.pkm, d_model=self.d_model, causal=causal, prefix="config pkm: ")
 
     def _check_architecture(self):
         """What the isab, luna and perceiver stacks (their own softmax attentions, their
@@ -399,6 +439,17 @@ def _as_config(config) -> ModelConfig:
     raise ValueError(f"config must be a ModelConfig, a dict or YAML; got {type(config).__name__}")
 
 
+def _ffn(config: ModelConfig, layer: dict[str, Any], *, causal: bool, key):
+    """A block's FFN: a FeedForward, an MoE or a product-key memory."""
+    if layer["ffn"] == "moe":
+        settings = moe_lib.check_settings(config.moe, causal=causal)
+        return moe_lib.MoE(config.d_model, layer["d_ff"], **settings, causal=causal, dropout=config.dropout, key=key)
+    if layer["ffn"] == "pkm":
+        return pkm_lib.ProductKeyMemory(config.d_model, **config.pkm, dropout=config.dropout, key=key)
+    return FeedForward(config.d_model, layer["d_ff"], layer["ffn"], dropout=config.dropout,
+                       chunk_size=config.ffn_chunk_size, key=key)
+
+
 def _blocks(
     config: ModelConfig, count: int, *, causal: bool, cross: bool, key, pooled: frozenset[int] = frozenset()
 ) -> list[Block]:
@@ -418,10 +469,9 @@ def _blocks(
                 config.bound_cross_attention(), config.d_model, config.num_heads, kv_heads=config.kv_heads, cross=True,
                 key=kc,
             )
-        ffn = FeedForward(config.d_model, layer["d_ff"], layer["ffn"], dropout=config.dropout,
-                          chunk_size=config.ffn_chunk_size, key=kf)
         blocks.append(Block(
-            attention, ffn, d_model=config.d_model, norm=config.norm, pre_norm=config.norm_placement == "pre",
+            attention, _ffn(config, layer, causal=causal, key=kf), d_model=config.d_model, norm=config.norm,
+            pre_norm=config.norm_placement == "pre",
             cross_attention=cross_attention, dropout=config.dropout,
         ))
     return blocks

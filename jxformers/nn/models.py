@@ -198,6 +198,7 @@ class Encoder(eqx.Module):
     def __call__(
         self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
         key: PRNGKeyArray | None = None, inference: bool = False, upsample_sum: bool = False,
+        aux: list | None = None,
     ) -> tuple[Float[Array, "out d_model"], Bool[Array, " out"]]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens (padding at the end
@@ -211,6 +212,7 @@ class Encoder(eqx.Module):
                 block is a run of layers between two filters (a filter before layer 0
                 leaves no run before it), so filters {2: r} on 12 layers sum two terms:
                 the output of layers 0-1 at full length and that of layers 2-11.
+            aux: a list the MoE layers append their aux dicts to (`Block`).
 
         Returns:
             `(hidden [out, d_model], mask [out])`; `out` = seq (+1 for the CLS token) unless
@@ -246,7 +248,7 @@ class Encoder(eqx.Module):
             kv_mask, kv_pos = (full_mask, full_pos) if source else (mask, pos)
             bias = self.embedding.positions.bias(pos, kv_pos)
             if isinstance(block, Block):
-                x = block(x, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, **source)
+                x = block(x, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, aux=aux, **source)
             else:  # ISAB, LunaStack: no filters and no bias positions (ModelConfig refuses them)
                 x = block(x, kv_mask=kv_mask, key=k, inference=inference)
         if upsample_sum:
@@ -286,8 +288,8 @@ class Classifier(eqx.Module):
         width = encoder.norm.weight.shape[0] * (1 if pma is None else pma.seeds.shape[0])
         self.head = Linear(width, num_classes, key=key)
 
-    def pool(self, tokens, mask=None, *, key=None, inference=False) -> Float[Array, " width"]:
-        h, m = self.encoder(tokens, mask, key=key, inference=inference)
+    def pool(self, tokens, mask=None, *, key=None, inference=False, aux=None) -> Float[Array, " width"]:
+        h, m = self.encoder(tokens, mask, key=key, inference=inference, aux=aux)
         if self.pooling == "cls":
             return h[0]
         if self.pma is not None:
@@ -298,10 +300,11 @@ class Classifier(eqx.Module):
 
     def __call__(
         self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        key: PRNGKeyArray | None = None, inference: bool = False, aux: list | None = None,
     ) -> Float[Array, " num_classes"]:
-        """`tokens [seq]` (and a padding mask) -> class logits `[num_classes]` (float32)."""
-        return self.head(self.pool(tokens, mask, key=key, inference=inference)).astype(jnp.float32)
+        """`tokens [seq]` (and a padding mask) -> class logits `[num_classes]` (float32);
+        MoE layers append their aux dicts to `aux`."""
+        return self.head(self.pool(tokens, mask, key=key, inference=inference, aux=aux)).astype(jnp.float32)
 
 
 class DualClassifier(eqx.Module):
@@ -382,11 +385,12 @@ class LanguageModel(eqx.Module):
     def __call__(
         self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
         context: Float[Array, "ctx d_model"] | None = None, context_mask: Bool[Array, " ctx"] | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        key: PRNGKeyArray | None = None, inference: bool = False, aux: list | None = None,
     ) -> Float[Array, "seq vocab"]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens.
             context, context_mask: encoder output for cross-attention blocks.
+            aux: a list the MoE layers append their aux dicts to (`Block`).
 
         Returns:
             `[seq, vocab]` float32 logits; row i predicts token i + 1.
@@ -402,7 +406,7 @@ class LanguageModel(eqx.Module):
             return self._logits(x)
         for block, k in zip(self.blocks, _split(key, len(self.blocks))):
             x = block(x, kv_mask=mask, bias=bias, positions=positions, context=context, context_mask=context_mask,
-                      key=k, inference=inference)
+                      aux=aux, key=k, inference=inference)
         return self._logits(x)
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:

@@ -25,30 +25,44 @@ import jax.numpy as jnp
 import optax
 
 from jxformers.nn import record_attention_inputs, update_arrays, updates_arrays
+from jxformers.nn.moe import aux_loss, has_moe
 from jxformers.train.state import TrainState, split_model
 
 
 def _forward(model, batch, key, inference, owners=None):
-    """Batched logits; with `owners` (a list), also the recorded inputs of the attention
-    modules that update arrays (their indices are appended to `owners`)."""
+    """(batched logits, the batch's mean MoE auxiliary loss, or None when the model has
+    no MoE layer). With `owners` (a list), the logits come paired with the recorded
+    inputs of the attention modules that update arrays (their indices are appended to
+    `owners`)."""
     keys = None if key is None else jax.random.split(key, batch["tokens"].shape[0])  # None vmaps as an empty tree
-    if owners is None:
-        return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(batch["tokens"], batch["mask"], keys)
+    moe = has_moe(model)
+    if owners is None and not moe:
+        return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(
+            batch["tokens"], batch["mask"], keys), None
 
     def one(t, m, k):
-        with record_attention_inputs(model) as recorder:
-            out = model(t, m, key=k, inference=inference)
-        owners[:] = recorder.owners  # traced once: the same modules for every example
-        return out, recorder.values
+        sink: list = []  # the MoE layers' aux dicts, collected within this trace
+        extra = {"aux": sink} if moe else {}
+        if owners is None:
+            out = model(t, m, key=k, inference=inference, **extra)
+        else:
+            with record_attention_inputs(model) as recorder:
+                out = model(t, m, key=k, inference=inference, **extra)
+            owners[:] = recorder.owners  # traced once: the same modules for every example
+            out = (out, recorder.values)
+        return out, aux_loss(sink) if moe else jnp.zeros((), jnp.float32)
 
-    return jax.vmap(one)(batch["tokens"], batch["mask"], keys)
+    out, aux = jax.vmap(one)(batch["tokens"], batch["mask"], keys)
+    return out, aux.mean() if moe else None
 
 
 def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool = False, owners=None):
-    """Mean cross-entropy and (loss sum, correct, count) for a classification batch
-    (`label`) or a language-modelling batch (`loss_mask`). With `owners` (a list to
-    fill), the metrics are `(stats, recorded attention inputs)` (see `_forward`)."""
-    logits = _forward(model, batch, key, inference, owners)
+    """Mean cross-entropy (plus the MoE layers' weighted auxiliary losses, averaged over
+    the batch, when the model has any) and (loss sum, correct, count) of the
+    cross-entropy alone, for a classification batch (`label`) or a language-modelling
+    batch (`loss_mask`). With `owners` (a list to fill), the metrics are `(stats,
+    recorded attention inputs)` (see `_forward`)."""
+    logits, aux = _forward(model, batch, key, inference, owners)
     records = None
     if owners is not None:
         logits, records = logits
@@ -62,7 +76,8 @@ def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool
     correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
     total = (losses * weights).sum()
     stats = (total, correct, weights.sum())
-    return total / count, stats if owners is None else (stats, records)
+    objective = total / count if aux is None else total / count + aux
+    return objective, stats if owners is None else (stats, records)
 
 
 def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int):

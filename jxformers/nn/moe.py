@@ -1,0 +1,543 @@
+"""Mixture-of-experts layers for one example `[seq, d_model]` (batch with `jax.vmap`):
+pure router functions, the two dispatches, stacked experts, and the `MoE` module.
+
+    moe = MoE(d_model=64, d_ff=128, num_experts=8, top_k=2, key=key)
+    y, aux = moe(x, mask=mask, key=key)          # y [seq, d_model]; aux: dict of scalars, [E]
+
+Routers (logits always in float32):
+    token choice  each token picks its top-k experts. k=1 is Switch (Fedus et al. 2021;
+                  gate = the router probability); k>1 normalises the k gates to sum 1
+                  (GShard, Lepikhin et al. 2020). GShard's second-expert policy
+                  (`second_policy="random"`): in training, with an explicit key, the
+                  expert of rank j >= 1 is used with probability min(1, g_j / threshold),
+                  threshold 0.5 = GShard's Algorithm 1 (use e2 if 2 g2 > U(0, 1)); at
+                  inference every chosen expert is used.
+    expert choice each expert picks its top-C tokens by router probability (softmax over
+                  experts; Zhou et al. 2022), C = max(min_capacity, ceil(cf * seq / E)),
+                  at most seq; a token may get several experts or none. An expert sees
+                  the whole sequence before it picks, so it leaks future tokens: a causal
+                  layer refuses it (ValueError).
+    jitter        multiplicative uniform noise U(1 - eps, 1 + eps) on the router input,
+                  training only, explicit key (Switch).
+    losses        router z-loss mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022);
+                  load balancing E * sum_e f_e P_e (Switch), f_e the fraction of the
+                  router's choices (all k ranks, before the policy and capacity) that
+                  name e, P_e the mean router probability of e.
+    padding       tokens with mask False are never routed, get zero expert output, and
+                  count in no loss, load or drop statistic.
+
+Dispatch:
+    capacity   each expert takes at most C = max(min_capacity, ceil(cf * seq * k / E))
+               assignments, at most seq (seq is the static length, padding included; `capacity_factor` in training,
+               `eval_capacity_factor` at inference); first choices of every token are
+               placed before any second choice (GShard), tokens in order. An overflowing
+               assignment gets zero output (the residual carries the token) and is
+               counted in aux["dropped"]. Memory O(E C d) plus an O(seq k E) position count.
+    dropless   (token choice) every assignment is processed: assignments are sorted by
+               expert and multiplied with `jax.lax.ragged_dot` (grouped matmul). It
+               lowers and is tested on CPU (jax 0.10.2); it was not run on a GPU or TPU
+               in this work. `ragged_dot` has no batching rule for a batched lhs with
+               unbatched weights, so `grouped_matmul` carries its own (custom_vmap inside
+               a custom_vjp): under vmap the batch's rows are merged and sorted by expert
+               into one ragged_dot (forward and input gradient); the weight gradient is
+               formed per example and summed by vmap (transient batch x expert-weights
+               memory). Every token is independent here, so the layer may also be
+               called on a flattened batch [batch * seq, d].
+
+aux (all float32): balance_loss, z_loss, router_entropy (mean over real tokens of the
+router distribution's entropy), dropped (token choice: assignments lost to capacity;
+expert choice: real tokens that no expert picked), expert_load [E] (assignments each
+expert processed), loss (balance_weight * balance_loss + z_loss_weight * z_loss: what
+a model adds to its training loss). Expert choice is balanced by construction: its
+balance_loss is 0.
+
+Elsewhere: `Block` takes an MoE as its FFN and appends the aux dict to a list the model's
+caller passes (`aux=`); `ModelConfig(ffn="moe", moe={...})` builds them (per block with
+layer_overrides) and the train step adds the losses; `moe_sharded.py` runs the layer
+with its experts split over devices (shard_map, all_to_all).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import custom_batching
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from jxformers.nn.layers import FFN_KINDS, FeedForward, Linear, split_key
+
+ROUTERS = ("token_choice", "expert_choice")
+SECOND_POLICIES = ("all", "random")
+
+
+# ----------------------------------------------------------------------------- routers
+
+
+def _real(mask: Bool[Array, " seq"] | None, seq: int) -> Bool[Array, " seq"]:
+    return jnp.ones((seq,), bool) if mask is None else mask
+
+
+def _mean_over_real(values: Float[Array, " seq"], mask: Bool[Array, " seq"]) -> Float[Array, ""]:
+    return jnp.where(mask, values, 0.0).sum() / jnp.maximum(mask.sum(), 1)
+
+
+def jitter(x: Float[Array, "seq d"], eps: float, key: PRNGKeyArray) -> Float[Array, "seq d"]:
+    """x * U(1 - eps, 1 + eps), elementwise (Switch's router jitter)."""
+    noise = jax.random.uniform(key, x.shape, jnp.float32, 1.0 - eps, 1.0 + eps)
+    return (x.astype(jnp.float32) * noise).astype(x.dtype)
+
+
+def z_loss(logits: Float[Array, "seq experts"], mask: Bool[Array, " seq"] | None = None) -> Float[Array, ""]:
+    """ST-MoE's router z-loss: mean over real tokens of logsumexp(logits)^2."""
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    return _mean_over_real(jnp.square(lse), _real(mask, logits.shape[0]))
+
+
+def router_entropy(logits: Float[Array, "seq experts"], mask: Bool[Array, " seq"] | None = None) -> Float[Array, ""]:
+    """Mean over real tokens of the entropy (nats) of the router's distribution."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return _mean_over_real(-(jnp.exp(logp) * logp).sum(-1), _real(mask, logits.shape[0]))
+
+
+def load_balancing_loss(
+    probs: Float[Array, "seq experts"], experts: Int[Array, "seq k"], mask: Bool[Array, " seq"] | None = None
+) -> Float[Array, ""]:
+    """Switch's auxiliary loss E * sum_e f_e P_e over real tokens: f_e the fraction of
+    the router's choices (all k ranks) naming expert e, P_e the mean probability of e.
+    1 when routing is uniform; E when every token goes to one expert with certainty."""
+    num_experts = probs.shape[-1]
+    real = _real(mask, probs.shape[0])
+    count = jnp.maximum(real.sum(), 1)
+    chosen = (jax.nn.one_hot(experts, num_experts, dtype=jnp.float32) * real[:, None, None]).sum((0, 1))
+    f = chosen / (count * experts.shape[1])
+    p = jnp.where(real[:, None], probs.astype(jnp.float32), 0.0).sum(0) / count
+    return num_experts * jnp.sum(f * p)
+
+
+def top_k_route(
+    logits: Float[Array, "seq experts"],
+    k: int,
+    *,
+    mask: Bool[Array, " seq"] | None = None,
+    second_policy: str = "all",
+    threshold: float = 0.5,
+    key: PRNGKeyArray | None = None,
+) -> tuple[Int[Array, "seq k"], Float[Array, "seq k"], Bool[Array, "seq k"]]:
+    """Token-choice routing: (experts, gates, active), each `[seq, k]`, rank-ordered.
+
+    gates: the router probability for k = 1 (Switch), the top-k probabilities
+    normalised to sum 1 for k > 1 (GShard, Mixtral). active: False for padding tokens
+    and for ranks >= 1 dropped by the "random" policy (with `key`; rank j kept with
+    probability min(1, gate_j / threshold), GShard's 2 g2 > U for k=2, threshold 0.5).
+    Gates of inactive assignments are 0; kept gates are not renormalised (GShard)."""
+    if second_policy not in SECOND_POLICIES:
+        raise ValueError(f"second_policy must be one of {SECOND_POLICIES}; got {second_policy!r}")
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"top_k must be in [1, {logits.shape[-1]}] (the number of experts); got {k}")
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    gates, experts = jax.lax.top_k(probs, k)
+    if k > 1:
+        gates = gates / gates.sum(-1, keepdims=True)
+    active = jnp.broadcast_to(_real(mask, logits.shape[0])[:, None], gates.shape)
+    if second_policy == "random" and key is not None and k > 1:
+        draw = jax.random.uniform(key, gates.shape)
+        keep = (draw < gates / threshold) | (jnp.arange(k) == 0)[None, :]
+        active = active & keep
+    return experts, jnp.where(active, gates, 0.0), active
+
+
+def capacity_positions(
+    experts: Int[Array, "seq k"], active: Bool[Array, "seq k"], num_experts: int, capacity: int
+) -> tuple[Int[Array, "seq k"], Bool[Array, "seq k"]]:
+    """(position of each assignment in its expert's buffer, kept = active and position <
+    capacity). Rank-major priority: every token's first choice is placed before any
+    second choice; within a rank, tokens in order."""
+    seq, k = experts.shape
+    flat = experts.T.reshape(-1)
+    onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32) * active.T.reshape(-1, 1)
+    position = ((jnp.cumsum(onehot, axis=0) - 1) * onehot).sum(-1)
+    position = position.reshape(k, seq).T
+    return position, active & (position < capacity)
+
+
+def capacity(tokens: int, num_experts: int, k: int, factor: float, minimum: int) -> int:
+    """max(minimum, ceil(factor * tokens * k / E)), at most `tokens` (an expert can take
+    each token once)."""
+    return min(tokens, max(minimum, math.ceil(factor * tokens * k / num_experts)))
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+def _merged_ragged_dot(x, w, group_sizes):
+    """ragged_dot of a batch of row sets `x [batch, rows, a]` (each sorted by group, with
+    `group_sizes [batch, E]`) against shared `w [E, a, b]`: the rows are merged, sorted
+    by group (stable: batch order within a group) into one ragged_dot, and put back."""
+    batch, rows, _ = x.shape
+    ends = jnp.cumsum(group_sizes, axis=-1)
+    group = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(rows), side="right"))(ends)  # [batch, rows]
+    order = jnp.argsort((group * batch + jnp.arange(batch)[:, None]).reshape(-1), stable=True)
+    y = jax.lax.ragged_dot(x.reshape(batch * rows, -1)[order], w, group_sizes.sum(0))
+    return jnp.zeros_like(y).at[order].set(y).reshape(batch, rows, -1)
+
+
+def _batched(axis_size, in_batched, *args):
+    return [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+
+
+@custom_batching.custom_vmap
+def _gmm(x, w, group_sizes):
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+@_gmm.def_vmap
+def _gmm_vmap(axis_size, in_batched, x, w, group_sizes):
+    if in_batched[1]:
+        return jax.vmap(jax.lax.ragged_dot)(*_batched(axis_size, in_batched, x, w, group_sizes)), True
+    x, group_sizes = _batched(axis_size, (in_batched[0], in_batched[2]), x, group_sizes)
+    return _merged_ragged_dot(x, w, group_sizes), True
+
+
+def _gmm_weight_grad_one(x, ct, group_sizes, w):
+    """d(sum ct * ragged_dot(x, w, g)) / dw: [E, a, b], group e's rows of x^T ct."""
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return jax.lax.ragged_dot_general(x, ct, group_sizes, numbers, preferred_element_type=w.dtype)
+
+
+@custom_batching.custom_vmap
+def _gmm_weight_grad(x, ct, group_sizes, w):
+    return _gmm_weight_grad_one(x, ct, group_sizes, w)
+
+
+@_gmm_weight_grad.def_vmap
+def _gmm_weight_grad_vmap(axis_size, in_batched, x, ct, group_sizes, w):
+    x, ct, group_sizes = _batched(axis_size, in_batched[:3], x, ct, group_sizes)
+    if in_batched[3]:
+        return jax.vmap(_gmm_weight_grad_one)(x, ct, group_sizes, w), True
+    return jax.vmap(lambda a, c, g: _gmm_weight_grad_one(a, c, g, w))(x, ct, group_sizes), True
+
+
+@jax.custom_vjp
+def grouped_matmul(x: Array, w: Array, group_sizes: Array) -> Array:
+    """`jax.lax.ragged_dot(x [m, a], w [E, a, b], group_sizes [E]) -> [m, b]`: rows of x
+    sorted by group, group g multiplied by w[g]; rows past sum(group_sizes) give 0.
+
+    `ragged_dot` has no batching rule for a batched x with shared w; this one has
+    (`custom_vmap`): under `jax.vmap` the batch's rows are merged into one ragged_dot,
+    forward and for x's gradient. Works under grad, vmap, grad of vmap and vmap of grad.
+    Under vmap, w's gradient is formed per example and summed by vmap: transient memory
+    of batch x w; a dropless layer is per token, so call it on the flattened batch
+    `[batch * seq, d]` where that matters."""
+    return _gmm(x, w, group_sizes)
+
+
+def _grouped_matmul_fwd(x, w, group_sizes):
+    return _gmm(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _grouped_matmul_bwd(res, ct):
+    x, w, group_sizes = res
+    dx = _gmm(ct, jnp.swapaxes(w, 1, 2).astype(ct.dtype), group_sizes).astype(x.dtype)
+    dw = _gmm_weight_grad(x, ct.astype(x.dtype), group_sizes, w).astype(w.dtype)
+    return dx, dw, None
+
+
+grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+class Experts(eqx.Module):
+    """E feed-forward networks of one kind (relu, gelu, geglu, swiglu) with stacked
+    weights: w_in, w_gate `[E, d_model, d_ff]`, w_out `[E, d_ff, d_model]`, biases
+    `[E, d_ff]`, `[E, d_model]` (float32; computed in the activations' dtype). Expert e
+    computes what `FeedForward` computes with its weights."""
+
+    kind: str = eqx.field(static=True)
+    w_in: Float[Array, "experts d_model d_ff"]
+    b_in: Float[Array, "experts d_ff"]
+    w_gate: Float[Array, "experts d_model d_ff"] | None
+    b_gate: Float[Array, "experts d_ff"] | None
+    w_out: Float[Array, "experts d_ff d_model"]
+    b_out: Float[Array, "experts d_model"]
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, kind: str = "gelu", *, dropout: float = 0.0,
+                 key: PRNGKeyArray):
+        if kind not in FFN_KINDS:
+            raise ValueError(f"ffn must be one of {FFN_KINDS}; got {kind!r}")
+        keys = jax.random.split(key, 6)
+
+        def uniform(k, shape, fan_in):
+            bound = 1.0 / math.sqrt(fan_in)
+            return jax.random.uniform(k, shape, minval=-bound, maxval=bound)
+
+        self.kind = kind
+        self.w_in = uniform(keys[0], (num_experts, d_model, d_ff), d_model)
+        self.b_in = uniform(keys[1], (num_experts, d_ff), d_model)
+        gated = kind in ("geglu", "swiglu")
+        self.w_gate = uniform(keys[2], (num_experts, d_model, d_ff), d_model) if gated else None
+        self.b_gate = uniform(keys[3], (num_experts, d_ff), d_model) if gated else None
+        self.w_out = uniform(keys[4], (num_experts, d_ff, d_model), d_ff)
+        self.b_out = uniform(keys[5], (num_experts, d_model), d_ff)
+        self.dropout = eqx.nn.Dropout(dropout)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_in.shape[0]
+
+    def _hidden(self, h, g):
+        if self.kind == "relu":
+            return jax.nn.relu(h)
+        if self.kind == "gelu":
+            return jax.nn.gelu(h)
+        return (jax.nn.gelu if self.kind == "geglu" else jax.nn.silu)(h) * g
+
+    def dense(
+        self, x: Float[Array, "experts cap d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False
+    ) -> Float[Array, "experts cap d_model"]:
+        """Expert e applied to its buffer x[e]."""
+        dt = x.dtype
+
+        def proj(w, b, inp):
+            return jnp.einsum("ecd,edf->ecf", inp, w.astype(dt)) + b.astype(dt)[:, None, :]
+
+        g = None if self.w_gate is None else proj(self.w_gate, self.b_gate, x)
+        h = self.dropout(self._hidden(proj(self.w_in, self.b_in, x), g), key=key, inference=inference)
+        return proj(self.w_out, self.b_out, h)
+
+    def ragged(
+        self, x: Float[Array, "rows d_model"], group_sizes: Int[Array, " experts"], expert_of_row: Int[Array, " rows"],
+        *, key: PRNGKeyArray | None = None, inference: bool = False,
+    ) -> Float[Array, "rows d_model"]:
+        """Rows sorted by expert (`group_sizes[e]` rows for expert e, `expert_of_row`
+        their expert, clipped into range for rows past the groups, whose output is
+        meaningless and must be discarded), each through its expert (ragged_dot)."""
+        dt, e = x.dtype, jnp.clip(expert_of_row, 0, self.num_experts - 1)
+
+        def proj(w, b, inp):
+            return grouped_matmul(inp, w.astype(dt), group_sizes) + b.astype(dt)[e]
+
+        g = None if self.w_gate is None else proj(self.w_gate, self.b_gate, x)
+        h = self.dropout(self._hidden(proj(self.w_in, self.b_in, x), g), key=key, inference=inference)
+        return proj(self.w_out, self.b_out, h)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+# MoE's settings (what ModelConfig's `moe` mapping may set) and their defaults.
+SETTINGS = dict(num_experts=8, top_k=1, router="token_choice", ffn="gelu", second_policy="all", capacity_factor=1.25,
+                eval_capacity_factor=2.0, min_capacity=4, dropless=False, jitter_eps=0.0, shared_expert=False,
+                balance_weight=0.01, z_loss_weight=0.001)
+
+
+def check_settings(settings: dict, *, causal: bool, prefix: str = "") -> dict:
+    """`settings` (a subset of SETTINGS) completed with the defaults, after ValueErrors
+    for unknown names and out-of-range values; nothing is built."""
+    unknown = sorted(set(settings) - set(SETTINGS), key=str)
+    if unknown:
+        raise ValueError(f"{prefix}unknown MoE setting(s) {unknown}; known: {sorted(SETTINGS)}")
+    s = SETTINGS | dict(settings)
+    choices = {"router": ROUTERS, "ffn": FFN_KINDS, "second_policy": SECOND_POLICIES}
+    for name, allowed in choices.items():
+        if s[name] not in allowed:
+            raise ValueError(f"{prefix}{name} must be one of {list(allowed)}; got {s[name]!r}")
+    for name in ("dropless", "shared_expert"):
+        if not isinstance(s[name], bool):
+            raise ValueError(f"{prefix}{name} must be a bool; got {s[name]!r}")
+    if not (isinstance(s["num_experts"], int) and s["num_experts"] >= 1):
+        raise ValueError(f"{prefix}num_experts must be an int >= 1; got {s['num_experts']!r}")
+    if not (isinstance(s["top_k"], int) and 1 <= s["top_k"] <= s["num_experts"]):
+        raise ValueError(f"{prefix}top_k must be in [1, num_experts={s['num_experts']}]; got {s['top_k']!r}")
+    for name in ("capacity_factor", "eval_capacity_factor"):
+        if not (isinstance(s[name], (int, float)) and s[name] > 0):
+            raise ValueError(f"{prefix}{name} must be > 0; got {s[name]!r}")
+    if not (isinstance(s["min_capacity"], int) and s["min_capacity"] >= 1):
+        raise ValueError(f"{prefix}min_capacity must be an int >= 1; got {s['min_capacity']!r}")
+    if not (isinstance(s["jitter_eps"], (int, float)) and 0 <= s["jitter_eps"] < 1):
+        raise ValueError(f"{prefix}jitter_eps must be in [0, 1); got {s['jitter_eps']!r}")
+    for name in ("balance_weight", "z_loss_weight"):
+        if not (isinstance(s[name], (int, float)) and s[name] >= 0):
+            raise ValueError(f"{prefix}{name} must be >= 0; got {s[name]!r}")
+    if s["router"] == "expert_choice":
+        if causal:
+            raise ValueError(f"{prefix}router 'expert_choice' leaks future tokens (each expert picks among the whole "
+                             "sequence), so it cannot be causal; use router 'token_choice' in causal models")
+        if s["dropless"]:
+            raise ValueError(f"{prefix}dropless applies to router 'token_choice'; expert choice has a fixed capacity")
+    return s
+
+
+def has_moe(tree) -> bool:
+    """Whether `tree` (a model) holds an MoE layer (and so has auxiliary losses)."""
+    return any(isinstance(leaf, MoE) for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, MoE)))
+
+
+def aux_loss(aux: list[dict[str, Array]]) -> Float[Array, ""]:
+    """The sum of the MoE layers' weighted auxiliary losses (aux["loss"] each)."""
+    return sum((a["loss"] for a in aux), jnp.zeros((), jnp.float32))
+
+
+
+class MoE(eqx.Module):
+    """A mixture-of-experts FFN replacement: router, dispatch, E experts, an optional
+    shared expert (a FeedForward every token goes through, added to the routed output).
+
+    Arguments (constructor):
+        d_model, d_ff, num_experts, ffn: the experts (ffn kind in FFN_KINDS).
+        top_k: experts per token (token choice). router: "token_choice" or
+            "expert_choice". second_policy: "all" or "random" (GShard; training, keyed).
+        capacity_factor, eval_capacity_factor, min_capacity: capacity in training /
+            inference (token choice with dispatch by capacity, and expert choice, where
+            C = ceil(cf * seq / E) tokens per expert).
+        dropless: token choice without capacity (sorted assignments, ragged_dot).
+        jitter_eps: router input jitter (training only; 0 disables).
+        shared_expert: add a FeedForward of width d_ff applied to every token.
+        balance_weight, z_loss_weight: aux["loss"] = balance_weight * balance_loss +
+            z_loss_weight * z_loss, what a model adds to its training loss (Switch: 0.01;
+            ST-MoE: z-loss 0.001).
+        causal: the layer sits in a causal model (expert choice then refuses).
+
+    Call: `(x [seq, d_model], *, mask [seq] | None, key, inference) -> (y, aux)`.
+    Time: router O(seq d E); experts O(E C d d_ff) (capacity) or O(seq k d d_ff)
+    (dropless). Decoding: token choice works token by token (seq = 1, capacity 1 per
+    expert); expert choice is not causal.
+    """
+
+    router: Linear
+    experts: Experts
+    shared: FeedForward | None
+    top_k: int = eqx.field(static=True)
+    routing: str = eqx.field(static=True)
+    second_policy: str = eqx.field(static=True)
+    capacity_factor: float = eqx.field(static=True)
+    eval_capacity_factor: float = eqx.field(static=True)
+    min_capacity: int = eqx.field(static=True)
+    dropless: bool = eqx.field(static=True)
+    jitter_eps: float = eqx.field(static=True)
+    balance_weight: float = eqx.field(static=True)
+    z_loss_weight: float = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+
+    def __init__(
+        self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = 1, router: str = "token_choice",
+        ffn: str = "gelu", second_policy: str = "all", capacity_factor: float = 1.25,
+        eval_capacity_factor: float = 2.0, min_capacity: int = 4, dropless: bool = False, jitter_eps: float = 0.0,
+        shared_expert: bool = False, balance_weight: float = 0.01, z_loss_weight: float = 0.001,
+        causal: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
+    ):
+        check_settings(dict(num_experts=num_experts, top_k=top_k, router=router, ffn=ffn, second_policy=second_policy,
+                            capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
+                            min_capacity=min_capacity, dropless=dropless, jitter_eps=jitter_eps,
+                            shared_expert=shared_expert, balance_weight=balance_weight,
+                            z_loss_weight=z_loss_weight), causal=causal)
+        kr, ke, ks = jax.random.split(key, 3)
+        self.router = Linear(d_model, num_experts, use_bias=False, key=kr)
+        self.experts = Experts(num_experts, d_model, d_ff, ffn, dropout=dropout, key=ke)
+        self.shared = FeedForward(d_model, d_ff, ffn, dropout=dropout, key=ks) if shared_expert else None
+        self.top_k, self.routing, self.second_policy = top_k, router, second_policy
+        self.capacity_factor, self.eval_capacity_factor, self.min_capacity = (
+            capacity_factor, eval_capacity_factor, min_capacity)
+        self.dropless, self.jitter_eps, self.causal = dropless, jitter_eps, causal
+        self.balance_weight, self.z_loss_weight = balance_weight, z_loss_weight
+
+    @property
+    def num_experts(self) -> int:
+        """E, from the router (the experts' arrays hold E / P under expert parallelism)."""
+        return self.router.weight.shape[0]
+
+    def router_logits(
+        self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False
+    ) -> Float[Array, "seq experts"]:
+        """float32 router logits, with jitter on the input in training (needs `key`)."""
+        x = x.astype(jnp.float32)
+        if self.jitter_eps > 0 and not inference:
+            if key is None:
+                raise ValueError("MoE jitter in training needs a key (or pass inference=True)")
+            x = jitter(x, self.jitter_eps, key)
+        return self.router(x)
+
+    def __call__(
+        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None, inference: bool = False,
+    ) -> tuple[Float[Array, "seq d_model"], dict[str, Array]]:
+        return self.forward(x, mask=mask, key=key, inference=inference)
+
+    def forward(
+        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None, inference: bool = False, experts_fn: Callable | None = None,
+    ) -> tuple[Float[Array, "seq d_model"], dict[str, Array]]:
+        """The layer, with the experts' step replaceable: `experts_fn(buffers [E, C, d],
+        key) -> [E, C, d]` (token choice with capacity; expert parallelism passes one
+        that sends the buffers to the experts' devices and back)."""
+        seq = x.shape[0]
+        real = _real(mask, seq)
+        if key is None and not inference and self.second_policy == "random" and self.top_k > 1:
+            raise ValueError("MoE second_policy 'random' in training needs a key (or pass inference=True)")
+        k_jitter, k_policy, k_experts, k_shared = split_key(key, 4)
+        logits = self.router_logits(x, key=k_jitter, inference=inference)
+        aux = {"z_loss": z_loss(logits, real), "router_entropy": router_entropy(logits, real)}
+        if self.routing == "expert_choice":
+            y, more = self._expert_choice(x, logits, real, key=k_experts, inference=inference)
+        else:
+            if experts_fn is None:
+                experts_fn = lambda b, k: self.experts.dense(b, key=k, inference=inference)  # noqa: E731
+            elif self.dropless:
+                raise ValueError("experts_fn replaces the experts of capacity dispatch; this layer is dropless")
+            y, more = self._token_choice(x, logits, real, policy_key=None if inference else k_policy,
+                                         key=k_experts, inference=inference, experts_fn=experts_fn)
+        aux.update(more)
+        aux["loss"] = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
+        if self.shared is not None:
+            y = y + self.shared(x, key=k_shared, inference=inference)
+        return y, aux
+
+    def capacity(self, seq: int, *, inference: bool) -> int:
+        factor = self.eval_capacity_factor if inference else self.capacity_factor
+        k = 1 if self.routing == "expert_choice" else self.top_k
+        return capacity(seq, self.num_experts, k, factor, self.min_capacity)
+
+    def _token_choice(self, x, logits, real, *, policy_key, key, inference, experts_fn):
+        seq, num_experts, k = x.shape[0], self.num_experts, self.top_k
+        experts, gates, active = top_k_route(logits, k, mask=real, second_policy=self.second_policy, key=policy_key)
+        aux = {"balance_loss": load_balancing_loss(jax.nn.softmax(logits, -1), experts, real)}
+        if self.dropless:
+            expert_id = jnp.where(active, experts, num_experts).reshape(-1)  # inactive sort last
+            order = jnp.argsort(expert_id, stable=True)
+            group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[expert_id].add(1)[:num_experts]
+            rows = self.experts.ragged(x[order // k], group_sizes, expert_id[order], key=key, inference=inference)
+            out = jnp.zeros_like(rows).at[order].set(rows).reshape(seq, k, -1)
+            kept = active
+        else:
+            cap = self.capacity(seq, inference=inference)
+            position, kept = capacity_positions(experts, active, num_experts, cap)
+            slot = jnp.where(kept, experts * cap + position, num_experts * cap).reshape(-1)  # dropped: out of range
+            tokens = jnp.broadcast_to(x[:, None, :], (seq, k, x.shape[1])).reshape(seq * k, -1)
+            buffer = jnp.zeros((num_experts * cap, x.shape[1]), x.dtype).at[slot].set(tokens, mode="drop")
+            y = experts_fn(buffer.reshape(num_experts, cap, -1), key)
+            out = y.reshape(num_experts * cap, -1).at[slot].get(mode="fill", fill_value=0).reshape(seq, k, -1)
+        weight = jnp.where(kept, gates, 0.0).astype(x.dtype)
+        y = (out * weight[..., None]).sum(1)
+        load = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(kept.reshape(-1).astype(jnp.float32))
+        aux["dropped"] = (active & ~kept).sum().astype(jnp.float32)
+        aux["expert_load"] = load
+        return y, aux
+
+    def _expert_choice(self, x, logits, real, *, key, inference):
+        seq, num_experts = x.shape[0], self.num_experts
+        cap = self.capacity(seq, inference=inference)
+        probs = jax.nn.softmax(logits, -1)
+        scores = jnp.where(real[:, None], probs, -1.0)  # padding ranks below every real token
+        gates, token = jax.lax.top_k(scores.T, cap)  # [E, cap]
+        valid = real[token]
+        y = self.experts.dense(x[token], key=key, inference=inference)
+        weight = jnp.where(valid, gates, 0.0).astype(x.dtype)
+        out = jnp.zeros_like(x).at[token.reshape(-1)].add((y * weight[..., None]).reshape(num_experts * cap, -1))
+        picked = jnp.zeros((seq,), bool).at[token.reshape(-1)].max(valid.reshape(-1))
+        aux = {"balance_loss": jnp.zeros((), jnp.float32),
+               "dropped": (real & ~picked).sum().astype(jnp.float32),
+               "expert_load": valid.sum(1).astype(jnp.float32)}
+        return out, aux
