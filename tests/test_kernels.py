@@ -282,7 +282,7 @@ def test_model_impl_reaches_every_layer_and_matches_xla():
     want = build_model(ModelConfig(**base, impl="xla"), key=key)(tokens)
     assert_close(got, want, atol=2e-5)
     with pytest.raises(ValueError, match="has no Pallas kernel"):
-        ModelConfig(**(base | {"attention": "performer", "attention_kwargs": {}}), impl="pallas")
+        ModelConfig(**(base | {"attention": "axial", "attention_kwargs": {"width": 8}}), impl="pallas")
 
 
 def test_segment_ids_keep_packed_sequences_apart():

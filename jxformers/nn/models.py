@@ -289,7 +289,8 @@ class Classifier(eqx.Module):
         self.head = Linear(width, num_classes, key=key)
 
     def pool(self, tokens, mask=None, *, key=None, inference=False, aux=None) -> Float[Array, " width"]:
-        h, m = self.encoder(tokens, mask, key=key, inference=inference, aux=aux)
+        moe_sink = {"aux": aux} if aux is not None else {}  # a PerceiverEncoder holds no MoE layer
+        h, m = self.encoder(tokens, mask, key=key, inference=inference, **moe_sink)
         if self.pooling == "cls":
             return h[0]
         if self.pma is not None:
@@ -404,9 +405,11 @@ class LanguageModel(eqx.Module):
         if self.reversible:
             x = reversible_stack(self.blocks, x, kv_mask=mask, bias=bias, positions=positions, key=key, inference=inference)
             return self._logits(x)
+        # Only transformer blocks hold MoE layers (ModelConfig refuses them elsewhere).
+        moe_sink = {"aux": aux} if aux is not None else {}
         for block, k in zip(self.blocks, _split(key, len(self.blocks))):
             x = block(x, kv_mask=mask, bias=bias, positions=positions, context=context, context_mask=context_mask,
-                      aux=aux, key=k, inference=inference)
+                      key=k, inference=inference, **moe_sink)
         return self._logits(x)
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
