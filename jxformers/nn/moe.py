@@ -236,6 +236,16 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array) -> Array:
     return _gmm(x, w, group_sizes)
 
 
+def _varying_axes(a) -> frozenset:
+    """The shard_map axes `a` varies over (empty outside shard_map); jax 0.10 keeps them
+    in the aval's `manual_axis_type.varying`, other versions in `vma`."""
+    aval = jax.typeof(a)
+    axes = getattr(aval, "vma", None)
+    if axes is None:
+        axes = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return frozenset(axes or ())
+
+
 def _grouped_matmul_fwd(x, w, group_sizes):
     return _gmm(x, w, group_sizes), (x, w, group_sizes)
 
@@ -244,6 +254,11 @@ def _grouped_matmul_bwd(res, ct):
     x, w, group_sizes = res
     dx = _gmm(ct, jnp.swapaxes(w, 1, 2).astype(ct.dtype), group_sizes).astype(x.dtype)
     dw = _gmm_weight_grad(x, ct.astype(x.dtype), group_sizes, w).astype(w.dtype)
+    # Inside shard_map, weights replicated over an axis the rows vary over (a data axis)
+    # get that axis's sum, as JAX's own transpose of the implicit broadcast would give.
+    extra = tuple(sorted(_varying_axes(dw) - _varying_axes(w)))
+    if extra:
+        dw = jax.lax.psum(dw, extra)
     return dx, dw, None
 
 
@@ -471,8 +486,11 @@ class MoE(eqx.Module):
         key: PRNGKeyArray | None = None, inference: bool = False, experts_fn: Callable | None = None,
     ) -> tuple[Float[Array, "seq d_model"], dict[str, Array]]:
         """The layer, with the experts' step replaceable: `experts_fn(buffers [E, C, d],
-        key) -> [E, C, d]` (token choice with capacity; expert parallelism passes one
-        that sends the buffers to the experts' devices and back)."""
+        counts [E], key) -> [E, C, d]`, where expert e's first counts[e] slots hold
+        tokens and the rest are empty (expert parallelism passes one that sends the
+        buffers to the experts' devices and back). With `experts_fn`, a dropless layer
+        dispatches into buffers of C = seq (an expert takes each token at most once,
+        so nothing can drop)."""
         seq = x.shape[0]
         real = _real(mask, seq)
         if key is None and not inference and self.second_policy == "random" and self.top_k > 1:
@@ -480,15 +498,14 @@ class MoE(eqx.Module):
         k_jitter, k_policy, k_experts, k_shared = split_key(key, 4)
         logits = self.router_logits(x, key=k_jitter, inference=inference)
         aux = {"z_loss": z_loss(logits, real), "router_entropy": router_entropy(logits, real)}
+        ragged = experts_fn is None and self.dropless
+        if experts_fn is None:
+            experts_fn = lambda b, _, k: self.experts.dense(b, key=k, inference=inference)  # noqa: E731
         if self.routing == "expert_choice":
-            y, more = self._expert_choice(x, logits, real, key=k_experts, inference=inference)
+            y, more = self._expert_choice(x, logits, real, key=k_experts, inference=inference, experts_fn=experts_fn)
         else:
-            if experts_fn is None:
-                experts_fn = lambda b, k: self.experts.dense(b, key=k, inference=inference)  # noqa: E731
-            elif self.dropless:
-                raise ValueError("experts_fn replaces the experts of capacity dispatch; this layer is dropless")
             y, more = self._token_choice(x, logits, real, policy_key=None if inference else k_policy,
-                                         key=k_experts, inference=inference, experts_fn=experts_fn)
+                                         key=k_experts, inference=inference, experts_fn=experts_fn, ragged=ragged)
         aux.update(more)
         aux["loss"] = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
         if self.shared is not None:
@@ -500,11 +517,11 @@ class MoE(eqx.Module):
         k = 1 if self.routing == "expert_choice" else self.top_k
         return capacity(seq, self.num_experts, k, factor, self.min_capacity)
 
-    def _token_choice(self, x, logits, real, *, policy_key, key, inference, experts_fn):
+    def _token_choice(self, x, logits, real, *, policy_key, key, inference, experts_fn, ragged):
         seq, num_experts, k = x.shape[0], self.num_experts, self.top_k
         experts, gates, active = top_k_route(logits, k, mask=real, second_policy=self.second_policy, key=policy_key)
         aux = {"balance_loss": load_balancing_loss(jax.nn.softmax(logits, -1), experts, real)}
-        if self.dropless:
+        if ragged:
             expert_id = jnp.where(active, experts, num_experts).reshape(-1)  # inactive sort last
             order = jnp.argsort(expert_id, stable=True)
             group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[expert_id].add(1)[:num_experts]
@@ -512,12 +529,13 @@ class MoE(eqx.Module):
             out = jnp.zeros_like(rows).at[order].set(rows).reshape(seq, k, -1)
             kept = active
         else:
-            cap = self.capacity(seq, inference=inference)
+            cap = seq if self.dropless else self.capacity(seq, inference=inference)
             position, kept = capacity_positions(experts, active, num_experts, cap)
             slot = jnp.where(kept, experts * cap + position, num_experts * cap).reshape(-1)  # dropped: out of range
             tokens = jnp.broadcast_to(x[:, None, :], (seq, k, x.shape[1])).reshape(seq * k, -1)
             buffer = jnp.zeros((num_experts * cap, x.shape[1]), x.dtype).at[slot].set(tokens, mode="drop")
-            y = experts_fn(buffer.reshape(num_experts, cap, -1), key)
+            counts = jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(kept.reshape(-1))
+            y = experts_fn(buffer.reshape(num_experts, cap, -1), counts, key)
             out = y.reshape(num_experts * cap, -1).at[slot].get(mode="fill", fill_value=0).reshape(seq, k, -1)
         weight = jnp.where(kept, gates, 0.0).astype(x.dtype)
         y = (out * weight[..., None]).sum(1)
@@ -526,14 +544,14 @@ class MoE(eqx.Module):
         aux["expert_load"] = load
         return y, aux
 
-    def _expert_choice(self, x, logits, real, *, key, inference):
+    def _expert_choice(self, x, logits, real, *, key, inference, experts_fn):
         seq, num_experts = x.shape[0], self.num_experts
         cap = self.capacity(seq, inference=inference)
         probs = jax.nn.softmax(logits, -1)
         scores = jnp.where(real[:, None], probs, -1.0)  # padding ranks below every real token
-        gates, token = jax.lax.top_k(scores.T, cap)  # [E, cap]
+        gates, token = jax.lax.top_k(scores.T, cap)  # [E, cap]; real tokens first
         valid = real[token]
-        y = self.experts.dense(x[token], key=key, inference=inference)
+        y = experts_fn(x[token], valid.sum(1, dtype=jnp.int32), key)
         weight = jnp.where(valid, gates, 0.0).astype(x.dtype)
         out = jnp.zeros_like(x).at[token.reshape(-1)].add((y * weight[..., None]).reshape(num_experts * cap, -1))
         picked = jnp.zeros((seq,), bool).at[token.reshape(-1)].max(valid.reshape(-1))
