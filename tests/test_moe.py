@@ -3,6 +3,8 @@ dropless dispatch against per-token loops, padding, jitter, gradients, bf16; the
 product-key memory (jxformers/nn/pkm.py) against a brute-force lookup; both in
 ModelConfig, with the MoE auxiliary losses in the training loss."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -324,7 +326,8 @@ def test_config_moe_every_other_layer_adds_weighted_aux_losses_to_the_loss():
     mask = jnp.arange(12)[None, :] < jnp.array([[12], [9]])
     batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
     objective = eqx.filter_value_and_grad(lambda m: loss_and_metrics(m, batch, None, inference=True), has_aux=True)
-    (loss, (total, _, count)), grads = eqx.filter_jit(objective)(model)
+    (loss, aux), grads = eqx.filter_jit(objective)(model)
+    total, _, count = aux.stats
     assert float(jnp.abs(grads.blocks[1].ffn.router.weight).sum()) > 0  # the router learns
 
     @eqx.filter_jit
@@ -378,3 +381,41 @@ def test_moe_and_pkm_language_model_decodes_like_its_parallel_forward():
         return jax.lax.scan(step, m.init_decode_state(8), t)[1]
 
     assert_close(decode(model, tokens), parallel, atol=1e-4)
+
+
+def test_training_logs_per_layer_moe_metrics_to_jsonl_and_tensorboard(tmp_path):
+    import json
+
+    import yaml
+
+    from jxformers.train import load_experiment, train
+    from jxformers.train.tensorboard import read_records
+
+    config = {
+        "name": "moe_tiny",
+        "data": {"task": "copy", "train_size": 64, "eval_size": 16, "settings": {"max_len": 16, "symbols": 4}},
+        "model": {"attention": "softmax", "num_layers": 2, "d_model": 16, "num_heads": 2, "d_ff": 32,
+                  "layer_overrides": {1: {"ffn": "moe"}},
+                  "moe": {"num_experts": 4, "top_k": 2, "capacity_factor": 0.5, "min_capacity": 1}},
+        "train": {"steps": 3, "batch_size": 4, "learning_rate": 0.003, "warmup_steps": 1, "eval_every": 3,
+                  "eval_batches": 1, "log_every": 1, "grad_accum": 2},
+        "checkpoint": {"every": 3},
+    }
+    path = tmp_path / "moe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    train(load_experiment(path, []), tmp_path / "run", progress=False)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert len(r["moe0/expert_load"]) == 4 and "moe1/dropped" not in r  # one MoE layer
+        # capacity factor 0.5: half the assignments find a slot; both micro-batches are counted
+        assert r["moe0/dropped"] > 0
+        assert 0 < sum(r["moe0/expert_load"]) + r["moe0/dropped"] <= 4 * 16 * 2  # real tokens x top_k
+        assert 0 < r["moe0/router_entropy"] <= math.log(4) + 1e-6
+        assert 0.25 <= r["moe0/router_confidence"] <= 1 and r["moe0/load_imbalance"] >= 1
+        for name in ("balance_loss", "z_loss", "loss"):
+            assert math.isfinite(r[f"moe0/{name}"])
+    events = next((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    payload = b"".join(read_records(events))
+    assert b"moe0/router_entropy" in payload and b"moe0/dropped" in payload

@@ -44,8 +44,9 @@ Dispatch:
                memory). Every token is independent here, so the layer may also be
                called on a flattened batch [batch * seq, d].
 
-aux (all float32): balance_loss, z_loss, router_entropy (mean over real tokens of the
-router distribution's entropy), dropped (token choice: assignments lost to capacity;
+aux (all float32; AUX_NAMES): balance_loss, z_loss, router_entropy (mean over real
+tokens of the router distribution's entropy), router_confidence (mean over real tokens
+of the top router probability), dropped (token choice: assignments lost to capacity;
 expert choice: real tokens that no expert picked), expert_load [E] (assignments each
 expert processed), loss (balance_weight * balance_loss + z_loss_weight * z_loss: what
 a model adds to its training loss). Expert choice is balanced by construction: its
@@ -71,6 +72,8 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from jxformers.nn.layers import FFN_KINDS, FeedForward, Linear, split_key
 
 ROUTERS = ("token_choice", "expert_choice")
+AUX_NAMES = ("balance_loss", "z_loss", "router_entropy", "router_confidence", "dropped", "expert_load", "loss")
+SUMMED = ("dropped", "expert_load")  # aux counts: summed over examples and devices; the rest are means
 SECOND_POLICIES = ("all", "random")
 
 
@@ -101,6 +104,12 @@ def router_entropy(logits: Float[Array, "seq experts"], mask: Bool[Array, " seq"
     """Mean over real tokens of the entropy (nats) of the router's distribution."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return _mean_over_real(-(jnp.exp(logp) * logp).sum(-1), _real(mask, logits.shape[0]))
+
+
+def router_confidence(logits: Float[Array, "seq experts"], mask: Bool[Array, " seq"] | None = None) -> Float[Array, ""]:
+    """Mean over real tokens of the router's top probability."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return _mean_over_real(probs.max(-1), _real(mask, logits.shape[0]))
 
 
 def load_balancing_loss(
@@ -396,6 +405,24 @@ def aux_loss(aux: list[dict[str, Array]]) -> Float[Array, ""]:
     return sum((a["loss"] for a in aux), jnp.zeros((), jnp.float32))
 
 
+def reduce_aux(aux: dict[str, Array], axis: int = 0) -> dict[str, Array]:
+    """One layer's aux stacked over examples (or micro-batches) on `axis`, reduced:
+    counts (SUMMED) summed, the rest averaged."""
+    return {name: v.sum(axis) if name in SUMMED else v.mean(axis) for name, v in aux.items()}
+
+
+def layer_metrics(layers: list[dict[str, Array]]) -> dict[str, Array]:
+    """Per-layer metrics to log, named "moe{j}/{name}" for the j-th MoE layer in call
+    order: the aux entries (expert_load is a vector [E]) and load_imbalance, the
+    busiest expert's load over the mean load (1 = perfectly balanced)."""
+    out = {}
+    for j, aux in enumerate(layers):
+        out |= {f"moe{j}/{name}": v for name, v in aux.items()}
+        load = aux["expert_load"]
+        out[f"moe{j}/load_imbalance"] = load.max() / jnp.maximum(load.mean(), 1e-9)
+    return out
+
+
 
 class MoE(eqx.Module):
     """A mixture-of-experts FFN replacement: router, dispatch, E experts, an optional
@@ -497,7 +524,8 @@ class MoE(eqx.Module):
             raise ValueError("MoE second_policy 'random' in training needs a key (or pass inference=True)")
         k_jitter, k_policy, k_experts, k_shared = split_key(key, 4)
         logits = self.router_logits(x, key=k_jitter, inference=inference)
-        aux = {"z_loss": z_loss(logits, real), "router_entropy": router_entropy(logits, real)}
+        aux = {"z_loss": z_loss(logits, real), "router_entropy": router_entropy(logits, real),
+               "router_confidence": router_confidence(logits, real)}
         ragged = experts_fn is None and self.dropless
         if experts_fn is None:
             experts_fn = lambda b, _, k: self.experts.dense(b, key=k, inference=inference)  # noqa: E731

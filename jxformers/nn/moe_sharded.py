@@ -36,10 +36,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from jxformers.nn.moe import MoE
+from jxformers.nn.moe import AUX_NAMES, SUMMED, MoE
 
 AXIS = "expert"
-SUMMED = ("dropped", "expert_load")  # aux entries summed over devices; the rest are means
 
 
 def _is_param(leaf) -> bool:
@@ -123,8 +122,7 @@ def expert_parallel_moe(
         return y.reshape(b, n, d), out
 
     spec_x = PartitionSpec(batch_axes)
-    aux_specs = {name: PartitionSpec() for name in
-                 ("z_loss", "router_entropy", "balance_loss", "dropped", "expert_load", "loss")}
+    aux_specs = {name: PartitionSpec() for name in AUX_NAMES}
     fn = jax.shard_map(local, mesh=mesh, in_specs=(_param_specs(moe, axis), spec_x, spec_x),
                        out_specs=(spec_x, aux_specs))
     return fn(params, x, mask)

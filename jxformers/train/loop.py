@@ -143,7 +143,7 @@ class _CompiledStep:
             self.temp_bytes = cost_of(self.compiled).temp_bytes
         began = time.perf_counter()
         state, metrics = self.compiled(state, batch)
-        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics = {k: float(v) if v.ndim == 0 else [float(x) for x in v] for k, v in metrics.items()}
         return state, metrics, time.perf_counter() - began
 
 

@@ -18,6 +18,7 @@ drawn arrays with `nn.update_arrays` of the batch (not when the step is skipped)
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -25,47 +26,50 @@ import jax.numpy as jnp
 import optax
 
 from jxformers.nn import record_attention_inputs, update_arrays, updates_arrays
-from jxformers.nn.moe import aux_loss, has_moe
+from jxformers.nn.moe import aux_loss, has_moe, layer_metrics, reduce_aux
 from jxformers.train.state import TrainState, split_model
 
 
+class LossAux(NamedTuple):
+    """What `loss_and_metrics` returns beside the objective."""
+
+    stats: tuple  # (loss sum, correct, count) of the cross-entropy alone
+    records: list  # recorded inputs of the attention modules that update arrays (with `owners`)
+    moe: list  # per MoE layer in call order, its aux dict reduced over the batch (`reduce_aux`)
+
+
 def _forward(model, batch, key, inference, owners=None):
-    """(batched logits, the batch's mean MoE auxiliary loss, or None when the model has
-    no MoE layer). With `owners` (a list), the logits come paired with the recorded
-    inputs of the attention modules that update arrays (their indices are appended to
-    `owners`)."""
+    """(batched logits, the MoE layers' aux dicts reduced over the batch ([] when the
+    model has none), recorded attention inputs). With `owners` (a list), the inputs of
+    the attention modules that update arrays are recorded (their indices appended to
+    `owners`); otherwise the records are []."""
     keys = None if key is None else jax.random.split(key, batch["tokens"].shape[0])  # None vmaps as an empty tree
     moe = has_moe(model)
     if owners is None and not moe:
         return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(
-            batch["tokens"], batch["mask"], keys), None
+            batch["tokens"], batch["mask"], keys), [], []
 
     def one(t, m, k):
         sink: list = []  # the MoE layers' aux dicts, collected within this trace
         extra = {"aux": sink} if moe else {}
         if owners is None:
+            return model(t, m, key=k, inference=inference, **extra), sink, []
+        with record_attention_inputs(model) as recorder:
             out = model(t, m, key=k, inference=inference, **extra)
-        else:
-            with record_attention_inputs(model) as recorder:
-                out = model(t, m, key=k, inference=inference, **extra)
-            owners[:] = recorder.owners  # traced once: the same modules for every example
-            out = (out, recorder.values)
-        return out, aux_loss(sink) if moe else jnp.zeros((), jnp.float32)
+        owners[:] = recorder.owners  # traced once: the same modules for every example
+        return out, sink, recorder.values
 
-    out, aux = jax.vmap(one)(batch["tokens"], batch["mask"], keys)
-    return out, aux.mean() if moe else None
+    out, layers, records = jax.vmap(one)(batch["tokens"], batch["mask"], keys)
+    return out, [reduce_aux(a) for a in layers], records
 
 
-def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool = False, owners=None):
+def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool = False, owners=None
+                     ) -> tuple[jax.Array, LossAux]:
     """Mean cross-entropy (plus the MoE layers' weighted auxiliary losses, averaged over
-    the batch, when the model has any) and (loss sum, correct, count) of the
-    cross-entropy alone, for a classification batch (`label`) or a language-modelling
-    batch (`loss_mask`). With `owners` (a list to fill), the metrics are `(stats,
-    recorded attention inputs)` (see `_forward`)."""
-    logits, aux = _forward(model, batch, key, inference, owners)
-    records = None
-    if owners is not None:
-        logits, records = logits
+    the batch, when the model has any) and its `LossAux`, for a classification batch
+    (`label`) or a language-modelling batch (`loss_mask`). With `owners` (a list to
+    fill), the attention inputs are recorded (see `_forward`)."""
+    logits, layers, records = _forward(model, batch, key, inference, owners)
     if "label" in batch:
         labels, weights = batch["label"], jnp.ones(batch["label"].shape, jnp.float32)
     else:  # position i predicts token i + 1
@@ -75,14 +79,14 @@ def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool
     count = jnp.maximum(weights.sum(), 1.0)
     correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
     total = (losses * weights).sum()
-    stats = (total, correct, weights.sum())
-    objective = total / count if aux is None else total / count + aux
-    return objective, stats if owners is None else (stats, records)
+    objective = total / count + aux_loss(layers)  # the layers' losses are already batch means
+    return objective, LossAux((total, correct, weights.sum()), records, layers)
 
 
 def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int):
     """A jitted (state, batch) -> (state, metrics) with the state donated; metrics: loss,
-    accuracy, grad_norm, finite (the update was applied)."""
+    accuracy, grad_norm, finite (the update was applied), and per MoE layer its
+    `layer_metrics` (means over micro-batches; counts summed)."""
 
     updating = updates_arrays(static)
     owners: list[int] = []
@@ -92,24 +96,26 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
             return loss_and_metrics(eqx.combine(p, drawn, static), batch, key, owners=owners if updating else None)
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        stats, records = aux if updating else (aux, [])
-        return (loss, stats), grads, records
+        return loss, aux, grads
 
     def step(state: TrainState, batch):
         params, key = state.params, jax.random.fold_in(state.rng, 2 * state.step)
         if grad_accum == 1:
-            (loss, stats), grads, records = micro_grads(params, state.drawn, batch, key)
+            loss, aux, grads = micro_grads(params, state.drawn, batch, key)
+            stats, records, layers = aux
         else:
             micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
 
             def body(acc, xs):
                 b, k = xs
-                (loss, stats), grads, records = micro_grads(params, state.drawn, b, k)
-                return jax.tree.map(jnp.add, acc, (loss, stats, grads)), records
+                loss, aux, grads = micro_grads(params, state.drawn, b, k)
+                return jax.tree.map(jnp.add, acc, (loss, aux.stats, grads)), (aux.records, aux.moe)
 
             zero = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), jax.tree.map(jnp.zeros_like, params))
-            (loss, stats, grads), records = jax.lax.scan(body, zero, (micro, jax.random.split(key, grad_accum)))
+            (loss, stats, grads), (records, layers) = jax.lax.scan(
+                body, zero, (micro, jax.random.split(key, grad_accum)))
             records = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), records)  # micro-batches back to one batch
+            layers = [reduce_aux(a) for a in layers]
             loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -117,7 +123,7 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         metrics = {"loss": loss, "accuracy": stats[1] / jnp.maximum(stats[2], 1.0), "grad_norm": grad_norm,
-                   "finite": finite}
+                   "finite": finite, **layer_metrics(layers)}
         drawn = state.drawn
         if updating:  # state moved outside the gradient (k-means centroids)
             _, drawn, _ = split_model(update_arrays(eqx.combine(params, drawn, static), owners, records))
@@ -134,8 +140,8 @@ def make_eval_step(static):
 
     @jax.jit
     def step(state: TrainState, batch):
-        _, stats = loss_and_metrics(state.model(static), batch, None, inference=True)
-        return stats
+        _, aux = loss_and_metrics(state.model(static), batch, None, inference=True)
+        return aux.stats
 
     return step
 
