@@ -123,9 +123,10 @@ def test_capacity_overflow_dropped_exactly():
     assert float(aux["dropped"]) == n - 6
 
 
-@pytest.mark.parametrize("ffn", ["swiglu"])
-def test_dropless_equals_per_token_loop(ffn):
-    moe = MoE(D, FF, 4, top_k=2, dropless=True, ffn=ffn, key=jax.random.key(3))
+@pytest.mark.parametrize("method", ["ragged", "padded"])
+def test_dropless_equals_per_token_loop(method, ffn="swiglu"):
+    moe = MoE(D, FF, 4, top_k=2, dropless=True, dropless_method=method, ffn=ffn, key=jax.random.key(3))
+    assert moe.ragged_dispatch == (method == "ragged")
     x = _x(4)
     mask = jnp.arange(12) < 10
     y, aux = _run(moe, x, mask=mask)
@@ -144,7 +145,8 @@ def test_dropless_equals_per_token_loop(ffn):
 
 def test_dropless_gradients_under_vmap_match_capacity_dispatch():
     kw = dict(top_k=2, ffn="geglu", key=jax.random.key(6))
-    dropless, roomy = MoE(D, FF, 4, dropless=True, **kw), MoE(D, FF, 4, capacity_factor=2.0, **kw)
+    # the ragged_dot path (the padded one is the capacity dispatch itself)
+    dropless, roomy = MoE(D, FF, 4, dropless=True, dropless_method="ragged", **kw), MoE(D, FF, 4, capacity_factor=2.0, **kw)
     xs = jnp.stack([_x(7), _x(8)])
 
     def loss(m):

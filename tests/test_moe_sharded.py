@@ -66,9 +66,11 @@ SCRIPT = textwrap.dedent("""
     check(top2, grid, "data", 8, drops=True)
     top1 = MoE(8, 16, 8, top_k=1, capacity_factor=0.5, min_capacity=1, key=jax.random.key(4))
     check(top1, grid, "data", 8, drops=True)
-    dropless = MoE(8, 16, 8, top_k=2, dropless=True, key=jax.random.key(5))
-    check(dropless, expert_mesh, None, 4, drops=False)
-    check(dropless, grid, "data", 8, drops=False)
+    for method in ("ragged", "padded"):
+        dropless = MoE(8, 16, 8, top_k=2, dropless=True, dropless_method=method, key=jax.random.key(5))
+        check(dropless, expert_mesh, None, 4, drops=False)
+    ragged = MoE(8, 16, 8, top_k=2, dropless=True, dropless_method="ragged", key=jax.random.key(5))
+    check(ragged, grid, "data", 8, drops=False)
     choice = MoE(8, 16, 8, router="expert_choice", capacity_factor=1.0, min_capacity=1, key=jax.random.key(6))
     check(choice, grid, "data", 8, drops=None)
 

@@ -90,7 +90,7 @@ class ModelConfig:
         moe: MoE settings (`jxformers.nn.moe.SETTINGS`): num_experts, top_k, router
             (token_choice, expert_choice), ffn (the experts' kind), second_policy,
             capacity_factor, eval_capacity_factor, min_capacity, dropless,
-            shared_expert, jitter_eps, balance_weight, z_loss_weight; the weighted
+            dropless_method, shared_expert, jitter_eps, balance_weight, z_loss_weight; the weighted
             auxiliary losses are added to the training loss. Tasks classify and lm,
             architecture transformer, not reversible.
         pkm: product-key memory settings (`jxformers.nn.pkm.SETTINGS`): num_keys,

@@ -33,10 +33,15 @@ Dispatch:
                placed before any second choice (GShard), tokens in order. An overflowing
                assignment gets zero output (the residual carries the token) and is
                counted in aux["dropped"]. Memory O(E C d) plus an O(seq k E) position count.
-    dropless   (token choice) every assignment is processed: assignments are sorted by
-               expert and multiplied with `jax.lax.ragged_dot` (grouped matmul). It
-               lowers and is tested on CPU (jax 0.10.2); it was not run on a GPU or TPU
-               in this work. `ragged_dot` has no batching rule for a batched lhs with
+    dropless   (token choice) every assignment is processed, by one of two methods
+               (`dropless_method`; "auto" picks "padded" on CPU, "ragged" elsewhere):
+               "ragged": assignments sorted by expert and multiplied with
+               `jax.lax.ragged_dot` (grouped matmul), FLOPs = the assignments'. On CPU
+               (jax 0.10.2) ragged_dot runs at about 1% of a dense matmul of the same
+               size (docs/moe.md), so it is not the CPU default; it was not run on a GPU
+               or TPU in this work. "padded": the capacity dispatch with C = seq (an
+               expert takes a token at most once, so nothing can drop): dense einsums at
+               E / k times the assignments' FLOPs, and E * seq * d buffer memory. `ragged_dot` has no batching rule for a batched lhs with
                unbatched weights, so `grouped_matmul` carries its own (custom_vmap inside
                a custom_vjp): under vmap the batch's rows are merged and sorted by expert
                into one ragged_dot (forward and input gradient); the weight gradient is
@@ -75,6 +80,7 @@ ROUTERS = ("token_choice", "expert_choice")
 AUX_NAMES = ("balance_loss", "z_loss", "router_entropy", "router_confidence", "dropped", "expert_load", "loss")
 SUMMED = ("dropped", "expert_load")  # aux counts: summed over examples and devices; the rest are means
 SECOND_POLICIES = ("all", "random")
+DROPLESS_METHODS = ("auto", "ragged", "padded")
 
 
 # ----------------------------------------------------------------------------- routers
@@ -354,8 +360,8 @@ class Experts(eqx.Module):
 
 # MoE's settings (what ModelConfig's `moe` mapping may set) and their defaults.
 SETTINGS = dict(num_experts=8, top_k=1, router="token_choice", ffn="gelu", second_policy="all", capacity_factor=1.25,
-                eval_capacity_factor=2.0, min_capacity=4, dropless=False, jitter_eps=0.0, shared_expert=False,
-                balance_weight=0.01, z_loss_weight=0.001)
+                eval_capacity_factor=2.0, min_capacity=4, dropless=False, dropless_method="auto", jitter_eps=0.0,
+                shared_expert=False, balance_weight=0.01, z_loss_weight=0.001)
 
 
 def check_settings(settings: dict, *, causal: bool, prefix: str = "") -> dict:
@@ -365,7 +371,8 @@ def check_settings(settings: dict, *, causal: bool, prefix: str = "") -> dict:
     if unknown:
         raise ValueError(f"{prefix}unknown MoE setting(s) {unknown}; known: {sorted(SETTINGS)}")
     s = SETTINGS | dict(settings)
-    choices = {"router": ROUTERS, "ffn": FFN_KINDS, "second_policy": SECOND_POLICIES}
+    choices = {"router": ROUTERS, "ffn": FFN_KINDS, "second_policy": SECOND_POLICIES,
+               "dropless_method": DROPLESS_METHODS}
     for name, allowed in choices.items():
         if s[name] not in allowed:
             raise ValueError(f"{prefix}{name} must be one of {list(allowed)}; got {s[name]!r}")
@@ -435,7 +442,9 @@ class MoE(eqx.Module):
         capacity_factor, eval_capacity_factor, min_capacity: capacity in training /
             inference (token choice with dispatch by capacity, and expert choice, where
             C = ceil(cf * seq / E) tokens per expert).
-        dropless: token choice without capacity (sorted assignments, ragged_dot).
+        dropless: token choice without capacity; dropless_method: "ragged"
+            (ragged_dot), "padded" (buffers of C = seq) or "auto" (padded on CPU,
+            ragged elsewhere); see the module docstring.
         jitter_eps: router input jitter (training only; 0 disables).
         shared_expert: add a FeedForward of width d_ff applied to every token.
         balance_weight, z_loss_weight: aux["loss"] = balance_weight * balance_loss +
@@ -459,6 +468,7 @@ class MoE(eqx.Module):
     eval_capacity_factor: float = eqx.field(static=True)
     min_capacity: int = eqx.field(static=True)
     dropless: bool = eqx.field(static=True)
+    dropless_method: str = eqx.field(static=True)
     jitter_eps: float = eqx.field(static=True)
     balance_weight: float = eqx.field(static=True)
     z_loss_weight: float = eqx.field(static=True)
@@ -467,13 +477,15 @@ class MoE(eqx.Module):
     def __init__(
         self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = 1, router: str = "token_choice",
         ffn: str = "gelu", second_policy: str = "all", capacity_factor: float = 1.25,
-        eval_capacity_factor: float = 2.0, min_capacity: int = 4, dropless: bool = False, jitter_eps: float = 0.0,
+        eval_capacity_factor: float = 2.0, min_capacity: int = 4, dropless: bool = False,
+        dropless_method: str = "auto", jitter_eps: float = 0.0,
         shared_expert: bool = False, balance_weight: float = 0.01, z_loss_weight: float = 0.001,
         causal: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
     ):
         check_settings(dict(num_experts=num_experts, top_k=top_k, router=router, ffn=ffn, second_policy=second_policy,
                             capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
-                            min_capacity=min_capacity, dropless=dropless, jitter_eps=jitter_eps,
+                            min_capacity=min_capacity, dropless=dropless, dropless_method=dropless_method,
+                            jitter_eps=jitter_eps,
                             shared_expert=shared_expert, balance_weight=balance_weight,
                             z_loss_weight=z_loss_weight), causal=causal)
         kr, ke, ks = jax.random.split(key, 3)
@@ -483,7 +495,8 @@ class MoE(eqx.Module):
         self.top_k, self.routing, self.second_policy = top_k, router, second_policy
         self.capacity_factor, self.eval_capacity_factor, self.min_capacity = (
             capacity_factor, eval_capacity_factor, min_capacity)
-        self.dropless, self.jitter_eps, self.causal = dropless, jitter_eps, causal
+        self.dropless, self.dropless_method, self.jitter_eps, self.causal = (
+            dropless, dropless_method, jitter_eps, causal)
         self.balance_weight, self.z_loss_weight = balance_weight, z_loss_weight
 
     @property
@@ -526,7 +539,7 @@ class MoE(eqx.Module):
         logits = self.router_logits(x, key=k_jitter, inference=inference)
         aux = {"z_loss": z_loss(logits, real), "router_entropy": router_entropy(logits, real),
                "router_confidence": router_confidence(logits, real)}
-        ragged = experts_fn is None and self.dropless
+        ragged = experts_fn is None and self.dropless and self.ragged_dispatch
         if experts_fn is None:
             experts_fn = lambda b, _, k: self.experts.dense(b, key=k, inference=inference)  # noqa: E731
         if self.routing == "expert_choice":
@@ -539,6 +552,13 @@ class MoE(eqx.Module):
         if self.shared is not None:
             y = y + self.shared(x, key=k_shared, inference=inference)
         return y, aux
+
+    @property
+    def ragged_dispatch(self) -> bool:
+        """Whether a dropless layer multiplies with ragged_dot (else padded buffers)."""
+        if self.dropless_method == "auto":
+            return jax.default_backend() != "cpu"
+        return self.dropless_method == "ragged"
 
     def capacity(self, seq: int, *, inference: bool) -> int:
         factor = self.eval_capacity_factor if inference else self.capacity_factor

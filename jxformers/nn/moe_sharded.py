@@ -14,11 +14,13 @@ result equals `moe` applied to each device's flattened tokens on one device:
     expert choice            each expert picks its top C = ceil(cf * tokens / E) of the
                              device's tokens; the picked tokens travel the same way.
     dropless                 fixed buffers of the worst case, C = tokens_per_device (an
-                             expert takes a token at most once), so nothing can drop. The
-                             receiving device packs the filled rows of its experts (the
-                             counts travel with the buffers) and runs them through the
-                             grouped matmul (`ragged_dot`), so expert FLOPs follow the real
-                             assignments; the exchange still moves E * C * d per device,
+                             expert takes a token at most once), so nothing can drop. With
+                             the ragged method the receiving device packs the filled rows
+                             of its experts (the counts travel with the buffers) and runs
+                             them through the grouped matmul (`ragged_dot`), so expert
+                             FLOPs follow the real assignments (the padded method, CPU's
+                             default, multiplies the whole buffers); either way the
+                             exchange moves E * C * d per device,
                              E / k times the ideal. `jax.lax.ragged_all_to_all` would move
                              only the assignments, but it does not run on CPU, where this
                              is tested, so it is not used.
@@ -105,7 +107,7 @@ def expert_parallel_moe(
             sent = jax.lax.all_to_all(buffers.reshape(devices, local_experts, cap, d), axis, 0, 0)
             # sent[p]: device p's tokens for this device's experts -> [E/P, P * C, d]
             grouped = sent.transpose(1, 0, 2, 3).reshape(local_experts, devices * cap, d)
-            if m.dropless:
+            if m.dropless and m.ragged_dispatch:
                 got = jax.lax.all_to_all(counts.reshape(devices, local_experts), axis, 0, 0).T  # [E/P, P]
                 out = _packed_experts(m.experts, grouped, got, key=k, inference=inference)
             else:
