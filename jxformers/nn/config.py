@@ -411,6 +411,11 @@ _WIDTH = {
     "routing": ("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
     "sinkhorn": ("its own and sorted blocks (2 block_size keys)", lambda hp, n: 2 * hp["block_size"]),
     "clusterformer": ("its chunks (chunk_size keys)", lambda hp, n: hp["chunk_size"]),
+    "etc": ("its local radius and global tokens (2 local_radius + 1 + num_global keys per long token)",
+            lambda hp, n: 2 * hp["local_radius"] + 1 + hp["num_global"]),
+    "image_local_2d": ("its memory block ((memory_height + query_height) x (query_width + 2 memory_width) pixels)",
+                       lambda hp, n: (hp["memory_height"] + hp["query_height"])
+                       * (hp["query_width"] + 2 * hp["memory_width"])),
 }
 
 
