@@ -162,4 +162,22 @@ FACTS: dict[str, Facts] = {
         growth=Growth("linear", lambda n: {"n_clusters": 8, "chunk_size": 32}),
     ),
     "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
+    "image_local_2d": Facts(
+        variants=({"width": 6, "query_height": 2, "query_width": 3, "memory_height": 2, "memory_width": 1},
+                  {"width": 8, "query_height": 2, "query_width": 2, "memory_height": 3, "memory_width": 3}),
+        mask=masks.image_local_2d,
+        errors=(({"query_width": 4}, "query_width"), ({"memory_height": -1}, "memory_height"),
+                ({"width": 0}, "width"), ({"query_height": 0}, "query_height")),
+        growth=Growth("linear", lambda n: {"width": 64, "query_height": 8, "query_width": 16, "memory_height": 8,
+                                           "memory_width": 16}),
+    ),
+    "etc": Facts(  # a softmax with relative-position logits: tests/test_survey_b.py checks it against the dense form
+        variants=({"num_global": 3, "local_radius": 2, "global_every": 5, "max_distance": 3},
+                  {"num_global": 2, "local_radius": 4, "global_every": 6, "max_distance": 0, "hard_g2l": True,
+                   "hard_l2g": True}),
+        mask=masks.etc,
+        errors=(({"num_global": 0}, "num_global"), ({"num_global": 99}, "num_global"), ({"local_radius": -1}, "local_radius"),
+                ({"global_every": 0}, "global_every"), ({"max_distance": -1}, "max_distance")),
+        growth=Growth("linear", lambda n: {"num_global": 4, "local_radius": 32, "global_every": 64}),
+    ),
 }

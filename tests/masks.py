@@ -88,3 +88,41 @@ def axial(n, hp, arrays, causal):
     col = (i % w == j % w) & _causal(n, causal)
     order = hp.get("order", "row_then_column")
     return {"row": [row], "column": [col], "row_then_column": [row, col]}[order]
+
+
+def image_local_2d(n, hp, arrays, causal):
+    """Parmar et al. 2018, section 3.2, from the image's geometry: pixels in block raster
+    order (query blocks of h_q x w_q in raster order, raster order inside a block); the
+    memory block of a query block is the block extended h_m rows up and w_m columns
+    left and right; masked (causal) attention keeps the pixels not after the query."""
+    w, qh, qw = hp["width"], hp["query_height"], hp["query_width"]
+    mh, mw = hp["memory_height"], hp["memory_width"]
+    rows = -(-n // (qh * w)) * qh
+    pixels = []  # (row, column, block row, block column) in generation order
+    for br in range(rows // qh):
+        for bc in range(w // qw):
+            for r in range(qh):
+                for c in range(qw):
+                    pixels.append((br * qh + r, bc * qw + c, br, bc))
+    pixels = np.array(pixels[:n])
+    row, col = pixels[:, 0], pixels[:, 1]
+    top, left = pixels[:, 2] * qh, pixels[:, 3] * qw
+    m = ((row[None, :] >= top[:, None] - mh) & (row[None, :] < top[:, None] + qh)
+         & (col[None, :] >= left[:, None] - mw) & (col[None, :] < left[:, None] + qw + mw))
+    return [m & _causal(n, causal)]
+
+
+def etc(n, hp, arrays, causal):
+    """ETC's four pieces (Ainslie et al. 2020, section 3.1) over [global | long]: g2g all,
+    g2l all (hard: the global token's segment), l2g all (hard: the long token's own
+    global token), l2l within the local radius; segments of `global_every` long tokens."""
+    assert not causal, "ETC has no causal form"
+    g, r = hp["num_global"], hp["local_radius"]
+    long_ = np.arange(n - g)
+    own = (long_ // hp["global_every"])[:, None] == np.arange(g)[None, :]  # [long, global]
+    m = np.zeros((n, n), bool)
+    m[:g, :g] = True
+    m[:g, g:] = own.T if hp["hard_g2l"] else True
+    m[g:, :g] = own if hp["hard_l2g"] else True
+    m[g:, g:] = abs(long_[:, None] - long_[None, :]) <= r
+    return [m]

@@ -10,6 +10,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     set_transformer.py  MAB, ISAB, PMA (Set Transformer)
     luna.py       LunaBlock, LunaStack (Luna, with its causal form)
     perceiver.py  PerceiverEncoder (Perceiver)
+    tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig token_learner)
     models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
     config.py     ModelConfig, build_model
 """
@@ -39,12 +40,13 @@ from jxformers.nn.positions import (
     t5_buckets,
 )
 from jxformers.nn.set_transformer import ISAB, MAB, PMA
+from jxformers.nn.tokenlearner import TokenFuser, TokenLearner, TokenLearnerStage
 from jxformers.nn.trainable import redraw, trainable, update_arrays, updates_arrays
 
 __all__ = [
     "Attention", "Block", "Classifier", "ConditionedDecoder", "DualClassifier", "Embedding", "Encoder",
     "EncoderDecoder", "FeedForward", "ISAB", "LanguageModel", "LayerNorm", "Linear", "LunaBlock", "LunaStack", "MAB",
-    "MoE", "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "ProductKeyMemory", "RMSNorm",
+    "MoE", "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "ProductKeyMemory", "RMSNorm", "TokenFuser", "TokenLearner", "TokenLearnerStage",
     "alibi_slopes", "attention_modules", "build_model", "record_attention_inputs", "redraw", "rotary", "sinusoidal",
     "t5_buckets", "trainable", "update_arrays", "updates_arrays",
 ]

@@ -44,6 +44,7 @@ from jxformers.nn.models import (
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.positions import BIAS_KINDS, POSITION_KINDS, Positions
 from jxformers.nn.set_transformer import ISAB, PMA
+from jxformers.nn import tokenlearner as tokenlearner_lib
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -128,6 +129,13 @@ class ModelConfig:
         layer_overrides: block index -> any of attention, attention_kwargs, impl, ffn, d_ff.
         reversible: Reformer's reversible residual wiring (pre-norm; classify, retrieval
             and lm; no filters): activation memory independent of depth in training.
+        token_learner: TokenLearner (Ryoo et al. 2021, `jxformers.nn.tokenlearner`):
+            {after_layer: i, num_tokens: k, fuse: False, maps: "sigmoid" or "softmax",
+            bottleneck: 64}: after encoder block i the tokens (not CLS) become k learned
+            tokens for the later blocks; fuse: a TokenLearner and TokenFuser around
+            every later block instead. Encoders only (classify, retrieval), architecture
+            transformer, absolute positions (sinusoidal, learned, none), no filters,
+            not reversible. Empty: none.
     """
 
     task: str = "classify"
@@ -164,6 +172,7 @@ class ModelConfig:
     memory_size: int = 16
     cross_attends: int = 1
     pma_seeds: int = 1
+    token_learner: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.norm_placement is None and isinstance(self.architecture, str):
@@ -258,6 +267,7 @@ class ModelConfig:
         if self.reversible and (self.task == "seq2seq" or self.norm_placement != "pre" or self.filters):
             raise ValueError("reversible blocks need norm_placement 'pre', no filters, and task classify, retrieval or lm")
         self._check_architecture()
+        self._check_token_learner()
         if self.filters and self.task == "lm":
             raise ValueError("filters (downsampling) apply to encoders: tasks classify, retrieval, seq2seq")
         for index, ratio in self.filters.items():
@@ -274,6 +284,24 @@ class ModelConfig:
                     f"(layer_overrides)"
                 )
 
+
+    def _check_token_learner(self):
+        """TokenLearner reduces an encoder's tokens between blocks: what it combines with."""
+        if not self.token_learner:
+            return
+        if not isinstance(self.token_learner, Mapping):
+            raise ValueError(f"config token_learner must be a mapping of settings; got {self.token_learner!r}")
+        tokenlearner_lib.check_settings(self.token_learner, num_layers=self.num_layers, prefix="config ")
+        if self.task not in ("classify", "retrieval"):
+            raise ValueError(f"config token_learner pools tokens across the whole sequence, so it serves encoders "
+                             f"(tasks classify, retrieval); a causal {self.task!r} model cannot use it")
+        if self.architecture != "transformer" or self.reversible or self.filters:
+            raise ValueError(f"config token_learner needs architecture 'transformer', no filters and no reversible "
+                             f"wiring; got architecture {self.architecture!r}, filters {self.filters}, "
+                             f"reversible {self.reversible}")
+        if self.position not in ("sinusoidal", "learned", "none"):
+            raise ValueError(f"config token_learner: learned tokens have no positions, so position must be added to "
+                             f"the embeddings (sinusoidal, learned) or none; got {self.position!r}")
 
     def _check_sparse_ffns(self, causal: bool):
         """The moe and pkm settings, and where those FFNs can go."""
@@ -383,6 +411,11 @@ _WIDTH = {
     "routing": ("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
     "sinkhorn": ("its own and sorted blocks (2 block_size keys)", lambda hp, n: 2 * hp["block_size"]),
     "clusterformer": ("its chunks (chunk_size keys)", lambda hp, n: hp["chunk_size"]),
+    "etc": ("its local radius and global tokens (2 local_radius + 1 + num_global keys per long token)",
+            lambda hp, n: 2 * hp["local_radius"] + 1 + hp["num_global"]),
+    "image_local_2d": ("its memory block ((memory_height + query_height) x (query_width + 2 memory_width) pixels)",
+                       lambda hp, n: (hp["memory_height"] + hp["query_height"])
+                       * (hp["query_width"] + 2 * hp["memory_width"])),
 }
 
 
@@ -519,6 +552,13 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
 
     funnel_layers = frozenset(config.filters) if config.downsample == "funnel" else frozenset()
 
+    def token_learner():
+        if not config.token_learner:
+            return None
+        settings = tokenlearner_lib.check_settings(config.token_learner, num_layers=config.num_layers)
+        return tokenlearner_lib.TokenLearnerStage(config.d_model, num_layers=config.num_layers, **settings,
+                                                  key=jax.random.fold_in(keys[2], 7))
+
     def encoder(use_cls):
         if config.architecture == "perceiver":
             return PerceiverEncoder(
@@ -531,7 +571,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         return Encoder(
             embedding(keys[0], False), _stack(config, causal=False, key=keys[1], pooled=funnel_layers),
             make_norm(config.norm, config.d_model), max_len=config.max_len, use_cls=use_cls, filters=config.filters,
-            downsample=config.downsample, reversible=config.reversible, key=keys[2],
+            downsample=config.downsample, reversible=config.reversible, token_learner=token_learner(), key=keys[2],
         )
 
     def decoder(layers, cross):

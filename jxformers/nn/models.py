@@ -36,6 +36,7 @@ from jxformers.nn.luna import LunaStack
 from jxformers.nn.positions import BIAS_KINDS, Positions
 from jxformers.nn.reversible import reversible_decode_step, reversible_stack
 from jxformers.nn.set_transformer import ISAB, PMA
+from jxformers.nn.tokenlearner import TokenLearnerStage
 from jxformers.ops import fourier_downsample, fourier_downsample_padded, funnel_pool
 
 DOWNSAMPLE_KINDS = ("fourier", "fourier_rescaled", "funnel")
@@ -124,16 +125,23 @@ class Encoder(eqx.Module):
     it (stride s for Funnel), so the distances between tokens keep their meaning;
     absolute positions are added once to the embeddings and need nothing.
 
+    `token_learner` (a `TokenLearnerStage`, Ryoo et al. 2021): after block `after_layer`
+    the tokens (not the CLS token) become k learned tokens and later blocks run on
+    them; with `fuse`, every later block runs on the tokens its own TokenLearner learns
+    and a TokenFuser maps its output back onto the sequence (residual added). Learned
+    tokens have no positions: absolute positions only (ModelConfig checks), no filters.
+
     Arguments (constructor): `embedding`, `blocks`, `norm` (the final norm), `max_len`,
     `use_cls` (prepend a learned CLS token), `filters` ({block index: keep ratio}),
     `downsample` (one of DOWNSAMPLE_KINDS), `reversible` (Reformer's wiring; no
-    filters), `key` (for the CLS token).
+    filters), `token_learner` (or None), `key` (for the CLS token).
     """
 
     embedding: Embedding
     cls: Float[Array, " d_model"] | None
     blocks: tuple[AnyBlock, ...]
     norm: LayerNorm | RMSNorm
+    token_learner: TokenLearnerStage | None
     filters: tuple[tuple[int, float], ...] = eqx.field(static=True)
     downsample: str = eqx.field(static=True)
     max_len: int = eqx.field(static=True)
@@ -142,7 +150,7 @@ class Encoder(eqx.Module):
     def __init__(
         self, embedding: Embedding, blocks: list[AnyBlock], norm: LayerNorm | RMSNorm, *, max_len: int, use_cls: bool,
         filters: dict[int, float] | None = None, downsample: str = "fourier", reversible: bool = False,
-        key: PRNGKeyArray,
+        token_learner: TokenLearnerStage | None = None, key: PRNGKeyArray,
     ):
         if downsample not in DOWNSAMPLE_KINDS:
             raise ValueError(f"downsample must be one of {DOWNSAMPLE_KINDS}; got {downsample!r}")
@@ -164,7 +172,11 @@ class Encoder(eqx.Module):
         if reversible and filters:
             raise ValueError("a reversible encoder cannot shorten its sequence (filters)")
         _check_reversible(blocks, reversible)
-        self.reversible = reversible
+        if token_learner is not None and (reversible or filters or not all(isinstance(b, Block) for b in blocks)
+                                          or token_learner.after_layer >= len(blocks) - 1):
+            raise ValueError(f"a token learner needs transformer Blocks after its after_layer "
+                             f"({token_learner.after_layer}, {len(blocks)} blocks), no filters and no reversible wiring")
+        self.reversible, self.token_learner = reversible, token_learner
         self.embedding, self.blocks, self.norm = embedding, tuple(blocks), norm
         self.cls = 0.02 * jax.random.normal(key, (norm.weight.shape[0],)) if use_cls else None
         self.filters, self.downsample, self.max_len = tuple(sorted(filters.items())), downsample, max_len
@@ -188,6 +200,19 @@ class Encoder(eqx.Module):
                 body_mask = jnp.ones(body.shape[:1], bool)
             spacing = spacing * length / jnp.maximum(body_mask.sum(), 1)
         return jnp.concatenate([head, body]), jnp.concatenate([mask[:start], body_mask]), spacing
+
+    def _learn_tokens(self, learner, x, mask):
+        return _learned(self, learner, x, mask)
+
+    def _fused_block(self, block, i, x, mask, *, key, inference, aux):
+        """TokenLearner -> block -> TokenFuser, plus the residual (Ryoo et al. 2021, section
+        3.2); the CLS token (if any) passes through the block beside the learned tokens."""
+        start = 0 if self.cls is None else 1
+        small, small_mask = _learned(self, self.token_learner.learner(i), x, mask)
+        y = block(small, kv_mask=small_mask, bias=None, positions=self._positions(small.shape[0], 1.0), key=key,
+                  inference=inference, aux=aux)
+        body = x[start:]
+        return jnp.concatenate([y[:start], body + self.token_learner.fuser(i)(y[start:], body)])
 
     def _positions(self, n: int, spacing) -> Float[Array, " n"]:
         """Positions of a sequence of n (CLS at 0, token j at 1 + j * spacing with CLS)."""
@@ -247,14 +272,29 @@ class Encoder(eqx.Module):
                 pos = self._positions(x.shape[0], spacing)
             kv_mask, kv_pos = (full_mask, full_pos) if source else (mask, pos)
             bias = self.embedding.positions.bias(pos, kv_pos)
-            if isinstance(block, Block):
+            learn = self.token_learner
+            if learn is not None and learn.fuse and i > learn.after_layer:
+                x = self._fused_block(block, i, x, mask, key=k, inference=inference, aux=aux)
+            elif isinstance(block, Block):
                 x = block(x, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, aux=aux, **source)
             else:  # ISAB, LunaStack: no filters and no bias positions (ModelConfig refuses them)
                 x = block(x, kv_mask=kv_mask, key=k, inference=inference)
+            if learn is not None and not learn.fuse and i == learn.after_layer:
+                x, mask = self._learn_tokens(learn.learner(i), x, mask)
+                pos = self._positions(x.shape[0], spacing)
         if upsample_sum:
             outputs.append(_upsample(x, mask, input_mask))
             return self.norm(sum(outputs[1:], outputs[0])), input_mask
         return self.norm(x), mask
+
+
+def _learned(encoder, learner, x, mask):
+    """The CLS token (if any) followed by the k tokens `learner` learns from the others."""
+    start = 0 if encoder.cls is None else 1
+    tokens = learner(x[start:], mask[start:])
+    any_real = jnp.any(mask[start:])
+    return (jnp.concatenate([x[:start], tokens]),
+            jnp.concatenate([mask[:start], jnp.broadcast_to(any_real, tokens.shape[:1])]))
 
 
 def _upsample(x, mask, target_mask):

@@ -7,8 +7,10 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
 `k [kv_len, kv_heads, d_k]`, `v [kv_len, kv_heads, d_v]` -> `[q_len, heads, d_v]`.
 
     softmax.py     exact: softmax_attention (the reference), chunked_attention
-    local.py       fixed windows: local_attention, block_local_attention, dilated_attention
+    local.py       fixed windows: local_attention, block_local_attention, dilated_attention,
+                   image_local_2d_attention (Image Transformer's 2-D blocks, block_raster_order)
     sparse.py      fixed patterns: sparse_transformer_attention, longformer_attention, bigbird_attention
+    global_local.py  etc_attention (ETC's g2g, g2l, l2g, l2l with relative position labels)
     axial.py       axial_attention
     compressed.py  memory_compressed_attention
     kernelized.py  linear_attention, performer_attention, rfa_attention (and their features)
@@ -24,7 +26,10 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
 from jxformers.ops.softmax import causal_mask, chunked_attention, softmax_attention
 from jxformers.ops.local import (
     block_local_attention,
+    block_raster_coordinates,
+    block_raster_order,
     dilated_attention,
+    image_local_2d_attention,
     local_attention,
 )
 from jxformers.ops.sparse import (
@@ -34,6 +39,7 @@ from jxformers.ops.sparse import (
     longformer_attention,
     sparse_transformer_attention,
 )
+from jxformers.ops.global_local import etc_arrays, etc_attention, etc_relative_labels
 from jxformers.ops.axial import axial_attention
 from jxformers.ops.compressed import compress_memory, memory_compressed_attention
 from jxformers.ops.kernelized import (
@@ -99,11 +105,16 @@ __all__ = [
     "bigbird_global_blocks",
     "bigbird_random_blocks",
     "block_local_attention",
+    "block_raster_coordinates",
+    "block_raster_order",
     "causal_mask",
     "chunked_attention",
     "compress_memory",
     "dct",
     "dilated_attention",
+    "etc_arrays",
+    "etc_attention",
+    "etc_relative_labels",
     "fnet_attention",
     "fnet_mixing",
     "fourier_downsample",
@@ -111,6 +122,7 @@ __all__ = [
     "funnel_attention",
     "funnel_pool",
     "idct",
+    "image_local_2d_attention",
     "induced_attention",
     "iterative_pinv",
     "kernel_attention",

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from jxformers.decoding import ring_buffer
+from jxformers.decoding import KVCache, ring_buffer
 from jxformers.kernels import IMPLS, choose_kernel
 from jxformers.kernels import pattern as kp
 from jxformers.kernels.cudnn import cudnn_attention, cudnn_unsupported
@@ -35,7 +36,7 @@ from jxformers.ops._common import (
     window_block,
 )
 from jxformers.ops.softmax import softmax_attention
-from jxformers.registry import register
+from jxformers.registry import Decoder, register
 
 IMPL_DOC = {"impl": "auto, xla, pallas or interpret (block-sparse flash kernel)"}
 
@@ -209,4 +210,167 @@ def dilated_attention(
 register(
     "dilated", dilated_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N*w)",
     choices={"impl": IMPLS}, docs={"window": "attended keys each side", "dilation": "stride between attended keys"} | IMPL_DOC,
+)
+
+
+# ----------------------------------------------------------------------------- Image Transformer 2-D
+
+
+def _check_image_local_2d(width: int, query_height: int, query_width: int, memory_height: int, memory_width: int) -> None:
+    check_positive("width", width)
+    check_positive("query_height", query_height)
+    check_positive("query_width", query_width)
+    check_positive("memory_height", memory_height, minimum=0)
+    check_positive("memory_width", memory_width, minimum=0)
+    if width % query_width:
+        raise ValueError(f"query_width ({query_width}) must divide the image width ({width}): "
+                         "query blocks tile each band of query_height rows")
+
+
+def block_raster_coordinates(index, *, width: int, query_height: int, query_width: int):
+    """(row, column, block row, block column) of the pixel at `index` in the block raster
+    order of Image Transformer's 2-D local attention (Parmar et al. 2018, section 3.2):
+    query blocks of `query_height` x `query_width` pixels in raster order over the image,
+    the pixels of a block in raster order inside it. Works on ints, numpy or jax arrays."""
+    block_size = query_height * query_width
+    blocks_per_row = width // query_width
+    block, offset = index // block_size, index % block_size
+    block_row, block_col = block // blocks_per_row, block % blocks_per_row
+    return (block_row * query_height + offset // query_width, block_col * query_width + offset % query_width,
+            block_row, block_col)
+
+
+def block_raster_order(height: int, width: int, *, query_height: int, query_width: int) -> np.ndarray:
+    """The permutation taking an image flattened in raster order (`image.reshape(height *
+    width, ...)`) to the block raster order `image_local_2d_attention` reads:
+    `seq = flat[block_raster_order(...)]`; `flat[order] = seq` undoes it. `height` must be a
+    multiple of `query_height` and `width` of `query_width`."""
+    _check_image_local_2d(width, query_height, query_width, 0, 0)
+    if height % query_height:
+        raise ValueError(f"query_height ({query_height}) must divide the image height ({height})")
+    row, col, _, _ = block_raster_coordinates(np.arange(height * width), width=width, query_height=query_height,
+                                              query_width=query_width)
+    return row * width + col
+
+
+def _in_memory_block(i, j, *, width, query_height, query_width, memory_height, memory_width, causal):
+    """Whether key j is in the memory block of query i's query block (and, when causal,
+    not after i in the generation order)."""
+    hw = dict(width=width, query_height=query_height, query_width=query_width)
+    _, _, q_brow, q_bcol = block_raster_coordinates(i, **hw)
+    k_row, k_col, _, _ = block_raster_coordinates(j, **hw)
+    top = q_brow * query_height
+    left = q_bcol * query_width
+    inside = ((k_row >= top - memory_height) & (k_row < top + query_height)
+              & (k_col >= left - memory_width) & (k_col < left + query_width + memory_width))
+    return inside & (j <= i) if causal else inside
+
+
+def image_local_2d_attention(
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
+    *,
+    width: int = 32,
+    query_height: int = 8,
+    query_width: int = 8,
+    memory_height: int = 8,
+    memory_width: int = 8,
+    causal: bool = False,
+    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "seq heads d_v"]:
+    """Image Transformer's 2-D local attention (Parmar et al. 2018, section 3.2).
+
+    The image, `width` pixels wide, is cut into query blocks of `query_height` x
+    `query_width` pixels; the sequence holds its pixels in the paper's block raster
+    order (the blocks in raster order, the pixels of each block in raster order: see
+    `block_raster_order` to lay out an image, `block_raster_coordinates` for the
+    geometry). A sequence shorter than the image is its first `seq` pixels in that
+    order (what generation has produced so far). Every query of a block attends the
+    block's memory block: the query block extended by `memory_height` rows above and
+    `memory_width` columns left and right (nothing below), clipped to the image; with
+    `causal=True` only the pixels at or before the query in the generation order (the
+    paper's masked attention, so the model generates pixel by pixel).
+
+    Arguments:
+        q, k, v: self-attention inputs of one length `seq` (block raster order).
+        width: image width in pixels, a multiple of `query_width`.
+        query_height, query_width: the query block shape (h_q, w_q), ints >= 1.
+        memory_height: h_m, rows above the query block in its memory block, int >= 0.
+        memory_width: w_m, columns left and right of the query block, int >= 0.
+        causal: mask pixels after the query in the generation order.
+        kv_mask: optional `[seq]`, True for real tokens.
+        scale: default `1 / sqrt(d_k)`.
+
+    Returns:
+        `[seq, heads, d_v]`.
+
+    Time and memory O(seq * (ceil(h_m / h_q) + 1) * (2 ceil(w_m / w_q) + 1) * h_q w_q * d):
+    each query block gathers the query blocks its memory block overlaps and masks the
+    pixels outside it. Decoding keeps a ring buffer of the pixels a memory block reaches
+    back to.
+    """
+    _check_image_local_2d(width, query_height, query_width, memory_height, memory_width)
+    check_self(q, k, v, kv_mask)
+    n = q.shape[0]
+    band = query_height * width  # one band of query blocks (query_height full rows)
+    block = query_height * query_width
+    length = ceil_div(n, band) * band
+    num_blocks, per_row = length // block, width // query_width
+    up, side = ceil_div(memory_height, query_height), ceil_div(memory_width, query_width)
+    # Static geometry (numpy, at trace time): the query blocks each block's memory overlaps.
+    b = np.arange(num_blocks)
+    b_row, b_col = b // per_row, b % per_row
+    nb_rows = np.stack([b_row - du for du in range(up, -1, -1) for _ in range(-side, side + 1)], axis=1)
+    nb_cols = np.stack([b_col + dc for _ in range(up, -1, -1) for dc in range(-side, side + 1)], axis=1)
+    ok = (nb_rows >= 0) & (nb_cols >= 0) & (nb_cols < per_row)
+    neighbour = np.where(ok, nb_rows * per_row + nb_cols, num_blocks)  # num_blocks: an empty block
+    key_idx = (neighbour[:, :, None] * block + np.arange(block)[None, None, :]).reshape(num_blocks, -1)
+    query_idx = np.arange(length).reshape(num_blocks, block)
+    hw = dict(width=width, query_height=query_height, query_width=query_width, memory_height=memory_height,
+              memory_width=memory_width, causal=causal)
+    geometry = _in_memory_block(query_idx[:, :, None], key_idx[:, None, :], **hw)
+    geometry &= (key_idx < length)[:, None, :]
+    _, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, band)
+    kp, vp, real = pad_to(kp, length + block), pad_to(vp, length + block), valid_keys(real, length, length + block)
+    mask = jnp.asarray(geometry) & real[key_idx][:, None, :]
+    part = block_part(to_blocks(qg, block), kp[key_idx], vp[key_idx], mask, default_scale(q.shape[2], scale))
+    return rows_to_output(attend_parts([part]), n, out_dtype(q, k, v))
+
+
+def _image_local_2d_slots(hp) -> int:
+    """Ring-buffer slots: the farthest key behind a query inside its memory block."""
+    up, side = ceil_div(hp["memory_height"], hp["query_height"]), ceil_div(hp["memory_width"], hp["query_width"])
+    return (up * (hp["width"] // hp["query_width"]) + side + 1) * hp["query_height"] * hp["query_width"]
+
+
+def _image_local_2d_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> KVCache:
+    slots = min(max_len, _image_local_2d_slots(hyper_parameters))
+    dtype = jnp.float32 if dtype is None else dtype
+    return KVCache(jnp.zeros((slots, kv_heads, d_k), dtype), jnp.zeros((slots, kv_heads, d_v), dtype),
+                   jnp.full((slots,), -1, jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def _image_local_2d_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, bias_fn):
+    """One pixel: write it into the ring buffer, attend the cached pixels of its memory
+    block that come at or before it (the causal forward's row)."""
+    hp = hyper_parameters
+    slot = state.length % state.k.shape[0]
+    state = KVCache(state.k.at[slot].set(k.astype(state.k.dtype)), state.v.at[slot].set(v.astype(state.v.dtype)),
+                    state.slot_pos.at[slot].set(state.length), state.length + 1)
+    here = state.length - 1
+    keep = _in_memory_block(here, jnp.maximum(state.slot_pos, 0), width=hp["width"], query_height=hp["query_height"],
+                            query_width=hp["query_width"], memory_height=hp["memory_height"],
+                            memory_width=hp["memory_width"], causal=True)
+    out = softmax_attention(q[None], state.k, state.v, kv_mask=keep & (state.slot_pos >= 0))[0]
+    return out.astype(q.dtype), state
+
+
+register(
+    "image_local_2d", image_local_2d_attention, family="fixed pattern", paper="Parmar et al. 2018 (Image Transformer)",
+    complexity="O(N*m)", decoder=Decoder("ring buffer", _image_local_2d_init, _image_local_2d_step),
+    docs={"width": "image width in pixels (a multiple of query_width)", "query_height": "query block rows h_q",
+          "query_width": "query block columns w_q", "memory_height": "h_m, memory rows above the query block",
+          "memory_width": "w_m, memory columns left and right of the query block"},
 )
