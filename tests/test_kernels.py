@@ -134,9 +134,24 @@ def test_bigbird_blocks_equal_the_papers_mask():
 # ----------------------------------------------------------------------------- kernel vs XLA
 
 
-def _grads(op, q, k, v, **kw):
-    w = jax.random.normal(jax.random.key(9), op(q, k, v, **kw).shape)
-    return jax.grad(lambda q, k, v: jnp.sum(op(q, k, v, **kw) * w), (0, 1, 2))(q, k, v)
+def _value_and_grads(op, q, k, v, **kw):
+    """(op's output, the gradients of <output, w> for a fixed random w), in one compiled
+    program (interpret-mode kernels run much faster compiled than op by op)."""
+    @jax.jit
+    def run(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: op(q, k, v, **kw), q, k, v)
+        return out, vjp(jax.random.normal(jax.random.key(9), out.shape, out.dtype))
+
+    return run(q, k, v)
+
+
+def _assert_same_path(op, q, k, v, **kw):
+    """The kernel (interpret mode) equals the XLA path, outputs and gradients."""
+    got, got_grads = _value_and_grads(op, q, k, v, impl="interpret", **kw)
+    want, want_grads = _value_and_grads(op, q, k, v, impl="xla", **kw)
+    assert_close(got, want, atol=2e-6)
+    for a, b in zip(got_grads, want_grads):
+        assert_close(a, b, atol=2e-5)
 
 
 OPS = {
@@ -158,19 +173,13 @@ OPS = {
 def test_kernel_path_equals_xla_path(name, is_causal):
     op, hp = OPS[name]
     q, k, v = qkv(0, N)
-    kw = dict(hp, causal=is_causal, kv_mask=jnp.arange(N) < N - 4)
-    assert_close(op(q, k, v, impl="interpret", **kw), op(q, k, v, impl="xla", **kw), atol=2e-6)
-    for got, want in zip(_grads(op, q, k, v, impl="interpret", **kw), _grads(op, q, k, v, impl="xla", **kw)):
-        assert_close(got, want, atol=2e-5)
+    _assert_same_path(op, q, k, v, **dict(hp, causal=is_causal, kv_mask=jnp.arange(N) < N - 4))
 
 
 def test_bigbird_kernel_path_equals_xla_path():
     q, k, v = qkv(1, 70)
     kw = dict(block_size=16, num_random_blocks=1, key=jax.random.key(4), kv_mask=jnp.arange(70) < 66)
-    op = ops.bigbird_attention
-    assert_close(op(q, k, v, impl="interpret", **kw), op(q, k, v, impl="xla", **kw), atol=2e-6)
-    for got, want in zip(_grads(op, q, k, v, impl="interpret", **kw), _grads(op, q, k, v, impl="xla", **kw)):
-        assert_close(got, want, atol=2e-5)
+    _assert_same_path(ops.bigbird_attention, q, k, v, **kw)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -181,8 +190,8 @@ def test_cross_attention_and_block_sizes(is_causal):
     got = block_sparse_attention(q, k, v, pattern, interpret=True, block_sizes=sizes)
     assert_close(got, ops.softmax_attention(q, k, v, causal=is_causal, impl="xla"), atol=2e-6)
     loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) ** 2)  # noqa: E731
-    got = jax.grad(loss(lambda q, k, v: block_sparse_attention(q, k, v, pattern, interpret=True, block_sizes=sizes)),
-                   (0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss(lambda q, k, v: block_sparse_attention(q, k, v, pattern, interpret=True,
+                                                                       block_sizes=sizes)), (0, 1, 2)))(q, k, v)
     want = jax.grad(loss(functools.partial(ops.softmax_attention, causal=is_causal, impl="xla")), (0, 1, 2))(q, k, v)
     for a, b in zip(got, want):
         assert_close(a, b, atol=2e-5)
@@ -195,7 +204,7 @@ def test_lse_is_exact_and_differentiable():
     ref_out, ref_lse = block_sparse_reference(q, k, v, pattern)
     assert_close(out, ref_out, atol=2e-6)
     assert_close(lse, ref_lse, atol=2e-6)
-    f = lambda fn: jax.grad(lambda q: jnp.sum(jnp.sin(fn(q)[1])))(q)  # noqa: E731
+    f = lambda fn: jax.jit(jax.grad(lambda q: jnp.sum(jnp.sin(fn(q)[1]))))(q)  # noqa: E731
     assert_close(f(lambda q: block_sparse_attention(q, k, v, pattern, interpret=True, return_lse=True)),
                  f(lambda q: block_sparse_reference(q, k, v, pattern)), atol=2e-5)
 
@@ -203,9 +212,8 @@ def test_lse_is_exact_and_differentiable():
 def test_rows_without_keys_are_zero_with_finite_gradients():
     q, k, v = qkv(4, 24)
     kv_mask = jnp.zeros(24, bool)
-    out = ops.local_attention(q, k, v, window=3, kv_mask=kv_mask, impl="interpret")
+    out, grads = _value_and_grads(ops.local_attention, q, k, v, window=3, kv_mask=kv_mask, impl="interpret")
     assert not jnp.any(out)
-    grads = _grads(ops.local_attention, q, k, v, window=3, kv_mask=kv_mask, impl="interpret")
     assert all(bool(jnp.isfinite(g).all()) for g in grads)
 
 

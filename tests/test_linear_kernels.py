@@ -4,6 +4,8 @@ outputs and gradients, causal and not, every feature map, gate on and off (per t
 per feature against a dense reference), padding, odd lengths, grouped-query heads, bf16; the recurrent decoder's state; bf16 stability at
 64K tokens against float64. Shapes are small and shared so that few kernels compile."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,6 +121,7 @@ def test_per_feature_gates_equal_a_dense_reference_without_overflow():
         assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
+@functools.partial(jax.jit, static_argnames=("name", "causal", "impl", "form"))  # interpret mode runs fast compiled
 def _op(name, q, k, v, *, causal, impl, form="chunked", kv_mask=None, gate=None):
     proj = performer_projection(jax.random.key(5), 16, q.shape[2])
     if name in ("elu", "relu", "identity"):
@@ -156,7 +159,7 @@ def test_ops_through_the_kernel_equal_their_xla_forms(name):
     for form in forms:
         assert_close(got, _op(name, q, k, v, causal=True, impl="xla", form=form, kv_mask=kv_mask, gate=gate), **tol)
     if name in ("elu", "performer softmax", "rfa gated"):  # the other maps differ only in XLA-differentiated features
-        grads = jax.grad(loss("interpret", "chunked"), argnums=(0, 1, 2))(q, k, v)
+        grads = jax.jit(jax.grad(loss("interpret", "chunked"), argnums=(0, 1, 2)))(q, k, v)
         for a, b in zip(grads, jax.grad(loss("xla", "chunked"), argnums=(0, 1, 2))(q, k, v)):
             assert_close(a, b, **tol)
     assert_close(_op(name, q, k, v, causal=False, impl="interpret", kv_mask=kv_mask),
@@ -176,7 +179,7 @@ def test_bf16_and_fp16_inputs_through_the_kernel():
     def loss(impl):
         return lambda q, k, v: jnp.sum(_op(name, q, k, v, causal=True, impl=impl, gate=gate).astype(jnp.float32))
 
-    g_ker = jax.grad(loss("interpret"), argnums=(0, 1, 2))(q, k, v)
+    g_ker = jax.jit(jax.grad(loss("interpret"), argnums=(0, 1, 2)))(q, k, v)
     g_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(q32, k32, v32)
     for a, b in zip(g_ker, g_ref):
         assert a.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(a)))
