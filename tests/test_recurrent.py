@@ -191,15 +191,16 @@ def test_nothing_evicted_means_no_reconstruction_loss():
 
 
 @pytest.mark.parametrize("extra,match", [
-    (dict(architecture="transformer_xl"), "set position 'none'"),
-    (dict(architecture="transformer_xl", position="none", cmem_len=4), "'compressive' only"),
+    (dict(architecture="transformer_xl", mem_len=4), "set position 'none'"),
+    (dict(architecture="transformer_xl", position="none"), "mem_len >= 1; got 0"),
+    (dict(architecture="transformer_xl", position="none", mem_len=4, cmem_len=4), "'compressive' only"),
     (dict(mem_len=3), "apply to architectures"),
     (dict(architecture="compressive", position="none", mem_len=4, cmem_len=2), "multiples"),
     (dict(architecture="compressive", position="none", mem_len=6), "cmem_len >= 1"),
     (dict(architecture="compressive", position="none", mem_len=6, cmem_len=2, compression="avg"), "compression"),
-    (dict(architecture="transformer_xl", position="none", attention="performer"), "own softmax"),
-    (dict(architecture="transformer_xl", position="none", task="classify"), "serves tasks"),
-    (dict(architecture="transformer_xl", position="none", ffn="moe"), "ffn"),
+    (dict(architecture="transformer_xl", position="none", mem_len=4, attention="performer"), "own softmax"),
+    (dict(architecture="transformer_xl", position="none", mem_len=4, task="classify"), "serves tasks"),
+    (dict(architecture="transformer_xl", position="none", mem_len=4, ffn="moe"), "ffn"),
 ])
 def test_config_errors(extra, match):
     with pytest.raises(ValueError, match=match):
@@ -241,3 +242,23 @@ def test_a_tiny_compressive_lm_learns_on_a_stream():
             losses.append(float(ce))
     assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
     assert isinstance(eqx.combine(params, static), RecurrentLM)
+
+
+@pytest.mark.parametrize("architecture", ["transformer_xl", "compressive"])
+def test_decoding_token_by_token_matches_the_parallel_call(architecture):
+    from jxformers.nn.generation import generate
+
+    model = xl(4) if architecture == "transformer_xl" else compressive("conv")
+    tokens = jax.random.randint(jax.random.key(10), (9,), 0, 40)
+    parallel = eqx.filter_jit(lambda m, t: m(t))(model, tokens)
+
+    @eqx.filter_jit
+    def decode(m, t):
+        def feed(state, token):
+            logits, state = m.decode_step(token, state)
+            return state, logits
+        return jax.lax.scan(feed, m.init_decode_state(9), t)[1]
+
+    np.testing.assert_allclose(decode(model, tokens), parallel, atol=2e-5, rtol=2e-5)
+    out = generate(model, tokens[:3], steps=4, key=jax.random.key(0))
+    assert out.shape == (7,)

@@ -368,6 +368,8 @@ class ModelConfig:
         if self.ffn not in FFN_KINDS:
             raise ValueError(f"architecture {arch!r} takes ffn one of {list(FFN_KINDS)}; got {self.ffn!r}")
         if arch == "transformer_xl":
+            if self.mem_len < 1:
+                raise ValueError(f"architecture 'transformer_xl' needs mem_len >= 1; got {self.mem_len}")
             extra = {n: getattr(self, n) for n in names[2:] if getattr(self, n) != defaults[n]}
             if extra:
                 raise ValueError(f"{sorted(extra)} apply to architecture 'compressive' only; got {extra}")

@@ -207,6 +207,21 @@ class RecurrentLayer(eqx.Module):
         return jnp.where(old_valid.any(), jnp.mean(jnp.square(target - got)), 0.0)
 
 
+def _with_compressed(memory):
+    """`memory` with an empty compressed memory where it has none (Transformer-XL)."""
+    if "compressed" in memory:
+        return memory
+    hidden = memory["hidden"]
+    return memory | {"compressed": jnp.zeros((hidden.shape[0], 0, hidden.shape[2]), hidden.dtype),
+                     "compressed_length": jnp.zeros((), jnp.int32)}
+
+
+def _without_empty(memory):
+    if memory["compressed"].shape[1]:
+        return memory
+    return {k: v for k, v in memory.items() if k not in ("compressed", "compressed_length")}
+
+
 def _right_aligned(size: int, length) -> Bool[Array, " size"]:
     """Valid slots of a right-aligned memory of `size` holding `length` states."""
     return jnp.arange(size) >= size - length
@@ -271,7 +286,8 @@ class RecurrentLM(eqx.Module):
     def init_memory(self, mem_len: int | None = None, cmem_len: int | None = None) -> dict[str, Array]:
         """An empty memory: `hidden [layers, mem_len, d]` (per layer, that layer's inputs
         of the last mem_len positions, right-aligned), `length` (valid slots), and
-        `compressed [layers, cmem_len, d]` with `compressed_length`."""
+        `compressed [layers, cmem_len, d]` with `compressed_length` (only when
+        cmem_len > 0: checkpoints refuse empty arrays)."""
         mem_len = self.mem_len if mem_len is None else mem_len
         cmem_len = self.cmem_len if cmem_len is None else cmem_len
         if mem_len < 0 or cmem_len < 0 or (cmem_len and not self.compressive):
@@ -281,9 +297,11 @@ class RecurrentLM(eqx.Module):
             raise ValueError(f"mem_len ({mem_len}) must be a multiple of the compression rate ({self.rate})")
         layers, d = len(self.layers), self.table.shape[1]
         dtype = jnp.dtype(self.dtype)
-        return {"hidden": jnp.zeros((layers, mem_len, d), dtype), "length": jnp.zeros((), jnp.int32),
-                "compressed": jnp.zeros((layers, cmem_len, d), dtype),
-                "compressed_length": jnp.zeros((), jnp.int32)}
+        memory = {"hidden": jnp.zeros((layers, mem_len, d), dtype), "length": jnp.zeros((), jnp.int32)}
+        if cmem_len:
+            memory |= {"compressed": jnp.zeros((layers, cmem_len, d), dtype),
+                       "compressed_length": jnp.zeros((), jnp.int32)}
+        return memory
 
     def _logits(self, x):
         if self.norm is not None:
@@ -312,6 +330,7 @@ class RecurrentLM(eqx.Module):
             raise ValueError(f"segment length {n} exceeds the model's max_len {self.max_len}")
         if mask is not None and mask.shape != (n,):
             raise ValueError(f"mask must have shape ({n},) like the tokens; got {mask.shape}")
+        memory = _with_compressed(memory)
         hidden, compressed = memory["hidden"], memory["compressed"]
         mem_len, cmem_len = hidden.shape[1], compressed.shape[1]
         if hidden.shape[0] != len(self.layers) or compressed.shape[0] != len(self.layers):
@@ -336,9 +355,9 @@ class RecurrentLM(eqx.Module):
             x = layer(x, context, allowed, self.u, self.v, key=keys[i], inference=inference)
         logits = self._logits(x)
         if not update:
-            return logits, memory, jnp.zeros((), jnp.float32)
+            return logits, _without_empty(memory), jnp.zeros((), jnp.float32)
         new, recon = self._update(memory, jnp.stack(inputs), n)
-        return logits, new, recon
+        return logits, _without_empty(new), recon
 
     def _update(self, memory, inputs, n):
         """The memory after a segment whose layer inputs are `inputs [layers, n, d]`."""
@@ -375,6 +394,19 @@ class RecurrentLM(eqx.Module):
                                     inference=inference)
         return logits
 
+    def init_decode_state(self, max_len: int) -> dict[str, Any]:
+        """Decoding state for up to `max_len` tokens: a memory of max_len slots (no
+        compression), so token t reads every earlier token, as the parallel call does."""
+        if max_len > self.max_len:
+            raise ValueError(f"decoding length {max_len} exceeds the model's max_len {self.max_len}")
+        return {"memory": self.init_memory(max_len, 0), "length": jnp.zeros((), jnp.int32)}
+
+    def decode_step(self, token: Int[Array, ""], state: dict[str, Any]) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
+        """Feed one token (a segment of one after the memory); the next-token logits and
+        the new state."""
+        logits, memory, _ = self.forward(token[None], state["memory"], inference=True)
+        return logits[0], {"memory": memory, "length": state["length"] + 1}
+
 
 def segment_mask(length: int, segment: int, mem_len: int) -> Bool[Array, "length length"]:
     """What query p reads when a sequence of `length` is processed in segments of
@@ -386,8 +418,3 @@ def segment_mask(length: int, segment: int, mem_len: int) -> Bool[Array, "length
     q = jnp.arange(length)[None, :]
     return (q <= p) & (q >= (p // segment) * segment - mem_len)
 
-
-def memory_summary(memory: dict[str, Any]) -> dict[str, Any]:
-    """Shapes and valid lengths of a memory (for logs and errors)."""
-    return {"mem_len": memory["hidden"].shape[-2], "length": memory["length"],
-            "cmem_len": memory["compressed"].shape[-2], "compressed_length": memory["compressed_length"]}

@@ -26,6 +26,7 @@ import optax
 
 from jxformers.nn import record_attention_inputs, update_arrays, updates_arrays
 from jxformers.nn.moe import aux_loss, has_moe
+from jxformers.train import recurrent
 from jxformers.train.state import TrainState, split_model
 
 
@@ -83,6 +84,8 @@ def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool
 def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int):
     """A jitted (state, batch) -> (state, metrics) with the state donated; metrics: loss,
     accuracy, grad_norm, finite (the update was applied)."""
+    if recurrent.is_recurrent(static):  # memory carried between steps: its own step
+        return recurrent.make_train_step(static, optimizer, grad_accum=grad_accum)
 
     updating = updates_arrays(static)
     owners: list[int] = []
@@ -131,6 +134,8 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
 
 def make_eval_step(static):
     """A jitted (state, batch) -> (loss sum, correct, count) in inference mode."""
+    if recurrent.is_recurrent(static):  # carries its memory across the evaluated batches
+        return recurrent.make_eval_step(static)
 
     @jax.jit
     def step(state: TrainState, batch):
@@ -145,6 +150,8 @@ def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_mod
     """Mean loss and accuracy over `batches` batches; for language models also the loss
     in bits per predicted token (bits per dimension for pixels, per byte for text)."""
     total = correct = count = 0.0
+    if hasattr(eval_step, "reset"):  # a step carrying memory starts each evaluation empty
+        eval_step.reset()
     for _, batch in zip(range(batches), loader):
         t, c, n = (float(x) for x in eval_step(state, batch))
         total, correct, count = total + t, correct + c, count + n
