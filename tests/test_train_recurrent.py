@@ -16,6 +16,7 @@ import pytest
 from jxformers.data import make_loader, make_source
 from jxformers.train import init_train_state, load_experiment, restore_train_state, train
 from jxformers.train.recurrent import stream_loss
+from jxformers.train.step import evaluate, make_eval_step
 
 
 @pytest.fixture
@@ -92,6 +93,13 @@ def test_memory_is_carried_checkpointed_and_resumed(texts, tmp_path):
     with_memory = stream_loss(model, batch, memory, None, inference=True)[0]
     empty = stream_loss(model, batch, jax.tree.map(jnp.zeros_like, memory), None, inference=True)[0]
     assert abs(float(with_memory) - float(empty)) > 1e-4
+    # evaluation carries its own memory of eval_mem_len slots across the batches, emptied by each evaluate()
+    static = init_train_state(e)[1]
+    eval_step = make_eval_step(static)
+    loader = list(zip(range(3), make_loader(e.sources()[1], batch_size=4, seed=0, shuffle=False)))
+    first = evaluate(eval_step, state, [b for _, b in loader], 3, language_model=True)
+    assert eval_step.memory["hidden"].shape == (4, 2, 12, 16) and (np.asarray(eval_step.memory["length"]) == 12).all()
+    assert evaluate(eval_step, state, [b for _, b in loader], 3, language_model=True) == first
 
 
 def test_compressive_trains_on_the_stream(texts, tmp_path):
