@@ -115,10 +115,31 @@ def test_compressive_trains_on_the_stream(texts, tmp_path):
 @pytest.mark.parametrize("extra,match", [
     (["data.task=shakespeare", "data.settings={path: X, max_len: 9}"], "stream of consecutive segments"),
     (["data.settings.rows=2"], r"rows \(2\) must equal train.batch_size \(4\)"),
-    (["train.grad_accum=2"], "gradient accumulation"),
     (["model.architecture=compressive", "model.cmem_len=4", "model.compression_rate=3"], "multiple"),
 ])
 def test_experiment_checks_its_stream(texts, extra, match):
     extra = [x.replace("X", str(texts)) for x in extra]
     with pytest.raises(ValueError, match=match):
         experiment(texts, *extra)
+
+
+def test_gradient_accumulation_splits_the_rows_with_their_memories(texts):
+    from jxformers.train.state import init_train_state as init
+    from jxformers.train.step import make_train_step
+
+    e = experiment(texts, "model.dropout=0.0")
+    state, static, optimizer, _ = init(e)
+    batches = [b for _, b in zip(range(2), make_loader(e.sources()[0], batch_size=4, seed=0, shuffle=False))]
+    results = []
+    for accum in (1, 2):
+        s = state
+        step = make_train_step(static, optimizer, grad_accum=accum)
+        for b in batches:
+            s, metrics = step(jax.tree.map(jnp.copy, s), b)
+        results.append((s, metrics))
+    (a, ma), (b, mb) = results
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(a.memory), jax.tree.leaves(b.memory)):
+        np.testing.assert_allclose(x, y, atol=1e-4)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(x, y, atol=1e-4)

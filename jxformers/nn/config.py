@@ -387,7 +387,7 @@ class ModelConfig:
 
 def architectures_table() -> str:
     """The architectures and poolings a ModelConfig can name (printed by `jxformers list`)."""
-    rows = [f"  {name:<12} {', '.join(tasks):<32} {what}" for name, (_, tasks, what) in _ARCHITECTURES.items()]
+    rows = [f"  {name:<14} {', '.join(tasks):<32} {what}" for name, (_, tasks, what) in _ARCHITECTURES.items()]
     return "\n".join(["architectures (ModelConfig architecture; memory_size, cross_attends; mem_len, cmem_len):", *rows,
                       f"poolings (ModelConfig pooling; pma_seeds): {', '.join(POOLING_KINDS)}"])
 

@@ -37,8 +37,9 @@ def init_train_memory(model, rows: int):
 
 
 def check_experiment(model_config, source, *, batch_size: int, grad_accum: int) -> None:
-    """A recurrent architecture needs a stream source with one row per batch row, no
-    gradient accumulation, and (compressive) segments of a multiple of the rate."""
+    """A recurrent architecture needs a stream source with one row per batch row and
+    (compressive) segments of a multiple of the rate. (`grad_accum` is checked by
+    TrainConfig: it divides the batch, and each micro-batch takes its rows' memories.)"""
     arch = model_config.architecture
     if arch not in RECURRENT_ARCHITECTURES:
         return
@@ -48,8 +49,6 @@ def check_experiment(model_config, source, *, batch_size: int, grad_accum: int) 
     if source.rows != batch_size:
         raise ValueError(f"architecture {arch!r}: each batch row is one stream, so data.settings.rows ({source.rows}) "
                          f"must equal train.batch_size ({batch_size})")
-    if grad_accum != 1:
-        raise ValueError(f"architecture {arch!r} does not take gradient accumulation; got train.grad_accum {grad_accum}")
     segment = source.max_len - 1
     if arch == "compressive" and segment % model_config.compression_rate:
         raise ValueError(f"architecture 'compressive': segments of data max_len - 1 = {segment} tokens must be a multiple "
@@ -78,18 +77,37 @@ def stream_loss(model, batch, memory, key, *, inference: bool):
 def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int):
     """A jitted (state, batch) -> (state, metrics) with the state donated (as
     `step.make_train_step`), the memory carried in `state.memory`; metrics add
-    `reconstruction_loss` for a compressive model."""
-    if grad_accum != 1:
-        raise ValueError(f"a model with memory does not take gradient accumulation; got grad_accum {grad_accum}")
+    `reconstruction_loss` for a compressive model. With `grad_accum` > 1 the rows are
+    split into that many micro-batches (each with its rows' memories), accumulated with
+    `lax.scan` and averaged."""
     compressive = static.compressive
+
+    def micro(params, drawn, batch, memory, key):
+        def loss_fn(p):
+            return stream_loss(eqx.combine(p, drawn, static), batch, memory, key, inference=False)
+
+        (loss, (stats, memory, recon)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return (loss, stats, recon, grads), memory
 
     def step(state, batch):
         params, key = state.params, jax.random.fold_in(state.rng, 2 * state.step)
+        if grad_accum == 1:
+            (loss, stats, recon, grads), memory = micro(params, state.drawn, batch, state.memory, key)
+        else:
+            split = lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:])  # noqa: E731
 
-        def loss_fn(p):
-            return stream_loss(eqx.combine(p, state.drawn, static), batch, state.memory, key, inference=False)
+            def body(acc, xs):
+                b, m, k = xs
+                out, memory = micro(params, state.drawn, b, m, k)
+                return jax.tree.map(jnp.add, acc, out), memory
 
-        (loss, (stats, memory, recon)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            zero = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), jnp.zeros(()),
+                    jax.tree.map(jnp.zeros_like, params))
+            xs = (jax.tree.map(split, batch), jax.tree.map(split, state.memory), jax.random.split(key, grad_accum))
+            (loss, stats, recon, grads), memory = jax.lax.scan(body, zero, xs)
+            memory = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), memory)  # micro-batches back to the rows
+            loss, recon = loss / grad_accum, recon / grad_accum
+            grads = jax.tree.map(lambda g: g / grad_accum, grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
