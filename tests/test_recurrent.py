@@ -265,3 +265,24 @@ def test_decoding_token_by_token_matches_the_parallel_call(architecture):
     np.testing.assert_allclose(decode(model, tokens), parallel, atol=2e-5, rtol=2e-5)
     out = generate(model, tokens[:3], steps=4, key=jax.random.key(0))
     assert out.shape == (7,)
+
+
+def test_the_compressor_learns_to_reconstruct_the_attention():
+    """Descending the reconstruction loss alone (it reaches only f_c) lowers it."""
+    model = compressive("conv", rate=2)
+    tokens = jax.random.randint(jax.random.key(11), (16,), 0, 40)
+    _, memory = run_segments(model, tokens[:8], 4, model.init_memory())
+    opt = optax.adam(1e-2)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    @jax.jit
+    def step(params, state):
+        loss, grads = jax.value_and_grad(lambda p: eqx.combine(p, static).forward(tokens[8:12], memory)[2])(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    state, losses = opt.init(params), []
+    for _ in range(30):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]

@@ -10,6 +10,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     set_transformer.py  MAB, ISAB, PMA (Set Transformer)
     luna.py       LunaBlock, LunaStack (Luna, with its causal form)
     perceiver.py  PerceiverEncoder (Perceiver)
+    recurrent.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
     models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
     config.py     ModelConfig, build_model
 """
@@ -31,6 +32,7 @@ from jxformers.nn.models import (
 )
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import ProductKeyMemory
+from jxformers.nn.recurrent import RecurrentLM
 from jxformers.nn.positions import (
     Positions,
     alibi_slopes,
@@ -44,7 +46,7 @@ from jxformers.nn.trainable import redraw, trainable, update_arrays, updates_arr
 __all__ = [
     "Attention", "Block", "Classifier", "ConditionedDecoder", "DualClassifier", "Embedding", "Encoder",
     "EncoderDecoder", "FeedForward", "ISAB", "LanguageModel", "LayerNorm", "Linear", "LunaBlock", "LunaStack", "MAB",
-    "MoE", "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "ProductKeyMemory", "RMSNorm",
+    "MoE", "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "ProductKeyMemory", "RMSNorm", "RecurrentLM",
     "alibi_slopes", "attention_modules", "build_model", "record_attention_inputs", "redraw", "rotary", "sinusoidal",
     "t5_buckets", "trainable", "update_arrays", "updates_arrays",
 ]
