@@ -53,7 +53,7 @@ def losses(workdir):
 # ----------------------------------------------------------------------------- configs
 
 
-REAL_DATA = {"fmnist_classify", "fmnist_generate", "shakespeare_lm", "shakespeare_moe"}
+REAL_DATA = {"fmnist_classify", "fmnist_generate", "shakespeare_lm", "shakespeare_moe", "shakespeare_txl"}
 
 
 def test_every_shipped_experiment_and_preset_validates(tmp_path):
@@ -91,7 +91,12 @@ def _real_data_fixtures(tmp_path):
                                                                           + bytes([0, 1, 2])))
     for i in range(8):
         (texts / f"play{i}_gut.txt").write_bytes(b"to be or not to be " * 100)
-    return {"fmnist_classify": fm, "fmnist_generate": fm, "shakespeare_lm": texts, "shakespeare_moe": texts}
+    streams = tmp_path / "streams"  # 32 rows of segments of 256 bytes: longer texts
+    streams.mkdir()
+    for i in range(8):
+        (streams / f"play{i}_gut.txt").write_bytes(b"to be or not to be " * 1100)
+    return {"fmnist_classify": fm, "fmnist_generate": fm, "shakespeare_lm": texts, "shakespeare_moe": texts,
+            "shakespeare_txl": streams}
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,8 @@
     listops.py  the LRA ListOps generator (`sample(seed, index) -> (text, label)`)
     pathfinder.py  the Pathfinder image generator (`render(seed, index) -> (image, label)`)
     pathfinder_check.py  Pathfinder's shortcut baselines (features a model should not need)
-    real.py     Fashion-MNIST (idx files) and Shakespeare (texts) readers
-    tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, FashionMNIST, ShakespeareBytes
+    real.py     Fashion-MNIST (idx files) and Shakespeare (texts) readers; Shakespeare as row streams
+    tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, FashionMNIST, ShakespeareBytes, ShakespeareStream
     loader.py   grain DataLoader: seeded shuffle, per-process sharding, worker processes, batching
     baselines.py  what an accuracy means: majority class, ListOps' root operator, Pathfinder's shortcut
     cache.py    built splits: records written once to ArrayRecord files and read back

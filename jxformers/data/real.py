@@ -168,3 +168,69 @@ class ShakespeareBytes:
         loss_mask = np.ones((self.max_len,), bool)
         loss_mask[-1] = False
         return {"tokens": tokens, "mask": np.ones((self.max_len,), bool), "loss_mask": loss_mask}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShakespeareStream:
+    """Shakespeare's bytes as `rows` contiguous streams, for models that carry a memory
+    from one batch to the next (Transformer-XL): the split's texts (in name order, the
+    split of `ShakespeareBytes`) joined into one byte string and cut into `rows` equal
+    pieces; record i is segment (i // rows) of piece (i % rows). Read in order (no
+    shuffling; the trainer turns it off for a source with `stream`), batches of `rows`
+    records continue each row's text: row b of batch t + 1 follows row b of batch t.
+    A record holds `max_len` bytes and the next segment of its row starts at its last
+    byte, so a model reads the first max_len - 1 bytes of each record, predicts the next
+    max_len - 1, and every byte but a row's first is predicted once per pass. After its
+    last whole segment a row starts again from its beginning. `seed` is unused (the
+    stream is fixed); `size` must be a multiple of `rows`."""
+
+    seed: int
+    size: int
+    path: str = ""
+    split: str = "train"
+    max_len: int = 257
+    rows: int = 1
+
+    model_task = "lm"
+    vocab_size = 256
+    stream = True
+
+    def __post_init__(self):
+        if self.split not in ("train", "valid"):
+            raise ValueError(f"shakespeare_stream: split must be train or valid; got {self.split!r}")
+        if not self.path:
+            raise ValueError(f"shakespeare_stream: data.settings.path is required; {SHAKESPEARE_HOWTO}")
+        if self.max_len < 2 or self.rows < 1:
+            raise ValueError(f"shakespeare_stream: max_len must be >= 2 and rows >= 1; got max_len {self.max_len}, "
+                             f"rows {self.rows}")
+        if self.size % self.rows:
+            raise ValueError(f"shakespeare_stream: size ({self.size}) must be a multiple of rows ({self.rows}), so "
+                             f"that every batch of rows records holds one segment of each row")
+        if self.segments_per_row < 1:
+            raise ValueError(f"shakespeare_stream: the {self.split} texts ({len(self._stream())} bytes) cut into "
+                             f"{self.rows} rows leave less than one segment of max_len {self.max_len} per row")
+
+    def _stream(self) -> bytes:
+        return _joined(self.path, self.split)
+
+    @property
+    def segments_per_row(self) -> int:
+        piece = len(self._stream()) // self.rows
+        return (piece - 1) // (self.max_len - 1)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        index = int(index)
+        row, segment = index % self.rows, (index // self.rows) % self.segments_per_row
+        start = row * (len(self._stream()) // self.rows) + segment * (self.max_len - 1)
+        tokens = np.frombuffer(self._stream()[start : start + self.max_len], np.uint8).astype(np.int32)
+        loss_mask = np.ones((self.max_len,), bool)
+        loss_mask[-1] = False
+        return {"tokens": tokens, "mask": np.ones((self.max_len,), bool), "loss_mask": loss_mask}
+
+
+@functools.cache
+def _joined(path: str, split: str) -> bytes:
+    return b"".join(_plays(path, split))

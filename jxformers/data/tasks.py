@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from jxformers.data import listops, pathfinder
-from jxformers.data.real import FashionMNIST, ShakespeareBytes
+from jxformers.data.real import FashionMNIST, ShakespeareBytes, ShakespeareStream
 
 
 def _pad(ids: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -177,7 +177,7 @@ class Pathfinder:
 
 TASKS = {
     "listops": ListOps, "pathfinder": Pathfinder, "copy": Copy, "recall": AssociativeRecall,
-    "fashion_mnist": FashionMNIST, "shakespeare": ShakespeareBytes,
+    "fashion_mnist": FashionMNIST, "shakespeare": ShakespeareBytes, "shakespeare_stream": ShakespeareStream,
 }
 
 

@@ -11,6 +11,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     luna.py       LunaBlock, LunaStack (Luna, with its causal form)
     perceiver.py  PerceiverEncoder (Perceiver)
     tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig token_learner)
+    recurrent.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
     models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
     config.py     ModelConfig, build_model
 """
@@ -32,6 +33,7 @@ from jxformers.nn.models import (
 )
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import ProductKeyMemory
+from jxformers.nn.recurrent import RecurrentLM
 from jxformers.nn.positions import (
     Positions,
     alibi_slopes,
@@ -46,7 +48,8 @@ from jxformers.nn.trainable import redraw, trainable, update_arrays, updates_arr
 __all__ = [
     "Attention", "Block", "Classifier", "ConditionedDecoder", "DualClassifier", "Embedding", "Encoder",
     "EncoderDecoder", "FeedForward", "ISAB", "LanguageModel", "LayerNorm", "Linear", "LunaBlock", "LunaStack", "MAB",
-    "MoE", "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "ProductKeyMemory", "RMSNorm", "TokenFuser", "TokenLearner", "TokenLearnerStage",
+    "MoE", "ModelConfig", "PMA", "PerceiverEncoder", "Positions", "ProductKeyMemory", "RMSNorm", "RecurrentLM",
+    "TokenFuser", "TokenLearner", "TokenLearnerStage",
     "alibi_slopes", "attention_modules", "build_model", "record_attention_inputs", "redraw", "rotary", "sinusoidal",
     "t5_buckets", "trainable", "update_arrays", "updates_arrays",
 ]

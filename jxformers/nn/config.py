@@ -42,6 +42,7 @@ from jxformers.nn.models import (
     LanguageModel,
 )
 from jxformers.nn.perceiver import PerceiverEncoder
+from jxformers.nn.recurrent import COMPRESSIONS, RECURRENT_ARCHITECTURES, RecurrentLM
 from jxformers.nn.positions import BIAS_KINDS, POSITION_KINDS, Positions
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn import tokenlearner as tokenlearner_lib
@@ -57,12 +58,14 @@ _ARCHITECTURES = {
     "isab": ("post", ("classify", "retrieval"), "Set Transformer's ISAB blocks (Lee et al. 2019)"),
     "luna": ("post", ("classify", "retrieval", "lm"), "Luna layers carrying a packed sequence (Ma et al. 2021)"),
     "perceiver": ("pre", ("classify", "retrieval"), "latent array cross-attending the input (Jaegle et al. 2021)"),
+    "transformer_xl": ("post", ("lm",), "segment-level recurrence, relative positions (Dai et al. 2019)"),
+    "compressive": ("post", ("lm",), "Transformer-XL plus a compressed memory (Rae et al. 2020)"),
 }
 ARCHITECTURES = tuple(_ARCHITECTURES)
 _CHOICES = {
     "architecture": ARCHITECTURES, "task": TASKS, "ffn": CONFIG_FFNS, "position": POSITION_KINDS, "norm": NORM_KINDS,
     "norm_placement": NORM_PLACEMENTS, "pooling": POOLING_KINDS, "dtype": DTYPES, "downsample": DOWNSAMPLE_KINDS,
-    "impl": IMPLS,
+    "impl": IMPLS, "compression": COMPRESSIONS,
 }
 
 
@@ -111,7 +114,14 @@ class ModelConfig:
             from layer to layer (causal in an lm). "perceiver": a latent array of
             `memory_size` rows cross-attends to the input `cross_attends` times, each
             followed by a shared latent tower of `num_layers` blocks. The last three
-            use softmax attention inside, as their papers.
+            use softmax attention inside, as their papers. "transformer_xl": Dai et
+            al.'s segment-level recurrence (each layer reads the last `mem_len` hidden
+            states it saw, stop-gradient) with their relative positions (position must
+            be "none"); "compressive": the same plus Rae et al.'s compressed memory of
+            `cmem_len` slots, filled with evicted memories compressed at rate
+            `compression_rate` by `compression` (conv, mean or max), trained by the
+            attention-reconstruction loss. Both are `jxformers.nn.recurrent.RecurrentLM`
+            (task lm); `eval_mem_len` (default mem_len) is the memory used in evaluation.
         tie_embeddings: output projection shares the embedding table (lm, seq2seq).
         filters: encoder block index i -> keep ratio r of the downsampling that sits
             right before block i, ahead of its attention, so block i and all later ones
@@ -173,6 +183,11 @@ class ModelConfig:
     cross_attends: int = 1
     pma_seeds: int = 1
     token_learner: dict = dataclasses.field(default_factory=dict)
+    mem_len: int = 0
+    eval_mem_len: int | None = None
+    cmem_len: int = 0
+    compression: str = "conv"
+    compression_rate: int = 3
 
     def __post_init__(self):
         if self.norm_placement is None and isinstance(self.architecture, str):
@@ -337,6 +352,7 @@ class ModelConfig:
             raise ValueError(f"pma_seeds ({self.pma_seeds}) is PMA's number of seeds: set pooling 'pma' or leave it 1")
         if self.cross_attends != 1 and arch != "perceiver":
             raise ValueError(f"cross_attends ({self.cross_attends}) applies to architecture 'perceiver' only")
+        self._check_recurrence(arch, defaults)
         if arch == "transformer":
             if self.memory_size != defaults["memory_size"]:
                 raise ValueError(f"memory_size ({self.memory_size}) applies to architectures isab, luna and perceiver")
@@ -349,18 +365,58 @@ class ModelConfig:
         if self.kv_heads not in (None, self.num_heads):
             raise ValueError(f"architecture {arch!r} has no grouped-query attention; kv_heads ({self.kv_heads}) must "
                              f"equal num_heads ({self.num_heads}) or be left unset")
+        if arch in RECURRENT_ARCHITECTURES and self.position != "none":
+            raise ValueError(f"architecture {arch!r} has its own relative positions (R, u, v): set position 'none'; "
+                             f"got {self.position!r}")
         if self.position in BIAS_KINDS or self.position == "rope":
             raise ValueError(f"architecture {arch!r} takes positions added to the embeddings (sinusoidal, learned) or "
                              f"none; got {self.position!r}")
+        if arch in RECURRENT_ARCHITECTURES and self.dtype != "float32":
+            raise ValueError(f"architecture {arch!r} runs in float32 only; got dtype {self.dtype!r}")
         if arch == "perceiver" and self.pooling == "cls":
             raise ValueError("a perceiver has no CLS token: pool its latents with pooling 'mean' (the paper's average) "
                              "or 'pma'")
 
+    def _check_recurrence(self, arch, defaults):
+        """mem_len, eval_mem_len, cmem_len, compression and its rate: only for the
+        recurrent architectures, and consistent there."""
+        names = ("mem_len", "eval_mem_len", "cmem_len", "compression", "compression_rate")
+        if arch not in RECURRENT_ARCHITECTURES:
+            given = {n: getattr(self, n) for n in names if getattr(self, n) != defaults[n]}
+            if given:
+                raise ValueError(f"{sorted(given)} apply to architectures {list(RECURRENT_ARCHITECTURES)}; got {given}")
+            return
+        if self.memory_size != defaults["memory_size"]:
+            raise ValueError(f"memory_size ({self.memory_size}) does not apply to {arch!r}: its memory is mem_len")
+        for name in ("mem_len", "eval_mem_len", "cmem_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"config {name} must be >= 0; got {getattr(self, name)}")
+        if self.compression_rate < 1:
+            raise ValueError(f"config compression_rate must be >= 1; got {self.compression_rate}")
+        if self.ffn not in FFN_KINDS:
+            raise ValueError(f"architecture {arch!r} takes ffn one of {list(FFN_KINDS)}; got {self.ffn!r}")
+        if arch == "transformer_xl":
+            if self.mem_len < 1:
+                raise ValueError(f"architecture 'transformer_xl' needs mem_len >= 1; got {self.mem_len}")
+            extra = {n: getattr(self, n) for n in names[2:] if getattr(self, n) != defaults[n]}
+            if extra:
+                raise ValueError(f"{sorted(extra)} apply to architecture 'compressive' only; got {extra}")
+            return
+        rate = self.compression_rate
+        if self.cmem_len < 1 or self.mem_len < 1:
+            raise ValueError(f"architecture 'compressive' needs mem_len >= 1 and cmem_len >= 1; got mem_len "
+                             f"{self.mem_len}, cmem_len {self.cmem_len}")
+        bad = {n: v for n, v in (("mem_len", self.mem_len), ("eval_mem_len", self.eval_mem_len))
+               if v is not None and v % rate}
+        if bad:
+            raise ValueError(f"architecture 'compressive' compresses whole windows of compression_rate ({rate}) "
+                             f"states (segments must be too): {sorted(bad)} must be multiples of it; got {bad}")
+
 
 def architectures_table() -> str:
     """The architectures and poolings a ModelConfig can name (printed by `jxformers list`)."""
-    rows = [f"  {name:<12} {', '.join(tasks):<32} {what}" for name, (_, tasks, what) in _ARCHITECTURES.items()]
-    return "\n".join(["architectures (ModelConfig architecture; memory_size, cross_attends):", *rows,
+    rows = [f"  {name:<14} {', '.join(tasks):<32} {what}" for name, (_, tasks, what) in _ARCHITECTURES.items()]
+    return "\n".join(["architectures (ModelConfig architecture; memory_size, cross_attends; mem_len, cmem_len):", *rows,
                       f"poolings (ModelConfig pooling; pma_seeds): {', '.join(POOLING_KINDS)}"])
 
 
@@ -583,6 +639,15 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             reversible=config.reversible, key=keys[5],
         )
 
+    if config.architecture in RECURRENT_ARCHITECTURES:
+        compressive = config.architecture == "compressive"
+        return RecurrentLM(
+            config.vocab_size, config.d_model, config.num_heads, config.num_layers, d_ff=config.d_ff or 4 * config.d_model,
+            ffn=config.ffn, norm=config.norm, pre_norm=config.norm_placement == "pre", dropout=config.dropout,
+            mem_len=config.mem_len, eval_mem_len=config.eval_mem_len, cmem_len=config.cmem_len if compressive else 0,
+            compression=config.compression, rate=config.compression_rate if compressive else 1,
+            max_len=config.max_len, tie=config.tie_embeddings, dtype=config.dtype, key=keys[4],
+        )
     if config.task == "lm":
         return decoder(config.num_layers, cross=False)
     if config.task == "seq2seq":

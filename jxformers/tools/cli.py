@@ -133,7 +133,7 @@ def _eval(rest: list[str]) -> int:
 
 
 # Data tasks whose tokens are the bytes of text: their prompts and outputs are text.
-TEXT_TASKS = ("shakespeare",)
+TEXT_TASKS = ("shakespeare", "shakespeare_stream")
 
 
 def _prompt_ids(p, experiment, prompt: str) -> list[int]:

@@ -6,6 +6,7 @@
     state.py       TrainState (params, drawn, opt_state, step, rng) and its one constructor
                    init_train_state; state_dict / load_state_dict (leaves by tree path)
     step.py        losses, the jitted train step (state -> state) and eval step, evaluate
+    recurrent.py   the steps of models carrying a memory between steps (Transformer-XL) on streams
     checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape check
                    before restore, damaged fallback, old list-layout checkpoints refused)
     workdir.py     the work directory: its saved config (read by eval / generate, checked

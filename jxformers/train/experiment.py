@@ -29,6 +29,7 @@ import yaml
 from jxformers.data import make_source
 from jxformers.nn import ModelConfig
 from jxformers.train.optim import OPTIMIZERS, SCHEDULES
+from jxformers.train.recurrent import check_experiment as check_recurrent
 from jxformers.validate import check_at_least, check_fields, from_mapping
 
 # Shipped with the package (package data), so an installed wheel has them too.
@@ -273,6 +274,7 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
     model_values.setdefault("max_len", train_source.max_len + (1 if model_values.get("pooling", "cls") == "cls"
                                                                and train_source.model_task == "classify" else 0))
     model = ModelConfig.from_dict(model_values)
+    check_recurrent(model, train_source, batch_size=train.batch_size, grad_accum=train.grad_accum)
     raw = {"name": config.get("name", "experiment"), "preset": preset, "data": data.to_dict(),
            "model": model.to_dict(), "train": train.to_dict(), "checkpoint": ckpt.to_dict()}
     return Experiment(raw["name"], data, model, train, ckpt, raw)

@@ -77,7 +77,8 @@ def restore_train_state(experiment: Experiment, workdir: str | pathlib.Path, *, 
     workdir = check_workdir(workdir, exists=True)
     state, static, _, _ = init_train_state(experiment)
     train_source, _ = experiment.sources()
-    iterator = iter(make_loader(train_source, batch_size=experiment.train.batch_size, seed=0))
+    iterator = iter(make_loader(train_source, batch_size=experiment.train.batch_size, seed=0,
+                                shuffle=not getattr(train_source, "stream", False)))
     if not has_checkpoints(workdir):  # checked first: opening the manager would create the directory
         raise ValueError(f"no checkpoint in {workdir / 'checkpoints'}: train first (jxformers train ...)")
     with contextlib.closing(_open_checkpointer(experiment, workdir, async_save=False)) as checkpointer:
@@ -359,7 +360,8 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         state, static, optimizer, schedule = init_train_state(experiment)
         train_source, eval_source = experiment.sources()
         iterator = stack.enter_context(contextlib.closing(iter(make_loader(
-            train_source, batch_size=t.batch_size, seed=t.seed, workers=experiment.data.workers))))
+            train_source, batch_size=t.batch_size, seed=t.seed, workers=experiment.data.workers,
+            shuffle=not getattr(train_source, "stream", False)))))  # a stream's rows continue from batch to batch
         checkpointer = stack.enter_context(contextlib.closing(
             _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save)))
         state = _restore(checkpointer, state, iterator, training=True) or state

@@ -6,7 +6,9 @@
 `TrainState` is the pytree a train step carries: the trainable `params`, the `drawn`
 arrays (attention's drawn features / random blocks / rotations and PRNG keys inside the
 model: non-trainable, replaced by `redraw`), the optimizer state, the step (an int32
-array) and the run's PRNG key. The static rest of the model (activation functions,
+array), the run's PRNG key, and, for a model with a memory carried from step to step
+(Transformer-XL, the Compressive Transformer), that `memory` (one per batch row;
+`jxformers.train.recurrent`; None otherwise). The static rest of the model (activation functions,
 shapes, bound attentions) is kept outside, as `static`.
 
 For checkpoints, `state_dict(state)` flattens the state to one dict keyed by each leaf's
@@ -27,6 +29,7 @@ import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from jxformers.nn import build_model, trainable
+from jxformers.train.recurrent import init_train_memory
 from jxformers.train.optim import make_optimizer
 
 
@@ -38,6 +41,7 @@ class TrainState(eqx.Module):
     opt_state: PyTree
     step: Int[Array, ""]
     rng: PRNGKeyArray
+    memory: PyTree = None
 
     def model(self, static: PyTree) -> Any:
         """The model these parameters and drawn arrays belong to."""
@@ -69,7 +73,7 @@ def init_train_state(experiment) -> tuple[TrainState, PyTree, optax.GradientTran
     params, drawn, static = split_model(model)
     optimizer, schedule = make_experiment_optimizer(experiment)
     state = TrainState(params=params, drawn=drawn, opt_state=optimizer.init(params),
-                       step=jnp.zeros((), jnp.int32), rng=rng)
+                       step=jnp.zeros((), jnp.int32), rng=rng, memory=init_train_memory(model, experiment.train.batch_size))
     return state, static, optimizer, schedule
 
 
@@ -82,7 +86,7 @@ def _is_key(x) -> bool:
 
 def _tree(state: TrainState) -> dict[str, Any]:
     return {"params": state.params, "drawn": state.drawn, "opt_state": state.opt_state, "step": state.step,
-            "rng": state.rng}
+            "rng": state.rng, "memory": state.memory}
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:
@@ -111,4 +115,4 @@ def load_state_dict(values: dict[str, Any], template: TrainState) -> TrainState:
 
     tree = jax.tree_util.tree_map_with_path(put, _tree(template))
     return TrainState(params=tree["params"], drawn=tree["drawn"], opt_state=tree["opt_state"],
-                      step=jnp.asarray(np.asarray(tree["step"]), jnp.int32), rng=tree["rng"])
+                      step=jnp.asarray(np.asarray(tree["step"]), jnp.int32), rng=tree["rng"], memory=tree["memory"])

@@ -27,6 +27,7 @@ import optax
 
 from jxformers.nn import record_attention_inputs, update_arrays, updates_arrays
 from jxformers.nn.moe import aux_loss, has_moe, layer_metrics, reduce_aux
+from jxformers.train import recurrent
 from jxformers.train.state import TrainState, split_model
 
 
@@ -87,6 +88,8 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
     """A jitted (state, batch) -> (state, metrics) with the state donated; metrics: loss,
     accuracy, grad_norm, finite (the update was applied), and per MoE layer its
     `layer_metrics` (means over micro-batches; counts summed)."""
+    if recurrent.is_recurrent(static):  # memory carried between steps: its own step
+        return recurrent.make_train_step(static, optimizer, grad_accum=grad_accum)
 
     updating = updates_arrays(static)
     owners: list[int] = []
@@ -137,6 +140,8 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
 
 def make_eval_step(static):
     """A jitted (state, batch) -> (loss sum, correct, count) in inference mode."""
+    if recurrent.is_recurrent(static):  # carries its memory across the evaluated batches
+        return recurrent.make_eval_step(static)
 
     @jax.jit
     def step(state: TrainState, batch):
@@ -151,6 +156,8 @@ def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_mod
     """Mean loss and accuracy over `batches` batches; for language models also the loss
     in bits per predicted token (bits per dimension for pixels, per byte for text)."""
     total = correct = count = 0.0
+    if hasattr(eval_step, "reset"):  # a step carrying memory starts each evaluation empty
+        eval_step.reset()
     for _, batch in zip(range(batches), loader):
         t, c, n = (float(x) for x in eval_step(state, batch))
         total, correct, count = total + t, correct + c, count + n
