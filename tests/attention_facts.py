@@ -161,5 +161,16 @@ FACTS: dict[str, Facts] = {
         errors=(({"n_clusters": 0}, "n_clusters"), ({"chunk_size": 0}, "chunk_size")),
         growth=Growth("linear", lambda n: {"n_clusters": 8, "chunk_size": 32}),
     ),
+    "adaptive_sparse": Facts(
+        variants=({"alpha": 1.5}, {"alpha": 2.0, "learned": False}, {"alpha": 1.2, "learned": False}),
+        errors=(({"alpha": 2.5}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"alpha": 2.0}, "alpha")),
+        growth=Growth("quadratic"),
+    ),
+    "long_short": Facts(
+        variants=({"window": 4, "rank": 3, "segment_size": 5}, {"window": 7, "rank": 2, "segment_size": 8}),
+        errors=(({"window": 0}, "window"), ({"segment_size": 0}, "segment_size"), ({"rank": 0}, "rank")),
+        # Causal: every query attends the projections of all earlier segments, O(N^2 r / l).
+        growth=Growth("linear", lambda n: {"window": 32, "rank": 16}, causal=(False,)),
+    ),
     "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
 }
