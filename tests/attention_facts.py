@@ -172,5 +172,12 @@ FACTS: dict[str, Facts] = {
         # Causal: every query attends the projections of all earlier segments, O(N^2 r / l).
         growth=Growth("linear", lambda n: {"window": 32, "rank": 16}, causal=(False,)),
     ),
+    "poolingformer": Facts(  # not causal: tests/test_survey_a.py checks the refusal
+        variants=({"window": 2, "pool_window": 8, "pool_size": 3, "pool_stride": 2},
+                  {"window": 1, "pool_window": 5, "pool_size": 2, "pool_stride": 2, "pooling": "max"}),
+        errors=(({"window": -1}, "window"), ({"pool_size": 0}, "pool_size"), ({"pool_stride": 0}, "pool_stride"),
+                ({"pool_window": 2}, "pool_window"), ({"pooling": "conv"}, "pooling")),
+        growth=Growth("linear", lambda n: {"window": 16, "pool_window": 64, "pool_size": 5, "pool_stride": 4}),
+    ),
     "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
 }

@@ -83,6 +83,9 @@ from jxformers.ops.survey import (
     head_alpha,
     long_short_arrays,
     long_short_attention,
+    pool_keys,
+    poolingformer_arrays,
+    poolingformer_attention,
     sparsemax,
 )
 from jxformers.ops.fourier import (
@@ -105,6 +108,9 @@ __all__ = [
     "head_alpha",
     "long_short_arrays",
     "long_short_attention",
+    "pool_keys",
+    "poolingformer_arrays",
+    "poolingformer_attention",
     "sparsemax",
     "sinkhorn_balance",
     "sinkhorn_attention",
