@@ -109,8 +109,9 @@ def test_weights_sum_to_one_are_sparse_and_exactly_zero_where_masked(hp):
     future = np.triu(np.ones((n, n), bool), k=1)
     assert np.all(w.transpose(1, 0, 2)[:, future] == 0.0)  # causal: exactly zero, not small
     assert np.all(w[:, :, 16:] == 0.0)  # padded keys: exactly zero
-    zeros = (w[8:] == 0) & ~future[8:, None, :] & (np.arange(n) < 16)[None, None]
-    assert zeros.sum() > 0.3 * (~future[8:, None, :16]).sum() * HEADS / HEADS  # many allowed keys get exactly 0
+    allowed = np.broadcast_to(~future[8:, None, :16], w[8:, :, :16].shape)
+    zeros = (w[8:, :, :16] == 0) & allowed
+    assert zeros.sum() > 0.5 * allowed.sum()  # most allowed keys get exactly 0 (softmax: none)
 
 
 def test_entmax_gradients_match_finite_differences_in_scores_and_alpha():
