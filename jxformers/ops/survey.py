@@ -9,6 +9,12 @@ window plus a dynamic low-rank projection, "FP + LR") and Poolingformer (Zhang e
     long_short_attention     segment-wise window + dynamic projection, DualLN; causal form
                              with segment-wise projections
     poolingformer_attention  two levels: window, then pooled window over the first's output
+
+Their learned arrays (alpha's logit, W_P and the DualLN gains, the second level's
+projections) come from `init_arrays` and are trained with the module, as RFA's sigma.
+The two causal ones decode from a cache of every key (their own `Decoder` steps: the
+registry's `kv_cache` passes no arrays to its attend function, and the Long-Short step
+recomputes the finished segments' projections); Poolingformer is not causal.
 """
 
 from __future__ import annotations
