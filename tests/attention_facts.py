@@ -161,6 +161,24 @@ FACTS: dict[str, Facts] = {
         errors=(({"n_clusters": 0}, "n_clusters"), ({"chunk_size": 0}, "chunk_size")),
         growth=Growth("linear", lambda n: {"n_clusters": 8, "chunk_size": 32}),
     ),
+    "adaptive_sparse": Facts(
+        variants=({"alpha": 1.5}, {"alpha": 2.0, "learned": False}),  # a fixed alpha < 2: tests/test_survey_a.py
+        errors=(({"alpha": 2.5}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"alpha": 2.0}, "alpha")),
+        growth=Growth("quadratic"),
+    ),
+    "long_short": Facts(
+        variants=({"window": 4, "rank": 3, "segment_size": 5}, {"window": 7, "rank": 2, "segment_size": 8}),
+        errors=(({"window": 0}, "window"), ({"segment_size": 0}, "segment_size"), ({"rank": 0}, "rank")),
+        # Causal: every query attends the projections of all earlier segments, O(N^2 r / l).
+        growth=Growth("linear", lambda n: {"window": 32, "rank": 16}, causal=(False,)),
+    ),
+    "poolingformer": Facts(  # not causal: tests/test_survey_a.py checks the refusal
+        variants=({"window": 2, "pool_window": 8, "pool_size": 3, "pool_stride": 2},
+                  {"window": 1, "pool_window": 5, "pool_size": 2, "pool_stride": 2, "pooling": "max"}),
+        errors=(({"window": -1}, "window"), ({"pool_size": 0}, "pool_size"), ({"pool_stride": 0}, "pool_stride"),
+                ({"pool_window": 2}, "pool_window"), ({"pooling": "conv"}, "pooling")),
+        growth=Growth("linear", lambda n: {"window": 16, "pool_window": 64, "pool_size": 5, "pool_stride": 4}),
+    ),
     "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
     "image_local_2d": Facts(
         variants=({"width": 6, "query_height": 2, "query_width": 3, "memory_height": 2, "memory_width": 1},

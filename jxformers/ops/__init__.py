@@ -19,6 +19,8 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
                    funnel_pool and funnel_attention
     learnable.py   lsh_attention (Reformer), routing_attention, sinkhorn_attention, clusterformer_attention,
                    and their pieces (lsh_buckets, kmeans_update, sinkhorn_balance)
+    survey.py      adaptive_sparse_attention (entmax, sparsemax), long_short_attention,
+                   poolingformer_attention
     fourier.py     dct, idct, fourier_downsample(_padded), nearest_upsample, fnet_mixing, fnet_attention
 """
 
@@ -78,6 +80,20 @@ from jxformers.ops.learnable import (
     sinkhorn_attention,
     sinkhorn_balance,
 )
+from jxformers.ops.survey import (
+    adaptive_sparse_arrays,
+    adaptive_sparse_attention,
+    dual_layer_norm,
+    dynamic_projection,
+    entmax,
+    head_alpha,
+    long_short_arrays,
+    long_short_attention,
+    pool_keys,
+    poolingformer_arrays,
+    poolingformer_attention,
+    sparsemax,
+)
 from jxformers.ops.fourier import (
     dct,
     fnet_attention,
@@ -90,6 +106,18 @@ from jxformers.ops.fourier import (
 # isort: on
 
 __all__ = [
+    "adaptive_sparse_arrays",
+    "adaptive_sparse_attention",
+    "dual_layer_norm",
+    "dynamic_projection",
+    "entmax",
+    "head_alpha",
+    "long_short_arrays",
+    "long_short_attention",
+    "pool_keys",
+    "poolingformer_arrays",
+    "poolingformer_attention",
+    "sparsemax",
     "sinkhorn_balance",
     "sinkhorn_attention",
     "sinkhorn_arrays",
