@@ -167,8 +167,9 @@ def main(argv=None) -> int:
                    + "; ".join(f"{name} {ms:.2f} ms" for name, ms in srows)
                    + f"; ratio {srows[1][1] / srows[0][1]:.2f}.")
         if jax.devices()[0].platform == "cpu":
-            footer += (" Simulated CPU devices share this machine's cores, so the ratio is the cost of the "
-                       "shard_map and its two all_to_alls, not a speed-up.")
+            footer += (" Simulated CPU devices share this machine's cores: the ratio weighs the shard_map and its "
+                       "two all_to_alls against the same work on one device (below 1 where XLA runs the devices' "
+                       "programs in parallel threads); it predicts nothing about a real cluster.")
         footer += "\n"
     for row in table:
         print(" | ".join(row))
