@@ -40,3 +40,26 @@ def qkv(seed, n, heads=4, kv_heads=2, d=8, dv=6, kv_len=None, dtype=jnp.float32)
 
 def assert_close(a, b, atol=1e-5, rtol=1e-5):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol, rtol=rtol)
+
+
+import pytest  # noqa: E402
+
+_RSS_LIMIT = 3 * 2**30
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_programs():
+    """Drop JAX's compiled programs once a worker holds more than 3 GiB: one that kept
+    every test's executables grew to about 10 GB over the suite, and two such workers
+    crashed XLA's compiler on a 24 GiB machine. Below the limit, tests keep sharing them."""
+    yield
+    if _resident_bytes() > _RSS_LIMIT:
+        jax.clear_caches()

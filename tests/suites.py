@@ -281,7 +281,7 @@ def jit_variants(names) -> type[chex.TestCase]:
             chex.assert_trees_all_close(batched[0], out, atol=1e-5, rtol=1e-5)
             chex.assert_trees_all_close(batched[1], f(qb[1], kb[1], vb[1]), atol=1e-5, rtol=1e-5)
 
-            grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+            grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)))(q, k, v)
             chex.assert_trees_all_equal_shapes(grads, (q, k, v))
             chex.assert_tree_all_finite(grads)
             used = (0, 1, 2) if spec.content_based else (2,)  # FNet / Synthesizer ignore q, k
