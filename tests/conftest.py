@@ -5,6 +5,7 @@ Runtime shape/type checking of the package is on (pyproject's addopts:
 Hypothesis draws from a few fixed shapes: every new shape is a new XLA compilation.
 """
 
+import functools
 import os
 
 # Tests compile hundreds of small programs and run each a few times: skip LLVM's
@@ -26,6 +27,19 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
 )
 settings.load_profile("jxformers")
+
+
+@functools.cache
+def _jitted(fn, static):
+    return jax.jit(functools.partial(fn, **dict(static)))
+
+
+def jitted_call(fn, *args, **kwargs):
+    """fn(*args, **kwargs) under jit (array keywords traced, every other keyword static),
+    compiled once per function and static keywords."""
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+    return _jitted(fn, static)(*args, **arrays)
 
 
 def qkv(seed, n, heads=4, kv_heads=2, d=8, dv=6, kv_len=None, dtype=jnp.float32):

@@ -4,13 +4,12 @@ finite differences for both gradients (scores and alpha), with alpha trained per
 the Long-Short Transformer and Poolingformer against numpy references written from
 their papers. Small shapes throughout."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import assert_close, jitted_call, qkv
 
 from jxformers import ModelConfig, build_model, nn, ops, registry
 from jxformers.ops import softmax_attention
@@ -18,16 +17,7 @@ from jxformers.ops import softmax_attention
 HEADS, KV_HEADS, D_K, D_V = 4, 2, 8, 6
 
 
-@functools.cache
-def _jitted(fn, static):
-    return jax.jit(functools.partial(fn, **dict(static)))
-
-
-def call(fn, *args, **kwargs):
-    """fn(*args, **kwargs) under jit (arrays traced, everything else static)."""
-    arrays = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
-    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
-    return _jitted(fn, static)(*args, **arrays)
+call = jitted_call  # the op under jit, compiled once per static keywords
 
 
 def arrays_for(name, seed=1, heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V, **hp):

@@ -4,31 +4,21 @@ masks and relative position labels; Image Transformer's 2-D local attention
 (jxformers/ops/local.py) against the image geometry; TokenLearner and TokenFuser
 (jxformers/nn/tokenlearner.py). Small shapes, one or two compilations per test."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
+import masks
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import assert_close, jitted_call, qkv
 
-import masks
 from jxformers import ops, registry
 from jxformers.ops import softmax_attention
 
 HEADS, KV_HEADS, D_K, D_V = 4, 2, 8, 6
 
 
-@functools.cache
-def _jitted(fn, static):
-    return jax.jit(functools.partial(fn, **dict(static)))
-
-
-def call(fn, *args, **kwargs):
-    """fn(*args, **kwargs) under jit, arrays traced and the rest static."""
-    arrays = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
-    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
-    return _jitted(fn, static)(*args, **arrays)
+call = jitted_call  # the op under jit, compiled once per static keywords
 
 
 # ----------------------------------------------------------------------------- ETC

@@ -5,16 +5,21 @@ evaluation carries its own (longer) memory, and the experiment checks its data."
 
 import json
 import math
-import pathlib
 import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_train import losses
 
 from jxformers.data import make_loader, make_source
-from jxformers.train import init_train_state, load_experiment, restore_train_state, train
+from jxformers.train import (
+    init_train_state,
+    load_experiment,
+    restore_train_state,
+    train,
+)
 from jxformers.train.recurrent import stream_loss
 from jxformers.train.step import evaluate, make_eval_step
 
@@ -53,13 +58,6 @@ def test_stream_rows_continue_from_batch_to_batch(texts):
         make_source("shakespeare_stream", seed=0, size=10, path=str(texts), max_len=9, rows=4)
 
 
-def losses(workdir):
-    out = {}
-    for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
 
 
 def test_memory_is_carried_checkpointed_and_resumed(texts, tmp_path):
