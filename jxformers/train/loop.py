@@ -42,6 +42,7 @@ from jxformers.nn import redraw
 from jxformers.tools.xla_cost import cost_of
 from jxformers.train.checkpoint import Checkpointer
 from jxformers.train.experiment import Experiment
+from jxformers.train.sharding import ShardingPlan, make_mesh, plan_sharding
 from jxformers.train.state import TrainState, init_train_state, load_state_dict, split_model, state_dict
 from jxformers.train.step import evaluate, make_eval_step, make_train_step
 from jxformers.train.tensorboard import EventWriter
@@ -123,13 +124,25 @@ def _peak_memory_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def _redraw_if_due(state: TrainState, static, every: int) -> TrainState:
-    """New drawn arrays from fold_in(rng, 2 * step + 1) every `every` steps (0: never)."""
+def _redraw_if_due(state: TrainState, static, every: int, plan: ShardingPlan | None = None) -> TrainState:
+    """New drawn arrays from fold_in(rng, 2 * step + 1) every `every` steps (0: never),
+    put back on the plan's shardings."""
     step = int(state.step)
     if not every or step % every:
         return state
     _, drawn, _ = split_model(redraw(state.model(static), jax.random.fold_in(state.rng, 2 * step + 1)))
-    return dataclasses.replace(state, drawn=drawn)
+    state = dataclasses.replace(state, drawn=drawn)
+    return state if plan is None else plan.place_state(state)
+
+
+def sharding_plan(experiment: Experiment, state: TrainState, static) -> ShardingPlan | None:
+    """The plan that shards `state` on the experiment's mesh over all devices (a
+    ValueError when the mesh does not fit them); None on one device, where the run is
+    the unsharded one."""
+    mesh = make_mesh(experiment.mesh)
+    if mesh.size == 1:
+        return None
+    return plan_sharding(state, static, mesh, batch_size=experiment.train.batch_size)
 
 
 class _CompiledStep:
@@ -216,8 +229,8 @@ class _Evaluator:
     Those batches are the same at every evaluation: made once (by `data.workers`
     workers) and kept in memory."""
 
-    def __init__(self, experiment: Experiment, static, eval_source):
-        self.source, self.step = eval_source, make_eval_step(static)
+    def __init__(self, experiment: Experiment, static, eval_source, plan: ShardingPlan | None = None):
+        self.source, self.step, self.plan = eval_source, make_eval_step(static), plan
         self.batch = min(experiment.train.batch_size, len(eval_source))
         self.batches, self.lm = experiment.train.eval_batches, experiment.model.task == "lm"
         self.workers, self.kept = experiment.data.workers, None
@@ -227,6 +240,8 @@ class _Evaluator:
             loader = make_loader(self.source, batch_size=self.batch, seed=0, shuffle=False, num_epochs=1,
                                  workers=self.workers)
             self.kept = list(itertools.islice(loader, self.batches))
+            if self.plan is not None:
+                self.kept = [self.plan.place_batch(b) for b in self.kept]
         return evaluate(self.step, state, self.kept, self.batches, language_model=self.lm)
 
 
@@ -364,10 +379,15 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
             shuffle=not getattr(train_source, "stream", False)))))  # a stream's rows continue from batch to batch
         checkpointer = stack.enter_context(contextlib.closing(
             _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save)))
+        plan = sharding_plan(experiment, state, static)
+        if plan is not None:  # the template on the mesh: a checkpoint restores onto it, whatever mesh saved it
+            state = plan.place_state(state)
         state = _restore(checkpointer, state, iterator, training=True) or state
+        if plan is not None:
+            state = plan.place_state(state)
         start = int(state.step)
-        run_step = _CompiledStep(make_train_step(static, optimizer, grad_accum=t.grad_accum))
-        run_eval = _Evaluator(experiment, static, eval_source)
+        run_step = _CompiledStep(make_train_step(static, optimizer, grad_accum=t.grad_accum, sharding=plan))
+        run_eval = _Evaluator(experiment, static, eval_source, plan)
         log = stack.enter_context(contextlib.closing(_MetricsLog(workdir)))
         if changes:  # a rerun changed resumable settings: the log says from which step
             log({"step": start, "config_changed": {k: list(v) for k, v in changes.items()}})
@@ -375,11 +395,12 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress)))
         summary, last_eval = {"step": start}, {}
         while int(state.step) < t.steps and signals.received is None:
-            state = _redraw_if_due(state, static, t.redraw_every)
-            batch = next(iterator)
-            state, m, elapsed = run_step(state, batch)
+            state = _redraw_if_due(state, static, t.redraw_every, plan)
+            batch = next(iterator)  # this process's rows, numpy
+            tokens = int(batch["mask"].sum())
+            state, m, elapsed = run_step(state, batch if plan is None else plan.place_batch(batch))
             step, report.step_temp_bytes = int(state.step), run_step.temp_bytes
-            report(step, m, elapsed, int(batch["mask"].sum()))
+            report(step, m, elapsed, tokens)
             if _due(step, t.eval_every, t.steps):
                 last_eval = run_eval(state)
                 log({"step": step, **last_eval})
