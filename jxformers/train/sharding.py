@@ -156,7 +156,7 @@ def _owner_heads(owner: str, heads: Mapping[str, Mapping[str, int]]) -> Mapping[
 
 
 def leaf_spec(path: str, shape: tuple[int, ...], sizes: Mapping[str, int],
-              heads: Mapping[str, Mapping[str, int]] = {}, fallbacks: list[str] | None = None  # noqa: B006
+              heads: Mapping[str, Mapping[str, int]] = {}, fallbacks: list[str] | None = None
               ) -> PartitionSpec:
     """The PartitionSpec of an array at tree path `path` (a `keystr`) of `shape` on a mesh
     of axis `sizes` (see the module docstring); each case where a rule could not apply
