@@ -43,22 +43,10 @@ from jxformers.tools.xla_cost import cost_of
 from jxformers.train.checkpoint import Checkpointer
 from jxformers.train.experiment import Experiment
 from jxformers.train.sharding import ShardingPlan, make_mesh, plan_sharding
-from jxformers.train.state import (
-    TrainState,
-    init_train_state,
-    load_state_dict,
-    split_model,
-    state_dict,
-)
+from jxformers.train.state import TrainState, init_train_state, load_state_dict, split_model, state_dict
 from jxformers.train.step import evaluate, make_eval_step, make_train_step
 from jxformers.train.tensorboard import EventWriter
-from jxformers.train.workdir import (
-    check_rerun,
-    check_workdir,
-    has_checkpoints,
-    workdir_lock,
-    write_config,
-)
+from jxformers.train.workdir import check_rerun, check_workdir, has_checkpoints, workdir_lock, write_config
 
 
 class NonFiniteError(RuntimeError):

@@ -156,12 +156,13 @@ def _owner_heads(owner: str, heads: Mapping[str, Mapping[str, int]]) -> Mapping[
 
 
 def leaf_spec(path: str, shape: tuple[int, ...], sizes: Mapping[str, int],
-              heads: Mapping[str, Mapping[str, int]] = {}, fallbacks: list[str] | None = None
+              heads: Mapping[str, Mapping[str, int]] | None = None, fallbacks: list[str] | None = None
               ) -> PartitionSpec:
     """The PartitionSpec of an array at tree path `path` (a `keystr`) of `shape` on a mesh
     of axis `sizes` (see the module docstring); each case where a rule could not apply
     is appended to `fallbacks`."""
     dims: list[str | None] = [None] * len(shape)
+    heads = heads or {}
     note = fallbacks.append if fallbacks is not None else (lambda _: None)
     for pattern, names in RULES:
         match = re.search(pattern, path)
