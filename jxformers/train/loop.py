@@ -12,6 +12,11 @@ all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` ste
 on SIGTERM or SIGINT save a checkpoint and exit. A non-finite loss or gradient is
 reported with its step and either stops the run or skips the update (`train.on_nonfinite`).
 
+On several devices the state and each batch are sharded over the experiment's device
+mesh (`mesh` section; `sharding.py`, `sharding_plan`): the state is placed before a
+checkpoint is restored, so a run resumes onto whatever mesh it now has; on one device
+nothing is sharded.
+
 Randomness is a function of (seed, step) alone (`fold_in`), and the data iterator's
 position is part of every checkpoint, so a resumed run continues exactly where the
 interrupted one would have gone: the same per-step losses, bit for bit on a CPU.
