@@ -127,11 +127,24 @@ def test_moe_experts_split_over_the_expert_axis_and_train_like_one_device():
     """)
 
 
+def _losses(workdir):
+    """step -> loss in a run's metrics.jsonl (the last record of each step)."""
+    import json
+
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
 def test_sharded_checkpoint_saved_as_4x2_on_8_devices_resumes_as_2x2_on_4_devices(tmp_path):
+    """`train` on a 4 x 2 mesh (with gradient accumulation) checkpoints at step 2; the
+    checkpoint restores on 4 of the 8 devices as 2 x 2 with identical parameters; then a
+    process with 4 devices resumes the run on a 2 x 2 mesh with the losses of an
+    uninterrupted 8-device run."""
     config = {"name": "ckpt", "data": {"task": "copy", "train_size": 64, "eval_size": 8,
                                        "settings": {"max_len": 12, "symbols": 4}},
               "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
-              "train": {"steps": 2, "batch_size": 8, "eval_every": 2, "eval_batches": 1, "log_every": 1},
+              "train": {"steps": 2, "batch_size": 8, "grad_accum": 2, "eval_every": 2, "eval_batches": 1,
+                        "log_every": 1},
               "checkpoint": {"every": 2, "async_save": False}}
     run_script(PRELUDE + f"""
     import pathlib
@@ -144,6 +157,8 @@ def test_sharded_checkpoint_saved_as_4x2_on_8_devices_resumes_as_2x2_on_4_device
     config, workdir = {config!r}, pathlib.Path({str(tmp_path / "run")!r})
     e = load_experiment(config, ["mesh.data=4", "mesh.fsdp=2"])
     train(e, workdir, progress=False)
+    train(load_experiment(config, ["mesh.data=4", "mesh.fsdp=2", "train.steps=4"]), {str(tmp_path / "full")!r},
+          progress=False)
     saved, _ = restore_train_state(e, workdir)  # unsharded, on one device
 
     state, static, _, _ = init_train_state(e)
@@ -163,6 +178,15 @@ def test_sharded_checkpoint_saved_as_4x2_on_8_devices_resumes_as_2x2_on_4_device
     q = restored.params.blocks[0].attention.q_proj.weight
     assert "fsdp" in q.sharding.spec, q.sharding.spec
     """)
+    run_script(PRELUDE.replace("count=8", "count=4").replace("== 8", "== 4") + f"""
+    from jxformers.train import load_experiment, train
+    train(load_experiment({config!r}, ["mesh.data=2", "mesh.fsdp=2", "train.steps=4"]), {str(tmp_path / "run")!r},
+          progress=False)
+    """)
+    resumed, full = _losses(tmp_path / "run"), _losses(tmp_path / "full")
+    assert sorted(resumed) == sorted(full) == [1, 2, 3, 4]
+    assert resumed[1] == full[1] and resumed[2] == full[2]  # the same 4 x 2 run up to the checkpoint
+    assert resumed[3] == pytest.approx(full[3], rel=1e-5) and resumed[4] == pytest.approx(full[4], rel=1e-5)
 
 
 def test_mesh_sizes_and_their_errors():
@@ -205,3 +229,45 @@ def test_rules_fall_back_to_replication_when_a_dimension_does_not_divide():
     assert "no dimension of (3, 5) is divisible by fsdp=2" in notes[0]
     assert leaf_spec(".params.blocks[0].ffn.w_in.weight", (6, 16), {"data": 8, "fsdp": 1, "tensor": 1,
                                                                      "expert": 1}) == P()
+
+
+def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(tmp_path):
+    """A model carrying a memory between steps (its own step, `train/recurrent.py`): the
+    memory's rows split like the batch, the losses those of one device."""
+    root = tmp_path / "texts"
+    root.mkdir()
+    rng = __import__("numpy").random.default_rng(0)
+    for i in range(8):
+        (root / f"play{i}_gut.txt").write_bytes(bytes(rng.integers(97, 101, 3000).astype("uint8")))
+    overrides = ["preset=tiny", f"data.settings.path={root}", "data.settings.max_len=9", "data.settings.rows=4",
+                 "data.train_size=64", "data.eval_size=8", "train.batch_size=4", "model.mem_len=6",
+                 "model.eval_mem_len=12", "model.d_model=16", "model.num_heads=2", "model.d_ff=32",
+                 "model.num_layers=1"]
+    run_script(PRELUDE + f"""
+    from jax.sharding import PartitionSpec as P
+    from jxformers.data import make_loader
+    from jxformers.train import load_experiment, init_train_state
+    from jxformers.train.sharding import make_mesh, plan_sharding
+    from jxformers.train.step import make_eval_step, make_train_step, evaluate
+
+    e = load_experiment("shakespeare_txl", {overrides!r})
+    loader = iter(make_loader(e.sources()[0], batch_size=4, seed=0, shuffle=False))
+    batches = [next(loader) for _ in range(3)]
+    results = []
+    for shape in (None, {{"data": 2, "fsdp": 2, "tensor": 2}}):
+        state, static, optimizer, _ = init_train_state(e)
+        plan = None if shape is None else plan_sharding(state, static, make_mesh(shape), batch_size=4)
+        if plan is not None:
+            state = plan.place_state(state)
+            memory = jax.tree.leaves(plan.state.memory)
+            assert memory and all(s.spec == P(("data", "fsdp")) for s in memory), memory
+        step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
+        losses = []
+        for b in batches:
+            state, m = step(state, b if plan is None else plan.place_batch(b))
+            losses.append(float(m["loss"]))
+        kept = batches if plan is None else [plan.place_batch(b) for b in batches]
+        results.append((losses, evaluate(make_eval_step(static), state, kept, 3, language_model=True)["eval_loss"]))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5)
+    """)
