@@ -45,6 +45,7 @@ from jxformers.data import make_loader
 from jxformers.data.baselines import baselines
 from jxformers.nn import redraw
 from jxformers.tools.xla_cost import cost_of
+from jxformers.train import distributed
 from jxformers.train.checkpoint import Checkpointer
 from jxformers.train.experiment import Experiment
 from jxformers.train.sharding import ShardingPlan, make_mesh, plan_sharding
@@ -125,7 +126,7 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def _peak_memory_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 
@@ -192,6 +193,25 @@ class _MetricsLog:
         self.events.close()
 
 
+class _NoLog:
+    """The metrics log of a process other than 0: it writes nothing."""
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _per_process(rows: int, what: str) -> int:
+    """`rows` of a global batch split evenly over the processes (each reads its own)."""
+    count = jax.process_count()
+    if rows % count:
+        raise ValueError(f"{what} ({rows}) must be divisible by the number of processes ({count}): each process "
+                         f"reads its own rows of every batch")
+    return rows // count
+
+
 @dataclasses.dataclass
 class _StepReport:
     """Logs a step's metrics (every `log_every`, the first and the last step) or, for a
@@ -236,7 +256,8 @@ class _Evaluator:
 
     def __init__(self, experiment: Experiment, static, eval_source, plan: ShardingPlan | None = None):
         self.source, self.step, self.plan = eval_source, make_eval_step(static), plan
-        self.batch = min(experiment.train.batch_size, len(eval_source))
+        count = jax.process_count()  # each process reads its own rows of the eval batches
+        self.batch = max(min(experiment.train.batch_size, len(eval_source)) // count, 1)
         self.batches, self.lm = experiment.train.eval_batches, experiment.model.task == "lm"
         self.workers, self.kept = experiment.data.workers, None
 
@@ -358,9 +379,12 @@ def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: conte
     write config.yaml. Returns the changes a rerun made (all resumable)."""
     check_workdir(workdir, exists=False)
     workdir.mkdir(parents=True, exist_ok=True)
-    stack.enter_context(workdir_lock(workdir))
+    if distributed.is_main():  # with several processes, process 0 holds the lock and writes
+        stack.enter_context(workdir_lock(workdir))
     changes = check_rerun(workdir, experiment)
-    write_config(workdir, experiment)
+    distributed.barrier("jxformers: config checked")  # every process read the old config.yaml
+    if distributed.is_main():
+        write_config(workdir, experiment)
     return changes
 
 
@@ -380,7 +404,7 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         state, static, optimizer, schedule = init_train_state(experiment)
         train_source, eval_source = experiment.sources()
         iterator = stack.enter_context(contextlib.closing(iter(make_loader(
-            train_source, batch_size=t.batch_size, seed=t.seed, workers=experiment.data.workers,
+            train_source, batch_size=_per_process(t.batch_size, "train.batch_size"), seed=t.seed, workers=experiment.data.workers,
             shuffle=not getattr(train_source, "stream", False)))))  # a stream's rows continue from batch to batch
         checkpointer = stack.enter_context(contextlib.closing(
             _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save)))
@@ -393,16 +417,16 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         start = int(state.step)
         run_step = _CompiledStep(make_train_step(static, optimizer, grad_accum=t.grad_accum, sharding=plan))
         run_eval = _Evaluator(experiment, static, eval_source, plan)
-        log = stack.enter_context(contextlib.closing(_MetricsLog(workdir)))
+        log = stack.enter_context(contextlib.closing(_MetricsLog(workdir) if distributed.is_main() else _NoLog()))
         if changes:  # a rerun changed resumable settings: the log says from which step
             log({"step": start, "config_changed": {k: list(v) for k, v in changes.items()}})
         report = _StepReport(log, experiment, schedule, start, t.batch_size * train_source.max_len, checkpointer.steps)
-        show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress)))
+        show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress and distributed.is_main())))
         summary, last_eval = {"step": start}, {}
         while int(state.step) < t.steps and signals.received is None:
             state = _redraw_if_due(state, static, t.redraw_every, plan)
             batch = next(iterator)  # this process's rows, numpy
-            tokens = int(batch["mask"].sum())
+            tokens = int(batch["mask"].sum()) * jax.process_count()  # this process's rows, scaled
             state, m, elapsed = run_step(state, batch if plan is None else plan.place_batch(batch))
             step, report.step_temp_bytes = int(state.step), run_step.temp_bytes
             report(step, m, elapsed, tokens)

@@ -232,8 +232,12 @@ class ShardingPlan:
         raise KeyError(f"no state leaf at {tree_path}")
 
     def place_state(self, state):
-        """`state` with every leaf on its sharding (a no-op for leaves already there)."""
-        return jax.device_put(state, self.state)
+        """`state` with every leaf on its sharding (a no-op for leaves already there). With
+        several processes each process fills its own devices' shards from its copy of the
+        value (every process holds the same state)."""
+        if jax.process_count() == 1:
+            return jax.device_put(state, self.state)
+        return jax.tree.map(_put_global, state, self.state)
 
     def batch_sharding(self, rows: int) -> NamedSharding:
         """The sharding of a batch of `rows` rows: split over (data, fsdp), or replicated
@@ -252,6 +256,18 @@ class ShardingPlan:
             global_shape = (rows, *value.shape[1:])
             out[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
         return out
+
+
+def _put_global(x, sharding: NamedSharding):
+    """`x` on a sharding over the devices of several processes."""
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x)
+    elif not x.is_fully_addressable:  # already global: move it with a jitted identity
+        return x if x.sharding == sharding else jax.jit(lambda a: a, out_shardings=sharding)(x)
+    elif _is_key(x):
+        return jax.random.wrap_key_data(_put_global(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def plan_sharding(state, static, mesh: Mesh, *, batch_size: int) -> ShardingPlan:
