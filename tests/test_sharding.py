@@ -273,20 +273,23 @@ def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(
     """)
 
 
-def test_two_processes_train_with_the_losses_of_one_process_on_8_devices(tmp_path):
+def test_two_processes_train_and_resume_after_sigkill_with_the_losses_of_one_process_on_8_devices(tmp_path):
     """`jxformers train` launched as 2 processes (loopback coordinator, 4 simulated CPU
-    devices each, gloo collectives) on a 4 x 2 mesh: process 0 alone writes the logs,
-    and the per-step losses equal those of one process with 8 devices."""
+    devices each, gloo collectives) on a 4 x 2 mesh: process 0 alone writes the logs and
+    the per-step losses equal those of one process with 8 devices; both processes killed
+    with SIGKILL after a checkpoint and relaunched give those losses too."""
+    import signal
     import socket
+    import time
 
     import yaml
 
-    config = {"name": "mp", "data": {"task": "copy", "train_size": 64, "eval_size": 8,
+    steps = 16
+    config = {"name": "mp", "data": {"task": "copy", "train_size": 512, "eval_size": 8,
                                      "settings": {"max_len": 12, "symbols": 4}},
-              "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32,
-                        "dropout": 0.0},
-              "train": {"steps": 4, "batch_size": 8, "eval_every": 4, "eval_batches": 1, "log_every": 1},
-              "checkpoint": {"every": 2, "async_save": False}, "mesh": {"data": 4, "fsdp": 2}}
+              "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
+              "train": {"steps": steps, "batch_size": 8, "eval_every": steps, "eval_batches": 1, "log_every": 1},
+              "checkpoint": {"every": 4, "async_save": False}, "mesh": {"data": 4, "fsdp": 2}}
     path = tmp_path / "mp.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -297,28 +300,54 @@ def test_two_processes_train_with_the_losses_of_one_process_on_8_devices(tmp_pat
              *flags], env=env | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}, cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    procs = [launch(tmp_path / "two", 4, "--coordinator", f"localhost:{port}", "--num-processes", "2",
-                    "--process-id", str(i)) for i in range(2)]
-    one = launch(tmp_path / "one", 8)
-    try:
-        for proc in [*procs, one]:
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, out[-2000:] + err[-4000:]
-    finally:  # one process failing leaves the other waiting for it
-        for proc in [*procs, one]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    def two_processes(workdir):
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        return [launch(workdir, 4, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i))
+                for i in range(2)]
+
+    def finish(procs):
+        try:
+            for proc in procs:
+                out, err = proc.communicate(timeout=300)
+                assert proc.returncode == 0, out[-2000:] + err[-4000:]
+        finally:  # one process failing leaves the other waiting for it
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+    finish([*two_processes(tmp_path / "two"), launch(tmp_path / "one", 8)])
     two, single = _losses(tmp_path / "two"), _losses(tmp_path / "one")
-    assert sorted(two) == sorted(single) == [1, 2, 3, 4]
+    assert sorted(two) == sorted(single) == list(range(1, steps + 1))
     for step in single:
-        assert two[step] == pytest.approx(single[step], rel=1e-5), (step, two, single)
+        assert two[step] == pytest.approx(single[step], rel=1e-5), (step, two[step], single[step])
     lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
-    assert len([line for line in lines if '"loss"' in line]) == 4  # written once, by process 0
-    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    assert len([line for line in lines if '"loss"' in line]) == steps  # written once, by process 0
+
+    # killed (both, SIGKILL) once a checkpoint exists, then relaunched
+    killed = tmp_path / "killed"
+    procs = two_processes(killed)
+    try:
+        deadline = time.monotonic() + 240
+        while not (killed / "checkpoints").is_dir() or not any(p.name.isdigit()
+                                                               for p in (killed / "checkpoints").iterdir()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
+            time.sleep(0.05)
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    before = _losses(killed)
+    assert max(before) < steps, "the run ended before it was killed"
+    finish(two_processes(killed))
+    resumed = _losses(killed)
+    assert sorted(resumed) == list(range(1, steps + 1))
+    for step in single:
+        assert resumed[step] == pytest.approx(single[step], rel=1e-5), (step, resumed[step], single[step])
 
 
 def test_each_process_reads_its_rows_of_the_global_batches():

@@ -58,6 +58,9 @@ class ProcessRows:
         self.sampler, self.rows, self.index, self.count = sampler, rows, index, count
         self._shard_options = grain.sharding.NoSharding()  # grain's DataLoader reads every position of this one
 
+    def __repr__(self) -> str:  # grain saves it with the iterator state and compares it on restore
+        return f"ProcessRows({self.sampler!r}, rows={self.rows}, index={self.index}, count={self.count})"
+
     def __len__(self) -> int:
         total = len(self.sampler)
         return total if total == sys.maxsize else total // (self.rows * self.count) * self.rows
