@@ -9,6 +9,7 @@
     recurrent.py   the steps of models carrying a memory between steps (Transformer-XL) on streams
     sharding.py    the device mesh (MeshConfig) and the rules sharding the state and the
                    batch over data / fsdp / tensor / expert (docs/distributed.md)
+    distributed.py several processes: jax.distributed from flags or a detected cluster
     checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape check
                    before restore, damaged fallback, old list-layout checkpoints refused)
     workdir.py     the work directory: its saved config (read by eval / generate, checked
