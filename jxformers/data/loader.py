@@ -2,6 +2,12 @@
 repeats for ever and shards by JAX process; records made in `workers` grain worker
 processes (0: in this one) and stacked into batches here.
 
+With several JAX processes (`jxformers.train.distributed`), process p of P reads rows
+[p * b, (p + 1) * b) of each global batch of P * b rows (`batch_size` is b, this
+process's rows), and the global batches are those of one process reading P * b rows:
+assembled in process order (`jax.make_array_from_process_local_data`), a run on P
+processes sees exactly the batches of a run on one.
+
 Batching happens after the workers, on the record stream grain delivers in sampler
 order whatever the worker count, so every worker count gives the same batches. The
 iterator's state (grain's: where it is in the index stream) is saved with every
@@ -12,9 +18,12 @@ would have seen.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 
 import grain
+import jax
 import numpy as np
 from absl import flags
 
@@ -38,6 +47,30 @@ def state_for_workers(state: dict, workers: int, *, shard_index: int = 0, shard_
                               for i, n in enumerate(per_worker)},
         "last_worker_index": consumed % slots - 1,
     }
+
+
+class ProcessRows:
+    """A sampler's positions for process `index` of `count`, which reads `rows` rows of
+    every global batch of `rows * count`: its position i is the global position
+    (i // rows) * rows * count + index * rows + i % rows."""
+
+    def __init__(self, sampler, rows: int, index: int, count: int):
+        self.sampler, self.rows, self.index, self.count = sampler, rows, index, count
+        self._shard_options = grain.sharding.NoSharding()  # grain's DataLoader reads every position of this one
+
+    def __repr__(self) -> str:  # grain saves it with the iterator state and compares it on restore
+        return f"ProcessRows({self.sampler!r}, rows={self.rows}, index={self.index}, count={self.count})"
+
+    def __len__(self) -> int:
+        total = len(self.sampler)
+        return total if total == sys.maxsize else total // (self.rows * self.count) * self.rows
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < len(self):
+            raise IndexError(f"position {i} is out of bounds [0, {len(self)})")
+        batch, row = divmod(i, self.rows)
+        record = self.sampler[batch * self.rows * self.count + self.index * self.rows + row]
+        return dataclasses.replace(record, index=i)
 
 
 class BatchIterator:
@@ -89,7 +122,9 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
 
     Arguments:
         source: a random-access source (`__len__`, `__getitem__`), e.g. from `make_source`.
-        batch_size: examples per batch on this process (the last partial batch is dropped).
+        batch_size: examples per batch on this process (the last partial batch is dropped);
+            with several processes each reads its own rows of global batches of
+            batch_size x process count.
         seed: shuffling seed. shuffle: shuffle each epoch. num_epochs: None repeats for ever.
         workers: grain worker processes making records (0: in this process); the batches
             are the same for every value.
@@ -100,10 +135,14 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
         raise ValueError(f"workers must be >= 0 (0: records are made in this process); got {workers}")
     if len(source) < batch_size:
         raise ValueError(f"the source holds {len(source)} records, fewer than one batch of {batch_size}")
+    count = jax.process_count()
     sampler = grain.samplers.IndexSampler(
-        num_records=len(source), shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True),
+        num_records=len(source),
+        shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True) if count == 1 else grain.sharding.NoSharding(),
         shuffle=shuffle, num_epochs=num_epochs, seed=seed,
     )
+    if count > 1:  # this process's rows of every global batch (see the module docstring)
+        sampler = ProcessRows(sampler, batch_size, jax.process_index(), count)
     if workers and not flags.FLAGS.is_parsed():
         # grain <= 0.2.18 reads an absl flag in its worker start-up and fails unless flags
         # were parsed (google/grain#1355, fixed after 0.2.18); scripts without absl.app

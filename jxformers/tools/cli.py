@@ -97,7 +97,19 @@ def _train(rest: list[str]) -> int:
     p.add_argument("--no-progress", action="store_true",
                    help="print only errors and the final summary (default: a bar on a terminal, "
                         "periodic plain lines elsewhere, e.g. in a log file)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="one of several processes (jax.distributed): process 0's address and a free port; "
+                        "with --num-processes and --process-id. Without them a cluster JAX detects "
+                        "(Cloud TPU, SLURM, Open MPI) is joined by itself; see docs/distributed.md")
+    p.add_argument("--num-processes", type=int, default=None, help="the number of processes (with --coordinator)")
+    p.add_argument("--process-id", type=int, default=None, help="this process's index (with --coordinator)")
     args = p.parse_args(rest)
+    from jxformers.train.distributed import initialize
+
+    try:  # first: before anything starts jax's backends
+        initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        p.error(str(e))
     experiment = _load(p, args)
     from jxformers.train import NonFiniteError, train
     from jxformers.train.loop import to_json

@@ -1,12 +1,15 @@
 """Training: experiment configs, the train state, the steps, orbax checkpointing, the loop.
 
     experiment.py  load_experiment; Experiment with typed sections DataConfig,
-                   TrainConfig, CheckpointConfig (validated by jxformers.validate)
+                   TrainConfig, CheckpointConfig, MeshConfig (validated by jxformers.validate)
     optim.py       make_optimizer (AdamW / RAdam, warmup + cosine / inverse-sqrt, clipping)
     state.py       TrainState (params, drawn, opt_state, step, rng) and its one constructor
                    init_train_state; state_dict / load_state_dict (leaves by tree path)
     step.py        losses, the jitted train step (state -> state) and eval step, evaluate
     recurrent.py   the steps of models carrying a memory between steps (Transformer-XL) on streams
+    sharding.py    the device mesh (MeshConfig) and the rules sharding the state and the
+                   batch over data / fsdp / tensor / expert (docs/distributed.md)
+    distributed.py several processes: jax.distributed from flags or a detected cluster
     checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape check
                    before restore, damaged fallback, old list-layout checkpoints refused)
     workdir.py     the work directory: its saved config (read by eval / generate, checked
@@ -14,7 +17,14 @@
     loop.py        train (setup, step, periodic hooks), evaluate_checkpoint, restore_model
 """
 
-from jxformers.train.experiment import CheckpointConfig, DataConfig, Experiment, TrainConfig, load_experiment
+from jxformers.train.experiment import (
+           CheckpointConfig,
+           DataConfig,
+           Experiment,
+           MeshConfig,
+           TrainConfig,
+           load_experiment,
+)
 from jxformers.train.loop import (
            NonFiniteError,
            evaluate_checkpoint,
@@ -25,6 +35,6 @@ from jxformers.train.loop import (
 from jxformers.train.optim import make_optimizer
 from jxformers.train.state import TrainState, init_train_state
 
-__all__ = ["CheckpointConfig", "DataConfig", "Experiment", "NonFiniteError", "TrainConfig", "TrainState",
+__all__ = ["CheckpointConfig", "DataConfig", "Experiment", "MeshConfig", "NonFiniteError", "TrainConfig", "TrainState",
            "evaluate_checkpoint", "init_train_state", "load_experiment", "make_optimizer", "restore_model",
            "restore_train_state", "train"]

@@ -25,6 +25,7 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
@@ -211,8 +212,9 @@ class Checkpointer:
             ),
         )
         state = restored["state"]
-        if any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(np.asarray(x)))
-               for x in jax.tree.leaves(state)):
+        floats = [x for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)]
+        # a jitted reduction: the arrays may be sharded over the devices of several processes
+        if floats and not bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(floats)):
             raise ValueError("non-finite values in the saved state")
         return state
 

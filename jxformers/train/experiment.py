@@ -6,6 +6,8 @@
     model:       ModelConfig fields (task, vocab_size and num_classes come from the data)
     train:       steps, batch_size, optimizer, learning_rate, schedule, ...  (TrainConfig)
     checkpoint:  every, keep, best_metric, best_mode, async_save           (CheckpointConfig)
+    mesh:        the device mesh's axis sizes data, fsdp, tensor, expert        (MeshConfig;
+                 -1: the devices the others leave; see jxformers.train.sharding)
     presets:     named overrides, e.g. `tiny` (a CPU in minutes) and `paper` (a GPU)
     preset:      the preset to apply (or `--set preset=tiny`)
 
@@ -34,7 +36,7 @@ from jxformers.validate import check_at_least, check_fields, from_mapping
 
 # Shipped with the package (package data), so an installed wheel has them too.
 EXPERIMENTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments"
-TOP = ("name", "preset", "presets", "data", "model", "train", "checkpoint")
+TOP = ("name", "preset", "presets", "data", "model", "train", "checkpoint", "mesh")
 
 
 class _Section:
@@ -129,9 +131,39 @@ class CheckpointConfig(_Section):
         check_at_least(self, "checkpoint.", 1, "every", "keep")
 
 
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(_Section):
+    """The `mesh` section: the size of each axis of the device mesh the run is sharded
+    over (`jxformers.train.sharding`): `data` (the batch), `fsdp` (the batch, and each
+    parameter and optimizer state split on one dimension), `tensor` (attention heads and
+    feed-forward hidden units), `expert` (MoE experts). One axis may be -1: the devices
+    the others leave. The default puts every device on `data` (on one device: today's
+    unsharded run). The product must equal the device count, checked when the run
+    starts (the count is not known before)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+
+    def __post_init__(self):
+        check_fields(self, "mesh.")
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            if value < 1 and value != -1:
+                raise ValueError(f"mesh.{name} must be >= 1 or -1 (the devices the other axes leave); got {value}")
+        rest = [name for name in MESH_AXES if getattr(self, name) == -1]
+        if len(rest) > 1:
+            raise ValueError(f"at most one mesh axis may be -1; got {rest} in {self.to_dict()}")
+
+
 # The splits of an experiment, in the order `Experiment.sources` returns them.
 SPLITS = ("train", "eval")
-SECTIONS = {"data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig}
+SECTIONS = {"data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +176,7 @@ class Experiment:
     train: TrainConfig
     checkpoint: CheckpointConfig
     raw: dict[str, Any]  # the merged config as loaded (saved in the work directory)
+    mesh: MeshConfig = MeshConfig()
 
     def sources(self, *, generated: bool = False):
         """(train source, eval source): the eval split is the stream with seed + 1. With
@@ -276,5 +309,5 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
     model = ModelConfig.from_dict(model_values)
     check_recurrent(model, train_source, batch_size=train.batch_size, grad_accum=train.grad_accum)
     raw = {"name": config.get("name", "experiment"), "preset": preset, "data": data.to_dict(),
-           "model": model.to_dict(), "train": train.to_dict(), "checkpoint": ckpt.to_dict()}
-    return Experiment(raw["name"], data, model, train, ckpt, raw)
+           "model": model.to_dict(), "train": train.to_dict(), "checkpoint": ckpt.to_dict(), "mesh": sections["mesh"].to_dict()}
+    return Experiment(raw["name"], data, model, train, ckpt, raw, sections["mesh"])

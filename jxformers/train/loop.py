@@ -12,6 +12,11 @@ all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` ste
 on SIGTERM or SIGINT save a checkpoint and exit. A non-finite loss or gradient is
 reported with its step and either stops the run or skips the update (`train.on_nonfinite`).
 
+On several devices the state and each batch are sharded over the experiment's device
+mesh (`mesh` section; `sharding.py`, `sharding_plan`): the state is placed before a
+checkpoint is restored, so a run resumes onto whatever mesh it now has; on one device
+nothing is sharded.
+
 Randomness is a function of (seed, step) alone (`fold_in`), and the data iterator's
 position is part of every checkpoint, so a resumed run continues exactly where the
 interrupted one would have gone: the same per-step losses, bit for bit on a CPU.
@@ -40,8 +45,10 @@ from jxformers.data import make_loader
 from jxformers.data.baselines import baselines
 from jxformers.nn import redraw
 from jxformers.tools.xla_cost import cost_of
+from jxformers.train import distributed
 from jxformers.train.checkpoint import Checkpointer
 from jxformers.train.experiment import Experiment
+from jxformers.train.sharding import ShardingPlan, make_mesh, plan_sharding
 from jxformers.train.state import TrainState, init_train_state, load_state_dict, split_model, state_dict
 from jxformers.train.step import evaluate, make_eval_step, make_train_step
 from jxformers.train.tensorboard import EventWriter
@@ -119,17 +126,29 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def _peak_memory_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 
-def _redraw_if_due(state: TrainState, static, every: int) -> TrainState:
-    """New drawn arrays from fold_in(rng, 2 * step + 1) every `every` steps (0: never)."""
+def _redraw_if_due(state: TrainState, static, every: int, plan: ShardingPlan | None = None) -> TrainState:
+    """New drawn arrays from fold_in(rng, 2 * step + 1) every `every` steps (0: never),
+    put back on the plan's shardings."""
     step = int(state.step)
     if not every or step % every:
         return state
     _, drawn, _ = split_model(redraw(state.model(static), jax.random.fold_in(state.rng, 2 * step + 1)))
-    return dataclasses.replace(state, drawn=drawn)
+    state = dataclasses.replace(state, drawn=drawn)
+    return state if plan is None else plan.place_state(state)
+
+
+def sharding_plan(experiment: Experiment, state: TrainState, static) -> ShardingPlan | None:
+    """The plan that shards `state` on the experiment's mesh over all devices (a
+    ValueError when the mesh does not fit them); None on one device, where the run is
+    the unsharded one."""
+    mesh = make_mesh(experiment.mesh)
+    if mesh.size == 1:
+        return None
+    return plan_sharding(state, static, mesh, batch_size=experiment.train.batch_size)
 
 
 class _CompiledStep:
@@ -174,6 +193,25 @@ class _MetricsLog:
         self.events.close()
 
 
+class _NoLog:
+    """The metrics log of a process other than 0: it writes nothing."""
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _per_process(rows: int, what: str) -> int:
+    """`rows` of a global batch split evenly over the processes (each reads its own)."""
+    count = jax.process_count()
+    if rows % count:
+        raise ValueError(f"{what} ({rows}) must be divisible by the number of processes ({count}): each process "
+                         f"reads its own rows of every batch")
+    return rows // count
+
+
 @dataclasses.dataclass
 class _StepReport:
     """Logs a step's metrics (every `log_every`, the first and the last step) or, for a
@@ -216,9 +254,10 @@ class _Evaluator:
     Those batches are the same at every evaluation: made once (by `data.workers`
     workers) and kept in memory."""
 
-    def __init__(self, experiment: Experiment, static, eval_source):
-        self.source, self.step = eval_source, make_eval_step(static)
-        self.batch = min(experiment.train.batch_size, len(eval_source))
+    def __init__(self, experiment: Experiment, static, eval_source, plan: ShardingPlan | None = None):
+        self.source, self.step, self.plan = eval_source, make_eval_step(static), plan
+        count = jax.process_count()  # each process reads its own rows of the eval batches
+        self.batch = max(min(experiment.train.batch_size, len(eval_source)) // count, 1)
         self.batches, self.lm = experiment.train.eval_batches, experiment.model.task == "lm"
         self.workers, self.kept = experiment.data.workers, None
 
@@ -227,6 +266,8 @@ class _Evaluator:
             loader = make_loader(self.source, batch_size=self.batch, seed=0, shuffle=False, num_epochs=1,
                                  workers=self.workers)
             self.kept = list(itertools.islice(loader, self.batches))
+            if self.plan is not None:
+                self.kept = [self.plan.place_batch(b) for b in self.kept]
         return evaluate(self.step, state, self.kept, self.batches, language_model=self.lm)
 
 
@@ -338,9 +379,12 @@ def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: conte
     write config.yaml. Returns the changes a rerun made (all resumable)."""
     check_workdir(workdir, exists=False)
     workdir.mkdir(parents=True, exist_ok=True)
-    stack.enter_context(workdir_lock(workdir))
+    if distributed.is_main():  # with several processes, process 0 holds the lock and writes
+        stack.enter_context(workdir_lock(workdir))
     changes = check_rerun(workdir, experiment)
-    write_config(workdir, experiment)
+    distributed.barrier("jxformers: config checked")  # every process read the old config.yaml
+    if distributed.is_main():
+        write_config(workdir, experiment)
     return changes
 
 
@@ -360,26 +404,32 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         state, static, optimizer, schedule = init_train_state(experiment)
         train_source, eval_source = experiment.sources()
         iterator = stack.enter_context(contextlib.closing(iter(make_loader(
-            train_source, batch_size=t.batch_size, seed=t.seed, workers=experiment.data.workers,
+            train_source, batch_size=_per_process(t.batch_size, "train.batch_size"), seed=t.seed, workers=experiment.data.workers,
             shuffle=not getattr(train_source, "stream", False)))))  # a stream's rows continue from batch to batch
         checkpointer = stack.enter_context(contextlib.closing(
             _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save)))
+        plan = sharding_plan(experiment, state, static)
+        if plan is not None:  # the template on the mesh: a checkpoint restores onto it, whatever mesh saved it
+            state = plan.place_state(state)
         state = _restore(checkpointer, state, iterator, training=True) or state
+        if plan is not None:
+            state = plan.place_state(state)
         start = int(state.step)
-        run_step = _CompiledStep(make_train_step(static, optimizer, grad_accum=t.grad_accum))
-        run_eval = _Evaluator(experiment, static, eval_source)
-        log = stack.enter_context(contextlib.closing(_MetricsLog(workdir)))
+        run_step = _CompiledStep(make_train_step(static, optimizer, grad_accum=t.grad_accum, sharding=plan))
+        run_eval = _Evaluator(experiment, static, eval_source, plan)
+        log = stack.enter_context(contextlib.closing(_MetricsLog(workdir) if distributed.is_main() else _NoLog()))
         if changes:  # a rerun changed resumable settings: the log says from which step
             log({"step": start, "config_changed": {k: list(v) for k, v in changes.items()}})
         report = _StepReport(log, experiment, schedule, start, t.batch_size * train_source.max_len, checkpointer.steps)
-        show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress)))
+        show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress and distributed.is_main())))
         summary, last_eval = {"step": start}, {}
         while int(state.step) < t.steps and signals.received is None:
-            state = _redraw_if_due(state, static, t.redraw_every)
-            batch = next(iterator)
-            state, m, elapsed = run_step(state, batch)
+            state = _redraw_if_due(state, static, t.redraw_every, plan)
+            batch = next(iterator)  # this process's rows, numpy
+            tokens = int(batch["mask"].sum()) * jax.process_count()  # this process's rows, scaled
+            state, m, elapsed = run_step(state, batch if plan is None else plan.place_batch(batch))
             step, report.step_temp_bytes = int(state.step), run_step.temp_bytes
-            report(step, m, elapsed, int(batch["mask"].sum()))
+            report(step, m, elapsed, tokens)
             if _due(step, t.eval_every, t.steps):
                 last_eval = run_eval(state)
                 log({"step": step, **last_eval})

@@ -74,12 +74,12 @@ def stream_loss(model, batch, memory, key, *, inference: bool):
     return objective, ((total, correct, weights.sum()), new, recon)
 
 
-def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int):
+def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int, sharding=None):
     """A jitted (state, batch) -> (state, metrics) with the state donated (as
     `step.make_train_step`), the memory carried in `state.memory`; metrics add
     `reconstruction_loss` for a compressive model. With `grad_accum` > 1 the rows are
     split into that many micro-batches (each with its rows' memories), accumulated with
-    `lax.scan` and averaged."""
+    `lax.scan` and averaged. `sharding`: a `jxformers.train.sharding.ShardingPlan` or None."""
     compressive = static.compressive
 
     def micro(params, drawn, batch, memory, key):
@@ -122,7 +122,9 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
                                 (keep(new_params, params), keep(new_opt_state, state.opt_state), state.step + 1, memory))
         return new_state, metrics
 
-    return jax.jit(step, donate_argnums=(0,))
+    from jxformers.train.sharding import jit_train_step  # sharding imports experiment, which imports this
+
+    return jit_train_step(step, sharding)
 
 
 class StreamEvalStep:

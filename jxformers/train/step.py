@@ -28,6 +28,7 @@ import optax
 from jxformers.nn import record_attention_inputs, update_arrays, updates_arrays
 from jxformers.nn.moe import aux_loss, has_moe, layer_metrics, reduce_aux
 from jxformers.train import recurrent
+from jxformers.train.sharding import ShardingPlan, jit_train_step
 from jxformers.train.state import TrainState, split_model
 
 
@@ -84,12 +85,15 @@ def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool
     return objective, LossAux((total, correct, weights.sum()), records, layers)
 
 
-def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int):
+def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int,
+                    sharding: ShardingPlan | None = None):
     """A jitted (state, batch) -> (state, metrics) with the state donated; metrics: loss,
     accuracy, grad_norm, finite (the update was applied), and per MoE layer its
-    `layer_metrics` (means over micro-batches; counts summed)."""
+    `layer_metrics` (means over micro-batches; counts summed). With a `sharding` plan
+    (`jxformers.train.sharding`) the state comes in and goes out on the plan's
+    shardings, the batch split over (data, fsdp), the metrics replicated."""
     if recurrent.is_recurrent(static):  # memory carried between steps: its own step
-        return recurrent.make_train_step(static, optimizer, grad_accum=grad_accum)
+        return recurrent.make_train_step(static, optimizer, grad_accum=grad_accum, sharding=sharding)
 
     updating = updates_arrays(static)
     owners: list[int] = []
@@ -135,11 +139,12 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
                                opt_state=keep(new_opt_state, state.opt_state), step=state.step + 1, rng=state.rng)
         return new_state, metrics
 
-    return jax.jit(step, donate_argnums=(0,))
+    return jit_train_step(step, sharding)
 
 
 def make_eval_step(static):
-    """A jitted (state, batch) -> (loss sum, correct, count) in inference mode."""
+    """A jitted (state, batch) -> (loss sum, correct, count) in inference mode (on a
+    sharded state and batch, it runs where they are)."""
     if recurrent.is_recurrent(static):  # carries its memory across the evaluated batches
         return recurrent.make_eval_step(static)
 

@@ -42,6 +42,7 @@ RESUMABLE = frozenset({
     "train.steps", "train.learning_rate", "train.warmup_steps", "train.schedule", "train.weight_decay",
     "train.eval_every", "train.eval_batches", "train.log_every", "train.on_nonfinite",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.best_metric", "checkpoint.best_mode",
+    "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.expert",  # checkpoints restore onto another mesh
 })
 # Labels, not settings: the resolved sections are what is compared.
 _LABELS = ("name", "preset")

@@ -1,0 +1,90 @@
+"""Several processes (JAX's multi-controller runtime): each process runs the same
+program on its own devices, and `jax.devices()` lists the devices of all of them.
+
+    initialize(coordinator="10.0.0.1:1234", num_processes=2, process_id=0)   # explicit
+    initialize()          # on a cluster JAX detects (Cloud TPU, SLURM, Open MPI, ...)
+
+`initialize` starts `jax.distributed` (before anything else uses jax) with the explicit
+arguments when given; without them, only when the environment names a cluster that
+`jax.distributed.initialize()` detects by itself (`cluster_environment`); otherwise it
+does nothing and the run is one process. On CPU it also turns on the gloo collectives,
+which CPU devices of several processes need to talk.
+
+In `train` (loop.py) every process reads its own rows of each batch (grain's
+`ShardByJaxProcess`: process p takes rows p, p + P, ... of the global batch), the batch
+is assembled with `jax.make_array_from_process_local_data`, every process saves its
+shards of each checkpoint (orbax), and process 0 alone holds the work directory's lock,
+writes config.yaml, metrics.jsonl and TensorBoard, and prints progress.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+# Environment variables by which `jax.distributed.initialize()` finds a cluster by itself
+# (jax._src.clusters): SLURM, Open MPI / mpirun, Cloud TPU VMs, Kubernetes (JobSet).
+CLUSTER_VARIABLES = {
+    "SLURM_JOB_ID": "SLURM",
+    "OMPI_MCA_orte_hnp_uri": "Open MPI",
+    "PMI_RANK": "MPICH",
+    "TPU_WORKER_HOSTNAMES": "Cloud TPU",
+    "CLOUD_TPU_TASK_ID": "Cloud TPU",
+    "JOBSET_NAME": "Kubernetes JobSet",
+    "JAX_COORDINATOR_ADDRESS": "JAX_COORDINATOR_ADDRESS",
+}
+
+
+def cluster_environment() -> str | None:
+    """The name of the cluster the environment names (see CLUSTER_VARIABLES), or None.
+    A SLURM allocation of one task is not a cluster."""
+    for name, cluster in CLUSTER_VARIABLES.items():
+        if os.environ.get(name):
+            if cluster == "SLURM" and int(os.environ.get("SLURM_NTASKS", os.environ.get("SLURM_NPROCS", "1"))) < 2:
+                continue
+            if cluster == "Cloud TPU" and "," not in os.environ.get("TPU_WORKER_HOSTNAMES", "a,b"):
+                continue  # a single-host TPU VM
+            return cluster
+    return None
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+               ) -> bool:
+    """Start jax.distributed (see the module docstring); True when this is one of several
+    processes. ValueError when only some of the explicit arguments are given."""
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise ValueError(f"--coordinator, --num-processes and --process-id go together; missing {missing}")
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ValueError(f"--process-id must be in [0, --num-processes); got {process_id} of {num_processes}")
+        if num_processes == 1:
+            return False
+        _cpu_collectives()
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        return True
+    if cluster_environment() is None:
+        return False
+    _cpu_collectives()
+    jax.distributed.initialize()
+    return jax.process_count() > 1
+
+
+def _cpu_collectives() -> None:
+    """CPU devices of several processes exchange data through gloo (a no-op elsewhere)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def is_main() -> bool:
+    """Process 0: the one that writes logs."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait for every process (nothing with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

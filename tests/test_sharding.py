@@ -1,0 +1,370 @@
+"""Sharded training (jxformers/train/sharding.py) on 8 simulated CPU devices, each script
+in its own process (the device count is fixed when jax starts): every registered
+attention trains under a 2 x 2 x 2 (data x fsdp x tensor) mesh with the per-step losses
+of one device; the parameters really are split; an MoE's experts split over `expert`;
+the mesh config's errors; and a run saved on 8 devices as 4 x 2 resumes on 4 devices as
+2 x 2 with identical parameters."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jxformers.train.experiment import MeshConfig, load_experiment
+from jxformers.train.sharding import leaf_spec, mesh_shape
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def run_script(script: str, timeout: int = 240) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, check=False,
+                         timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return out.stdout
+
+
+PRELUDE = """
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    import jax, jax.numpy as jnp, numpy as np
+    assert len(jax.devices()) == 8
+"""
+
+
+# The registry in PARTS interleaved parts, each its own process (about 8 s per attention
+# on this CPU: two compilations, one of them partitioned for 8 devices).
+PARTS = 4
+
+
+@pytest.mark.parametrize("part", range(PARTS))
+def test_every_registered_attention_trains_on_a_2x2x2_mesh_with_the_losses_of_one_device(part):
+    run_script((PRELUDE + """
+    from attention_facts import FACTS
+    from suites import model_config
+    from jxformers import registry
+    from jxformers.nn import build_model
+    from jxformers.train.optim import make_optimizer
+    from jxformers.train.sharding import make_mesh, plan_sharding
+    from jxformers.train.state import TrainState, split_model
+    from jxformers.train.step import make_train_step
+
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    optimizer, _ = make_optimizer(optimizer="adamw", learning_rate=3e-3, warmup_steps=0, total_steps=10,
+                                  schedule="cosine", weight_decay=0.01, clip_norm=1.0)
+    rows, n, steps = 8, 21, 3
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, 31, (rows, n)).astype(np.int32),
+                "mask": np.arange(n)[None, :] < rng.integers(12, n + 1, (rows, 1)),
+                "label": rng.integers(0, 2, rows).astype(np.int32)} for _ in range(steps)]
+
+    def run(name, sharded):
+        extra = FACTS[name].model if name in FACTS else {}
+        config = model_config(name, "classify", num_layers=1, **extra)
+        params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
+        state = TrainState(params=params, drawn=drawn, opt_state=optimizer.init(params),
+                           step=jnp.zeros((), jnp.int32), rng=jax.random.key(1))
+        plan = plan_sharding(state, static, mesh, batch_size=rows) if sharded else None
+        if plan is not None:
+            state = plan.place_state(state)
+        step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
+        losses = []
+        for b in batches:
+            state, m = step(state, b if plan is None else plan.place_batch(b))
+            losses.append(float(m["loss"]))
+        return losses, state, plan
+
+    worst = 0.0
+    for name in registry.names()[PART::PARTS]:
+        want, _, _ = run(name, False)
+        got, state, plan = run(name, True)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=name)
+        worst = max(worst, max(abs(a - b) / abs(b) for a, b in zip(got, want)))
+        leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+        q = next(x for p, x in leaves.items() if p.endswith("attention.q_proj.weight"))
+        assert q.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp"), (name, q.sharding)
+        assert len(q.addressable_shards) == 8 and q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)
+        w_out = next(p for p in leaves if p.endswith("ffn.w_out.weight"))
+        assert plan.spec(".params" + w_out) == jax.sharding.PartitionSpec("fsdp", "tensor"), name
+        assert plan.batch.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+    print("worst relative loss difference", worst)
+    """).replace("PARTS", str(PARTS)).replace("PART", str(part)))
+
+
+def test_moe_experts_split_over_the_expert_axis_and_train_like_one_device():
+    run_script(PRELUDE + """
+    from jax.sharding import PartitionSpec as P
+    from jxformers.train import load_experiment, init_train_state
+    from jxformers.train.sharding import make_mesh, plan_sharding
+    from jxformers.train.step import make_train_step
+
+    e = load_experiment({"name": "moe", "data": {"task": "copy", "train_size": 64, "eval_size": 8,
+                                                 "settings": {"max_len": 12, "symbols": 4}},
+                         "model": {"num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 16, "ffn": "moe",
+                                   "moe": {"num_experts": 4, "top_k": 2, "dropless": True}},
+                         "train": {"batch_size": 4}}, [])
+    from jxformers.data import make_loader
+    batch = next(iter(make_loader(e.sources()[0], batch_size=4, seed=0)))
+    losses = {}
+    for shape in (None, {"data": 2, "fsdp": 1, "tensor": 2, "expert": 2}):
+        state, static, optimizer, _ = init_train_state(e)
+        plan = None if shape is None else plan_sharding(state, static, make_mesh(shape), batch_size=4)
+        if plan is not None:
+            state = plan.place_state(state)
+            w_in = plan.spec(".params.blocks[0].ffn.experts.w_in")
+            assert w_in == P("expert", None, "tensor"), w_in
+        step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
+        out = []
+        for _ in range(2):
+            state, m = step(state, batch if plan is None else plan.place_batch(batch))
+            out.append(float(m["loss"]))
+        losses[shape is None] = out
+    np.testing.assert_allclose(losses[False], losses[True], rtol=1e-5)
+    """)
+
+
+def _losses(workdir):
+    """step -> loss in a run's metrics.jsonl (the last record of each step)."""
+    import json
+
+    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def test_sharded_checkpoint_saved_as_4x2_on_8_devices_resumes_as_2x2_on_4_devices(tmp_path):
+    """`train` on a 4 x 2 mesh (with gradient accumulation) checkpoints at step 2; the
+    checkpoint restores on 4 of the 8 devices as 2 x 2 with identical parameters; then a
+    process with 4 devices resumes the run on a 2 x 2 mesh with the losses of an
+    uninterrupted 8-device run."""
+    config = {"name": "ckpt", "data": {"task": "copy", "train_size": 64, "eval_size": 8,
+                                       "settings": {"max_len": 12, "symbols": 4}},
+              "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
+              "train": {"steps": 2, "batch_size": 8, "grad_accum": 2, "eval_every": 2, "eval_batches": 1,
+                        "log_every": 1},
+              "checkpoint": {"every": 2, "async_save": False}}
+    run_script(PRELUDE + f"""
+    import pathlib
+    from jxformers.data import make_loader
+    from jxformers.train import load_experiment, train, restore_train_state
+    from jxformers.train.loop import _open_checkpointer, _restore
+    from jxformers.train.sharding import make_mesh, plan_sharding
+    from jxformers.train.state import init_train_state
+
+    config, workdir = {config!r}, pathlib.Path({str(tmp_path / "run")!r})
+    e = load_experiment(config, ["mesh.data=4", "mesh.fsdp=2"])
+    train(e, workdir, progress=False)
+    train(load_experiment(config, ["mesh.data=4", "mesh.fsdp=2", "train.steps=4"]), {str(tmp_path / "full")!r},
+          progress=False)
+    saved, _ = restore_train_state(e, workdir)  # unsharded, on one device
+
+    state, static, _, _ = init_train_state(e)
+    mesh = make_mesh({{"data": 2, "fsdp": 2}}, devices=jax.devices()[:4])
+    plan = plan_sharding(state, static, mesh, batch_size=8)
+    template = plan.place_state(state)
+    train_source, _ = e.sources()
+    iterator = iter(make_loader(train_source, batch_size=8, seed=0))
+    checkpointer = _open_checkpointer(e, workdir, async_save=False)
+    restored = _restore(checkpointer, template, iterator, training=False)
+    checkpointer.close()
+    assert int(restored.step) == 2
+    for (path, a), b, s in zip(jax.tree_util.tree_leaves_with_path(restored.params), jax.tree.leaves(saved.params),
+                               jax.tree.leaves(plan.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+        assert a.sharding == s and set(a.sharding.device_set) == set(jax.devices()[:4]), (path, a.sharding)
+    q = restored.params.blocks[0].attention.q_proj.weight
+    assert "fsdp" in q.sharding.spec, q.sharding.spec
+    """)
+    run_script(PRELUDE.replace("count=8", "count=4").replace("== 8", "== 4") + f"""
+    from jxformers.train import load_experiment, train
+    train(load_experiment({config!r}, ["mesh.data=2", "mesh.fsdp=2", "train.steps=4"]), {str(tmp_path / "run")!r},
+          progress=False)
+    """)
+    resumed, full = _losses(tmp_path / "run"), _losses(tmp_path / "full")
+    assert sorted(resumed) == sorted(full) == [1, 2, 3, 4]
+    assert resumed[1] == full[1] and resumed[2] == full[2]  # the same 4 x 2 run up to the checkpoint
+    assert resumed[3] == pytest.approx(full[3], rel=1e-5) and resumed[4] == pytest.approx(full[4], rel=1e-5)
+
+
+def test_mesh_sizes_and_their_errors():
+    assert mesh_shape(MeshConfig(), 8) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert mesh_shape({"fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert mesh_shape({"data": 2, "fsdp": -1}, 8) == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
+    with pytest.raises(ValueError, match=r"mesh \{'data': 2, 'fsdp': 2, 'tensor': 1, 'expert': 1\} has 4 devices "
+                                         r"\(2 x 2 x 1 x 1\); there are 8 devices"):
+        mesh_shape({"data": 2, "fsdp": 2}, 8)
+    with pytest.raises(ValueError, match="fixed axes' product 3 does not divide the 8 devices"):
+        mesh_shape({"tensor": 3}, 8)
+    with pytest.raises(ValueError, match=r"at most one mesh axis may be -1; got \['data', 'fsdp'\]"):
+        MeshConfig(fsdp=-1)
+    with pytest.raises(ValueError, match="mesh.tensor must be >= 1 or -1"):
+        MeshConfig(tensor=0)
+    with pytest.raises(ValueError, match=r"mesh: unknown key\(s\) \['model'\]"):
+        load_experiment("copy", ["preset=tiny", "mesh.model=2"])
+    e = load_experiment("copy", ["preset=tiny", "mesh.fsdp=2"])
+    assert e.mesh.fsdp == 2 and e.raw["mesh"] == {"data": -1, "fsdp": 2, "tensor": 1, "expert": 1}
+    import jax
+
+    from jxformers.train.sharding import make_mesh
+
+    with pytest.raises(ValueError, match=r"mesh .* has 2 devices .*there are 1 devices"):
+        make_mesh({"data": 1, "fsdp": 2}, devices=jax.devices()[:1])
+
+
+def test_rules_fall_back_to_replication_when_a_dimension_does_not_divide():
+    from jax.sharding import PartitionSpec as P
+
+    sizes = {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}
+    heads = {".blocks[0].attention": {"heads": 3, "kv_heads": 3}}
+    notes = []
+    # 3 heads of 4: the rows divide by 2, the heads do not: no tensor split; fsdp takes the larger dimension
+    assert leaf_spec(".params.blocks[0].attention.q_proj.weight", (12, 16), sizes, heads, notes) == P(None, "fsdp")
+    assert "3 heads" in notes[0] and "tensor=2" in notes[0]
+    assert leaf_spec(".opt_state[0].mu.blocks[0].ffn.w_in.weight", (6, 16), sizes, heads) == P("tensor", "fsdp")
+    notes.clear()
+    assert leaf_spec(".params.x", (3, 5), sizes, {}, notes) == P()
+    assert "no dimension of (3, 5) is divisible by fsdp=2" in notes[0]
+    assert leaf_spec(".params.blocks[0].ffn.w_in.weight", (6, 16), {"data": 8, "fsdp": 1, "tensor": 1,
+                                                                     "expert": 1}) == P()
+
+
+def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(tmp_path):
+    """A model carrying a memory between steps (its own step, `train/recurrent.py`): the
+    memory's rows split like the batch, the losses those of one device."""
+    root = tmp_path / "texts"
+    root.mkdir()
+    rng = __import__("numpy").random.default_rng(0)
+    for i in range(8):
+        (root / f"play{i}_gut.txt").write_bytes(bytes(rng.integers(97, 101, 3000).astype("uint8")))
+    overrides = ["preset=tiny", f"data.settings.path={root}", "data.settings.max_len=9", "data.settings.rows=4",
+                 "data.train_size=64", "data.eval_size=8", "train.batch_size=4", "model.mem_len=6",
+                 "model.eval_mem_len=12", "model.d_model=16", "model.num_heads=2", "model.d_ff=32",
+                 "model.num_layers=1"]
+    run_script(PRELUDE + f"""
+    from jax.sharding import PartitionSpec as P
+    from jxformers.data import make_loader
+    from jxformers.train import load_experiment, init_train_state
+    from jxformers.train.sharding import make_mesh, plan_sharding
+    from jxformers.train.step import make_eval_step, make_train_step, evaluate
+
+    e = load_experiment("shakespeare_txl", {overrides!r})
+    loader = iter(make_loader(e.sources()[0], batch_size=4, seed=0, shuffle=False))
+    batches = [next(loader) for _ in range(3)]
+    results = []
+    for shape in (None, {{"data": 2, "fsdp": 2, "tensor": 2}}):
+        state, static, optimizer, _ = init_train_state(e)
+        plan = None if shape is None else plan_sharding(state, static, make_mesh(shape), batch_size=4)
+        if plan is not None:
+            state = plan.place_state(state)
+            memory = jax.tree.leaves(plan.state.memory)
+            assert memory and all(s.spec == P(("data", "fsdp")) for s in memory), memory
+        step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
+        losses = []
+        for b in batches:
+            state, m = step(state, b if plan is None else plan.place_batch(b))
+            losses.append(float(m["loss"]))
+        kept = batches if plan is None else [plan.place_batch(b) for b in batches]
+        results.append((losses, evaluate(make_eval_step(static), state, kept, 3, language_model=True)["eval_loss"]))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5)
+    """)
+
+
+def test_two_processes_train_and_resume_after_sigkill_with_the_losses_of_one_process_on_8_devices(tmp_path):
+    """`jxformers train` launched as 2 processes (loopback coordinator, 4 simulated CPU
+    devices each, gloo collectives) on a 4 x 2 mesh: process 0 alone writes the logs and
+    the per-step losses equal those of one process with 8 devices; both processes killed
+    with SIGKILL after a checkpoint and relaunched give those losses too."""
+    import signal
+    import socket
+    import time
+
+    import yaml
+
+    steps = 16
+    config = {"name": "mp", "data": {"task": "copy", "train_size": 512, "eval_size": 8,
+                                     "settings": {"max_len": 12, "symbols": 4}},
+              "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
+              "train": {"steps": steps, "batch_size": 8, "eval_every": steps, "eval_batches": 1, "log_every": 1},
+              "checkpoint": {"every": 4, "async_save": False}, "mesh": {"data": 4, "fsdp": 2}}
+    path = tmp_path / "mp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def launch(workdir, devices, *flags):
+        return subprocess.Popen(
+            [sys.executable, "-m", "jxformers.tools.cli", "train", str(path), "--workdir", str(workdir), "--no-progress",
+             *flags], env=env | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}, cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def two_processes(workdir):
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        return [launch(workdir, 4, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i))
+                for i in range(2)]
+
+    def finish(procs):
+        try:
+            for proc in procs:
+                out, err = proc.communicate(timeout=300)
+                assert proc.returncode == 0, out[-2000:] + err[-4000:]
+        finally:  # one process failing leaves the other waiting for it
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+    finish([*two_processes(tmp_path / "two"), launch(tmp_path / "one", 8)])
+    two, single = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert sorted(two) == sorted(single) == list(range(1, steps + 1))
+    for step in single:
+        assert two[step] == pytest.approx(single[step], rel=1e-5), (step, two[step], single[step])
+    lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    assert len([line for line in lines if '"loss"' in line]) == steps  # written once, by process 0
+
+    # killed (both, SIGKILL) once a checkpoint exists, then relaunched
+    killed = tmp_path / "killed"
+    procs = two_processes(killed)
+    try:
+        deadline = time.monotonic() + 240
+        while not (killed / "checkpoints").is_dir() or not any(p.name.isdigit()
+                                                               for p in (killed / "checkpoints").iterdir()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
+            time.sleep(0.05)
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    before = _losses(killed)
+    assert max(before) < steps, "the run ended before it was killed"
+    finish(two_processes(killed))
+    resumed = _losses(killed)
+    assert sorted(resumed) == list(range(1, steps + 1))
+    for step in single:
+        assert resumed[step] == pytest.approx(single[step], rel=1e-5), (step, resumed[step], single[step])
+
+
+def test_each_process_reads_its_rows_of_the_global_batches():
+    """ProcessRows: the rows of processes 0..P-1 of batch t, in process order, are the
+    global batch t of one process (so the assembled batch is the same)."""
+    import grain
+
+    from jxformers.data.loader import ProcessRows
+
+    base = grain.samplers.IndexSampler(num_records=40, shard_options=grain.sharding.NoSharding(), shuffle=True,
+                                       num_epochs=1, seed=3)
+    keys = [base[i].record_key for i in range(40)]
+    parts = [ProcessRows(base, 4, p, 3) for p in range(3)]
+    assert [len(part) for part in parts] == [12, 12, 12]  # 3 whole global batches of 12; the rest dropped
+    for t in range(3):
+        rows = [part[t * 4 + j].record_key for part in parts for j in range(4)]
+        assert rows == keys[t * 12:(t + 1) * 12]
+    assert parts[1][5].index == 5
+    with pytest.raises(IndexError):
+        parts[0][12]
