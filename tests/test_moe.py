@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close
+from suites import decode_all
 
 from jxformers import ModelConfig, build_model
 from jxformers.nn.layers import FeedForward
@@ -375,14 +376,7 @@ def test_moe_and_pkm_language_model_decodes_like_its_parallel_forward():
     tokens = jax.random.randint(jax.random.key(44), (8,), 0, 29)
     parallel = eqx.filter_jit(lambda m, t: m(t, inference=True))(model, tokens)
 
-    @eqx.filter_jit
-    def decode(m, t):
-        def step(state, tok):
-            logits, state = m.decode_step(tok, state)
-            return state, logits
-        return jax.lax.scan(step, m.init_decode_state(8), t)[1]
-
-    assert_close(decode(model, tokens), parallel, atol=1e-4)
+    assert_close(decode_all(model, tokens), parallel, atol=1e-4)
 
 
 def test_training_logs_per_layer_moe_metrics_to_jsonl_and_tensorboard(tmp_path):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from suites import decode_all
 
 from jxformers.nn import ModelConfig, build_model
 from jxformers.nn.recurrent import (
@@ -255,14 +256,7 @@ def test_decoding_token_by_token_matches_the_parallel_call(architecture):
     tokens = jax.random.randint(jax.random.key(10), (9,), 0, 40)
     parallel = eqx.filter_jit(lambda m, t: m(t))(model, tokens)
 
-    @eqx.filter_jit
-    def decode(m, t):
-        def feed(state, token):
-            logits, state = m.decode_step(token, state)
-            return state, logits
-        return jax.lax.scan(feed, m.init_decode_state(9), t)[1]
-
-    np.testing.assert_allclose(decode(model, tokens), parallel, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(decode_all(model, tokens), parallel, atol=2e-5, rtol=2e-5)
     out = generate(model, tokens[:3], steps=4, key=jax.random.key(0))
     assert out.shape == (7,)
 
