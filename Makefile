@@ -29,4 +29,4 @@ bench: $(VENV)/.stamp-run
 	$(BIN)/python scripts/bench_attention.py --out docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .jax_cache

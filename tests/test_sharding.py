@@ -273,23 +273,28 @@ def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(
     """)
 
 
-def test_two_processes_train_and_resume_after_sigkill_with_the_losses_of_one_process_on_8_devices(tmp_path):
+def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_like_one_process(tmp_path):
     """`jxformers train` launched as 2 processes (loopback coordinator, 4 simulated CPU
     devices each, gloo collectives) on a 4 x 2 mesh: process 0 alone writes the logs and
-    the per-step losses equal those of one process with 8 devices; both processes killed
-    with SIGKILL after a checkpoint and relaunched give those losses too."""
+    the per-step losses equal those of one process with 8 devices. Then, in one work
+    directory: SIGTERM to process 1 alone after a checkpoint stops both processes after
+    the same step, with that step saved; relaunched, both are killed with SIGKILL after a
+    later checkpoint; relaunched again, the run ends with the losses of one process."""
+    import re
     import signal
     import socket
     import time
 
     import yaml
 
-    steps = 16
+    # Long enough that JAX's preemption notice (polled once a second; a step takes
+    # 0.1-0.5 s here) arrives with a checkpoint still to come.
+    steps, every = 40, 4
     config = {"name": "mp", "data": {"task": "copy", "train_size": 512, "eval_size": 8,
                                      "settings": {"max_len": 12, "symbols": 4}},
               "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
               "train": {"steps": steps, "batch_size": 8, "eval_every": steps, "eval_batches": 1, "log_every": 1},
-              "checkpoint": {"every": 4, "async_save": False}, "mesh": {"data": 4, "fsdp": 2}}
+              "checkpoint": {"every": every, "async_save": False}, "mesh": {"data": 4, "fsdp": 2}}
     path = tmp_path / "mp.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -308,16 +313,30 @@ def test_two_processes_train_and_resume_after_sigkill_with_the_losses_of_one_pro
         return [launch(workdir, 4, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i))
                 for i in range(2)]
 
-    def finish(procs):
+    def finish(procs, code=0):
+        """Each process's stderr, once all exited with `code`."""
+        errs = []
         try:
             for proc in procs:
                 out, err = proc.communicate(timeout=600)
-                assert proc.returncode == 0, out[-2000:] + err[-4000:]
+                assert proc.returncode == code, out[-2000:] + err[-4000:]
+                errs.append(err)
         finally:  # one process failing leaves the other waiting for it
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
-                    proc.wait()
+                    proc.communicate()
+        return errs
+
+    def saved(workdir):
+        folder = workdir / "checkpoints"
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+    def wait_for_checkpoint_after(workdir, step, procs):
+        deadline = time.monotonic() + 240
+        while not saved(workdir) or saved(workdir)[-1] <= step:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
+            time.sleep(0.02)
 
     finish([*two_processes(tmp_path / "two"), launch(tmp_path / "one", 8)])
     two, single = _losses(tmp_path / "two"), _losses(tmp_path / "one")
@@ -327,25 +346,32 @@ def test_two_processes_train_and_resume_after_sigkill_with_the_losses_of_one_pro
     lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
     assert len([line for line in lines if '"loss"' in line]) == steps  # written once, by process 0
 
-    # killed (both, SIGKILL) once a checkpoint exists, then relaunched
-    killed = tmp_path / "killed"
-    procs = two_processes(killed)
+    # SIGTERM to process 1 alone: both stop after the same step and it is saved
+    run = tmp_path / "interrupted"
+    procs = two_processes(run)
     try:
-        deadline = time.monotonic() + 240
-        while not (killed / "checkpoints").is_dir() or not any(p.name.isdigit()
-                                                               for p in (killed / "checkpoints").iterdir()):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
-            time.sleep(0.05)
+        wait_for_checkpoint_after(run, 0, procs)
+        procs[1].send_signal(signal.SIGTERM)
+    finally:
+        errs = finish(procs, code=128 + signal.SIGTERM)
+    stopped = [int(re.search(r"saves after step (\d+)", err).group(1)) for err in errs]
+    assert stopped[0] == stopped[1] < steps, stopped
+    assert saved(run)[-1] == stopped[0] and f"saved step {stopped[0]}" in errs[0]
+    assert max(_losses(run)) == stopped[0]
+
+    # relaunched, then both killed with SIGKILL after a later checkpoint
+    procs = two_processes(run)
+    try:
+        wait_for_checkpoint_after(run, stopped[0], procs)
         for proc in procs:
             proc.send_signal(signal.SIGKILL)
     finally:
         for proc in procs:
             proc.kill()
             proc.communicate()
-    before = _losses(killed)
-    assert max(before) < steps, "the run ended before it was killed"
-    finish(two_processes(killed))
-    resumed = _losses(killed)
+    assert max(_losses(run)) < steps, "the run ended before it was killed"
+    finish(two_processes(run))
+    resumed = _losses(run)
     assert sorted(resumed) == list(range(1, steps + 1))
     for step in single:
         assert resumed[step] == pytest.approx(single[step], rel=1e-5), (step, resumed[step], single[step])

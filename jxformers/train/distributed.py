@@ -88,3 +88,23 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def preemption_service() -> bool:
+    """Whether JAX's preemption service runs: several processes and
+    `jax_enable_preemption_service` on (the default). `jax.distributed.initialize` then
+    installs a C-level SIGTERM handler that tells every process of the notice, and
+    `reached_preemption_sync_point(step)` turns True on all of them at the same step."""
+    if jax.process_count() < 2:
+        return False
+    from jax._src import distributed as jax_distributed  # the public call raises instead of telling
+
+    return jax_distributed.global_state.preemption_sync_manager is not None
+
+
+def reached_preemption_sync_point(step: int) -> bool:
+    """True on every process at the same step once any process got SIGTERM (JAX's
+    preemption sync point; every process must call it at every step)."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point(step)

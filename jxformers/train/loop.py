@@ -8,8 +8,10 @@ runs the jitted train step (`step.py`; state donated, gradient accumulation with
 steps (default 1000; see `TrainConfig`), log (each logged step is one JSON object in `workdir/metrics.jsonl`, with
 non-finite numbers as the strings "NaN" / "Infinity" that float() reads, and TensorBoard
 scalars in `workdir/tensorboard/`; tokens_per_s counts real tokens, padded_tokens_per_s
-all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` steps, and
-on SIGTERM or SIGINT save a checkpoint and exit. A non-finite loss or gradient is
+all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` steps (logging
+`checkpoint_save_ms`, the time the step path waited for the save), and
+on SIGTERM or SIGINT save a checkpoint and exit (with several processes, all after
+the same step: JAX's preemption sync point). A non-finite loss or gradient is
 reported with its step and either stops the run or skips the update (`train.on_nonfinite`).
 
 On several devices the state and each batch are sharded over the experiment's device
@@ -276,16 +278,23 @@ class _Signals:
     step and exits. Python runs signal handlers only between bytecodes, so during a long
     compile a handler would wait ~20 s; the C-level handler writes the signal to a wakeup
     socket that a thread reads and acknowledges immediately. A second signal stops the
-    process at once, without saving (an unfinished orbax save never appears as a step)."""
+    process at once, without saving (an unfinished orbax save never appears as a step).
+
+    With several processes every one must stop after the same step, or those that go on
+    wait forever in collectives the others never join. JAX's preemption service
+    (`distributed.preemption_service`) owns SIGTERM there: whichever process gets it, all
+    of them reach the sync point at the same step (`stop_after`). A SIGINT is passed on
+    to it as a SIGTERM to this process."""
 
     def __init__(self):
-        self.received: int | None = None
+        self.received: int | None = None  # the signal this process got (or the notice, SIGTERM)
+        self.coordinated = distributed.preemption_service()
         self._old: dict[int, Any] = {}
         self._old_fd, self._sockets = None, None
 
     def __enter__(self):
         try:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGINT,) if self.coordinated else (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, lambda signum, frame: None)  # the watcher acts
             reader, writer = socket.socketpair()
             writer.setblocking(False)
@@ -300,7 +309,8 @@ class _Signals:
     def _watch(self, reader: socket.socket) -> None:
         while data := reader.recv(16):
             for signum in data:
-                self._acknowledge(signum)
+                if signum in self._old:
+                    self._acknowledge(signum)
         reader.close()
 
     def _acknowledge(self, signum: int) -> None:
@@ -309,8 +319,24 @@ class _Signals:
             print(f"\njxformers train: second {name}: stopping now, without saving", file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.received = signum
-        print(f"\njxformers train: {name} received: saving after the current step, then exiting "
+        everyone = "every process saves after the same step" if self.coordinated else "saving after the current step"
+        print(f"\njxformers train: {name} received: {everyone}, then exiting "
               f"(again to stop at once, without saving)", file=sys.stderr, flush=True)
+        if self.coordinated:
+            os.kill(os.getpid(), signal.SIGTERM)  # to JAX's handler, which tells the other processes
+
+    def stop_after(self, step: int) -> bool:
+        """Whether to save `step` and exit. With several processes, every process calls
+        this at every step and gets the same answer."""
+        if not self.coordinated:
+            return self.received is not None
+        if not distributed.reached_preemption_sync_point(step):
+            return False
+        if self.received is None:
+            self.received = signal.SIGTERM
+            print(f"\njxformers train: preemption notice (SIGTERM to one of the processes): every process "
+                  f"saves after step {step}, then exits", file=sys.stderr, flush=True)
+        return True
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -321,11 +347,9 @@ class _Signals:
             self._sockets[1].close()  # the watcher's recv returns b"" and it ends
             self._sockets = None
 
-    def exit_if_received(self, checkpointer: Checkpointer, log: _MetricsLog, step: int, start: int) -> None:
-        """After the loop: if a signal came, wait for the checkpoint of `step`, say what was
-        saved, log, exit 128 + signal."""
-        if self.received is None:
-            return
+    def exit_after_saving(self, checkpointer: Checkpointer, log: _MetricsLog, step: int, start: int) -> None:
+        """After the loop stopped for a signal: wait for the checkpoint of `step`, say what
+        was saved, log, exit 128 + signal."""
         checkpointer.wait()
         log({"step": step, "interrupted": signal.Signals(self.received).name})
         if step > start:
@@ -423,7 +447,8 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         report = _StepReport(log, experiment, schedule, start, t.batch_size * train_source.max_len, checkpointer.steps)
         show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress and distributed.is_main())))
         summary, last_eval = {"step": start}, {}
-        while int(state.step) < t.steps and signals.received is None:
+        stop = signals.stop_after(start)  # a signal during setup: nothing to run
+        while int(state.step) < t.steps and not stop:
             state = _redraw_if_due(state, static, t.redraw_every, plan)
             batch = next(iterator)  # this process's rows, numpy
             tokens = int(batch["mask"].sum()) * jax.process_count()  # this process's rows, scaled
@@ -435,7 +460,12 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
                 log({"step": step, **last_eval})
             show(step, m, last_eval)
             summary = {"step": step, **m, **last_eval}
-            if _due(step, every, t.steps) or signals.received is not None:
+            stop = signals.stop_after(step)
+            if _due(step, every, t.steps) or stop:
+                began = time.perf_counter()
                 checkpointer.save(step, state_dict(state), iterator, last_eval)
-        signals.exit_if_received(checkpointer, log, int(state.step), start)
+                # the time the step path waits for the save (async: copying to host memory)
+                log({"step": step, "checkpoint_save_ms": 1e3 * (time.perf_counter() - began)})
+        if stop:
+            signals.exit_after_saving(checkpointer, log, int(state.step), start)
         return summary | {"peak_memory_bytes": _peak_memory_bytes(), "train_step_temp_bytes": run_step.temp_bytes}
