@@ -19,6 +19,7 @@ import dataclasses
 import numpy as np
 
 from jxformers.data import listops, pathfinder
+from jxformers.data.genre import ShakespeareGenre
 from jxformers.data.real import FashionMNIST, ShakespeareBytes, ShakespeareStream
 
 
@@ -178,6 +179,7 @@ class Pathfinder:
 TASKS = {
     "listops": ListOps, "pathfinder": Pathfinder, "copy": Copy, "recall": AssociativeRecall,
     "fashion_mnist": FashionMNIST, "shakespeare": ShakespeareBytes, "shakespeare_stream": ShakespeareStream,
+    "shakespeare_genre": ShakespeareGenre,
 }
 
 

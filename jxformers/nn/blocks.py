@@ -26,7 +26,7 @@ class Block(eqx.Module):
     Arguments (constructor): `attention` and `cross_attention` (Attention modules, the
     latter None unless the block reads a context), `ffn`, `norm` ("layernorm" or
     "rmsnorm"), `d_model`, `pre_norm`, `dropout` (once on each residual branch's
-    output; the attention modules hold none). The FFN may be a FeedForward, a
+    output; the attention modules hold none), `norm_eps` (None: the norm's default). The FFN may be a FeedForward, a
     mixture of experts (`MoE`) or a `ProductKeyMemory`; the latter two see the token
     mask, and an MoE's auxiliary losses are appended to the `aux` list the caller
     passes (a trace-time collector, filled and read within one forward).
@@ -42,9 +42,10 @@ class Block(eqx.Module):
     def __init__(
         self, attention: Attention, ffn: FeedForward | MoE | ProductKeyMemory, *, d_model: int, norm: str = "layernorm",
         pre_norm: bool = True, cross_attention: Attention | None = None, dropout: float = 0.0,
+        norm_eps: float | None = None,
     ):
         self.attention, self.cross_attention, self.ffn = attention, cross_attention, ffn
-        self.norms = tuple(make_norm(norm, d_model) for _ in range(3 if cross_attention is not None else 2))
+        self.norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(3 if cross_attention is not None else 2))
         self.dropout = eqx.nn.Dropout(dropout)
         self.pre_norm = pre_norm
 

@@ -146,6 +146,14 @@ class ModelConfig:
             every later block instead. Encoders only (classify, retrieval), architecture
             transformer, absolute positions (sinusoidal, learned, none), no filters,
             not reversible. Empty: none.
+        embed_scale: multiply token embeddings by sqrt(d_model) (Vaswani et al.); BERT
+            does not (False). embed_norm: a norm (kind `norm`) on the summed
+            embeddings, BERT's embedding LayerNorm. type_vocab_size: token-type
+            (segment) embeddings added to the tokens (0: none; BERT: 2); encoders take
+            them as `token_types`. norm_eps: every norm's epsilon (None: LayerNorm
+            1e-5, RMSNorm 1e-6; BERT 1e-12); architecture transformer. final_norm: the
+            norm after the last block; BERT's post-norm encoder has none (False, only
+            with norm_placement post and architecture transformer).
     """
 
     task: str = "classify"
@@ -188,6 +196,11 @@ class ModelConfig:
     cmem_len: int = 0
     compression: str = "conv"
     compression_rate: int = 3
+    embed_scale: bool = True
+    embed_norm: bool = False
+    type_vocab_size: int = 0
+    norm_eps: float | None = None
+    final_norm: bool = True
 
     def __post_init__(self):
         if self.norm_placement is None and isinstance(self.architecture, str):
@@ -283,6 +296,7 @@ class ModelConfig:
             raise ValueError("reversible blocks need norm_placement 'pre', no filters, and task classify, retrieval or lm")
         self._check_architecture()
         self._check_token_learner()
+        self._check_embedding()
         if self.filters and self.task == "lm":
             raise ValueError("filters (downsampling) apply to encoders: tasks classify, retrieval, seq2seq")
         for index, ratio in self.filters.items():
@@ -299,6 +313,24 @@ class ModelConfig:
                     f"(layer_overrides)"
                 )
 
+
+    def _check_embedding(self):
+        """The BERT-style options (embedding scale, norm and token types; norm epsilon;
+        no final norm): where they apply."""
+        if self.type_vocab_size < 0:
+            raise ValueError(f"config type_vocab_size must be >= 0 (0: no token types); got {self.type_vocab_size}")
+        if self.norm_eps is not None and not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
+            raise ValueError(f"config norm_eps must be None or in (0, 1); got {self.norm_eps!r}")
+        defaults = _defaults()
+        names = ("embed_scale", "embed_norm", "type_vocab_size", "norm_eps", "final_norm")
+        given = {n: getattr(self, n) for n in names if getattr(self, n) != defaults[n]}
+        if given and self.architecture != "transformer":
+            raise ValueError(f"{sorted(given)} apply to architecture 'transformer'; got architecture "
+                             f"{self.architecture!r} with {given}")
+        if not self.final_norm and (self.norm_placement != "post" or self.task not in ("classify", "retrieval")):
+            raise ValueError(f"final_norm False (BERT's encoder) needs norm_placement 'post', whose blocks end "
+                             f"normalised, and an encoder task (classify, retrieval); got norm_placement "
+                             f"{self.norm_placement!r}, task {self.task!r}")
 
     def _check_token_learner(self):
         """TokenLearner reduces an encoder's tokens between blocks: what it combines with."""
@@ -561,7 +593,7 @@ def _blocks(
         blocks.append(Block(
             attention, _ffn(config, layer, causal=causal, key=kf), d_model=config.d_model, norm=config.norm,
             pre_norm=config.norm_placement == "pre",
-            cross_attention=cross_attention, dropout=config.dropout,
+            cross_attention=cross_attention, dropout=config.dropout, norm_eps=config.norm_eps,
         ))
     return blocks
 
@@ -604,7 +636,9 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             config.position, dim=config.d_model, heads=config.num_heads, max_len=config.max_len, causal=causal, key=k
         )
         kt, _ = jax.random.split(k)
-        return Embedding(config.vocab_size, config.d_model, positions, dtype=config.dtype, key=kt)
+        norm = make_norm(config.norm, config.d_model, config.norm_eps) if config.embed_norm else None
+        return Embedding(config.vocab_size, config.d_model, positions, dtype=config.dtype, scale=config.embed_scale,
+                         type_vocab_size=config.type_vocab_size, norm=norm, key=kt)
 
     funnel_layers = frozenset(config.filters) if config.downsample == "funnel" else frozenset()
 
@@ -626,7 +660,8 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             )
         return Encoder(
             embedding(keys[0], False), _stack(config, causal=False, key=keys[1], pooled=funnel_layers),
-            make_norm(config.norm, config.d_model), max_len=config.max_len, use_cls=use_cls, filters=config.filters,
+            make_norm(config.norm, config.d_model, config.norm_eps) if config.final_norm else None,
+            max_len=config.max_len, use_cls=use_cls, filters=config.filters,
             downsample=config.downsample, reversible=config.reversible, token_learner=token_learner(), key=keys[2],
         )
 
@@ -635,7 +670,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             _stack(config, causal=True, key=keys[4])
         return LanguageModel(
             embedding(keys[3], True), blocks,
-            make_norm(config.norm, config.d_model), max_len=config.max_len, tie=config.tie_embeddings,
+            make_norm(config.norm, config.d_model, config.norm_eps), max_len=config.max_len, tie=config.tie_embeddings,
             reversible=config.reversible, key=keys[5],
         )
 

@@ -1,6 +1,7 @@
 """Small layers: a linear map that computes in a chosen dtype, LayerNorm and RMSNorm
 that always normalise in float32, and the position-wise feed-forward network with
-ReLU, GELU and gated (GEGLU, SwiGLU) variants (seed 004 section 5.3)."""
+ReLU, GELU (tanh approximation, or "gelu_exact": the erf form BERT uses) and gated
+(GEGLU, SwiGLU) variants (seed 004 section 5.3)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-FFN_KINDS = ("relu", "gelu", "geglu", "swiglu")
+FFN_KINDS = ("relu", "gelu", "gelu_exact", "geglu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
 
 
@@ -72,10 +73,12 @@ class RMSNorm(eqx.Module):
         return (scaled * _lift(self.weight, x.ndim)).astype(x.dtype)
 
 
-def make_norm(kind: str, dim: int) -> LayerNorm | RMSNorm:
+def make_norm(kind: str, dim: int, eps: float | None = None) -> LayerNorm | RMSNorm:
+    """A norm of `kind` over `dim` features; `eps` None: the class's default."""
     if kind not in NORM_KINDS:
         raise ValueError(f"norm must be one of {NORM_KINDS}; got {kind!r}")
-    return LayerNorm(dim) if kind == "layernorm" else RMSNorm(dim)
+    cls = LayerNorm if kind == "layernorm" else RMSNorm
+    return cls(dim) if eps is None else cls(dim, eps)
 
 
 class FeedForward(eqx.Module):
@@ -122,8 +125,8 @@ class FeedForward(eqx.Module):
         h = self.w_in(x)
         if self.kind == "relu":
             h = jax.nn.relu(h)
-        elif self.kind == "gelu":
-            h = jax.nn.gelu(h)
+        elif self.kind in ("gelu", "gelu_exact"):
+            h = jax.nn.gelu(h, approximate=self.kind == "gelu")
         else:
             assert self.w_gate is not None
             act = jax.nn.gelu if self.kind == "geglu" else jax.nn.silu

@@ -66,21 +66,38 @@ def _check_mask(mask, n):
 
 
 class Embedding(eqx.Module):
-    """Token embedding scaled by sqrt(d_model) plus absolute positions (if any), cast to
+    """Token embedding (scaled by sqrt(d_model) unless `scale` is False) plus absolute
+    positions (if any) plus token-type embeddings (if `type_vocab_size` > 0; type 0
+    when none are given), then an optional norm (BERT's embedding LayerNorm), cast to
     the compute dtype; its table doubles as the tied output projection."""
 
     table: Float[Array, "vocab d_model"]
     positions: Positions
+    types: Float[Array, "types d_model"] | None
+    norm: LayerNorm | RMSNorm | None
     dtype: str = eqx.field(static=True)
+    scale: bool = eqx.field(static=True)
 
-    def __init__(self, vocab_size: int, d_model: int, positions: Positions, *, dtype: str, key: PRNGKeyArray):
-        self.table = jax.random.normal(key, (vocab_size, d_model)) / math.sqrt(d_model)
-        self.positions, self.dtype = positions, dtype
+    def __init__(self, vocab_size: int, d_model: int, positions: Positions, *, dtype: str, scale: bool = True,
+                 type_vocab_size: int = 0, norm: LayerNorm | RMSNorm | None = None, key: PRNGKeyArray):
+        kt, ky = jax.random.split(key)
+        self.table = jax.random.normal(kt if type_vocab_size else key, (vocab_size, d_model)) / math.sqrt(d_model)
+        self.types = 0.02 * jax.random.normal(ky, (type_vocab_size, d_model)) if type_vocab_size else None
+        self.positions, self.dtype, self.scale, self.norm = positions, dtype, scale, norm
 
-    def __call__(self, tokens: Int[Array, " n"], positions: Int[Array, " n"]) -> Float[Array, "n d_model"]:
-        x = self.table[tokens] * math.sqrt(self.table.shape[1])
+    def __call__(self, tokens: Int[Array, " n"], positions: Int[Array, " n"],
+                 token_types: Int[Array, " n"] | None = None) -> Float[Array, "n d_model"]:
+        x = self.table[tokens]
+        if self.scale:
+            x = x * math.sqrt(self.table.shape[1])
         extra = self.positions.embed(positions)
         x = x if extra is None else x + extra
+        if self.types is not None:
+            x = x + self.types[jnp.zeros_like(tokens) if token_types is None else token_types]
+        elif token_types is not None:
+            raise ValueError("token_types given, but this embedding has no token-type table (type_vocab_size 0)")
+        if self.norm is not None:
+            x = self.norm(x)
         return x.astype(self.dtype)
 
     def logits(self, x: Float[Array, "*n d_model"]) -> Float[Array, "*n vocab"]:
@@ -131,7 +148,8 @@ class Encoder(eqx.Module):
     and a TokenFuser maps its output back onto the sequence (residual added). Learned
     tokens have no positions: absolute positions only (ModelConfig checks), no filters.
 
-    Arguments (constructor): `embedding`, `blocks`, `norm` (the final norm), `max_len`,
+    Arguments (constructor): `embedding`, `blocks`, `norm` (the final norm; None: none, as
+    in BERT, whose post-norm blocks end normalised), `max_len`,
     `use_cls` (prepend a learned CLS token), `filters` ({block index: keep ratio}),
     `downsample` (one of DOWNSAMPLE_KINDS), `reversible` (Reformer's wiring; no
     filters), `token_learner` (or None), `key` (for the CLS token).
@@ -140,7 +158,7 @@ class Encoder(eqx.Module):
     embedding: Embedding
     cls: Float[Array, " d_model"] | None
     blocks: tuple[AnyBlock, ...]
-    norm: LayerNorm | RMSNorm
+    norm: LayerNorm | RMSNorm | None
     token_learner: TokenLearnerStage | None
     filters: tuple[tuple[int, float], ...] = eqx.field(static=True)
     downsample: str = eqx.field(static=True)
@@ -148,7 +166,8 @@ class Encoder(eqx.Module):
     reversible: bool = eqx.field(static=True)
 
     def __init__(
-        self, embedding: Embedding, blocks: list[AnyBlock], norm: LayerNorm | RMSNorm, *, max_len: int, use_cls: bool,
+        self, embedding: Embedding, blocks: list[AnyBlock], norm: LayerNorm | RMSNorm | None, *, max_len: int,
+        use_cls: bool,
         filters: dict[int, float] | None = None, downsample: str = "fourier", reversible: bool = False,
         token_learner: TokenLearnerStage | None = None, key: PRNGKeyArray,
     ):
@@ -178,7 +197,7 @@ class Encoder(eqx.Module):
                              f"({token_learner.after_layer}, {len(blocks)} blocks), no filters and no reversible wiring")
         self.reversible, self.token_learner = reversible, token_learner
         self.embedding, self.blocks, self.norm = embedding, tuple(blocks), norm
-        self.cls = 0.02 * jax.random.normal(key, (norm.weight.shape[0],)) if use_cls else None
+        self.cls = 0.02 * jax.random.normal(key, (embedding.table.shape[1],)) if use_cls else None
         self.filters, self.downsample, self.max_len = tuple(sorted(filters.items())), downsample, max_len
 
     def _shorten(self, x, mask, spacing, ratio, padded):
@@ -223,7 +242,7 @@ class Encoder(eqx.Module):
     def __call__(
         self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
         key: PRNGKeyArray | None = None, inference: bool = False, upsample_sum: bool = False,
-        aux: list | None = None,
+        aux: list | None = None, token_types: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "out d_model"], Bool[Array, " out"]]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens (padding at the end
@@ -238,6 +257,8 @@ class Encoder(eqx.Module):
                 leaves no run before it), so filters {2: r} on 12 layers sum two terms:
                 the output of layers 0-1 at full length and that of layers 2-11.
             aux: a list the MoE layers append their aux dicts to (`Block`).
+            token_types: `[seq]` segment ids (BERT's token types; default 0), for an
+                embedding with a token-type table.
 
         Returns:
             `(hidden [out, d_model], mask [out])`; `out` = seq (+1 for the CLS token) unless
@@ -249,14 +270,14 @@ class Encoder(eqx.Module):
         _check_length(n + start, self.max_len)
         padded = mask is not None
         mask = jnp.ones((n,), bool) if mask is None else mask
-        x = self.embedding(tokens, jnp.arange(start, n + start))
+        x = self.embedding(tokens, jnp.arange(start, n + start), token_types)
         if self.cls is not None:
             x = jnp.concatenate([self.cls.astype(x.dtype)[None], x])
             mask = jnp.concatenate([jnp.ones((1,), bool), mask])
         if self.reversible:
             bias = _bias(self.embedding.positions, x.shape[0])
             x = reversible_stack(self.blocks, x, kv_mask=mask, bias=bias, key=key, inference=inference)
-            return self.norm(x), mask
+            return self._final(x), mask
         input_mask, filters, outputs = mask, dict(self.filters), []
         spacing = jnp.ones((), jnp.float32)
         pos = self._positions(x.shape[0], spacing)
@@ -284,8 +305,11 @@ class Encoder(eqx.Module):
                 pos = self._positions(x.shape[0], spacing)
         if upsample_sum:
             outputs.append(_upsample(x, mask, input_mask))
-            return self.norm(sum(outputs[1:], outputs[0])), input_mask
-        return self.norm(x), mask
+            return self._final(sum(outputs[1:], outputs[0])), input_mask
+        return self._final(x), mask
+
+    def _final(self, x):
+        return x if self.norm is None else self.norm(x)
 
 
 def _learned(encoder, learner, x, mask):
@@ -325,7 +349,7 @@ class Classifier(eqx.Module):
         if (pooling == "pma") != (pma is not None):
             raise ValueError(f"pooling='pma' needs a PMA module (and no other pooling takes one); got {pooling=}")
         self.encoder, self.pooling, self.pma = encoder, pooling, pma
-        width = encoder.norm.weight.shape[0] * (1 if pma is None else pma.seeds.shape[0])
+        width = encoder.embedding.table.shape[1] * (1 if pma is None else pma.seeds.shape[0])
         self.head = Linear(width, num_classes, key=key)
 
     def pool(self, tokens, mask=None, *, key=None, inference=False, aux=None) -> Float[Array, " width"]:
@@ -432,6 +456,8 @@ class LanguageModel(eqx.Module):
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens.
             context, context_mask: encoder output for cross-attention blocks.
             aux: a list the MoE layers append their aux dicts to (`Block`).
+            token_types: `[seq]` segment ids (BERT's token types; default 0), for an
+                embedding with a token-type table.
 
         Returns:
             `[seq, vocab]` float32 logits; row i predicts token i + 1.

@@ -281,7 +281,7 @@ grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 class Experts(eqx.Module):
-    """E feed-forward networks of one kind (relu, gelu, geglu, swiglu) with stacked
+    """E feed-forward networks of one kind (relu, gelu, gelu_exact, geglu, swiglu) with stacked
     weights: w_in, w_gate `[E, d_model, d_ff]`, w_out `[E, d_ff, d_model]`, biases
     `[E, d_ff]`, `[E, d_model]` (float32; computed in the activations' dtype). Expert e
     computes what `FeedForward` computes with its weights."""
@@ -322,8 +322,8 @@ class Experts(eqx.Module):
     def _hidden(self, h, g):
         if self.kind == "relu":
             return jax.nn.relu(h)
-        if self.kind == "gelu":
-            return jax.nn.gelu(h)
+        if self.kind in ("gelu", "gelu_exact"):
+            return jax.nn.gelu(h, approximate=self.kind == "gelu")
         return (jax.nn.gelu if self.kind == "geglu" else jax.nn.silu)(h) * g
 
     def dense(

@@ -1,6 +1,7 @@
 """The `jxformers` command: `list` prints the attention registry and the architectures,
 `bench` runs the attention benchmark, `train` / `eval` / `generate` run experiments,
-`data build` writes an experiment's splits to disk (see each `--help`)."""
+`data build` writes an experiment's splits to disk, `convert` turns a BERT checkpoint into
+a jxformers model (see each `--help`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ commands:
   plot      draw the curves of several work directories into one PNG
   data      build an experiment's generated splits on disk: data build CONFIG --out DIR [--split train|eval]
   demo      train softmax, linear and Fourier-Transformer models on tiny ListOps and compare
+  convert   a BERT checkpoint (config.json + model.safetensors) to a jxformers model: convert BERT_DIR --out DIR
 """
 
 
@@ -278,6 +280,39 @@ def _data(rest: list[str]) -> int:
     return 0
 
 
+def _convert(rest: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="jxformers convert",
+        description="convert a BERT checkpoint (config.json + model.safetensors, e.g. MiniLM from "
+                    "scripts/fetch_minilm.sh) into DIR/config.yaml + DIR/model.eqx (jxformers.pretrained."
+                    "load_converted reads them); the tokenizer files are copied along")
+    p.add_argument("bert", help="directory holding config.json and model.safetensors")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--num-classes", type=int, default=2, help="classes of the new classification head")
+    p.add_argument("--max-len", type=int, default=None, help="cut the position table to this length")
+    p.add_argument("--attention", default=None, help="swap in this registered attention (keeps the weights)")
+    p.add_argument("--attention-kwargs", default="{}", help='its hyper-parameters as JSON, e.g. \'{"window": 16}\'')
+    args = p.parse_args(rest)
+    import pathlib
+    import shutil
+
+    from jxformers.pretrained import load_bert, save_converted, swap_attention
+
+    try:
+        extra = {} if args.max_len is None else {"max_len": args.max_len}
+        model, config = load_bert(args.bert, num_classes=args.num_classes, **extra)
+        if args.attention is not None:
+            model, config = swap_attention(model, config, args.attention, json.loads(args.attention_kwargs))
+    except (ValueError, json.JSONDecodeError) as e:
+        p.error(str(e))
+    out = save_converted(model, config, args.out)
+    for name in ("tokenizer.json", "vocab.txt"):
+        if (pathlib.Path(args.bert) / name).is_file():
+            shutil.copy(pathlib.Path(args.bert) / name, out / name)
+    print(f"{config.num_layers} layers, d_model {config.d_model}, attention {config.attention}: {out}")
+    return 0
+
+
 def _demo(rest: list[str]) -> int:
     from jxformers.tools import demo
 
@@ -307,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         from jxformers.tools import bench
 
         return bench.main(rest)
-    commands = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "demo": _demo, "data": _data}
+    commands = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "demo": _demo, "data": _data,
+                "convert": _convert}
     if command in commands:
         return commands[command](rest)
     print(f"jxformers: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
