@@ -96,6 +96,12 @@ class FashionMNIST:
         return 256 if self.mode == "classify" else 257
 
     @property
+    def pixel_values(self) -> bool:
+        """Whether a language model's tokens 0..255 are pixel intensities (what an
+        `output_head: mixture_of_logistics` models)."""
+        return self.mode == "generate"
+
+    @property
     def max_len(self) -> int:
         return 784 if self.mode == "classify" else 785
 

@@ -29,6 +29,7 @@ from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import NORM_PLACEMENTS, Block
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS, FeedForward, make_norm
 from jxformers.nn.luna import LunaStack
+from jxformers.nn.mixture import PIXEL_VALUES, MixtureOfLogistics
 from jxformers.nn import moe as moe_lib
 from jxformers.nn import pkm as pkm_lib
 from jxformers.nn.models import (
@@ -49,6 +50,7 @@ from jxformers.nn import tokenlearner as tokenlearner_lib
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
 DTYPES = ("float32", "bfloat16", "float16")
+OUTPUT_HEADS = ("softmax", "mixture_of_logistics")
 OVERRIDABLE = ("attention", "attention_kwargs", "impl", "ffn", "d_ff")
 # FFN choices of a config: the FeedForward kinds, a mixture of experts, a product-key memory
 CONFIG_FFNS = (*FFN_KINDS, "moe", "pkm")
@@ -65,7 +67,7 @@ ARCHITECTURES = tuple(_ARCHITECTURES)
 _CHOICES = {
     "architecture": ARCHITECTURES, "task": TASKS, "ffn": CONFIG_FFNS, "position": POSITION_KINDS, "norm": NORM_KINDS,
     "norm_placement": NORM_PLACEMENTS, "pooling": POOLING_KINDS, "dtype": DTYPES, "downsample": DOWNSAMPLE_KINDS,
-    "impl": IMPLS, "compression": COMPRESSIONS,
+    "impl": IMPLS, "compression": COMPRESSIONS, "output_head": OUTPUT_HEADS,
 }
 
 
@@ -154,6 +156,11 @@ class ModelConfig:
             1e-5, RMSNorm 1e-6; BERT 1e-12); architecture transformer. final_norm: the
             norm after the last block; BERT's post-norm encoder has none (False, only
             with norm_placement post and architecture transformer).
+        output_head: "softmax" (a softmax over the vocabulary) or "mixture_of_logistics"
+            (PixelCNN++'s discretized mixture of `mixture_components` logistics over the
+            pixel values 0..255, seed 002's image head; `jxformers.nn.mixture`): task lm,
+            architecture transformer, a vocabulary of the 256 values plus at most one
+            start token; the loss is the mixture's negative log-likelihood.
     """
 
     task: str = "classify"
@@ -201,6 +208,8 @@ class ModelConfig:
     type_vocab_size: int = 0
     norm_eps: float | None = None
     final_norm: bool = True
+    output_head: str = "softmax"
+    mixture_components: int = 10
 
     def __post_init__(self):
         if self.norm_placement is None and isinstance(self.architecture, str):
@@ -297,6 +306,7 @@ class ModelConfig:
         self._check_architecture()
         self._check_token_learner()
         self._check_embedding()
+        self._check_output_head()
         if self.filters and self.task == "lm":
             raise ValueError("filters (downsampling) apply to encoders: tasks classify, retrieval, seq2seq")
         for index, ratio in self.filters.items():
@@ -331,6 +341,22 @@ class ModelConfig:
             raise ValueError(f"final_norm False (BERT's encoder) needs norm_placement 'post', whose blocks end "
                              f"normalised, and an encoder task (classify, retrieval); got norm_placement "
                              f"{self.norm_placement!r}, task {self.task!r}")
+
+    def _check_output_head(self):
+        """The mixture head models pixel values: an lm over 0..255 (plus a start token)."""
+        if self.output_head == "softmax":
+            if self.mixture_components != _defaults()["mixture_components"]:
+                raise ValueError(f"config mixture_components ({self.mixture_components}) applies to output_head "
+                                 f"'mixture_of_logistics' only; got output_head {self.output_head!r}")
+            return
+        self._positive("mixture_components", self.mixture_components)
+        if self.task != "lm" or self.architecture != "transformer":
+            raise ValueError(f"output_head {self.output_head!r} needs task 'lm' and architecture 'transformer'; got "
+                             f"task {self.task!r}, architecture {self.architecture!r}")
+        if self.vocab_size not in (PIXEL_VALUES, PIXEL_VALUES + 1):
+            raise ValueError(f"output_head {self.output_head!r} models pixel values 0..255: vocab_size must be "
+                             f"{PIXEL_VALUES} (pixels) or {PIXEL_VALUES + 1} (pixels and a start token); got "
+                             f"{self.vocab_size}")
 
     def _check_token_learner(self):
         """TokenLearner reduces an encoder's tokens between blocks: what it combines with."""
@@ -666,12 +692,16 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         )
 
     def decoder(layers, cross):
+        head = None
+        if config.output_head == "mixture_of_logistics" and not cross:
+            head = MixtureOfLogistics(config.d_model, config.vocab_size, config.mixture_components,
+                                      key=jax.random.fold_in(keys[5], 1))
         blocks = _blocks(config, layers, causal=True, cross=True, key=keys[4]) if cross else \
             _stack(config, causal=True, key=keys[4])
         return LanguageModel(
             embedding(keys[3], True), blocks,
             make_norm(config.norm, config.d_model, config.norm_eps), max_len=config.max_len, tie=config.tie_embeddings,
-            reversible=config.reversible, key=keys[5],
+            reversible=config.reversible, head=head, key=keys[5],
         )
 
     if config.architecture in RECURRENT_ARCHITECTURES:

@@ -33,6 +33,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from jxformers.nn.blocks import Block
 from jxformers.nn.layers import LayerNorm, Linear, RMSNorm
 from jxformers.nn.luna import LunaStack
+from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.positions import BIAS_KINDS, Positions
 from jxformers.nn.reversible import reversible_decode_step, reversible_stack
 from jxformers.nn.set_transformer import ISAB, PMA
@@ -428,23 +429,30 @@ class LanguageModel(eqx.Module):
     embedding: Embedding
     blocks: tuple[AnyBlock, ...]
     norm: LayerNorm | RMSNorm
-    unembed: Linear | None  # None: tied to the embedding table
+    unembed: Linear | None  # None: tied to the embedding table (or a `head` reads out)
+    head: MixtureOfLogistics | None  # an output distribution of its own instead of the vocab softmax
     max_len: int = eqx.field(static=True)
     reversible: bool = eqx.field(static=True)
 
     def __init__(
         self, embedding: Embedding, blocks: list[AnyBlock], norm, *, max_len: int, tie: bool, reversible: bool = False,
-        key: PRNGKeyArray,
+        head: MixtureOfLogistics | None = None, key: PRNGKeyArray,
     ):
+        """`head`: an output head whose "logits" are normalised log-probabilities (the
+        pixel mixture of `jxformers.nn.mixture`); it replaces the (tied) readout."""
         _check_reversible(blocks, reversible)
         vocab, d = embedding.table.shape
         self.embedding, self.blocks, self.max_len = embedding, tuple(blocks), max_len
+        tie = tie and head is None
         self.norm = _quiet_readout(norm, d) if tie else norm
         self.reversible = reversible
-        self.unembed = None if tie else Linear(d, vocab, use_bias=False, key=key)
+        self.head = head
+        self.unembed = None if tie or head is not None else Linear(d, vocab, use_bias=False, key=key)
 
     def _logits(self, x):
         x = self.norm(x)
+        if self.head is not None:
+            return self.head(x)
         return self.embedding.logits(x) if self.unembed is None else self.unembed(x).astype(jnp.float32)
 
     def __call__(

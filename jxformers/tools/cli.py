@@ -193,6 +193,10 @@ def _generate(rest: list[str]) -> int:
     p.add_argument("--best", action="store_true", help="the best checkpoint instead of the newest")
     p.add_argument("--count", type=int, default=1, help="sequences generated in parallel (one per line); "
                    "the throughput (sequences/s, e.g. images/s for fmnist_generate) goes to stderr")
+    p.add_argument("--recompute", action="store_true",
+                   help="rerun the whole forward at every step instead of decoding incrementally (a key/value "
+                        "cache for softmax, the recurrent state for linear attention): the baseline of seed "
+                        "002's table 2")
     args = p.parse_args(rest)
     if args.count < 1 or args.steps < 0:
         p.error("--count must be >= 1 and --steps >= 0")
@@ -214,7 +218,7 @@ def _generate(rest: list[str]) -> int:
 
         def many(keys):
             return jax.vmap(lambda k: generate(model, prompt_ids, args.steps, key=k, temperature=args.temperature,
-                                               top_k=args.top_k))(keys)
+                                               top_k=args.top_k, use_cache=not args.recompute))(keys)
 
         keys = jax.random.split(jax.random.key(args.seed), args.count)
         compiled = jax.jit(many).lower(keys).compile()

@@ -306,6 +306,9 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
         model_values["num_classes"] = train_source.num_classes
     model_values.setdefault("max_len", train_source.max_len + (1 if model_values.get("pooling", "cls") == "cls"
                                                                and train_source.model_task == "classify" else 0))
+    if model_values.get("output_head") == "mixture_of_logistics" and not getattr(train_source, "pixel_values", False):
+        raise ValueError(f"model.output_head 'mixture_of_logistics' models pixel intensities; the tokens of data task "
+                         f"{data.task!r} ({data.settings}) are not pixels (fashion_mnist with mode: generate is)")
     model = ModelConfig.from_dict(model_values)
     check_recurrent(model, train_source, batch_size=train.batch_size, grad_accum=train.grad_accum)
     raw = {"name": config.get("name", "experiment"), "preset": preset, "data": data.to_dict(),
