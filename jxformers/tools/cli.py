@@ -20,6 +20,7 @@ commands:
   plot      draw the curves of several work directories into one PNG
   data      build an experiment's generated splits on disk: data build CONFIG --out DIR [--split train|eval]
   demo      train softmax, linear and Fourier-Transformer models on tiny ListOps and compare
+  compare   train an experiment once per registered attention; one table and one plot (--help)
 """
 
 
@@ -278,6 +279,12 @@ def _data(rest: list[str]) -> int:
     return 0
 
 
+def _compare(rest: list[str]) -> int:
+    from jxformers.tools import compare
+
+    return compare.main(rest)
+
+
 def _demo(rest: list[str]) -> int:
     from jxformers.tools import demo
 
@@ -307,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         from jxformers.tools import bench
 
         return bench.main(rest)
-    commands = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "demo": _demo, "data": _data}
+    commands = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "demo": _demo, "data": _data,
+                "compare": _compare}
     if command in commands:
         return commands[command](rest)
     print(f"jxformers: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
