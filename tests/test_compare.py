@@ -42,7 +42,7 @@ def test_compare_writes_one_table_and_plot_and_lists_failures(tmp_path, monkeypa
     assert "| softmax |" in text and "| fourier_transformer |" in text and "| linear |" not in text
     assert "* linear: failed in training: FloatingPointError: made to fail" in text
     assert "baseline: majority class" in text and "baseline: root operator" in text
-    assert (tmp_path / "compare.png").stat().st_size > 0
+    assert (tmp_path / "compare.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
     assert (tmp_path / "softmax" / "metrics.jsonl").exists()
     softmax_row = next(line for line in text.splitlines() if line.startswith("| softmax |"))
     cells = [c.strip() for c in softmax_row.split("|")[2:-1]]

@@ -2,7 +2,8 @@
 attention (and the Fourier Transformer: softmax with seed 001's spectral filter) with the
 same steps, seed, data and budget, then write one markdown table (final eval accuracy,
 steps/s, compiled train-step memory, next to the task's shortcut baselines on the same
-eval examples) and one plot of the curves.
+eval examples) and one plot, Long Range Arena's: accuracy against steps/s, point area
+memory (the training curves go to curves.png).
 
 Each attention trains in WORKDIR/NAME (a rerun resumes or reuses finished runs). An
 attention that does not fit the task (it cannot build this model, or fails while
@@ -24,7 +25,7 @@ import traceback
 from jxformers import registry
 from jxformers.data.baselines import baselines
 from jxformers.tools.demo import _step_stats, eval_examples
-from jxformers.tools.plot import plot_runs, read_metrics
+from jxformers.tools.plot import plot_runs, plot_tradeoff, read_metrics
 from jxformers.train import load_experiment, train
 
 # The seed paper's model: softmax attention, the DCT filter before block 0 keeping 20%.
@@ -95,8 +96,8 @@ def parser() -> argparse.ArgumentParser:
                    help="registered attentions to train, or 'all' (default)")
     p.add_argument("--no-fourier", action="store_true",
                    help="leave out the Fourier Transformer (softmax + model.filters={0: 0.2})")
-    p.add_argument("--workdir", default="runs/compare", help="one sub-directory per model; compare.md and "
-                   "compare.png go here (default %(default)s)")
+    p.add_argument("--workdir", default="runs/compare", help="one sub-directory per model; compare.md, "
+                   "compare.png (accuracy against steps/s) and curves.png go here (default %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="overrides for every run, e.g. --set preset=tiny --set train.steps=100")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -126,8 +127,13 @@ def main(argv: list[str] | None = None) -> int:
             + table(rows, scores) + "\n")
     print(text)
     (root / "compare.md").write_text(text)
-    ran = [name for name, r in rows.items() if "skipped" not in r]
+    ran = {name: r for name, r in rows.items() if "skipped" not in r}
+    points = {name: (r["steps_per_s"], r["eval_accuracy"], r.get("step_temp_mib", 0.0))
+              for name, r in ran.items() if "steps_per_s" in r and "eval_accuracy" in r}
+    if points:
+        print(f"plot: {plot_tradeoff(points, root / 'compare.png', baselines=scores, title=experiment.name)}",
+              file=sys.stderr)
     if ran:
-        print(f"curves: {plot_runs([root / n for n in ran], root / 'compare.png', labels=ran)}", file=sys.stderr)
+        print(f"curves: {plot_runs([root / n for n in ran], root / 'curves.png', labels=list(ran))}", file=sys.stderr)
     print(f"table: {root / 'compare.md'}", file=sys.stderr)
     return 0
