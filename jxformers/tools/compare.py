@@ -113,20 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     root = pathlib.Path(args.workdir)
-    rows = {}
-    for i, (name, overrides) in enumerate(runs.items()):
-        print(f"== [{i + 1}/{len(runs)}] {name}: {experiment.train.steps} steps in {root / name}", file=sys.stderr)
-        rows[name] = run_one(args.config, [*args.overrides, *overrides], root / name, progress=not args.no_progress)
     train_source, eval_source = experiment.sources()
     examples = eval_examples(experiment)
     scores = baselines(train_source, eval_source, records=examples, workers=experiment.data.workers)
     t = experiment.train
-    text = (f"{experiment.name}: {t.steps} steps of batch {t.batch_size}, seed {t.seed}, the same data for every "
-            f"model; accuracy on {examples} eval examples (baselines on the same examples). Steps/s: median "
-            "after compilation. Memory: XLA's compiled temporary allocation of the train step.\n\n"
-            + table(rows, scores) + "\n")
+    intro = (f"{experiment.name}: {t.steps} steps of batch {t.batch_size}, seed {t.seed}, the same data for every "
+             f"model; accuracy on {examples} eval examples (baselines on the same examples). Steps/s: median "
+             "after compilation. Memory: XLA's compiled temporary allocation of the train step.\n\n")
+    rows = {}
+    for i, (name, overrides) in enumerate(runs.items()):
+        print(f"== [{i + 1}/{len(runs)}] {name}: {t.steps} steps in {root / name}", file=sys.stderr)
+        rows[name] = run_one(args.config, [*args.overrides, *overrides], root / name, progress=not args.no_progress)
+        waiting = list(runs)[i + 1:]  # the table so far, so that a stopped comparison still has one
+        note = f"\nNot run yet: {', '.join(waiting)}.\n" if waiting else ""
+        (root / "compare.md").write_text(intro + table(rows, scores) + "\n" + note)
+    text = (root / "compare.md").read_text()
     print(text)
-    (root / "compare.md").write_text(text)
     ran = {name: r for name, r in rows.items() if "skipped" not in r}
     points = {name: (r["steps_per_s"], r["eval_accuracy"], r.get("step_temp_mib", 0.0))
               for name, r in ran.items() if "steps_per_s" in r and "eval_accuracy" in r}
