@@ -160,13 +160,25 @@ def table(rows: list[Row], base_label: str = "softmax") -> str:
     return "\n".join(lines)
 
 
-def header(command: str, *, batch: int, heads: int, d: int) -> str:
+def provenance(command: str) -> str:
+    """The Command, Machine and Date lines every benchmark report starts with."""
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"Command: `{command}`  \nMachine: {machine()}  \nDate: {when}  \n"
+
+
+def print_report(text: str, out: str | None) -> None:
+    """Print a benchmark's markdown report, and write it to `out` when given."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+        print(f"wrote {out}", file=sys.stderr)
+
+
+def header(command: str, *, batch: int, heads: int, d: int) -> str:
     return (
-        f"Command: `{command}`  \n"
-        f"Machine: {machine()}  \n"
-        f"Date: {when}  \n"
-        f"Shapes: batch {batch}, heads {heads}, d_k = d_v = {d}, float32; registry default "
+        provenance(command)
+        + f"Shapes: batch {batch}, heads {heads}, d_k = d_v = {d}, float32; registry default "
         "hyper-parameters. Times are the minimum over interleaved repeats after a warm-up; "
         "ratios are to the first row of the same N, measured in the same run. Memory is "
         "XLA's compiled temporary allocation of the jitted forward+backward "
@@ -296,9 +308,5 @@ def main(argv=None) -> int:
         )
     if not args.short:
         text += "\n" + NOTES
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}", file=sys.stderr)
+    print_report(text, args.out)
     return 0

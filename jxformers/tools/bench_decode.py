@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jxformers.tools.bench import machine
+from jxformers.tools.bench import machine, print_report
 from jxformers.tools.xla_cost import compile_with_cost
 from jxformers.nn import ModelConfig, build_model
 
@@ -181,9 +181,5 @@ def main(argv: list[str] | None = None) -> int:
         "positions, float32, batch 1, greedy. Performer: 64 features.\n\n"
         + table(rows) + "\n" + NOTES
     )
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}", file=sys.stderr)
+    print_report(text, args.out)
     return 0

@@ -22,6 +22,7 @@ commands:
   data      build an experiment's generated splits on disk: data build CONFIG --out DIR [--split train|eval]
   demo      train softmax, linear and Fourier-Transformer models on tiny ListOps and compare
   convert   a BERT checkpoint (config.json + model.safetensors) to a jxformers model: convert BERT_DIR --out DIR
+  compare   train an experiment once per registered attention; one table and one plot (--help)
 """
 
 
@@ -317,6 +318,12 @@ def _convert(rest: list[str]) -> int:
     return 0
 
 
+def _compare(rest: list[str]) -> int:
+    from jxformers.tools import compare
+
+    return compare.main(rest)
+
+
 def _demo(rest: list[str]) -> int:
     from jxformers.tools import demo
 
@@ -347,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench.main(rest)
     commands = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "demo": _demo, "data": _data,
-                "convert": _convert}
+                "convert": _convert, "compare": _compare}
     if command in commands:
         return commands[command](rest)
     print(f"jxformers: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -43,6 +43,40 @@ def plot_runs(workdirs, out: str | pathlib.Path, *, metrics=DEFAULT_METRICS, lab
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
+    return _save(fig, out)
+
+
+def plot_tradeoff(points: dict[str, tuple[float, float, float]], out: str | pathlib.Path, *,
+                  baselines: dict[str, float] | None = None, title: str = "") -> pathlib.Path:
+    """Long Range Arena's figure: accuracy (y) against training steps per second (x, log
+    scale), one labelled point per model with its area proportional to its memory, the
+    baselines as dashed lines. `points`: label -> (steps/s, accuracy, memory bytes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 6))
+    largest = max((m for _, _, m in points.values()), default=1) or 1
+    for label, (speed, accuracy, memory) in points.items():
+        ax.scatter(speed, accuracy, s=20 + 400 * memory / largest, alpha=0.5)
+        ax.annotate(label, (speed, accuracy), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    for name, value in (baselines or {}).items():
+        ax.axhline(value, linestyle="--", color="grey", linewidth=0.8)
+        ax.annotate(name.replace("_", " "), (0, value), xycoords=("axes fraction", "data"), fontsize=7,
+                    color="grey", xytext=(3, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("training steps / s (log scale)")
+    ax.set_ylabel("eval accuracy")
+    ax.set_title(f"{title} (point area: train-step memory)" if title else "point area: train-step memory")
+    ax.grid(alpha=0.3)
+    return _save(fig, out)
+
+
+def _save(fig, out: str | pathlib.Path) -> pathlib.Path:
+    """Write `fig` as a PNG to `out` (its folder made if needed), close it, return the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,13 @@ import jax
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """flops: XLA-counted floating-point operations (nan when the backend gives none);
-    temp_bytes: compiled temporary memory (activations, workspaces), 0 when unknown."""
+    temp_bytes: compiled temporary memory (activations, workspaces), 0 when unknown;
+    argument_bytes: the inputs the program holds while it runs (parameters, optimizer
+    state, batch), 0 when unknown."""
 
     flops: float
     temp_bytes: int
+    argument_bytes: int = 0
 
 
 def cost_of(compiled) -> Cost:
@@ -26,7 +29,8 @@ def cost_of(compiled) -> Cost:
     flops = float((analysis or {}).get("flops", float("nan")))
     memory = compiled.memory_analysis()
     temp = int(getattr(memory, "temp_size_in_bytes", 0)) if memory is not None else 0
-    return Cost(flops, temp)
+    arguments = int(getattr(memory, "argument_size_in_bytes", 0)) if memory is not None else 0
+    return Cost(flops, temp, arguments)
 
 
 def compile_with_cost(fn: Callable, *args) -> tuple[Callable, Cost]:
