@@ -26,20 +26,10 @@ import platform
 import sys
 import tempfile
 
+from jxformers.tools.bench import simulate_cpu_devices
 
-def _simulated_devices(argv) -> int:
-    """--simulate-devices must act before jax is imported (XLA reads the flag once)."""
-    for i, a in enumerate(argv):
-        if a == "--simulate-devices" and i + 1 < len(argv):
-            return int(argv[i + 1])
-        if a.startswith("--simulate-devices="):
-            return int(a.split("=", 1)[1])
-    return 0
-
-
-if __name__ == "__main__" and _simulated_devices(sys.argv[1:]) > 1:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                               f"{_simulated_devices(sys.argv[1:])}").strip()
+if __name__ == "__main__":
+    simulate_cpu_devices(sys.argv[1:])
 
 import jax  # noqa: E402
 

@@ -127,6 +127,22 @@ def linear_forms_entries() -> list[Entry]:
     ]
 
 
+
+def simulate_cpu_devices(argv: list[str]) -> int:
+    """`--simulate-devices N` in argv: ask XLA for N CPU devices. Call it before anything
+    asks jax for a device (XLA reads the flag once, when it starts the backend); returns N
+    (0 when absent)."""
+    count = 0
+    for i, a in enumerate(argv):
+        if a == "--simulate-devices" and i + 1 < len(argv):
+            count = int(argv[i + 1])
+        elif a.startswith("--simulate-devices="):
+            count = int(a.split("=", 1)[1])
+    if count > 1:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={count}").strip()
+    return count
+
 def machine() -> str:
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", dev.platform)
