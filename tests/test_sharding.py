@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import FAST_COMPILE
 
 from jxformers.train.experiment import MeshConfig, load_experiment
 from jxformers.train.sharding import leaf_spec, mesh_shape
@@ -28,9 +29,9 @@ def run_script(script: str, timeout: int = 600) -> str:
     return out.stdout
 
 
-PRELUDE = """
+PRELUDE = f"""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
     import jax, jax.numpy as jnp, numpy as np
     assert len(jax.devices()) == 8
 """
@@ -303,7 +304,7 @@ def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_l
         return subprocess.Popen(
             [sys.executable, "-m", "jxformers.tools.cli", "train", str(path), "--workdir", str(workdir), "--no-progress",
              *flags], cwd=ROOT,
-            env=env | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"},
+            env=env | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def two_processes(workdir):
