@@ -24,11 +24,20 @@ Contours never touch: no inked pixel of one is 8-adjacent to another's or to a m
 zone. With `gap <= 1` each contour is 8-connected at ink > 0, so the markers are
 connected in the pixel grid iff the label is 1 (a test does this flood fill).
 
-Speed: every shape is drawn fresh for each image (no bank, so no shape recurs), in
-batches of candidates at once (numpy): A with B's mirrored head in A's own frame, then
-turned and moved into the canvas; B's free part as walks that steer around what is
-drawn; distractors as random walks turned and moved into the canvas. The first
-candidate that fits is kept.
+Speed (about 10 ms an image at length 14 on one core; see docs/data.md): every shape is
+drawn fresh for each image (no bank, so no shape recurs), many candidates at once
+(numpy), the cheap tests first:
+
+* pairs (`_pairs`): walks for A are drawn in A's own frame until enough pass the cheap
+  diameter test (`_short_walks`); only those get the costly clearance of B's mirrored
+  head; the pair that copies the most steps is turned (24 angles) and moved into the
+  canvas;
+* B's free part (`_Canvas.steered`): walks from the end of the head that look ahead for
+  room and steer around what is drawn; a walk that is cornered goes on as a copy of a
+  live one (resampling), so one of them usually gets through;
+* distractors (`_add_distractors`): one batch of random walks for all of them, kept in
+  order as long as each fits beside the ones before; when the clutter does not fit it
+  is drawn again on the same A and B, which cost the most.
 """
 
 from __future__ import annotations
@@ -44,15 +53,15 @@ _ZONES_APART = 5.0  # px between marker centres (and from B's start to A): zones
 _DENSE = 3  # points per step where clearances are measured (a step is seg + gap = 3 px at size 32)
 _WALKS = 256  # distractors drawn at once; the first that fit are kept
 _TAILS = 16  # free parts of B tried at once for each number of copied steps
-_FEWEST_WALKS, _BATCH_WALKS, _MOST_WALKS = 16, 256, 4096  # walks for A drawn at first, at once, in all
+_FEWEST_WALKS, _BATCH_WALKS, _MOST_WALKS = 16, 256, 1024  # walks for A drawn at first, at once, in all
 _ENOUGH_WALKS = 16  # walks for A that fit in the canvas, gathered before the costly tests
 _ROTATIONS = 24  # evenly spaced rotations tried per pair to fit it in the canvas
 _TURNS = 6  # turns tried at a vertex of a steered walk
 _AHEAD = 2.0  # steps: how far ahead a steered walk looks for room
 _EXACT = 8  # placements that pass the cheap screen and get the exact test
-_BATCHES = 3  # batches of distractors tried before the clutter starts again
+_BATCHES = 1  # batches of distractors per distractor tried before the clutter starts again
 _CLUTTER_TRIES = 3  # clutters tried on the same two main contours
-_REFILLS = 8  # pools of pairs drawn for one picture attempt before it counts as failed
+_REFILLS = 2  # pools of pairs drawn for one picture attempt before it counts as failed
 _RESTARTS = 300  # images started again before the settings are declared too crowded
 _LRA_DISTRACTOR_STEPS = 20  # LRA Pathfinder-32: 20 // (contour_length // 3) distractors
 _MARKER = np.rint(255 * np.clip(2.0 - np.hypot(*np.mgrid[-1:2, -1:2]), 0, 1)).astype(np.uint8)
@@ -234,9 +243,11 @@ class _Canvas:
             first = np.argmax(2 * dash + (dash & free[..., -1]), axis=1)
             position, angle = position + move[rows, first], angles[rows, first]
             vertices.append(position)
-            source = _resample(rng, dash[rows, first] | (i >= needed), group)
-            vertices = [v[source] for v in vertices]
-            position, angle = position[source], angle[source]
+            alive = dash[rows, first] | (i >= needed)
+            if not alive.all():
+                source = _resample(rng, alive, group)
+                vertices = [v[source] for v in vertices]
+                position, angle = position[source], angle[source]
         return np.stack(vertices, axis=1)
 
 
@@ -327,9 +338,9 @@ def _union(a, heads, copied, ends):
 
 
 def _place_pair(rng, a, heads, copied, ends, size):
-    """Turn and move the first pair (A, B's head, ends) that fits in the canvas at one of
-    _ROTATIONS evenly spaced angles (random phase), a random fitting one of them; (its
-    index, A, head [c + 1, 2], ends [3, 2]) or None."""
+    """Turn and move the pair (A, B's head, ends) that copies the most steps among those
+    that fit in the canvas at one of _ROTATIONS evenly spaced angles (random phase), at a
+    random fitting one of them; (its index, A, head [c + 1, 2], ends [3, 2]) or None."""
     n = a.shape[1]
     points = _union(a, heads, copied, ends)
     angles = rng.uniform(0, 2 * math.pi) + np.linspace(0, 2 * math.pi, _ROTATIONS, endpoint=False)
@@ -337,7 +348,7 @@ def _place_pair(rng, a, heads, copied, ends, size):
     pairs = np.nonzero(fits.any(axis=1))[0]
     if not len(pairs):
         return None
-    pair = pairs[0]
+    pair = pairs[np.argmax(copied[pairs])]  # B's free part is short: it fits more often
     turned = _rotate(points[pair][None], rng.choice(angles[fits[pair]])[None])[0]
     lo, hi = turned.min(axis=0), turned.max(axis=0)
     placed = turned + 1 - lo + rng.uniform(0, 1, 2) * ((size - 3) - (hi - lo))
@@ -389,13 +400,13 @@ def _main_contours(rng, pool, size, contour_length, seg, gap):
 
 
 def _add_distractors(rng, canvas, count, steps):
-    """Draw `count` distractors of `steps` steps on the canvas from up to _BATCHES
+    """Draw `count` distractors of `steps` steps on the canvas from up to _BATCHES * count
     batches of _WALKS random walks; False when they find no room."""
-    for _ in range(_BATCHES):
+    for _ in range(_BATCHES * count):
         count -= canvas.add_many(_random_walks(rng, _WALKS, steps, canvas.size, canvas.seg + canvas.gap), count)
         if not count:
-            return True
-    return False
+            break
+    return not count
 
 
 def _scene(rng, pool, size, contour_length, distractors, seg, gap):
