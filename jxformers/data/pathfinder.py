@@ -24,11 +24,20 @@ Contours never touch: no inked pixel of one is 8-adjacent to another's or to a m
 zone. With `gap <= 1` each contour is 8-connected at ink > 0, so the markers are
 connected in the pixel grid iff the label is 1 (a test does this flood fill).
 
-Speed: every shape is drawn fresh for each image (no bank, so no shape recurs), in
-batches of candidates at once (numpy): A with B's mirrored head in A's own frame, then
-turned and moved into the canvas; B's free part as walks that steer around what is
-drawn; distractors as random walks turned and moved into the canvas. The first
-candidate that fits is kept.
+Speed (about 10 ms an image at length 14 on one core; see docs/data.md): every shape is
+drawn fresh for each image (no bank, so no shape recurs), many candidates at once
+(numpy), the cheap tests first:
+
+* pairs (`_pairs`): walks for A are drawn in A's own frame until enough pass the cheap
+  diameter test (`_short_walks`); only those get the costly clearance of B's mirrored
+  head; the pair that copies the most steps is turned (24 angles) and moved into the
+  canvas;
+* B's free part (`_Canvas.steered`): walks from the end of the head that look ahead for
+  room and steer around what is drawn; a walk that is cornered goes on as a copy of a
+  live one (resampling), so one of them usually gets through;
+* distractors (`_add_distractors`): one batch of random walks for all of them, kept in
+  order as long as each fits beside the ones before; when the clutter does not fit it
+  is drawn again on the same A and B, which cost the most.
 """
 
 from __future__ import annotations
@@ -42,12 +51,17 @@ _INK_RADIUS = 0.75  # px: a stroke inks 1 - distance up to here (thin footprints
 _CLEAR = 3.0  # px between strokes: > 0.75 + 1.42 + 0.75, so their inked pixels are never 8-adjacent
 _ZONES_APART = 5.0  # px between marker centres (and from B's start to A): zones never 8-adjacent
 _DENSE = 3  # points per step where clearances are measured (a step is seg + gap = 3 px at size 32)
-_CANDIDATES = 64  # contours tried at once; the first that fits is kept
-_FEWEST_WALKS, _MOST_WALKS = 16, 512  # walks drawn at once for A: doubled while none fits
-_ROTATIONS = 8  # random rotations tried per pair to fit it in the canvas
+_WALKS = 256  # distractors drawn at once; the first that fit are kept
+_TAILS = 16  # free parts of B tried at once for each number of copied steps
+_FEWEST_WALKS, _BATCH_WALKS, _MOST_WALKS = 16, 256, 1024  # walks for A drawn at first, at once, in all
+_ENOUGH_WALKS = 16  # walks for A that fit in the canvas, gathered before the costly tests
+_ROTATIONS = 24  # evenly spaced rotations tried per pair to fit it in the canvas
 _TURNS = 6  # turns tried at a vertex of a steered walk
+_AHEAD = 2.0  # steps: how far ahead a steered walk looks for room
 _EXACT = 8  # placements that pass the cheap screen and get the exact test
-_BATCHES = 6  # batches tried for one distractor before the image starts again
+_BATCHES = 1  # batches of distractors per distractor tried before the clutter starts again
+_CLUTTER_TRIES = 3  # clutters tried on the same two main contours
+_REFILLS = 2  # pools of pairs drawn for one picture attempt before it counts as failed
 _RESTARTS = 300  # images started again before the settings are declared too crowded
 _LRA_DISTRACTOR_STEPS = 20  # LRA Pathfinder-32: 20 // (contour_length // 3) distractors
 _MARKER = np.rint(255 * np.clip(2.0 - np.hypot(*np.mgrid[-1:2, -1:2]), 0, 1)).astype(np.uint8)
@@ -134,25 +148,50 @@ class _Canvas:
         self.image = np.zeros((size, size), np.uint8)
         self.along = np.linspace(0, 1, 2 * seg + 1)
 
-    def fit(self, vertices):
-        """The index of the first candidate contour [k, n + 1, 2] that stays inside and
-        inks no blocked pixel, with its (pixels, ink); None when none fits."""
+    def _clear(self, vertices, most):
+        """Candidates [k, n + 1, 2] that stay inside and ink no blocked pixel, at most
+        `most` of them, in order: (their indices [c], pixels [c, m, 2], ink [c, m])."""
         a, b = _dashes(vertices, self.seg, self.gap)
-        inside = np.all((a >= 1) & (a <= self.size - 2) & (b >= 1) & (b <= self.size - 2), axis=(1, 2))
+        (inside,) = np.nonzero(np.all((a >= 1) & (a <= self.size - 2) & (b >= 1) & (b <= self.size - 2),
+                                      axis=(1, 2)))
         # screen: the pixel nearest to any point of a dash is inked (it is < 0.75 px away)
         a, b = a[inside], b[inside]
         points = np.rint(a[..., None, :] + self.along[:, None] * (b - a)[..., None, :]).astype(np.int64)
         clear = ~self.blocked[points[..., 0] + self.pad, points[..., 1] + self.pad].any(axis=(1, 2))
-        chosen = np.nonzero(clear)[0][:_EXACT]
-        if not len(chosen):
-            return None
+        chosen = np.nonzero(clear)[0][:most]
         pixels, ink = _ink(a[chosen], b[chosen], self.seg, self.offsets)
+        c, n, m = ink.shape
+        pixels, ink = pixels.reshape(c, n * m, 2), ink.reshape(c, n * m)
         hits = self.blocked[pixels[..., 0] + self.pad, pixels[..., 1] + self.pad] & (ink > 0)
-        (free,) = np.nonzero(~hits.any(axis=(1, 2)))
-        if not len(free):
+        (free,) = np.nonzero(~hits.any(axis=1))
+        return inside[chosen[free]], pixels[free], ink[free]
+
+    def fit(self, vertices):
+        """The index of the first candidate contour [k, n + 1, 2] that stays inside and
+        inks no blocked pixel, with its (pixels, ink); None when none fits."""
+        index, pixels, ink = self._clear(vertices, _EXACT)
+        if not len(index):
             return None
-        lit = ink[free[0]] > 0
-        return np.nonzero(inside)[0][chosen[free[0]]], pixels[free[0]][lit], ink[free[0]][lit]
+        lit = ink[0] > 0
+        return index[0], pixels[0][lit], ink[0][lit]
+
+    def add_many(self, vertices, count) -> int:
+        """Ink the first `count` candidate contours [k, n + 1, 2] that fit, each checked
+        against those inked before it as well; returns how many were inked."""
+        added = 0
+        for pixels, ink in zip(*self._clear(vertices, len(vertices))[1:]):
+            if added == count:
+                break
+            pixels = pixels[ink > 0]
+            if not self.blocked[pixels[:, 0] + self.pad, pixels[:, 1] + self.pad].any():
+                self.add(pixels, ink[ink > 0])
+                added += 1
+        return added
+
+    def copy(self):
+        twin = _Canvas.__new__(_Canvas)
+        twin.__dict__ = dict(self.__dict__, blocked=self.blocked.copy(), image=self.image.copy())
+        return twin
 
     def zone_free(self, centre) -> bool:
         y, x = np.asarray(centre) + self.pad
@@ -180,84 +219,164 @@ class _Canvas:
         room[lo:hi, lo:hi] = ~near[lo - 1:hi - 1, lo - 1:hi - 1]
         return room
 
-    def steered(self, rng, starts, headings, steps):
-        """Random contours [k, steps + 1, 2] from `starts` [k, 2] along `headings` [k], turning by
-        at most _MAX_TURN at each vertex (the first included); a turn whose dash would
-        leave the room is drawn again (up to _TURNS times, drawn at once), so a contour
-        bends away from borders and other strokes."""
+    def steered(self, rng, starts, headings, needed, group):
+        """Random contours [k, max(needed) + 1, 2] from `starts` [k, 2] along `headings` [k],
+        turning by at most _MAX_TURN at each vertex (the first included), walk i for
+        `needed[i]` steps (its later vertices mean nothing). Of _TURNS turns drawn at once,
+        the first whose dash stays in the room and that has room ahead (a point _AHEAD
+        steps on) is taken, else the first whose dash stays in the room: a contour bends
+        away from borders and other strokes. A walk that finds no room goes on as a copy
+        of a live walk of its `group` [k] (ints), drawn at random (`_resample`)."""
         room, step, k = self.room(), self.seg + self.gap, len(starts)
-        turns = rng.uniform(-_MAX_TURN, _MAX_TURN, (steps, k, _TURNS))
-        probes = (self.gap / 2 + np.linspace(0, self.seg, 3)) / step  # dash start, middle, end
+        turns = rng.uniform(-_MAX_TURN, _MAX_TURN, (needed.max(), k, _TURNS))
+        probes = np.append(self.gap / 2 + np.linspace(0, self.seg, 3), _AHEAD * step) / step
         rows = np.arange(k)
         position, angle = starts, headings
         vertices = [position]
-        for turn in turns:
+        for i, turn in enumerate(turns):
             angles = angle[:, None] + turn
             move = step * np.stack([np.sin(angles), np.cos(angles)], -1)
             points = np.rint(position[:, None, None, :] + probes[:, None] * move[:, :, None, :]).astype(np.int64)
-            points = np.clip(points + self.pad, 0, len(room) - 1)  # a stuck walk wanders off
-            first = np.argmax(room[points[..., 0], points[..., 1]].all(axis=-1), axis=1)
+            points = np.clip(points + self.pad, 0, len(room) - 1)
+            free = room[points[..., 0], points[..., 1]]
+            dash = free[..., :-1].all(axis=-1)
+            first = np.argmax(2 * dash + (dash & free[..., -1]), axis=1)
             position, angle = position + move[rows, first], angles[rows, first]
             vertices.append(position)
+            alive = dash[rows, first] | (i >= needed)
+            if not alive.all():
+                source = _resample(rng, alive, group)
+                vertices = [v[source] for v in vertices]
+                position, angle = position[source], angle[source]
         return np.stack(vertices, axis=1)
 
 
-def _pairs(rng, k, steps, size, seg, gap):
+def _resample(rng, alive, group):
+    """[k] the walk each walk goes on as: itself when `alive` [k] (or when its group has
+    no live walk), else a random live walk of its `group` [k]."""
+    k = len(alive)
+    order = np.lexsort((rng.random(k), ~alive, group))  # by group, live first, at random
+    live = np.bincount(group, alive, minlength=group.max() + 1).astype(np.int64)
+    first = np.searchsorted(group[order], np.arange(len(live)))
+    pick = order[np.minimum(first[group] + rng.integers(0, np.maximum(live[group], 1)), k - 1)]
+    return np.where(alive | (live[group] == 0), np.arange(k), pick)
+
+
+def _diameter_at_most(points, limit):
+    """[k] whether no two of points [k, n, 2] lie more than `limit` apart. Most long
+    walks fail already on the distance between their two ends (O(1)) or from them
+    (O(n)), so the pairwise test (O(n^2)) runs only on the few that pass."""
+    near = np.sum((points[:, -1] - points[:, 0]) ** 2, -1) <= limit**2
+    (rows,) = np.nonzero(near)
+    ends = points[rows][:, [0, -1]]
+    near[rows] = np.all(np.sum((points[rows, None] - ends[:, :, None]) ** 2, -1) <= limit**2, axis=(1, 2))
+    (rows,) = np.nonzero(near)
+    pairwise = points[rows, :, None] - points[rows, None]
+    near[rows] = np.max(np.sum(pairwise**2, -1), axis=(1, 2)) <= limit**2
+    return near
+
+
+def _fits_turned(points, angles, size):
+    """[k, r] whether points [k, n, 2] turned by each of angles [r] fit in the canvas
+    (at least 1 px from its border)."""
+    c, s = np.cos(angles)[:, None], np.sin(angles)[:, None]
+    y, x = points[:, None, :, 0], points[:, None, :, 1]
+    ty, tx = c * y + s * x, c * x - s * y
+    return (np.ptp(ty, axis=-1) <= size - 3) & (np.ptp(tx, axis=-1) <= size - 3)
+
+
+def _short_walks(rng, steps, size, step):
+    """Contours [m, steps + 1, 2] in A's frame (from the origin, first step along +x, uniform
+    turns of at most _MAX_TURN after it) whose diameter fits in the canvas: walks are
+    drawn (_FEWEST_WALKS, then batches of _BATCH_WALKS) until _ENOUGH_WALKS fit or
+    _MOST_WALKS are drawn, so that the costly tests after this one run once on many
+    walks (long walks rarely fit)."""
+    kept, drawn, k = [], 0, _FEWEST_WALKS
+    while sum(map(len, kept)) < _ENOUGH_WALKS and drawn < _MOST_WALKS:
+        turns = rng.uniform(-_MAX_TURN, _MAX_TURN, (k, steps))
+        turns[:, 0] = 0.0
+        angles = np.cumsum(turns, axis=1)
+        moves = step * np.stack([np.sin(angles), np.cos(angles)], -1)
+        walks = np.concatenate([np.zeros((k, 1, 2)), np.cumsum(moves, axis=1)], axis=1)
+        kept.append(walks[_diameter_at_most(walks, size - 3)])
+        drawn, k = drawn + k, _BATCH_WALKS
+    return np.concatenate(kept)
+
+
+def _pairs(rng, steps, size, seg, gap):
     """Fresh contours A with room for B's head, in A's frame (first vertex at the origin,
     first step along +x, so P = A's first dash end lies on the x axis): (A [m, n + 1, 2],
     B's head [m, n + 1, 2]: the mirror image of A's vertices from the far end back,
     copied [m]: how many of its steps B takes (as many as stay _CLEAR of A), ends [m, 3,
-    2]: P, A's far end and B's start (the mirror image of A's far end))."""
-    turns = rng.uniform(-_MAX_TURN, _MAX_TURN, (k, steps))
-    turns[:, 0] = 0.0
-    angles = np.cumsum(turns, axis=1)
-    moves = (seg + gap) * np.stack([np.sin(angles), np.cos(angles)], -1)
-    a = np.concatenate([np.zeros((k, 1, 2)), np.cumsum(moves, axis=1)], axis=1)
-    a = a[np.max(np.sum((a[:, :, None] - a[:, None]) ** 2, -1), axis=(1, 2)) <= (size - 3) ** 2]
+    2]: P, A's far end and B's start (the mirror image of A's far end)). The cheap tests
+    (A's diameter, the ends, a fit in the canvas) run before the costly clearance."""
+    a = _short_walks(rng, steps, size, seg + gap)
     flip = np.array([-1.0, 1.0])  # the mirror across the x axis
     da, db = _dashes(a, seg, gap)
     ends = np.stack([da[:, 0], db[:, -1], db[:, -1] * flip], axis=1)
-    heads = a[:, ::-1] * flip
     dense_a = _dense(a)
+    ok = _distance(ends[:, 2:], dense_a)[:, 0] >= _ZONES_APART
+    ok &= _fits_turned(np.concatenate([a, ends], 1), np.linspace(0, math.pi, _ROTATIONS, endpoint=False),
+                       size).any(axis=1)
+    a, ends, dense_a = a[ok], ends[ok], dense_a[ok]
+    heads = a[:, ::-1] * flip
     near = _distance(_dense(heads), dense_a)
     # a step of the mirror image is clear when all its points are, both ends included
     clear = np.minimum(near[:, :-1].reshape(len(a), steps, _DENSE).min(axis=2), near[:, _DENSE::_DENSE]) >= _CLEAR
     copied = np.minimum(np.argmax(np.concatenate([~clear, np.ones((len(a), 1), bool)], 1), axis=1), steps - 1)
-    ok = (copied >= _least_copied(steps)) & (_distance(ends[:, 2:], dense_a)[:, 0] >= _ZONES_APART)
+    ok = copied >= _least_copied(steps)
+    ok[ok] = _fits_turned(_union(a[ok], heads[ok], copied[ok], ends[ok]),
+                          np.linspace(0, math.pi, _ROTATIONS // 2, endpoint=False), size).any(axis=1)
     return a[ok], heads[ok], copied[ok], ends[ok]
 
 
+def _union(a, heads, copied, ends):
+    """[k, 2 n + 5, 2]: A's vertices, B's head's (the uncopied ones moved onto A's first
+    vertex, which is inside anyway) and the ends: what must fit in the canvas."""
+    used = np.where((np.arange(a.shape[1]) <= copied[:, None])[..., None], heads, a[:, :1])
+    return np.concatenate([a, used, ends], axis=1)
+
+
 def _place_pair(rng, a, heads, copied, ends, size):
-    """Turn and move the first pair (A, B's head, ends) that fits in the canvas in one of
-    _ROTATIONS random rotations; (its index, A, head [c + 1, 2], ends [3, 2]) or None."""
+    """Turn and move the pair (A, B's head, ends) that copies the most steps among those
+    that fit in the canvas at one of _ROTATIONS evenly spaced angles (random phase), at a
+    random fitting one of them; (its index, A, head [c + 1, 2], ends [3, 2]) or None."""
     n = a.shape[1]
-    used = np.where((np.arange(n) <= copied[:, None])[..., None], heads, a[:, :1])
-    points = np.concatenate([a, used, ends], axis=1)
-    turned = _rotate(np.repeat(points, _ROTATIONS, 0), rng.uniform(0, 2 * math.pi, len(points) * _ROTATIONS))
-    lo, hi = turned.min(axis=1, keepdims=True), turned.max(axis=1, keepdims=True)
-    room = (size - 3) - (hi - lo)
-    fits = np.nonzero(np.all(room >= 0, axis=(1, 2)))[0]
-    if not len(fits):
+    points = _union(a, heads, copied, ends)
+    angles = rng.uniform(0, 2 * math.pi) + np.linspace(0, 2 * math.pi, _ROTATIONS, endpoint=False)
+    fits = _fits_turned(points, angles, size)
+    pairs = np.nonzero(fits.any(axis=1))[0]
+    if not len(pairs):
         return None
-    i, pair = fits[0], fits[0] // _ROTATIONS
-    placed = turned[i] + 1 - lo[i] + rng.uniform(0, 1, 2) * room[i]
+    pair = pairs[np.argmax(copied[pairs])]  # B's free part is short: it fits more often
+    turned = _rotate(points[pair][None], rng.choice(angles[fits[pair]])[None])[0]
+    lo, hi = turned.min(axis=0), turned.max(axis=0)
+    placed = turned + 1 - lo + rng.uniform(0, 1, 2) * ((size - 3) - (hi - lo))
     return pair, placed[:n], placed[n:n + copied[pair] + 1], placed[2 * n:]
 
 
-def _scene(rng, pool, size, contour_length, distractors, seg, gap):
-    """One attempt at a picture: (canvas, P, Q if label 1, Q if label 0) as pixel
-    centres, or None. `pool`: `_pairs` not tried yet and the number of walks drawn for
-    them last; when it runs out, twice as many are drawn (long contours rarely fit)."""
-    canvas, step, least = _Canvas(size, seg, gap), seg + gap, _least_copied(contour_length)
-    if not len(pool[0]):
-        pool[-1] = min(2 * pool[-1], _MOST_WALKS)
-        pool[:-1] = _pairs(rng, pool[-1], contour_length, size, seg, gap)
-    placed = _place_pair(rng, *pool[:-1], size)
-    if placed is None:
+def _next_pair(rng, pool, size, contour_length, seg, gap):
+    """The next pair of `pool` (`_pairs` not tried yet; fresh ones are drawn when it runs
+    out, a few times at most) placed in the canvas (see `_place_pair`), or None."""
+    for _ in range(_REFILLS):
+        if not len(pool[0]):
+            pool[:] = _pairs(rng, contour_length, size, seg, gap)
+        placed = _place_pair(rng, *pool, size)
+        if placed is not None:
+            pool[:] = [np.delete(x, placed[0], axis=0) for x in pool]
+            return placed[1:]
         pool[0] = pool[0][:0]
+    return None
+
+
+def _main_contours(rng, pool, size, contour_length, seg, gap):
+    """A and B drawn on a fresh canvas: (canvas, (P, Q if label 1, Q if label 0) as
+    pixel centres), or None."""
+    placed = _next_pair(rng, pool, size, contour_length, seg, gap)
+    if placed is None:
         return None
-    used, a, head, ends = placed
-    pool[:-1] = [np.delete(x, used, axis=0) for x in pool[:-1]]
+    a, head, ends = placed
+    canvas, least = _Canvas(size, seg, gap), _least_copied(contour_length)
     p, q1, q0 = (tuple(int(v) for v in np.rint(c)) for c in ends)
     found = canvas.fit(a[None])
     if found is None:
@@ -266,9 +385,9 @@ def _scene(rng, pool, size, contour_length, distractors, seg, gap):
     if not canvas.zone_free(q0):
         return None
     # B's free part, for every number of copied steps at once (the most copied first)
-    cs = np.repeat(np.arange(len(head) - 1, least - 1, -1), _CANDIDATES)
+    cs = np.repeat(np.arange(len(head) - 1, least - 1, -1), _TAILS)
     last = head[cs] - head[cs - 1]
-    tails = canvas.steered(rng, head[cs], np.arctan2(last[:, 0], last[:, 1]), contour_length - least)
+    tails = canvas.steered(rng, head[cs], np.arctan2(last[:, 0], last[:, 1]), contour_length - cs, cs)
     rows = np.arange(contour_length + 1)[None, :]
     from_tail = np.clip(rows - cs[:, None], 0, None)
     b = np.where((rows < cs[:, None])[..., None], head[np.minimum(rows, len(head) - 1)],
@@ -277,15 +396,32 @@ def _scene(rng, pool, size, contour_length, distractors, seg, gap):
     if found is None:
         return None
     canvas.add(found[1], found[2], zones=[q0])
-    for _ in range(distractors):
-        for _ in range(_BATCHES):
-            found = canvas.fit(_random_walks(rng, _CANDIDATES, distractor_length(contour_length), size, step))
-            if found is not None:
-                canvas.add(found[1], found[2])
-                break
-        else:
-            return None
-    return canvas, p, q1, q0
+    return canvas, (p, q1, q0)
+
+
+def _add_distractors(rng, canvas, count, steps):
+    """Draw `count` distractors of `steps` steps on the canvas from up to _BATCHES * count
+    batches of _WALKS random walks; False when they find no room."""
+    for _ in range(_BATCHES * count):
+        count -= canvas.add_many(_random_walks(rng, _WALKS, steps, canvas.size, canvas.seg + canvas.gap), count)
+        if not count:
+            break
+    return not count
+
+
+def _scene(rng, pool, size, contour_length, distractors, seg, gap):
+    """One attempt at a picture: (canvas, P, Q if label 1, Q if label 0), or None. The
+    clutter is drawn again (up to _CLUTTER_TRIES times) on the same A and B before the
+    picture starts again: A and B cost the most."""
+    drawn = _main_contours(rng, pool, size, contour_length, seg, gap)
+    if drawn is None:
+        return None
+    canvas, ends = drawn
+    for _ in range(_CLUTTER_TRIES):
+        cluttered = canvas.copy()
+        if _add_distractors(rng, cluttered, distractors, distractor_length(contour_length)):
+            return cluttered, *ends
+    return None
 
 
 def render(seed: int, index: int, *, size: int = 32, contour_length: int = 6, distractors: int | None = None,
@@ -307,7 +443,7 @@ def render(seed: int, index: int, *, size: int = 32, contour_length: int = 6, di
         raise ValueError(f"pathfinder: distractors must be >= 0 (or None for LRA's count); got {distractors}")
     rng = np.random.default_rng([seed, index])
     label = index % 2
-    pool = [np.zeros((0,)), None, None, None, _FEWEST_WALKS // 2]
+    pool = [np.zeros((0,)), None, None, None]
     for _ in range(_RESTARTS):
         scene = _scene(rng, pool, size, contour_length, distractors, seg, gap)
         if scene is not None:
