@@ -292,6 +292,10 @@ def test_cli_train_eval_generate(tmp_path, capsys):
     rows = captured.out.strip().splitlines()
     assert len(rows) == 3 and all(len(r.split()) == 9 and r.split()[:4] == ["1", "3", "4", "2"] for r in rows)
     assert "sequences/s" in captured.err
+    # --recompute reruns the whole forward at every step: greedy, the same tokens as the cache.
+    assert cli.main(["generate", str(config), "--workdir", str(tmp_path / "run"), "--prompt", "1 3 4 2",
+                     "--steps", "5", "--count", "3", "--recompute"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == rows
     with pytest.raises(SystemExit):
         cli.main(["eval", str(config), "--workdir", str(tmp_path / "empty")])
     with pytest.raises(SystemExit):
