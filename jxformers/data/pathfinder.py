@@ -133,7 +133,7 @@ def _dense(vertices, per_step=_DENSE):
     """Points every 1 / per_step of a step along contours [..., n + 1]: [..., n * per_step + 1]."""
     t = np.arange(per_step) / per_step
     inner = vertices[..., :-1, None] + t * np.diff(vertices, axis=-1)[..., None]
-    inner = inner.reshape(*inner.shape[:-2], -1)
+    inner = inner.reshape(*inner.shape[:-2], inner.shape[-2] * per_step)
     return np.concatenate([inner, vertices[..., -1:]], axis=-1)
 
 
@@ -198,13 +198,17 @@ class _Canvas:
         ink = np.where(distance < _INK_RADIUS, np.rint(255 * (1 - distance)), 0).astype(np.uint8)
         return self.pixel(centre)[..., None] + self.flat_offsets, ink
 
-    def _clear(self, vertices, most):
+    def _clear(self, vertices, most, inside=False):
         """Candidates [k, n + 1] that stay inside and ink no blocked pixel, at most `most`
-        of them, in order: (their indices [c], pixels [c, m] flat, ink [c, m])."""
+        of them, in order: (their indices [c], pixels [c, m] flat, ink [c, m]). `inside`:
+        the vertices are known to lie 1 px inside, and so do the dashes between them."""
         a, b = _dashes(vertices, self.seg, self.gap)
-        lo, hi = _box(np.concatenate([a, b], axis=1), 1)
-        (inside,) = np.nonzero((lo.real >= 1) & (lo.imag >= 1) & (hi.real <= self.size - 2)
-                               & (hi.imag <= self.size - 2))
+        if inside:
+            inside = np.arange(len(a))
+        else:
+            lo, hi = _box(np.concatenate([a, b], axis=1), 1)
+            (inside,) = np.nonzero((lo.real >= 1) & (lo.imag >= 1) & (hi.real <= self.size - 2)
+                                   & (hi.imag <= self.size - 2))
         # screen: the pixel nearest to any point of a dash is inked (it is < 0.75 px away)
         a, b = a[inside], b[inside]
         points = a[..., None] + self.along * (b - a)[..., None]
@@ -227,10 +231,11 @@ class _Canvas:
         return index[0], pixels[0][lit], ink[0][lit]
 
     def add_many(self, vertices, count) -> int:
-        """Ink the first `count` candidate contours [k, n + 1] that fit, each checked
-        against those inked before it as well; returns how many were inked."""
+        """Ink the first `count` candidate contours [k, n + 1] (1 px inside, as
+        `_random_walks` places them) that fit, each checked against those inked before it
+        as well; returns how many were inked."""
         added = 0
-        for pixels, ink in zip(*self._clear(vertices, len(vertices))[1:]):
+        for pixels, ink in zip(*self._clear(vertices, len(vertices), inside=True)[1:]):
             if added == count:
                 break
             lit = ink > 0
@@ -327,10 +332,12 @@ def _diameter_at_most(points, limit):
 
 def _fits_turned(points, angles, size):
     """[k, r] whether points [k, n] turned by each of angles [r] fit in the canvas (at
-    least 1 px from its border)."""
-    lo, hi = _box(points[:, None, :] * np.exp(1j * angles)[:, None], -1)
-    room = _room_left(lo, hi, size)
-    return (room.real >= 0) & (room.imag >= 0)
+    least 1 px from its border). In floats, points first: numpy is slow at complex
+    products broadcast over three axes and at reductions over a short last axis."""
+    c, s = np.cos(angles), np.sin(angles)
+    x, y = points.real.T[..., None], points.imag.T[..., None]
+    tx, ty = x * c - y * s, x * s + y * c  # [n, k, r]
+    return (tx.max(0) - tx.min(0) <= size - 3) & (ty.max(0) - ty.min(0) <= size - 3)
 
 
 def _short_walks(rng, steps, size, step):
