@@ -24,9 +24,10 @@ Contours never touch: no inked pixel of one is 8-adjacent to another's or to a m
 zone. With `gap <= 1` each contour is 8-connected at ink > 0, so the markers are
 connected in the pixel grid iff the label is 1 (a test does this flood fill).
 
-Speed (about 10 ms an image at length 14 on one core; see docs/data.md): every shape is
+Speed (about 5 ms an image at length 14 on one core; see docs/data.md): every shape is
 drawn fresh for each image (no bank, so no shape recurs), many candidates at once
-(numpy), the cheap tests first:
+(numpy; points are complex numbers and canvas pixels flat indices, so that a turn, a
+distance or a lookup is one call), the cheap tests first:
 
 * pairs (`_pairs`): walks for A are drawn in A's own frame until enough pass the cheap
   diameter test (`_short_walks`); only those get the costly clearance of B's mirrored
