@@ -24,9 +24,10 @@ Contours never touch: no inked pixel of one is 8-adjacent to another's or to a m
 zone. With `gap <= 1` each contour is 8-connected at ink > 0, so the markers are
 connected in the pixel grid iff the label is 1 (a test does this flood fill).
 
-Speed (about 10 ms an image at length 14 on one core; see docs/data.md): every shape is
+Speed (about 5 ms an image at length 14 on one core; see docs/data.md): every shape is
 drawn fresh for each image (no bank, so no shape recurs), many candidates at once
-(numpy), the cheap tests first:
+(numpy; points are complex numbers and canvas pixels flat indices, so that a turn, a
+distance or a lookup is one call), the cheap tests first:
 
 * pairs (`_pairs`): walks for A are drawn in A's own frame until enough pass the cheap
   diameter test (`_short_walks`); only those get the costly clearance of B's mirrored
@@ -42,6 +43,7 @@ drawn fresh for each image (no bank, so no shape recurs), many candidates at onc
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -64,8 +66,9 @@ _CLUTTER_TRIES = 3  # clutters tried on the same two main contours
 _REFILLS = 2  # pools of pairs drawn for one picture attempt before it counts as failed
 _RESTARTS = 300  # images started again before the settings are declared too crowded
 _LRA_DISTRACTOR_STEPS = 20  # LRA Pathfinder-32: 20 // (contour_length // 3) distractors
-_MARKER = np.rint(255 * np.clip(2.0 - np.hypot(*np.mgrid[-1:2, -1:2]), 0, 1)).astype(np.uint8)
-_AROUND = np.stack(np.mgrid[-1:2, -1:2], -1).reshape(-1, 2)  # the 8-neighbourhood and the pixel
+_MARKER = np.rint(255 * np.clip(2.0 - np.hypot(*np.mgrid[-1:2, -1:2]), 0, 1)).astype(np.uint8).ravel()
+_AROUND = np.mgrid[-1:2, -1:2].reshape(2, -1)  # (dy, dx) [2, 9]: the 8-neighbourhood and the pixel
+_ONE = 1 + 1j  # one pixel along both axes
 
 
 def default_distractors(size: int, contour_length: int) -> int:
@@ -83,92 +86,145 @@ def _least_copied(steps):
     return max(1, (steps - 2) // 2)
 
 
+# Points are complex numbers x + iy (column x, row y): a turn is a product, a length an
+# abs and the mirror across the x axis a conjugate, one fast numpy call each, where
+# (y, x) pairs need reductions over an axis of 2 (slow in numpy).
+
+
+def _walk(angles, step):
+    """Contours [..., n + 1] from the origin whose n steps of length `step` head along
+    `angles` [..., n] (radians from +x towards +y)."""
+    walks = np.zeros((*angles.shape[:-1], angles.shape[-1] + 1), complex)
+    np.cumsum(step * np.exp(1j * angles), axis=-1, out=walks[..., 1:])
+    return walks
+
+
+def _box(points, axis):
+    """Corners (lowest x + i lowest y, highest x + i highest y) of points along `axis`."""
+    x, y = points.real, points.imag
+    return x.min(axis) + 1j * y.min(axis), x.max(axis) + 1j * y.max(axis)
+
+
+def _room_left(lo, hi, size):
+    """How far boxes [lo, hi] (complex corners) can move along x (real) and y (imag)
+    and stay at least 1 px inside the canvas; negative where they do not fit."""
+    return (size - 3) * _ONE - (hi - lo)
+
+
+def _moved_in(lo, room, u):
+    """The shift that puts a box with lowest corner `lo` at a random place inside the
+    canvas: uniform draws u [..., 2] ((y, x) fractions) of its `room` [...] left."""
+    return _ONE - lo + u[..., 1] * room.real + 1j * u[..., 0] * room.imag
+
+
+def _pixel_index(points, width, origin):
+    """[...] int: the flat index of the pixel nearest each point in a row-major grid of
+    `width` columns whose pixel (0, 0) has flat index `origin`."""
+    return (np.rint(points.imag) * width + np.rint(points.real)).astype(np.int64) + origin
+
+
 def _dashes(vertices, seg, gap):
-    """Dash end points [..., n, 2] (a, b) of the steps between consecutive vertices."""
-    u = np.diff(vertices, axis=-2) / (seg + gap)
-    a = vertices[..., :-1, :] + gap / 2 * u
+    """Dash end points [..., n] (a, b) of the steps between consecutive vertices [..., n + 1]."""
+    u = np.diff(vertices, axis=-1) / (seg + gap)
+    a = vertices[..., :-1] + gap / 2 * u
     return a, a + seg * u
 
 
-def _ink(a, b, seg, offsets):
-    """Pixels near each dash and their ink: (pixels [..., n, p, 2] int, ink [..., n, p] uint8)."""
-    pixels = np.rint((a + b) / 2).astype(np.int64)[..., None, :] + offsets
-    u = (b - a)[..., None, :] / seg
-    w = pixels - a[..., None, :]
-    t = np.clip(np.sum(w * u, -1, keepdims=True), 0, seg)
-    distance = np.linalg.norm(w - t * u, axis=-1)
-    return pixels, np.where(distance < _INK_RADIUS, np.rint(255 * (1 - distance)), 0).astype(np.uint8)
-
-
 def _dense(vertices, per_step=_DENSE):
-    """Points every 1 / per_step of a step along contours [..., n + 1, 2]: [..., n * per_step + 1, 2]."""
+    """Points every 1 / per_step of a step along contours [..., n + 1]: [..., n * per_step + 1]."""
     t = np.arange(per_step) / per_step
-    inner = vertices[..., :-1, None, :] + t[:, None] * np.diff(vertices, axis=-2)[..., None, :]
-    inner = inner.reshape(*inner.shape[:-3], inner.shape[-3] * per_step, 2)
-    return np.concatenate([inner, vertices[..., -1:, :]], axis=-2)
+    inner = vertices[..., :-1, None] + t * np.diff(vertices, axis=-1)[..., None]
+    inner = inner.reshape(*inner.shape[:-2], inner.shape[-2] * per_step)
+    return np.concatenate([inner, vertices[..., -1:]], axis=-1)
 
 
 def _distance(points, others):
-    """[..., n] distance from each of points [..., n, 2] to the nearest of others [..., j, 2]."""
-    return np.sqrt(np.min(np.sum((points[..., :, None, :] - others[..., None, :, :]) ** 2, -1), axis=-1))
-
-
-def _rotate(points, angles):
-    """Rotate points [k, ..., 2] (y, x) about the origin by `angles` [k]."""
-    shape = (-1,) + (1,) * (points.ndim - 1)
-    c, s = np.cos(angles).reshape(shape), np.sin(angles).reshape(shape)
-    y, x = points[..., 0:1], points[..., 1:2]
-    return np.concatenate([c * y + s * x, c * x - s * y], axis=-1)
+    """[..., n] distance from each of points [..., n] to the nearest of others [..., j]."""
+    return np.abs(points[..., :, None] - others[..., None, :]).min(axis=-1)
 
 
 def _random_walks(rng, k, steps, size, step):
-    """k random contours [k', steps + 1, 2] turned and moved to random places inside
-    the canvas: uniform turns of at most _MAX_TURN; those too long to fit are dropped."""
+    """k random contours [k', steps + 1] turned and moved to random places inside the
+    canvas: uniform turns of at most _MAX_TURN; those too long to fit are dropped."""
     turns = rng.uniform(-_MAX_TURN, _MAX_TURN, (k, steps))
     angles = np.cumsum(turns, axis=1)  # the first turn sets a random heading, the rest bend
     angles += rng.uniform(0, 2 * math.pi, (k, 1))
-    moves = step * np.stack([np.sin(angles), np.cos(angles)], -1)
-    walks = np.concatenate([np.zeros((k, 1, 2)), np.cumsum(moves, axis=1)], axis=1)
-    lo, hi = walks.min(axis=1, keepdims=True), walks.max(axis=1, keepdims=True)
-    room = (size - 3) - (hi - lo)
-    fits = np.all(room >= 0, axis=(1, 2))
-    return (walks + 1 - lo + rng.uniform(0, 1, lo.shape) * room)[fits]
+    walks = _walk(angles, step)
+    lo, hi = _box(walks, 1)
+    room = _room_left(lo, hi, size)
+    fits = (room.real >= 0) & (room.imag >= 0)
+    return (walks + _moved_in(lo, room, rng.uniform(0, 1, (k, 2)))[:, None])[fits]
+
+
+@functools.lru_cache(maxsize=None)
+def _grid(size, seg):
+    """Constants of a canvas: (pad, width, offsets, flat offsets, flat 3x3): the canvas
+    is padded by `pad` on each side (width = size + 2 pad) so that any pixel near a dash
+    inside can be looked up; offsets (complex) and flat offsets [p] of the pixels near
+    a dash's middle, flat offsets [9] of a pixel's 8-neighbourhood and itself."""
+    reach = int(seg / 2 + 1.5)  # a dash inks pixels within seg / 2 + 1 of its middle
+    width = size + 2 * reach
+    dy, dx = np.mgrid[-reach:reach + 1, -reach:reach + 1].reshape(2, -1)
+    return reach, width, dx + 1j * dy, dy * width + dx, _AROUND[0] * width + _AROUND[1]
 
 
 class _Canvas:
     """The picture being drawn: ink so far and the pixels a new contour may not ink
-    (8-neighbours of earlier contours and of the marker zones)."""
+    (8-neighbours of earlier contours and of the marker zones), both padded and flat
+    (pixels are flat indices: one lookup each)."""
 
     def __init__(self, size, seg, gap):
         self.size, self.seg, self.gap = size, seg, gap
-        reach = int(seg / 2 + 1.5)  # a dash inks pixels within seg / 2 + 1 of its middle
-        self.offsets = np.stack(np.mgrid[-reach:reach + 1, -reach:reach + 1], -1).reshape(-1, 2)
-        self.pad = reach  # blocked is padded so that any pixel near a dash inside can be looked up
-        self.blocked = np.zeros((size + 2 * reach, size + 2 * reach), bool)
-        self.image = np.zeros((size, size), np.uint8)
+        self.pad, self.width, self.offsets, self.flat_offsets, self.around = _grid(size, seg)
+        self.blocked = np.zeros(self.width**2, bool)
+        self.image = np.zeros(self.width**2, np.uint8)
         self.along = np.linspace(0, 1, 2 * seg + 1)
 
-    def _clear(self, vertices, most):
-        """Candidates [k, n + 1, 2] that stay inside and ink no blocked pixel, at most
-        `most` of them, in order: (their indices [c], pixels [c, m, 2], ink [c, m])."""
+    def pixel(self, points):
+        """[...] flat index of the pixel nearest each point [...] (complex)."""
+        return _pixel_index(points, self.width, self.pad * (self.width + 1))
+
+    def picture(self):
+        """The image [size, size] uint8, padding cut off."""
+        p = self.pad
+        return self.image.reshape(self.width, self.width)[p:p + self.size, p:p + self.size].copy()
+
+    def _ink(self, a, b):
+        """Pixels near each dash and their ink: (pixels [..., n, p] flat, ink [..., n, p] uint8)."""
+        centre = np.rint((a + b) / 2)
+        w = (centre[..., None] + self.offsets) - a[..., None]
+        u = (b - a)[..., None] / self.seg
+        t = np.clip((w * u.conj()).real, 0, self.seg)  # along the dash, of its nearest point
+        distance = np.abs(w - t * u)
+        ink = np.where(distance < _INK_RADIUS, np.rint(255 * (1 - distance)), 0).astype(np.uint8)
+        return self.pixel(centre)[..., None] + self.flat_offsets, ink
+
+    def _clear(self, vertices, most, inside=False):
+        """Candidates [k, n + 1] that stay inside and ink no blocked pixel, at most `most`
+        of them, in order: (their indices [c], pixels [c, m] flat, ink [c, m]). `inside`:
+        the vertices are known to lie 1 px inside, and so do the dashes between them."""
         a, b = _dashes(vertices, self.seg, self.gap)
-        (inside,) = np.nonzero(np.all((a >= 1) & (a <= self.size - 2) & (b >= 1) & (b <= self.size - 2),
-                                      axis=(1, 2)))
+        if inside:
+            inside = np.arange(len(a))
+        else:
+            lo, hi = _box(np.concatenate([a, b], axis=1), 1)
+            (inside,) = np.nonzero((lo.real >= 1) & (lo.imag >= 1) & (hi.real <= self.size - 2)
+                                   & (hi.imag <= self.size - 2))
         # screen: the pixel nearest to any point of a dash is inked (it is < 0.75 px away)
         a, b = a[inside], b[inside]
-        points = np.rint(a[..., None, :] + self.along[:, None] * (b - a)[..., None, :]).astype(np.int64)
-        clear = ~self.blocked[points[..., 0] + self.pad, points[..., 1] + self.pad].any(axis=(1, 2))
+        points = a[..., None] + self.along * (b - a)[..., None]
+        clear = ~self.blocked[self.pixel(points)].any(axis=(1, 2))
         chosen = np.nonzero(clear)[0][:most]
-        pixels, ink = _ink(a[chosen], b[chosen], self.seg, self.offsets)
+        pixels, ink = self._ink(a[chosen], b[chosen])
         c, n, m = ink.shape
-        pixels, ink = pixels.reshape(c, n * m, 2), ink.reshape(c, n * m)
-        hits = self.blocked[pixels[..., 0] + self.pad, pixels[..., 1] + self.pad] & (ink > 0)
+        pixels, ink = pixels.reshape(c, n * m), ink.reshape(c, n * m)
+        hits = self.blocked[pixels] & (ink > 0)
         (free,) = np.nonzero(~hits.any(axis=1))
         return inside[chosen[free]], pixels[free], ink[free]
 
     def fit(self, vertices):
-        """The index of the first candidate contour [k, n + 1, 2] that stays inside and
-        inks no blocked pixel, with its (pixels, ink); None when none fits."""
+        """The index of the first candidate contour [k, n + 1] that stays inside and inks
+        no blocked pixel, with its (pixels, ink); None when none fits."""
         index, pixels, ink = self._clear(vertices, _EXACT)
         if not len(index):
             return None
@@ -176,15 +232,16 @@ class _Canvas:
         return index[0], pixels[0][lit], ink[0][lit]
 
     def add_many(self, vertices, count) -> int:
-        """Ink the first `count` candidate contours [k, n + 1, 2] that fit, each checked
-        against those inked before it as well; returns how many were inked."""
+        """Ink the first `count` candidate contours [k, n + 1] (1 px inside, as
+        `_random_walks` places them) that fit, each checked against those inked before it
+        as well; returns how many were inked."""
         added = 0
-        for pixels, ink in zip(*self._clear(vertices, len(vertices))[1:]):
+        for pixels, ink in zip(*self._clear(vertices, len(vertices), inside=True)[1:]):
             if added == count:
                 break
-            pixels = pixels[ink > 0]
-            if not self.blocked[pixels[:, 0] + self.pad, pixels[:, 1] + self.pad].any():
-                self.add(pixels, ink[ink > 0])
+            lit = ink > 0
+            if not self.blocked[pixels[lit]].any():
+                self.add(pixels[lit], ink[lit])
                 added += 1
         return added
 
@@ -194,61 +251,60 @@ class _Canvas:
         return twin
 
     def zone_free(self, centre) -> bool:
-        y, x = np.asarray(centre) + self.pad
-        return not self.blocked[y - 1:y + 2, x - 1:x + 2].any()
+        return not self.blocked[centre + self.around].any()
 
     def add(self, pixels, ink, zones=()):
-        """Ink a contour and block its neighbourhood and that of its marker zones."""
-        np.maximum.at(self.image, (pixels[:, 0], pixels[:, 1]), ink)
-        zone_pixels = [np.asarray(c) + _AROUND for c in zones]
-        near = (np.concatenate([pixels, *zone_pixels])[:, None, :] + _AROUND).reshape(-1, 2)
-        self.blocked[near[:, 0] + self.pad, near[:, 1] + self.pad] = True
+        """Ink a contour (flat pixels [m], ink [m]) and block its neighbourhood and that of
+        its marker zones (flat centres)."""
+        np.maximum.at(self.image, pixels, ink)
+        zone_pixels = [centre + self.around for centre in zones]
+        self.blocked[(np.concatenate([pixels, *zone_pixels])[:, None] + self.around).ravel()] = True
 
     def mark(self, centre):
-        y, x = centre
-        np.maximum(self.image[y - 1:y + 2, x - 1:x + 2], _MARKER, out=self.image[y - 1:y + 2, x - 1:x + 2])
+        zone = centre + self.around
+        self.image[zone] = np.maximum(self.image[zone], _MARKER)
 
-    def room(self):
-        """[size + 2 pad, size + 2 pad] where a stroke point may round to: at least 1.5 px
-        inside, with no blocked pixel among its 8 neighbours (all it may ink)."""
-        b, n = self.blocked, len(self.blocked)
+    def room(self, margin):
+        """Where a stroke point may round to: at least 1.5 px inside, with no blocked pixel
+        among its 8 neighbours (all it may ink); (room flat [w * w], its width w, the flat
+        index of pixel (0, 0)), with `margin` more pixels of no room on each side so that
+        points that far out can be looked up."""
+        b, n = self.blocked.reshape(self.width, self.width), self.width
         near = b[:-2, :-2] | b[:-2, 1:-1] | b[:-2, 2:] | b[1:-1, :-2] | b[1:-1, 1:-1] | b[1:-1, 2:] \
             | b[2:, :-2] | b[2:, 1:-1] | b[2:, 2:]
-        room = np.zeros((n, n), bool)
-        lo, hi = self.pad + 2, self.pad + self.size - 2
-        room[lo:hi, lo:hi] = ~near[lo - 1:hi - 1, lo - 1:hi - 1]
-        return room
+        w, lo, hi = n + 2 * margin, self.pad + 2, self.pad + self.size - 2
+        room = np.zeros((w, w), bool)
+        room[margin + lo:margin + hi, margin + lo:margin + hi] = ~near[lo - 1:hi - 1, lo - 1:hi - 1]
+        return room.ravel(), w, (margin + self.pad) * (w + 1)
 
     def steered(self, rng, starts, headings, needed, group):
-        """Random contours [k, max(needed) + 1, 2] from `starts` [k, 2] along `headings` [k],
+        """Random contours [k, max(needed) + 1] from `starts` [k] along `headings` [k],
         turning by at most _MAX_TURN at each vertex (the first included), walk i for
         `needed[i]` steps (its later vertices mean nothing). Of _TURNS turns drawn at once,
         the first whose dash stays in the room and that has room ahead (a point _AHEAD
         steps on) is taken, else the first whose dash stays in the room: a contour bends
         away from borders and other strokes. A walk that finds no room goes on as a copy
         of a live walk of its `group` [k] (ints), drawn at random (`_resample`)."""
-        room, step, k = self.room(), self.seg + self.gap, len(starts)
-        turns = rng.uniform(-_MAX_TURN, _MAX_TURN, (needed.max(), k, _TURNS))
+        step, k, most = self.seg + self.gap, len(starts), needed.max()
+        room, width, origin = self.room(int((most + _AHEAD) * step) + 2)  # as far as a walk reaches
+        turns = rng.uniform(-_MAX_TURN, _MAX_TURN, (most, k, _TURNS))
         probes = np.append(self.gap / 2 + np.linspace(0, self.seg, 3), _AHEAD * step) / step
         rows = np.arange(k)
-        position, angle = starts, headings
-        vertices = [position]
+        path = np.empty((most + 1, k), complex)
+        path[0], angle = starts, headings
         for i, turn in enumerate(turns):
             angles = angle[:, None] + turn
-            move = step * np.stack([np.sin(angles), np.cos(angles)], -1)
-            points = np.rint(position[:, None, None, :] + probes[:, None] * move[:, :, None, :]).astype(np.int64)
-            points = np.clip(points + self.pad, 0, len(room) - 1)
-            free = room[points[..., 0], points[..., 1]]
+            move = step * np.exp(1j * angles)
+            free = room[_pixel_index(path[i, :, None, None] + probes * move[..., None], width, origin)]
             dash = free[..., :-1].all(axis=-1)
             first = np.argmax(2 * dash + (dash & free[..., -1]), axis=1)
-            position, angle = position + move[rows, first], angles[rows, first]
-            vertices.append(position)
+            path[i + 1], angle = path[i] + move[rows, first], angles[rows, first]
             alive = dash[rows, first] | (i >= needed)
             if not alive.all():
                 source = _resample(rng, alive, group)
-                vertices = [v[source] for v in vertices]
-                position, angle = position[source], angle[source]
-        return np.stack(vertices, axis=1)
+                path[:i + 2] = path[:i + 2, source]
+                angle = angle[source]
+        return path.T
 
 
 def _resample(rng, alive, group):
@@ -263,30 +319,30 @@ def _resample(rng, alive, group):
 
 
 def _diameter_at_most(points, limit):
-    """[k] whether no two of points [k, n, 2] lie more than `limit` apart. Most long
-    walks fail already on the distance between their two ends (O(1)) or from them
-    (O(n)), so the pairwise test (O(n^2)) runs only on the few that pass."""
-    near = np.sum((points[:, -1] - points[:, 0]) ** 2, -1) <= limit**2
+    """[k] whether no two of points [k, n] lie more than `limit` apart. Most long walks
+    fail already on the distance between their two ends (O(1)) or from them (O(n)), so
+    the pairwise test (O(n^2)) runs only on the few that pass."""
+    near = np.abs(points[:, -1] - points[:, 0]) <= limit
     (rows,) = np.nonzero(near)
     ends = points[rows][:, [0, -1]]
-    near[rows] = np.all(np.sum((points[rows, None] - ends[:, :, None]) ** 2, -1) <= limit**2, axis=(1, 2))
+    near[rows] = np.all(np.abs(points[rows, None] - ends[:, :, None]) <= limit, axis=(1, 2))
     (rows,) = np.nonzero(near)
-    pairwise = points[rows, :, None] - points[rows, None]
-    near[rows] = np.max(np.sum(pairwise**2, -1), axis=(1, 2)) <= limit**2
+    near[rows] = np.abs(points[rows, :, None] - points[rows, None]).max(axis=(1, 2)) <= limit
     return near
 
 
 def _fits_turned(points, angles, size):
-    """[k, r] whether points [k, n, 2] turned by each of angles [r] fit in the canvas
-    (at least 1 px from its border)."""
-    c, s = np.cos(angles)[:, None], np.sin(angles)[:, None]
-    y, x = points[:, None, :, 0], points[:, None, :, 1]
-    ty, tx = c * y + s * x, c * x - s * y
-    return (np.ptp(ty, axis=-1) <= size - 3) & (np.ptp(tx, axis=-1) <= size - 3)
+    """[k, r] whether points [k, n] turned by each of angles [r] fit in the canvas (at
+    least 1 px from its border). In floats, points first: numpy is slow at complex
+    products broadcast over three axes and at reductions over a short last axis."""
+    c, s = np.cos(angles), np.sin(angles)
+    x, y = points.real.T[..., None], points.imag.T[..., None]
+    tx, ty = x * c - y * s, x * s + y * c  # [n, k, r]
+    return (tx.max(0) - tx.min(0) <= size - 3) & (ty.max(0) - ty.min(0) <= size - 3)
 
 
 def _short_walks(rng, steps, size, step):
-    """Contours [m, steps + 1, 2] in A's frame (from the origin, first step along +x, uniform
+    """Contours [m, steps + 1] in A's frame (from the origin, first step along +x, uniform
     turns of at most _MAX_TURN after it) whose diameter fits in the canvas: walks are
     drawn (_FEWEST_WALKS, then batches of _BATCH_WALKS) until _ENOUGH_WALKS fit or
     _MOST_WALKS are drawn, so that the costly tests after this one run once on many
@@ -295,9 +351,7 @@ def _short_walks(rng, steps, size, step):
     while sum(map(len, kept)) < _ENOUGH_WALKS and drawn < _MOST_WALKS:
         turns = rng.uniform(-_MAX_TURN, _MAX_TURN, (k, steps))
         turns[:, 0] = 0.0
-        angles = np.cumsum(turns, axis=1)
-        moves = step * np.stack([np.sin(angles), np.cos(angles)], -1)
-        walks = np.concatenate([np.zeros((k, 1, 2)), np.cumsum(moves, axis=1)], axis=1)
+        walks = _walk(np.cumsum(turns, axis=1), step)
         kept.append(walks[_diameter_at_most(walks, size - 3)])
         drawn, k = drawn + k, _BATCH_WALKS
     return np.concatenate(kept)
@@ -305,21 +359,20 @@ def _short_walks(rng, steps, size, step):
 
 def _pairs(rng, steps, size, seg, gap):
     """Fresh contours A with room for B's head, in A's frame (first vertex at the origin,
-    first step along +x, so P = A's first dash end lies on the x axis): (A [m, n + 1, 2],
-    B's head [m, n + 1, 2]: the mirror image of A's vertices from the far end back,
-    copied [m]: how many of its steps B takes (as many as stay _CLEAR of A), ends [m, 3,
-    2]: P, A's far end and B's start (the mirror image of A's far end)). The cheap tests
-    (A's diameter, the ends, a fit in the canvas) run before the costly clearance."""
+    first step along +x, so P = A's first dash end lies on the x axis): (A [m, n + 1],
+    B's head [m, n + 1]: the mirror image of A's vertices from the far end back, copied
+    [m]: how many of its steps B takes (as many as stay _CLEAR of A), ends [m, 3]: P, A's
+    far end and B's start (the mirror image of A's far end)). The cheap tests (A's
+    diameter, the ends, a fit in the canvas) run before the costly clearance."""
     a = _short_walks(rng, steps, size, seg + gap)
-    flip = np.array([-1.0, 1.0])  # the mirror across the x axis
     da, db = _dashes(a, seg, gap)
-    ends = np.stack([da[:, 0], db[:, -1], db[:, -1] * flip], axis=1)
+    ends = np.stack([da[:, 0], db[:, -1], db[:, -1].conj()], axis=1)  # conj: the mirror across the x axis
     dense_a = _dense(a)
     ok = _distance(ends[:, 2:], dense_a)[:, 0] >= _ZONES_APART
     ok &= _fits_turned(np.concatenate([a, ends], 1), np.linspace(0, math.pi, _ROTATIONS, endpoint=False),
                        size).any(axis=1)
     a, ends, dense_a = a[ok], ends[ok], dense_a[ok]
-    heads = a[:, ::-1] * flip
+    heads = a[:, ::-1].conj()
     near = _distance(_dense(heads), dense_a)
     # a step of the mirror image is clear when all its points are, both ends included
     clear = np.minimum(near[:, :-1].reshape(len(a), steps, _DENSE).min(axis=2), near[:, _DENSE::_DENSE]) >= _CLEAR
@@ -331,16 +384,16 @@ def _pairs(rng, steps, size, seg, gap):
 
 
 def _union(a, heads, copied, ends):
-    """[k, 2 n + 5, 2]: A's vertices, B's head's (the uncopied ones moved onto A's first
+    """[k, 2 n + 5]: A's vertices, B's head's (the uncopied ones moved onto A's first
     vertex, which is inside anyway) and the ends: what must fit in the canvas."""
-    used = np.where((np.arange(a.shape[1]) <= copied[:, None])[..., None], heads, a[:, :1])
+    used = np.where(np.arange(a.shape[1]) <= copied[:, None], heads, a[:, :1])
     return np.concatenate([a, used, ends], axis=1)
 
 
 def _place_pair(rng, a, heads, copied, ends, size):
     """Turn and move the pair (A, B's head, ends) that copies the most steps among those
     that fit in the canvas at one of _ROTATIONS evenly spaced angles (random phase), at a
-    random fitting one of them; (its index, A, head [c + 1, 2], ends [3, 2]) or None."""
+    random fitting one of them; (its index, A, head [c + 1], ends [3]) or None."""
     n = a.shape[1]
     points = _union(a, heads, copied, ends)
     angles = rng.uniform(0, 2 * math.pi) + np.linspace(0, 2 * math.pi, _ROTATIONS, endpoint=False)
@@ -349,9 +402,9 @@ def _place_pair(rng, a, heads, copied, ends, size):
     if not len(pairs):
         return None
     pair = pairs[np.argmax(copied[pairs])]  # B's free part is short: it fits more often
-    turned = _rotate(points[pair][None], rng.choice(angles[fits[pair]])[None])[0]
-    lo, hi = turned.min(axis=0), turned.max(axis=0)
-    placed = turned + 1 - lo + rng.uniform(0, 1, 2) * ((size - 3) - (hi - lo))
+    turned = points[pair] * np.exp(1j * rng.choice(angles[fits[pair]]))
+    lo, hi = _box(turned, 0)
+    placed = turned + _moved_in(lo, _room_left(lo, hi, size), rng.uniform(0, 1, 2))
     return pair, placed[:n], placed[n:n + copied[pair] + 1], placed[2 * n:]
 
 
@@ -371,13 +424,13 @@ def _next_pair(rng, pool, size, contour_length, seg, gap):
 
 def _main_contours(rng, pool, size, contour_length, seg, gap):
     """A and B drawn on a fresh canvas: (canvas, (P, Q if label 1, Q if label 0) as
-    pixel centres), or None."""
+    flat pixels), or None."""
     placed = _next_pair(rng, pool, size, contour_length, seg, gap)
     if placed is None:
         return None
     a, head, ends = placed
     canvas, least = _Canvas(size, seg, gap), _least_copied(contour_length)
-    p, q1, q0 = (tuple(int(v) for v in np.rint(c)) for c in ends)
+    p, q1, q0 = canvas.pixel(ends)
     found = canvas.fit(a[None])
     if found is None:
         return None
@@ -386,11 +439,10 @@ def _main_contours(rng, pool, size, contour_length, seg, gap):
         return None
     # B's free part, for every number of copied steps at once (the most copied first)
     cs = np.repeat(np.arange(len(head) - 1, least - 1, -1), _TAILS)
-    last = head[cs] - head[cs - 1]
-    tails = canvas.steered(rng, head[cs], np.arctan2(last[:, 0], last[:, 1]), contour_length - cs, cs)
+    tails = canvas.steered(rng, head[cs], np.angle(head[cs] - head[cs - 1]), contour_length - cs, cs)
     rows = np.arange(contour_length + 1)[None, :]
     from_tail = np.clip(rows - cs[:, None], 0, None)
-    b = np.where((rows < cs[:, None])[..., None], head[np.minimum(rows, len(head) - 1)],
+    b = np.where(rows < cs[:, None], head[np.minimum(rows, len(head) - 1)],
                  tails[np.arange(len(cs))[:, None], from_tail])
     found = canvas.fit(b)
     if found is None:
@@ -450,7 +502,7 @@ def render(seed: int, index: int, *, size: int = 32, contour_length: int = 6, di
             canvas, p, q1, q0 = scene
             canvas.mark(p)
             canvas.mark(q1 if label else q0)
-            return canvas.image, label
+            return canvas.picture(), label
     raise ValueError(f"pathfinder: could not fit 2 contours of {contour_length} steps and {distractors} "
                      f"distractors of {distractor_length(contour_length)} into {size}x{size} pixels in "
                      f"{_RESTARTS} tries; use a larger size, shorter contours or fewer distractors")
