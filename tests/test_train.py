@@ -131,6 +131,17 @@ def test_overrides_and_presets():
     assert e.model.num_layers == 2  # from the preset
 
 
+def test_another_attention_drops_the_files_attention_kwargs():
+    # Pathfinder's tiny preset sets axial's width; softmax has no such hyper-parameter.
+    assert load_experiment("lra_pathfinder", ["preset=tiny"]).model.attention_kwargs == {"width": 16}
+    e = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=softmax"])
+    assert (e.model.attention, e.model.attention_kwargs) == ("softmax", {})
+    same = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=axial"])
+    assert same.model.attention_kwargs == {"width": 16}
+    given = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=local", "model.attention_kwargs={window: 8}"])
+    assert given.model.attention_kwargs == {"window": 8}
+
+
 # ----------------------------------------------------------------------------- optimizer
 
 

@@ -273,6 +273,17 @@ def _read(source: str | os.PathLike | Mapping) -> dict:
     return values
 
 
+def _drop_other_attention_kwargs(config: dict, parsed: list[tuple[list[str], Any]]) -> None:
+    """An override naming another attention drops the file's attention_kwargs (they are
+    the other attention's hyper-parameters) unless the overrides set attention_kwargs too."""
+    paths = [path for path, _ in parsed]
+    model = config.get("model") or {}
+    for path, value in parsed:
+        if path == ["model", "attention"] and value != model.get("attention") and \
+                ["model", "attention_kwargs"] not in paths:
+            model.pop("attention_kwargs", None)
+
+
 def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str] = ()) -> Experiment:
     """Read, apply the preset and the overrides, validate."""
     config = _read(source)
@@ -289,6 +300,7 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
         if preset not in presets:
             raise ValueError(f"unknown preset {preset!r}; this experiment has {sorted(presets)}")
         config = _deep_merge(config, presets[preset])
+    _drop_other_attention_kwargs(config, parsed)
     for path, value in parsed:
         if path[0] not in TOP or path[0] == "presets":
             raise ValueError(f"override {'.'.join(path)}: unknown section {path[0]!r}; known: {list(TOP)}")
