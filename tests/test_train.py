@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +141,14 @@ def test_another_attention_drops_the_files_attention_kwargs():
     assert same.model.attention_kwargs == {"width": 16}
     given = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=local", "model.attention_kwargs={window: 8}"])
     assert given.model.attention_kwargs == {"window": 8}
+
+
+def test_a_2d_attention_whose_width_is_not_the_images_warns():
+    with pytest.warns(UserWarning, match=r"axial attention's width 16 is not the images' width 32"):
+        load_experiment("lra_pathfinder", ["preset=tiny", "data.settings.image_size=32"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_experiment("lra_pathfinder", ["preset=tiny"])
 
 
 # ----------------------------------------------------------------------------- optimizer

@@ -23,11 +23,13 @@ import dataclasses
 import os
 import pathlib
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
+from jxformers import registry
 from jxformers.data import make_source
 from jxformers.nn import ModelConfig
 from jxformers.train.optim import OPTIMIZERS, SCHEDULES
@@ -273,6 +275,20 @@ def _read(source: str | os.PathLike | Mapping) -> dict:
     return values
 
 
+_GRID_ATTENTIONS = ("axial", "image_local_2d")  # attentions that read the sequence as rows of `width`
+
+
+def _warn_if_grid_is_not_the_image(model: ModelConfig, source) -> None:
+    """A 2-D attention whose rows are not the image's rows runs, but sees a wrong grid."""
+    image_size = getattr(source, "image_size", None)
+    if model.attention not in _GRID_ATTENTIONS or image_size is None:
+        return
+    width = registry.bind(model.attention, **model.attention_kwargs).hyper_parameters["width"]  # defaults filled in
+    if width != image_size:
+        warnings.warn(f"{model.attention} attention's width {width} is not the images' width {image_size}: its rows "
+                      f"are not the image's rows (set model.attention_kwargs.width={image_size})", stacklevel=3)
+
+
 def _drop_other_attention_kwargs(config: dict, parsed: list[tuple[list[str], Any]]) -> None:
     """An override naming another attention drops the file's attention_kwargs (they are
     the other attention's hyper-parameters) unless the overrides set attention_kwargs too."""
@@ -322,6 +338,7 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
         raise ValueError(f"model.output_head 'mixture_of_logistics' models pixel intensities; the tokens of data task "
                          f"{data.task!r} ({data.settings}) are not pixels (fashion_mnist with mode: generate is)")
     model = ModelConfig.from_dict(model_values)
+    _warn_if_grid_is_not_the_image(model, train_source)
     check_recurrent(model, train_source, batch_size=train.batch_size, grad_accum=train.grad_accum)
     raw = {"name": config.get("name", "experiment"), "preset": preset, "data": data.to_dict(),
            "model": model.to_dict(), "train": train.to_dict(), "checkpoint": ckpt.to_dict(), "mesh": sections["mesh"].to_dict()}
