@@ -54,6 +54,38 @@ def test_softmax_fully_masked_rows_are_zero_and_have_finite_gradients():
     assert bool(jnp.all(jnp.isfinite(jax.grad(lambda q: ops.softmax_attention(q, k, v, mask=mask).sum())(q))))
 
 
+def test_softmax_parts_derivatives_equal_autodiff_of_the_masked_softmax():
+    # softmax_parts differentiates by softmax's own formula (custom_jvp); forward mode,
+    # reverse mode and second order must equal plain autodiff of a masked softmax over
+    # the joined parts, and masked entries get exactly zero gradient even under a NaN
+    # upstream gradient there.
+    from jxformers.ops._common import softmax_parts
+
+    s1, s2 = jax.random.normal(jax.random.key(0), (3, 1, 5, 4)), jax.random.normal(jax.random.key(5), (3, 1, 5, 6))
+    m1 = jax.random.bernoulli(jax.random.key(1), 0.6, (3, 1, 5, 4)).at[:, :, 1].set(False)
+    m2 = jax.random.bernoulli(jax.random.key(2), 0.6, (3, 1, 5, 6)).at[:, :, 1].set(False)
+
+    def ours(s1, s2):
+        return jnp.concatenate(softmax_parts([(s1, m1), (s2, m2)]), -1)
+
+    def plain(s1, s2):
+        s, m = jnp.concatenate([s1, s2], -1), jnp.concatenate([m1, m2], -1)
+        p = jax.nn.softmax(jnp.where(m, s, -1e30), axis=-1)
+        return jnp.where(m.any(-1, keepdims=True) & m, p, 0.0)
+
+    assert_close(ours(s1, s2), plain(s1, s2), atol=1e-6)
+    t1, t2 = jax.random.normal(jax.random.key(3), (3, 1, 5, 4)), jax.random.normal(jax.random.key(6), (3, 1, 5, 6))
+    assert_close(jax.jvp(ours, (s1, s2), (t1, t2))[1], jax.jvp(plain, (s1, s2), (t1, t2))[1], atol=1e-6)
+    w = jax.random.normal(jax.random.key(4), (3, 1, 5, 10))
+    for f in (jax.grad, jax.hessian):
+        a = f(lambda s1: jnp.sum(w * ours(s1, s2)))(s1)
+        b = f(lambda s1: jnp.sum(w * plain(s1, s2)))(s1)
+        assert_close(a, b, atol=1e-5)
+    nan_upstream = jnp.where(jnp.concatenate([m1, m2], -1), w, jnp.nan)
+    g = jax.grad(lambda s1: jnp.sum(nan_upstream * ours(s1, s2)))(s1)
+    assert bool(jnp.all(jnp.where(m1, jnp.isfinite(g), g == 0)))  # masked: exactly 0 (row 1 is empty)
+
+
 def test_causal_mask_is_bottom_right_aligned():
     m = np.asarray(ops.causal_mask(2, 5))
     assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
