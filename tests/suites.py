@@ -251,6 +251,14 @@ def flops(name, growth, n, causal, heads=2, d=16):
     return cost.flops
 
 
+def _one_key_per_query(name, bound, arrays, causal) -> bool:
+    """Whether the attention's dense reference mask (if FACTS has one) lets each query see one key."""
+    mask = facts(name).mask
+    if mask is None:
+        return False
+    return all(int(np.asarray(m).sum(-1).max()) <= 1 for m in mask(24, bound.hyper_parameters, arrays, causal))
+
+
 def jit_variants(names) -> type[chex.TestCase]:
     """A chex.TestCase checking each variant with and without jit: same outputs, vmap
     over a batch, finite gradients that are non-zero where the op reads its input."""
@@ -288,6 +296,12 @@ def jit_variants(names) -> type[chex.TestCase]:
             if spec.shared_qk:  # Reformer's shared QK takes its keys from q: k must not be read at all
                 assert float(jnp.abs(grads[1]).max()) == 0, f"{name}: shared-QK attention read k"
                 used = tuple(i for i in used if i != 1)
+            if _one_key_per_query(name, bound, arrays, spec.supports_causal):
+                # Every softmax row holds one key, so its weight is 1 whatever q and k are:
+                # their gradients are exactly zero (e.g. a band of width 0).
+                for i in (0, 1):
+                    assert float(jnp.abs(grads[i]).max()) == 0, f"{name}: one key per query, yet argument {i} moved"
+                used = (2,)
             for i in used:
                 assert float(jnp.abs(grads[i]).max()) > 0, f"{name}: zero gradient for argument {i}"
 
