@@ -329,13 +329,20 @@ def forward(model, x, mask=None):
 
 
 @eqx.filter_jit
-def loss_grad(model, x, mask=None):
+def forward_and_grad(model, x, mask=None):
+    """(model(x, mask), gradient of a loss on it): one compilation where a test needs
+    both (the forward is part of the gradient's program anyway)."""
     def loss(params, rest):
         out = eqx.combine(params, rest)(x, mask)
-        return jnp.mean(jnp.square(out))
+        return jnp.mean(jnp.square(out)), out
 
     params, rest = eqx.partition(model, jxformers.nn.trainable(model))
-    return jax.grad(loss)(params, rest)
+    grads, out = jax.grad(loss, has_aux=True)(params, rest)
+    return out, grads
+
+
+def loss_grad(model, x, mask=None):
+    return forward_and_grad(model, x, mask)[1]
 
 
 def finite_grads(grads):
@@ -362,27 +369,28 @@ class ModelSuite(_Parametrized):
     def test_classifier_forward_grad_and_padding(self, name):
         model = build_model(model_config(name, "classify", **facts(name).model), key=jax.random.key(0))
         x = tokens(1)
-        logits = forward(model, x)
+        logits, grads = forward_and_grad(model, x)
         chex.assert_shape(logits, (2,))
         chex.assert_type(logits, jnp.float32)
         chex.assert_tree_all_finite(logits)
-        assert finite_grads(loss_grad(model, x))
+        assert finite_grads(grads)
         # Padding never leaks: whatever sits in padded positions, the logits are the same.
         mask = jnp.arange(SEQ) < 15
         other = jnp.where(mask, x, tokens(2))
-        assert_close(forward(model, x, mask), forward(model, other, mask), atol=1e-5)
-        assert finite_grads(loss_grad(model, x, mask))
+        padded, grads = forward_and_grad(model, x, mask)
+        assert_close(padded, forward_and_grad(model, other, mask)[0], atol=1e-5)
+        assert finite_grads(grads)
 
     @needs(supports_causal=True)
     def test_language_model_is_causal_and_trains(self, name):
         model = build_model(model_config(name, "lm"), key=jax.random.key(0))
         x = tokens(3)
-        logits = forward(model, x)
+        logits, grads = forward_and_grad(model, x)
         chex.assert_shape(logits, (SEQ, TINY["vocab_size"]))
-        changed = forward(model, x.at[12:].set(tokens(4)[12:]))
+        changed = forward_and_grad(model, x.at[12:].set(tokens(4)[12:]))[0]
         assert_close(changed[:12], logits[:12], atol=1e-5)
         assert not bool(jnp.allclose(changed[12:], logits[12:]))
-        assert finite_grads(loss_grad(model, x))
+        assert finite_grads(grads)
 
     @needs(supports_causal=False)
     def test_language_model_needs_causal_attention(self, name):

@@ -157,6 +157,7 @@ def test_listops_fast_generator_gives_the_records_of_the_reference():
 # ----------------------------------------------------------------------------- workers
 
 
+@pytest.mark.heavy
 def test_workers_give_the_same_batches_and_resume_with_any_worker_count():
     source = make_source("copy", seed=0, size=40, max_len=16)
     expected = batches(make_loader(source, batch_size=4, seed=3), 14)  # crosses an epoch boundary
@@ -237,6 +238,7 @@ def test_a_built_split_gives_the_same_records_the_same_bytes_and_resumes(tmp_pat
         read_split(tmp_path, "missing", source)
 
 
+@pytest.mark.heavy
 def test_a_run_from_a_built_split_with_workers_matches_one_generating_and_eval_prints_baselines(tmp_path, capsys):
     """Train generating records in this process; train again from a built split, first
     2 steps with 2 workers, then resumed to 4 steps with none: the same losses. Then

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import FAST_COMPILE
 
 SCRIPT = textwrap.dedent("""
@@ -93,6 +95,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy
 def test_expert_parallel_moe_equals_per_device_layer():
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))

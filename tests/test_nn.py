@@ -155,6 +155,7 @@ def test_attention_module_errors():
 # ----------------------------------------------------------------------------- models
 
 
+@pytest.mark.heavy
 def test_fourier_encoder_shortens_the_sequence_and_keeps_the_cls_token():
     cfg = dict(TINY, task="classify", num_layers=3, filters={0: 0.5, 1: 0.5})
     model = build_model(cfg, key=jax.random.key(0))

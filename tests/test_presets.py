@@ -77,6 +77,7 @@ def test_demo_standard_error_never_drops_below_the_eval_sampling_error():
     assert standard_error([0.4, 0.6], 10**9) == pytest.approx(0.1)  # sd 0.141 over sqrt(2) seeds
 
 
+@pytest.mark.heavy
 def test_demo_reports_mean_and_spread_over_seeds(tmp_path, capsys, monkeypatch):
     from jxformers.tools import demo
 

@@ -23,6 +23,7 @@ def test_readme_python_block_runs_on_its_own(index):
     run(BLOCKS[index], {}, index)
 
 
+@pytest.mark.heavy
 def test_readme_python_blocks_run_in_order():
     namespace: dict = {}
     for index, block in enumerate(BLOCKS):

@@ -43,6 +43,7 @@ PARTS = 4
 
 
 @pytest.mark.parametrize("part", range(PARTS))
+@pytest.mark.heavy
 def test_every_registered_attention_trains_on_a_2x2x2_mesh_with_the_losses_of_one_device(part):
     run_script((PRELUDE + """
     from attention_facts import FACTS
@@ -136,6 +137,7 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
+@pytest.mark.heavy
 def test_sharded_checkpoint_saved_as_4x2_on_8_devices_resumes_as_2x2_on_4_devices(tmp_path):
     """`train` on a 4 x 2 mesh (with gradient accumulation) checkpoints at step 2; the
     checkpoint restores on 4 of the 8 devices as 2 x 2 with identical parameters; then a
@@ -274,6 +276,7 @@ def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(
     """)
 
 
+@pytest.mark.heavy
 def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_like_one_process(tmp_path):
     """`jxformers train` launched as 2 processes (loopback coordinator, 4 simulated CPU
     devices each, gloo collectives) on a 4 x 2 mesh: process 0 alone writes the logs and

@@ -266,6 +266,7 @@ def _wait_for_checkpoint(workdir, step, proc, timeout=240):
         time.sleep(0.05)
 
 
+@pytest.mark.heavy
 def test_killed_run_resumes_with_the_same_losses_bit_for_bit(tmp_path):
     config = write_config(tmp_path, train={"steps": 16})
     straight = _run_cli(config, tmp_path / "straight")
@@ -339,6 +340,7 @@ def test_plot_draws_several_runs(tmp_path):
         cli.main(["plot", str(tmp_path / "missing"), "--out", str(out)])
 
 
+@pytest.mark.heavy
 def test_demo_trains_three_models_and_prints_the_table(tmp_path, capsys):
     args = ["--workdir", str(tmp_path), "--no-progress", "--seeds", "1", "--set", "train.steps=3", "--set", "train.eval_batches=1",
             "--set", "data.eval_size=32", "--set", "train.batch_size=8"]

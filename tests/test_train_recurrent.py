@@ -60,6 +60,7 @@ def test_stream_rows_continue_from_batch_to_batch(texts):
 
 
 
+@pytest.mark.heavy
 def test_memory_is_carried_checkpointed_and_resumed(texts, tmp_path):
     e = experiment(texts)
     run = tmp_path / "run"
