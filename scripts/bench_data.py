@@ -57,15 +57,20 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--build-seconds", type=float, default=20.0,
                    help="about how long each build runs (its size is set from the on-the-fly rate)")
+    p.add_argument("--tasks", nargs="+", choices=sorted({task for _, task, _ in CASES}),
+                   help="measure only these tasks (default: all)")
     args = p.parse_args()
     n = args.workers
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
           f"(load average {os.getloadavg()[0]:.1f} at the start); command: python scripts/bench_data.py "
-          f"--workers {n} --seconds {args.seconds:g} --batch {args.batch}\n")
+          f"--workers {n} --seconds {args.seconds:g} --batch {args.batch} --build-seconds {args.build_seconds:g}"
+          + (f" --tasks {' '.join(args.tasks)}" if args.tasks else "") + "\n")
     rows = [f"| task | on the fly, 0 workers | on the fly, {n} workers | build ({n} processes) | read the built split "
             f"| built / on the fly (0 workers) |", "|---|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, task, settings in CASES:
+            if args.tasks and task not in args.tasks:
+                continue
             source = make_source(task, seed=0, size=100_000, **settings)
             alone = loader_rate(source, batch=args.batch, workers=0, seconds=args.seconds)
             parallel = loader_rate(source, batch=args.batch, workers=n, seconds=args.seconds)
