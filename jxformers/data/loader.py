@@ -106,6 +106,14 @@ class BatchIterator:
             close()
 
 
+# One thread makes records ahead of the training loop (in each worker too). grain's
+# default, 16 threads, is meant for remote disks; our sources are Python and numpy holding
+# the GIL, and 16 threads contending for it made every source about 3x slower (records/s,
+# one process, batches of 8: Pathfinder-32 at contour length 6 92 -> 276, ListOps 146 ->
+# 544, a built split 1,297 -> 2,068; see docs/data.md).
+_READ_OPTIONS = grain.ReadOptions(num_threads=1)
+
+
 class Loader:
     """Iterable of batches (see `make_loader`); each `iter` starts a fresh iterator."""
 
@@ -151,4 +159,4 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
     # Records leave the workers one by one (batching there would give each worker's
     # batches its own records, and change them with the worker count).
     return Loader(grain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
-                                   worker_buffer_size=batch_size), batch_size)
+                                   worker_buffer_size=batch_size, read_options=_READ_OPTIONS), batch_size)
