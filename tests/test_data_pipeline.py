@@ -200,6 +200,8 @@ def test_bad_worker_counts_are_refused():
     source = make_source("copy", seed=0, size=8, max_len=16)
     with pytest.raises(ValueError, match="workers must be >= 0 .*got -1"):
         make_loader(source, batch_size=2, seed=0, workers=-1)
+    with pytest.raises(ValueError, match="read_threads must be >= 0 .*got -1"):
+        make_loader(source, batch_size=2, seed=0, read_threads=-1)
     from jxformers.train import load_experiment
 
     with pytest.raises(ValueError, match="data.workers"):

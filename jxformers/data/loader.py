@@ -106,14 +106,6 @@ class BatchIterator:
             close()
 
 
-# One thread makes records ahead of the training loop (in each worker too). grain's
-# default, 16 threads, is meant for remote disks; our sources are Python and numpy holding
-# the GIL, and 16 threads contending for it made every source about 3x slower (records/s,
-# one process, batches of 8: Pathfinder-32 at contour length 6 92 -> 276, ListOps 146 ->
-# 544, a built split 1,297 -> 2,068; see docs/data.md).
-_READ_OPTIONS = grain.ReadOptions(num_threads=1)
-
-
 class Loader:
     """Iterable of batches (see `make_loader`); each `iter` starts a fresh iterator."""
 
@@ -125,7 +117,7 @@ class Loader:
 
 
 def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num_epochs: int | None = None,
-                workers: int = 0) -> Loader:
+                workers: int = 0, read_threads: int = 1) -> Loader:
     """Batches of `source` as dicts of `[batch_size, ...]` numpy arrays (iterate it).
 
     Arguments:
@@ -136,11 +128,17 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
         seed: shuffling seed. shuffle: shuffle each epoch. num_epochs: None repeats for ever.
         workers: grain worker processes making records (0: in this process); the batches
             are the same for every value.
+        read_threads: threads making records ahead of the consumer in each process (0:
+            none). One, not grain's default of 16: our sources are Python and numpy that
+            hold the GIL, and 16 threads contending for it made every source about 3x
+            slower (docs/data.md, "Read-ahead threads").
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}")
     if workers < 0:
         raise ValueError(f"workers must be >= 0 (0: records are made in this process); got {workers}")
+    if read_threads < 0:
+        raise ValueError(f"read_threads must be >= 0 (0: no read-ahead thread); got {read_threads}")
     if len(source) < batch_size:
         raise ValueError(f"the source holds {len(source)} records, fewer than one batch of {batch_size}")
     count = jax.process_count()
@@ -159,4 +157,5 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
     # Records leave the workers one by one (batching there would give each worker's
     # batches its own records, and change them with the worker count).
     return Loader(grain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
-                                   worker_buffer_size=batch_size, read_options=_READ_OPTIONS), batch_size)
+                                   worker_buffer_size=batch_size,
+                                   read_options=grain.ReadOptions(num_threads=read_threads)), batch_size)
