@@ -157,17 +157,22 @@ def test_listops_fast_generator_gives_the_records_of_the_reference():
 # ----------------------------------------------------------------------------- workers
 
 
+def batches_and_state(loader, at, n):
+    """The first `n` batches of `loader` and its iterator's state after `at` of them."""
+    iterator = iter(loader)
+    try:
+        got = [next(iterator) for _ in range(at)]
+        state = iterator.get_state()
+        return got + [next(iterator) for _ in range(n - at)], state
+    finally:
+        iterator.close()
+
+
 @pytest.mark.heavy
 def test_workers_give_the_same_batches_and_resume_with_any_worker_count():
     source = make_source("copy", seed=0, size=40, max_len=16)
     expected = batches(make_loader(source, batch_size=4, seed=3), 14)  # crosses an epoch boundary
-    iterator = iter(make_loader(source, batch_size=4, seed=3, workers=2))
-    try:
-        got = [next(iterator) for _ in range(5)]
-        state = iterator.get_state()
-        got += [next(iterator) for _ in range(9)]
-    finally:
-        iterator.close()
+    got, state = batches_and_state(make_loader(source, batch_size=4, seed=3, workers=2), 5, 14)
     assert all(same(a, b) for a, b in zip(expected, got))
     resumed = iter(make_loader(source, batch_size=4, seed=3))  # saved with 2 workers, resumed with none
     resumed.set_state(state)
@@ -183,6 +188,34 @@ def test_workers_give_the_same_batches_and_resume_with_any_worker_count():
         assert all(same(a, next(workers)) for a in expected[5:9])
     finally:
         workers.close()
+
+
+class OneByOne:
+    """A source read one record at a time (no `__getitems__`, so no read-ahead)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def __repr__(self):
+        return repr(self.source)
+
+    def __len__(self):
+        return len(self.source)
+
+    def __getitem__(self, index):
+        return self.source[index]
+
+
+@pytest.mark.heavy
+def test_read_ahead_of_pathfinder_gives_the_records_read_one_by_one_with_any_worker_count():
+    source = make_source("pathfinder", seed=2, size=40, image_size=16, contour_length=4, distractors=1)
+    expected = batches(make_loader(OneByOne(source), batch_size=4, seed=3), 12)  # crosses an epoch boundary
+    assert all(same(a, b) for a, b in zip(expected, batches(make_loader(source, batch_size=4, seed=3), 12)))
+    got, state = batches_and_state(make_loader(source, batch_size=4, seed=3, workers=2), 5, 8)
+    assert all(same(a, b) for a, b in zip(expected, got))
+    resumed = iter(make_loader(OneByOne(source), batch_size=4, seed=3))  # checkpoints are interchangeable
+    resumed.set_state(state)
+    assert all(same(a, next(resumed)) for a in expected[5:])
 
 
 def test_state_for_workers_keeps_the_position_on_every_shard():
@@ -238,6 +271,14 @@ def test_a_built_split_gives_the_same_records_the_same_bytes_and_resumes(tmp_pat
         build_split(other, tmp_path / "a", processes=1, records_per_shard=7, progress=False)
     with pytest.raises(ValueError, match="no built split"):
         read_split(tmp_path, "missing", source)
+
+
+def test_a_built_pathfinder_split_holds_the_records_drawn_together(tmp_path):
+    source = make_source("pathfinder", seed=3, size=10, image_size=16, contour_length=4, distractors=1)
+    build_split(source, tmp_path / "pf", processes=1, records_per_shard=7, progress=False)
+    built = read_split(tmp_path, "pf", source)
+    assert all(same(built[i], source[i]) for i in range(10))
+    assert all(same(a, source[i]) for a, i in zip(source.__getitems__([7, 2]), [7, 2]))
 
 
 @pytest.mark.heavy

