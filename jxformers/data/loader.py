@@ -14,6 +14,10 @@ iterator's state (grain's: where it is in the index stream) is saved with every
 checkpoint; it is rewritten for this loader's worker count on restore, so a run may
 resume with another `data.workers`, and a resumed run sees exactly the batches it
 would have seen.
+
+A source that draws records faster together (with `__getitems__`, as Pathfinder) is read
+ahead by sampler position, READ_AT_ONCE records in one call (`_ReadAhead`): the same
+records, so none of the above changes.
 """
 
 from __future__ import annotations
@@ -176,7 +180,8 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
     """Batches of `source` as dicts of `[batch_size, ...]` numpy arrays (iterate it).
 
     Arguments:
-        source: a random-access source (`__len__`, `__getitem__`), e.g. from `make_source`.
+        source: a random-access source (`__len__`, `__getitem__`, and `__getitems__` if it
+            draws records faster together), e.g. from `make_source`.
         batch_size: examples per batch on this process (the last partial batch is dropped);
             with several processes each reads its own rows of global batches of
             batch_size x process count.
