@@ -5,14 +5,15 @@ and built splits on disk that give the same records as generating them."""
 import json
 import os
 
+import grain
 import numpy as np
 import pytest
 import yaml
 
-from jxformers.data import listops, make_loader, make_source
+from jxformers.data import listops, make_loader, make_source, pathfinder
 from jxformers.data.baselines import baselines, predict_by_key
 from jxformers.data.cache import build_split, read_split
-from jxformers.data.loader import state_for_workers
+from jxformers.data.loader import READ_AT_ONCE, _ReadAhead, state_for_workers
 from jxformers.tools import cli
 
 SHORT = {"max_len": 64, "min_length": 10, "max_length": 60}  # ListOps at the tiny preset's lengths
@@ -279,6 +280,34 @@ def test_a_built_pathfinder_split_holds_the_records_drawn_together(tmp_path):
     built = read_split(tmp_path, "pf", source)
     assert all(same(built[i], source[i]) for i in range(10))
     assert all(same(a, source[i]) for a, i in zip(source.__getitems__([7, 2]), [7, 2]))
+    spec_file = tmp_path / "pf" / "spec.json"  # a split built by an older generator is refused
+    spec = json.loads(spec_file.read_text())
+    del spec["source"]["generator_version"]
+    spec_file.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=f"source.generator_version: None built, {pathfinder.VERSION} wanted"):
+        read_split(tmp_path, "pf", source)
+
+
+def test_read_ahead_makes_each_block_once_whatever_the_read_order():
+    class Counting:
+        calls = 0
+
+        def __len__(self):
+            return 1000
+
+        def __getitem__(self, index):
+            return {"x": np.asarray(index)}
+
+        def __getitems__(self, indices):
+            Counting.calls += 1
+            return [self[i] for i in indices]
+
+    sampler = grain.samplers.IndexSampler(num_records=1000, shard_options=grain.sharding.NoSharding(),
+                                          shuffle=True, num_epochs=1, seed=0)
+    ahead = _ReadAhead(Counting(), sampler, stride=2)  # two readers' positions, read in a random order
+    for position in np.random.default_rng(0).permutation(256):
+        assert ahead[int(position)]["x"] == sampler[int(position)].record_key
+    assert Counting.calls == 256 // READ_AT_ONCE
 
 
 @pytest.mark.heavy

@@ -104,3 +104,6 @@ def test_a_batch_draws_each_record_as_alone():
     assert all(np.array_equal(chunked[index], image) for index, image in zip(indices[1:], images[1:]))
     with pytest.raises(ValueError, match=r"indices must be >= 0; got \[-1\]"):
         pathfinder.render_batch(5, [2, -1])
+    with pytest.raises(ValueError, match="indices must be integers; got dtype float64"):
+        pathfinder.render_batch(5, [1.5])
+    assert pathfinder.render_batch(5, [])[0].shape == (0, 32, 32)

@@ -6,8 +6,9 @@ random-access format (ArrayRecord), read back as a source that gives the same re
 
 A built split is a directory:
 
-    spec.json      what it holds: the source (class and fields), the record layout (each
-                   array's name, dtype and shape, in order) and the shard files
+    spec.json      what it holds: the source (class, fields and generator version), the
+                   record layout (each array's name, dtype and shape, in order) and the
+                   shard files
     shard-00000-of-00012.array_record  ...   RECORDS_PER_SHARD records each, in index order
 
 A record is its arrays' raw bytes, one after the other in the layout's order (every
@@ -43,8 +44,12 @@ SPEC = "spec.json"
 
 
 def describe(source) -> dict[str, Any]:
-    """A source's identity: its class and its fields (what decides its records)."""
-    return {"class": type(source).__name__, "fields": dataclasses.asdict(source)}
+    """A source's identity: its class, its fields and, for a source that has one, the
+    version of its generator (what decides its records)."""
+    identity = {"class": type(source).__name__, "fields": dataclasses.asdict(source)}
+    if hasattr(source, "generator_version"):  # absent from splits built before it was raised
+        identity["generator_version"] = source.generator_version
+    return identity
 
 
 def layout_of(record: dict[str, np.ndarray]) -> list[list]:

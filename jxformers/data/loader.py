@@ -101,14 +101,18 @@ class _Positions:
 
 class _ReadAhead:
     """A source with `__getitems__` read by sampler position: a position not made yet is
-    made with the next `READ_AT_ONCE - 1` positions the same reader will ask for (every
-    `stride`-th: grain's workers take positions round robin), in one `__getitems__`
-    call. Each record is still the source's record at that position, so batches, resumes
-    and worker counts are as without it; only the cost changes."""
+    made with the rest of its block, the READ_AT_ONCE positions the same reader asks for
+    (every `stride`-th: grain's workers take positions round robin) that start at a
+    multiple of READ_AT_ONCE of them, in one `__getitems__` call. Each record is still
+    the source's record at that position, so batches, resumes and worker counts are as
+    without it; only the cost changes. Blocks are fixed, so reads out of order (several
+    read threads, two iterators) find what another read made; the few newest are kept."""
+
+    _KEPT_BLOCKS = 4
 
     def __init__(self, source, sampler, stride: int):
         self.source, self.sampler, self.stride = source, sampler, stride
-        self._made, self._lock = {}, threading.Lock()
+        self._blocks, self._lock = {}, threading.Lock()  # (first position: {position: record}), oldest first
 
     def __repr__(self) -> str:
         return repr(self.source)
@@ -123,13 +127,20 @@ class _ReadAhead:
         return len(self.sampler)
 
     def __getitem__(self, position: int):
+        span = READ_AT_ONCE * self.stride
+        first = position - (position % span) + position % self.stride
         with self._lock:
-            if position not in self._made:
-                positions = range(position, position + READ_AT_ONCE * self.stride, self.stride)
-                positions = [p for p in positions if p < len(self.sampler)]
+            if first not in self._blocks:
+                positions = [p for p in range(first, first + span, self.stride) if p < len(self.sampler)]
                 keys = [self.sampler[p].record_key for p in positions]
-                self._made = dict(zip(positions, self.source.__getitems__(keys)))
-            return self._made.pop(position)
+                self._blocks[first] = dict(zip(positions, self.source.__getitems__(keys)))
+                while len(self._blocks) > self._KEPT_BLOCKS:
+                    del self._blocks[next(iter(self._blocks))]
+            block = self._blocks[first]
+            record = block.pop(position)
+            if not block:
+                del self._blocks[first]
+            return record
 
 
 class BatchIterator:

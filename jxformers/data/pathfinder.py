@@ -50,6 +50,7 @@ import math
 
 import numpy as np
 
+VERSION = 2  # raised whenever the same (seed, index, settings) give other images: built splits record it
 _MAX_TURN = math.pi / 5  # per step
 _INK_RADIUS = 0.75  # px: a stroke inks 1 - distance up to here (thin footprints pack densely)
 _CLEAR = 3.0  # px between strokes: > 0.75 + 1.42 + 0.75, so their inked pixels are never 8-adjacent
@@ -101,13 +102,6 @@ def _least_copied(steps):
 def _rank(owner):
     """[k] the place of each row among the rows of its owner (owner [k] sorted)."""
     return np.arange(len(owner)) - np.searchsorted(owner, owner)
-
-
-def _first_rows(owner, ok):
-    """(owners, rows): the first row of each owner (owner [k] sorted) where `ok` [k]."""
-    (rows,) = np.nonzero(ok)
-    owners, first = np.unique(owner[rows], return_index=True)
-    return owners, rows[first]
 
 
 def _walk(angles, step):
@@ -555,7 +549,10 @@ def render_batch(seed: int, indices, *, size: int = 32, contour_length: int = 6,
     (ints >= 0), drawn _CHUNK at a time; record i is `render(seed, i, ...)` whatever
     else is drawn with it (each image draws from its own generator)."""
     seg, distractors = _settings(size, contour_length, distractors, gap)
-    indices = np.asarray(indices, np.int64).reshape(-1)
+    indices = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))
+    if indices.size and indices.dtype.kind not in "iu":
+        raise ValueError(f"pathfinder: record indices must be integers; got dtype {indices.dtype}")
+    indices = indices.astype(np.int64).reshape(-1)
     if (indices < 0).any():
         raise ValueError(f"pathfinder: record indices must be >= 0; got {indices[indices < 0][:5].tolist()}")
     images = np.empty((len(indices), size, size), np.uint8)

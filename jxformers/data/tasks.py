@@ -161,6 +161,7 @@ class Pathfinder:
     model_task = "classify"
     vocab_size = 256
     num_classes = 2
+    generator_version = pathfinder.VERSION
 
     @property
     def max_len(self) -> int:
@@ -178,7 +179,8 @@ class Pathfinder:
         images, labels = pathfinder.render_batch(self.seed, indices, size=self.image_size,
                                                  contour_length=self.contour_length, distractors=self.distractors)
         tokens = images.reshape(len(images), -1).astype(np.int32)
-        return [{"tokens": t, "mask": np.ones(t.shape, bool), "label": np.int32(y)} for t, y in zip(tokens, labels)]
+        return [{"tokens": t.copy(), "mask": np.ones(t.shape, bool), "label": np.int32(y)}  # copies: a record
+                for t, y in zip(tokens, labels)]  # kept alone does not keep its whole batch
 
 
 TASKS = {
