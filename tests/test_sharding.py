@@ -279,11 +279,11 @@ def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(
 @pytest.mark.heavy
 def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_like_one_process(tmp_path):
     """`jxformers train` launched as 2 processes (loopback coordinator, 4 simulated CPU
-    devices each, gloo collectives) on a 4 x 2 mesh: process 0 alone writes the logs and
-    the per-step losses equal those of one process with 8 devices. Then, in one work
-    directory: SIGTERM to process 1 alone after a checkpoint stops both processes after
-    the same step, with that step saved; relaunched, both are killed with SIGKILL after a
-    later checkpoint; relaunched again, the run ends with the losses of one process."""
+    devices each, gloo collectives) on a 4 x 2 mesh, in one work directory: SIGTERM to
+    process 1 alone after a checkpoint stops both processes after the same step, with
+    that step saved, process 0 alone having written the logs, with the per-step losses
+    of one process with 8 devices; relaunched, both are killed with SIGKILL after a later
+    checkpoint; relaunched again, the run ends with the losses of one process."""
     import re
     import signal
     import socket
@@ -342,26 +342,30 @@ def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_l
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
             time.sleep(0.02)
 
-    finish([*two_processes(tmp_path / "two"), launch(tmp_path / "one", 8)])
-    two, single = _losses(tmp_path / "two"), _losses(tmp_path / "one")
-    assert sorted(two) == sorted(single) == list(range(1, steps + 1))
-    for step in single:
-        assert two[step] == pytest.approx(single[step], rel=1e-5), (step, two[step], single[step])
-    lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
-    assert len([line for line in lines if '"loss"' in line]) == steps  # written once, by process 0
-
-    # SIGTERM to process 1 alone: both stop after the same step and it is saved
-    run = tmp_path / "interrupted"
-    procs = two_processes(run)
+    # the reference, one process with 8 devices, runs beside the first two-process launch
+    single_process = launch(tmp_path / "one", 8)
     try:
-        wait_for_checkpoint_after(run, 0, procs)
-        procs[1].send_signal(signal.SIGTERM)
+        # SIGTERM to process 1 alone: both stop after the same step and it is saved
+        run = tmp_path / "interrupted"
+        procs = two_processes(run)
+        try:
+            wait_for_checkpoint_after(run, 0, procs)
+            procs[1].send_signal(signal.SIGTERM)
+        finally:
+            errs = finish(procs, code=128 + signal.SIGTERM)
     finally:
-        errs = finish(procs, code=128 + signal.SIGTERM)
+        finish([single_process])
+    single = _losses(tmp_path / "one")
+    assert sorted(single) == list(range(1, steps + 1))
     stopped = [int(re.search(r"saves after step (\d+)", err).group(1)) for err in errs]
     assert stopped[0] == stopped[1] < steps, stopped
     assert saved(run)[-1] == stopped[0] and f"saved step {stopped[0]}" in errs[0]
-    assert max(_losses(run)) == stopped[0]
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert len([line for line in lines if '"loss"' in line]) == stopped[0]  # written once, by process 0
+    two = _losses(run)
+    assert sorted(two) == list(range(1, stopped[0] + 1))
+    for step in two:
+        assert two[step] == pytest.approx(single[step], rel=1e-5), (step, two[step], single[step])
 
     # relaunched, then both killed with SIGKILL after a later checkpoint
     procs = two_processes(run)
