@@ -198,8 +198,9 @@ def test_encoder_decoder_forward_decoding_and_upsample_sum():
     bound = model.conditioned(src)
     state = bound.init_decode_state(9)
     steps = []
+    decode_step = eqx.filter_jit(lambda m, token, state: m.decode_step(token, state))  # compiled once
     for t in range(9):
-        out, state = bound.decode_step(tgt[t], state)
+        out, state = decode_step(bound, tgt[t], state)
         steps.append(out)
     assert_close(jnp.stack(steps), logits, atol=3e-5, rtol=1e-4)
     assert jxformers.generate(bound, tgt[:2], 4, key=jax.random.key(0)).shape == (6,)
@@ -337,8 +338,9 @@ def test_reversible_backward_reconstructs_and_matches_autodiff():
     # The model's decoding parity holds for the reversible wiring too.
     tok = tokens(3, 10)
     state, steps = model.init_decode_state(10), []
+    decode_step = eqx.filter_jit(lambda m, token, state: m.decode_step(token, state))  # compiled once
     for t in range(10):
-        out, state = model.decode_step(tok[t], state)
+        out, state = decode_step(model, tok[t], state)
         steps.append(out)
     assert_close(jnp.stack(steps), model(tok), atol=3e-5, rtol=1e-4)
 
