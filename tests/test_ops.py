@@ -77,9 +77,9 @@ def test_softmax_parts_derivatives_equal_autodiff_of_the_masked_softmax():
     t1, t2 = jax.random.normal(jax.random.key(3), (3, 1, 5, 4)), jax.random.normal(jax.random.key(6), (3, 1, 5, 6))
     assert_close(jax.jvp(ours, (s1, s2), (t1, t2))[1], jax.jvp(plain, (s1, s2), (t1, t2))[1], atol=1e-6)
     w = jax.random.normal(jax.random.key(4), (3, 1, 5, 10))
-    for f in (jax.grad, jax.hessian):
-        a = f(lambda s1: jnp.sum(w * ours(s1, s2)))(s1)
-        b = f(lambda s1: jnp.sum(w * plain(s1, s2)))(s1)
+    for f in (jax.grad, jax.hessian):  # jitted: one compilation, not one per operation
+        a = jax.jit(f(lambda s1: jnp.sum(w * ours(s1, s2))))(s1)
+        b = jax.jit(f(lambda s1: jnp.sum(w * plain(s1, s2))))(s1)
         assert_close(a, b, atol=1e-5)
     nan_upstream = jnp.where(jnp.concatenate([m1, m2], -1), w, jnp.nan)
     g = jax.grad(lambda s1: jnp.sum(nan_upstream * ours(s1, s2)))(s1)
