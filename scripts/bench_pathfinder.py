@@ -1,7 +1,7 @@
 """Images per second on one core of Pathfinder generators, side by side in one process:
-this checkout's `jxformers.data.pathfinder` (one image at a time with `render`, as the
-loader's read of one record does, and many at once with `render_batch`, as the loader's
-read-ahead and `jxformers data build` do) and any older versions given as files (each
+this checkout's `jxformers.data.pathfinder` (one image at a time with `render`, and
+many at once with `render_batch`, as the loader's read-ahead and `jxformers data build`
+do) and any older versions given as files (each
 with its own default settings but the contour length, one image at a time). Rates are
 CPU time (process time), the best of --repeats interleaved rounds, so that a shared
 machine's load hurts them all alike.

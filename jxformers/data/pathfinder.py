@@ -476,7 +476,7 @@ def _main_contours(rngs, size, contour_length, seg, gap):
     at = np.repeat(np.arange(len(drawn)), tried)
     rank = _rank(at)
     cs = copied[at] - rank // _TAILS
-    group = np.repeat(np.cumsum(copied - least + 1) - (copied - least + 1), tried) + rank // _TAILS
+    group = np.cumsum(rank % _TAILS == 0) - 1  # one per image and number of copied steps
     most = contour_length - least
     u = np.concatenate([rngs[j].random((k, most, _TURNS + 1)) for j, k in zip(drawn, tried)])
     starts, before = head[at, cs], head[at, cs - 1]
