@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from jxformers import ops
-from jxformers.kernels import BlockSizes, visited_fraction
+from jxformers.kernels import Alibi, BlockSizes, visited_fraction
 from jxformers.kernels.flash import default_block_sizes
+from jxformers.nn import alibi_slopes
 from jxformers.ops.local import local_pattern
 from jxformers.ops.softmax import softmax_pattern
 from jxformers.ops.sparse import bigbird_pattern, bigbird_random_blocks, longformer_pattern
@@ -59,12 +60,15 @@ def batched(fn):
     return jax.vmap(fn)
 
 
-def configs(n: int, sizes: BlockSizes):
+def configs(n: int, sizes: BlockSizes, heads: int):
     """name -> (op taking impl, visited fraction, dot_product_attention kwargs or None,
     bundled-mha causal flag or None)."""
     yield "dense", (ops.softmax_attention, visited_fraction(softmax_pattern(n, n, causal=False), n, n, sizes), {}, False)
-    yield "causal", (functools.partial(ops.softmax_attention, causal=True),
-                     visited_fraction(softmax_pattern(n, n, causal=True), n, n, sizes), {"is_causal": True}, True)
+    causal_fraction = visited_fraction(softmax_pattern(n, n, causal=True), n, n, sizes)
+    yield "causal", (functools.partial(ops.softmax_attention, causal=True), causal_fraction, {"is_causal": True}, True)
+    # ALiBi computed per tile by the kernel; the XLA op materialises the [heads, N, N] bias.
+    yield "causal alibi", (functools.partial(ops.softmax_attention, causal=True, bias=Alibi(alibi_slopes(heads))),
+                           causal_fraction, None, None)
     for w in (256, 512):
         yield f"causal window {w}", (functools.partial(ops.local_attention, window=w, causal=True),
                                      visited_fraction(local_pattern(w, causal=True, q_len=n, kv_len=n), n, n, sizes),
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
             shape = (batch, n, args.heads, d)
             q, k, v, do = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
             dense_flops = 4.0 * batch * args.heads * n * n * d
-            for name, (op, frac, cudnn, mha) in configs(n, sizes):
+            for name, (op, frac, cudnn, mha) in configs(n, sizes, args.heads):
                 if args.only and name not in args.only:
                     continue
                 impls = {"pallas": functools.partial(op, impl="pallas")}

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jxformers.kernels import Band, BlockSizes, KeyRange, block_sparse_attention, block_sparse_reference, causal
+from jxformers.kernels import Alibi, Band, BlockSizes, KeyRange, block_sparse_attention, block_sparse_reference, causal
 from jxformers.kernels import intersect, union
+from jxformers.nn import alibi_slopes
 
 # The kernel impl the training check compares with XLA ("interpret" runs it on a CPU).
 IMPL = "pallas" if jax.default_backend() != "cpu" else "interpret"
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
 
 
 def check_routes() -> int:
-    """cuDNN through the ops (impl="cudnn"), and segment ids in the kernel, against XLA."""
+    """cuDNN through the ops (impl="cudnn"), segment ids and ALiBi (output and slope
+    gradient) in the kernel, against XLA."""
     from jxformers import ops
 
     failures = 0
@@ -92,6 +94,11 @@ def check_routes() -> int:
     q, k, v = (jax.random.normal(x, (n, 8, 64), jnp.bfloat16) for x in keys)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     segments = (jnp.arange(n) // 300, jnp.arange(n) // 300)
+    slopes = alibi_slopes(8)
+
+    def alibi_run(fn, *qkv):
+        out, vjp = jax.vjp(lambda s: fn(*qkv, Alibi(s)).astype(jnp.float32), slopes)
+        return jnp.concatenate([out.ravel(), *vjp(jnp.ones_like(out))])
     with jax.default_matmul_precision("highest"):
         cases = {
             "cudnn softmax causal": (ops.softmax_attention(q, k, v, causal=True, impl="cudnn"),
@@ -100,6 +107,9 @@ def check_routes() -> int:
                                          ops.local_attention(*f32, window=100, causal=True, impl="xla")),
             "kernel segment ids": (block_sparse_attention(q, k, v, causal(n, n), segment_ids=segments),
                                    block_sparse_reference(*f32, causal(n, n), segment_ids=segments)[0]),
+            "kernel alibi causal": (
+                alibi_run(lambda q, k, v, a: block_sparse_attention(q, k, v, causal(n, n), alibi=a), q, k, v),
+                alibi_run(lambda q, k, v, a: block_sparse_reference(q, k, v, causal(n, n), alibi=a)[0], *f32)),
         }
     for name, (got, want) in cases.items():
         err = rel(got, want)

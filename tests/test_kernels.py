@@ -14,10 +14,11 @@ import pytest
 from conftest import assert_close, qkv
 
 from jxformers import ModelConfig, build_model, ops
-from jxformers.kernels import Band, BlockSizes, KeyRange, QueryRange, block_sparse_attention, causal, impl
+from jxformers.kernels import Alibi, Band, BlockSizes, KeyRange, QueryRange, block_sparse_attention, causal, impl
 from jxformers.kernels import block_sparse_reference, intersect, union
 from jxformers.kernels.block_mask import EMPTY, FULL, PARTIAL, add_full_blocks, block_kinds, visit_lists
 from jxformers.kernels.pattern import KeyResidue, dense_mask, key_set
+from jxformers.nn import alibi_slopes
 from jxformers.ops.local import block_local_pattern, local_pattern
 from jxformers.ops.softmax import softmax_pattern
 from jxformers.ops.sparse import bigbird_pattern, longformer_pattern, sparse_transformer_pattern
@@ -209,6 +210,60 @@ def test_lse_is_exact_and_differentiable():
                  f(lambda q: block_sparse_reference(q, k, v, pattern)), atol=2e-5)
 
 
+@pytest.mark.parametrize("is_causal,q_len", [(False, N), (True, N), (True, 20)])
+def test_alibi_in_the_kernel_equals_the_dense_bias(is_causal, q_len):
+    """The kernel computes ALiBi per tile; the XLA op adds `Alibi.dense`: outputs and the
+    gradients of q, k, v and the slopes agree (GQA, padding, odd lengths, and queries
+    that are the last positions of the keys)."""
+    q, k, v = qkv(11, q_len, kv_len=N)
+    slopes = alibi_slopes(q.shape[1]) * 4.0  # steep: the bias decides most of each row
+    kw = dict(causal=is_causal, kv_mask=jnp.arange(N) < N - 3)
+
+    def run(impl):
+        @jax.jit
+        def go(q, k, v, slopes):
+            f = lambda q, k, v, s: ops.softmax_attention(q, k, v, bias=Alibi(s, N - q_len), impl=impl, **kw)  # noqa: E731
+            out, vjp = jax.vjp(f, q, k, v, slopes)
+            return out, vjp(jax.random.normal(jax.random.key(9), out.shape, out.dtype))
+        return go(q, k, v, slopes)
+
+    got, got_grads = run("interpret")
+    want, want_grads = run("xla")
+    assert_close(got, want, atol=2e-6)
+    for a, b in zip(got_grads, want_grads):
+        assert_close(a, b, atol=5e-5, rtol=2e-5)
+    assert float(jnp.abs(want_grads[3]).min()) > 1e-3  # the slopes' gradient is not trivially zero
+
+
+def test_alibi_models_run_the_kernel_without_an_n_by_n_bias():
+    n = 256
+    tokens = jnp.arange(n) % 50
+    base = dict(task="lm", vocab_size=50, num_layers=1, d_model=16, num_heads=2, max_len=n, position="alibi")
+    key = jax.random.key(0)
+    kernel_model = build_model(ModelConfig(**base, impl="interpret"), key=key)
+    assert_close(kernel_model(tokens), build_model(ModelConfig(**base, impl="xla"), key=key)(tokens), atol=2e-5)
+    jaxpr = jax.make_jaxpr(kernel_model)(tokens)
+
+    def shapes(jaxpr):  # every intermediate, inside jit, scan and the kernels' bodies too
+        for eqn in jaxpr.eqns:
+            yield from (getattr(var.aval, "shape", ()) for var in eqn.outvars)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from shapes(inner)
+
+    assert all(int(np.prod(shape)) < n * n for shape in shapes(jaxpr.jaxpr))
+
+
+def test_alibi_slopes_must_match_the_heads():
+    q, k, v = qkv(12, N)
+    with pytest.raises(ValueError, match=r"Alibi.slopes must be \[heads=4\]"):
+        ops.softmax_attention(q, k, v, bias=Alibi(jnp.ones(3)), impl="interpret")
+    with pytest.raises(ValueError, match=r"Alibi.slopes must be \[heads=4\]"):
+        ops.softmax_attention(q, k, v, bias=Alibi(jnp.ones(3)), impl="xla")
+
+
 def test_rows_without_keys_are_zero_with_finite_gradients():
     q, k, v = qkv(4, 24)
     kv_mask = jnp.zeros(24, bool)
@@ -253,7 +308,7 @@ def test_impl_errors_name_what_is_allowed():
         ops.longformer_attention(q, k, v, global_indices=jnp.array([0]), impl="interpret")
     with pytest.raises(ValueError, match="block_size=24 is not a power of two"):
         ops.bigbird_attention(q, k, v, block_size=24, num_random_blocks=0, impl="interpret")
-    with pytest.raises(ValueError, match="a dense mask or a bias"):
+    with pytest.raises(ValueError, match="a dense mask or a dense bias"):
         ops.softmax_attention(q, k, v, mask=jnp.ones((N, N), bool), impl="interpret")
 
 

@@ -1,7 +1,7 @@
 """The block-sparse flash-attention kernel's TPU variant (`flash_tpu`, Mosaic TPU), run
 in TPU interpret mode on CPU, against the dense reference: outputs, lse and gradients
 for dense, causal, windowed, Longformer-like, dilated, grouped-query, padded,
-odd-length, bf16 and BigBird (run-time extra blocks, under vmap) patterns; that the
+odd-length, bf16, ALiBi and BigBird (run-time extra blocks, under vmap) patterns; that the
 kernels pass Pallas's TPU lowering (block shapes, primitives); and that
 `impl="pallas"` picks it on TPUs.
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import qkv
 
-from jxformers.kernels import Band, BlockSizes, KernelChoice, KeyRange, QueryRange, block_sparse_attention, causal, impl
+from jxformers.kernels import Alibi, Band, BlockSizes, KernelChoice, KeyRange, QueryRange, block_sparse_attention, causal, impl
 from jxformers.kernels import block_sparse_reference, union
 
 B128 = BlockSizes(128, 128, 128, 128)
@@ -53,7 +53,7 @@ def _close(got, want, tol, what):
 
 
 def _check(pattern, *, q_len=256, kv_len=None, heads=2, kv_heads=2, d=32, dv=32, sizes=B128, kv_mask=None,
-           extra_blocks=None, block_size=None, dtype=jnp.float32, tol=2e-5, seed=0, batch=None):
+           extra_blocks=None, block_size=None, dtype=jnp.float32, tol=2e-5, seed=0, batch=None, alibi=None):
     """The kernel against the reference on one example, or on `batch` examples under
     `jax.vmap` (as the models run it; kv_mask and extra_blocks then per example)."""
     kv_len = q_len if kv_len is None else kv_len
@@ -63,11 +63,11 @@ def _check(pattern, *, q_len=256, kv_len=None, heads=2, kv_heads=2, d=32, dv=32,
 
     def kernel(q, k, v, kv_mask, extra_blocks):
         return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks, block_sizes=sizes,
-                                      backend="tpu", interpret=True, return_lse=True)
+                                      backend="tpu", interpret=True, return_lse=True, alibi=alibi)
 
     def reference(q, k, v, kv_mask, extra_blocks):
         return block_sparse_reference(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks,
-                                      block_size=block_size)
+                                      block_size=block_size, alibi=alibi)
 
     if batch:
         kernel, reference = jax.vmap(kernel), jax.vmap(reference)
@@ -97,12 +97,28 @@ CASES = {
     # 200 = one full tile and a tail: the kernels mask padded keys and drop padded queries.
     "odd_length": dict(pattern=causal(200, 200), q_len=200, heads=1, kv_heads=1),
     "bf16": dict(pattern=causal(256, 256), heads=1, kv_heads=1, dtype=jnp.bfloat16, tol=3e-2, sizes=MIXED),
+    # ALiBi computed on each tile, with the queries the last 200 of 256 positions.
+    "alibi": dict(pattern=causal(200, 256), q_len=200, kv_len=256, heads=4, kv_heads=2, sizes=MIXED,
+                  kv_mask=jnp.arange(256) < 250, alibi=Alibi(jnp.array([0.5, 0.25, 0.1, 0.02]), 56)),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_tpu_kernel_matches_reference(name):
     _check(**CASES[name])
+
+
+def test_tpu_kernel_alibi_slope_gradient():
+    q, k, v = qkv(3, 200, heads=2, kv_heads=1, d=32, dv=32)
+    w = jax.random.normal(jax.random.key(4), (200, 2, 32))
+
+    def slope_grad(fn):
+        return jax.jit(jax.grad(lambda s: jnp.sum(fn(s) * w)))(jnp.array([0.3, 0.05]))
+
+    got = slope_grad(lambda s: block_sparse_attention(q, k, v, Band(-W, W), alibi=Alibi(s), block_sizes=B64,
+                                                      backend="tpu", interpret=True))
+    want = slope_grad(lambda s: block_sparse_reference(q, k, v, Band(-W, W), alibi=Alibi(s))[0])
+    _close(got, want, 2e-5, "d_slopes")
 
 
 def test_tpu_kernel_bigbird_extra_blocks_under_vmap():
@@ -128,9 +144,9 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
     q, k, v = qkv(0, 200, heads=4, kv_heads=2, d=128, dv=64, dtype=jnp.bfloat16)  # both head layouts
     pattern = union(Band(-W, W, step=2), KeyRange(0, 8), QueryRange(0, 8))
 
-    def loss(q, k, v, kv_mask, extra_blocks, sizes):
+    def loss(q, k, v, kv_mask, extra_blocks, sizes, alibi=None):
         out = block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks, block_sizes=sizes,
-                                     backend="tpu")
+                                     backend="tpu", alibi=alibi)
         return jnp.sum(out.astype(jnp.float32))
 
     def lower(fn, *args):
@@ -138,7 +154,8 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
 
     grad = jax.grad(loss, argnums=(0, 1, 2))
     try:
-        texts = [lower(lambda q, k, v: grad(q, k, v, jnp.arange(200) < 190, None, MIXED), q, k, v),
+        texts = [lower(lambda q, k, v: grad(q, k, v, jnp.arange(200) < 190, None, MIXED,
+                                            Alibi(jnp.linspace(0.5, 0.1, 4))), q, k, v),
                  # Batched, with per-example run-time blocks: vmap adds a grid axis and
                  # batches the scalar-prefetch visit lists.
                  lower(jax.vmap(lambda q, k, v, e: grad(q, k, v, None, e, B64)), *(jnp.stack([x, x]) for x in (q, k, v)),

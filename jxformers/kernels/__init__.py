@@ -4,6 +4,7 @@
   op takes, and where each kernel runs.
 * `pattern`, `block_mask`: static attention patterns as position rules, and the
   block-sparse metadata (visit lists) computed from them at trace time.
+* `alibi`: ALiBi as slopes and an offset (`Alibi`), which the flash kernels compute per tile.
 * `flash`: block-sparse flash attention (`block_sparse_attention`) with its custom VJP
   and its dense reference; `flash_gpu` (Triton lowering) and `flash_tpu` (Mosaic TPU)
   hold the kernels.
@@ -12,12 +13,13 @@
   (Triton lowering) holds the kernels.
 """
 
+from jxformers.kernels.alibi import Alibi
 from jxformers.kernels.flash import BlockSizes, block_sparse_attention, block_sparse_reference, visited_fraction
 from jxformers.kernels.impl import IMPLS, KernelChoice, check_impl, choose_kernel
 from jxformers.kernels.linear import chunked_linear_attention
 from jxformers.kernels.pattern import Band, KeyRange, Pattern, QueryRange, causal, intersect, union
 
 __all__ = [
-    "IMPLS", "Band", "BlockSizes", "KernelChoice", "KeyRange", "Pattern", "QueryRange", "block_sparse_attention",
+    "IMPLS", "Alibi", "Band", "BlockSizes", "KernelChoice", "KeyRange", "Pattern", "QueryRange", "block_sparse_attention",
     "block_sparse_reference", "causal", "chunked_linear_attention", "check_impl", "choose_kernel", "intersect", "union", "visited_fraction",
 ]

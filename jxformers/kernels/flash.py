@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jxformers.kernels import flash_gpu
+from jxformers.kernels.alibi import Alibi, check_alibi
 from jxformers.kernels.impl import KernelChoice
 from jxformers.kernels.block_mask import add_full_blocks, block_kinds, ceil_div, visit_lists
 from jxformers.kernels.pattern import Pattern, dense_mask
@@ -95,6 +96,7 @@ class _Static:
     has_segments: bool
     backend: str
     interpret: bool
+    alibi_offset: int | None = None  # ALiBi's q_offset; None: no ALiBi
 
     @property
     def padded(self) -> tuple[int, int]:
@@ -105,10 +107,11 @@ class _Static:
 
 
 def block_sparse_reference(q, k, v, pattern: Pattern, *, kv_mask=None, segment_ids=None, scale: float | None = None,
-                           extra_blocks=None, block_size: int | None = None):
-    """Dense masked softmax attention under `pattern` (and `kv_mask`, `segment_ids`, and
-    the FULL `extra_blocks` of `block_size`), computed with an N x N mask: the reference
-    the kernels are tested against. Returns `(out [q_len, heads, d_v], lse [q_len, heads])`."""
+                           extra_blocks=None, block_size: int | None = None, alibi: Alibi | None = None):
+    """Dense masked softmax attention under `pattern` (and `kv_mask`, `segment_ids`, the
+    FULL `extra_blocks` of `block_size`, the `alibi` bias), computed with an N x N mask:
+    the reference the kernels are tested against. Returns `(out [q_len, heads, d_v],
+    lse [q_len, heads])`."""
     q_len, heads, d_k = q.shape
     kv_len, kv_heads, _ = k.shape
     scale = 1.0 / math.sqrt(d_k) if scale is None else scale
@@ -124,6 +127,8 @@ def block_sparse_reference(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
         mask = mask & (jnp.asarray(segment_ids[0])[:, None] == jnp.asarray(segment_ids[1])[None, :])
     g = heads // kv_heads
     s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), jnp.repeat(k, g, axis=1).astype(jnp.float32)) * scale
+    if alibi is not None:
+        s = s + alibi.dense(q_len, kv_len)
     s = jnp.where(mask[None], s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
     seen = jnp.isfinite(lse)
@@ -152,32 +157,34 @@ def _kernels(static):
     raise ValueError(f"no block-sparse kernel for backend {static.backend!r}; kernels: 'gpu', 'tpu'")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, kv_mask, extra_blocks, static):
-    return _flash_fwd_rule(q, k, v, kv_mask, extra_blocks, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, kv_mask, extra_blocks, slopes, static):
+    return _flash_fwd_rule(q, k, v, kv_mask, extra_blocks, slopes, static)[0]
 
 
-def _flash_fwd_rule(q, k, v, kv_mask, extra_blocks, static):
+def _flash_fwd_rule(q, k, v, kv_mask, extra_blocks, slopes, static):
     rows, _ = _metadata(static, extra_blocks, static.sizes.block_q, static.sizes.block_k)
-    out, lse = _kernels(static).forward(q, k, v, kv_mask, rows, static)
-    return (out, lse), (q, k, v, kv_mask, extra_blocks, out, lse)
+    out, lse = _kernels(static).forward(q, k, v, kv_mask, slopes, rows, static)
+    return (out, lse), (q, k, v, kv_mask, extra_blocks, slopes, out, lse)
 
 
 def _flash_bwd_rule(static, residuals, cotangents):
-    q, k, v, kv_mask, extra_blocks, out, lse = residuals
+    q, k, v, kv_mask, extra_blocks, slopes, out, lse = residuals
     d_out, d_lse = cotangents
     rows, cols = _metadata(static, extra_blocks, *static.sizes.backward)
     # d lse_i / d s_ij = p_ij: a cotangent on the lse shifts delta (FlashAttention's D_i).
     delta = jnp.einsum("qhd,qhd->hq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
-    dq, dk, dv = _kernels(static).backward(q, k, v, kv_mask, d_out.astype(q.dtype), lse, delta, rows, cols, static)
+    dq, dk, dv, d_slope_rows = _kernels(static).backward(q, k, v, kv_mask, slopes, d_out.astype(q.dtype), lse, delta,
+                                                          rows, cols, static)
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
 
     def fold(x, like):  # per-query-head gradients -> their kv head
         return x.reshape(x.shape[0], kv_heads, group, x.shape[2]).sum(axis=2).astype(like.dtype)
 
-    return dq, fold(dk, k), fold(dv, v), None, None
+    d_slopes = None if slopes is None else d_slope_rows.sum(axis=1)
+    return dq, fold(dk, k), fold(dv, v), None, None, d_slopes
 
 
 _flash.defvjp(_flash_fwd_rule, _flash_bwd_rule)
@@ -216,7 +223,7 @@ def check_inputs(q, k, v, kv_mask=None) -> None:
 
 
 def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_ids=None, scale: float | None = None,
-                           extra_blocks=None,
+                           extra_blocks=None, alibi: Alibi | None = None,
                            block_sizes: BlockSizes | None = None, backend: str = "gpu", interpret: bool = False,
                            return_lse: bool = False):
     """Flash attention restricted to `pattern`, visiting only its blocks.
@@ -233,6 +240,9 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
         extra_blocks: optional `[num_q_blocks, r]` int array of key blocks each query
             block also sees in full (run-time values: BigBird's random blocks); needs
             `block_q == block_k`, the blocks they count in; -1 for none.
+        alibi: optional `Alibi(slopes [heads], q_offset)`: adds -slopes[h] * |i +
+            q_offset - j| to the scaled logits, computed on each visited tile (no
+            N x N bias); differentiable in the slopes.
         block_sizes: `BlockSizes` (clipped to short sequences).
         backend: "gpu" (Triton lowering) or "tpu" (Mosaic TPU) kernel variant.
         interpret: run the kernels in Pallas interpret mode (any device).
@@ -259,9 +269,14 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
         _check_segments(segment_ids, q_len, kv_len)
         if backend != "gpu":
             raise ValueError(f"segment_ids run on the GPU kernel only; got backend={backend!r}")
+    slopes = None
+    if alibi is not None:
+        check_alibi(alibi, heads)
+        slopes = jnp.asarray(alibi.slopes, jnp.float32)
     has_tags = kv_mask is not None or segment_ids is not None
     static = _Static(pattern, q_len, kv_len, float(1.0 / math.sqrt(d_k) if scale is None else scale), sizes,
-                     has_tags, segment_ids is not None, backend, interpret)
+                     has_tags, segment_ids is not None, backend, interpret,
+                     None if alibi is None else int(alibi.q_offset))
     lq, lk = static.padded
     dk_pad, dv_pad = _pow2(d_k), _pow2(d_v)
     qp = _pad_axis(_pad_axis(q, 0, lq), 2, dk_pad)
@@ -276,7 +291,7 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
     else:
         mask = _pad_axis(tags, 0, lk) if kv_mask is not None else None
     extra = None if extra_blocks is None else jnp.asarray(extra_blocks, jnp.int32)
-    out, lse = _flash(qp, kp, vp, mask, extra, static)
+    out, lse = _flash(qp, kp, vp, mask, extra, slopes, static)
     out = out[:q_len, :, :d_v]
     if return_lse:
         return out, lse[:, :q_len].T
@@ -284,13 +299,14 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
 
 
 def pattern_attention(q, k, v, pattern: Pattern, choice: KernelChoice, *, kv_mask=None, scale: float | None = None,
-                      extra_blocks=None, block_sizes: BlockSizes | None = None):
+                      extra_blocks=None, alibi: Alibi | None = None, block_sizes: BlockSizes | None = None):
     """`block_sparse_attention` as the ops call it: inputs of mixed float dtypes promoted
     to one, run where `choice` says."""
     dtype = jnp.result_type(q, k, v)
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, scale=scale, extra_blocks=extra_blocks,
-                                  block_sizes=block_sizes, backend=choice.backend, interpret=choice.interpret)
+                                  alibi=alibi, block_sizes=block_sizes, backend=choice.backend,
+                                  interpret=choice.interpret)
 
 
 def visited_fraction(pattern: Pattern, q_len: int, kv_len: int, block_sizes: BlockSizes | None = None,

@@ -48,12 +48,22 @@ def _tile_mask(static, q_start, k_start, bq, bk):
     return static.pattern.allowed(i, j) & (j < static.kv_len)
 
 
-def _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags=None):
+def _distances(static, q_start, k_start, bq, bk):
+    """ALiBi's |i + offset - j| on one tile, float32."""
+    i = q_start + static.alibi_offset + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    j = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    return jnp.abs(i - j).astype(jnp.float32)
+
+
+def _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags=None, slope=None):
     """Base-2 logits of one tile, masked: -inf where not allowed (the pattern's rule is
     evaluated on `partial` tiles only). `kvm_ref` holds key tags (0: padding; with
-    segments, segment + 1), `q_tags [bq]` the queries' segment + 1."""
+    segments, segment + 1), `q_tags [bq]` the queries' segment + 1; `slope` the head's
+    ALiBi slope (the bias is computed here, on every visited tile)."""
     bq, bk = q.shape[0], k.shape[0]
     s = _dot(q, k, trans_b=True) * (static.scale * LOG2E)
+    if slope is not None:
+        s = s - (slope * LOG2E) * _distances(static, q_start, k_start, bq, bk)
     if kvm_ref is not None:
         tags = kvm_ref[pl.ds(k_start, bk)]
         keep = tags[None, :] != 0 if q_tags is None else q_tags[:, None] == tags[None, :]
@@ -81,14 +91,19 @@ def _visit(index_ref, full_ref, count_ref, row, body, init, *, contiguous):
     return lax.fori_loop(full_ref[row], count_ref[row], partial_body, carry)
 
 
-def _tag_refs(rest, static):
-    """(key tags, query tags) refs among a kernel's trailing inputs, None when absent."""
+def _extra_refs(rest, static):
+    """(key tags, query tags, ALiBi slope) among a kernel's trailing inputs, None when
+    absent; the slope is the current head's (grid axis 0), loaded."""
     kvm_ref = rest[0] if static.has_kv_mask else None
-    return kvm_ref, (rest[1] if static.has_segments else None)
+    qt_ref = rest[1] if static.has_segments else None
+    slope = None
+    if static.alibi_offset is not None:
+        slope = rest[int(static.has_kv_mask) + int(static.has_segments)][pl.program_id(0)]
+    return kvm_ref, qt_ref, slope
 
 
 def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, static, bq, bk, contiguous):
-    kvm_ref, qt_ref = _tag_refs(rest, static)
+    kvm_ref, qt_ref, slope = _extra_refs(rest, static)
     o_ref, lse_ref = rest[-2:]
     qb = pl.program_id(1)
     q = q_ref[...]
@@ -100,7 +115,7 @@ def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, 
         k_start = block * bk
         k = k_ref[pl.ds(k_start, bk), :]
         v = v_ref[pl.ds(k_start, bk), :]
-        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags)
+        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags, slope)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
@@ -125,21 +140,21 @@ def _full_spec(x):
     return pl.BlockSpec(x.shape, lambda h, b: (0,) * x.ndim)
 
 
-def _tags(kv_mask, static):
-    """The trailing tag inputs: key tags alone, or (key tags, query tags) with segments."""
-    if not static.has_kv_mask:
-        return []
-    return list(kv_mask) if static.has_segments else [kv_mask]
+def _extras(kv_mask, slopes, static):
+    """The trailing inputs: key tags alone, or (key tags, query tags) with segments; then
+    the ALiBi slopes `[heads]`."""
+    tags = [] if not static.has_kv_mask else list(kv_mask) if static.has_segments else [kv_mask]
+    return tags + ([slopes] if static.alibi_offset is not None else [])
 
 
-def forward(q, k, v, kv_mask, rows: VisitLists, static):
+def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
     """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key)."""
     lq, heads, dk = q.shape
     lk, kv_heads, dv = v.shape
     group = heads // kv_heads
     bq, bk = static.sizes.block_q, static.sizes.block_k
     meta = [jnp.asarray(rows.index), jnp.asarray(rows.full), jnp.asarray(rows.count)]
-    tags = _tags(kv_mask, static)
+    tags = _extras(kv_mask, slopes, static)
     inputs = [*meta, q, k, v, *tags]
     in_specs = [*map(_full_spec, meta), pl.BlockSpec((bq, None, dk), lambda h, b: (b, h, 0)),
                 _kv_spec(lk, dk, group), _kv_spec(lk, dv, group), *map(_full_spec, tags)]
@@ -156,8 +171,9 @@ def forward(q, k, v, kv_mask, rows: VisitLists, static):
 
 
 def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk, contiguous):
-    kvm_ref, qt_ref = _tag_refs(rest, static)
-    dq_ref = rest[-1]
+    kvm_ref, qt_ref, slope = _extra_refs(rest, static)
+    alibi = slope is not None
+    dq_ref = rest[-2] if alibi else rest[-1]
     qb = pl.program_id(1)
     q, do = q_ref[...], do_ref[...]
     lse2 = lse_ref[...] * LOG2E
@@ -165,22 +181,28 @@ def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_
     q_start = qb * bq
     q_tags = None if qt_ref is None else qt_ref[pl.ds(q_start, bq)]
 
-    def body(block, dq, partial):
+    def body(block, carry, partial):
+        dq, d_slope = carry
         k_start = block * bk
         k = k_ref[pl.ds(k_start, bk), :]
         v = v_ref[pl.ds(k_start, bk), :]
-        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags)
+        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags, slope)
         p = jnp.exp2(s - lse2[:, None])
         dp = _dot(do, v, trans_b=True)
-        ds = p * (dp - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = p * (dp - delta[:, None])  # dL/d(scaled logit + bias)
+        if alibi:  # the bias is -slope * distance; masked entries have ds = 0
+            d_slope = d_slope - jnp.sum(ds * _distances(static, q_start, k_start, bq, bk), axis=1)
+        return dq + _dot(ds.astype(k.dtype), k), d_slope
 
-    dq = _visit(index_ref, full_ref, count_ref, qb, body, jnp.zeros(q.shape, jnp.float32), contiguous=contiguous)
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    dq, d_slope = _visit(index_ref, full_ref, count_ref, qb, body, init, contiguous=contiguous)
     dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
+    if alibi:
+        rest[-1][...] = d_slope
 
 
 def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk, contiguous):
-    kvm_ref, qt_ref = _tag_refs(rest, static)
+    kvm_ref, qt_ref, slope = _extra_refs(rest, static)
     dk_ref, dv_ref = rest[-2:]
     kb = pl.program_id(1)
     k, v = k_ref[...], v_ref[...]
@@ -194,7 +216,7 @@ def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse
         lse2 = lse_ref[pl.ds(q_start, bq)] * LOG2E
         delta = delta_ref[pl.ds(q_start, bq)]
         q_tags = None if qt_ref is None else qt_ref[pl.ds(q_start, bq)]
-        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags)
+        s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags, slope)
         p = jnp.exp2(s - lse2[:, None])
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         dp = _dot(do, v, trans_b=True)
@@ -208,26 +230,29 @@ def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse
     dv_ref[...] = dv
 
 
-def backward(q, k, v, kv_mask, do, lse, delta, rows: VisitLists, cols: VisitLists, static):
-    """dq `[Lq, H, dk]` (q's dtype), and float32 per-query-head dk `[Lk, H, dk]`, dv
-    `[Lk, H, dv]` (the caller sums each kv head's group)."""
+def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: VisitLists, static):
+    """dq `[Lq, H, dk]` (q's dtype), float32 per-query-head dk `[Lk, H, dk]`, dv
+    `[Lk, H, dv]` (the caller sums each kv head's group), and with ALiBi each row's
+    share of its head's slope gradient `[H, Lq]` (else None)."""
     lq, heads, dk_ = q.shape
     lk, kv_heads, dv_ = v.shape
     group = heads // kv_heads
     sizes = static.sizes
-    extra = _tags(kv_mask, static)
+    extra = _extras(kv_mask, slopes, static)
+    alibi = static.alibi_offset is not None
 
     bq, bk = sizes.backward
     meta = [jnp.asarray(rows.index), jnp.asarray(rows.full), jnp.asarray(rows.count)]
     q_tile = pl.BlockSpec((bq, None, dk_), lambda h, b: (b, h, 0))
     row_vec = pl.BlockSpec((None, bq), lambda h, b: (h, b))
-    dq = pl.pallas_call(
+    dq_out = [jax.ShapeDtypeStruct(q.shape, q.dtype)] + [jax.ShapeDtypeStruct((heads, lq), jnp.float32)] * alibi
+    dq, *d_slope = pl.pallas_call(
         functools.partial(_dq_kernel, static=static, bq=bq, bk=bk, contiguous=rows.full_contiguous),
         grid=(heads, lq // bq),
         in_specs=[*map(_full_spec, meta), q_tile, _kv_spec(lk, dk_, group), _kv_spec(lk, dv_, group),
                   pl.BlockSpec((bq, None, dv_), lambda h, b: (b, h, 0)), row_vec, row_vec, *map(_full_spec, extra)],
-        out_specs=q_tile,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=[q_tile] + [row_vec] * alibi,
+        out_shape=dq_out,
         compiler_params=_compiler_params(sizes),
         interpret=static.interpret,
         name="block_sparse_flash_dq",
@@ -248,4 +273,4 @@ def backward(q, k, v, kv_mask, do, lse, delta, rows: VisitLists, cols: VisitList
         interpret=static.interpret,
         name="block_sparse_flash_dkv",
     )(*meta, q, k, v, do, lse, delta, *extra)
-    return dq, dk, dv
+    return dq, dk, dv, (d_slope[0] if alibi else None)

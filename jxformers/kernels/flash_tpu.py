@@ -79,9 +79,11 @@ def _visited(index, row, t):
 
 
 def _call(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch, static):
+    """The pallas_call of a kernel whose scalar-prefetch arguments are the visit lists
+    (`_prefetch`) and, with ALiBi, the head slopes."""
     return pl.pallas_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3 + _alibi(static), grid=grid, in_specs=in_specs,
                                               out_specs=out_specs, scratch_shapes=scratch),
         out_shape=out_shape,
         # Heads and blocks are independent (megacore may split them); the slot axis
@@ -125,6 +127,31 @@ class _Heads:
         return pl.BlockSpec((None, block, self.d), lambda *grid: (*where(*grid), 0))
 
 
+def _alibi(static) -> bool:
+    return static.alibi_offset is not None
+
+
+def _split_slope(refs, static):
+    """(the current head's ALiBi slope or None, the remaining refs): with ALiBi the
+    slopes are the last scalar-prefetch argument, in SMEM, before the tensor refs."""
+    if not _alibi(static):
+        return None, refs
+    return refs[0][pl.program_id(0)], refs[1:]
+
+
+def _with_bias(s, static, slope, q_start, k_start, q_axis):
+    """Scaled logits plus ALiBi's -slope * |i + offset - j| (queries along `q_axis`)."""
+    if slope is None:
+        return s
+    return s - slope * _distances(static, q_start, k_start, s.shape, q_axis)
+
+
+def _distances(static, q_start, k_start, shape, q_axis):
+    i = q_start + static.alibi_offset + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    j = k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+    return jnp.abs(i - j).astype(jnp.float32)
+
+
 def _tile_mask(static, q_start, k_start, shape, q_axis):
     """The pattern's rule and the key bound on one tile (partial slots only); the query
     positions run along `q_axis` of `shape`, the keys along the other."""
@@ -153,7 +180,8 @@ def _kv_mask_tiles(kv_mask, block: int):
     return kv_mask.reshape(-1, 1, block)
 
 
-def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, static, bq, bk):
+def _forward_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
+    slope, (q_ref, k_ref, v_ref, *rest) = _split_slope(refs, static)
     kvm_ref = rest[0] if static.has_kv_mask else None
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest[-5:]
     qb, t = pl.program_id(1), pl.program_id(2)
@@ -165,11 +193,12 @@ def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, 
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def step(partial):
-        s = _dot(q_ref[...], k_ref[...], _NT) * static.scale
+        k_start = _visited(index_ref, qb, t) * bk
+        s = _with_bias(_dot(q_ref[...], k_ref[...], _NT) * static.scale, static, slope, qb * bq, k_start, 0)
         if kvm_ref is not None:
             s = jnp.where(kvm_ref[...] != 0, s, -jnp.inf)
         if partial:
-            s = jnp.where(_tile_mask(static, qb * bq, _visited(index_ref, qb, t) * bk, (bq, bk), 0), s, -jnp.inf)
+            s = jnp.where(_tile_mask(static, qb * bq, k_start, (bq, bk), 0), s, -jnp.inf)
         m_prev = m_ref[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         # A row with no visible key so far keeps m = -inf; shift it by 0 instead so
@@ -193,7 +222,11 @@ def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, 
         lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
 
 
-def forward(q, k, v, kv_mask, rows: VisitLists, static):
+def _scalars(lists: VisitLists, slopes, static):
+    return [*_prefetch(lists), *([slopes] if _alibi(static) else [])]
+
+
+def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
     """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key)."""
     lq, heads, dk = q.shape
     lk, kv_heads, dv = v.shape
@@ -225,40 +258,51 @@ def forward(q, k, v, kv_mask, rows: VisitLists, static):
         scratch=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
                  pltpu.VMEM((bq, dv), jnp.float32)],
         static=static,
-    )(*_prefetch(rows), *inputs)
+    )(*_scalars(rows, slopes, static), *inputs)
     return oh.take(out), lse[:, :, 0]
 
 
-def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk):
+def _dq_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
+    slope, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest) = _split_slope(refs, static)
     kvm_ref = rest[0] if static.has_kv_mask else None
-    dq_ref, acc_ref = rest[-2:]
+    # With ALiBi: outputs dq, d_slope rows; scratch dq, d_slope accumulators.
+    dq_ref, acc_ref = (rest[-4], rest[-2]) if slope is not None else rest[-2:]
     qb, t = pl.program_id(1), pl.program_id(2)
 
     @pl.when(t == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if slope is not None:
+            rest[-1][...] = jnp.zeros(rest[-1].shape, jnp.float32)
 
     def step(partial):
         k, v = k_ref[...], v_ref[...]
-        s = _dot(q_ref[...], k, _NT) * static.scale
+        k_start = _visited(index_ref, qb, t) * bk
+        s = _with_bias(_dot(q_ref[...], k, _NT) * static.scale, static, slope, qb * bq, k_start, 0)
         if kvm_ref is not None:
             s = jnp.where(kvm_ref[...] != 0, s, -jnp.inf)
         if partial:
-            s = jnp.where(_tile_mask(static, qb * bq, _visited(index_ref, qb, t) * bk, (bq, bk), 0), s, -jnp.inf)
+            s = jnp.where(_tile_mask(static, qb * bq, k_start, (bq, bk), 0), s, -jnp.inf)
         # Row vectors (1, bq) to columns (bq, 1), as splash's dq kernel reads them.
         p = jnp.exp(s - lse_ref[0][:, None])  # lse = +inf (no visible key) gives p = 0
         dp = _dot(do_ref[...], v, _NT)
-        ds = p * (dp - delta_ref[0][:, None])
+        ds = p * (dp - delta_ref[0][:, None])  # dL/d(scaled logit + bias)
         acc_ref[...] += _dot(ds.astype(k.dtype), k, _NN)
+        if slope is not None:  # the bias is -slope * distance; masked entries have ds = 0
+            dist = _distances(static, qb * bq, k_start, (bq, bk), 0)
+            rest[-1][...] -= jnp.sum(ds * dist, axis=1, keepdims=True)
 
     _run_slot(step, full_ref, count_ref, qb, t)
 
     @pl.when(t == pl.num_programs(2) - 1)
     def _finish():
         dq_ref[...] = (acc_ref[...] * static.scale).astype(dq_ref.dtype)
+        if slope is not None:
+            rest[-3][...] = rest[-1][...]
 
 
-def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk):
+def _dkv_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
+    slope, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest) = _split_slope(refs, static)
     kvm_ref = rest[0] if static.has_kv_mask else None
     dk_ref, dv_ref, dk_acc, dv_acc = rest[-4:]
     kb, t = pl.program_id(1), pl.program_id(2)
@@ -272,9 +316,10 @@ def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse
     # then a plain or right-transposed one, and lse/delta are rows of queries.
     def step(partial):
         q, do = q_ref[...], do_ref[...]
-        s = _dot(k_ref[...], q, _NT) * static.scale
+        q_start = _visited(index_ref, kb, t) * bq
+        s = _with_bias(_dot(k_ref[...], q, _NT) * static.scale, static, slope, q_start, kb * bk, 1)
         if partial:
-            s = jnp.where(_tile_mask(static, _visited(index_ref, kb, t) * bq, kb * bk, (bk, bq), 1), s, -jnp.inf)
+            s = jnp.where(_tile_mask(static, q_start, kb * bk, (bk, bq), 1), s, -jnp.inf)
         p = jnp.exp(s - lse_ref[...])  # lse = +inf (no visible key) gives p = 0
         dv_acc[...] += _dot(p.astype(do.dtype), do, _NN)
         dp = _dot(v_ref[...], do, _NT)
@@ -296,9 +341,10 @@ def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse
         dv_ref[...] = dv
 
 
-def backward(q, k, v, kv_mask, do, lse, delta, rows: VisitLists, cols: VisitLists, static):
-    """dq `[Lq, H, dk]` (q's dtype), and float32 per-query-head dk `[Lk, H, dk]`, dv
-    `[Lk, H, dv]` (the caller sums each kv head's group)."""
+def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: VisitLists, static):
+    """dq `[Lq, H, dk]` (q's dtype), float32 per-query-head dk `[Lk, H, dk]`, dv
+    `[Lk, H, dv]` (the caller sums each kv head's group), and with ALiBi each row's
+    share of its head's slope gradient `[H, Lq]` (else None)."""
     lq, heads, dk_ = q.shape
     lk, kv_heads, dv_ = v.shape
     group = heads // kv_heads
@@ -316,18 +362,21 @@ def backward(q, k, v, kv_mask, do, lse, delta, rows: VisitLists, cols: VisitList
         return h // group, _visited(index, b, t)
 
     row_spec = pl.BlockSpec((None, None, 1, bq), lambda h, b, t, *_: (h, b, 0, 0))
-    dq = _call(
+    alibi = _alibi(static)
+    # The slope gradient leaves per row, broadcast over lanes as the forward's lse does.
+    lane_rows = pl.BlockSpec((None, bq, LANES), lambda h, b, t, *_: (h, b, 0))
+    dq, *d_slope = _call(
         functools.partial(_dq_kernel, static=static, bq=bq, bk=bk),
         name="block_sparse_flash_dq_tpu",
         grid=(heads, lq // bq, rows.width),
         in_specs=[qh.spec(bq, own_q), kh.spec(bk, visited_kv), vh.spec(bk, visited_kv), oh.spec(bq, own_q),
                   row_spec, row_spec,
                   *[pl.BlockSpec((None, 1, bk), lambda h, b, t, index, *_: (_visited(index, b, t), 0, 0))] * len(mask)],
-        out_specs=qh.spec(bq, own_q),
-        out_shape=qh.shape(lq, q.dtype),
-        scratch=[pltpu.VMEM((bq, dk_), jnp.float32)],
+        out_specs=[qh.spec(bq, own_q)] + [lane_rows] * alibi,
+        out_shape=[qh.shape(lq, q.dtype)] + [jax.ShapeDtypeStruct((heads, lq, LANES), jnp.float32)] * alibi,
+        scratch=[pltpu.VMEM((bq, dk_), jnp.float32)] + [pltpu.VMEM((bq, LANES), jnp.float32)] * alibi,
         static=static,
-    )(*_prefetch(rows), *inputs, lse_rows, delta_rows, *mask)
+    )(*_scalars(rows, slopes, static), *inputs, lse_rows, delta_rows, *mask)
 
     # dk/dv: one program per (query head, key block), walking the block's column; the
     # accumulators are per query head (the caller folds grouped heads).
@@ -352,5 +401,5 @@ def backward(q, k, v, kv_mask, do, lse, delta, rows: VisitLists, cols: VisitList
         out_shape=[dkh.shape(lk, jnp.float32), dvh.shape(lk, jnp.float32)],
         scratch=[pltpu.VMEM((bk, dk_), jnp.float32), pltpu.VMEM((bk, dv_), jnp.float32)],
         static=static,
-    )(*_prefetch(cols), *inputs, lse_rows, delta_rows, *mask)
-    return qh.take(dq), dkh.take(dk), dvh.take(dv)
+    )(*_scalars(cols, slopes, static), *inputs, lse_rows, delta_rows, *mask)
+    return qh.take(dq), dkh.take(dk), dvh.take(dv), (d_slope[0][:, :, 0] if alibi else None)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 
 from jxformers import decoding, registry
+from jxformers.kernels.alibi import Alibi
 from jxformers.nn.layers import Linear
 from jxformers.nn.positions import rotary
 
@@ -186,7 +187,7 @@ class Attention(eqx.Module):
         context: Float[Array, "ctx d_model"] | None = None,
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
         positions: Real[Array, " seq"] | None = None,
         context_positions: Real[Array, " kv"] | None = None,
         key: PRNGKeyArray | None = None,

@@ -11,6 +11,7 @@ import jax
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 
 from jxformers import decoding
+from jxformers.kernels.alibi import Alibi
 from jxformers.nn.attention import Attention
 from jxformers.nn.layers import FeedForward, LayerNorm, RMSNorm, make_norm
 from jxformers.nn.moe import MoE
@@ -59,7 +60,7 @@ class Block(eqx.Module):
 
     def attention_branch(
         self, x: Float[Array, "seq d_model"], *, kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | None = None, positions: Real[Array, " seq"] | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | None = None, positions: Real[Array, " seq"] | None = None,
         source: Float[Array, "kv d_model"] | None = None, source_positions: Real[Array, " kv"] | None = None,
         key: PRNGKeyArray | None = None, inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
@@ -108,7 +109,7 @@ class Block(eqx.Module):
         x: Float[Array, "seq d_model"],
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
         positions: Real[Array, " seq"] | None = None,
         context: Float[Array, "ctx d_model"] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,

@@ -105,13 +105,6 @@ class Embedding(eqx.Module):
         return (x @ self.table.T.astype(x.dtype)).astype(jnp.float32)
 
 
-def _bias(positions: Positions, n: int):
-    if positions.kind not in BIAS_KINDS:
-        return None
-    pos = jnp.arange(n)
-    return positions.bias(pos, pos)
-
-
 def _bias_fn(positions: Positions):
     return positions.bias if positions.kind in BIAS_KINDS else None
 
@@ -276,12 +269,13 @@ class Encoder(eqx.Module):
             x = jnp.concatenate([self.cls.astype(x.dtype)[None], x])
             mask = jnp.concatenate([jnp.ones((1,), bool), mask])
         if self.reversible:
-            bias = _bias(self.embedding.positions, x.shape[0])
+            bias = self.embedding.positions.grid_bias(x.shape[0])
             x = reversible_stack(self.blocks, x, kv_mask=mask, bias=bias, key=key, inference=inference)
             return self._final(x), mask
         input_mask, filters, outputs = mask, dict(self.filters), []
         spacing = jnp.ones((), jnp.float32)
         pos = self._positions(x.shape[0], spacing)
+        on_grid = True  # positions 0..n-1 until a filter resamples them
         for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)))):
             source = {}
             if i in filters:
@@ -292,8 +286,12 @@ class Encoder(eqx.Module):
                 full_mask, full_pos = mask, pos
                 x, mask, spacing = self._shorten(x, mask, spacing, filters[i], padded)
                 pos = self._positions(x.shape[0], spacing)
+                on_grid = False
             kv_mask, kv_pos = (full_mask, full_pos) if source else (mask, pos)
-            bias = self.embedding.positions.bias(pos, kv_pos)
+            if on_grid:
+                bias = self.embedding.positions.grid_bias(x.shape[0])
+            else:
+                bias = self.embedding.positions.bias(pos, kv_pos)
             learn = self.token_learner
             if learn is not None and learn.fuse and i > learn.after_layer:
                 x = self._fused_block(block, i, x, mask, key=k, inference=inference, aux=aux)
@@ -475,7 +473,7 @@ class LanguageModel(eqx.Module):
         _check_length(n, self.max_len)
         positions = jnp.arange(n)
         x = self.embedding(tokens, positions)
-        bias = _bias(self.embedding.positions, n)
+        bias = self.embedding.positions.grid_bias(n)
         if self.reversible:
             x = reversible_stack(self.blocks, x, kv_mask=mask, bias=bias, positions=positions, key=key, inference=inference)
             return self._logits(x)

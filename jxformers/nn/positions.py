@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
+from jxformers.kernels.alibi import Alibi
+
 POSITION_KINDS = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
 BIAS_KINDS = ("alibi", "t5")
 
@@ -111,6 +113,17 @@ class Positions(eqx.Module):
             assert self.table is not None
             return self.table[positions]
         return None
+
+    def grid_bias(self, n: int) -> Float[Array, "heads n n"] | Alibi | None:
+        """The bias of self-attention over positions 0..n-1: ALiBi as an `Alibi` (slopes
+        only: the flash kernel computes it per tile, the XLA op materialises it), T5 as
+        an array, else None."""
+        if self.kind == "alibi":
+            return Alibi(alibi_slopes(self.heads))
+        if self.kind not in BIAS_KINDS:
+            return None
+        pos = jnp.arange(n)
+        return self.bias(pos, pos)
 
     def bias(self, q_pos: Real[Array, " q"], kv_pos: Real[Array, " kv"]) -> Float[Array, "heads q kv"] | None:
         """The additive logit bias for these query and key positions (None: none).

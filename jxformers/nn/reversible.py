@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from jxformers.kernels.alibi import Alibi
 from jxformers.nn.attention import recording
 from jxformers.nn.blocks import Block
 
@@ -81,7 +82,7 @@ def _stack_bwd(static, residuals, cotangents):
     mask, positions, key_data = rest
     g1, g2 = cotangents
     grads: list[Any] = [None] * len(params)
-    g_bias = None if bias is None else jnp.zeros_like(bias)
+    g_bias = jax.tree.map(jnp.zeros_like, bias)  # an array, an Alibi (its slopes) or None
     for i in reversed(range(len(params))):
         s, p = static[i], params[i]
         kf, kg = _keys(key_data, i)
@@ -97,8 +98,7 @@ def _stack_bwd(static, residuals, cotangents):
         x1 = y1 - f_out
         dp_f, dx2, db = f_vjp(g1)
         g2 = g2 + dx2
-        if g_bias is not None:
-            g_bias = g_bias + db
+        g_bias = jax.tree.map(jnp.add, g_bias, db)
         grads[i] = jax.tree.map(jnp.add, dp_f, dp_g)
         y1, y2 = x1, x2
     return tuple(grads), g1, g2, g_bias, jax.tree.map(_zero_cotangent, rest)
@@ -112,7 +112,7 @@ def reversible_stack(
     x: Float[Array, "seq d_model"],
     *,
     kv_mask: Bool[Array, " seq"] | None = None,
-    bias: Float[Array, "heads seq seq"] | None = None,
+    bias: Float[Array, "heads seq seq"] | Alibi | None = None,
     positions: Int[Array, " seq"] | None = None,
     key: PRNGKeyArray | None = None,
     inference: bool = False,

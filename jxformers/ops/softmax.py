@@ -15,6 +15,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float
 from jxformers.decoding import kv_cache
 from jxformers.kernels import IMPLS, choose_kernel
 from jxformers.kernels import pattern as kp
+from jxformers.kernels.alibi import Alibi, check_alibi
 from jxformers.kernels.cudnn import cudnn_attention, cudnn_unsupported
 from jxformers.kernels.flash import pattern_attention
 from jxformers.ops._common import (
@@ -57,7 +58,7 @@ def softmax_attention(
     *,
     mask: Bool[ArrayLike, "_q_len _kv_len"] | None = None,
     kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
-    bias: Float[ArrayLike, "_q_len _kv_len"] | Float[ArrayLike, "_heads _q_len _kv_len"] | None = None,
+    bias: Float[ArrayLike, "_q_len _kv_len"] | Float[ArrayLike, "_heads _q_len _kv_len"] | Alibi | None = None,
     causal: bool = False,
     scale: float | None = None,
     impl: str = "auto",
@@ -71,12 +72,14 @@ def softmax_attention(
         v: values `[kv_len, kv_heads, d_v]`.
         mask: optional `[q_len, kv_len]`, True where query i may attend key j.
         kv_mask: optional `[kv_len]`, True for real keys, False for padding.
-        bias: optional additive logits bias, `[q_len, kv_len]` or `[heads, q_len, kv_len]`.
+        bias: optional additive logits bias, `[q_len, kv_len]` or `[heads, q_len, kv_len]`,
+            or an `Alibi` (`jxformers.kernels.alibi`: slopes and offset, which the
+            flash kernel computes on each tile instead of reading an N x N array).
         causal: if True, query i attends keys j <= i + kv_len - q_len (bottom-right).
         scale: logits multiplier; default `1 / sqrt(d_k)`.
         impl: "auto", "xla", "pallas", "interpret" or "cudnn" (`jxformers.kernels.impl`):
             the flash-attention kernel (O(N) memory) takes calls without `mask` and
-            `bias`; cuDNN bf16/fp16 calls without any mask.
+            with no bias or an `Alibi` one; cuDNN bf16/fp16 calls without any mask or bias.
 
     Returns:
         `[q_len, heads, d_v]`. A query with every key masked returns zeros.
@@ -90,14 +93,21 @@ def softmax_attention(
     kv_len = k.shape[0]
     check_mask_shape("mask", mask, (q_len, kv_len))
     check_mask_shape("kv_mask", kv_mask, (kv_len,))
-    unsupported = "a dense mask or a bias (use kv_mask and causal)" if mask is not None or bias is not None else None
+    alibi = bias if isinstance(bias, Alibi) else None
+    if alibi is not None:
+        check_alibi(alibi, heads)
+    unsupported = None
+    if mask is not None or (bias is not None and alibi is None):
+        unsupported = "a dense mask or a dense bias (use kv_mask, causal and an Alibi bias)"
     cudnn = cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask, mask=mask, bias=bias) or True
     choice = choose_kernel(impl, unsupported=unsupported, what="softmax attention", q_len=q_len, cudnn=cudnn)
     if choice is not None and choice.backend == "cudnn":
         return cudnn_attention(q, k, v, causal=causal, scale=scale)
     if choice is not None:
         return pattern_attention(q, k, v, softmax_pattern(q_len, kv_len, causal=causal), choice, kv_mask=kv_mask,
-                                 scale=scale).astype(out_dtype(q, k, v))
+                                 scale=scale, alibi=alibi).astype(out_dtype(q, k, v))
+    if alibi is not None:
+        bias = alibi.dense(q_len, kv_len)
     if bias is not None and tuple(bias.shape) not in {(q_len, kv_len), (heads, q_len, kv_len)}:
         raise ValueError(
             f"bias must have shape {(q_len, kv_len)} or {(heads, q_len, kv_len)}; got {tuple(bias.shape)}"
