@@ -1,7 +1,7 @@
 """The block-sparse flash-attention kernel's TPU variant (`flash_tpu`, Mosaic TPU), run
 in TPU interpret mode on CPU, against the dense reference: outputs, lse and gradients
 for dense, causal, windowed, Longformer-like, dilated, grouped-query, padded,
-odd-length, bf16, ALiBi and BigBird (run-time extra blocks, under vmap) patterns; that the
+odd-length, packed (segment ids), bf16, ALiBi and BigBird (run-time extra blocks, under vmap) patterns; that the
 kernels pass Pallas's TPU lowering (block shapes, primitives); and that
 `impl="pallas"` picks it on TPUs.
 
@@ -53,7 +53,8 @@ def _close(got, want, tol, what):
 
 
 def _check(pattern, *, q_len=256, kv_len=None, heads=2, kv_heads=2, d=32, dv=32, sizes=B128, kv_mask=None,
-           extra_blocks=None, block_size=None, dtype=jnp.float32, tol=2e-5, seed=0, batch=None, alibi=None):
+           extra_blocks=None, block_size=None, dtype=jnp.float32, tol=2e-5, seed=0, batch=None, alibi=None,
+           segment_ids=None):
     """The kernel against the reference on one example, or on `batch` examples under
     `jax.vmap` (as the models run it; kv_mask and extra_blocks then per example)."""
     kv_len = q_len if kv_len is None else kv_len
@@ -63,11 +64,12 @@ def _check(pattern, *, q_len=256, kv_len=None, heads=2, kv_heads=2, d=32, dv=32,
 
     def kernel(q, k, v, kv_mask, extra_blocks):
         return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks, block_sizes=sizes,
-                                      backend="tpu", interpret=True, return_lse=True, alibi=alibi)
+                                      backend="tpu", interpret=True, return_lse=True, alibi=alibi,
+                                      segment_ids=segment_ids)
 
     def reference(q, k, v, kv_mask, extra_blocks):
         return block_sparse_reference(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks,
-                                      block_size=block_size, alibi=alibi)
+                                      block_size=block_size, alibi=alibi, segment_ids=segment_ids)
 
     if batch:
         kernel, reference = jax.vmap(kernel), jax.vmap(reference)
@@ -98,6 +100,10 @@ CASES = {
     "odd_length": dict(pattern=causal(200, 200), q_len=200, heads=1, kv_heads=1),
     "bf16": dict(pattern=causal(256, 256), heads=1, kv_heads=1, dtype=jnp.bfloat16, tol=3e-2, sizes=MIXED),
     # ALiBi computed on each tile, with the queries the last 200 of 256 positions.
+    # Packed sequences (segments of 70, cutting through tiles) in cross attention of odd
+    # lengths, with padding: both tag layouts of the dk/dv kernel.
+    "segment_ids": dict(pattern=Band(-W, W), q_len=200, kv_len=210, heads=2, kv_heads=1, sizes=MIXED,
+                        kv_mask=jnp.arange(210) < 205, segment_ids=(jnp.arange(200) // 70, jnp.arange(210) // 70)),
     "alibi": dict(pattern=causal(200, 256), q_len=200, kv_len=256, heads=4, kv_heads=2, sizes=MIXED,
                   kv_mask=jnp.arange(256) < 250, alibi=Alibi(jnp.array([0.5, 0.25, 0.1, 0.02]), 56)),
 }
@@ -144,9 +150,9 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
     q, k, v = qkv(0, 200, heads=4, kv_heads=2, d=128, dv=64, dtype=jnp.bfloat16)  # both head layouts
     pattern = union(Band(-W, W, step=2), KeyRange(0, 8), QueryRange(0, 8))
 
-    def loss(q, k, v, kv_mask, extra_blocks, sizes, alibi=None):
+    def loss(q, k, v, kv_mask, extra_blocks, sizes, alibi=None, segment_ids=None):
         out = block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks, block_sizes=sizes,
-                                     backend="tpu", alibi=alibi)
+                                     backend="tpu", alibi=alibi, segment_ids=segment_ids)
         return jnp.sum(out.astype(jnp.float32))
 
     def lower(fn, *args):
@@ -156,6 +162,8 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
     try:
         texts = [lower(lambda q, k, v: grad(q, k, v, jnp.arange(200) < 190, None, MIXED,
                                             Alibi(jnp.linspace(0.5, 0.1, 4))), q, k, v),
+                 lower(lambda q, k, v: grad(q, k, v, None, None, MIXED, segment_ids=(jnp.arange(200) // 70,) * 2),
+                       q, k, v),
                  # Batched, with per-example run-time blocks: vmap adds a grid axis and
                  # batches the scalar-prefetch visit lists.
                  lower(jax.vmap(lambda q, k, v, e: grad(q, k, v, None, e, B64)), *(jnp.stack([x, x]) for x in (q, k, v)),

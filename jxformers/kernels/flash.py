@@ -235,7 +235,7 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
         kv_mask: optional `[kv_len]` bool, True for real keys.
         segment_ids: optional `(query segments [q_len], key segments [kv_len])` int
             arrays (ids >= 0): query i sees key j only within one segment (packed
-            sequences); GPU kernel only.
+            sequences).
         scale: logits multiplier; default `1 / sqrt(d_k)`.
         extra_blocks: optional `[num_q_blocks, r]` int array of key blocks each query
             block also sees in full (run-time values: BigBird's random blocks); needs
@@ -267,8 +267,6 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
             raise ValueError(f"extra_blocks must be [num_q_blocks={want[0]}, r]; got {tuple(extra_blocks.shape)}")
     if segment_ids is not None:
         _check_segments(segment_ids, q_len, kv_len)
-        if backend != "gpu":
-            raise ValueError(f"segment_ids run on the GPU kernel only; got backend={backend!r}")
     slopes = None
     if alibi is not None:
         check_alibi(alibi, heads)

@@ -180,9 +180,52 @@ def _kv_mask_tiles(kv_mask, block: int):
     return kv_mask.reshape(-1, 1, block)
 
 
+def _tag_inputs(tags, static, bq: int, bk: int, *, keys_visited: bool):
+    """(inputs, BlockSpecs) of the tags: key tags (0: padding; with segments, segment + 1)
+    and, with segments, query tags (segment + 1). A tile's queries run down its rows
+    and its keys along its lanes when the keys are visited (forward, dq); the other way
+    round in the dk/dv kernel, which visits queries. The tags along a tile's lanes come
+    as `[n // b, 1, b]` row tiles, those down its rows as an `[n, 1]` column."""
+    if not static.has_kv_mask:
+        return [], []
+    key_tags, q_tags = tags if static.has_segments else (tags, None)
+
+    def row(x, b, index_map):
+        return _kv_mask_tiles(x, b), pl.BlockSpec((None, 1, b), index_map)
+
+    def column(x, b, index_map):
+        return x.reshape(-1, 1), pl.BlockSpec((b, 1), index_map)
+
+    def visited(h, b, t, index, *_):
+        return _visited(index, b, t), 0, 0
+
+    def own(h, b, t, *_):
+        return b, 0, 0
+
+    if keys_visited:
+        pairs = [row(key_tags, bk, visited)]
+        if q_tags is not None:
+            pairs.append(column(q_tags, bq, lambda h, b, t, *_: (b, 0)))
+    elif q_tags is None:
+        pairs = [row(key_tags, bk, own)]
+    else:
+        pairs = [column(key_tags, bk, lambda h, b, t, *_: (b, 0)), row(q_tags, bq, visited)]
+    return [x for x, _ in pairs], [spec for _, spec in pairs]
+
+
+def _mask_tags(s, kvm_ref, qt_ref):
+    """-inf where a key is padding or, with segments, in another segment than the query
+    (tiles [queries, keys]: key tags a row, query tags a column)."""
+    if kvm_ref is None:
+        return s
+    keep = kvm_ref[...] != 0 if qt_ref is None else qt_ref[...] == kvm_ref[...]
+    return jnp.where(keep, s, -jnp.inf)
+
+
 def _forward_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
     slope, (q_ref, k_ref, v_ref, *rest) = _split_slope(refs, static)
     kvm_ref = rest[0] if static.has_kv_mask else None
+    qt_ref = rest[1] if static.has_segments else None
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest[-5:]
     qb, t = pl.program_id(1), pl.program_id(2)
 
@@ -194,9 +237,8 @@ def _forward_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
 
     def step(partial):
         k_start = _visited(index_ref, qb, t) * bk
-        s = _with_bias(_dot(q_ref[...], k_ref[...], _NT) * static.scale, static, slope, qb * bq, k_start, 0)
-        if kvm_ref is not None:
-            s = jnp.where(kvm_ref[...] != 0, s, -jnp.inf)
+        s = _mask_tags(_with_bias(_dot(q_ref[...], k_ref[...], _NT) * static.scale, static, slope, qb * bq, k_start, 0),
+                       kvm_ref, qt_ref)
         if partial:
             s = jnp.where(_tile_mask(static, qb * bq, k_start, (bq, bk), 0), s, -jnp.inf)
         m_prev = m_ref[...]
@@ -242,9 +284,9 @@ def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
 
     in_specs = [qh.spec(bq, own_q), kh.spec(bk, visited_kv), vh.spec(bk, visited_kv)]
     inputs = [qh.put(q), kh.put(k), vh.put(v)]
-    if static.has_kv_mask:
-        in_specs.append(pl.BlockSpec((None, 1, bk), lambda h, b, t, index, *_: (_visited(index, b, t), 0, 0)))
-        inputs.append(_kv_mask_tiles(kv_mask, bk))
+    tag_inputs, tag_specs = _tag_inputs(kv_mask, static, bq, bk, keys_visited=True)
+    in_specs += tag_specs
+    inputs += tag_inputs
     out, lse = _call(
         functools.partial(_forward_kernel, static=static, bq=bq, bk=bk),
         name="block_sparse_flash_forward_tpu",
@@ -265,6 +307,7 @@ def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
 def _dq_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
     slope, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest) = _split_slope(refs, static)
     kvm_ref = rest[0] if static.has_kv_mask else None
+    qt_ref = rest[1] if static.has_segments else None
     # With ALiBi: outputs dq, d_slope rows; scratch dq, d_slope accumulators.
     dq_ref, acc_ref = (rest[-4], rest[-2]) if slope is not None else rest[-2:]
     qb, t = pl.program_id(1), pl.program_id(2)
@@ -278,9 +321,8 @@ def _dq_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
     def step(partial):
         k, v = k_ref[...], v_ref[...]
         k_start = _visited(index_ref, qb, t) * bk
-        s = _with_bias(_dot(q_ref[...], k, _NT) * static.scale, static, slope, qb * bq, k_start, 0)
-        if kvm_ref is not None:
-            s = jnp.where(kvm_ref[...] != 0, s, -jnp.inf)
+        s = _mask_tags(_with_bias(_dot(q_ref[...], k, _NT) * static.scale, static, slope, qb * bq, k_start, 0),
+                       kvm_ref, qt_ref)
         if partial:
             s = jnp.where(_tile_mask(static, qb * bq, k_start, (bq, bk), 0), s, -jnp.inf)
         # Row vectors (1, bq) to columns (bq, 1), as splash's dq kernel reads them.
@@ -303,7 +345,8 @@ def _dq_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
 
 def _dkv_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
     slope, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest) = _split_slope(refs, static)
-    kvm_ref = rest[0] if static.has_kv_mask else None
+    kvm_ref = rest[0] if static.has_kv_mask else None  # with segments a column of key tags
+    qt_ref = rest[1] if static.has_segments else None  # a row of query tags
     dk_ref, dv_ref, dk_acc, dv_acc = rest[-4:]
     kb, t = pl.program_id(1), pl.program_id(2)
 
@@ -318,6 +361,8 @@ def _dkv_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
         q, do = q_ref[...], do_ref[...]
         q_start = _visited(index_ref, kb, t) * bq
         s = _with_bias(_dot(k_ref[...], q, _NT) * static.scale, static, slope, q_start, kb * bk, 1)
+        if qt_ref is not None:  # segments must be masked per tile; padding alone is zeroed at the end
+            s = jnp.where(kvm_ref[...] == qt_ref[...], s, -jnp.inf)
         if partial:
             s = jnp.where(_tile_mask(static, q_start, kb * bk, (bk, bq), 1), s, -jnp.inf)
         p = jnp.exp(s - lse_ref[...])  # lse = +inf (no visible key) gives p = 0
@@ -335,7 +380,7 @@ def _dkv_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
             # A masked key's row of p touches only its own rows of dk and dv, so
             # zeroing those rows once equals masking every tile. (Its p may overflow,
             # never anyone else's; `where` drops the inf/NaN.)
-            real = kvm_ref[0][:, None] != 0
+            real = (kvm_ref[...] if qt_ref is not None else kvm_ref[0][:, None]) != 0
             dk, dv = jnp.where(real, dk, 0.0), jnp.where(real, dv, 0.0)
         dk_ref[...] = dk
         dv_ref[...] = dv
@@ -352,7 +397,8 @@ def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: V
     qh, kh, vh, oh = _Heads(heads, dk_), _Heads(kv_heads, dk_), _Heads(kv_heads, dv_), _Heads(heads, dv_)
     inputs = [qh.put(q), kh.put(k), vh.put(v), oh.put(do)]
     lse_rows, delta_rows = (_row_vectors(x.astype(jnp.float32), heads, lq, bq) for x in (lse, delta))
-    mask = [_kv_mask_tiles(kv_mask, bk)] if static.has_kv_mask else []
+    row_tags, row_tag_specs = _tag_inputs(kv_mask, static, bq, bk, keys_visited=True)
+    col_tags, col_tag_specs = _tag_inputs(kv_mask, static, bq, bk, keys_visited=False)
 
     # dq: one program per (head, query block), walking the block's row.
     def own_q(h, b, t, *_):
@@ -370,13 +416,12 @@ def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: V
         name="block_sparse_flash_dq_tpu",
         grid=(heads, lq // bq, rows.width),
         in_specs=[qh.spec(bq, own_q), kh.spec(bk, visited_kv), vh.spec(bk, visited_kv), oh.spec(bq, own_q),
-                  row_spec, row_spec,
-                  *[pl.BlockSpec((None, 1, bk), lambda h, b, t, index, *_: (_visited(index, b, t), 0, 0))] * len(mask)],
+                  row_spec, row_spec, *row_tag_specs],
         out_specs=[qh.spec(bq, own_q)] + [lane_rows] * alibi,
         out_shape=[qh.shape(lq, q.dtype)] + [jax.ShapeDtypeStruct((heads, lq, LANES), jnp.float32)] * alibi,
         scratch=[pltpu.VMEM((bq, dk_), jnp.float32)] + [pltpu.VMEM((bq, LANES), jnp.float32)] * alibi,
         static=static,
-    )(*_scalars(rows, slopes, static), *inputs, lse_rows, delta_rows, *mask)
+    )(*_scalars(rows, slopes, static), *inputs, lse_rows, delta_rows, *row_tags)
 
     # dk/dv: one program per (query head, key block), walking the block's column; the
     # accumulators are per query head (the caller folds grouped heads).
@@ -396,10 +441,10 @@ def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: V
         name="block_sparse_flash_dkv_tpu",
         grid=(heads, lk // bk, cols.width),
         in_specs=[qh.spec(bq, visited_q), kh.spec(bk, own_kv), vh.spec(bk, own_kv), oh.spec(bq, visited_q),
-                  row_spec, row_spec, *[pl.BlockSpec((None, 1, bk), lambda h, b, t, *_: (b, 0, 0))] * len(mask)],
+                  row_spec, row_spec, *col_tag_specs],
         out_specs=[dkh.spec(bk, own_out), dvh.spec(bk, own_out)],
         out_shape=[dkh.shape(lk, jnp.float32), dvh.shape(lk, jnp.float32)],
         scratch=[pltpu.VMEM((bk, dk_), jnp.float32), pltpu.VMEM((bk, dv_), jnp.float32)],
         static=static,
-    )(*_scalars(cols, slopes, static), *inputs, lse_rows, delta_rows, *mask)
+    )(*_scalars(cols, slopes, static), *inputs, lse_rows, delta_rows, *col_tags)
     return qh.take(dq), dkh.take(dk), dvh.take(dv), (d_slope[0][:, :, 0] if alibi else None)
