@@ -387,3 +387,32 @@ def test_auto_prefers_cudnn_where_it_fits(monkeypatch):
     assert impl.choose_kernel("cudnn", cudnn=True).backend == "cudnn"
     with pytest.raises(ValueError, match="cannot run this call: float32 inputs"):
         impl.choose_kernel("cudnn", cudnn="float32 inputs")
+
+
+def test_the_gpu_kernels_lower_for_cuda_through_triton():
+    # Lowered from this CPU for a CUDA device (Pallas's Triton lowering runs here; only
+    # Triton's compiler needs the GPU): an unsupported primitive or block shape in the
+    # forward, dq or dk/dv kernels, with every optional input, fails here first.
+    n = 200
+    q, k, v = (jnp.ones((n, h, 64), jnp.bfloat16) for h in (4, 2, 2))
+    slopes = alibi_slopes(4)
+    calls = {
+        "segment ids + kv_mask + alibi": dict(segment_ids=(jnp.arange(n) // 70,) * 2, kv_mask=jnp.arange(n) < 190,
+                                              alibi=Alibi(slopes)),
+        "extra blocks": dict(extra_blocks=jnp.zeros((4, 2), jnp.int32), block_sizes=BlockSizes(64, 64, 64, 64)),
+    }
+    for name, kw in calls.items():
+        def loss(q, k, v, slopes):
+            kw_ = dict(kw, alibi=Alibi(slopes)) if "alibi" in kw else kw
+            out = block_sparse_attention(q, k, v, union(Band(-40, 40), KeyRange(0, 8)), **kw_)
+            return jnp.sum(out.astype(jnp.float32))
+
+        try:
+            text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, slopes).lower(
+                lowering_platforms=("cuda",)).as_text()
+        except RuntimeError as e:  # a jaxlib built without the GPU lowering's dialects
+            if "triton" in str(e).lower() and "dialect" in str(e).lower():
+                pytest.skip(f"no Triton lowering in this jaxlib: {e}")
+            raise
+        for kernel in ("forward", "dq", "dkv"):
+            assert f"block_sparse_flash_{kernel}" in text, (name, kernel)
