@@ -10,7 +10,7 @@
   hold the kernels.
 * `linear`: chunked (gated) linear attention for the kernelized family
   (`chunked_linear_attention`: linear, Performer, RFA) with its custom VJP; `linear_gpu`
-  (Triton lowering) holds the kernels.
+  (Triton lowering) and `linear_tpu` (Mosaic TPU) hold the kernels.
 """
 
 from jxformers.kernels.alibi import Alibi

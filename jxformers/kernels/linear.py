@@ -17,6 +17,10 @@ saves the inputs, the output and one denominator per row (O(N) per head); the ba
 recomputes the chunk states, so activation memory never grows with N * m * d_v. The
 final state (S [kv_heads, m, d_v], z [kv_heads, m]) is the recurrent decoder's layout
 (`jxformers.decoding.RecurrentState`) and is differentiable too.
+
+The kernels live in `linear_gpu` (Triton lowering) and `linear_tpu` (Mosaic TPU), picked
+by `backend`: the same four functions on the same padded inputs, so the custom VJP (and
+its gate gradients) is one for both.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import jax.numpy as jnp
 from jxformers.kernels import linear_gpu
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+BACKENDS = ("gpu", "tpu")  # `linear_gpu` (Triton lowering), `linear_tpu` (Mosaic TPU)
 DEFAULT_CHUNK = 64
 # Whether impl="auto" picks these kernels on a GPU: on an H100 (docs/kernel_runs/linear_h100.md)
 # they matched XLA's float32 chunked form to bf16 rounding (2e-3 output, 7e-3 dq) and ran
@@ -46,9 +51,22 @@ class _Static:
     per_feature: bool  # the log-gates are [n, kv_heads, m] (one decay per feature), else [kv_heads, n]
     group: int  # query heads per kv head
     mma: jnp.dtype  # operand dtype of the products of float32 intermediates (states, weights)
-    num_warps: int
+    num_warps: int  # Triton settings (the "gpu" backend only)
     num_stages: int
     interpret: bool
+    backend: str  # which module holds the kernels (BACKENDS)
+
+
+def _kernels(backend: str):
+    """The kernel module of `backend`: the same four functions (states, output, dstates,
+    grads) on the same padded inputs."""
+    if backend == "gpu":
+        return linear_gpu
+    if backend == "tpu":
+        from jxformers.kernels import linear_tpu
+
+        return linear_tpu
+    raise ValueError(f"no chunked linear-attention kernel for backend {backend!r}; kernels: {list(BACKENDS)}")
 
 
 def _pow2(n: int) -> int:
@@ -71,31 +89,33 @@ def _linear(q, k, v, log_gate, static):
 
 
 def _forward(q, k, v, log_gate, static):
+    kernels = _kernels(static.backend)
     b = _within_chunks(log_gate, static.chunk) if static.gated else None
-    s_all, z_all, s_fin, z_fin = linear_gpu.states(k, v, b, static)
+    s_all, z_all, s_fin, z_fin = kernels.states(k, v, b, static)
     s_in, z_in = (s_all, z_all) if static.causal else (s_fin, z_fin)
-    out, den = linear_gpu.output(q, k, v, s_in, z_in, b, static)
+    out, den = kernels.output(q, k, v, s_in, z_in, b, static)
     return (out, s_fin, z_fin), (q, k, v, log_gate, out, den, s_fin, z_fin)
 
 
 def _backward(static, residuals, cotangents):
     q, k, v, log_gate, out, den, s_fin, z_fin = residuals
     d_out, d_s, d_z = cotangents
+    kernels = _kernels(static.backend)
     heads, kv_heads, group = q.shape[1], k.shape[1], static.group
-    ok = jnp.abs(den) > linear_gpu.TINY
+    ok = jnp.abs(den) > kernels.TINY
     inv = jnp.where(ok, 1.0 / jnp.where(ok, den, 1.0), 0.0)  # [heads, n]
     d_out = d_out.astype(jnp.float32)
     g = d_out * inv.T[:, :, None]  # dL/dnum
     r = -jnp.einsum("nhd,nhd->hn", d_out, out.astype(jnp.float32)) * inv  # dL/dden
     b = _within_chunks(log_gate, static.chunk) if static.gated else None
-    s_all, z_all, _, _ = linear_gpu.states(k, v, b, static) if static.causal else (None, None, s_fin, z_fin)
+    s_all, z_all, _, _ = kernels.states(k, v, b, static) if static.causal else (None, None, s_fin, z_fin)
     s_in, z_in = (s_all, z_all) if static.causal else (s_fin, z_fin)
     # The final state's cotangent enters once per kv head: through the first head of its group.
     first = (jnp.arange(heads) % group == 0)
     ds0 = jnp.where(first[:, None, None], jnp.repeat(d_s, group, axis=0), 0.0)
     dz0 = jnp.where(first[:, None], jnp.repeat(d_z, group, axis=0), 0.0)
-    ds, dz = linear_gpu.dstates(q, g, r, ds0, dz0, b, static)
-    dq, dk, dv = linear_gpu.grads(q, k, v, g, r, s_in, z_in, ds, dz, b, static)
+    ds, dz = kernels.dstates(q, g, r, ds0, dz0, b, static)
+    dq, dk, dv = kernels.grads(q, k, v, g, r, s_in, z_in, ds, dz, b, static)
 
     def fold(x):  # per-query-head gradients -> their kv head
         return x.reshape(x.shape[0], kv_heads, group, x.shape[2]).sum(axis=2)
@@ -170,25 +190,36 @@ def chunked_linear_attention(phi_q, phi_k, v, *, causal: bool = True, log_gate=N
         chunk_size: tokens per chunk, a power of two >= 16 (clipped for short inputs).
         return_state: also return the final `(S [kv_heads, m, d_v], z [kv_heads, m])`,
             float32 (the recurrent decoder's state after the last token).
-        backend: "gpu" (Triton lowering; the only kernel variant).
-        interpret: run in Pallas interpret mode (any device; tests).
-        num_warps, num_stages: Triton settings (default warps: 4 up to m, d_v <= 64, else 8).
+        backend: "gpu" (`linear_gpu`, Triton lowering) or "tpu" (`linear_tpu`, Mosaic
+            TPU: m and d_v padded to multiples of 128, a chunk of 128 fills the MXU;
+            float16 inputs computed in float32 there; run in TPU interpret mode and
+            through Pallas's TPU lowering on CPU, not yet on a TPU).
+        interpret: run in Pallas interpret mode (any device; tests): GPU interpret mode
+            for "gpu", TPU interpret mode (`pltpu.InterpretParams`) for "tpu".
+        num_warps, num_stages: Triton settings, "gpu" only (default warps: 4 up to m,
+            d_v <= 64, else 8).
         dtype: of the result (default: the inputs' promoted dtype).
 
     Returns:
         `[q_len, heads, d_v]` (and the state when asked).
     """
-    if backend != "gpu":
-        raise ValueError(f"chunked linear attention has a 'gpu' (Triton lowering) kernel only; got backend={backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)} (the kernel variants); got backend={backend!r}")
     check_inputs(phi_q, phi_k, v, log_gate, causal=causal, chunk_size=chunk_size)
     in_dtype = jnp.result_type(phi_q, phi_k, v)
     dtype = in_dtype if dtype is None else dtype
+    if backend == "tpu" and in_dtype == jnp.float16:
+        # TPUs have no float16 MXU path and Mosaic's float16 support is partial (some
+        # layouts fail to compile): compute in float32 (the result is cast back).
+        in_dtype = jnp.dtype(jnp.float32)
     phi_q, phi_k, v = (jnp.asarray(x, in_dtype) for x in (phi_q, phi_k, v))
     q_len, heads, m = phi_q.shape
     kv_len, kv_heads, d_v = v.shape
     chunk = min(chunk_size, _pow2(max(q_len, kv_len)))
     n = -(-max(q_len, kv_len) // chunk) * chunk
-    m_pad, dv_pad = _pow2(m), _pow2(d_v)
+    # Triton wants power-of-two tiles; Mosaic TPU wants the lane dims a multiple of 128.
+    pad = _pow2 if backend == "gpu" else _kernels(backend).padded_size
+    m_pad, dv_pad = pad(m), pad(d_v)
     qp = _pad(_pad(phi_q, 0, n), 2, m_pad)
     kp = _pad(_pad(phi_k, 0, n), 2, m_pad)
     vp = _pad(_pad(v, 0, n), 2, dv_pad)
@@ -201,7 +232,7 @@ def chunked_linear_attention(phi_q, phi_k, v, *, causal: bool = True, log_gate=N
                      group=heads // kv_heads,
                      mma=jnp.dtype(jnp.bfloat16 if in_dtype == jnp.bfloat16 else jnp.float32),
                      num_warps=num_warps or (4 if max(m_pad, dv_pad) <= 64 else 8), num_stages=num_stages,
-                     interpret=interpret)
+                     interpret=interpret, backend=backend)
     out, s, z = _linear(qp, kp, vp, lg, static)
     out = out[:q_len, :, :d_v].astype(dtype)
     if return_state:

@@ -14,7 +14,7 @@ forms that agree to float32 rounding: "quadratic" (the masked N x N reference), 
 default: quadratic inside chunks, a carried state between chunks, one step per chunk).
 States and denominators accumulate in float32. `impl="pallas"` (or "interpret") runs the
 chunked form and the non-causal reduction as Pallas kernels (`jxformers.kernels.linear`:
-forward and backward, gates and Performer's stabiliser included).
+forward and backward, gates and Performer's stabiliser included; a GPU and a TPU variant).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from jxformers.decoding import recurrent
-from jxformers.kernels.impl import IMPLS, choose_kernel, device_backend
+from jxformers.kernels.impl import IMPLS, choose_kernel
 from jxformers.kernels import linear as linear_kernels
 from jxformers.kernels.linear import chunked_linear_attention
 from jxformers.ops._common import (
@@ -175,7 +175,9 @@ def kernel_attention(
             chunked kernel (`jxformers.kernels.linear`) computes the "chunked" form and
             the non-causal reduction; other forms, and chunk sizes that are not a power
             of two >= 16, run in XLA ("auto") or raise ("pallas"). "auto" uses the
-            kernel on Hopper GPUs (measured there; `kernels.linear.AUTO_ON_GPU`).
+            kernel on Hopper GPUs (measured there; `kernels.linear.AUTO_ON_GPU`);
+            "pallas" on a TPU runs the Mosaic TPU variant (`kernels.linear_tpu`,
+            explicit only: it has run in TPU interpret mode, not on a TPU).
 
     Returns:
         `[q_len, heads, d_v]`; rows whose keys are all masked are zero.
@@ -218,8 +220,6 @@ def _kernel_unsupported(impl: str, causal: bool, form: str, chunk: int) -> str |
         return f"form={form!r} (the kernel computes the 'chunked' form)"
     if chunk < 16 or chunk & (chunk - 1):
         return f"chunk_size={chunk} (the kernel needs a power of two >= 16)"
-    if impl == "pallas" and device_backend() == "tpu":
-        return "the backend is a TPU (the linear-attention kernel is written for GPUs only: Triton lowering)"
     if impl == "auto" and not linear_kernels.AUTO_ON_GPU:
         return "disabled for impl='auto' (jxformers.kernels.linear.AUTO_ON_GPU is False)"
     return None
