@@ -31,7 +31,7 @@ from jxformers.kernels.flash import default_block_sizes
 from jxformers.nn import alibi_slopes
 from jxformers.ops.local import local_pattern
 from jxformers.ops.softmax import softmax_pattern
-from jxformers.ops.sparse import bigbird_pattern, bigbird_random_blocks, longformer_pattern
+from jxformers.ops.sparse import bigbird_pattern, bigbird_random_blocks, longformer_pattern, strided_parts
 
 BIGBIRD_KEY = jax.random.PRNGKey(7)
 
@@ -77,6 +77,10 @@ def configs(n: int, sizes: BlockSizes, heads: int):
     yield "bigbird b64", (functools.partial(ops.bigbird_attention, block_size=64, key=BIGBIRD_KEY),
                           visited_fraction(bigbird_pattern(n, 64, 3, 2), n, n, BlockSizes(64, 64), extra_blocks=rnd),
                           None, None)
+    band, columns = strided_parts(128, causal=True, n=n)
+    yield "sparse_transformer strided s128 causal", (
+        functools.partial(ops.sparse_transformer_attention, stride=128, pattern="strided", causal=True),
+        visited_fraction(band, n, n, sizes) + visited_fraction(columns, n, n, sizes), None, None)
     yield "longformer w256 g2", (functools.partial(ops.longformer_attention, window=256, global_indices=(0, 1)),
                                  visited_fraction(longformer_pattern(256, 1, (0, 1), causal=False, n=n), n, n, sizes),
                                  None, None)

@@ -15,13 +15,14 @@ from conftest import assert_close, qkv
 
 from jxformers import ModelConfig, build_model, ops
 from jxformers.kernels import Alibi, Band, BlockSizes, KeyRange, QueryRange, block_sparse_attention, causal, impl
-from jxformers.kernels import block_sparse_reference, intersect, union
+from jxformers.kernels import block_sparse_reference, intersect, union, visited_fraction
 from jxformers.kernels.block_mask import EMPTY, FULL, PARTIAL, add_full_blocks, block_kinds, visit_lists
 from jxformers.kernels.pattern import KeyResidue, dense_mask, key_set
 from jxformers.nn import alibi_slopes
 from jxformers.ops.local import block_local_pattern, local_pattern
 from jxformers.ops.softmax import softmax_pattern
-from jxformers.ops.sparse import bigbird_pattern, longformer_pattern, sparse_transformer_pattern
+from jxformers.ops.sparse import bigbird_pattern, longformer_pattern, residue_order, sparse_transformer_pattern
+from jxformers.ops.sparse import strided_parts
 
 N = 37  # an odd length: tails of every block size
 PRIMITIVES = [
@@ -119,6 +120,26 @@ def test_op_patterns_equal_the_papers_masks(is_causal):
         assert np.array_equal(dense_mask(pattern, n, n), _one(want)), pattern
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_strided_parts_are_disjoint_cover_the_papers_mask_and_visit_few_blocks(is_causal):
+    n, s = 50, 6
+    band, columns = strided_parts(s, causal=is_causal, n=n)
+    order = residue_order(n, s)
+    near = dense_mask(band, n, n)
+    far = np.zeros((n, n), bool)
+    keep = order < n  # the residue order's padding positions
+    far_rows = dense_mask(columns, len(order), len(order))[np.ix_(keep, keep)]
+    far[np.ix_(order[keep], order[keep])] = far_rows
+    assert not (near & far).any()
+    assert np.array_equal(near | far, _one(masks.sparse_transformer(n, {"stride": s}, {}, is_causal)))
+    # At N = 16K and s = 128 the one-pattern kernel visits every block; the two parts
+    # visit about 2 (s + block) / N + 1 / s of them.
+    n, s = 16384, 128
+    band, columns = strided_parts(s, causal=False, n=n)
+    assert visited_fraction(sparse_transformer_pattern(s, "strided", 1, causal=False, n=n), n, n) == 1.0
+    assert visited_fraction(band, n, n) + visited_fraction(columns, n, n) < 0.04
+
+
 def test_bigbird_blocks_equal_the_papers_mask():
     n, b = 100, 16
     key = jax.random.key(3)
@@ -161,6 +182,8 @@ OPS = {
     "block_local": (ops.block_local_attention, {"block_size": 16}),
     "dilated": (ops.dilated_attention, {"window": 3, "dilation": 2}),
     "sparse_transformer": (ops.sparse_transformer_attention, {"stride": 6, "pattern": "fixed", "num_summary": 2}),
+    # Two kernel calls (the band, and the columns in residue order) merged by their lse.
+    "strided": (ops.sparse_transformer_attention, {"stride": 6, "pattern": "strided"}),
     "longformer": (ops.longformer_attention, {"window": 4, "global_indices": (0, 9)}),
 }
 
@@ -169,7 +192,7 @@ OPS = {
 # for the ops whose causal kernel differs most, one for the rest.
 @pytest.mark.parametrize("name,is_causal", [
     ("softmax", False), ("softmax", True), ("local", False), ("local", True), ("block_local", True),
-    ("dilated", False), ("sparse_transformer", True), ("longformer", False),
+    ("dilated", False), ("sparse_transformer", True), ("strided", False), ("strided", True), ("longformer", False),
 ])
 def test_kernel_path_equals_xla_path(name, is_causal):
     op, hp = OPS[name]
@@ -268,6 +291,11 @@ def test_rows_without_keys_are_zero_with_finite_gradients():
     q, k, v = qkv(4, 24)
     kv_mask = jnp.zeros(24, bool)
     out, grads = _value_and_grads(ops.local_attention, q, k, v, window=3, kv_mask=kv_mask, impl="interpret")
+    assert not jnp.any(out)
+    assert all(bool(jnp.isfinite(g).all()) for g in grads)
+    # Merged parts (strided: band + columns) where neither part sees a key.
+    out, grads = _value_and_grads(ops.sparse_transformer_attention, q, k, v, stride=5, kv_mask=kv_mask,
+                                  impl="interpret")
     assert not jnp.any(out)
     assert all(bool(jnp.isfinite(g).all()) for g in grads)
 

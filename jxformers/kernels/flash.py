@@ -297,14 +297,30 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
 
 
 def pattern_attention(q, k, v, pattern: Pattern, choice: KernelChoice, *, kv_mask=None, scale: float | None = None,
-                      extra_blocks=None, alibi: Alibi | None = None, block_sizes: BlockSizes | None = None):
+                      extra_blocks=None, alibi: Alibi | None = None, block_sizes: BlockSizes | None = None,
+                      return_lse: bool = False):
     """`block_sparse_attention` as the ops call it: inputs of mixed float dtypes promoted
     to one, run where `choice` says."""
     dtype = jnp.result_type(q, k, v)
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, scale=scale, extra_blocks=extra_blocks,
                                   alibi=alibi, block_sizes=block_sizes, backend=choice.backend,
-                                  interpret=choice.interpret)
+                                  interpret=choice.interpret, return_lse=return_lse)
+
+
+def merge_attentions(parts):
+    """Softmax attention over a union of disjoint key sets, from each set's `(out [q_len,
+    heads, d_v], lse [q_len, heads])` as `block_sparse_attention(..., return_lse=True)`
+    returns them (lse = +inf: the row saw no key there). Exact and differentiable (every
+    exponent is finite, so no NaN reaches a gradient); rows with no key anywhere are zero.
+    Returns `[q_len, heads, d_v]` float32."""
+    seen = [jnp.isfinite(lse) for _, lse in parts]
+    top = functools.reduce(jnp.maximum, [jnp.where(s, lse, -jnp.inf) for s, (_, lse) in zip(seen, parts)])
+    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))  # cancels: any finite shift is exact
+    weights = [jnp.where(s, jnp.exp(jnp.where(s, lse, top) - top), 0.0) for s, (_, lse) in zip(seen, parts)]
+    total = sum(weights)
+    norm = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    return sum(out.astype(jnp.float32) * (w * norm)[..., None] for (out, _), w in zip(parts, weights))
 
 
 def visited_fraction(pattern: Pattern, q_len: int, kv_len: int, block_sizes: BlockSizes | None = None,

@@ -40,7 +40,7 @@ from jxformers.ops._common import (
 )
 from jxformers.kernels import IMPLS, choose_kernel
 from jxformers.kernels import pattern as kp
-from jxformers.kernels.flash import BlockSizes, pattern_attention
+from jxformers.kernels.flash import BlockSizes, merge_attentions, pattern_attention
 from jxformers.ops.local import IMPL_DOC
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import TokenInputs, register
@@ -77,9 +77,12 @@ def sparse_transformer_attention(
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
-        impl: "xla", "pallas" or "interpret" run as named; "auto" keeps XLA: the
-            column and summary keys are spread over every key block, so the
-            block-sparse kernel visits all blocks (dense cost) where this op gathers.
+        impl: "xla", "pallas" or "interpret" run as named; "auto" keeps XLA. The
+            kernel runs "strided" as two disjoint parts merged by their log-sum-exps:
+            the band |i - j| < s, and the columns laid out by residue mod s, where
+            they are block-diagonal (cost O(seq * (s + seq / s)), as the op's); it runs
+            "fixed" as one pattern whose summary keys are spread over every key
+            block, so it visits all blocks (dense cost) where this op gathers.
 
     Returns:
         `[seq, heads, d_v]`.
@@ -96,6 +99,9 @@ def sparse_transformer_attention(
     n = q.shape[0]
     check_self(q, k, v, kv_mask)
     choice = choose_kernel("xla" if impl == "auto" else impl, what="sparse_transformer attention")
+    if choice is not None and pattern == "strided":
+        out = _strided_kernel(q, k, v, choice, stride=stride, causal=causal, kv_mask=kv_mask, scale=scale)
+        return out.astype(out_dtype(q, k, v))
     if choice is not None:
         pat = sparse_transformer_pattern(stride, pattern, num_summary, causal=causal, n=n)
         return pattern_attention(q, k, v, pat, choice, kv_mask=kv_mask, scale=scale).astype(out_dtype(q, k, v))
@@ -138,6 +144,39 @@ def sparse_transformer_attention(
             mask = mask & (sum_pos[None, :] <= pos[:, None])
         out = attend_parts([block, dense_part(qg, sum_k, sum_v, mask, scale)])
     return rows_to_output(out, n, out_dtype(q, k, v))
+
+
+def residue_order(n: int, stride: int) -> np.ndarray:
+    """The positions 0..L-1 (L: n rounded up to a multiple of `stride`) grouped by residue
+    mod `stride`: entry r * (L // stride) + b is position b * stride + r."""
+    nb = ceil_div(n, stride)
+    return np.arange(nb * stride).reshape(nb, stride).T.reshape(-1)
+
+
+def strided_parts(stride: int, *, causal: bool, n: int) -> tuple[kp.Pattern, kp.Pattern]:
+    """The "strided" pattern as two disjoint patterns: the band |i - j| < s on the
+    positions, and the columns (i - j) mod s == 0, j != i, on the residue order (length
+    L), where they are block-diagonal with blocks of L // s."""
+    s, nb = stride, ceil_div(n, stride)
+    band = kp.intersect(kp.Band(-(s - 1), s - 1), kp.causal(n, n) if causal else None)
+    others = kp.Band(1, None) if causal else kp.union(kp.Band(1, None), kp.Band(None, -1))
+    return band, kp.intersect(kp.Band(0, 0, unit=nb), others)
+
+
+def _strided_kernel(q, k, v, choice, *, stride: int, causal: bool, kv_mask, scale):
+    """Sparse Transformer "strided" through the block-sparse kernel: the band and the
+    columns (`strided_parts`) each visit only their own blocks, merged exactly by their
+    log-sum-exps. Reordering by residue costs one gather of q, k, v and one of the output."""
+    n = q.shape[0]
+    band, columns = strided_parts(stride, causal=causal, n=n)
+    order = residue_order(n, stride)
+    length = order.shape[0]
+    near = pattern_attention(q, k, v, band, choice, kv_mask=kv_mask, scale=scale, return_lse=True)
+    real = jnp.arange(length) < n if kv_mask is None else pad_to(jnp.asarray(kv_mask, bool), length)
+    out, lse = pattern_attention(*(pad_to(x, length)[order] for x in (q, k, v)), columns, choice,
+                                 kv_mask=real[order], scale=scale, return_lse=True)
+    back = np.argsort(order)[:n]
+    return merge_attentions([near, (out[back], lse[back])])
 
 
 def sparse_transformer_pattern(stride: int, pattern: str, num_summary: int, *, causal: bool, n: int) -> kp.Pattern:
