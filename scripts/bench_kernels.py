@@ -31,7 +31,8 @@ from jxformers.kernels.flash import default_block_sizes
 from jxformers.nn import alibi_slopes
 from jxformers.ops.local import local_pattern
 from jxformers.ops.softmax import softmax_pattern
-from jxformers.ops.sparse import bigbird_pattern, bigbird_random_blocks, longformer_pattern, strided_parts
+from jxformers.ops.sparse import bigbird_pattern, bigbird_random_blocks, fixed_parts, longformer_pattern, strided_parts
+from jxformers.ops.sparse import summary_positions
 
 BIGBIRD_KEY = jax.random.PRNGKey(7)
 
@@ -81,6 +82,11 @@ def configs(n: int, sizes: BlockSizes, heads: int):
     yield "sparse_transformer strided s128 causal", (
         functools.partial(ops.sparse_transformer_attention, stride=128, pattern="strided", causal=True),
         visited_fraction(band, n, n, sizes) + visited_fraction(columns, n, n, sizes), None, None)
+    own, others = fixed_parts(128, 8, causal=True, n=n)
+    keys = len(summary_positions(n, 128, 8))
+    yield "sparse_transformer fixed s128 c8 causal", (
+        functools.partial(ops.sparse_transformer_attention, stride=128, pattern="fixed", num_summary=8, causal=True),
+        visited_fraction(own, n, n, sizes) + visited_fraction(others, n, keys, sizes) * keys / n, None, None)
     yield "longformer w256 g2", (functools.partial(ops.longformer_attention, window=256, global_indices=(0, 1)),
                                  visited_fraction(longformer_pattern(256, 1, (0, 1), causal=False, n=n), n, n, sizes),
                                  None, None)

@@ -22,12 +22,12 @@ from jxformers.nn import alibi_slopes
 from jxformers.ops.local import block_local_pattern, local_pattern
 from jxformers.ops.softmax import softmax_pattern
 from jxformers.ops.sparse import bigbird_pattern, longformer_pattern, residue_order, sparse_transformer_pattern
-from jxformers.ops.sparse import strided_parts
+from jxformers.ops.sparse import fixed_parts, strided_parts, summary_positions
 
 N = 37  # an odd length: tails of every block size
 PRIMITIVES = [
     Band(), Band(-5, 5), Band(0, None), Band(-6, 6, step=3), Band(0, 0, unit=8), Band(-1, 1, unit=8),
-    Band(None, None, step=5), KeyRange(3, 9), KeyRange(30, None), QueryRange(0, 4), KeyResidue(6, 4),
+    Band(None, None, step=5), Band(1, None, unit=8, key_unit=3), Band(-1, 2, unit=5, key_unit=2), KeyRange(3, 9), KeyRange(30, None), QueryRange(0, 4), KeyResidue(6, 4),
 ]
 COMBINED = [
     union(Band(-3, 3), KeyRange(0, 2)), intersect(Band(-9, 9, step=2), causal(N, N)),
@@ -140,6 +140,28 @@ def test_strided_parts_are_disjoint_cover_the_papers_mask_and_visit_few_blocks(i
     assert visited_fraction(band, n, n) + visited_fraction(columns, n, n) < 0.04
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_fixed_parts_are_disjoint_cover_the_papers_mask_and_visit_few_blocks(is_causal):
+    n, s, c = 50, 6, 2
+    own, others = fixed_parts(s, c, causal=is_causal, n=n)
+    where = summary_positions(n, s, c)
+    near = dense_mask(own, n, n)
+    far = np.zeros((n, n), bool)
+    keep = where < n
+    far[:, where[keep]] = dense_mask(others, n, len(where))[:, keep]
+    assert not (near & far).any()
+    want = _one(masks.sparse_transformer(n, {"stride": s, "pattern": "fixed", "num_summary": c}, {}, is_causal))
+    assert np.array_equal(near | far, want)
+    # At N = 16K, s = 128, c = 8: the own blocks plus N c / s summary keys, about 7% of
+    # the dense blocks, where the one-pattern kernel visits every key block holding a
+    # summary key (half of them at 64-key blocks).
+    n, s, c = 16384, 128, 8
+    own, others = fixed_parts(s, c, causal=False, n=n)
+    keys = len(summary_positions(n, s, c))
+    assert visited_fraction(sparse_transformer_pattern(s, "fixed", c, causal=False, n=n), n, n) > 0.5
+    assert visited_fraction(own, n, n) + visited_fraction(others, n, keys) * keys / n < 0.08
+
+
 def test_bigbird_blocks_equal_the_papers_mask():
     n, b = 100, 16
     key = jax.random.key(3)
@@ -181,8 +203,9 @@ OPS = {
     "local": (ops.local_attention, {"window": 5}),
     "block_local": (ops.block_local_attention, {"block_size": 16}),
     "dilated": (ops.dilated_attention, {"window": 3, "dilation": 2}),
+    # Each Sparse Transformer pattern is two kernel calls merged by their lse: fixed's own
+    # block and gathered summary keys; strided's band and its columns in residue order.
     "sparse_transformer": (ops.sparse_transformer_attention, {"stride": 6, "pattern": "fixed", "num_summary": 2}),
-    # Two kernel calls (the band, and the columns in residue order) merged by their lse.
     "strided": (ops.sparse_transformer_attention, {"stride": 6, "pattern": "strided"}),
     "longformer": (ops.longformer_attention, {"window": 4, "global_indices": (0, 9)}),
 }
@@ -192,7 +215,8 @@ OPS = {
 # for the ops whose causal kernel differs most, one for the rest.
 @pytest.mark.parametrize("name,is_causal", [
     ("softmax", False), ("softmax", True), ("local", False), ("local", True), ("block_local", True),
-    ("dilated", False), ("sparse_transformer", True), ("strided", False), ("strided", True), ("longformer", False),
+    ("dilated", False), ("sparse_transformer", False), ("sparse_transformer", True), ("strided", False),
+    ("strided", True), ("longformer", False),
 ])
 def test_kernel_path_equals_xla_path(name, is_causal):
     op, hp = OPS[name]

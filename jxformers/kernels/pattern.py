@@ -43,20 +43,23 @@ def _floordiv(x, unit: int):
 
 @dataclasses.dataclass(frozen=True)
 class Band(Pattern):
-    """lo <= i//unit - j//unit <= hi (None: unbounded) and (i//unit - j//unit) % step == 0.
+    """lo <= i//unit - j//key_unit <= hi (None: unbounded) and the difference % step == 0;
+    `key_unit` defaults to `unit`.
 
     `Band(-w, w)` is a sliding window, `Band(0, None)` causal, `Band(-w*d, w*d, step=d)`
     a dilated window, `Band(0, 0, unit=b)` block-diagonal, `Band(-1, 1, unit=b)` the
-    neighbouring blocks.
+    neighbouring blocks; `Band(1, None, unit=s, key_unit=c)` the keys of earlier blocks
+    when queries come in blocks of s and keys (gathered, c per block) in blocks of c.
     """
 
     lo: int | None = None
     hi: int | None = None
     step: int = 1
     unit: int = 1
+    key_unit: int | None = None
 
     def allowed(self, i, j):
-        d = _floordiv(i, self.unit) - _floordiv(j, self.unit)
+        d = _floordiv(i, self.unit) - _floordiv(j, self.key_unit or self.unit)
         ok = True
         if self.lo is not None:
             ok = ok & (d >= self.lo)
@@ -67,10 +70,11 @@ class Band(Pattern):
         return ok if not isinstance(ok, bool) else (d == d)
 
     def blocks(self, q_start, k_start, block_q, block_k):
-        u = self.unit
-        # Every difference in [dmin, dmax] occurs in a rectangle of positions.
-        dmin = q_start // u - (k_start + block_k - 1) // u
-        dmax = (q_start + block_q - 1) // u - k_start // u
+        u, ku = self.unit, self.key_unit or self.unit
+        # Every difference in [dmin, dmax] occurs in a rectangle of positions (i // u
+        # and j // ku each run over a range of consecutive integers).
+        dmin = q_start // u - (k_start + block_k - 1) // ku
+        dmax = (q_start + block_q - 1) // u - k_start // ku
         lo = dmin if self.lo is None else np.maximum(dmin, self.lo)
         hi = dmax if self.hi is None else np.minimum(dmax, self.hi)
         s = self.step

@@ -80,9 +80,9 @@ def sparse_transformer_attention(
         impl: "xla", "pallas" or "interpret" run as named; "auto" keeps XLA. The
             kernel runs "strided" as two disjoint parts merged by their log-sum-exps:
             the band |i - j| < s, and the columns laid out by residue mod s, where
-            they are block-diagonal (cost O(seq * (s + seq / s)), as the op's); it runs
-            "fixed" as one pattern whose summary keys are spread over every key
-            block, so it visits all blocks (dense cost) where this op gathers.
+            they are block-diagonal (cost O(seq * (s + seq / s)), as the op's), and
+            "fixed" as the own block and the gathered summary keys (cost
+            O(seq * (s + c * seq / s))).
 
     Returns:
         `[seq, heads, d_v]`.
@@ -103,8 +103,9 @@ def sparse_transformer_attention(
         out = _strided_kernel(q, k, v, choice, stride=stride, causal=causal, kv_mask=kv_mask, scale=scale)
         return out.astype(out_dtype(q, k, v))
     if choice is not None:
-        pat = sparse_transformer_pattern(stride, pattern, num_summary, causal=causal, n=n)
-        return pattern_attention(q, k, v, pat, choice, kv_mask=kv_mask, scale=scale).astype(out_dtype(q, k, v))
+        out = _fixed_kernel(q, k, v, choice, stride=stride, num_summary=num_summary, causal=causal, kv_mask=kv_mask,
+                            scale=scale)
+        return out.astype(out_dtype(q, k, v))
     s = stride
     length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, s)
     nb = length // s
@@ -177,6 +178,38 @@ def _strided_kernel(q, k, v, choice, *, stride: int, causal: bool, kv_mask, scal
                                  kv_mask=real[order], scale=scale, return_lse=True)
     back = np.argsort(order)[:n]
     return merge_attentions([near, (out[back], lse[back])])
+
+
+def summary_positions(n: int, stride: int, num_summary: int) -> np.ndarray:
+    """The "fixed" pattern's summary keys, the last c positions of every block of s, in
+    order (c per block; the last block's may run past n)."""
+    s, c = stride, num_summary
+    return (np.arange(ceil_div(n, s))[:, None] * s + np.arange(s - c, s)[None, :]).reshape(-1)
+
+
+def fixed_parts(stride: int, num_summary: int, *, causal: bool, n: int) -> tuple[kp.Pattern, kp.Pattern]:
+    """The "fixed" pattern as two disjoint patterns: the query's own block (on the
+    positions), and the summary keys of the other blocks (queries on the positions in
+    blocks of s, keys the gathered `summary_positions` in blocks of c)."""
+    s, c = stride, num_summary
+    own = kp.intersect(kp.Band(0, 0, unit=s), kp.causal(n, n) if causal else None)
+    earlier = kp.Band(1, None, unit=s, key_unit=c)
+    return own, earlier if causal else kp.union(earlier, kp.Band(None, -1, unit=s, key_unit=c))
+
+
+def _fixed_kernel(q, k, v, choice, *, stride: int, num_summary: int, causal: bool, kv_mask, scale):
+    """Sparse Transformer "fixed" through the block-sparse kernel: the own block and the
+    gathered summary keys of the other blocks (`fixed_parts`), merged by their
+    log-sum-exps; the summary part is cross attention to N c / s keys."""
+    n = q.shape[0]
+    own, others = fixed_parts(stride, num_summary, causal=causal, n=n)
+    where = summary_positions(n, stride, num_summary)
+    length = ceil_div(n, stride) * stride
+    near = pattern_attention(q, k, v, own, choice, kv_mask=kv_mask, scale=scale, return_lse=True)
+    real = jnp.arange(length) < n if kv_mask is None else pad_to(jnp.asarray(kv_mask, bool), length)
+    far = pattern_attention(q, pad_to(k, length)[where], pad_to(v, length)[where], others, choice,
+                            kv_mask=real[where], scale=scale, return_lse=True)
+    return merge_attentions([near, far])
 
 
 def sparse_transformer_pattern(stride: int, pattern: str, num_summary: int, *, causal: bool, n: int) -> kp.Pattern:
