@@ -148,13 +148,24 @@ def _metadata(static: _Static, extra_blocks, block_q: int, block_k: int):
 
 
 def _kernels(static):
-    if static.backend == "gpu":
+    if static.backend in ("gpu", "mosaic_gpu"):  # mosaic_gpu: only its forward differs
         return flash_gpu
     if static.backend == "tpu":
         from jxformers.kernels import flash_tpu
 
         return flash_tpu
-    raise ValueError(f"no block-sparse kernel for backend {static.backend!r}; kernels: 'gpu', 'tpu'")
+    raise ValueError(f"no block-sparse kernel for backend {static.backend!r}; kernels: 'gpu', 'mosaic_gpu', 'tpu'")
+
+
+def _forward_kernels(static):
+    # backend="mosaic_gpu" (explicit only; never chosen by impl="auto": not yet run on
+    # hardware): the forward on Pallas Mosaic GPU, the backward the Triton kernels fed by
+    # its out and lse (same layout).
+    if static.backend == "mosaic_gpu":
+        from jxformers.kernels import flash_mgpu
+
+        return flash_mgpu
+    return _kernels(static)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -164,7 +175,7 @@ def _flash(q, k, v, kv_mask, extra_blocks, slopes, static):
 
 def _flash_fwd_rule(q, k, v, kv_mask, extra_blocks, slopes, static):
     rows, _ = _metadata(static, extra_blocks, static.sizes.block_q, static.sizes.block_k)
-    out, lse = _kernels(static).forward(q, k, v, kv_mask, slopes, rows, static)
+    out, lse = _forward_kernels(static).forward(q, k, v, kv_mask, slopes, rows, static)
     return (out, lse), (q, k, v, kv_mask, extra_blocks, slopes, out, lse)
 
 
@@ -244,7 +255,9 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
             q_offset - j| to the scaled logits, computed on each visited tile (no
             N x N bias); differentiable in the slopes.
         block_sizes: `BlockSizes` (clipped to short sequences).
-        backend: "gpu" (Triton lowering) or "tpu" (Mosaic TPU) kernel variant.
+        backend: "gpu" (Triton lowering) or "tpu" (Mosaic TPU) kernel variant;
+            "mosaic_gpu": the forward on Pallas Mosaic GPU (`flash_mgpu`, Hopper; bf16/fp16,
+            block_q 64 or 128; not yet run on hardware), the backward on "gpu"'s kernels.
         interpret: run the kernels in Pallas interpret mode (any device).
         return_lse: also return the natural-log log-sum-exp `[q_len, heads]` of each
             row's logits (+inf where a row sees no key); it is differentiable, so
