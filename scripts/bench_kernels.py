@@ -9,6 +9,7 @@ backward counted as 2.5x the forward, FlashAttention's convention).
 
     python scripts/bench_kernels.py --out docs/kernels.md            # full table
     python scripts/bench_kernels.py --lengths 4096 --quick            # a smoke run
+    python scripts/bench_kernels.py --lengths 8192 --head-dims 128 --only dense causal --mosaic
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jxformers import ops
-from jxformers.kernels import Alibi, BlockSizes, visited_fraction
+from jxformers.kernels import Alibi, BlockSizes, block_sparse_attention, visited_fraction
 from jxformers.kernels.flash import default_block_sizes
 from jxformers.nn import alibi_slopes
 from jxformers.ops.local import local_pattern
@@ -92,6 +93,16 @@ def configs(n: int, sizes: BlockSizes, heads: int):
                                  None, None)
 
 
+def mosaic_patterns(n: int):
+    """name -> pattern of the configs whose op is one kernel call on that pattern: the rows
+    `--mosaic` adds (`block_sparse_attention(backend="mosaic_gpu")`: the Mosaic GPU
+    forward, the Triton backward)."""
+    patterns = {"dense": softmax_pattern(n, n, causal=False), "causal": softmax_pattern(n, n, causal=True)}
+    for w in (256, 512):
+        patterns[f"causal window {w}"] = local_pattern(w, causal=True, q_len=n, kv_len=n)
+    return patterns
+
+
 def write_markdown(path, script: str, argv, setting: str, header, rows, footer: str = "") -> None:
     """A benchmark's table as markdown: the command that made it, the device, jax and the
     setting, then the rows (and `footer`). Shared by the kernel benchmarks."""
@@ -122,6 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", type=int, default=defaults.num_warps)
     parser.add_argument("--stages", type=int, default=defaults.num_stages)
     parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--mosaic", action="store_true",
+                        help="also run the Mosaic GPU forward (backend='mosaic_gpu') on dense, causal and windows")
     args = parser.parse_args(argv)
 
     sizes = BlockSizes(*args.block, *args.block_bwd, num_warps=args.warps, num_stages=args.stages)
@@ -143,6 +156,9 @@ def main(argv=None) -> int:
                 impls = {"pallas": functools.partial(op, impl="pallas")}
                 if n <= args.no_xla_above or not name.startswith(("dense", "causal")):
                     impls["xla op"] = functools.partial(op, impl="xla")
+                if args.mosaic and name in mosaic_patterns(n):
+                    impls["pallas mosaic_gpu"] = functools.partial(
+                        block_sparse_attention, pattern=mosaic_patterns(n)[name], backend="mosaic_gpu")
                 if cudnn is not None:
                     for impl in ("cudnn", "xla"):
                         if impl == "xla" and n > args.no_xla_above:
