@@ -88,7 +88,8 @@ W = 40  # window half-width: several partial blocks per row at 64-wide tiles
 CASES = {
     # Head size 128: q and k enter as [seq, heads * d] (no transpose), v as [heads, seq, d].
     "dense": dict(pattern=Band(), d=128),
-    "causal": dict(pattern=causal(256, 256), heads=1, kv_heads=1, sizes=MIXED),
+    # Under vmap with static visit lists: Pallas adds a grid axis (tpu_interpret.py).
+    "causal": dict(pattern=causal(256, 256), heads=1, kv_heads=1, sizes=MIXED, batch=2),
     "window": dict(pattern=Band(-W, W), heads=1, kv_heads=1, sizes=B64),
     # Cross attention of unequal, odd lengths too (a tail tile on both sides).
     "longformer": dict(pattern=union(Band(-W, W), KeyRange(0, 8), QueryRange(0, 8)), q_len=200, kv_len=136, sizes=B64),

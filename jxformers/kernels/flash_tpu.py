@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jxformers.kernels.block_mask import VisitLists
+from jxformers.kernels.tpu_interpret import with_semantics
 
 # Lanes of a TPU vreg: per-row statistics are kept broadcast across a full lane row
 # ([rows, 128]) so that their scratch buffers and the forward's lse output are
@@ -81,17 +82,20 @@ def _visited(index, row, t):
 def _call(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch, static):
     """The pallas_call of a kernel whose scalar-prefetch arguments are the visit lists
     (`_prefetch`) and, with ALiBi, the head slopes."""
-    return pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3 + _alibi(static), grid=grid, in_specs=in_specs,
-                                              out_specs=out_specs, scratch_shapes=scratch),
-        out_shape=out_shape,
-        # Heads and blocks are independent (megacore may split them); the slot axis
-        # carries the accumulators, so it runs in order.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if static.interpret else False,
-        name=name,
-    )
+    def build(semantics):
+        return pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3 + _alibi(static), grid=grid,
+                                                  in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch),
+            out_shape=out_shape,
+            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+            interpret=pltpu.InterpretParams() if static.interpret else False,
+            name=name,
+        )
+
+    # Heads and blocks are independent (megacore may split them); the slot axis
+    # carries the accumulators, so it runs in order.
+    return with_semantics(build, ("parallel", "parallel", "arbitrary"), interpret=static.interpret)
 
 
 @dataclasses.dataclass(frozen=True)

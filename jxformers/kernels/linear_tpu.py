@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jxformers.kernels.linear_gpu import TINY
+from jxformers.kernels.tpu_interpret import with_semantics
 
 __all__ = ["LANES", "TINY", "dstates", "grads", "output", "padded_size", "states"]
 
@@ -85,23 +86,7 @@ def _call(kernel, *, name, grid, sequential, in_specs, out_specs, out_shape, scr
 
     # Heads are independent (megacore may split them); a chunk walk carries its state
     # in scratch, so its axis runs in order, while output/grads chunks do not.
-    call = build(("parallel", "arbitrary" if sequential else "parallel"))
-    if not static.interpret:
-        return call
-    # Under vmap, Pallas adds a grid axis for the batch. Mosaic's lowering accounts for
-    # it, but JAX 0.10's TPU interpreter zips the grid with `dimension_semantics` and
-    # fails on the extra axis; so interpret mode runs batched calls without semantics
-    # (every axis in order), unbatched ones with them (the interpreter then visits the
-    # parallel axes in a random order, which would expose a hidden dependency).
-    interpreted = jax.custom_batching.custom_vmap(call)
-
-    @interpreted.def_vmap
-    def _batched(axis_size, in_batched, *args):
-        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, batched in zip(args, in_batched)]
-        out = jax.vmap(build(None))(*args)
-        return out, jax.tree.map(lambda _: True, out)
-
-    return interpreted
+    return with_semantics(build, ("parallel", "arbitrary" if sequential else "parallel"), interpret=static.interpret)
 
 
 def _column(row_ref):
