@@ -5,12 +5,14 @@
 * `pattern`, `block_mask`: static attention patterns as position rules, and the
   block-sparse metadata (visit lists) computed from them at trace time.
 * `alibi`: ALiBi as slopes and an offset (`Alibi`), which the flash kernels compute per tile.
-* `flash`: block-sparse flash attention (`block_sparse_attention`) with its custom VJP
-  and its dense reference; `flash_gpu` (Triton lowering) and `flash_tpu` (Mosaic TPU)
-  hold the kernels.
+* `flash`: block-sparse flash attention (`block_sparse_attention`) with its custom VJP,
+  its dense reference and `merge_attentions` (disjoint key sets merged by their
+  log-sum-exps); `flash_gpu` (Triton lowering) and `flash_tpu` (Mosaic TPU) hold the
+  kernels, `flash_mgpu` an experimental Mosaic GPU forward (`backend="mosaic_gpu"`).
 * `linear`: chunked (gated) linear attention for the kernelized family
   (`chunked_linear_attention`: linear, Performer, RFA) with its custom VJP; `linear_gpu`
   (Triton lowering) and `linear_tpu` (Mosaic TPU) hold the kernels.
+* `tpu_interpret`: the TPU kernels under vmap in TPU interpret mode.
 """
 
 from jxformers.kernels.alibi import Alibi
