@@ -13,7 +13,17 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float
+
+
+def tile_distances(q_offset: int, q_start, k_start, shape: tuple[int, int], q_axis: int = 0):
+    """|i + q_offset - j| as float32 on a tile of `shape` whose queries (from `q_start`)
+    run along `q_axis` and keys (from `k_start`) along the other: the one formula the
+    kernels (per tile) and `Alibi.dense` (whole) share."""
+    i = q_start + q_offset + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    j = k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+    return jnp.abs(i - j).astype(jnp.float32)
 
 
 class Alibi(eqx.Module):
@@ -31,14 +41,10 @@ class Alibi(eqx.Module):
     def heads(self) -> int:
         return self.slopes.shape[0]
 
-    def distances(self, q_len: int, kv_len: int) -> Float[Array, "q_len kv_len"]:
-        """|i + q_offset - j| as float32."""
-        i = jnp.arange(q_len, dtype=jnp.float32)[:, None] + self.q_offset
-        return jnp.abs(i - jnp.arange(kv_len, dtype=jnp.float32)[None, :])
-
     def dense(self, q_len: int, kv_len: int) -> Float[Array, "heads q_len kv_len"]:
         """The bias as an array, float32."""
-        return -self.slopes.astype(jnp.float32)[:, None, None] * self.distances(q_len, kv_len)[None]
+        distances = tile_distances(self.q_offset, 0, 0, (q_len, kv_len))
+        return -self.slopes.astype(jnp.float32)[:, None, None] * distances[None]
 
 
 def check_alibi(bias: Alibi, heads: int) -> None:

@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jxformers.kernels.alibi import tile_distances
 from jxformers.kernels.block_mask import VisitLists
 
 LOG2E = math.log2(math.e)
@@ -49,10 +50,7 @@ def _tile_mask(static, q_start, k_start, bq, bk):
 
 
 def _distances(static, q_start, k_start, bq, bk):
-    """ALiBi's |i + offset - j| on one tile, float32."""
-    i = q_start + static.alibi_offset + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    j = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    return jnp.abs(i - j).astype(jnp.float32)
+    return tile_distances(static.alibi_offset, q_start, k_start, (bq, bk))
 
 
 def _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags=None, slope=None):

@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jxformers.kernels.alibi import tile_distances
 from jxformers.kernels.block_mask import VisitLists
 from jxformers.kernels.tpu_interpret import with_semantics
 
@@ -147,13 +148,7 @@ def _with_bias(s, static, slope, q_start, k_start, q_axis):
     """Scaled logits plus ALiBi's -slope * |i + offset - j| (queries along `q_axis`)."""
     if slope is None:
         return s
-    return s - slope * _distances(static, q_start, k_start, s.shape, q_axis)
-
-
-def _distances(static, q_start, k_start, shape, q_axis):
-    i = q_start + static.alibi_offset + lax.broadcasted_iota(jnp.int32, shape, q_axis)
-    j = k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-    return jnp.abs(i - j).astype(jnp.float32)
+    return s - slope * tile_distances(static.alibi_offset, q_start, k_start, s.shape, q_axis)
 
 
 def _tile_mask(static, q_start, k_start, shape, q_axis):
@@ -335,7 +330,7 @@ def _dq_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
         ds = p * (dp - delta_ref[0][:, None])  # dL/d(scaled logit + bias)
         acc_ref[...] += _dot(ds.astype(k.dtype), k, _NN)
         if slope is not None:  # the bias is -slope * distance; masked entries have ds = 0
-            dist = _distances(static, qb * bq, k_start, (bq, bk), 0)
+            dist = tile_distances(static.alibi_offset, qb * bq, k_start, (bq, bk))
             rest[-1][...] -= jnp.sum(ds * dist, axis=1, keepdims=True)
 
     _run_slot(step, full_ref, count_ref, qb, t)

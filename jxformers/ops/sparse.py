@@ -36,6 +36,7 @@ from jxformers.ops._common import (
     rows_to_output,
     sliding_window_part,
     to_blocks,
+    valid_keys,
     window_block,
 )
 from jxformers.kernels import IMPLS, choose_kernel
@@ -173,7 +174,7 @@ def _strided_kernel(q, k, v, choice, *, stride: int, causal: bool, kv_mask, scal
     order = residue_order(n, stride)
     length = order.shape[0]
     near = pattern_attention(q, k, v, band, choice, kv_mask=kv_mask, scale=scale, return_lse=True)
-    real = jnp.arange(length) < n if kv_mask is None else pad_to(jnp.asarray(kv_mask, bool), length)
+    real = valid_keys(kv_mask, n, length)
     out, lse = pattern_attention(*(pad_to(x, length)[order] for x in (q, k, v)), columns, choice,
                                  kv_mask=real[order], scale=scale, return_lse=True)
     back = np.argsort(order)[:n]
@@ -206,7 +207,7 @@ def _fixed_kernel(q, k, v, choice, *, stride: int, num_summary: int, causal: boo
     where = summary_positions(n, stride, num_summary)
     length = ceil_div(n, stride) * stride
     near = pattern_attention(q, k, v, own, choice, kv_mask=kv_mask, scale=scale, return_lse=True)
-    real = jnp.arange(length) < n if kv_mask is None else pad_to(jnp.asarray(kv_mask, bool), length)
+    real = valid_keys(kv_mask, n, length)
     far = pattern_attention(q, pad_to(k, length)[where], pad_to(v, length)[where], others, choice,
                             kv_mask=real[where], scale=scale, return_lse=True)
     return merge_attentions([near, far])
