@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import platform
 import shlex
@@ -100,6 +101,7 @@ def mosaic_patterns(n: int):
     patterns = {"dense": softmax_pattern(n, n, causal=False), "causal": softmax_pattern(n, n, causal=True)}
     for w in (256, 512):
         patterns[f"causal window {w}"] = local_pattern(w, causal=True, q_len=n, kv_len=n)
+    patterns["longformer w256 g2"] = longformer_pattern(256, 1, (0, 1), causal=False, n=n)
     return patterns
 
 
@@ -132,12 +134,16 @@ def main(argv=None) -> int:
     parser.add_argument("--block-bwd", type=int, nargs=2, default=list(defaults.backward), metavar=("Q", "K"))
     parser.add_argument("--warps", type=int, default=defaults.num_warps)
     parser.add_argument("--stages", type=int, default=defaults.num_stages)
+    parser.add_argument("--stages-bwd", type=int, default=defaults.num_stages_bwd)
     parser.add_argument("--out", help="write the markdown table here")
     parser.add_argument("--mosaic", action="store_true",
-                        help="also run the Mosaic GPU forward (backend='mosaic_gpu') on dense, causal and windows")
+                        help="also run the Mosaic GPU forward (backend='mosaic_gpu') on dense, causal, windows, Longformer")
+    parser.add_argument("--mosaic-stages", type=int, nargs="+",
+                        help="K/V ring depths of the Mosaic GPU rows, one row each (default: --stages)")
     args = parser.parse_args(argv)
 
-    sizes = BlockSizes(*args.block, *args.block_bwd, num_warps=args.warps, num_stages=args.stages)
+    sizes = BlockSizes(*args.block, *args.block_bwd, num_warps=args.warps, num_stages=args.stages,
+                       num_stages_bwd=args.stages_bwd)
     contextlib.ExitStack().enter_context(default_block_sizes(sizes))  # what the ops' kernels run with
     rows = []
     header = ("N", "d", "pattern", "impl", "visited", "fwd ms", "fwd TFLOP/s (visited / dense)", "fwd+bwd ms",
@@ -157,8 +163,11 @@ def main(argv=None) -> int:
                 if n <= args.no_xla_above or not name.startswith(("dense", "causal")):
                     impls["xla op"] = functools.partial(op, impl="xla")
                 if args.mosaic and name in mosaic_patterns(n):
-                    impls["pallas mosaic_gpu"] = functools.partial(
-                        block_sparse_attention, pattern=mosaic_patterns(n)[name], backend="mosaic_gpu")
+                    for stages in args.mosaic_stages or [sizes.num_stages]:
+                        label = "pallas mosaic_gpu" + (f" s{stages}" if args.mosaic_stages else "")
+                        impls[label] = functools.partial(
+                            block_sparse_attention, pattern=mosaic_patterns(n)[name], backend="mosaic_gpu",
+                            block_sizes=dataclasses.replace(sizes, num_stages=stages))
                 if cudnn is not None:
                     for impl in ("cudnn", "xla"):
                         if impl == "xla" and n > args.no_xla_above:

@@ -107,8 +107,8 @@ def check(name, fwd, grad, inputs, do, reference) -> str:
     return ("" if finite else "NaN/Inf! ") + " / ".join(f"{_rel(a, b):.1e}" for a, b in zip(got, want))
 
 
-def fla_rows(n, d, batch, heads, repeat):
-    """flash-linear-attention's chunk kernels (PyTorch), when importable: {(config, impl): (fwd ms, fwd+bwd ms)}."""
+def fla_rows(n, d, batch, heads, repeat, backward: bool = True):
+    """flash-linear-attention's chunk kernels (PyTorch), when importable: {(config, impl): (fwd ms, fwd+bwd ms or None)}."""
     import torch
 
     try:
@@ -165,7 +165,7 @@ def fla_rows(n, d, batch, heads, repeat):
         try:
             with torch.no_grad():
                 fwd = torch_timed(run, repeat)
-            bwd = torch_timed(lambda: run().backward(do), repeat)  # noqa: B023 - called here, in this iteration
+            bwd = torch_timed(lambda: run().backward(do), repeat) if backward else None  # noqa: B023 - called here
         except Exception as e:  # noqa: BLE001 - an optional baseline that fails is reported, not fatal
             print(f"{n} {d} {key}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
@@ -223,6 +223,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-check", action="store_true",
                         help="skip checking each kernel row's output and gradients against the XLA form in float32")
     parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention even when importable")
+    parser.add_argument("--fla-forward-only", action="store_true",
+                        help="time flash-linear-attention's forward only (its backward autotunes for minutes)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a CPU smoke run (kernels in interpret mode)")
     parser.add_argument("--out", help="write the markdown table here (after every row)")
     args = parser.parse_args(argv)
@@ -272,21 +274,29 @@ def main(argv=None) -> int:
                         errors[(name, impl)] = check(name, fwd, grad, inputs, do, impls[reference])
                 if note:
                     break
+
+            def emit(measured):  # rows out and written at once: a run cut short keeps what it measured
+                for (name, impl), (ms, ms_all) in measured.items():
+                    if name == "softmax causal":
+                        f_fwd = 2.0 * n * n * d * heads_total
+                        f_all = 3.5 * f_fwd
+                    else:
+                        f_fwd, f_all = lin_fwd * heads_total, lin_all * heads_total
+                    row = (str(n), str(d), name, impl, str(batch), f"{ms:.3f}",
+                           f"{bytes_fwd / ms / 1e6:.1f}", f"{f_fwd / ms / 1e9:.1f}",
+                           f"{ms_all:.3f}" if ms_all else "-",
+                           f"{bytes_all / ms_all / 1e6:.1f}" if ms_all else "-",
+                           f"{f_all / ms_all / 1e9:.1f}" if ms_all else "-", errors.get((name, impl), "-"))
+                    rows.append(row)
+                    print(" | ".join(row), flush=True)
+                if args.out:
+                    write_table(args, argv, header, rows, note)
+
+            emit(measured)
             if HAVE_FLA and on_gpu and not args.no_fla and not note:
-                measured |= fla_rows(n, d, batch, args.heads, args.repeat)
-            for (name, impl), (ms, ms_all) in measured.items():
-                if name == "softmax causal":
-                    f_fwd = 2.0 * n * n * d * heads_total
-                    f_all = 3.5 * f_fwd
-                else:
-                    f_fwd, f_all = lin_fwd * heads_total, lin_all * heads_total
-                row = (str(n), str(d), name, impl, str(batch), f"{ms:.3f}", f"{bytes_fwd / ms / 1e6:.1f}",
-                       f"{f_fwd / ms / 1e9:.1f}", f"{ms_all:.3f}", f"{bytes_all / ms_all / 1e6:.1f}",
-                       f"{f_all / ms_all / 1e9:.1f}", errors.get((name, impl), "-"))
-                rows.append(row)
-                print(" | ".join(row), flush=True)
-            if args.out:  # after every length and head size: a run cut short keeps what it measured
-                write_table(args, argv, header, rows, note)
+                # fla autotunes each Triton kernel on its first call: its backward compiled
+                # for over 5 minutes on an H100 (2026-11-25), hence --fla-forward-only.
+                emit(fla_rows(n, d, batch, args.heads, args.repeat, backward=not args.fla_forward_only))
             if note:
                 break
         if note:

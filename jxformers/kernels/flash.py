@@ -34,7 +34,8 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 class BlockSizes:
     """Tiles of the kernels (tune per device): `block_q` queries by `block_k` keys in the
     forward, `block_q_bwd` by `block_k_bwd` in the dq and dk/dv kernels (None: the
-    forward's); Triton's `num_warps` and `num_stages` (software pipelining depth).
+    forward's); Triton's `num_warps` and `num_stages` (software pipelining depth; the
+    Mosaic GPU forward's K/V ring), `num_stages_bwd` the backward kernels'.
     The defaults were the fastest of the few settings tried on an H100 (docs/kernels.md)."""
 
     block_q: int = 128
@@ -44,6 +45,10 @@ class BlockSizes:
     num_warps: int | None = 8
     # 3 stages ran out of shared memory at head size 128 on an H100 (232 KB).
     num_stages: int = 2
+    # The dq and dk/dv kernels' depth (None: num_stages). Their 64 x 64 tiles leave room:
+    # at d = 128 on an H100, 3 stages took the dense 8K forward+backward from 43.1 to
+    # 35.5 ms (docs/kernel_runs/h100_mosaic.md, the Mosaic rows' s2 against s3).
+    num_stages_bwd: int | None = 3
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):

@@ -30,8 +30,9 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def _compiler_params(sizes):
-    return pltriton.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages)
+def _compiler_params(sizes, *, backward: bool = False):
+    stages = sizes.num_stages_bwd if backward and sizes.num_stages_bwd else sizes.num_stages
+    return pltriton.CompilerParams(num_warps=sizes.num_warps, num_stages=stages)
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
@@ -251,7 +252,7 @@ def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: V
                   pl.BlockSpec((bq, None, dv_), lambda h, b: (b, h, 0)), row_vec, row_vec, *map(_full_spec, extra)],
         out_specs=[q_tile] + [row_vec] * alibi,
         out_shape=dq_out,
-        compiler_params=_compiler_params(sizes),
+        compiler_params=_compiler_params(sizes, backward=True),
         interpret=static.interpret,
         name="block_sparse_flash_dq",
     )(*meta, q, k, v, do, lse, delta, *extra)
@@ -267,7 +268,7 @@ def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: V
                   pl.BlockSpec((lq, None, dv_), lambda h, b: (0, h, 0)), full_rows, full_rows, *map(_full_spec, extra)],
         out_specs=[pl.BlockSpec((bk, None, dk_), lambda h, b: (b, h, 0)), pl.BlockSpec((bk, None, dv_), lambda h, b: (b, h, 0))],
         out_shape=[jax.ShapeDtypeStruct((lk, heads, dk_), jnp.float32), jax.ShapeDtypeStruct((lk, heads, dv_), jnp.float32)],
-        compiler_params=_compiler_params(sizes),
+        compiler_params=_compiler_params(sizes, backward=True),
         interpret=static.interpret,
         name="block_sparse_flash_dkv",
     )(*meta, q, k, v, do, lse, delta, *extra)
