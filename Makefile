@@ -1,10 +1,13 @@
 # Two-command quickstart: `make demo` and `make test`. Each creates .venv when absent
 # and installs what it needs; a stamp file re-installs when pyproject.toml changes.
+# `make test PYTHON=python3.13 VENV=.venv-3.13` tests under another interpreter in its own
+# venv; PYTEST_ARGS adds pytest arguments (.ci/run passes --fast-subset for the newest Python).
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
+PYTEST_ARGS ?=
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean check-venv
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jxformers needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
@@ -19,14 +22,21 @@ $(VENV)/.stamp-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $@ $(VENV)/.stamp-run
 
-demo: $(VENV)/.stamp-run
+# A venv made by another Python than $(PYTHON) would be used silently: refuse it.
+check-venv: | $(BIN)/python
+	@want=$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	have=$$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	[ "$$want" = "$$have" ] || { echo "$(VENV) holds Python $$have but PYTHON=$(PYTHON) is Python $$want:" \
+	  "pass VENV=.venv-$$want (or run make clean)"; exit 1; }
+
+demo: check-venv $(VENV)/.stamp-run
 	$(BIN)/jxformers demo --workdir runs/demo
 
-test: $(VENV)/.stamp-dev
-	$(BIN)/python -m pytest -n 2 -q
+test: check-venv $(VENV)/.stamp-dev
+	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
 
 bench: $(VENV)/.stamp-run
 	$(BIN)/python scripts/bench_attention.py --out docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .jax_cache
+	rm -rf $(VENV) .venv-3.* .pytest_cache .hypothesis .jax_cache

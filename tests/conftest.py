@@ -8,6 +8,8 @@ Hypothesis draws from a few fixed shapes: every new shape is a new XLA compilati
 import functools
 import os
 import shutil
+import subprocess
+import sys
 
 # Tests compile thousands of small programs and run each a few times: skip LLVM's
 # optimisation passes (4-5x faster compiles on CPU), use XLA's older CPU fusion emitters
@@ -15,9 +17,33 @@ import shutil
 # generate each program's code in one piece (splitting it for parallel codegen threads
 # cost 10-15% more compile time with two test workers on two cores). HLO-level passes, and
 # so the cost and memory analyses the complexity tests read, are unchanged. Set before jax
-# starts; subprocesses that set their own XLA_FLAGS add FAST_COMPILE.
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                "--xla_cpu_parallel_codegen_split_count=1")
+# starts, and only the flags this XLA knows (probed); subprocesses that set their own
+# XLA_FLAGS add FAST_COMPILE.
+_FAST_COMPILE_WANTED = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                        "--xla_cpu_parallel_codegen_split_count=1")
+_KNOWN_FLAGS_ENV = "JXFORMERS_TEST_XLA_FLAGS"  # the probe's answer, inherited by workers and CLI runs
+
+
+def known_xla_flags(flags, probe_env=None) -> str:
+    """The `flags` this jaxlib's XLA accepts, space-separated. XLA aborts the whole process
+    on a flag it does not know (jax 0.12 dropped --xla_cpu_use_fusion_emitters), so each
+    set is tried in a subprocess: all at once, then one by one if that fails."""
+
+    def accepted(candidate) -> bool:
+        env = dict(probe_env if probe_env is not None else os.environ)
+        env.update(XLA_FLAGS=" ".join(candidate), JAX_PLATFORMS="cpu")
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                               capture_output=True, text=True, timeout=300)
+        return probe.returncode == 0
+
+    if accepted(flags):
+        return " ".join(flags)
+    return " ".join(flag for flag in flags if accepted((flag,)))
+
+
+if _KNOWN_FLAGS_ENV not in os.environ:  # the pytest controller probes once; xdist workers inherit it
+    os.environ[_KNOWN_FLAGS_ENV] = known_xla_flags(_FAST_COMPILE_WANTED)
+FAST_COMPILE = os.environ[_KNOWN_FLAGS_ENV]
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip()
 # Many tests (and the CLI processes they launch, which inherit the environment) compile
 # the same small train steps: JAX's persistent compilation cache, kept in the checkout
@@ -46,6 +72,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
 )
 settings.load_profile("jxformers")
+
+
+def cuda_target():
+    """A context in which `jit(...).lower(lowering_platforms=("cuda",))` lowers Pallas GPU
+    kernels on this CPU: jax 0.12's Triton lowering reads the target's compute capability
+    from the device, so an abstract H100 stands in for one (older JAX ignores it)."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
 @functools.cache
@@ -98,10 +132,26 @@ def _bounded_compiled_programs():
         jax.clear_caches()
 
 
-def pytest_collection_modifyitems(items):
+def pytest_addoption(parser):
+    parser.addoption("--fast-subset", action="store_true",
+                     help="only the files listed in tests/fast_subset.txt, without their heavy tests")
+
+
+def _fast_subset_files() -> set[str]:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_subset.txt")) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(config, items):
     """Heavy tests first: xdist hands tests out in this order, so the long ones start
     while the short ones can still fill the other worker, instead of one of them running
-    alone at the end (a stable sort: the rest keep their order)."""
+    alone at the end (a stable sort: the rest keep their order). With --fast-subset,
+    only the light tests of the files in tests/fast_subset.txt."""
+    if config.getoption("fast_subset"):
+        files = _fast_subset_files()
+        keep = [item for item in items if item.path.name in files and item.get_closest_marker("heavy") is None]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 

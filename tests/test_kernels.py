@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import masks
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import assert_close, cuda_target, qkv
 
 from jxformers import ModelConfig, build_model, ops
 from jxformers.kernels import Alibi, Band, BlockSizes, KeyRange, QueryRange, block_sparse_attention, causal, impl
@@ -460,8 +460,9 @@ def test_the_gpu_kernels_lower_for_cuda_through_triton():
             return jnp.sum(out.astype(jnp.float32))
 
         try:
-            text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, slopes).lower(
-                lowering_platforms=("cuda",)).as_text()
+            with cuda_target():
+                text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, slopes).lower(
+                    lowering_platforms=("cuda",)).as_text()
         except RuntimeError as e:  # a jaxlib built without the GPU lowering's dialects
             if "triton" in str(e).lower() and "dialect" in str(e).lower():
                 pytest.skip(f"no Triton lowering in this jaxlib: {e}")

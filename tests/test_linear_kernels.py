@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import assert_close, cuda_target, qkv
 
 from jxformers import ops, registry
 from jxformers.decoding import RecurrentState
@@ -308,8 +308,9 @@ def test_the_kernels_lower_for_cuda_through_triton():
             return jnp.sum(chunked_linear_attention(fq, fk, v, causal=causal, log_gate=log_gate).astype(jnp.float32))
 
         try:
-            text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(fq, fk, v, log_gate).lower(
-                lowering_platforms=("cuda",)).as_text()
+            with cuda_target():
+                text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(fq, fk, v, log_gate).lower(
+                    lowering_platforms=("cuda",)).as_text()
         except RuntimeError as e:  # a jaxlib built without the GPU lowering's dialects
             if "triton" in str(e).lower() and "dialect" in str(e).lower():
                 pytest.skip(f"no Triton lowering in this jaxlib: {e}")
