@@ -431,6 +431,27 @@ def test_cudnn_route_maps_the_patterns(is_causal):
         ops.block_local_attention(q, k, v, impl="cudnn")
 
 
+@pytest.mark.parametrize("pattern", ["strided", "fixed"])
+def test_auto_runs_sparse_transformer_through_the_kernel_on_hopper(monkeypatch, pattern):
+    # Measured on an H100 (docs/kernels.md): the two-part kernel beats the XLA op, so
+    # "auto" takes it where choose_kernel takes the other fixed patterns' kernel.
+    import jxformers.ops.sparse as sparse
+
+    taken = []
+    for name in ("_strided_kernel", "_fixed_kernel"):
+        monkeypatch.setattr(sparse, name, lambda q, k, v, choice, name=name, **kw: taken.append((name, choice))
+                            or jnp.zeros(q.shape[:2] + v.shape[2:], q.dtype))
+    q, k, v = qkv(0, 256)
+    ops.sparse_transformer_attention(q, k, v, stride=16, pattern=pattern)
+    assert taken == []  # on this CPU: the XLA op
+    monkeypatch.setattr(impl, "device_backend", lambda: "gpu")
+    monkeypatch.setattr(impl, "_gpu_capability", lambda: 9.0)
+    ops.sparse_transformer_attention(q[:100], k[:100], v[:100], stride=16, pattern=pattern)
+    assert taken == []  # too few queries for a kernel launch to pay
+    ops.sparse_transformer_attention(q, k, v, stride=16, pattern=pattern)
+    assert [(name, choice.backend) for name, choice in taken] == [(f"_{pattern}_kernel", "gpu")]
+
+
 def test_auto_prefers_cudnn_where_it_fits(monkeypatch):
     monkeypatch.setattr(impl, "device_backend", lambda: "gpu")
     monkeypatch.setattr(impl, "_gpu_capability", lambda: 9.0)
