@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from jxformers.nn.layers import check_ids
+
 
 def sample_logits(logits: Float[Array, " vocab"], key: PRNGKeyArray, *, temperature: float, top_k: int | None) -> Int[Array, ""]:
     """One token from `logits`: greedy when temperature == 0, else softmax(logits / T)
@@ -16,6 +18,8 @@ def sample_logits(logits: Float[Array, " vocab"], key: PRNGKeyArray, *, temperat
         return jnp.argmax(logits).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
     if top_k is not None:
+        if top_k > logits.shape[-1]:
+            raise ValueError(f"top_k must be <= the vocabulary ({logits.shape[-1]} logits); got {top_k}")
         kth = jax.lax.top_k(logits, top_k)[0][-1]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
     return jax.random.categorical(key, logits).astype(jnp.int32)
@@ -64,6 +68,8 @@ def generate(
         raise ValueError(f"top_k must be None or an int >= 1; got {top_k!r}")
     if total > model.max_len:
         raise ValueError(f"prompt_len + steps = {total} exceeds the model's max_len {model.max_len}")
+    if getattr(model, "vocab_size", None) is not None:  # the decode loops below would only see NaN
+        check_ids(prompt, model.vocab_size, "prompt token ids")
     prompt = prompt.astype(jnp.int32)
     sample = lambda logits, k: sample_logits(logits, k, temperature=temperature, top_k=top_k)  # noqa: E731
     keys = jax.random.split(key, max(steps, 1))

@@ -1,7 +1,8 @@
 """Small layers: a linear map that computes in a chosen dtype, LayerNorm and RMSNorm
-that always normalise in float32, and the position-wise feed-forward network with
+that always normalise in float32, the position-wise feed-forward network with
 ReLU, GELU (tanh approximation, or "gelu_exact": the erf form BERT uses) and gated
-(GEGLU, SwiGLU) variants (seed 004 section 5.3)."""
+(GEGLU, SwiGLU) variants (seed 004 section 5.3), and the embedding-table lookup that
+refuses ids outside the table (`lookup`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,49 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 FFN_KINDS = ("relu", "gelu", "gelu_exact", "geglu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
+
+
+def check_ids(ids, size: int, what: str = "token ids") -> None:
+    """A ValueError naming the ids outside [0, size) when `ids` are concrete (eager
+    calls); nothing under a trace (jit, vmap, scan), where they cannot be read."""
+    if isinstance(ids, jax.core.Tracer):
+        return
+    ids = np.asarray(ids)
+    bad = np.unique(ids[(ids < 0) | (ids >= size)])
+    if bad.size:
+        raise ValueError(f"{what} must be in [0, {size}) (the table's size); got {bad[:8].tolist()}"
+                         f"{' and more' if bad.size > 8 else ''} at {int(((ids < 0) | (ids >= size)).sum())} position(s)")
+
+
+def check_tokens(tokens, mask=None) -> int:
+    """The length of one example's `[seq]` token ids, after a ValueError for a batch
+    passed without `jax.vmap`, for ids that are not integers, and for a mask not shaped
+    like them."""
+    shape = jnp.shape(tokens)
+    if len(shape) != 1:
+        raise ValueError(f"tokens must be one example's ids, shape [seq]; got shape {shape} (models take one "
+                         "example at a time: call them under jax.vmap for a batch)")
+    if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        raise ValueError(f"tokens must be integer ids; got dtype {jnp.result_type(tokens)}")
+    if mask is not None and jnp.shape(mask) != shape:
+        raise ValueError(f"mask must have shape ({shape[0]},) like the tokens; got {jnp.shape(mask)}")
+    return shape[0]
+
+
+def lookup(table: Float[Array, "size d"], ids: Int[Array, "*n"], what: str = "token ids") -> Float[Array, "*n d"]:
+    """table[ids], never silently another row: an id outside [0, size) is a ValueError
+    when the ids are concrete (`check_ids`), and a row of NaN under a trace (jit, vmap,
+    scan), so whatever reads it turns NaN instead of using the clamped last row (JAX's
+    indexing clamps out-of-range ids and wraps negative ones)."""
+    check_ids(ids, table.shape[0], what)
+    valid = (ids >= 0) & (ids < table.shape[0])
+    rows = table[jnp.clip(ids, 0, table.shape[0] - 1)]
+    return jnp.where(valid[..., None], rows, jnp.asarray(jnp.nan, table.dtype))
 
 
 def _lift(vector: Array, ndim: int) -> Array:

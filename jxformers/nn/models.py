@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.blocks import Block
-from jxformers.nn.layers import LayerNorm, Linear, RMSNorm
+from jxformers.nn.layers import LayerNorm, Linear, RMSNorm, check_tokens, lookup
 from jxformers.nn.luna import LunaStack
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.positions import BIAS_KINDS, Positions
@@ -61,11 +61,6 @@ def _check_reversible(blocks, reversible):
         raise ValueError(f"reversible wiring needs transformer Blocks; got {sorted({type(b).__name__ for b in blocks})}")
 
 
-def _check_mask(mask, n):
-    if mask is not None and mask.shape != (n,):
-        raise ValueError(f"mask must have shape ({n},) like the tokens; got {mask.shape}")
-
-
 class Embedding(eqx.Module):
     """Token embedding (scaled by sqrt(d_model) unless `scale` is False) plus absolute
     positions (if any) plus token-type embeddings (if `type_vocab_size` > 0; type 0
@@ -88,13 +83,13 @@ class Embedding(eqx.Module):
 
     def __call__(self, tokens: Int[Array, " n"], positions: Int[Array, " n"],
                  token_types: Int[Array, " n"] | None = None) -> Float[Array, "n d_model"]:
-        x = self.table[tokens]
+        x = lookup(self.table, tokens)
         if self.scale:
             x = x * math.sqrt(self.table.shape[1])
         extra = self.positions.embed(positions)
         x = x if extra is None else x + extra
         if self.types is not None:
-            x = x + self.types[jnp.zeros_like(tokens) if token_types is None else token_types]
+            x = x + lookup(self.types, jnp.zeros_like(tokens) if token_types is None else token_types, "token_types")
         elif token_types is not None:
             raise ValueError("token_types given, but this embedding has no token-type table (type_vocab_size 0)")
         if self.norm is not None:
@@ -258,8 +253,7 @@ class Encoder(eqx.Module):
             `(hidden [out, d_model], mask [out])`; `out` = seq (+1 for the CLS token) unless
             filters shorten it (upsample_sum: always seq, with the input's mask).
         """
-        n = tokens.shape[0]
-        _check_mask(mask, n)
+        n = check_tokens(tokens, mask)
         start = 0 if self.cls is None else 1
         _check_length(n + start, self.max_len)
         padded = mask is not None
@@ -447,6 +441,11 @@ class LanguageModel(eqx.Module):
         self.head = head
         self.unembed = None if tie or head is not None else Linear(d, vocab, use_bias=False, key=key)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model reads: [0, vocab_size)."""
+        return self.embedding.table.shape[0]
+
     def _logits(self, x):
         x = self.norm(x)
         if self.head is not None:
@@ -468,8 +467,7 @@ class LanguageModel(eqx.Module):
         Returns:
             `[seq, vocab]` float32 logits; row i predicts token i + 1.
         """
-        n = tokens.shape[0]
-        _check_mask(mask, n)
+        n = check_tokens(tokens, mask)
         _check_length(n, self.max_len)
         positions = jnp.arange(n)
         x = self.embedding(tokens, positions)
@@ -555,6 +553,10 @@ class ConditionedDecoder(eqx.Module):
     @property
     def max_len(self) -> int:
         return self.decoder.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.vocab_size
 
     def __call__(self, target: Int[Array, " tgt"], mask: Bool[Array, " tgt"] | None = None) -> Float[Array, "tgt vocab"]:
         return self.decoder(target, mask, context=self.memory, context_mask=self.memory_mask, inference=True)

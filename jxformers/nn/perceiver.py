@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.blocks import Block
-from jxformers.nn.layers import LayerNorm, RMSNorm, make_norm, split_key
+from jxformers.nn.layers import LayerNorm, RMSNorm, check_tokens, make_norm, split_key
 from jxformers.nn.models import Embedding
 from jxformers.nn.set_transformer import MAB
 
@@ -84,9 +84,7 @@ class PerceiverEncoder(eqx.Module):
         self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
         key: PRNGKeyArray | None = None, inference: bool = False,
     ) -> tuple[Float[Array, "num_latents d_model"], Bool[Array, " num_latents"]]:
-        n = tokens.shape[0]
-        if mask is not None and mask.shape != (n,):
-            raise ValueError(f"mask must have shape ({n},) like the tokens; got {mask.shape}")
+        n = check_tokens(tokens, mask)
         if n > self.max_len:
             raise ValueError(f"sequence length {n} exceeds the model's max_len {self.max_len}")
         x = self.embedding(tokens, jnp.arange(n))

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm, make_norm, split_key
+from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm, check_tokens, lookup, make_norm, split_key
 
 RECURRENT_ARCHITECTURES = ("transformer_xl", "compressive")
 COMPRESSIONS = ("conv", "mean", "max")
@@ -325,11 +325,9 @@ class RecurrentLM(eqx.Module):
                 reads (ANDed with causality; for tests of the equivalent one-pass mask).
             update: compute the new memory (False: return `memory` as it is).
         """
-        n = tokens.shape[0]
+        n = check_tokens(tokens, mask)
         if n > self.max_len:
             raise ValueError(f"segment length {n} exceeds the model's max_len {self.max_len}")
-        if mask is not None and mask.shape != (n,):
-            raise ValueError(f"mask must have shape ({n},) like the tokens; got {mask.shape}")
         memory = _with_compressed(memory)
         hidden, compressed = memory["hidden"], memory["compressed"]
         mem_len, cmem_len = hidden.shape[1], compressed.shape[1]
@@ -346,7 +344,7 @@ class RecurrentLM(eqx.Module):
         if attend is not None:
             allowed = allowed & jnp.concatenate([jnp.ones((n, cmem_len + mem_len), bool), attend], 1)
         keys = split_key(key, len(self.layers) + 1)
-        x = (self.table[tokens] * math.sqrt(self.table.shape[1])).astype(self.dtype)
+        x = (lookup(self.table, tokens) * math.sqrt(self.table.shape[1])).astype(self.dtype)
         x = self.dropout(x, key=keys[-1], inference=inference)
         inputs = []
         for i, layer in enumerate(self.layers):
@@ -400,6 +398,11 @@ class RecurrentLM(eqx.Module):
         if max_len > self.max_len:
             raise ValueError(f"decoding length {max_len} exceeds the model's max_len {self.max_len}")
         return {"memory": self.init_memory(max_len, 0), "length": jnp.zeros((), jnp.int32)}
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model reads: [0, vocab_size)."""
+        return self.table.shape[0]
 
     def decode_step(self, token: Int[Array, ""], state: dict[str, Any]) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
         """Feed one token (a segment of one after the memory); the next-token logits and
