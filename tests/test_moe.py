@@ -124,6 +124,17 @@ def test_capacity_overflow_dropped_exactly():
     assert float(aux["dropped"]) == n - 6
 
 
+def test_auto_dropless_method_follows_the_measurements():
+    # ragged_dot at 1-2% of a dense matmul on CPU and 13% on an H100 (docs/moe_runs):
+    # padded buffers (E / k times the FLOPs at dense speed) win below E / k = 8 on a GPU.
+    from jxformers.nn.moe import ragged_pays
+
+    assert not ragged_pays("cpu", 64, 1)
+    assert not ragged_pays("gpu", 8, 2) and not ragged_pays("gpu", 64, 8)
+    assert ragged_pays("gpu", 64, 2) and ragged_pays("tpu", 8, 2)
+    assert not MoE(D, FF, 4, top_k=2, dropless=True, key=jax.random.key(3)).ragged_dispatch  # this CPU
+
+
 @pytest.mark.parametrize("method", ["ragged", "padded"])
 def test_dropless_equals_per_token_loop(method, ffn="swiglu"):
     moe = MoE(D, FF, 4, top_k=2, dropless=True, dropless_method=method, ffn=ffn, key=jax.random.key(3))
@@ -356,7 +367,9 @@ def test_config_pkm_classifier_and_config_errors():
         (dict(task="lm", ffn="moe", moe={"router": "expert_choice"}), "leaks future tokens"),
         (dict(ffn="moe", moe={"bogus": 1}), r"unknown MoE setting\(s\) \['bogus'\]; known"),
         (dict(moe={"top_k": 2}), "no block has ffn 'moe'"),
-        (dict(task="lm", ffn="pkm", pkm={"query_norm": True}), "leaks future tokens"),
+        (dict(task="lm", ffn="pkm", pkm={"num_keys": 8, "query_norm": True}), "leaks future tokens"),
+        (dict(ffn="pkm"), r"setting\(s\) \['num_keys'\] are required"),
+        (dict(ffn="pkm", pkm={"top_k": 2}), r"\['num_keys'\] are required"),
         (dict(ffn="moe", reversible=True), "needs architecture 'transformer'"),
         (dict(ffn="moe", moe={"num_experts": 2, "top_k": 3}), r"top_k must be in \[1, num_experts=2\]"),
         (dict(layer_overrides={0: {"ffn": "sparse"}}), "ffn must be one of"),
@@ -364,6 +377,18 @@ def test_config_pkm_classifier_and_config_errors():
     for kwargs, match in errors:
         with pytest.raises(ValueError, match=match):
             ModelConfig(**TINY | kwargs)
+
+
+def test_pkm_defaults_are_written_once_for_the_config_and_the_module():
+    # The config's settings are what the module is built from: unset ones take the
+    # same defaults as ProductKeyMemory's own (4 heads, Lample et al.'s multi-head memory).
+    from jxformers.nn import pkm
+
+    model = build_model(ModelConfig(**TINY, ffn="pkm", pkm={"num_keys": 4, "top_k": 2}), key=jax.random.key(0))
+    memory = model.encoder.blocks[0].ffn
+    direct = ProductKeyMemory(TINY["d_model"], 4, top_k=2, key=jax.random.key(0))
+    assert memory.heads == direct.heads == pkm.SETTINGS["heads"] == 4
+    assert memory.query.weight.shape == direct.query.weight.shape
 
 
 def test_moe_and_pkm_language_model_decodes_like_its_parallel_forward():

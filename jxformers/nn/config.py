@@ -99,8 +99,8 @@ class ModelConfig:
             dropless_method, shared_expert, jitter_eps, balance_weight, z_loss_weight; the weighted
             auxiliary losses are added to the training loss. Tasks classify and lm,
             architecture transformer, not reversible.
-        pkm: product-key memory settings (`jxformers.nn.pkm.SETTINGS`): num_keys,
-            top_k, heads, d_key, query_norm (not in causal models).
+        pkm: product-key memory settings (`jxformers.nn.pkm.REQUIRED` and `SETTINGS`):
+            num_keys (required), top_k, heads, d_key, query_norm (not in causal models).
         position: sinusoidal, learned, rope, alibi, t5, none.
         norm: layernorm or rmsnorm; norm_placement: pre or post (default: post for isab and luna, as
             their papers; pre for transformer and perceiver: Perceiver's paper, and for
@@ -592,7 +592,8 @@ def _ffn(config: ModelConfig, layer: dict[str, Any], *, causal: bool, key):
         settings = moe_lib.check_settings(config.moe, causal=causal)
         return moe_lib.MoE(config.d_model, layer["d_ff"], **settings, causal=causal, dropout=config.dropout, key=key)
     if layer["ffn"] == "pkm":
-        return pkm_lib.ProductKeyMemory(config.d_model, **config.pkm, dropout=config.dropout, key=key)
+        settings = pkm_lib.check_settings(config.pkm, d_model=config.d_model, causal=causal)
+        return pkm_lib.ProductKeyMemory(config.d_model, **settings, dropout=config.dropout, key=key)
     return FeedForward(config.d_model, layer["d_ff"], layer["ffn"], dropout=config.dropout,
                        chunk_size=config.ffn_chunk_size, key=key)
 

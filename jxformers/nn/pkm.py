@@ -33,16 +33,24 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from jxformers.nn.layers import Linear, _lift
 
 
-# ProductKeyMemory's settings (what ModelConfig's `pkm` mapping may set) and defaults.
-SETTINGS = dict(num_keys=32, top_k=8, heads=4, d_key=None, query_norm=False)
+# ProductKeyMemory's settings (what ModelConfig's `pkm` mapping may set): the required
+# ones, and the others with their defaults, which the constructor reads too (Lample et al.
+# use 4 heads and k = 32 of 512^2 keys; 8 suits the small memories of this library's tests).
+REQUIRED = ("num_keys",)
+SETTINGS = dict(top_k=8, heads=4, d_key=None, query_norm=False)
 
 
 def check_settings(settings: dict, *, d_model: int, causal: bool, prefix: str = "") -> dict:
     """`settings` completed with the defaults, after ValueErrors for unknown names and
     out-of-range values; nothing is built."""
-    unknown = sorted(set(settings) - set(SETTINGS), key=str)
+    known = sorted([*REQUIRED, *SETTINGS])
+    unknown = sorted(set(settings) - set(known), key=str)
     if unknown:
-        raise ValueError(f"{prefix}unknown product-key memory setting(s) {unknown}; known: {sorted(SETTINGS)}")
+        raise ValueError(f"{prefix}unknown product-key memory setting(s) {unknown}; known: {known}")
+    missing = [name for name in REQUIRED if name not in settings]
+    if missing:
+        raise ValueError(f"{prefix}product-key memory setting(s) {missing} are required (num_keys: sub-keys per "
+                         f"half, the memory holds num_keys^2 values); got {dict(settings)}")
     s = SETTINGS | dict(settings)
     d_key = d_model if s["d_key"] is None else s["d_key"]
     if not (isinstance(d_key, int) and d_key >= 2 and d_key % 2 == 0):
@@ -106,8 +114,9 @@ class ProductKeyMemory(eqx.Module):
     heads: int = eqx.field(static=True)
     d_key: int = eqx.field(static=True)
 
-    def __init__(self, d_model: int, num_keys: int, *, top_k: int = 8, heads: int = 1, d_key: int | None = None,
-                 query_norm: bool = False, dropout: float = 0.0, key: PRNGKeyArray):
+    def __init__(self, d_model: int, num_keys: int, *, top_k: int = SETTINGS["top_k"], heads: int = SETTINGS["heads"],
+                 d_key: int | None = SETTINGS["d_key"], query_norm: bool = SETTINGS["query_norm"],
+                 dropout: float = 0.0, key: PRNGKeyArray):
         check_settings(dict(num_keys=num_keys, top_k=top_k, heads=heads, d_key=d_key, query_norm=query_norm),
                        d_model=d_model, causal=False)
         d_key = d_model if d_key is None else d_key
