@@ -34,12 +34,14 @@ Dispatch:
                assignment gets zero output (the residual carries the token) and is
                counted in aux["dropped"]. Memory O(E C d) plus an O(seq k E) position count.
     dropless   (token choice) every assignment is processed, by one of two methods
-               (`dropless_method`; "auto" picks "padded" on CPU, "ragged" elsewhere):
+               (`dropless_method`; "auto" picks "padded" on CPU and on GPUs unless
+               E / k > 8, "ragged" otherwise: `ragged_pays`):
                "ragged": assignments sorted by expert and multiplied with
                `jax.lax.ragged_dot` (grouped matmul), FLOPs = the assignments'. On CPU
                (jax 0.10.2) ragged_dot runs at about 1% of a dense matmul of the same
-               size (docs/moe.md), so it is not the CPU default; it was not run on a GPU
-               or TPU in this work. "padded": the capacity dispatch with C = seq (an
+               size (docs/moe.md), so it is not the CPU default; on an H100 at 13% of
+               dense (so padded wins while E / k <= 8); not run on a TPU in this work.
+               "padded": the capacity dispatch with C = seq (an
                expert takes a token at most once, so nothing can drop): dense einsums at
                E / k times the assignments' FLOPs, and E * seq * d buffer memory. `ragged_dot` has no batching rule for a batched lhs with
                unbatched weights, so `grouped_matmul` carries its own (custom_vmap inside
@@ -81,6 +83,21 @@ AUX_NAMES = ("balance_loss", "z_loss", "router_entropy", "router_confidence", "d
 SUMMED = ("dropped", "expert_load")  # aux counts: summed over examples and devices; the rest are means
 SECOND_POLICIES = ("all", "random")
 DROPLESS_METHODS = ("auto", "ragged", "padded")
+# On an H100 (jax 0.11.2, bf16, docs/moe_runs/gpu.md) XLA's ragged_dot ran at 13% of a
+# dense matmul of the same size, about 1/8 of its speed, while the padded dispatch runs at
+# dense speed on E / k times the FLOPs: ragged pays only above this ratio there.
+GPU_RAGGED_MIN_RATIO = 8
+
+
+def ragged_pays(backend: str, num_experts: int, top_k: int) -> bool:
+    """dropless_method="auto": ragged_dot over padded buffers? Never on CPU (ragged_dot at
+    1-2% of a dense matmul), on GPUs only when E / k > GPU_RAGGED_MIN_RATIO (measured on
+    an H100), always elsewhere (TPU: unmeasured)."""
+    if backend == "cpu":
+        return False
+    if backend in ("gpu", "cuda", "rocm"):
+        return num_experts / top_k > GPU_RAGGED_MIN_RATIO
+    return True
 
 
 # ----------------------------------------------------------------------------- routers
@@ -443,8 +460,8 @@ class MoE(eqx.Module):
             inference (token choice with dispatch by capacity, and expert choice, where
             C = ceil(cf * seq / E) tokens per expert).
         dropless: token choice without capacity; dropless_method: "ragged"
-            (ragged_dot), "padded" (buffers of C = seq) or "auto" (padded on CPU,
-            ragged elsewhere); see the module docstring.
+            (ragged_dot), "padded" (buffers of C = seq) or "auto" (`ragged_pays`:
+            padded on CPU, and on GPUs unless E / k > 8); see the module docstring.
         jitter_eps: router input jitter (training only; 0 disables).
         shared_expert: add a FeedForward of width d_ff applied to every token.
         balance_weight, z_loss_weight: aux["loss"] = balance_weight * balance_loss +
@@ -557,7 +574,7 @@ class MoE(eqx.Module):
     def ragged_dispatch(self) -> bool:
         """Whether a dropless layer multiplies with ragged_dot (else padded buffers)."""
         if self.dropless_method == "auto":
-            return jax.default_backend() != "cpu"
+            return ragged_pays(jax.default_backend(), self.num_experts, self.top_k)
         return self.dropless_method == "ragged"
 
     def capacity(self, seq: int, *, inference: bool) -> int:
