@@ -109,7 +109,11 @@ class TrainConfig(_Section):
                                       "on_nonfinite": ("stop", "skip")})
         check_at_least(self, "train.", 1, "steps", "batch_size", "grad_accum", "eval_every", "eval_batches",
                        "log_every")
-        check_at_least(self, "train.", 0, "warmup_steps", "redraw_every")
+        check_at_least(self, "train.", 0, "warmup_steps", "redraw_every", "weight_decay")
+        if not self.learning_rate > 0:  # a negative rate would ascend the loss; `not >` catches NaN
+            raise ValueError(f"train.learning_rate must be > 0; got {self.learning_rate}")
+        if self.clip_norm is not None and not self.clip_norm >= 0:
+            raise ValueError(f"train.clip_norm must be > 0, or 0 or null for no clipping; got {self.clip_norm}")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
                              f"({self.grad_accum})")
