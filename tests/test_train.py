@@ -188,13 +188,20 @@ def test_tiny_training_run_logs_evaluates_and_checkpoints(tmp_path):
     assert [r["step"] for r in records if "eval_loss" in r] == [6, 12]
     first = next(r for r in records if "loss" in r)
     assert first["tokens_per_s"] > 0 and first["step_temp_bytes"] > 0
+    assert [r["step"] for r in records if "compile_seconds" in r] == [1]  # the first step's compile, once
+    assert next(r for r in records if "compile_seconds" in r)["compile_seconds"] > 0
+    assert summary["compile_seconds"] > 0
+    assert not any("resumed_from_step" in r for r in records)  # a fresh run
     kept = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert kept[-2:] == [8, 12]
     assert (tmp_path / "run" / "config.yaml").exists()
     events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and len(read_records(events[0])) >= 1 + 12 + 2  # version, steps, evals
-    # Training again on a finished work directory resumes at the end and does nothing.
-    assert train(experiment, tmp_path / "run", progress=False)["step"] == 12
+    # Training again on a finished work directory resumes at the end, does nothing and
+    # says so, with the last evaluation (not a summary of nulls).
+    again = train(experiment, tmp_path / "run", progress=False)
+    assert again["step"] == 12 and again["complete"] is True and "already complete" in again["note"]
+    assert again["eval_accuracy"] == summary["eval_accuracy"] and None not in again.values()
 
 
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
@@ -210,6 +217,9 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert summary["step"] == 14
     assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
             if "loss" in json.loads(x)][-6:] == [9, 10, 11, 12, 13, 14]  # resumed from step 8
+    # the log marks the resume, so the steps 9-12 logged twice can be told apart
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["resumed_from_step"] for r in records if "resumed_from_step" in r] == [8]
 
 
 def test_a_changed_config_does_not_touch_the_checkpoints(tmp_path):

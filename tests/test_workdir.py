@@ -4,6 +4,7 @@ missing or odd directories and YAML, honest messages and metrics."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -252,6 +253,7 @@ def test_progress_is_plain_lines_off_a_terminal_and_silent_when_off(tmp_path, ca
     err = capsys.readouterr().err
     assert "\r" not in err
     assert [x.split(" loss")[0] for x in err.splitlines()] == ["tiny: step 1/3", "tiny: step 3/3"]
+    assert all(re.search(r" step_ms [0-9.]+ tokens/s [0-9]+$", x) for x in err.splitlines())  # speed, too
     assert cli.main(["train", str(config), "--workdir", str(tmp_path / "off"), "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert captured.err == "" and len(captured.out.strip().splitlines()) == 1  # only the summary

@@ -9,7 +9,8 @@ steps (default 1000; see `TrainConfig`), log (each logged step is one JSON objec
 non-finite numbers as the strings "NaN" / "Infinity" that float() reads, and TensorBoard
 scalars in `workdir/tensorboard/`; tokens_per_s counts real tokens, padded_tokens_per_s
 all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` steps (logging
-`checkpoint_save_ms`, the time the step path waited for the save), and
+`checkpoint_save_ms`, the time the step path waited for the save; `compile_seconds` at
+the first step; `resumed_from_step` first when resuming), and
 on SIGTERM or SIGINT save a checkpoint and exit (with several processes, all after
 the same step: JAX's preemption sync point). A non-finite loss or gradient is
 reported with its step and either stops the run or skips the update (`train.on_nonfinite`).
@@ -157,11 +158,13 @@ class _CompiledStep:
     """The train step, compiled once explicitly (to record its temporary memory) and timed."""
 
     def __init__(self, jitted):
-        self.jitted, self.compiled, self.temp_bytes = jitted, None, None
+        self.jitted, self.compiled, self.temp_bytes, self.compile_seconds = jitted, None, None, None
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float], float]:
         if self.compiled is None:
+            began = time.perf_counter()
             self.compiled = self.jitted.lower(state, batch).compile()
+            self.compile_seconds = time.perf_counter() - began
             self.temp_bytes = cost_of(self.compiled).temp_bytes
         began = time.perf_counter()
         state, metrics = self.compiled(state, batch)
@@ -377,9 +380,11 @@ class _Progress:
         self.bar = tqdm(total=self.total, initial=start, desc=self.name, file=sys.stderr, disable=not self.terminal)
         self.last_line = None
 
-    def __call__(self, step: int, m: dict[str, float], last_eval: dict[str, float]) -> None:
+    def __call__(self, step: int, m: dict[str, float], last_eval: dict[str, float], *, elapsed: float,
+                 tokens: int) -> None:
         shown = {"loss": f"{m['loss']:.4f}", "acc": f"{m['accuracy']:.3f}",
-                 **({"eval_acc": f"{last_eval['eval_accuracy']:.3f}"} if last_eval else {})}
+                 **({"eval_acc": f"{last_eval['eval_accuracy']:.3f}"} if last_eval else {}),
+                 "step_ms": f"{1e3 * elapsed:.1f}", "tokens/s": f"{tokens / max(elapsed, 1e-9):.0f}"}
         if self.terminal:
             self.bar.update(1)
             self.bar.set_postfix(**shown)
@@ -396,6 +401,14 @@ class _Progress:
 
 
 # ----------------------------------------------------------------------------- the loop
+
+
+def _last_eval(workdir: pathlib.Path) -> dict[str, Any]:
+    """The last evaluation logged in `workdir/metrics.jsonl` ({} if none)."""
+    path = workdir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    evals = [r for r in records if any(key.startswith("eval_") for key in r)]
+    return {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}
 
 
 def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: contextlib.ExitStack):
@@ -446,6 +459,12 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
             log({"step": start, "config_changed": {k: list(v) for k, v in changes.items()}})
         report = _StepReport(log, experiment, schedule, start, t.batch_size * train_source.max_len, checkpointer.steps)
         show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress and distributed.is_main())))
+        if start >= t.steps:  # a rerun of a finished run: say so rather than summarise nothing
+            return {"step": start, "complete": True, **_last_eval(workdir),
+                    "note": f"already complete: step {start} of train.steps = {t.steps}; nothing was run "
+                            "(raise train.steps to train further, or use `jxformers eval`)"}
+        if start:  # steps logged after this checkpoint by the interrupted run are logged again below
+            log({"step": start, "resumed_from_step": start})
         summary, last_eval = {"step": start}, {}
         stop = signals.stop_after(start)  # a signal during setup: nothing to run
         while int(state.step) < t.steps and not stop:
@@ -454,11 +473,13 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
             tokens = int(batch["mask"].sum()) * jax.process_count()  # this process's rows, scaled
             state, m, elapsed = run_step(state, batch if plan is None else plan.place_batch(batch))
             step, report.step_temp_bytes = int(state.step), run_step.temp_bytes
+            if step == start + 1:  # the first step of this process compiled the train step
+                log({"step": step, "compile_seconds": run_step.compile_seconds})
             report(step, m, elapsed, tokens)
             if _due(step, t.eval_every, t.steps):
                 last_eval = run_eval(state)
                 log({"step": step, **last_eval})
-            show(step, m, last_eval)
+            show(step, m, last_eval, elapsed=elapsed, tokens=tokens)
             summary = {"step": step, **m, **last_eval}
             stop = signals.stop_after(step)
             if _due(step, every, t.steps) or stop:
@@ -468,4 +489,5 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
                 log({"step": step, "checkpoint_save_ms": 1e3 * (time.perf_counter() - began)})
         if stop:
             signals.exit_after_saving(checkpointer, log, int(state.step), start)
-        return summary | {"peak_memory_bytes": _peak_memory_bytes(), "train_step_temp_bytes": run_step.temp_bytes}
+        return summary | {"peak_memory_bytes": _peak_memory_bytes(), "train_step_temp_bytes": run_step.temp_bytes,
+                          "compile_seconds": run_step.compile_seconds}
