@@ -35,6 +35,7 @@ from jxformers.ops.local import local_pattern
 from jxformers.ops.softmax import softmax_pattern
 from jxformers.ops.sparse import bigbird_pattern, bigbird_random_blocks, fixed_parts, longformer_pattern, strided_parts
 from jxformers.ops.sparse import summary_positions
+from jxformers.tools.help_text import description
 
 BIGBIRD_KEY = jax.random.PRNGKey(7)
 
@@ -120,7 +121,7 @@ def write_markdown(path, script: str, argv, setting: str, header, rows, footer: 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--heads", type=int, default=16)

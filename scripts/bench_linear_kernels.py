@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import timed, with_grad, write_markdown  # noqa: E402 - the block-sparse benchmark's timing, shared
 
 from jxformers import ops  # noqa: E402
+from jxformers.tools.help_text import description  # noqa: E402
 from jxformers.kernels.linear import chunked_linear_attention  # noqa: E402
 from jxformers.ops.kernelized import FEATURE_MAPS  # noqa: E402
 
@@ -208,7 +209,7 @@ def write_table(args, argv, header, rows, note) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--heads", type=int, default=16)

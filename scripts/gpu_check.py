@@ -19,6 +19,7 @@ import numpy as np
 from jxformers.kernels import Alibi, Band, BlockSizes, KeyRange, block_sparse_attention, block_sparse_reference, causal
 from jxformers.kernels import intersect, union
 from jxformers.nn import alibi_slopes
+from jxformers.tools.help_text import description
 
 # The kernel impl the training check compares with XLA ("interpret" runs it on a CPU).
 IMPL = "pallas" if jax.default_backend() != "cpu" else "interpret"
@@ -42,7 +43,7 @@ def cases(n):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--backend", default="gpu", help="gpu, tpu or mosaic_gpu (its forward; the Triton backward)")
     parser.add_argument("--block", type=int, nargs=2, default=[64, 64], metavar=("Q", "K"),
                         help="the kernel's forward blocks (Mosaic GPU: block_q 128 runs two consumer warpgroups)")

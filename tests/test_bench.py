@@ -16,6 +16,13 @@ def test_every_bench_flag_has_help_text():
     assert not missing
 
 
+def test_bench_help_describes_it_in_whole_sentences():
+    # The description is the docstring's first paragraph, not its first line cut mid-sentence.
+    text = " ".join(bench.parser().description.split())
+    assert text.endswith("(ratios hold on a noisy shared machine; absolute times only on the machine named).")
+    assert text.startswith("Attention benchmark: forward and forward+backward time")
+
+
 def test_causal_bench_refuses_a_named_attention_that_cannot_be_causal(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "--causal", "--names", "local", "bigbird", "--lengths", "32", *TINY])

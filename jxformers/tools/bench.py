@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from jxformers import registry
+from jxformers.tools.help_text import description
 from jxformers.tools.xla_cost import compile_with_cost
 
 FULL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
@@ -248,7 +249,7 @@ NOTES = """\
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jxformers bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="jxformers bench", description=description(__doc__))
     p.add_argument("--short", action="store_true",
                    help=f"the demo's size: lengths {SHORT_LENGTHS}, 1 repeat, no notes after the table")
     p.add_argument("--lengths", type=int, nargs="+", metavar="N",

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jxformers import registry
 from jxformers.nn.config import ModelConfig
 from jxformers.tools.bench import print_report, provenance
+from jxformers.tools.help_text import description
 from jxformers.tools.xla_cost import compile_with_cost
 from jxformers.train import init_train_state, load_experiment
 from jxformers.train.step import make_train_step
@@ -134,7 +135,7 @@ def table(rows: list[Row]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_models", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bench_models", description=description(__doc__))
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), metavar="N",
                    help="sequence lengths (default %(default)s)")
     p.add_argument("--batch", type=int, default=None,
