@@ -58,3 +58,20 @@ def test_bench_refuses_an_unknown_attention_with_the_list_of_names(capsys):
         cli.main(["bench", "--names", "perfomer"])
     assert exit_info.value.code == 2
     assert "registered: softmax" in capsys.readouterr().err
+
+
+def test_short_sequence_and_checkpoint_warnings_are_one_line_said_once(capsys, monkeypatch):
+    import warnings
+
+    from jxformers import ShortSequenceWarning
+    from jxformers.train.checkpoint import CheckpointWarning
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored afterwards
+    cli._one_line_checkpoint_warnings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        for _ in range(3):  # as when every evaluation builds the model again
+            warnings.warn("nystrom at max_len 16 is dense", ShortSequenceWarning, stacklevel=1)
+        warnings.warn("checkpoint 12 is damaged", CheckpointWarning, stacklevel=1)
+    assert capsys.readouterr().err.splitlines() == ["jxformers: warning: nystrom at max_len 16 is dense",
+                                                    "jxformers: warning: checkpoint 12 is damaged"]

@@ -43,16 +43,22 @@ def _experiment_parser(prog: str, description: str, *, run_config: bool = False)
 
 
 def _one_line_checkpoint_warnings() -> None:
-    """A checkpoint warning is one line for a user, not Python's file:line and source line."""
+    """A checkpoint or short-sequence warning is one line for a user, not Python's
+    file:line and source line, and each distinct one is said once per command (the model
+    is built anew for each evaluation, which would repeat a ShortSequenceWarning)."""
+    from jxformers.nn.config import ShortSequenceWarning
     from jxformers.train.checkpoint import CheckpointWarning
 
     default = warnings.showwarning
     if getattr(default, "one_line", False):
         return
+    said = set()
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, CheckpointWarning):
-            print(f"jxformers: warning: {message}", file=sys.stderr)
+        if issubclass(category, (CheckpointWarning, ShortSequenceWarning)):
+            if str(message) not in said:
+                said.add(str(message))
+                print(f"jxformers: warning: {message}", file=sys.stderr)
         else:
             default(message, category, filename, lineno, file, line)
 
