@@ -204,6 +204,24 @@ def test_tiny_training_run_logs_evaluates_and_checkpoints(tmp_path):
     assert again["eval_accuracy"] == summary["eval_accuracy"] and None not in again.values()
 
 
+def test_eval_agrees_with_the_training_log_and_takes_eval_batches(tmp_path):
+    from jxformers.train import evaluate_checkpoint
+
+    # 32 eval examples in batches of 8: training evaluates its eval_batches = 2 of the 4.
+    config = write_config(tmp_path, data={"eval_size": 32})
+    experiment = load_experiment(config)
+    summary = train(experiment, tmp_path / "run", progress=False)
+    got = evaluate_checkpoint(experiment, tmp_path / "run")
+    assert got["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
+    assert got["eval_accuracy"] == pytest.approx(summary["eval_accuracy"], abs=1e-6)
+    one = evaluate_checkpoint(load_experiment(config, ["train.eval_batches=1"]), tmp_path / "run")
+    whole = evaluate_checkpoint(experiment, tmp_path / "run", batches="all")
+    assert len({one["eval_loss"], got["eval_loss"], whole["eval_loss"]}) == 3  # 1, 2 and 4 batches
+    assert evaluate_checkpoint(experiment, tmp_path / "run", batches=4)["eval_loss"] == whole["eval_loss"]
+    with pytest.raises(ValueError, match="batches must be None"):
+        evaluate_checkpoint(experiment, tmp_path / "run", batches=0)
+
+
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     experiment = load_experiment(write_config(tmp_path), ["checkpoint.async_save=false"])
     train(experiment, tmp_path / "run", progress=False)

@@ -132,9 +132,20 @@ def _train(rest: list[str]) -> int:
     return 0
 
 
+def _batches(text: str) -> int | str:
+    if text == "all":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"an int >= 1 or 'all'; got {text!r}")
+    return int(text)
+
+
 def _eval(rest: list[str]) -> int:
     p = _experiment_parser("jxformers eval", "evaluate the newest checkpoint on the eval split", run_config=True)
-    p.add_argument("--batches", type=int, default=None, help="eval batches (default: the whole split)")
+    p.add_argument("--batches", type=_batches, default=None,
+                   help="eval batches: an int, or 'all' for the whole split (default: train.eval_batches, the "
+                        "batches training evaluated, so the numbers agree with its log; --set "
+                        "train.eval_batches=N changes it)")
     p.add_argument("--best", action="store_true", help="the best checkpoint by checkpoint.best_metric "
                    "instead of the newest")
     args = p.parse_args(rest)

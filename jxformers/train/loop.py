@@ -102,17 +102,24 @@ def restore_model(experiment: Experiment, workdir: str | pathlib.Path, *, best: 
     return state.model(static), int(state.step)
 
 
-def evaluate_checkpoint(experiment: Experiment, workdir: str | pathlib.Path, *, batches: int | None = None,
+def evaluate_checkpoint(experiment: Experiment, workdir: str | pathlib.Path, *, batches: int | str | None = None,
                         best: bool = False):
     """Eval metrics of the newest (or the best) checkpoint on the eval split; for a
     classification task also `eval_examples` and `baselines` ({name: accuracy} of the
-    task's cheap predictors on the same examples, see `jxformers.data.baselines`)."""
+    task's cheap predictors on the same examples, see `jxformers.data.baselines`).
+
+    `batches`: None (the default) evaluates the first `train.eval_batches` batches, the
+    ones training evaluated, so the numbers agree with the run's log; "all" the whole
+    split (whole batches); an int that many."""
+    if not (batches is None or batches == "all" or (isinstance(batches, int) and batches >= 1)):
+        raise ValueError(f"batches must be None (train.eval_batches), 'all' or an int >= 1; got {batches!r}")
     state, static = restore_train_state(experiment, workdir, best=best)
     train_source, eval_source = experiment.sources()
     batch = min(experiment.train.batch_size, len(eval_source))
     workers = experiment.data.workers
     loader = make_loader(eval_source, batch_size=batch, seed=0, shuffle=False, num_epochs=1, workers=workers)
-    n = min(batches if batches is not None else math.ceil(len(eval_source) / batch), len(eval_source) // batch)
+    wanted = {None: experiment.train.eval_batches, "all": math.ceil(len(eval_source) / batch)}.get(batches, batches)
+    n = min(wanted, len(eval_source) // batch)
     metrics = {"step": int(state.step), **evaluate(make_eval_step(static), state, loader, n,
                                                    language_model=experiment.model.task == "lm")}
     if experiment.model.task != "classify":
