@@ -146,11 +146,16 @@ class AttentionSuite(_Parametrized):
         kv_mask = jnp.arange(n) < real_len
         k2 = k.at[real_len:].set(jax.random.normal(jax.random.key(seed + 3), k[real_len:].shape) * 10)
         v2 = v.at[real_len:].set(1e4)
+        # Non-finite padding too: a masked key times a zero weight must not be 0 * NaN.
+        k3, v3 = k.at[real_len:].set(jnp.inf), v.at[real_len:].set(jnp.nan)
         for causal in causal_modes(name):
             a = run(name, hp, q, k, v, causal=causal, kv_mask=kv_mask)
             b = run(name, hp, q, k2, v2, causal=causal, kv_mask=kv_mask)
+            c = run(name, hp, q, k3, v3, causal=causal, kv_mask=kv_mask)
             chex.assert_tree_all_finite(a)
             assert_close(a[:real_len], b[:real_len], atol=1e-5)
+            chex.assert_tree_all_finite(c[:real_len])
+            assert_close(a[:real_len], c[:real_len], atol=1e-5)
 
     @needs(supports_kv_mask=True)
     def test_all_keys_padded_gives_zeros_not_nan(self, name, hp):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from jxformers.ops._common import ceil_div, check_positive, check_self
+from jxformers.ops._common import ceil_div, check_positive, check_self, zero_padded
 from jxformers.ops.local import block_local_attention, dilated_attention
 from jxformers.registry import register
 
@@ -51,6 +51,7 @@ def axial_attention(
 
     Time O(seq * (width + seq / width) * d): O(seq^1.5) for a square grid.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_self(q, k, v, kv_mask)
     check_positive("width", width)
     if order not in ("row", "column", "row_then_column"):

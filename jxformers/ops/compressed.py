@@ -21,6 +21,7 @@ from jxformers.ops._common import (
     positions,
     to_blocks,
     valid_keys,
+    zero_padded,
 )
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import register
@@ -88,6 +89,7 @@ def memory_compressed_attention(
     Time and memory O(q_len * kv_len / stride * d) plus the convolution's
     O(kv_len * stride * (heads * d)^2 / stride).
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v, self_attention=causal)
     check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
     if k_kernel.shape[0] != v_kernel.shape[0]:

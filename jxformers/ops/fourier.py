@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from jxformers.registry import register
-from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype
+from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype, zero_padded
 
 
 def _alpha(n: int) -> Array:
@@ -240,6 +240,7 @@ def fnet_attention(
     `[seq, kv_heads * d_v]` (q and k are ignored; FNet has no attention weights).
     Padded positions are zeroed before mixing, so their content never reaches the
     output (the real outputs still depend on the padded length, as FNet's do)."""
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v, self_attention=True)
     check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
     if kv_mask is not None:

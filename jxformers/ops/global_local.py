@@ -32,6 +32,7 @@ from jxformers.ops._common import (
     rows_to_output,
     sliding_window_part,
     window_block,
+    zero_padded,
 )
 from jxformers.registry import register
 
@@ -114,6 +115,7 @@ def etc_attention(
     queries run a blocked sliding window plus the global keys; the global queries attend
     every key.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("num_global", num_global)
     check_positive("local_radius", local_radius, minimum=0)
     check_positive("global_every", global_every)

@@ -41,6 +41,7 @@ from jxformers.ops._common import (
     out_dtype,
     pad_to,
     to_blocks,
+    zero_padded,
 )
 from jxformers.registry import TokenInputs, register
 
@@ -291,6 +292,7 @@ def linear_attention(
     O(d_k * d_v) per head for the state. Slower than softmax below a few thousand
     tokens on most hardware (see docs/benchmarks.md). Decoding is the RNN form.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     if isinstance(feature_map, str):
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)} or a callable; got {feature_map!r}")
@@ -436,6 +438,7 @@ def performer_attention(
 
     Time O(N * m * d), memory O(m * d) per head for the state.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v, self_attention=causal)
     check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
     if projection.shape[1] != q.shape[2]:
@@ -564,6 +567,7 @@ def rfa_attention(
     Returns:
         `[q_len, heads, d_v]`.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v, self_attention=causal)
     if projection.shape[1] != q.shape[2]:
         raise ValueError(f"projection must have shape [num_features, d_k={q.shape[2]}]; got {tuple(projection.shape)}")

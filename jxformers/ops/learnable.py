@@ -39,6 +39,7 @@ from jxformers.ops._common import (
     softmax_parts,
     to_blocks,
     valid_keys,
+    zero_padded,
 )
 from jxformers.ops.local import local_attention
 from jxformers.ops.softmax import softmax_attention
@@ -278,6 +279,7 @@ def lsh_attention(
     Time and memory O(n_hashes * seq * chunk_size * d) plus the sort. Decodes its causal
     form one token at a time against a cache of every key and its buckets.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("n_buckets", n_buckets)
     if n_buckets != 1 and n_buckets % 2:
         raise ValueError(f"{n_buckets=} must be 1 or even (the hash is argmax over [xR; -xR])")
@@ -415,6 +417,7 @@ def routing_attention(
     Decodes its causal form against a cache of every key and its cluster, with
     w = ceil(max_len / n_clusters) (the parallel form's w at length max_len).
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("n_clusters", n_clusters)
     check_positive("local_window", local_window, minimum=0)
     check_self(q, k, v, kv_mask)
@@ -626,6 +629,7 @@ def sinkhorn_attention(
     O(seq * block_size + blocks^2). Decodes its causal form against a cache of every key
     (blocks of min(block_size, max_len), the parallel form's at length max_len).
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("block_size", block_size)
     check_positive("max_len", max_len)
     check_positive("sinkhorn_iters", sinkhorn_iters)
@@ -779,6 +783,7 @@ def clusterformer_attention(
 
     Time and memory O(seq * chunk_size * d) plus the sort. Not causal (an encoder layer).
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("n_clusters", n_clusters)
     check_positive("chunk_size", chunk_size)
     check_self(q, k, v, kv_mask)

@@ -34,6 +34,7 @@ from jxformers.ops._common import (
     to_blocks,
     valid_keys,
     window_block,
+    zero_padded,
 )
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import Decoder, register
@@ -80,6 +81,7 @@ def local_attention(
     Time and memory O(seq * window * d). Causal supported; decoding keeps a ring buffer
     of the last `window` keys.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("window", window, minimum=0)
     check_self(q, k, v, kv_mask)
     cudnn = cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask, window=window) or True
@@ -133,6 +135,7 @@ def block_local_attention(
 
     Time and memory O(seq * block_size * d). Causal supported.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("block_size", block_size)
     check_self(q, k, v, kv_mask)
     choice = choose_kernel(impl, what="block-local attention", q_len=q.shape[0])
@@ -190,6 +193,7 @@ def dilated_attention(
     Returns:
         `[seq, heads, d_v]`.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("window", window, minimum=0)
     check_positive("dilation", dilation)
     check_self(q, k, v, kv_mask)
@@ -311,6 +315,7 @@ def image_local_2d_attention(
     pixels outside it. Decoding keeps a ring buffer of the pixels a memory block reaches
     back to.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     _check_image_local_2d(width, query_height, query_width, memory_height, memory_width)
     check_self(q, k, v, kv_mask)
     n = q.shape[0]

@@ -23,6 +23,7 @@ from jxformers.ops._common import (
     softmax_parts,
     valid_keys,
     weighted_values,
+    zero_padded,
 )
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import TokenInputs, register
@@ -60,6 +61,7 @@ def linformer_attention(
 
     Time and memory O(N * proj_len * d).
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     if causal:
         raise ValueError(
             "linformer_attention cannot be causal: its length projection mixes future positions into "
@@ -183,6 +185,7 @@ def synthesizer_attention(
     Time O(N^2) like softmax (the point is no query-key interaction, not speed); the
     factorized kinds cut parameters, not time.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v)
     bias = synthesizer_logits(q.shape[0], k.shape[0], q.shape[1], kind=kind, dense_logits=dense_logits, random=random,
                               fixed_random=fixed_random, factor_a=factor_a, factor_b=factor_b)
@@ -335,6 +338,7 @@ def nystrom_attention(
 
     Time and memory O(N * m * d + m^3). Not causal.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v)
     check_positive("num_landmarks", num_landmarks)
     check_positive("pinv_iterations", pinv_iterations, minimum=0)

@@ -24,6 +24,7 @@ from jxformers.ops._common import (
     pad_to,
     to_blocks,
     valid_keys,
+    zero_padded,
 )
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import register
@@ -56,6 +57,7 @@ def induced_attention(
 
     Time O(N * m * d).
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v)
     check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
     if inducing.shape[1:] != q.shape[1:]:

@@ -34,6 +34,7 @@ from jxformers.ops._common import (
     to_blocks,
     valid_keys,
     weighted_values,
+    zero_padded,
 )
 from jxformers.registry import register
 
@@ -88,6 +89,7 @@ def softmax_attention(
     Causal, cross attention and decoding (q_len = 1 against a cache) are supported.
     Softmax runs in float32.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v)
     q_len, heads, d_k = q.shape
     kv_len = k.shape[0]
@@ -173,6 +175,7 @@ def chunked_attention(
     Time O(q_len * kv_len * d); memory O(chunk^2 + N * d). Supports causal, cross
     attention and decoding.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v)
     check_positive("chunk_size", chunk_size)
     q_len, heads, d_k = q.shape

@@ -38,6 +38,7 @@ from jxformers.ops._common import (
     to_blocks,
     valid_keys,
     window_block,
+    zero_padded,
 )
 from jxformers.kernels import IMPLS, choose_kernel
 from jxformers.kernels import pattern as kp
@@ -93,6 +94,7 @@ def sparse_transformer_attention(
     Time and memory O(seq * (s + seq / s) * d) for "strided" and
     O(seq * (s + c * seq / s) * d) for "fixed": O(seq^1.5) at s = sqrt(seq).
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("stride", stride)
     if pattern not in ("strided", "fixed"):
         raise ValueError(f"pattern must be 'strided' or 'fixed'; got {pattern!r}")
@@ -315,6 +317,7 @@ def longformer_attention(
     runs over the `dilation` interleaved subsequences laid end to end, each followed by
     `window` masked slots so no window crosses into the next.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_self(q, k, v, kv_mask)
     check_positive("window", window, minimum=0)
     check_positive("dilation", dilation)
@@ -522,6 +525,7 @@ def bigbird_attention(
 
     Time and memory O(seq * block_size * (window + global + random) * d). Not causal.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("block_size", block_size)
     check_positive("num_window_blocks", num_window_blocks)
     if num_window_blocks % 2 == 0:

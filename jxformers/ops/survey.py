@@ -49,6 +49,7 @@ from jxformers.ops._common import (
     to_blocks,
     valid_keys,
     weighted_values,
+    zero_padded,
 )
 from jxformers.ops.local import local_attention
 from jxformers.registry import Decoder, register
@@ -248,6 +249,7 @@ def adaptive_sparse_attention(
     O(q_len * kv_len * iterations) for the bisection (31 halvings in float32); memory
     O(q_len * kv_len). Decodes with a key/value cache.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     learned = alpha_logit is not None
     if not learned:
         _check_alpha(alpha, learned=False)
@@ -424,6 +426,7 @@ def long_short_attention(
     Returns `[seq, heads, d_v]`. Time O(N * (w + r) * d) bidirectional; causal
     O(N * (w + N r / l) * d).
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("window", window)
     check_positive("segment_size", segment_size)
     check_self(q, k, v, kv_mask)
@@ -569,6 +572,7 @@ def poolingformer_attention(
     Not causal: the pooled window reaches both ways (the survey's Table 1 marks it
     non-causal); no decoding.
     """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("window", window, minimum=0)
     check_positive("pool_size", pool_size)
     check_positive("pool_stride", pool_stride)
