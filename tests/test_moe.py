@@ -440,3 +440,18 @@ def test_training_logs_per_layer_moe_metrics_to_jsonl_and_tensorboard(tmp_path):
     events = next((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     payload = b"".join(read_records(events))
     assert b"moe0/router_entropy" in payload and b"moe0/dropped" in payload
+
+
+@pytest.mark.parametrize("module,cls", [("moe", "MoE"), ("pkm", "ProductKeyMemory"), ("tokenlearner", "TokenLearnerStage")])
+def test_sub_settings_and_their_modules_share_one_set_of_defaults(module, cls):
+    # ModelConfig's moe / pkm / token_learner mappings are completed from SETTINGS; the
+    # modules' keyword defaults must be the same values, or the config builds another layer.
+    import importlib
+    import inspect
+
+    lib = importlib.import_module(f"jxformers.nn.{module}")
+    params = inspect.signature(getattr(lib, cls).__init__).parameters
+    shared = {name: value for name, value in lib.SETTINGS.items()
+              if name in params and params[name].default is not inspect.Parameter.empty}
+    assert shared, f"{cls} takes none of {sorted(lib.SETTINGS)}"
+    assert {name: params[name].default for name in shared} == shared

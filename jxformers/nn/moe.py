@@ -375,7 +375,8 @@ class Experts(eqx.Module):
 
 # ----------------------------------------------------------------------------- the layer
 
-# MoE's settings (what ModelConfig's `moe` mapping may set) and their defaults.
+# MoE's settings (what ModelConfig's `moe` mapping may set) and their defaults, which
+# the constructor reads too.
 SETTINGS = dict(num_experts=8, top_k=1, router="token_choice", ffn="gelu", second_policy="all", capacity_factor=1.25,
                 eval_capacity_factor=2.0, min_capacity=4, dropless=False, dropless_method="auto", jitter_eps=0.0,
                 shared_expert=False, balance_weight=0.01, z_loss_weight=0.001)
@@ -492,12 +493,13 @@ class MoE(eqx.Module):
     causal: bool = eqx.field(static=True)
 
     def __init__(
-        self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = 1, router: str = "token_choice",
-        ffn: str = "gelu", second_policy: str = "all", capacity_factor: float = 1.25,
-        eval_capacity_factor: float = 2.0, min_capacity: int = 4, dropless: bool = False,
-        dropless_method: str = "auto", jitter_eps: float = 0.0,
-        shared_expert: bool = False, balance_weight: float = 0.01, z_loss_weight: float = 0.001,
-        causal: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
+        self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = SETTINGS["top_k"],
+        router: str = SETTINGS["router"], ffn: str = SETTINGS["ffn"], second_policy: str = SETTINGS["second_policy"],
+        capacity_factor: float = SETTINGS["capacity_factor"], eval_capacity_factor: float = SETTINGS["eval_capacity_factor"],
+        min_capacity: int = SETTINGS["min_capacity"], dropless: bool = SETTINGS["dropless"],
+        dropless_method: str = SETTINGS["dropless_method"], jitter_eps: float = SETTINGS["jitter_eps"],
+        shared_expert: bool = SETTINGS["shared_expert"], balance_weight: float = SETTINGS["balance_weight"],
+        z_loss_weight: float = SETTINGS["z_loss_weight"], causal: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
     ):
         check_settings(dict(num_experts=num_experts, top_k=top_k, router=router, ffn=ffn, second_policy=second_policy,
                             capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,

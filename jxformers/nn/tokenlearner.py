@@ -34,6 +34,8 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from jxformers.nn.layers import LayerNorm, Linear
 
 MAP_KINDS = ("sigmoid", "softmax")
+# TokenLearnerStage's settings (ModelConfig's `token_learner` mapping; None: required) and
+# defaults, which the constructor reads too.
 SETTINGS = {"after_layer": None, "num_tokens": None, "fuse": False, "maps": "sigmoid", "bottleneck": 64}
 
 
@@ -138,8 +140,9 @@ class TokenLearnerStage(eqx.Module):
     after_layer: int = eqx.field(static=True)
     fuse: bool = eqx.field(static=True)
 
-    def __init__(self, d_model: int, *, num_layers: int, after_layer: int, num_tokens: int, fuse: bool = False,
-                 maps: str = "sigmoid", bottleneck: int = 64, key: PRNGKeyArray):
+    def __init__(self, d_model: int, *, num_layers: int, after_layer: int, num_tokens: int,
+                 fuse: bool = SETTINGS["fuse"], maps: str = SETTINGS["maps"], bottleneck: int = SETTINGS["bottleneck"],
+                 key: PRNGKeyArray):
         check_settings(dict(after_layer=after_layer, num_tokens=num_tokens, fuse=fuse, maps=maps,
                             bottleneck=bottleneck), num_layers=num_layers)
         count = num_layers - 1 - after_layer if fuse else 1
