@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     parser.add_argument("--stages-bwd", type=int, default=defaults.num_stages_bwd)
     parser.add_argument("--out", help="write the markdown table here")
     parser.add_argument("--mosaic", action="store_true",
-                        help="also run the Mosaic GPU forward (backend='mosaic_gpu') on dense, causal, windows, Longformer")
+                        help="also run the Mosaic GPU forward (backend='mosaic_gpu') on dense, causal, windows, "
+                             "Longformer")
     parser.add_argument("--mosaic-stages", type=int, nargs="+",
                         help="K/V ring depths of the Mosaic GPU rows, one row each (default: --stages)")
     args = parser.parse_args(argv)

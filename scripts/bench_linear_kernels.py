@@ -109,7 +109,8 @@ def check(name, fwd, grad, inputs, do, reference) -> str:
 
 
 def fla_rows(n, d, batch, heads, repeat, backward: bool = True):
-    """flash-linear-attention's chunk kernels (PyTorch), when importable: {(config, impl): (fwd ms, fwd+bwd ms or None)}."""
+    """flash-linear-attention's chunk kernels (PyTorch), when importable:
+    {(config, impl): (fwd ms, fwd+bwd ms or None)}."""
     import torch
 
     try:

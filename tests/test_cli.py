@@ -67,7 +67,7 @@ def test_short_sequence_and_checkpoint_warnings_are_one_line_said_once(capsys, m
     from jxformers.train.checkpoint import CheckpointWarning
 
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored afterwards
-    cli._one_line_checkpoint_warnings()
+    cli._one_line_warnings()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         for _ in range(3):  # as when every evaluation builds the model again

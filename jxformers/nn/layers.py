@@ -24,10 +24,11 @@ def check_ids(ids, size: int, what: str = "token ids") -> None:
     if isinstance(ids, jax.core.Tracer):
         return
     ids = np.asarray(ids)
-    bad = np.unique(ids[(ids < 0) | (ids >= size)])
-    if bad.size:
+    outside = (ids < 0) | (ids >= size)
+    if outside.any():
+        bad = np.unique(ids[outside])
         raise ValueError(f"{what} must be in [0, {size}) (the table's size); got {bad[:8].tolist()}"
-                         f"{' and more' if bad.size > 8 else ''} at {int(((ids < 0) | (ids >= size)).sum())} position(s)")
+                         f"{' and more' if bad.size > 8 else ''} at {int(outside.sum())} position(s)")
 
 
 def check_tokens(tokens, mask=None) -> int:

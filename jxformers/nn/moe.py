@@ -495,7 +495,8 @@ class MoE(eqx.Module):
     def __init__(
         self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = SETTINGS["top_k"],
         router: str = SETTINGS["router"], ffn: str = SETTINGS["ffn"], second_policy: str = SETTINGS["second_policy"],
-        capacity_factor: float = SETTINGS["capacity_factor"], eval_capacity_factor: float = SETTINGS["eval_capacity_factor"],
+        capacity_factor: float = SETTINGS["capacity_factor"],
+        eval_capacity_factor: float = SETTINGS["eval_capacity_factor"],
         min_capacity: int = SETTINGS["min_capacity"], dropless: bool = SETTINGS["dropless"],
         dropless_method: str = SETTINGS["dropless_method"], jitter_eps: float = SETTINGS["jitter_eps"],
         shared_expert: bool = SETTINGS["shared_expert"], balance_weight: float = SETTINGS["balance_weight"],

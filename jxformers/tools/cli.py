@@ -42,7 +42,7 @@ def _experiment_parser(prog: str, description: str, *, run_config: bool = False)
     return p
 
 
-def _one_line_checkpoint_warnings() -> None:
+def _one_line_warnings() -> None:
     """A checkpoint or short-sequence warning is one line for a user, not Python's
     file:line and source line, and each distinct one is said once per command (the model
     is built anew for each evaluation, which would repeat a ShortSequenceWarning)."""
@@ -69,7 +69,7 @@ def _one_line_checkpoint_warnings() -> None:
 def _load(p, args):
     from jxformers.train import load_experiment
 
-    _one_line_checkpoint_warnings()
+    _one_line_warnings()
     try:
         return load_experiment(args.config, args.overrides)
     except ValueError as e:
@@ -82,7 +82,7 @@ def _load_run(p, args):
     from jxformers.train import load_experiment
     from jxformers.train.workdir import CONFIG, check_workdir, load_run_experiment, model_disagreement
 
-    _one_line_checkpoint_warnings()
+    _one_line_warnings()
     try:
         workdir = check_workdir(args.workdir, exists=True)
         if args.config is not None and not (workdir / CONFIG).exists():  # a run from before config.yaml
