@@ -14,6 +14,9 @@
     TrainConfig(**values)                       # typed errors from check_fields
     from_mapping(TrainConfig, values, "train")  # + unknown keys, listing the known ones
 
+Fields may be declared with `setting(default, doc, choices=...)`: the one-line doc and the
+allowed values live at the field (`check_fields` reads the choices, `describe` prints them).
+
 `check_fields` checks each field's value against its annotation: `int` (not a bool),
 `float` (an int is accepted and converted; so is a numeric string, because YAML 1.1
 reads `1e-3` as a string), `bool`, `str`, `dict`, `list`, and unions such as
@@ -94,10 +97,32 @@ def check_value(name: str, value: Any, annotation: Any) -> Any:
     raise ValueError(f"{name} must be {allowed}; got {value!r}")
 
 
+def setting(default: Any = dataclasses.MISSING, doc: str = "", *, choices: tuple | None = None,
+            factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with its one-line `doc` and allowed values (`choices`) beside its
+    default (`factory` for a mutable default); `check_fields` enforces the choices."""
+    metadata = {"doc": doc, "choices": choices}
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """{field: default} of a dataclass (fields without a default are left out)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
 @typing.no_type_check
 def check_fields(instance: Any, prefix: str, choices: Mapping[str, tuple] | None = None) -> None:
     """Check (and where meant, convert in place) every field of a dataclass `instance`
-    against its annotation, then against `choices` (field name -> allowed values).
+    against its annotation, then against its allowed values (`choices`, field name ->
+    allowed values, or the field's `setting(choices=...)`).
     Call it first in `__post_init__`; frozen instances are supported."""
     hints = _hints(type(instance))
     for field in dataclasses.fields(instance):
@@ -105,7 +130,7 @@ def check_fields(instance: Any, prefix: str, choices: Mapping[str, tuple] | None
         checked = check_value(f"{prefix}{field.name}", value, hints[field.name])
         if checked is not value:
             object.__setattr__(instance, field.name, checked)
-        allowed = (choices or {}).get(field.name)
+        allowed = (choices or {}).get(field.name, field.metadata.get("choices"))
         if allowed is not None and checked not in allowed:
             raise ValueError(f"{prefix}{field.name} must be one of {list(allowed)}; got {checked!r}")
 

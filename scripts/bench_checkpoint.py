@@ -43,7 +43,7 @@ def experiment_for(mode: str, args) -> object:
     every = args.steps if mode == "none" else args.every  # "none": one save, after the last step
     overrides = [f"train.steps={args.steps}", f"train.batch_size={args.batch_size}", "train.log_every=1",
                  f"train.eval_every={args.steps}", "train.eval_batches=1", f"train.warmup_steps={args.steps}",
-                 f"model.num_layers={args.layers}", f"model.d_model={args.d_model}", f"model.d_ff={4 * args.d_model}",
+                 f"model.num_layers={args.layers}", f"model.d_model={args.d_model}", f"model.ffn.d_ff={4 * args.d_model}",
                  f"model.num_heads={args.d_model // 64}", f"data.settings.max_len={args.seq_len}",
                  f"data.settings.symbols={args.seq_len // 2 - 2}", f"data.train_size={args.steps * args.batch_size}",
                  "data.eval_size=64", f"checkpoint.every={every}", f"checkpoint.async_save={mode == 'async'}",

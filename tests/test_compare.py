@@ -15,7 +15,7 @@ TINY = ["preset=tiny", "model.num_layers=1", "model.d_model=16", "model.d_ff=32"
 def test_all_means_every_registered_attention_and_the_fourier_transformer():
     runs = compare.candidates(["all"])
     assert list(runs) == [*registry.names(), "fourier_transformer"]
-    assert runs["linear"] == ["model.attention=linear"] and runs["fourier_transformer"] == ["model.filters={0: 0.2}"]
+    assert runs["linear"] == ["model.attention=linear"] and runs["fourier_transformer"] == ["model.stack.filters={0: 0.2}"]
     assert "fourier_transformer" not in compare.candidates(["softmax"], fourier=False)
     with pytest.raises(ValueError, match="softmax"):  # the error lists what is registered
         compare.candidates(["no_such_attention"])

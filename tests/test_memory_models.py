@@ -266,7 +266,9 @@ def test_perceiver_trains_on_a_toy_set_task():
     (dict(architecture="isab", pooling="mean", attention="performer"), "own softmax"),
     (dict(architecture="luna", position="rope"), "positions"),
     (dict(architecture="luna", kv_heads=1), "kv_heads"),
-    (dict(architecture="set_transformer"), "architecture"),
+    (dict(architecture="set_transformer"), "stack kind must be one of"),
+    (dict(stack={"kind": "isab", "num_latents": 4}), r"unknown setting\(s\) \['num_latents'\]"),
+    (dict(stack="transformer_xl", task="lm", embedding={"position": "learned"}), "position 'none'"),
 ])
 def test_invalid_combinations_are_refused(extra, word):
     with pytest.raises(ValueError, match=word):
@@ -287,10 +289,10 @@ def test_modules_refuse_what_they_cannot_wire():
 
 
 def test_norm_placement_defaults_to_the_papers():
-    assert ModelConfig().norm_placement == "pre"
-    assert ModelConfig(architecture="isab").norm_placement == "post"
-    assert ModelConfig(architecture="luna", norm_placement="pre").norm_placement == "pre"
-    assert ModelConfig.from_dict(ModelConfig(architecture="luna").to_dict()).norm_placement == "post"
+    assert ModelConfig().norm.placement == "pre"
+    assert ModelConfig(stack="isab").norm.placement == "post"
+    assert ModelConfig(stack="luna", norm={"placement": "pre"}).norm.placement == "pre"
+    assert ModelConfig.from_dict(ModelConfig(stack="luna").to_dict()).norm.placement == "post"
 
 
 def test_retrieval_towers_and_the_list_command(capsys):

@@ -98,10 +98,10 @@ def test_tiny_model_trains():
 
 @pytest.mark.parametrize("change, message", [
     ({"vocab_size": 300}, "vocab_size must be 256"),
-    ({"task": "classify", "num_classes": 2}, "needs task 'lm'"),
-    ({"mixture_components": 0}, "mixture_components must be >= 1"),
-    ({"output_head": "softmax", "mixture_components": 5}, "applies to output_head"),
-    ({"output_head": "gaussian"}, "output_head"),
+    ({"task": "classify", "num_classes": 2}, "serves tasks lm"),
+    ({"mixture_components": 0}, "head.components must be >= 1"),
+    ({"output_head": "softmax", "mixture_components": 5}, r"head 'softmax': unknown setting\(s\) \['mixture_components'\]"),
+    ({"output_head": "gaussian"}, "head kind must be one of"),
 ])
 def test_misuse_is_a_clear_error(change, message):
     with pytest.raises(ValueError, match=message):
@@ -113,3 +113,10 @@ def test_experiment_refuses_the_head_on_text():
 
     with pytest.raises(ValueError, match="not pixels"):
         load_experiment("copy", ["preset=tiny", "model.output_head=mixture_of_logistics"])
+
+
+def test_a_setting_lives_on_its_head_only():
+    with pytest.raises(ValueError, match=r"head 'softmax': unknown setting\(s\) \['components'\]"):
+        ModelConfig(task="lm", vocab_size=257, head={"kind": "softmax", "components": 5})
+    config = ModelConfig(task="lm", vocab_size=257, head={"kind": "mixture_of_logistics", "components": 3})
+    assert config.head.components == 3 and ModelConfig.from_dict(config.to_dict()) == config

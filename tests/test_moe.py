@@ -365,18 +365,27 @@ def test_config_pkm_classifier_and_config_errors():
     assert eqx.filter_jit(lambda m, t: m(t))(model, jnp.arange(10) % 29).shape == (2,)
     errors = [
         (dict(task="lm", ffn="moe", moe={"router": "expert_choice"}), "leaks future tokens"),
-        (dict(ffn="moe", moe={"bogus": 1}), r"unknown MoE setting\(s\) \['bogus'\]; known"),
+        (dict(ffn="moe", moe={"bogus": 1}), r"ffn 'moe': unknown setting\(s\) \['bogus'\]; known"),
         (dict(moe={"top_k": 2}), "no block has ffn 'moe'"),
         (dict(task="lm", ffn="pkm", pkm={"num_keys": 8, "query_norm": True}), "leaks future tokens"),
-        (dict(ffn="pkm"), r"setting\(s\) \['num_keys'\] are required"),
-        (dict(ffn="pkm", pkm={"top_k": 2}), r"\['num_keys'\] are required"),
-        (dict(ffn="moe", reversible=True), "needs architecture 'transformer'"),
+        (dict(ffn="pkm"), r"ffn 'pkm' needs \['num_keys'\]"),
+        (dict(ffn="pkm", pkm={"top_k": 2}), r"needs \['num_keys'\]"),
+        (dict(ffn="moe", reversible=True), "needs stack 'transformer'"),
         (dict(ffn="moe", moe={"num_experts": 2, "top_k": 3}), r"top_k must be in \[1, num_experts=2\]"),
-        (dict(layer_overrides={0: {"ffn": "sparse"}}), "ffn must be one of"),
+        (dict(layer_overrides={0: {"ffn": "sparse"}}), r"stack.layer_overrides\[0\].ffn kind must be one of"),
     ]
     for kwargs, match in errors:
         with pytest.raises(ValueError, match=match):
             ModelConfig(**TINY | kwargs)
+    # In the component form a setting exists only on its FFN: PKM without num_keys is refused
+    # when the config is made (it used to pass and fail in build_model), MoE takes no num_keys.
+    small = {k: v for k, v in TINY.items() if k != "d_ff"}
+    for ffn, match in (({"kind": "pkm"}, r"needs \['num_keys'\] \(num_keys: sub-keys per half"),
+                       ("pkm", r"needs \['num_keys'\]"),
+                       ({"kind": "moe", "num_keys": 4}, r"unknown setting\(s\) \['num_keys'\]"),
+                       ({"kind": "pkm", "num_keys": 4, "d_ff": 64}, r"unknown setting\(s\) \['d_ff'\]")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(**small, ffn=ffn)
 
 
 def test_pkm_defaults_are_written_once_for_the_config_and_the_module():

@@ -13,6 +13,7 @@ from conftest import assert_close
 
 import jxformers
 from jxformers import ModelConfig, build_model, ops
+from jxformers.nn.config import FlatConfigWarning
 from jxformers.nn import (
     Attention,
     FeedForward,
@@ -261,17 +262,22 @@ def test_per_layer_overrides():
 
 
 def test_config_from_dict_and_yaml(tmp_path):
-    text = "task: lm\nvocab_size: 29\nattention: performer\nattention_kwargs:\n  num_features: 8\nfilters: {}\n"
+    text = "task: lm\nvocab_size: 29\nattention: {name: performer, num_features: 8}\nstack: {filters: {}}\n"
     path = tmp_path / "model.yaml"
     path.write_text(text)
     for source in (text, str(path), path):
         cfg = ModelConfig.from_yaml(source)
-        assert cfg.task == "lm" and cfg.attention_kwargs == {"num_features": 8}
+        assert cfg.task == "lm" and cfg.attention.hyper_parameters == {"num_features": 8}
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     model = build_model(text, key=jax.random.key(0))
     assert isinstance(model, jxformers.nn.LanguageModel)
-    cfg = ModelConfig.from_yaml("task: classify\nfilters:\n  '0': 0.5\n")
-    assert cfg.filters == {0: 0.5}
+    cfg = ModelConfig.from_yaml("task: classify\nstack:\n  filters:\n    '0': 0.5\n")
+    assert cfg.stack.filters == {0: 0.5}
+    # The flat form of earlier versions: the same config, with a FlatConfigWarning.
+    with pytest.warns(FlatConfigWarning, match="attention_kwargs -> attention"):
+        flat = ModelConfig.from_yaml("task: lm\nvocab_size: 29\nattention: performer\nattention_kwargs:\n"
+                                     "  num_features: 8\nfilters: {}\n")
+    assert flat == ModelConfig.from_yaml(text)
 
 
 @pytest.mark.parametrize(

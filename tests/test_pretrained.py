@@ -119,7 +119,7 @@ def test_load_bert_equals_numpy_bert(tiny_bert):
     for b in range(2):
         want = numpy_bert(tensors, ids[b], types[b], mask[b])
         np.testing.assert_allclose(hidden[b][mask[b]], want[mask[b]], atol=1e-4, rtol=0)
-    assert config.ffn == "gelu_exact" and not config.final_norm and config.norm_placement == "post"
+    assert config.ffn.kind == "gelu_exact" and not config.norm.final and config.norm.placement == "post"
     logits = model(jax.numpy.asarray(ids[0]), jax.numpy.asarray(mask[0]))
     assert logits.shape == (3,)
 
@@ -165,7 +165,7 @@ def test_swap_attention_keeps_every_pretrained_weight(tiny_bert):
     base = _hidden(model, ids, types, mask)
     for name, kwargs in (("linear", {}), ("local", {"window": 2})):
         swapped, new_config = swap_attention(model, config, name, kwargs, key=jax.random.key(3))
-        assert new_config.attention == name
+        assert new_config.attention.name == name
         for get in (lambda m: m.encoder.blocks[1].attention.k_proj.weight, lambda m: m.encoder.blocks[0].ffn.w_in.bias,
                     lambda m: m.encoder.embedding.types, lambda m: m.head.weight):
             np.testing.assert_array_equal(get(swapped), get(model))
@@ -176,7 +176,7 @@ def test_swap_attention_keeps_every_pretrained_weight(tiny_bert):
     fourier, fourier_config = swap_attention(model, config, filters={1: 0.5})
     first = [jax.numpy.asarray(a[0]) for a in (ids, mask, types)]
     hidden, kept = fourier.encoder(first[0], first[1], token_types=first[2])
-    assert fourier_config.filters == {1: 0.5} and hidden.shape == (6, 16) and bool(kept.all())
+    assert fourier_config.stack.filters == {1: 0.5} and hidden.shape == (6, 16) and bool(kept.all())
 
 
 def test_attentions_that_do_not_fit_are_refused(tiny_bert):
@@ -203,7 +203,7 @@ def test_convert_command_round_trips(tiny_bert, tmp_path, capsys):
     model, config = load_converted(tmp_path / "out")
     direct, _ = swap_attention(*load_bert(tiny_bert[0], num_classes=3), "local", {"window": 3})
     ids, types, mask = _inputs()
-    assert config.attention == "local" and config.num_classes == 3
+    assert config.attention.name == "local" and config.num_classes == 3
     np.testing.assert_array_equal(_hidden(model, ids, types, mask), _hidden(direct, ids, types, mask))
 
 

@@ -195,12 +195,13 @@ def test_nothing_evicted_means_no_reconstruction_loss():
 
 
 @pytest.mark.parametrize("extra,match", [
-    (dict(architecture="transformer_xl", mem_len=4), "set position 'none'"),
-    (dict(architecture="transformer_xl", position="none"), "mem_len >= 1; got 0"),
-    (dict(architecture="transformer_xl", position="none", mem_len=4, cmem_len=4), "'compressive' only"),
-    (dict(mem_len=3), "apply to architectures"),
+    (dict(architecture="transformer_xl", mem_len=4, position="sinusoidal"), "set embedding.position 'none'"),
+    (dict(architecture="transformer_xl", position="none", mem_len=0), "mem_len must be >= 1; got 0"),
+    (dict(architecture="transformer_xl", position="none", mem_len=4, cmem_len=4),
+     r"stack 'transformer_xl': unknown setting\(s\) \['cmem_len'\]"),
+    (dict(mem_len=3), r"stack 'transformer': unknown setting\(s\) \['mem_len'\]"),
     (dict(architecture="compressive", position="none", mem_len=4, cmem_len=2), "multiples"),
-    (dict(architecture="compressive", position="none", mem_len=6), "cmem_len >= 1"),
+    (dict(architecture="compressive", position="none", mem_len=6, cmem_len=0), "cmem_len must be >= 1"),
     (dict(architecture="compressive", position="none", mem_len=6, cmem_len=2, compression="avg"), "compression"),
     (dict(architecture="transformer_xl", position="none", mem_len=4, attention="performer"), "own softmax"),
     (dict(architecture="transformer_xl", position="none", mem_len=4, task="classify"), "serves tasks"),

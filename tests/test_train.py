@@ -20,6 +20,7 @@ import yaml
 
 from jxformers.tools import cli
 from jxformers.train.experiment import EXPERIMENTS_DIR
+from jxformers.nn.config import FlatConfigWarning
 from jxformers.train import NonFiniteError, load_experiment, make_optimizer, train
 from jxformers.train.optim import decay_mask, learning_rate_schedule
 from jxformers.train.tensorboard import crc32c, encode_event, read_records
@@ -27,7 +28,7 @@ from jxformers.train.tensorboard import crc32c, encode_event, read_records
 TINY = {
     "name": "tiny",
     "data": {"task": "copy", "train_size": 256, "eval_size": 16, "settings": {"max_len": 16, "symbols": 4}},
-    "model": {"attention": "linear", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
+    "model": {"attention": "linear", "num_layers": 1, "d_model": 16, "num_heads": 2, "ffn": {"d_ff": 32}},
     "train": {"steps": 12, "batch_size": 8, "learning_rate": 0.003, "warmup_steps": 2, "eval_every": 6,
               "eval_batches": 2, "log_every": 1},
     "checkpoint": {"every": 4, "keep": 2},
@@ -132,20 +133,36 @@ def test_missing_config_lists_the_shipped_ones():
 
 
 def test_overrides_and_presets():
-    e = load_experiment("copy", ["preset=tiny", "train.steps=7", "model.position=rope", "train.clip_norm=0.5"])
-    assert e.train.steps == 7 and e.model.position == "rope" and e.train.clip_norm == 0.5
-    assert e.model.num_layers == 2  # from the preset
+    e = load_experiment("copy", ["preset=tiny", "train.steps=7", "model.embedding.position=rope",
+                                 "train.clip_norm=0.5"])
+    assert e.train.steps == 7 and e.model.embedding.position == "rope" and e.train.clip_norm == 0.5
+    assert e.model.num_layers == 2 and e.model.ffn.d_ff == 128  # from the preset
 
 
-def test_another_attention_drops_the_files_attention_kwargs():
+def test_flat_overrides_of_earlier_versions_still_work(recwarn):
+    e = load_experiment("copy", ["preset=tiny", "model.position=rope", "model.d_ff=96", "model.filters={}"])
+    assert e.model.embedding.position == "rope" and e.model.ffn.d_ff == 96
+    assert [str(w.message) for w in recwarn if w.category is FlatConfigWarning] == [
+        "flat model config keys are deprecated and were converted: position -> embedding.position, d_ff -> "
+        "ffn.d_ff, filters -> stack.filters"]
+
+
+def test_a_component_named_anew_keeps_what_still_applies():
     # Pathfinder's tiny preset sets axial's width; softmax has no such hyper-parameter.
-    assert load_experiment("lra_pathfinder", ["preset=tiny"]).model.attention_kwargs == {"width": 16}
+    assert load_experiment("lra_pathfinder", ["preset=tiny"]).model.attention.hyper_parameters == {"width": 16}
     e = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=softmax"])
-    assert (e.model.attention, e.model.attention_kwargs) == ("softmax", {})
+    assert (e.model.attention.name, e.model.attention.hyper_parameters) == ("softmax", {})
     same = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=axial"])
-    assert same.model.attention_kwargs == {"width": 16}
-    given = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=local", "model.attention_kwargs={window: 8}"])
-    assert given.model.attention_kwargs == {"window": 8}
+    assert same.model.attention.hyper_parameters == {"width": 16}
+    given = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=local", "model.attention.window=8"])
+    assert given.model.attention.hyper_parameters == {"window": 8}
+    flat = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=local", "model.attention_kwargs={window: 8}"])
+    assert flat.model.attention == given.model.attention
+    # Another dense FFN keeps the width; another stack keeps none of the transformer's settings.
+    swiglu = load_experiment("lra_pathfinder", ["preset=tiny", "model.ffn=swiglu"]).model.ffn
+    assert (swiglu.kind, swiglu.d_ff) == ("swiglu", 64)
+    moe = load_experiment("copy", ["preset=tiny", "model.ffn=moe", "model.ffn.num_experts=2"]).model.ffn
+    assert (moe.kind, moe.d_ff, moe.num_experts) == ("moe", 128, 2)
 
 
 def test_a_2d_attention_whose_width_is_not_the_images_warns():

@@ -96,14 +96,14 @@ def test_a_run_saved_before_a_setting_existed_resumes_with_its_default(trained, 
     config, run = trained
     run = _copy(run, tmp_path)
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    del saved["model"]["architecture"], saved["train"]["redraw_every"]  # as an older version wrote it
+    del saved["model"]["stack"]["token_learner"], saved["train"]["redraw_every"]  # as an older version wrote it
     (run / "config.yaml").write_text(yaml.safe_dump(saved))
     assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "model.num_layers=2",
                      "--set", "checkpoint.async_save=false", "--set", "train.steps=13"]) == 0
     assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "model.num_layers=2",
                      "--set", "model.architecture=luna", "--set", "model.position=none",
                      "--set", "model.attention=softmax"]) == 1
-    assert "model.architecture: 'transformer' in the run, 'luna' now" in capsys.readouterr().err
+    assert "model.stack.kind: 'transformer' in the run, 'luna' now" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- item 4

@@ -67,7 +67,9 @@ with its experts split over devices (shard_map, all_to_all).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from collections.abc import Callable
 
 import equinox as eqx
@@ -77,6 +79,7 @@ from jax import custom_batching
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.layers import FFN_KINDS, FeedForward, Linear, split_key
+from jxformers.validate import check_fields, setting
 
 ROUTERS = ("token_choice", "expert_choice")
 AUX_NAMES = ("balance_loss", "z_loss", "router_entropy", "router_confidence", "dropped", "expert_load", "loss")
@@ -375,49 +378,76 @@ class Experts(eqx.Module):
 
 # ----------------------------------------------------------------------------- the layer
 
-# MoE's settings (what ModelConfig's `moe` mapping may set) and their defaults, which
-# the constructor reads too.
-SETTINGS = dict(num_experts=8, top_k=1, router="token_choice", ffn="gelu", second_policy="all", capacity_factor=1.25,
-                eval_capacity_factor=2.0, min_capacity=4, dropless=False, dropless_method="auto", jitter_eps=0.0,
-                shared_expert=False, balance_weight=0.01, z_loss_weight=0.001)
+@typing.no_type_check  # values come from users' YAML: check_fields names the key instead
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts FFN, as a model config's `ffn` component
+    (`ffn: {kind: moe, num_experts: 8, top_k: 2}`): the `MoE` constructor's settings,
+    declared once here (its keyword defaults read them). Whether the layer is causal is
+    the model's, checked there (expert choice cannot be)."""
+
+    kind: str = setting("moe", "this FFN component: a mixture of experts", choices=("moe",))
+    d_ff: int | None = setting(None, "each expert's hidden width (None: 4 d_model)")
+    num_experts: int = setting(8, "experts E")
+    top_k: int = setting(1, "experts per token (token choice): 1 is Switch, 2 GShard")
+    router: str = setting("token_choice", "who picks: tokens their experts or experts their tokens", choices=ROUTERS)
+    ffn: str = setting("gelu", "the experts' feed-forward kind", choices=FFN_KINDS)
+    second_policy: str = setting("all", "GShard's policy for ranks >= 2 in training", choices=SECOND_POLICIES)
+    capacity_factor: float = setting(1.25, "expert capacity over the even share, in training")
+    eval_capacity_factor: float = setting(2.0, "expert capacity over the even share, at inference")
+    min_capacity: int = setting(4, "the least capacity of an expert")
+    dropless: bool = setting(False, "token choice without capacity: every assignment is processed")
+    dropless_method: str = setting("auto", "how dropless runs (ragged_dot or padded buffers)", choices=DROPLESS_METHODS)
+    jitter_eps: float = setting(0.0, "router input jitter U(1 - eps, 1 + eps) in training (Switch); 0: none")
+    shared_expert: bool = setting(False, "add a FeedForward every token goes through")
+    balance_weight: float = setting(0.01, "weight of the load-balancing loss (Switch: 0.01)")
+    z_loss_weight: float = setting(0.001, "weight of the router z-loss (ST-MoE: 0.001)")
+
+    def __post_init__(self):
+        check_fields(self, "moe.")
+        if self.d_ff is not None and self.d_ff < 1:
+            raise ValueError(f"moe.d_ff must be >= 1 or None (4 d_model); got {self.d_ff}")
+        if self.num_experts < 1:
+            raise ValueError(f"moe.num_experts must be >= 1; got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"moe.top_k must be in [1, num_experts={self.num_experts}]; got {self.top_k}")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"moe.{name} must be > 0; got {getattr(self, name)}")
+        if self.min_capacity < 1:
+            raise ValueError(f"moe.min_capacity must be >= 1; got {self.min_capacity}")
+        if not 0 <= self.jitter_eps < 1:
+            raise ValueError(f"moe.jitter_eps must be in [0, 1); got {self.jitter_eps}")
+        for name in ("balance_weight", "z_loss_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"moe.{name} must be >= 0; got {getattr(self, name)}")
+        if self.router == "expert_choice" and self.dropless:
+            raise ValueError("moe.dropless applies to router 'token_choice'; expert choice has a fixed capacity")
+
+    def check_causal(self, causal: bool) -> None:
+        """Expert choice sees the whole sequence: refused in a causal model."""
+        if causal and self.router == "expert_choice":
+            raise ValueError("moe.router 'expert_choice' leaks future tokens (each expert picks among the whole "
+                             "sequence), so it cannot be causal; use router 'token_choice' in causal models")
+
+    def settings(self) -> dict:
+        """The `MoE` constructor's keywords (everything but kind and d_ff)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("kind", "d_ff")}
+
+
+# The MoE constructor's defaults, read from MoEConfig.
+SETTINGS = MoEConfig().settings()
 
 
 def check_settings(settings: dict, *, causal: bool, prefix: str = "") -> dict:
     """`settings` (a subset of SETTINGS) completed with the defaults, after ValueErrors
-    for unknown names and out-of-range values; nothing is built."""
+    for unknown names and out-of-range values (those of `MoEConfig`); nothing is built."""
     unknown = sorted(set(settings) - set(SETTINGS), key=str)
     if unknown:
         raise ValueError(f"{prefix}unknown MoE setting(s) {unknown}; known: {sorted(SETTINGS)}")
-    s = SETTINGS | dict(settings)
-    choices = {"router": ROUTERS, "ffn": FFN_KINDS, "second_policy": SECOND_POLICIES,
-               "dropless_method": DROPLESS_METHODS}
-    for name, allowed in choices.items():
-        if s[name] not in allowed:
-            raise ValueError(f"{prefix}{name} must be one of {list(allowed)}; got {s[name]!r}")
-    for name in ("dropless", "shared_expert"):
-        if not isinstance(s[name], bool):
-            raise ValueError(f"{prefix}{name} must be a bool; got {s[name]!r}")
-    if not (isinstance(s["num_experts"], int) and s["num_experts"] >= 1):
-        raise ValueError(f"{prefix}num_experts must be an int >= 1; got {s['num_experts']!r}")
-    if not (isinstance(s["top_k"], int) and 1 <= s["top_k"] <= s["num_experts"]):
-        raise ValueError(f"{prefix}top_k must be in [1, num_experts={s['num_experts']}]; got {s['top_k']!r}")
-    for name in ("capacity_factor", "eval_capacity_factor"):
-        if not (isinstance(s[name], (int, float)) and s[name] > 0):
-            raise ValueError(f"{prefix}{name} must be > 0; got {s[name]!r}")
-    if not (isinstance(s["min_capacity"], int) and s["min_capacity"] >= 1):
-        raise ValueError(f"{prefix}min_capacity must be an int >= 1; got {s['min_capacity']!r}")
-    if not (isinstance(s["jitter_eps"], (int, float)) and 0 <= s["jitter_eps"] < 1):
-        raise ValueError(f"{prefix}jitter_eps must be in [0, 1); got {s['jitter_eps']!r}")
-    for name in ("balance_weight", "z_loss_weight"):
-        if not (isinstance(s[name], (int, float)) and s[name] >= 0):
-            raise ValueError(f"{prefix}{name} must be >= 0; got {s[name]!r}")
-    if s["router"] == "expert_choice":
-        if causal:
-            raise ValueError(f"{prefix}router 'expert_choice' leaks future tokens (each expert picks among the whole "
-                             "sequence), so it cannot be causal; use router 'token_choice' in causal models")
-        if s["dropless"]:
-            raise ValueError(f"{prefix}dropless applies to router 'token_choice'; expert choice has a fixed capacity")
-    return s
+    config = MoEConfig(**settings)
+    config.check_causal(causal)
+    return config.settings()
 
 
 def has_moe(tree) -> bool:

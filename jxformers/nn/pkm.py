@@ -23,26 +23,69 @@ with vmap, has no cross-example batch). Per-token (no leakage across positions) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from jxformers.validate import check_fields, defaults, setting
 from jxformers.nn.layers import Linear, _lift
 
 
-# ProductKeyMemory's settings (what ModelConfig's `pkm` mapping may set): the required
-# ones, and the others with their defaults, which the constructor reads too (Lample et al.
-# use 4 heads and k = 32 of 512^2 keys; 8 suits the small memories of this library's tests).
+@typing.no_type_check  # values come from users' YAML: check_fields names the key instead
+@dataclasses.dataclass(frozen=True)
+class PKMConfig:
+    """A product-key memory in place of a block's FFN, as a model config's `ffn`
+    component (`ffn: {kind: pkm, num_keys: 32}`): the `ProductKeyMemory` constructor's
+    settings, declared once here (its keyword defaults read them). Lample et al. use 4
+    heads and k = 32 of 512^2 keys; top_k 8 suits the small memories of this library's
+    tests."""
+
+    num_keys: int = setting(doc="sub-keys per half (required): the memory holds num_keys^2 values")
+    kind: str = setting("pkm", "this FFN component: a product-key memory", choices=("pkm",))
+    top_k: int = setting(8, "values read per token and head, at most num_keys")
+    heads: int = setting(4, "memory heads (each its own query and sub-keys; values shared)")
+    d_key: int | None = setting(None, "query and key width, even (None: d_model)")
+    query_norm: bool = setting(False, "batch-normalise the queries (reads the whole sequence: not causal)")
+
+    def __post_init__(self):
+        check_fields(self, "pkm.")
+        for name in ("num_keys", "heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"pkm.{name} must be >= 1; got {getattr(self, name)}")
+        if self.d_key is not None and (self.d_key < 2 or self.d_key % 2):
+            raise ValueError(f"pkm.d_key must be even and >= 2 (two halves); got {self.d_key}")
+        if not 1 <= self.top_k <= self.num_keys:
+            raise ValueError(f"pkm.top_k must be in [1, num_keys={self.num_keys}]; got {self.top_k}")
+
+    def check_model(self, *, d_model: int, causal: bool) -> None:
+        """What the memory needs of its model: an even d_key (d_model when unset), no
+        query norm in a causal model."""
+        d_key = d_model if self.d_key is None else self.d_key
+        if d_key < 2 or d_key % 2:
+            raise ValueError(f"pkm.d_key must be even and >= 2 (two halves); with d_key unset it is d_model = "
+                             f"{d_model}")
+        if causal and self.query_norm:
+            raise ValueError("pkm.query_norm reads the statistics of the whole sequence, which leaks future tokens "
+                             "in a causal model; set query_norm False")
+
+    def settings(self) -> dict:
+        """The `ProductKeyMemory` constructor's keywords (everything but kind)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "kind"}
+
+
+# The required setting, and the ProductKeyMemory constructor's defaults (read from PKMConfig).
 REQUIRED = ("num_keys",)
-SETTINGS = dict(top_k=8, heads=4, d_key=None, query_norm=False)
+SETTINGS = {k: v for k, v in defaults(PKMConfig).items() if k not in ("kind", *REQUIRED)}
 
 
 def check_settings(settings: dict, *, d_model: int, causal: bool, prefix: str = "") -> dict:
-    """`settings` completed with the defaults, after ValueErrors for unknown names and
-    out-of-range values; nothing is built."""
+    """`settings` completed with the defaults, after ValueErrors for unknown names,
+    missing required ones and out-of-range values (those of `PKMConfig`); nothing is built."""
     known = sorted([*REQUIRED, *SETTINGS])
     unknown = sorted(set(settings) - set(known), key=str)
     if unknown:
@@ -51,21 +94,9 @@ def check_settings(settings: dict, *, d_model: int, causal: bool, prefix: str = 
     if missing:
         raise ValueError(f"{prefix}product-key memory setting(s) {missing} are required (num_keys: sub-keys per "
                          f"half, the memory holds num_keys^2 values); got {dict(settings)}")
-    s = SETTINGS | dict(settings)
-    d_key = d_model if s["d_key"] is None else s["d_key"]
-    if not (isinstance(d_key, int) and d_key >= 2 and d_key % 2 == 0):
-        raise ValueError(f"{prefix}d_key must be even and >= 2 (two halves); got {d_key!r}")
-    for name in ("num_keys", "heads"):
-        if not (isinstance(s[name], int) and s[name] >= 1):
-            raise ValueError(f"{prefix}{name} must be an int >= 1; got {s[name]!r}")
-    if not (isinstance(s["top_k"], int) and 1 <= s["top_k"] <= s["num_keys"]):
-        raise ValueError(f"{prefix}top_k must be in [1, num_keys={s['num_keys']}]; got {s['top_k']!r}")
-    if not isinstance(s["query_norm"], bool):
-        raise ValueError(f"{prefix}query_norm must be a bool; got {s['query_norm']!r}")
-    if causal and s["query_norm"]:
-        raise ValueError(f"{prefix}query_norm reads the statistics of the whole sequence, which leaks future tokens "
-                         "in a causal model; set query_norm False")
-    return s
+    config = PKMConfig(**settings)
+    config.check_model(d_model=d_model, causal=causal)
+    return config.settings()
 
 
 def product_key_lookup(

@@ -23,6 +23,8 @@ own parameters, and the sequence keeps its length.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,13 +34,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from jxformers.nn.layers import LayerNorm, Linear
+from jxformers.validate import check_fields, defaults, setting
 
 MAP_KINDS = ("sigmoid", "softmax")
-# TokenLearnerStage's settings (ModelConfig's `token_learner` mapping; None: required) and
-# defaults, which the constructor reads too.
-SETTINGS = {"after_layer": None, "num_tokens": None, "fuse": False, "maps": "sigmoid", "bottleneck": 64}
-
-
 class TokenLearner(eqx.Module):
     """N tokens -> k learned tokens (Ryoo et al. 2021, eq. 1).
 
@@ -102,6 +100,40 @@ class TokenFuser(eqx.Module):
         return (spread @ mixed.astype(jnp.float32)).astype(original.dtype)
 
 
+@typing.no_type_check  # values come from users' YAML: check_fields names the key instead
+@dataclasses.dataclass(frozen=True)
+class TokenLearnerConfig:
+    """TokenLearner in an encoder stack (`stack: {kind: transformer, token_learner:
+    {after_layer: 1, num_tokens: 8}}`): the `TokenLearnerStage` constructor's settings,
+    declared once here (its keyword defaults read them)."""
+
+    after_layer: int = setting(doc="the encoder block after which the tokens become learned ones (required)")
+    num_tokens: int = setting(doc="k, the learned tokens (required)")
+    fuse: bool = setting(False, "a TokenLearner and TokenFuser around every later block instead of one learner")
+    maps: str = setting("sigmoid", "the maps: sigmoid (the paper's gamma) or softmax (the authors' v1.1)",
+                        choices=MAP_KINDS)
+    bottleneck: int = setting(64, "hidden width of the map MLP")
+
+    def __post_init__(self):
+        check_fields(self, "token_learner.")
+        for name in ("num_tokens", "bottleneck"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"token_learner.{name} must be >= 1; got {getattr(self, name)}")
+        if self.after_layer < 0:
+            raise ValueError(f"token_learner.after_layer must be a block index >= 0; got {self.after_layer}")
+
+    def check_layers(self, num_layers: int) -> None:
+        """At least one block must run on the learned tokens."""
+        if not 0 <= self.after_layer < num_layers - 1:
+            raise ValueError(f"token_learner.after_layer must be a block index in [0, {num_layers - 1}) so that at "
+                             f"least one block runs on the learned tokens (num_layers = {num_layers}); "
+                             f"got {self.after_layer}")
+
+
+# TokenLearnerStage's settings and defaults (None: required), read from TokenLearnerConfig.
+SETTINGS = {f.name: None for f in dataclasses.fields(TokenLearnerConfig)} | defaults(TokenLearnerConfig)
+
+
 def check_settings(settings: Mapping[str, Any], *, num_layers: int, prefix: str = "") -> dict[str, Any]:
     """The token_learner settings with defaults filled in; ValueError naming the bad one."""
     unknown = sorted(set(settings) - set(SETTINGS))
@@ -111,23 +143,9 @@ def check_settings(settings: Mapping[str, Any], *, num_layers: int, prefix: str 
     if missing:
         raise ValueError(f"{prefix}token_learner needs {missing} (after_layer: the block it follows, "
                          "num_tokens: k learned tokens)")
-    out = SETTINGS | dict(settings)
-    for name in ("after_layer", "num_tokens", "bottleneck"):
-        value = out[name]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{prefix}token_learner {name} must be an int; got {value!r}")
-    if not 0 <= out["after_layer"] < num_layers - 1:
-        raise ValueError(f"{prefix}token_learner after_layer must be a block index in [0, {num_layers - 1}) so that "
-                         f"at least one block runs on the learned tokens (num_layers = {num_layers}); "
-                         f"got {out['after_layer']}")
-    for name in ("num_tokens", "bottleneck"):
-        if out[name] < 1:
-            raise ValueError(f"{prefix}token_learner {name} must be >= 1; got {out[name]}")
-    if not isinstance(out["fuse"], bool):
-        raise ValueError(f"{prefix}token_learner fuse must be a bool; got {out['fuse']!r}")
-    if out["maps"] not in MAP_KINDS:
-        raise ValueError(f"{prefix}token_learner maps must be one of {list(MAP_KINDS)}; got {out['maps']!r}")
-    return out
+    config = TokenLearnerConfig(**settings)
+    config.check_layers(num_layers)
+    return dataclasses.asdict(config)
 
 
 class TokenLearnerStage(eqx.Module):

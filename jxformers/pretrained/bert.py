@@ -24,7 +24,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from jxformers.nn.config import ModelConfig, build_model
+from jxformers.nn.config import ModelConfig, build_model, legacy
 
 # BERT's hidden_act -> our FFN kind (jax.nn.gelu(approximate=True) is gelu_new's tanh form)
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
@@ -62,7 +62,8 @@ def bert_config(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         embed_norm=True, type_vocab_size=hf.get("type_vocab_size", 2), norm_eps=hf.get("layer_norm_eps", 1e-12),
         final_norm=False,
     )
-    return ModelConfig(**(values | overrides))
+    # The overrides are the flat names of this function's API; the config takes components.
+    return ModelConfig(**legacy.convert(values | overrides))
 
 
 def _names(config: ModelConfig) -> list[tuple[Any, str]]:

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 
 from jxformers import registry
-from jxformers.nn.config import ModelConfig, build_model
+from jxformers.nn.config import AttentionConfig, ModelConfig, TransformerStack, build_model
 
 
 def _arrays(model) -> dict[str, jax.Array]:
@@ -58,13 +58,19 @@ def swap_attention(model, config: ModelConfig, attention: str | None = None,
     changes: dict[str, Any] = {}
     if attention is not None:
         _check_fits(attention)
-        changes |= {"attention": attention, "attention_kwargs": dict(attention_kwargs or {})}
+        changes["attention"] = AttentionConfig(attention, dict(attention_kwargs or {}), config.attention.impl)
     elif attention_kwargs is not None:
-        changes["attention_kwargs"] = dict(attention_kwargs)
+        changes["attention"] = dataclasses.replace(config.attention, hyper_parameters=dict(attention_kwargs))
+    stack = {}
     if filters is not None:
-        changes["filters"] = dict(filters)
+        stack["filters"] = dict(filters)
     if downsample is not None:
-        changes["downsample"] = downsample
+        stack["downsample"] = downsample
+    if stack:
+        if not isinstance(config.stack, TransformerStack):
+            raise ValueError(f"filters and downsample act between transformer blocks; the stack is "
+                             f"{config.stack.kind!r}")
+        changes["stack"] = dataclasses.replace(config.stack, **stack)
     new_config = dataclasses.replace(config, **changes)
     fresh = build_model(new_config, key=jax.random.key(0) if key is None else key)
     old, new = _arrays(model), _arrays(fresh)
@@ -72,7 +78,7 @@ def swap_attention(model, config: ModelConfig, attention: str | None = None,
     dropped = [p for p in old if p not in new and not any(a in p for a in attention_arrays)]
     changed = {p: (old[p].shape, new[p].shape) for p in new if p in old and old[p].shape != new[p].shape}
     if dropped or changed:
-        raise ValueError(f"swapping to {new_config.attention!r} would drop pretrained arrays {dropped[:4]} or "
+        raise ValueError(f"swapping to {new_config.attention.name!r} would drop pretrained arrays {dropped[:4]} or "
                          f"change their shapes {dict(list(changed.items())[:4])}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh)
     carried = [old.get(jax.tree_util.keystr(p), leaf) if eqx.is_array(leaf) else leaf for p, leaf in leaves]

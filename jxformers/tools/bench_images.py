@@ -53,7 +53,7 @@ class Row:
 def measure(label: str, attention: str, use_cache: bool, *, steps: int, batch: int, layers: int, heads: int,
             d_model: int, head: str, repeats: int) -> Row:
     config = dict(task="lm", vocab_size=START + 1, num_layers=layers, num_heads=heads, d_model=d_model,
-                  max_len=PIXELS + 1, attention=attention, position="learned", output_head=head)
+                  max_len=PIXELS + 1, attention=attention, embedding={"position": "learned"}, head=head)
     model = build_model(config, key=jax.random.key(0))
     prompt = jnp.zeros((PIXELS + 1 - steps,), jnp.int32).at[0].set(START)  # the last `steps` pixels are generated
 

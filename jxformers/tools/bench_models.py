@@ -40,9 +40,9 @@ LENGTHS = (1024, 2048, 3072, 4096)
 PAPER_BATCH = {4096: 16}
 DEFAULT_BATCH = 32
 TEXT_MODEL = dict(task="classify", vocab_size=256, num_classes=2, num_layers=4, d_model=256, num_heads=4,
-                  d_ff=1024, position="sinusoidal", pooling="mean", dropout=0.1)
+                  ffn={"kind": "gelu", "d_ff": 1024}, embedding={"position": "sinusoidal"}, head="mean", dropout=0.1)
 BASELINE = "vanilla"
-MODELS = {BASELINE: {}, "fourier_transformer": {"filters": {0: 0.2}}}
+MODELS = {BASELINE: {}, "fourier_transformer": {"stack": {"filters": {0: 0.2}}}}
 # Seed 001 Table 2: steps/s and peak memory as ratios to vanilla at 1K, 2K, 3K, 4K.
 PAPER = {"steps_per_s": (6.9, 12.2, 16.8, 17.7), "memory": (0.23, 0.19, 0.18, 0.18)}
 
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     rows = run(labels, args.lengths, batch=args.batch, steps=args.steps, repeats=args.repeats, model_size=size)
     command = " ".join(["python scripts/bench_models.py", *(argv if argv is not None else sys.argv[1:])])
     model = TEXT_MODEL | size
-    text = (provenance(command) + f"Model: {model}; Fourier Transformer: filters {MODELS['fourier_transformer']['filters']}. "
+    text = (provenance(command) + f"Model: {model}; Fourier Transformer: filters {MODELS['fourier_transformer']['stack']['filters']}. "
             f"Step times are the minimum over {args.repeats} interleaved repeats of {args.steps} steps after a "
             "warm-up; memory is XLA's compiled temporaries + arguments of the train step; ratios are to "
             "vanilla at the same N and batch, measured in this run. 'paper': seed 001 Table 2 "

@@ -331,7 +331,7 @@ def _convert(rest: list[str]) -> int:
     for name in ("tokenizer.json", "vocab.txt"):
         if (pathlib.Path(args.bert) / name).is_file():
             shutil.copy(pathlib.Path(args.bert) / name, out / name)
-    print(f"{config.num_layers} layers, d_model {config.d_model}, attention {config.attention}: {out}")
+    print(f"{config.num_layers} layers, d_model {config.d_model}, attention {config.attention.name}: {out}")
     return 0
 
 

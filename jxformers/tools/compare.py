@@ -29,7 +29,7 @@ from jxformers.tools.plot import plot_runs, plot_tradeoff, read_metrics
 from jxformers.train import load_experiment, train
 
 # The seed paper's model: softmax attention, the DCT filter before block 0 keeping 20%.
-FOURIER = ("fourier_transformer", ["model.filters={0: 0.2}"])
+FOURIER = ("fourier_transformer", ["model.stack.filters={0: 0.2}"])
 
 
 def candidates(names: list[str], *, fourier: bool = True) -> dict[str, list[str]]:
@@ -95,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attentions", nargs="+", default=["all"], metavar="NAME",
                    help="registered attentions to train, or 'all' (default)")
     p.add_argument("--no-fourier", action="store_true",
-                   help="leave out the Fourier Transformer (softmax + model.filters={0: 0.2})")
+                   help="leave out the Fourier Transformer (softmax + model.stack.filters={0: 0.2})")
     p.add_argument("--workdir", default="runs/compare", help="one sub-directory per model; compare.md, "
                    "compare.png (accuracy against steps/s) and curves.png go here (default %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -6,7 +6,7 @@ throughput, compiled step memory) with the task's baselines on the same eval exa
 noise, and write the curves.
 
 The Fourier Transformer here is softmax attention with the spectral filter before the
-first block's attention keeping 20% of the sequence (`model.filters={0: 0.2}`), as seed
+first block's attention keeping 20% of the sequence (`model.stack.filters={0: 0.2}`), as seed
 001 section 5.1.1 does ("80% of the input removed at the first layer") and its official
 code (the filter inside layer 0, before its attention): every block runs at 20% length.
 
@@ -37,7 +37,7 @@ from jxformers.train import load_experiment, train
 MODELS = {
     "softmax": [],
     "linear": ["model.attention=linear"],
-    "fourier_transformer": ["model.filters={0: 0.2}"],
+    "fourier_transformer": ["model.stack.filters={0: 0.2}"],
 }
 SEEDS = 3
 # Two means differ clearly when their gap exceeds this many standard errors of the gap.

@@ -32,6 +32,7 @@ import yaml
 from jxformers import registry
 from jxformers.data import make_source
 from jxformers.nn import ModelConfig
+from jxformers.nn.config import legacy
 from jxformers.train.optim import OPTIMIZERS, SCHEDULES
 from jxformers.train.recurrent import check_experiment as check_recurrent
 from jxformers.validate import check_at_least, check_fields, from_mapping
@@ -201,11 +202,29 @@ class Experiment:
 def _deep_merge(base: dict, extra: Mapping) -> dict:
     out = copy.deepcopy(base)
     for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+        if isinstance(value, Mapping) and isinstance(out.get(key), str):  # a component's shorthand, as a mapping
+            out[key] = legacy.expand(out[key], key)
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict) and not _other_kind(out[key], value):
             out[key] = _deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def _other_kind(base: Mapping, extra: Mapping) -> bool:
+    """Whether `extra` names another component than `base` (another attention, FFN kind...):
+    it then replaces `base` instead of merging into it."""
+    return any(k in base and k in extra and base[k] != extra[k] for k in ("name", "kind"))
+
+
+def _head_kind(model: Mapping) -> str | None:
+    """The head a model section names (component or flat form; None: the task's)."""
+    head = model.get("head")
+    if isinstance(head, Mapping):
+        return head.get("kind")
+    if isinstance(head, str):
+        return head
+    return model.get("output_head") if model.get("output_head", "softmax") != "softmax" else model.get("pooling")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -253,9 +272,13 @@ def read_yaml(text: str, where: str) -> Any:
 def _set(config: dict, path: list[str], value: Any):
     node = config
     for i, part in enumerate(path[:-1]):
+        if path[0] == "model" and isinstance(node.get(part), str):  # a component's shorthand, as a mapping
+            node[part] = legacy.expand(node[part], part)
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ValueError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is not a section")
+    if path[0] == "model":  # a component named anew keeps what still applies (an attention: its impl)
+        value = legacy.replace_kind(node.get(path[-1]), value, path[-1])
     node[path[-1]] = value
 
 
@@ -285,12 +308,13 @@ _GRID_ATTENTIONS = ("axial", "image_local_2d")  # attentions that read the seque
 def _warn_if_grid_is_not_the_image(model: ModelConfig, source) -> None:
     """A 2-D attention whose rows are not the image's rows runs, but sees a wrong grid."""
     image_size = getattr(source, "image_size", None)
-    if model.attention not in _GRID_ATTENTIONS or image_size is None:
+    name = model.attention.name
+    if name not in _GRID_ATTENTIONS or image_size is None:
         return
-    width = registry.bind(model.attention, **model.attention_kwargs).hyper_parameters["width"]  # defaults filled in
+    width = model.bound_attention(0).hyper_parameters["width"]  # defaults filled in
     if width != image_size:
-        warnings.warn(f"{model.attention} attention's width {width} is not the images' width {image_size}: its rows "
-                      f"are not the image's rows (set model.attention_kwargs.width={image_size})", stacklevel=3)
+        warnings.warn(f"{name} attention's width {width} is not the images' width {image_size}: its rows "
+                      f"are not the image's rows (set model.attention.width={image_size})", stacklevel=3)
 
 
 def _drop_other_attention_kwargs(config: dict, parsed: list[tuple[list[str], Any]]) -> None:
@@ -329,17 +353,18 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
     sections = {name: from_mapping(cls, config.get(name), name) for name, cls in SECTIONS.items()}
     data, train, ckpt = sections["data"], sections["train"], sections["checkpoint"]
     train_source = make_source(data.task, seed=data.seed, size=data.train_size, **data.settings)
-    model_values = dict(config.get("model", {}) or {})
+    model_values = dict(config.get("model", {}) or {})  # flat keys are converted by ModelConfig
     for fixed in ("task", "vocab_size", "num_classes"):
         if fixed in model_values:
             raise ValueError(f"model.{fixed} comes from the data task; do not set it")
     model_values |= {"task": train_source.model_task, "vocab_size": train_source.vocab_size}
     if train_source.model_task == "classify":
         model_values["num_classes"] = train_source.num_classes
-    model_values.setdefault("max_len", train_source.max_len + (1 if model_values.get("pooling", "cls") == "cls"
+    head = _head_kind(model_values)
+    model_values.setdefault("max_len", train_source.max_len + (1 if head in (None, "cls")
                                                                and train_source.model_task == "classify" else 0))
-    if model_values.get("output_head") == "mixture_of_logistics" and not getattr(train_source, "pixel_values", False):
-        raise ValueError(f"model.output_head 'mixture_of_logistics' models pixel intensities; the tokens of data task "
+    if head == "mixture_of_logistics" and not getattr(train_source, "pixel_values", False):
+        raise ValueError(f"model.head 'mixture_of_logistics' models pixel intensities; the tokens of data task "
                          f"{data.task!r} ({data.settings}) are not pixels (fashion_mnist with mode: generate is)")
     model = ModelConfig.from_dict(model_values)
     _warn_if_grid_is_not_the_image(model, train_source)

@@ -40,7 +40,7 @@ def check_experiment(model_config, source, *, batch_size: int, grad_accum: int) 
     """A recurrent architecture needs a stream source with one row per batch row and
     (compressive) segments of a multiple of the rate. (`grad_accum` is checked by
     TrainConfig: it divides the batch, and each micro-batch takes its rows' memories.)"""
-    arch = model_config.architecture
+    arch = model_config.stack.kind
     if arch not in RECURRENT_ARCHITECTURES:
         return
     if not getattr(source, "stream", False):
@@ -50,9 +50,9 @@ def check_experiment(model_config, source, *, batch_size: int, grad_accum: int) 
         raise ValueError(f"architecture {arch!r}: each batch row is one stream, so data.settings.rows ({source.rows}) "
                          f"must equal train.batch_size ({batch_size})")
     segment = source.max_len - 1
-    if arch == "compressive" and segment % model_config.compression_rate:
+    if arch == "compressive" and segment % model_config.stack.compression_rate:
         raise ValueError(f"architecture 'compressive': segments of data max_len - 1 = {segment} tokens must be a multiple "
-                         f"of compression_rate ({model_config.compression_rate})")
+                         f"of compression_rate ({model_config.stack.compression_rate})")
 
 
 def stream_loss(model, batch, memory, key, *, inference: bool):

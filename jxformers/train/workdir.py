@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from jxformers.nn import ModelConfig
+from jxformers.nn.config import legacy
 from jxformers.train.experiment import SECTIONS, Experiment, load_experiment, parse_override, read_yaml
 
 CONFIG = "config.yaml"
@@ -36,9 +37,9 @@ CHECKPOINTS = "checkpoints"
 # What a rerun may change once checkpoints exist: none of these changes the saved state's
 # tree, the data order or the meaning of the steps already taken (workers and a built
 # split give the same records; the iterator state is rewritten for the worker count;
-# model.impl picks a kernel for the same function and the same parameters).
+# model.attention.impl picks a kernel for the same function and the same parameters).
 RESUMABLE = frozenset({
-    "data.workers", "data.path", "model.impl",
+    "data.workers", "data.path", "model.attention.impl", "model.decoder.cross_attention.impl",
     "train.steps", "train.learning_rate", "train.warmup_steps", "train.schedule", "train.weight_decay",
     "train.eval_every", "train.eval_batches", "train.log_every", "train.on_nonfinite",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.best_metric", "checkpoint.best_mode",
@@ -79,6 +80,11 @@ def saved_config(workdir: pathlib.Path) -> dict[str, Any] | None:
     values = read_yaml(path.read_text(), str(path))
     if not isinstance(values, dict):
         raise ValueError(f"{path}: not a YAML mapping; it should hold the run's resolved config")
+    model = values.get("model")
+    if isinstance(model, Mapping):  # resolved anew: an older version's flat keys or missing settings filled in
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", legacy.FlatConfigWarning)
+            values["model"] = ModelConfig.from_dict(model).to_dict()
     return values
 
 

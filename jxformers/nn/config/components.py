@@ -1,0 +1,435 @@
+"""The components a `ModelConfig` is composed of: each a typed, frozen dataclass whose
+fields (type, default, one-line doc, allowed values) are declared once, here or beside
+the module they configure (`MoEConfig` in nn/moe.py, `PKMConfig` in nn/pkm.py,
+`TokenLearnerConfig` in nn/tokenlearner.py), and are what that module is built from.
+
+A component with variants is a union tagged by `kind` (`ffn`, `stack`, `head`): a
+setting exists only on the variant it belongs to (`mem_len` only on a recurrent stack,
+`num_keys` only on a product-key memory), so an impossible combination cannot be
+written. In YAML a component is a mapping, or a string naming its kind (attention:
+its name) with every other setting at its default:
+
+    attention: {name: performer, num_features: 64}     # or: attention: performer
+    ffn: {kind: moe, num_experts: 8, top_k: 2}          # or: ffn: swiglu
+    stack: {kind: transformer_xl, mem_len: 64}
+    head: mean
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from jxformers.kernels import IMPLS
+from jxformers.nn.blocks import NORM_PLACEMENTS
+from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
+from jxformers.nn.models import DOWNSAMPLE_KINDS, POOLING_KINDS
+from jxformers.nn.moe import MoEConfig
+from jxformers.nn.pkm import PKMConfig
+from jxformers.nn.positions import POSITION_KINDS
+from jxformers.nn.recurrent import COMPRESSIONS
+from jxformers.nn.tokenlearner import TokenLearnerConfig
+from jxformers.validate import check_fields, setting
+
+# The output heads of a language model (the pooled heads of an encoder are POOLING_KINDS).
+OUTPUT_HEADS = ("softmax", "mixture_of_logistics")
+
+
+def _at_least(instance, prefix: str, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(instance, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"{prefix}{name} must be >= {minimum}; got {value}")
+
+
+# ------------------------------------------------------------------ attention
+
+
+@typing.no_type_check  # values come from users' YAML: check_fields names the key instead
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """A registered attention and its hyper-parameters. In YAML the hyper-parameters sit
+    beside the name: `{name: performer, num_features: 64}`; a bare name is the attention
+    with its defaults."""
+
+    name: str = setting("softmax", "a registered attention (`jxformers list`)")
+    hyper_parameters: dict = setting(factory=dict, doc="the op's keyword hyper-parameters (`jxformers list NAME`)")
+    impl: str = setting("auto", "how it runs where it has a Pallas kernel (jxformers.kernels.impl)", choices=IMPLS)
+
+    def __post_init__(self):
+        check_fields(self, "attention.")
+        if "impl" in self.hyper_parameters:
+            raise ValueError("attention: give impl as the component's impl, not among its hyper-parameters")
+
+    @classmethod
+    def from_value(cls, value: Any, where: str = "attention") -> AttentionConfig:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(name=value)
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where} must be an attention name or a mapping {{name: ..., <hyper-parameter>: ...}}; "
+                             f"got {value!r}")
+        values = dict(value)
+        if "hyper_parameters" in values:  # the dataclass's own spelling (dataclasses.asdict)
+            values |= values.pop("hyper_parameters") or {}
+        name, impl = values.pop("name", "softmax"), values.pop("impl", "auto")
+        return cls(name=name, hyper_parameters=values, impl=impl)
+
+    def to_value(self) -> dict[str, Any]:
+        """The YAML form: the name, the hyper-parameters beside it, and impl."""
+        return {"name": self.name, **self.hyper_parameters, "impl": self.impl}
+
+
+# ------------------------------------------------------------------ embedding, norm
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class EmbeddingConfig:
+    """Token embeddings and positions."""
+
+    position: str | None = setting(None, "positions: added to the embeddings, rotary, or a logit bias (None: "
+                                         "none for the recurrent stacks, whose own are relative; sinusoidal "
+                                         "otherwise)", choices=(*POSITION_KINDS, None))
+    scale: bool = setting(True, "multiply token embeddings by sqrt(d_model) (Vaswani et al.); BERT does not")
+    norm: bool = setting(False, "a norm on the summed embeddings (BERT's embedding LayerNorm)")
+    type_vocab_size: int = setting(0, "token-type (segment) embeddings added to the tokens (0: none; BERT: 2)")
+
+    def __post_init__(self):
+        check_fields(self, "embedding.")
+        _at_least(self, "embedding.", 0, "type_vocab_size")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """Every norm of the model."""
+
+    kind: str = setting("layernorm", "layernorm or rmsnorm", choices=NORM_KINDS)
+    placement: str | None = setting(None, "pre or post the residual branch (None: the stack's paper; pre for the "
+                                          "transformer, the stable choice of Xiong et al. 2020)",
+                                    choices=(*NORM_PLACEMENTS, None))
+    eps: float | None = setting(None, "epsilon (None: LayerNorm 1e-5, RMSNorm 1e-6; BERT 1e-12)")
+    final: bool = setting(True, "a norm after the last block; BERT's post-norm encoder has none")
+
+    def __post_init__(self):
+        check_fields(self, "norm.")
+        if self.eps is not None and not 0 < self.eps < 1:
+            raise ValueError(f"norm.eps must be None or in (0, 1); got {self.eps}")
+
+
+# ------------------------------------------------------------------ feed-forward
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class FeedForwardConfig:
+    """A dense feed-forward network (`jxformers.nn.layers.FeedForward`)."""
+
+    kind: str = setting("gelu", "the activation (geglu, swiglu: gated)", choices=FFN_KINDS)
+    d_ff: int | None = setting(None, "hidden width (None: 4 d_model)")
+    chunk_size: int | None = setting(None, "run over chunks of this many positions (Reformer's chunked FFN)")
+
+    def __post_init__(self):
+        check_fields(self, "ffn.")
+        _at_least(self, "ffn.", 1, "d_ff", "chunk_size")
+
+
+FFN_COMPONENTS: dict[str, type] = {kind: FeedForwardConfig for kind in FFN_KINDS} | {"moe": MoEConfig,
+                                                                                      "pkm": PKMConfig}
+FFNConfig = FeedForwardConfig | MoEConfig | PKMConfig
+
+
+def d_ff(ffn: FFNConfig, d_model: int) -> int:
+    """The FFN's hidden width (4 d_model unless set); a product-key memory has none."""
+    return getattr(ffn, "d_ff", None) or 4 * d_model
+
+
+# ------------------------------------------------------------------ per-block overrides
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """What one block of a transformer stack does differently (None: the model's)."""
+
+    attention: AttentionConfig | None = setting(None, "this block's self-attention")
+    ffn: FFNConfig | None = setting(None, "this block's FFN (Switch and GShard put experts in every other block)")
+
+    def __post_init__(self):
+        if self.attention is not None:
+            object.__setattr__(self, "attention", AttentionConfig.from_value(self.attention, "layer attention"))
+        if self.ffn is not None:
+            object.__setattr__(self, "ffn", component(self.ffn, FFN_COMPONENTS, "layer ffn"))
+        check_fields(self, "layer.")
+
+
+# ------------------------------------------------------------------ stacks
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class TransformerStack:
+    """`num_layers` blocks of the named attention (Vaswani et al. 2017), with the
+    options that act between blocks."""
+
+    kind: str = setting("transformer", "blocks of the named attention", choices=("transformer",))
+    layer_overrides: dict = setting(factory=dict, doc="block index -> {attention, ffn} of that block")
+    reversible: bool = setting(False, "Reformer's reversible residual wiring (pre-norm; no filters)")
+    filters: dict = setting(factory=dict, doc="block index -> keep ratio of the downsampling right before it "
+                                              "(the Fourier Transformer's LRA setting: {0: 0.2})")
+    downsample: str = setting("fourier", "fourier (DCT), fourier_rescaled or funnel (Dai et al.'s pooled queries)",
+                              choices=DOWNSAMPLE_KINDS)
+    token_learner: TokenLearnerConfig | None = setting(None, "TokenLearner (Ryoo et al. 2021) after a block")
+
+    def __post_init__(self):
+        overrides = {}
+        for index, layer in _int_keys("stack.layer_overrides", self.layer_overrides).items():
+            if isinstance(layer, Mapping):
+                unknown = sorted(set(layer) - {"attention", "ffn"}, key=str)
+                if unknown:
+                    raise ValueError(f"stack.layer_overrides[{index}] may set attention and ffn; got {unknown}")
+                where = f"stack.layer_overrides[{index}]"
+                layer = LayerConfig(
+                    attention=None if layer.get("attention") is None else AttentionConfig.from_value(
+                        layer["attention"], f"{where}.attention"),
+                    ffn=None if layer.get("ffn") is None else component(layer["ffn"], FFN_COMPONENTS, f"{where}.ffn"))
+            overrides[index] = layer
+        object.__setattr__(self, "layer_overrides", overrides)
+        object.__setattr__(self, "filters", _int_keys("stack.filters", self.filters))
+        if isinstance(self.token_learner, Mapping):
+            object.__setattr__(self, "token_learner", component(self.token_learner, {None: TokenLearnerConfig},
+                                                                "stack.token_learner"))
+        check_fields(self, "stack.")
+        for index, ratio in self.filters.items():
+            if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1):
+                raise ValueError(f"stack.filters maps a block index to a keep ratio in (0, 1]; got {index}: {ratio!r}")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class ISABStack:
+    """Set Transformer's induced set attention blocks (Lee et al. 2019), softmax inside."""
+
+    kind: str = setting("isab", "induced set attention blocks", choices=("isab",))
+    num_inducing: int = setting(16, "learned inducing points of each block")
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+        _at_least(self, "stack.", 1, "num_inducing")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class LunaStack:
+    """Luna layers carrying a packed sequence from layer to layer (Ma et al. 2021)."""
+
+    kind: str = setting("luna", "Luna layers", choices=("luna",))
+    packed_len: int = setting(16, "length of the packed sequence")
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+        _at_least(self, "stack.", 1, "packed_len")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class PerceiverStack:
+    """A latent array cross-attending the input, each time followed by a shared latent
+    tower of `num_layers` blocks (Jaegle et al. 2021)."""
+
+    kind: str = setting("perceiver", "a Perceiver encoder", choices=("perceiver",))
+    num_latents: int = setting(16, "rows of the latent array")
+    cross_attends: int = setting(1, "cross-attentions to the input, each followed by the latent tower")
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+        _at_least(self, "stack.", 1, "num_latents", "cross_attends")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class TransformerXLStack:
+    """Segment-level recurrence with relative positions (Dai et al. 2019): each layer
+    reads the last `mem_len` hidden states it saw (stop-gradient)."""
+
+    kind: str = setting("transformer_xl", "Transformer-XL", choices=("transformer_xl",))
+    mem_len: int = setting(16, "hidden states each layer remembers")
+    eval_mem_len: int | None = setting(None, "the memory in evaluation (None: mem_len)")
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+        _at_least(self, "stack.", 1, "mem_len")
+        _at_least(self, "stack.", 0, "eval_mem_len")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class CompressiveStack:
+    """Transformer-XL plus a compressed memory (Rae et al. 2020): evicted memories are
+    compressed at `compression_rate`, trained by the attention-reconstruction loss."""
+
+    kind: str = setting("compressive", "the Compressive Transformer", choices=("compressive",))
+    mem_len: int = setting(18, "hidden states each layer remembers (a multiple of compression_rate)")
+    eval_mem_len: int | None = setting(None, "the memory in evaluation (None: mem_len)")
+    cmem_len: int = setting(6, "compressed memory slots")
+    compression: str = setting("conv", "how windows are compressed", choices=COMPRESSIONS)
+    compression_rate: int = setting(3, "states per compressed slot")
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+        _at_least(self, "stack.", 1, "mem_len", "cmem_len", "compression_rate")
+        _at_least(self, "stack.", 0, "eval_mem_len")
+        bad = {n: v for n, v in (("mem_len", self.mem_len), ("eval_mem_len", self.eval_mem_len))
+               if v is not None and v % self.compression_rate}
+        if bad:
+            raise ValueError(f"stack 'compressive' compresses whole windows of compression_rate "
+                             f"({self.compression_rate}) states (segments must be too): {sorted(bad)} must be "
+                             f"multiples of it; got {bad}")
+
+
+STACK_COMPONENTS: dict[str, type] = {cls.kind: cls for cls in (  # type: ignore[attr-defined]
+    TransformerStack, ISABStack, LunaStack, PerceiverStack, TransformerXLStack, CompressiveStack)}
+StackConfig = TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack
+RECURRENT_STACKS = ("transformer_xl", "compressive")
+# stack kind -> (the norm placement its paper uses, the tasks it serves, what it is)
+STACKS = {
+    "transformer": ("pre", ("classify", "retrieval", "lm", "seq2seq"), "blocks of the named attention"),
+    "isab": ("post", ("classify", "retrieval"), "Set Transformer's ISAB blocks (Lee et al. 2019)"),
+    "luna": ("post", ("classify", "retrieval", "lm"), "Luna layers carrying a packed sequence (Ma et al. 2021)"),
+    "perceiver": ("pre", ("classify", "retrieval"), "latent array cross-attending the input (Jaegle et al. 2021)"),
+    "transformer_xl": ("post", ("lm",), "segment-level recurrence, relative positions (Dai et al. 2019)"),
+    "compressive": ("post", ("lm",), "Transformer-XL plus a compressed memory (Rae et al. 2020)"),
+}
+
+
+# ------------------------------------------------------------------ decoder (seq2seq)
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """The decoder of an encoder-decoder (task seq2seq)."""
+
+    num_layers: int | None = setting(None, "decoder blocks (None: the model's num_layers)")
+    cross_attention: AttentionConfig = setting(factory=AttentionConfig, doc="the decoder's cross-attention")
+
+    def __post_init__(self):
+        object.__setattr__(self, "cross_attention", AttentionConfig.from_value(self.cross_attention,
+                                                                               "decoder.cross_attention"))
+        check_fields(self, "decoder.")
+        _at_least(self, "decoder.", 1, "num_layers")
+
+
+# ------------------------------------------------------------------ heads
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class PooledHead:
+    """A classifier's pooling and linear head (tasks classify, retrieval)."""
+
+    kind: str = setting("cls", "cls (a prepended token), mean, or pma (Set Transformer's pooling by attention)",
+                        choices=POOLING_KINDS)
+    pma_seeds: int = setting(1, "PMA's learned seeds (kind pma)")
+
+    def __post_init__(self):
+        check_fields(self, "head.")
+        _at_least(self, "head.", 1, "pma_seeds")
+        if self.pma_seeds != 1 and self.kind != "pma":
+            raise ValueError(f"head.pma_seeds ({self.pma_seeds}) is PMA's number of seeds: set head kind 'pma'")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class SoftmaxHead:
+    """A softmax over the vocabulary (tasks lm, seq2seq)."""
+
+    kind: str = setting("softmax", "a softmax over the vocabulary", choices=("softmax",))
+    tie_embeddings: bool = setting(True, "the output projection shares the embedding table")
+
+    def __post_init__(self):
+        check_fields(self, "head.")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class MixtureHead:
+    """PixelCNN++'s discretized mixture of logistics over the pixel values 0..255
+    (Salimans et al. 2017; `jxformers.nn.mixture`): task lm, transformer stack."""
+
+    kind: str = setting("mixture_of_logistics", "a mixture of logistics over pixel values",
+                        choices=("mixture_of_logistics",))
+    components: int = setting(10, "logistics in the mixture")
+
+    def __post_init__(self):
+        check_fields(self, "head.")
+        _at_least(self, "head.", 1, "components")
+
+
+HEAD_COMPONENTS: dict[str, type] = {kind: PooledHead for kind in POOLING_KINDS} | {
+    "softmax": SoftmaxHead, "mixture_of_logistics": MixtureHead}
+HeadConfig = PooledHead | SoftmaxHead | MixtureHead
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def component(value: Any, table: Mapping[Any, type], where: str, *, default_kind: Any = None) -> Any:
+    """The component `value` names: an instance of one of `table`'s classes (kept), a
+    kind (a string, every other setting at its default) or a mapping of settings (its
+    `kind` picks the class; `default_kind` when absent). ValueErrors name `where`, the
+    unknown keys and the known ones, and missing required settings."""
+    classes = tuple(set(table.values()))
+    if isinstance(value, classes):
+        return value
+    if isinstance(value, str):
+        value = {"kind": value}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a kind ({sorted(k for k in table if k)}) or a mapping of settings; "
+                         f"got {value!r}")
+    values = dict(value)
+    kind = values.get("kind", default_kind)
+    if kind not in table:
+        raise ValueError(f"{where} kind must be one of {sorted(k for k in table if k)}; got {kind!r}")
+    cls = table[kind]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields), key=str)
+    if unknown:
+        label = f" {kind!r}" if kind else ""
+        raise ValueError(f"{where}{label}: unknown setting(s) {unknown}; known: {sorted(fields)}")
+    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        docs = "; ".join(f"{n}: {fields[n].metadata.get('doc', '')}" for n in missing)
+        raise ValueError(f"{where}{' ' + repr(kind) if kind else ''} needs {missing} ({docs}); got {dict(value)}")
+    return cls(**values)
+
+
+def to_value(instance: Any) -> Any:
+    """A component as YAML: a mapping of all its settings (nested components too), so
+    that a saved config compares key by key with another."""
+    if isinstance(instance, AttentionConfig):
+        return instance.to_value()
+    if dataclasses.is_dataclass(instance):
+        return {f.name: to_value(getattr(instance, f.name)) for f in dataclasses.fields(instance)}
+    if isinstance(instance, Mapping):
+        return {k: to_value(v) for k, v in instance.items()}
+    return instance
+
+
+def _int_keys(name: str, mapping: Any) -> dict:
+    if not isinstance(mapping, Mapping):
+        raise ValueError(f"{name} must be a mapping of block indices; got {mapping!r}")
+    out = {}
+    for key, value in mapping.items():
+        if isinstance(key, bool):
+            raise ValueError(f"{name} keys must be block indices (ints); got {key!r}")
+        try:
+            out[int(key)] = value
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} keys must be block indices (ints); got {key!r}") from None
+    return out

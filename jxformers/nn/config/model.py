@@ -1,0 +1,347 @@
+"""`ModelConfig`: a model composed of its components, and the contracts between them.
+
+Each component checks its own values (components.py); what is checked here is only what
+spans components: a causal task needs attentions that support causal, a bias position
+needs attentions that take a bias (both through the registry's capability flags), a stack
+serves some tasks, an option acts on one stack. Every attention is bound once, here, so
+a bad hyper-parameter is refused before any array is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from jxformers import registry
+from jxformers.nn.config import legacy
+from jxformers.nn.config.binding import bind_attention
+from jxformers.nn.config.components import (
+    FFN_COMPONENTS,
+    HEAD_COMPONENTS,
+    RECURRENT_STACKS,
+    STACK_COMPONENTS,
+    STACKS,
+    AttentionConfig,
+    DecoderConfig,
+    EmbeddingConfig,
+    FeedForwardConfig,
+    FFNConfig,
+    HeadConfig,
+    LayerConfig,
+    MixtureHead,
+    NormConfig,
+    PooledHead,
+    SoftmaxHead,
+    StackConfig,
+    TransformerStack,
+    component,
+    to_value,
+)
+from jxformers.nn.layers import NORM_KINDS
+from jxformers.nn.mixture import PIXEL_VALUES
+from jxformers.nn.moe import MoEConfig
+from jxformers.nn.pkm import PKMConfig
+from jxformers.nn.positions import BIAS_KINDS
+from jxformers.validate import check_fields, setting
+
+TASKS = ("classify", "retrieval", "lm", "seq2seq")
+ENCODER_TASKS = ("classify", "retrieval")
+DTYPES = ("float32", "bfloat16", "float16")
+_NORMS = {kind: NormConfig for kind in NORM_KINDS}
+
+
+@typing.no_type_check  # values come from users' YAML: check_fields names the key instead
+@dataclasses.dataclass(frozen=True, init=False)
+class ModelConfig:
+    """Everything that defines a model: a few shared sizes and the components.
+
+        ModelConfig(task="lm", vocab_size=256, attention={"name": "performer", "num_features": 64},
+                    ffn={"kind": "swiglu", "d_ff": 256}, stack={"kind": "transformer", "reversible": True})
+
+    A component is given as its dataclass, a mapping of its settings, or a string naming
+    its kind (attention: its name). The flat keyword form of jxformers <= 0.3
+    (`attention_kwargs=...`, `position=...`, `architecture=...`) is converted with one
+    `FlatConfigWarning` naming the new keys.
+    """
+
+    task: str = setting("classify", "classify (tokens -> class logits), retrieval (two sequences -> class "
+                                    "logits, dual tower), lm (causal language model) or seq2seq", choices=TASKS)
+    vocab_size: int = setting(256, "token ids are in [0, vocab_size)")
+    num_classes: int = setting(2, "classes of classify and retrieval")
+    num_layers: int = setting(2, "blocks of the stack (the encoder's in seq2seq; a Perceiver's latent tower)")
+    d_model: int = setting(64, "model width")
+    num_heads: int = setting(4, "attention heads")
+    kv_heads: int | None = setting(None, "key/value heads, grouped-query attention (None: num_heads)")
+    max_len: int = setting(512, "longest sequence, the CLS token included")
+    dropout: float = setting(0.0, "dropout on residual branches and FFN hidden units")
+    dtype: str = setting("float32", "compute dtype (parameters stay float32)", choices=DTYPES)
+    embedding: EmbeddingConfig = setting(factory=EmbeddingConfig, doc="token embeddings and positions")
+    attention: AttentionConfig = setting(factory=AttentionConfig, doc="every block's self-attention")
+    norm: NormConfig = setting(factory=NormConfig, doc="every norm")
+    ffn: FFNConfig = setting(factory=FeedForwardConfig, doc="every block's FFN: dense, moe or pkm")
+    stack: StackConfig = setting(factory=TransformerStack, doc="the layer stack (architecture)")
+    decoder: DecoderConfig | None = setting(None, "the decoder of task seq2seq (None: its defaults there)")
+    head: HeadConfig | None = setting(None, "the output head (None: the task's, cls pooling or a softmax)")
+
+    def __init__(self, **values: Any):
+        flat = legacy.flat_keys(values)
+        if flat:
+            values = legacy.convert(values)
+            warnings.warn(legacy.message(flat), legacy.FlatConfigWarning, stacklevel=2)
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(values) - fields, key=str)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; known: {sorted(fields)}")
+        for f in dataclasses.fields(self):
+            if f.name in values:
+                value = values[f.name]
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            else:
+                value = f.default_factory()
+            object.__setattr__(self, f.name, value)
+        self.__post_init__()
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        set_("embedding", component(self.embedding, {None: EmbeddingConfig}, "model.embedding"))
+        set_("attention", AttentionConfig.from_value(self.attention, "model.attention"))
+        set_("norm", component(self.norm, _NORMS, "model.norm", default_kind="layernorm"))
+        set_("ffn", component(self.ffn, FFN_COMPONENTS, "model.ffn", default_kind="gelu"))
+        set_("stack", component(self.stack, STACK_COMPONENTS, "model.stack", default_kind="transformer"))
+        if self.decoder is not None:
+            set_("decoder", component(self.decoder, {None: DecoderConfig}, "model.decoder"))
+        elif self.task == "seq2seq":
+            set_("decoder", DecoderConfig())
+        if self.head is not None:
+            set_("head", component(self.head, HEAD_COMPONENTS, "model.head"))
+        elif isinstance(self.task, str):
+            set_("head", PooledHead() if self.task in ENCODER_TASKS else SoftmaxHead())
+        check_fields(self, "model.")
+        if self.embedding.position is None:
+            position = "none" if self.stack.kind in RECURRENT_STACKS else "sinusoidal"
+            set_("embedding", dataclasses.replace(self.embedding, position=position))
+        if self.norm.placement is None:
+            set_("norm", dataclasses.replace(self.norm, placement=STACKS[self.stack.kind][0]))
+        self._check_sizes()
+        self._check_stack()
+        self._check_head()
+        self._check_ffns()
+        self._check_embedding()
+        set_("_bound", self._bind())
+        self._check_attentions()
+
+    # ------------------------------------------------------------------ io
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
+        if not isinstance(values, Mapping):
+            raise ValueError(f"model must be a mapping of keys to values; got {values!r}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, source: str | os.PathLike) -> ModelConfig:
+        """From YAML text, or the path of a YAML file."""
+        text = str(source)
+        if isinstance(source, os.PathLike) or (text.endswith((".yaml", ".yml")) and "\n" not in text):
+            with open(source) as f:
+                text = f.read()
+        values = yaml.safe_load(text)
+        if not isinstance(values, Mapping):
+            raise ValueError(f"a YAML model config must be a mapping; got {type(values).__name__}")
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as YAML-ready values, each component in its short form."""
+        return {f.name: to_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    # ------------------------------------------------------------------ per block
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_layers if self.decoder is None or self.decoder.num_layers is None else self.decoder.num_layers
+
+    @property
+    def causal(self) -> bool:
+        return self.task in ("lm", "seq2seq")
+
+    def _blocks(self) -> int:
+        return max(self.num_layers, self.decoder_layers if self.task == "seq2seq" else 0)
+
+    def layer(self, index: int) -> LayerConfig:
+        """Block `index`'s attention and FFN, overrides applied."""
+        override = self.stack.layer_overrides.get(index) if isinstance(self.stack, TransformerStack) else None
+        return LayerConfig(attention=(override and override.attention) or self.attention,
+                           ffn=(override and override.ffn) or self.ffn)
+
+    def bound_attention(self, index: int) -> registry.BoundAttention:
+        """Block `index`'s self-attention, bound (once, when the config was made)."""
+        return self._bound[index]
+
+    def bound_cross_attention(self) -> registry.BoundAttention:
+        return self._bound[-1]
+
+    def _bind(self) -> tuple:
+        bound = [bind_attention(self.layer(i).attention, self.max_len) for i in range(self._blocks())]
+        if self.decoder is not None:
+            bound.append(bind_attention(self.decoder.cross_attention, self.max_len))
+        return tuple(bound)
+
+    # ------------------------------------------------------------------ contracts
+
+    def _check_sizes(self):
+        for name in ("vocab_size", "num_classes", "num_layers", "d_model", "num_heads", "kv_heads", "max_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"model.{name} must be >= 1; got {value}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % (self.kv_heads or self.num_heads):
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.embedding.position == "rope" and (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"position 'rope' needs an even head size; d_model / num_heads = "
+                             f"{self.d_model // self.num_heads}")
+        if self.decoder is not None and self.task != "seq2seq":
+            raise ValueError(f"model.decoder configures the decoder of task seq2seq; got task {self.task!r}")
+
+    def _check_attention(self, bound: registry.BoundAttention) -> None:
+        spec = bound.spec
+        if self.causal and not spec.supports_causal:
+            raise ValueError(f"task {self.task!r} needs causal attention; {spec.name!r} is not causal. "
+                             f"Causal attentions: {registry.names(supports_causal=True)}")
+        if self.embedding.position in BIAS_KINDS and not spec.takes_bias:
+            raise ValueError(f"position {self.embedding.position!r} adds a logit bias, which {spec.name!r} attention "
+                             f"does not take; use rope, sinusoidal, learned or none, or one of "
+                             f"{registry.names(takes_bias=True)}")
+
+    def _check_stack(self):
+        kind, stack = self.stack.kind, self.stack
+        tasks = STACKS[kind][1]
+        if self.task not in tasks:
+            raise ValueError(f"stack {kind!r} serves tasks {list(tasks)}; got task {self.task!r}")
+        if isinstance(stack, TransformerStack):
+            self._check_transformer_stack(stack)
+            return
+        if self.attention != AttentionConfig():
+            raise ValueError(f"stack {kind!r} builds its own softmax attentions; leave model.attention at its "
+                             f"default (got {self.attention.to_value()!r})")
+        if self.kv_heads not in (None, self.num_heads):
+            raise ValueError(f"stack {kind!r} has no grouped-query attention; kv_heads ({self.kv_heads}) must equal "
+                             f"num_heads ({self.num_heads}) or be left unset")
+        position = self.embedding.position
+        if kind in RECURRENT_STACKS:
+            if position != "none":
+                raise ValueError(f"stack {kind!r} has its own relative positions (R, u, v): set embedding.position "
+                                 f"'none'; got {position!r}")
+            if self.dtype != "float32":
+                raise ValueError(f"stack {kind!r} runs in float32 only; got dtype {self.dtype!r}")
+        elif position in BIAS_KINDS or position == "rope":
+            raise ValueError(f"stack {kind!r} takes positions added to the embeddings (sinusoidal, learned) or none; "
+                             f"got {position!r}")
+        if kind == "perceiver" and self.head.kind == "cls":
+            raise ValueError("a perceiver has no CLS token: pool its latents with head 'mean' (the paper's average) "
+                             "or 'pma'")
+
+    def _check_transformer_stack(self, stack: TransformerStack):
+        for index in stack.layer_overrides:
+            if not 0 <= index < self._blocks():
+                raise ValueError(f"stack.layer_overrides: block {index} does not exist (num_layers = "
+                                 f"{self.num_layers})")
+        if stack.reversible and (self.task == "seq2seq" or self.norm.placement != "pre" or stack.filters):
+            raise ValueError("stack.reversible needs norm placement 'pre', no filters, and task classify, retrieval "
+                             "or lm")
+        if stack.filters and self.task == "lm":
+            raise ValueError("stack.filters (downsampling) apply to encoders: tasks classify, retrieval, seq2seq")
+        for index in stack.filters:
+            if not 0 <= index < self.num_layers:
+                raise ValueError(f"stack.filters maps an encoder block index in [0, {self.num_layers}) to a keep "
+                                 f"ratio; got block {index}")
+        tl = stack.token_learner
+        if tl is not None:
+            tl.check_layers(self.num_layers)
+            if self.task not in ENCODER_TASKS:
+                raise ValueError(f"stack.token_learner pools tokens across the whole sequence, so it serves encoders "
+                                 f"(tasks classify, retrieval); a causal {self.task!r} model cannot use it")
+            if stack.reversible or stack.filters:
+                raise ValueError(f"stack.token_learner needs no filters and no reversible wiring; got filters "
+                                 f"{stack.filters}, reversible {stack.reversible}")
+            if self.embedding.position not in ("sinusoidal", "learned", "none"):
+                raise ValueError(f"stack.token_learner: learned tokens have no positions, so position must be added "
+                                 f"to the embeddings (sinusoidal, learned) or none; got {self.embedding.position!r}")
+
+    def _check_head(self):
+        head = self.head
+        if isinstance(head, PooledHead) != (self.task in ENCODER_TASKS):
+            serves = "classify, retrieval" if isinstance(head, PooledHead) else "lm, seq2seq"
+            raise ValueError(f"head {head.kind!r} serves tasks {serves}; got task {self.task!r}")
+        if isinstance(head, MixtureHead):
+            if self.task != "lm" or not isinstance(self.stack, TransformerStack):
+                raise ValueError(f"head {head.kind!r} needs task 'lm' and stack 'transformer'; got task "
+                                 f"{self.task!r}, stack {self.stack.kind!r}")
+            if self.vocab_size not in (PIXEL_VALUES, PIXEL_VALUES + 1):
+                raise ValueError(f"head {head.kind!r} models pixel values 0..255: vocab_size must be {PIXEL_VALUES} "
+                                 f"(pixels) or {PIXEL_VALUES + 1} (pixels and a start token); got {self.vocab_size}")
+
+    def _check_ffns(self):
+        """Dense FFNs go anywhere; moe and pkm in transformer blocks of classify and lm."""
+        ffns = [self.layer(i).ffn for i in range(self._blocks())]
+        sparse = [f for f in ffns if not isinstance(f, FeedForwardConfig)]
+        if not isinstance(self.ffn, FeedForwardConfig) and not isinstance(self.stack, TransformerStack):
+            raise ValueError(f"stack {self.stack.kind!r} takes a dense ffn ({sorted(set(FFN_COMPONENTS) - {'moe', 'pkm'})});"
+                             f" got {self.ffn.kind!r}")
+        if not sparse:
+            return
+        kind = sparse[0].kind
+        if self.stack.reversible or self.task not in ("classify", "lm"):
+            raise ValueError(f"ffn {kind!r} needs stack 'transformer', task classify or lm, and no reversible "
+                             f"wiring; got task {self.task!r}, reversible {self.stack.reversible}")
+        if not isinstance(self.ffn, FeedForwardConfig) and getattr(self.head, "kind", None) == "pma":
+            raise ValueError(f"head 'pma' builds its own FeedForward of the model's ffn: with ffn {self.ffn.kind!r} "
+                             f"make the model's ffn dense and put {self.ffn.kind!r} in blocks through "
+                             f"stack.layer_overrides")
+        for ffn in sparse:
+            if isinstance(ffn, MoEConfig):
+                ffn.check_causal(self.causal)
+            elif isinstance(ffn, PKMConfig):
+                ffn.check_model(d_model=self.d_model, causal=self.causal)
+
+    def _check_embedding(self):
+        """BERT's options (embedding scale, norm and token types; norm epsilon; no final
+        norm) are built by the transformer stack only."""
+        given = {f"embedding.{k}": v for k, v in dataclasses.asdict(self.embedding).items()
+                 if k != "position" and v != getattr(EmbeddingConfig(), k)}
+        given |= {f"norm.{k}": getattr(self.norm, k) for k in ("eps", "final")
+                  if getattr(self.norm, k) != getattr(NormConfig(), k)}
+        if given and not isinstance(self.stack, TransformerStack):
+            raise ValueError(f"{sorted(given)} apply to stack 'transformer'; got stack {self.stack.kind!r} with "
+                             f"{given}")
+        if not self.norm.final and (self.norm.placement != "post" or self.task not in ENCODER_TASKS):
+            raise ValueError(f"norm.final False (BERT's encoder) needs norm placement 'post', whose blocks end "
+                             f"normalised, and an encoder task (classify, retrieval); got placement "
+                             f"{self.norm.placement!r}, task {self.task!r}")
+
+    def _check_attentions(self):
+        """The capability contracts of every bound attention."""
+        for index in range(self._blocks()):
+            self._check_attention(self._bound[index])
+        if self.decoder is not None:
+            spec = self._bound[-1].spec
+            if not spec.supports_cross:
+                raise ValueError(f"decoder.cross_attention {spec.name!r} cannot cross-attend; ones that can: "
+                                 f"{registry.names(supports_cross=True)}")
+        stack = self.stack
+        if isinstance(stack, TransformerStack) and stack.downsample == "funnel":
+            for index in stack.filters:
+                spec = self._bound[index].spec
+                if not spec.supports_cross:
+                    raise ValueError(f"stack.downsample 'funnel' at block {index}: its attention takes pooled "
+                                     f"queries and unpooled keys, which {spec.name!r} cannot; use one of "
+                                     f"{registry.names(supports_cross=True)} there (stack.layer_overrides)")
