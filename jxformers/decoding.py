@@ -12,10 +12,11 @@ with its own pieces; nothing here knows any attention by name.
 * `TaggedCache`: every key with integer tags (buckets, clusters), the state of the
   decoders the learnable patterns (LSH, Routing, Sinkhorn) build from their own steps.
 * `recurrent(features, query_features=None, gate=None)`: the constant-size state of
-  seed 002 eq. 4-6, S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j): the transformer as an
-  RNN, O(m * d) per step and O(1) memory in the length. Log-features (Performer's) are
-  stabilised by a running max per head that rescales (S, Z) when it grows, as the chunked form
-  does; an optional gate decays the state, S_t = g_t S_{t-1} + phi(k_t) v_t^T.
+  Katharopoulos et al. 2020 ("Transformers are RNNs", arXiv 2006.16236) eq. 4-6,
+  S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j): the transformer as an RNN, O(m * d)
+  per step and O(1) memory in the length. Log-features (Performer's) are stabilised by a
+  running max per head that rescales (S, Z) when it grows, as the chunked form does; an
+  optional gate decays the state, S_t = g_t S_{t-1} + phi(k_t) v_t^T.
 
 Parity (tested for every registered decoder): decoding a sequence token by token gives
 the causal parallel forward's outputs to float32 rounding.

@@ -10,7 +10,8 @@
 All three share one core (`kernel_attention`): non-causal by associativity; causal as
 the prefix sums S_i = sum_{j<=i} phi(k_j) v_j^T, Z_i = sum_{j<=i} phi(k_j) in one of three
 forms that agree to float32 rounding: "quadratic" (the masked N x N reference), "scan"
-(the RNN of eq. 4 in seed 000 section 3.2.14, one token per step) and "chunked" (the
+(the RNN S_i = S_{i-1} + phi(k_i) v_i^T of Katharopoulos et al. 2020, "Transformers are
+RNNs", arXiv 2006.16236, one token per step) and "chunked" (the
 default: quadratic inside chunks, a carried state between chunks, one step per chunk).
 States and denominators accumulate in float32. `impl="pallas"` (or "interpret") runs the
 chunked form and the non-causal reduction as Pallas kernels (`jxformers.kernels.linear`:
