@@ -48,7 +48,7 @@ from jxformers.registry import TokenInputs, register
 
 FORMS = ("chunked", "scan", "quadratic")
 DEFAULT_CHUNK = 64
-IMPL_DOC = {"impl": "auto, xla, pallas or interpret (chunked linear-attention kernel)"}
+IMPL_DOC = {"impl": "one of jxformers.kernels.IMPLS (chunked linear-attention kernel; no cuDNN route)"}
 
 # ----------------------------------------------------------------------------- core
 
@@ -173,7 +173,7 @@ def kernel_attention(
             features, values and states in float32 whatever the input dtype; the kernel
             takes features and values in `dtype` when it is bfloat16 or float16 (float32
             otherwise) and accumulates states and normalisers in float32.
-        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
+        impl: one of `jxformers.kernels.IMPLS`, no cuDNN route: the
             chunked kernel (`jxformers.kernels.linear`) computes the "chunked" form and
             the non-causal reduction; other forms, and chunk sizes that are not a power
             of two >= 16, run in XLA ("auto") or raise ("pallas"). "auto" uses the
@@ -282,7 +282,7 @@ def linear_attention(
         chunk_size: chunk of the causal "chunked" form (default 64).
         form: causal form: "chunked" (default), "scan" (token-by-token RNN) or
             "quadratic" (masked N x N reference). All agree to float32 rounding.
-        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
+        impl: one of `jxformers.kernels.IMPLS`, no cuDNN route: the
             chunked Pallas kernel (`jxformers.kernels.linear`) for the "chunked" form
             and the non-causal reduction.
 
