@@ -3,9 +3,16 @@
     ops        pure attention functions (one file per family), each registered beside its op
     registry   the registry's machinery: name -> spec, binding, capabilities
     decoding   decoder factories (key/value cache, ring buffer, recurrent state)
+    kernels    Pallas kernels beside the pure-JAX ops they accelerate; the `impl` choice
     nn         Equinox modules and models; ModelConfig and build_model; generation
+    data       grain sources, the loader, built splits
     train      experiment configs, train state, the train loop, checkpoints
+    pretrained converters from published checkpoints (BERT) to jxformers models
     tools      the `jxformers` command, benchmarks, demo, plots
+    validate   the one validator of typed config dataclasses
+    experiments  one YAML config per experiment (package data)
+
+Each subpackage's docstring lists its files.
 """
 
 # isort: off  (ops first: importing it registers every attention, and it uses decoding)

@@ -7,13 +7,16 @@ with its own pieces; nothing here knows any attention by name.
   chunked); a step costs O(max_len * d), slots not yet written are masked out.
 * `ring_buffer(attend, slots)`: the last `slots(hyper_parameters)` keys and values
   (causal sliding window: `window + 1`), O(window * d) memory and time per step.
+* `full_cache_init`, `cache_append`: that cache for attentions that write their own step
+  over every key (adaptive sparse, Long-Short).
 * `TaggedCache`: every key with integer tags (buckets, clusters), the state of the
   decoders the learnable patterns (LSH, Routing, Sinkhorn) build from their own steps.
 * `recurrent(features, query_features=None, gate=None)`: the constant-size state of
-  seed 002 eq. 4-6, S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j): the transformer as an
-  RNN, O(m * d) per step and O(1) memory in the length. Log-features (Performer's) are
-  stabilised by a running max per head that rescales (S, Z) when it grows, as the chunked form
-  does; an optional gate decays the state, S_t = g_t S_{t-1} + phi(k_t) v_t^T.
+  Katharopoulos et al. 2020 ("Transformers are RNNs", arXiv 2006.16236) eq. 4-6,
+  S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j): the transformer as an RNN, O(m * d)
+  per step and O(1) memory in the length. Log-features (Performer's) are stabilised by a
+  running max per head that rescales (S, Z) when it grows, as the chunked form does; an
+  optional gate decays the state, S_t = g_t S_{t-1} + phi(k_t) v_t^T.
 
 Parity (tested for every registered decoder): decoding a sequence token by token gives
 the causal parallel forward's outputs to float32 rounding.
@@ -83,19 +86,35 @@ State = KVCache | RecurrentState | TaggedCache
 # ----------------------------------------------------------------------------- caches
 
 
+def _empty_cache(n: int, kv_heads: int, d_k: int, d_v: int, dtype) -> KVCache:
+    dtype = jnp.float32 if dtype is None else dtype
+    return KVCache(jnp.zeros((n, kv_heads, d_k), dtype), jnp.zeros((n, kv_heads, d_v), dtype),
+                   jnp.full((n,), -1, jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def cache_append(state: KVCache, k, v) -> KVCache:
+    """`state` with one position's `k [kv_heads, d_k]` and `v [kv_heads, d_v]` written
+    to the next slot (position p goes to slot p % slots)."""
+    slot = state.length % state.k.shape[0]
+    return KVCache(
+        state.k.at[slot].set(k.astype(state.k.dtype)), state.v.at[slot].set(v.astype(state.v.dtype)),
+        state.slot_pos.at[slot].set(state.length), state.length + 1,
+    )
+
+
+def full_cache_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> KVCache:
+    """An empty cache of every key and value (`max_len` slots, slot p holds position p):
+    the `init` of an attention that writes its own `Decoder` step over the whole cache
+    (each step `cache_append`s its token first)."""
+    return _empty_cache(max_len, kv_heads, d_k, d_v, dtype)
+
+
 def _cache(kind: str, attend: Attend, slots: Callable[[HyperParameters, int], int]) -> Decoder:
     def init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> KVCache:
-        n = slots(hyper_parameters, max_len)
-        dtype = jnp.float32 if dtype is None else dtype
-        return KVCache(jnp.zeros((n, kv_heads, d_k), dtype), jnp.zeros((n, kv_heads, d_v), dtype),
-                       jnp.full((n,), -1, jnp.int32), jnp.zeros((), jnp.int32))
+        return _empty_cache(slots(hyper_parameters, max_len), kv_heads, d_k, d_v, dtype)
 
     def step(q, k, v, state: KVCache, *, hyper_parameters, arrays, bias_fn):
-        slot = state.length % state.k.shape[0]
-        state = KVCache(
-            state.k.at[slot].set(k.astype(state.k.dtype)), state.v.at[slot].set(v.astype(state.v.dtype)),
-            state.slot_pos.at[slot].set(state.length), state.length + 1,
-        )
+        state = cache_append(state, k, v)
         bias = None if bias_fn is None else bias_fn(state.length[None] - 1, jnp.maximum(state.slot_pos, 0))
         out = attend(q[None], state.k, state.v, kv_mask=state.slot_pos >= 0, bias=bias)[0]
         return out.astype(q.dtype), state

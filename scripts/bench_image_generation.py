@@ -1,4 +1,5 @@
-"""Images/s of whole-image generation, seed 002's table 2 (see jxformers/tools/bench_images.py).
+"""Images/s of whole-image generation, Table 1 of Katharopoulos et al. 2020 ("Transformers are
+RNNs", arXiv 2006.16236; see jxformers/tools/bench_images.py).
 
     python scripts/bench_image_generation.py
 """

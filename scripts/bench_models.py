@@ -1,4 +1,5 @@
-"""Model-level benchmark, seed 001 Table 2 (vanilla encoder against the Fourier Transformer).
+"""Model-level benchmark, Table 2 of He et al. 2023 ("Fourier Transformer", arXiv 2305.15099):
+the vanilla encoder against the Fourier Transformer.
 
     python scripts/bench_models.py --out docs/bench_models.md          # the paper's shape (a GPU)
     python scripts/bench_models.py --batch 2 --steps 1                 # on a CPU

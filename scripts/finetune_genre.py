@@ -27,7 +27,7 @@ from jxformers.pretrained import encode, load_bert, load_tokenizer, swap_attenti
 # run name -> swap_attention arguments (None: keep softmax)
 VARIANTS = {
     "softmax": {},
-    "fourier_filter": {"filters": {2: 0.5}},  # seed 001's Fourier-BART: 2 layers full length, the rest at half
+    "fourier_filter": {"filters": {2: 0.5}},  # He et al. 2023's Fourier-BART: 2 layers full length, the rest at half
     "linear": {"attention": "linear"},
     "performer": {"attention": "performer", "attention_kwargs": {"num_features": 64}},
     "local": {"attention": "local", "attention_kwargs": {"window": 16}},

@@ -162,7 +162,7 @@ FACTS: dict[str, Facts] = {
         growth=Growth("linear", lambda n: {"n_clusters": 8, "chunk_size": 32}),
     ),
     "adaptive_sparse": Facts(
-        variants=({"alpha": 1.5}, {"alpha": 2.0, "learned": False}),  # a fixed alpha < 2: tests/test_survey_a.py
+        variants=({"alpha": 1.5}, {"alpha": 2.0, "learned": False}),  # a fixed alpha < 2: tests/test_entmax.py
         errors=(({"alpha": 2.5}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"alpha": 2.0}, "alpha")),
         growth=Growth("quadratic"),
     ),
@@ -172,7 +172,7 @@ FACTS: dict[str, Facts] = {
         # Causal: every query attends the projections of all earlier segments, O(N^2 r / l).
         growth=Growth("linear", lambda n: {"window": 32, "rank": 16}, causal=(False,)),
     ),
-    "poolingformer": Facts(  # not causal: tests/test_survey_a.py checks the refusal
+    "poolingformer": Facts(  # not causal: tests/test_local_pooling.py checks the refusal
         variants=({"window": 2, "pool_window": 8, "pool_size": 3, "pool_stride": 2},
                   {"window": 1, "pool_window": 5, "pool_size": 2, "pool_stride": 2, "pooling": "max"}),
         errors=(({"window": -1}, "window"), ({"pool_size": 0}, "pool_size"), ({"pool_stride": 0}, "pool_stride"),
@@ -189,7 +189,7 @@ FACTS: dict[str, Facts] = {
         growth=Growth("linear", lambda n: {"width": 64, "query_height": 8, "query_width": 16, "memory_height": 8,
                                            "memory_width": 16}),
     ),
-    "etc": Facts(  # a softmax with relative-position logits: tests/test_survey_b.py checks it against the dense form
+    "etc": Facts(  # a softmax with relative-position logits: tests/test_global_local.py checks it against the dense form
         variants=({"num_global": 3, "local_radius": 2, "global_every": 5, "max_distance": 3},
                   {"num_global": 2, "local_radius": 4, "global_every": 6, "max_distance": 0, "hard_g2l": True,
                    "hard_l2g": True}),

@@ -1,4 +1,4 @@
-"""scripts/bench_models.py (seed 001 Table 2 harness): every model is measured at every
+"""scripts/bench_models.py (the harness of He et al. 2023's Table 2, arXiv 2305.15099): every model is measured at every
 length with ratios to vanilla, the Fourier Transformer's filter cuts the FLOPs and memory,
 and the paper's ratios sit beside ours at the paper's lengths. No timing is asserted."""
 

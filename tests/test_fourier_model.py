@@ -1,5 +1,5 @@
 """The shortening encoder against hand-built references: where the Fourier Transformer's
-filter sits (seed 001: before the first layer's attention for LRA), its cost, the
+filter sits (He et al. 2023, arXiv 2305.15099: before the first layer's attention for LRA), its cost, the
 encoder-decoder's upsampled sum over blocks, positions after a filter, the FFT path for
 unpadded input, and Funnel's pooled queries over unpooled keys and values."""
 
@@ -86,8 +86,8 @@ def test_unpadded_input_takes_the_plain_fft_and_padded_input_agrees():
 
 def test_seq2seq_sums_each_blocks_output_upsampled():
     # Filters {1: 0.5} on 2 layers make two blocks: layer 0 at full length, layer 1 at
-    # half length; the memory is norm(block_1_out + upsample(block_2_out)) (seed 001
-    # section 4.1: sum the upsampled sequences of all blocks, then renormalise).
+    # half length; the memory is norm(block_1_out + upsample(block_2_out)) (He et al.
+    # 2023, section 4.1: sum the upsampled sequences of all blocks, then renormalise).
     cfg = dict(TINY, task="seq2seq", decoder_layers=1, filters={1: 0.5})
     encoder = build_model(cfg, key=jax.random.key(0)).encoder
     encode = eqx.filter_jit(lambda e, x, m: e(x, m, upsample_sum=True))

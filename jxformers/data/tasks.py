@@ -67,7 +67,8 @@ class ListOps:
 
 @dataclasses.dataclass(frozen=True)
 class Copy:
-    """The copy task (seed 002 section 5.1): `BOS x_1 .. x_n SEP x_1 .. x_n`, n uniform in
+    """The copy task (Katharopoulos et al. 2020, "Transformers are RNNs", arXiv 2006.16236,
+    section 4.1): `BOS x_1 .. x_n SEP x_1 .. x_n`, n uniform in
     [min_symbols, max_symbols], symbols from an alphabet of `symbols`; the loss counts only
     the copy. Ids: 0 padding, 1 BOS, 2 SEP, 3.. symbols."""
 

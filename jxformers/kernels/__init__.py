@@ -1,7 +1,8 @@
 """Pallas kernels beside the pure-JAX ops they accelerate.
 
-* `impl`: the `impl="auto" | "xla" | "pallas" | "interpret"` choice every kernel-backed
-  op takes, and where each kernel runs.
+* `impl`: `IMPLS`, the values of the `impl` argument every kernel-backed op takes (each
+  described there), and where each kernel runs.
+* `cudnn`: the cuDNN route (`jax.nn.dot_product_attention`) of the ops that have one.
 * `pattern`, `block_mask`: static attention patterns as position rules, and the
   block-sparse metadata (visit lists) computed from them at trace time.
 * `alibi`: ALiBi as slopes and an offset (`Alibi`), which the flash kernels compute per tile.

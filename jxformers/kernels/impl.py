@@ -4,7 +4,8 @@
     impl="xla"        the pure-JAX op (runs everywhere; the reference the kernels are tested against)
     impl="pallas"     the Pallas kernel; a ValueError naming the backend where it cannot run
     impl="interpret"  the Pallas kernel in interpret mode, on any backend (slow: tests, debugging)
-    impl="cudnn"      cuDNN's fused attention (GPU; softmax and local attention, bf16/fp16, no padding mask)
+    impl="cudnn"      cuDNN's fused attention (GPU; softmax, local and dilated attention, bf16/fp16,
+                      no padding mask); a ValueError for the other ops
 
 Kernels here are written for two Pallas backends: "gpu" (the Triton lowering, which JAX
 still ships and which runs on Ampere and Hopper; tested on an H100) and "tpu" (Mosaic

@@ -12,7 +12,12 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     perceiver.py  PerceiverEncoder (Perceiver)
     tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig token_learner)
     recurrent.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
+    reversible.py  reversible residual blocks (Reformer's wiring)
     models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
+    mixture.py    the discretized mixture of logistics output head (PixelCNN++)
+    moe_sharded.py  expert parallelism for MoE with `jax.shard_map`
+    generation.py  generate: sampling a continuation with `lax.scan`
+    trainable.py  which leaves an optimizer updates; redrawing or updating the drawn arrays
     config.py     ModelConfig, build_model
 """
 

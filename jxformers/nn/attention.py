@@ -6,8 +6,10 @@ inducing points, RFA's sigma) are parameters; the drawn ones (Performer's and RF
 projection, BigBird's random-pattern key) are held out of the gradient and resampled
 with the pure `redraw(key)`. A core that reads the layer's input tokens
 (`spec.reads_tokens`: RFA's gate, the dense Synthesizer) gets the parameters of those
-token inputs here too, and the module passes it what they make from its input. Swapping one attention for another changes nothing else (the "builder"
-design of seed 002 section 4.1).
+token inputs here too, and the module passes it what they make from its input.
+Swapping one attention for another changes nothing else (the "builder" design of
+fast-transformers, the code of Katharopoulos et al. 2020, "Transformers are RNNs",
+arXiv 2006.16236).
 
 Two more hooks serve the learnable patterns: a core that draws noise in training
 (`spec.noise_key`: Sinkhorn's Gumbel noise) gets a fresh key on every call made with a

@@ -1,5 +1,6 @@
 """The transformer block: self-attention, optional cross-attention, and a feed-forward
-network, each a residual branch with pre- or post-norm placement (seed 004 section 5.2)."""
+network, each a residual branch with pre- or post-norm placement (Lin et al. 2021, "A Survey
+of Transformers", arXiv 2106.04554, section 5.2)."""
 
 from __future__ import annotations
 

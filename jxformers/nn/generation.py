@@ -41,7 +41,8 @@ def generate(
     token is fed back; both loops are `lax.scan`s over a state of fixed shape, so the
     whole call compiles once. With `use_cache=False` every step instead reruns the
     parallel forward on the whole (padded) sequence and reads one row: the recompute
-    baseline of seed 002's table 2, which works for any causal attention.
+    baseline of Katharopoulos et al. 2020 ("Transformers are RNNs", arXiv 2006.16236),
+    Table 1, which works for any causal attention.
 
     Arguments:
         model: a `jxformers.nn.LanguageModel` (anything with `init_decode_state(max_len)`,

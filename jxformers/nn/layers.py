@@ -1,7 +1,8 @@
 """Small layers: a linear map that computes in a chosen dtype, LayerNorm and RMSNorm
 that always normalise in float32, the position-wise feed-forward network with
 ReLU, GELU (tanh approximation, or "gelu_exact": the erf form BERT uses) and gated
-(GEGLU, SwiGLU) variants (seed 004 section 5.3), and the embedding-table lookup that
+(GEGLU, SwiGLU) variants (Lin et al. 2021, "A Survey of Transformers", arXiv 2106.04554,
+section 5.3), and the embedding-table lookup that
 refuses ids outside the table (`lookup`)."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The discretized mixture of logistics output head (Salimans et al. 2017, PixelCNN++),
-the output of seed 002's image-generation experiment: each pixel's value in 0..255 is
+the output of the image-generation experiment of Katharopoulos et al. 2020 ("Transformers
+are RNNs", arXiv 2006.16236, section 4.2): each pixel's value in 0..255 is
 modelled by a mixture of `K` logistic distributions over [-1, 1], each integrated over
 the value's bin of width 2/255 (the end bins take the tails).
 

@@ -7,7 +7,9 @@ a `Classifier` also takes a `PerceiverEncoder` and pools by CLS, mean or PMA.
 The encoder can shorten its sequence: `filters={i: r}` puts a downsampling right before
 block i, ahead of its attention (i = 0: on the embeddings), so block i and every later
 block run at the shorter length; the CLS token is never downsampled. The Fourier
-Transformer's spectral filter (seed 001 section 4.1, eq. 7-8; `fourier_downsample` with
+Transformer's spectral filter (He et al. 2023, "Fourier Transformer: Fast Long Range
+Modeling by Removing Sequence Redundancy with FFT Operator", arXiv 2305.15099, section
+4.1, eq. 7-8; `fourier_downsample` with
 the paper's amplitude, or "fourier_rescaled") keeps ceil(r L) of L real tokens, and
 {0: 0.2} is the paper's LRA setting; Funnel (Dai et al. 2020) mean-pools with stride
 1/r, and block i attends from the pooled queries to the unpooled keys and values. After
@@ -112,7 +114,7 @@ class Encoder(eqx.Module):
     embeddings), so block i and every later block run at the shorter length. Only the
     tokens are shortened; the CLS token, if any, is kept as it is. By `downsample`:
 
-    * "fourier" (seed 001 eq. 7-8): the L real tokens become ceil(r L) by
+    * "fourier" (He et al. 2023, eq. 7-8): the L real tokens become ceil(r L) by
       `fourier_downsample` (orthonormal inverse DCT at the new length, the paper's
       amplitude); "fourier_rescaled" multiplies that by sqrt(ceil(r L) / L) (see
       `fourier_downsample`'s `rescale`). `{0: 0.2}` is the paper's LRA setting (80% of

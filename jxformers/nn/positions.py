@@ -1,4 +1,5 @@
-"""Position information (seed 004 section 5.1), one module per model:
+"""Position information (Lin et al. 2021, "A Survey of Transformers", arXiv 2106.04554,
+section 5.1), one module per model:
 
 * "sinusoidal" (Vaswani et al.) and "learned" absolute embeddings, added to the tokens;
 * "rope" (rotary, Su et al.): q and k rotated by position inside every attention, before

@@ -1,4 +1,5 @@
-"""Segment-level recurrence (seed 000 sections 3.2.16-3.2.17): Transformer-XL (Dai et al.
+"""Segment-level recurrence (Tay et al. 2022, "Efficient Transformers: A Survey", arXiv
+2009.06732v2, sections 3.2.16-3.2.17): Transformer-XL (Dai et al.
 2019) and the Compressive Transformer (Rae et al. 2020), as causal language models.
 
     model = build_model({"task": "lm", "architecture": "transformer_xl", "position": "none",

@@ -19,8 +19,9 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
                    funnel_pool and funnel_attention
     learnable.py   lsh_attention (Reformer), routing_attention, sinkhorn_attention, clusterformer_attention,
                    and their pieces (lsh_buckets, kmeans_update, sinkhorn_balance)
-    survey.py      adaptive_sparse_attention (entmax, sparsemax), long_short_attention,
-                   poolingformer_attention
+    entmax.py      adaptive_sparse_attention and its normalisers (entmax, sparsemax)
+    local_lowrank.py  long_short_attention (Long-Short Transformer: window + dynamic projection)
+    local_pooling.py  poolingformer_attention (window, then pooled keys of a larger window)
     fourier.py     dct, idct, fourier_downsample(_padded), nearest_upsample, fnet_mixing, fnet_attention
 """
 
@@ -80,20 +81,9 @@ from jxformers.ops.learnable import (
     sinkhorn_attention,
     sinkhorn_balance,
 )
-from jxformers.ops.survey import (
-    adaptive_sparse_arrays,
-    adaptive_sparse_attention,
-    dual_layer_norm,
-    dynamic_projection,
-    entmax,
-    head_alpha,
-    long_short_arrays,
-    long_short_attention,
-    pool_keys,
-    poolingformer_arrays,
-    poolingformer_attention,
-    sparsemax,
-)
+from jxformers.ops.entmax import adaptive_sparse_arrays, adaptive_sparse_attention, entmax, head_alpha, sparsemax
+from jxformers.ops.local_lowrank import dual_layer_norm, dynamic_projection, long_short_arrays, long_short_attention
+from jxformers.ops.local_pooling import pool_keys, poolingformer_arrays, poolingformer_attention
 from jxformers.ops.fourier import (
     dct,
     fnet_attention,

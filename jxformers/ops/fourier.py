@@ -1,8 +1,9 @@
 """The Fourier family: the orthonormal DCT-II and its inverse computed with the FFT, the
-Fourier Transformer's spectral filter (He et al., 2023, seed 001) and FNet token mixing
-(Lee-Thorp et al., 2021).
+Fourier Transformer's spectral filter (He et al. 2023, "Fourier Transformer: Fast Long
+Range Modeling by Removing Sequence Redundancy with FFT Operator", arXiv 2305.15099) and
+FNet token mixing (Lee-Thorp et al., 2021).
 
-`dct` follows seed 001 eq. 1-6: interleave even and (reversed) odd samples, take an FFT,
+`dct` follows He et al.'s eq. 1-6: interleave even and (reversed) odd samples, take an FFT,
 rotate by exp(-i pi k / 2N) and keep the real part, O(N log N) for any length.
 """
 
@@ -36,7 +37,7 @@ def _check_axis(x: ArrayLike, axis: int) -> int:
 
 
 def dct(x: Float[ArrayLike, "..."], axis: int = 0) -> Float[Array, "..."]:
-    """Orthonormal DCT-II along `axis` (seed 001 eq. 1): y_k = a_k sum_n x_n cos(pi k (2n + 1) / 2N).
+    """Orthonormal DCT-II along `axis` (He et al. 2023, eq. 1): y_k = a_k sum_n x_n cos(pi k (2n + 1) / 2N).
 
     Computed with one length-N FFT (eq. 4-6), any N; float32 (or float64) result.
     """
@@ -53,7 +54,7 @@ def dct(x: Float[ArrayLike, "..."], axis: int = 0) -> Float[Array, "..."]:
 
 
 def idct(y: Float[ArrayLike, "..."], axis: int = 0) -> Float[Array, "..."]:
-    """Inverse of `dct` (seed 001 eq. 3): x_n = sum_k a_k y_k cos(pi k (2n + 1) / 2N)."""
+    """Inverse of `dct` (He et al. 2023, eq. 3): x_n = sum_k a_k y_k cos(pi k (2n + 1) / 2N)."""
     axis = _check_axis(y, axis)
     ym = jnp.moveaxis(y, axis, -1)
     n = ym.shape[-1]
@@ -80,7 +81,7 @@ def kept_length(n: int, keep_ratio: float) -> int:
 def fourier_downsample(
     x: Float[ArrayLike, "..."], keep_ratio: float, axis: int = 0, *, rescale: bool = False
 ) -> Float[Array, "..."]:
-    """The Fourier Transformer's spectral filter (seed 001 section 4.1, eq. 7-8).
+    """The Fourier Transformer's spectral filter (He et al. 2023, section 4.1, eq. 7-8).
 
     DCT along `axis`, keep the first M = ceil(keep_ratio * N) coefficients, inverse DCT at
     length M. Two amplitudes:
@@ -215,7 +216,7 @@ def fourier_downsample_padded(
 def nearest_upsample(x: Float[ArrayLike, "..."], length: int, axis: int = 0) -> Float[Array, "..."]:
     """Parameter-free nearest-neighbour upsampling to `length` along `axis` (position n
     takes sample floor(n * M / length)); the Fourier Transformer's encoder-decoder setting
-    upsamples every block's output this way before summing them (seed 001 section 4.1)."""
+    upsamples every block's output this way before summing them (He et al. 2023, section 4.1)."""
     axis = _check_axis(x, axis)
     m = x.shape[axis]
     if not isinstance(length, int) or length < m:

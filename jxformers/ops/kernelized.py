@@ -10,7 +10,8 @@
 All three share one core (`kernel_attention`): non-causal by associativity; causal as
 the prefix sums S_i = sum_{j<=i} phi(k_j) v_j^T, Z_i = sum_{j<=i} phi(k_j) in one of three
 forms that agree to float32 rounding: "quadratic" (the masked N x N reference), "scan"
-(the RNN of eq. 4 in seed 000 section 3.2.14, one token per step) and "chunked" (the
+(the RNN S_i = S_{i-1} + phi(k_i) v_i^T of Katharopoulos et al. 2020, "Transformers are
+RNNs", arXiv 2006.16236, one token per step) and "chunked" (the
 default: quadratic inside chunks, a carried state between chunks, one step per chunk).
 States and denominators accumulate in float32. `impl="pallas"` (or "interpret") runs the
 chunked form and the non-causal reduction as Pallas kernels (`jxformers.kernels.linear`:
@@ -47,7 +48,7 @@ from jxformers.registry import TokenInputs, register
 
 FORMS = ("chunked", "scan", "quadratic")
 DEFAULT_CHUNK = 64
-IMPL_DOC = {"impl": "auto, xla, pallas or interpret (chunked linear-attention kernel)"}
+IMPL_DOC = {"impl": "one of jxformers.kernels.IMPLS (chunked linear-attention kernel; no cuDNN route)"}
 
 # ----------------------------------------------------------------------------- core
 
@@ -172,7 +173,7 @@ def kernel_attention(
             features, values and states in float32 whatever the input dtype; the kernel
             takes features and values in `dtype` when it is bfloat16 or float16 (float32
             otherwise) and accumulates states and normalisers in float32.
-        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
+        impl: one of `jxformers.kernels.IMPLS`, no cuDNN route: the
             chunked kernel (`jxformers.kernels.linear`) computes the "chunked" form and
             the non-causal reduction; other forms, and chunk sizes that are not a power
             of two >= 16, run in XLA ("auto") or raise ("pallas"). "auto" uses the
@@ -281,7 +282,7 @@ def linear_attention(
         chunk_size: chunk of the causal "chunked" form (default 64).
         form: causal form: "chunked" (default), "scan" (token-by-token RNN) or
             "quadratic" (masked N x N reference). All agree to float32 rounding.
-        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`): the
+        impl: one of `jxformers.kernels.IMPLS`, no cuDNN route: the
             chunked Pallas kernel (`jxformers.kernels.linear`) for the "chunked" form
             and the non-causal reduction.
 

@@ -1,4 +1,5 @@
-"""Learnable patterns (seed 000 sections 3.2.9-3.2.11, Table 1 "LP"): attention whose
+"""Learnable patterns (Tay et al. 2022, "Efficient Transformers: A Survey", arXiv
+2009.06732v2, sections 3.2.9-3.2.11, Table 1 "LP"): attention whose
 sparsity pattern is computed from the content, by hashing or clustering the tokens or by
 a learned sort of blocks. Reformer's LSH attention (Kitaev et al., 2020), the Routing
 Transformer (Roy et al., 2021), the Sinkhorn Transformer (Tay et al., 2020) and

@@ -39,7 +39,8 @@ from jxformers.ops._common import (
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import Decoder, register
 
-IMPL_DOC = {"impl": "auto, xla, pallas or interpret (block-sparse flash kernel)"}
+IMPL_DOC = {"impl": "one of jxformers.kernels.IMPLS (block-sparse flash kernel; no cuDNN route)"}
+LOCAL_IMPL_DOC = {"impl": "one of jxformers.kernels.IMPLS (block-sparse flash kernel or cuDNN)"}
 
 
 def local_pattern(window: int, *, causal: bool, q_len: int, kv_len: int) -> kp.Pattern:
@@ -73,7 +74,7 @@ def local_attention(
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
-        impl: "auto", "xla", "pallas", "interpret" or "cudnn" (`jxformers.kernels.impl`).
+        impl: one of `jxformers.kernels.IMPLS` (the block-sparse flash kernel or cuDNN).
 
     Returns:
         `[seq, heads, d_v]`.
@@ -101,8 +102,7 @@ def local_attention(
 register(
     "local", local_attention, family="fixed pattern", paper="Parmar et al. 2018; Beltagy et al. 2020",
     complexity="O(N*w)", decoder=ring_buffer(softmax_attention, slots=lambda hp: hp["window"] + 1),
-    choices={"impl": IMPLS}, docs={"window": "keys each side (behind when causal)",
-                                   "impl": "auto, xla, pallas, interpret (block-sparse flash kernel) or cudnn"},
+    choices={"impl": IMPLS}, docs={"window": "keys each side (behind when causal)"} | LOCAL_IMPL_DOC,
 )
 
 
@@ -128,7 +128,7 @@ def block_local_attention(
         causal: restrict to the past within the block.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
-        impl: "auto", "xla", "pallas" or "interpret" (`jxformers.kernels.impl`).
+        impl: one of `jxformers.kernels.IMPLS`, no cuDNN route.
 
     Returns:
         `[seq, heads, d_v]`.
@@ -187,8 +187,8 @@ def dilated_attention(
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
-        impl: "auto", "xla", "pallas" or "interpret": the interleaved subsequences run
-            through `local_attention`'s kernel (a dense band, not a sparse one).
+        impl: one of `jxformers.kernels.IMPLS`: the interleaved subsequences run
+            through `local_attention`'s kernel (a dense band, not a sparse one) or cuDNN.
 
     Returns:
         `[seq, heads, d_v]`.
@@ -213,7 +213,8 @@ def dilated_attention(
 
 register(
     "dilated", dilated_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N*w)",
-    choices={"impl": IMPLS}, docs={"window": "attended keys each side", "dilation": "stride between attended keys"} | IMPL_DOC,
+    choices={"impl": IMPLS},
+    docs={"window": "attended keys each side", "dilation": "stride between attended keys"} | LOCAL_IMPL_DOC,
 )
 
 

@@ -1,4 +1,5 @@
-"""Low-rank attention (seed 000 section 3.2.12-3.2.15, "LR"): Linformer (Wang et al., 2020),
+"""Low-rank attention (Tay et al. 2022, "Efficient Transformers: A Survey", arXiv
+2009.06732v2, sections 3.2.12-3.2.15, "LR"): Linformer (Wang et al., 2020),
 Synthesizer (Tay et al., 2021) and Nystromformer's landmarks (Xiong et al., 2021)."""
 
 from __future__ import annotations

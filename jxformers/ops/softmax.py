@@ -78,7 +78,7 @@ def softmax_attention(
             flash kernel computes on each tile instead of reading an N x N array).
         causal: if True, query i attends keys j <= i + kv_len - q_len (bottom-right).
         scale: logits multiplier; default `1 / sqrt(d_k)`.
-        impl: "auto", "xla", "pallas", "interpret" or "cudnn" (`jxformers.kernels.impl`):
+        impl: one of `jxformers.kernels.IMPLS` (`jxformers.kernels.impl`):
             the flash-attention kernel (O(N) memory) takes calls without `mask` and
             with no bias or an `Alibi` one; cuDNN bf16/fp16 calls without any mask or bias.
 
@@ -139,7 +139,7 @@ def softmax_attention(
 register(
     "softmax", softmax_attention, family="exact", paper="Vaswani et al. 2017", complexity="O(N^2)",
     supports_cross=True, decoder=kv_cache(softmax_attention), choices={"impl": IMPLS},
-    docs={"impl": "auto, xla, pallas, interpret (flash-attention kernel) or cudnn"},
+    docs={"impl": "one of jxformers.kernels.IMPLS (flash-attention kernel or cuDNN)"},
 )
 
 

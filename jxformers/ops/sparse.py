@@ -79,7 +79,7 @@ def sparse_transformer_attention(
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
-        impl: "xla", "pallas" or "interpret" run as named; "auto" takes the kernel
+        impl: one of `jxformers.kernels.IMPLS`, no cuDNN route; "auto" takes the kernel
             where `choose_kernel` does (Hopper GPUs, >= 128 queries: on an H100 it ran
             1.4-4.7x faster than the XLA op at 8K-16K tokens) and XLA elsewhere. The
             kernel runs "strided" as two disjoint parts merged by their log-sum-exps:
@@ -305,7 +305,7 @@ def longformer_attention(
         kv_mask: optional `[seq]`, True for real tokens (padded global tokens are masked
             as keys like any padding).
         scale: default `1 / sqrt(d_k)`.
-        impl: "auto", "xla", "pallas" or "interpret": the kernel runs the window and
+        impl: one of `jxformers.kernels.IMPLS`, no cuDNN route: the kernel runs the window and
             the global keys as one block-sparse pattern (global indices must be a Python
             sequence; a dilated window is visited as a dense band, `dilation` times the
             work); the global rows are then recomputed densely as here.
@@ -516,7 +516,7 @@ def bigbird_attention(
         num_random_blocks, num_window_blocks (odd), num_global_blocks: the pattern.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
-        impl: "auto", "xla", "pallas" or "interpret": the kernel visits the sliding,
+        impl: one of `jxformers.kernels.IMPLS`, no cuDNN route: the kernel visits the sliding,
             global and random key blocks with tiles of `block_size` (a power of two
             >= 16); the global query blocks are computed densely as here.
 

@@ -1,6 +1,7 @@
 """`swap_attention`: a model's weights under another registered attention (or with the
-Fourier Transformer's spectral filters), the efficient-attention half of seed 001's
-point that a pretrained model can inherit its weights and run faster."""
+Fourier Transformer's spectral filters), the efficient-attention half of the point of
+He et al. 2023 ("Fourier Transformer: Fast Long Range Modeling by Removing Sequence
+Redundancy with FFT Operator", arXiv 2305.15099) that a pretrained model can inherit its weights and run faster."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def swap_attention(model, config: ModelConfig, attention: str | None = None,
         attention, attention_kwargs: a registry name and its hyper-parameters (None:
             keep the config's; its kwargs then stay unless given).
         filters, downsample: the Fourier Transformer's placement, e.g. {2: 0.5}:
-            "the first 2 layers at full length, the rest at half" (seed 001's Fourier-BART).
+            "the first 2 layers at full length, the rest at half" (He et al. 2023's Fourier-BART).
         key: PRNG key for the new attention's own arrays (default key 0).
 
     Returns:

@@ -1,4 +1,14 @@
-"""User-facing programs: the `jxformers` command (`cli`), the attention and decoding
-benchmarks (`bench`, `bench_decode`), the demo, plots, the XLA cost helper that the
-benchmarks, the tests and the train loop share (`xla_cost`), and help text drawn from
-docstrings (`help_text`)."""
+"""User-facing programs.
+
+cli.py           the `jxformers` command (list, train, eval, generate, bench, compare, plot, ...)
+bench.py         the attention benchmark (time, XLA FLOPs, memory against softmax)
+bench_decode.py  the decoding benchmark (tokens/s against context length, per decoder)
+bench_images.py  images/s of whole-image autoregressive generation
+bench_models.py  the model-level benchmark (vanilla encoder against the Fourier Transformer)
+compare.py       `jxformers compare`: one experiment trained once per attention
+demo.py          `make demo`: softmax, linear-attention and Fourier-Transformer classifiers
+plot.py          training curves of several runs in one PNG
+xla_cost.py      XLA's FLOPs and memory of a compiled program (the benchmarks, the tests and
+                 the train loop share it)
+help_text.py     command-line help drawn from module docstrings
+"""

@@ -1,8 +1,9 @@
 """Decoding benchmark: tokens per second of generation against context length for a
 language model whose attention is softmax with its key/value cache, softmax without a
-cache (every step reruns the parallel forward: the recompute baseline of seed 002's
-table 2), linear attention and Performer with their recurrent states; side by side in
-one run, with each decoding state's size and the step's compiled temporary memory.
+cache (every step reruns the parallel forward: the recompute baseline of Katharopoulos
+et al. 2020, "Transformers are RNNs", arXiv 2006.16236, Table 1), linear attention and
+Performer with their recurrent states; side by side in one run, with each decoding
+state's size and the step's compiled temporary memory.
 
     python scripts/bench_decode.py --out docs/decode.md
 
@@ -149,8 +150,9 @@ NOTES = """
   recurrent step (a few small matmuls; fixed per-step overheads dominate on a CPU);
   from N = 4096 the recurrent forms are several times faster (about 12x at 8192). The
   recompute baseline loses everywhere and by a factor that grows with N (tens of
-  thousands of times slower than the recurrent forms at N = 8192): this is seed 002's
-  table 2, the RNN view of linear attention against a softmax transformer without a cache.
+  thousands of times slower than the recurrent forms at N = 8192): this is Table 1 of
+  Katharopoulos et al. 2020 ("Transformers are RNNs", arXiv 2006.16236), the RNN view
+  of linear attention against a softmax transformer without a cache.
 * **Memory.** "state" is the decoding state (the cache holds 2 * layers * N * d floats;
   zero for the recompute baseline, which instead needs the N x N logits: see its step
   temp); "step temp" is XLA's temporary allocation for the compiled steps.

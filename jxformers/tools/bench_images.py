@@ -1,4 +1,5 @@
-"""Seed 002's table 2, speed column: images per second of autoregressive generation of
+"""Katharopoulos et al. 2020 ("Transformers are RNNs", arXiv 2006.16236), Table 1, speed
+column: images per second of autoregressive generation of
 whole 784-pixel images, with sampling, batch 10, after compilation, through
 `jxformers.nn.generation.generate` (what `jxformers generate` runs) for
 

@@ -1,12 +1,14 @@
-"""Model-level benchmark, seed 001 Table 2: training steps per second and memory of the
+"""Model-level benchmark, Table 2 of He et al. 2023 ("Fourier Transformer: Fast Long Range
+Modeling by Removing Sequence Redundancy with FFT Operator", arXiv 2305.15099): training
+steps per second and memory of the
 vanilla encoder and the Fourier Transformer at the LRA Text shape, as ratios to vanilla
 measured side by side in one run (`scripts/bench_models.py`).
 
-The model is LRA's Text classifier (Tay et al. 2021, which seed 001 section 5.1.1
+The model is LRA's Text classifier (Tay et al. 2021, which He et al.'s section 5.1.1
 follows): 4 layers, d_model 256, 4 heads, MLP 1024, byte tokens, 2 classes, mean
-pooling (seed 001 section 4.2 for a model trained from scratch), dropout 0.1, AdamW.
+pooling (He et al.'s section 4.2 for a model trained from scratch), dropout 0.1, AdamW.
 The Fourier Transformer is the same model with the spectral filter right before block
-0's attention keeping 20% of the tokens (`filters={0: 0.2}`, seed 001 section 5.1.1).
+0's attention keeping 20% of the tokens (`filters={0: 0.2}`, He et al.'s section 5.1.1).
 The paper's batch is 32 (16 at 4K) on an A100-80G; `--batch` sets a smaller one for a CPU.
 
 Measured per model and length: the train step (forward, backward, AdamW update; the
@@ -36,14 +38,14 @@ from jxformers.train import init_train_state, load_experiment
 from jxformers.train.step import make_train_step
 
 LENGTHS = (1024, 2048, 3072, 4096)
-# The paper's batch per length (seed 001 section 5.1.2: 32, and 16 at 4K for vanilla's memory).
+# The paper's batch per length (He et al. 2023, section 5.1.2: 32, and 16 at 4K for vanilla's memory).
 PAPER_BATCH = {4096: 16}
 DEFAULT_BATCH = 32
 TEXT_MODEL = dict(task="classify", vocab_size=256, num_classes=2, num_layers=4, d_model=256, num_heads=4,
                   ffn={"kind": "gelu", "d_ff": 1024}, embedding={"position": "sinusoidal"}, head="mean", dropout=0.1)
 BASELINE = "vanilla"
 MODELS = {BASELINE: {}, "fourier_transformer": {"stack": {"filters": {0: 0.2}}}}
-# Seed 001 Table 2: steps/s and peak memory as ratios to vanilla at 1K, 2K, 3K, 4K.
+# He et al. 2023, Table 2: steps/s and peak memory as ratios to vanilla at 1K, 2K, 3K, 4K.
 PAPER = {"steps_per_s": (6.9, 12.2, 16.8, 17.7), "memory": (0.23, 0.19, 0.18, 0.18)}
 
 
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
     text = (provenance(command) + f"Model: {model}; Fourier Transformer: filters {MODELS['fourier_transformer']['stack']['filters']}. "
             f"Step times are the minimum over {args.repeats} interleaved repeats of {args.steps} steps after a "
             "warm-up; memory is XLA's compiled temporaries + arguments of the train step; ratios are to "
-            "vanilla at the same N and batch, measured in this run. 'paper': seed 001 Table 2 "
-            "(A100-80G, batch 32, 16 at 4K).\n\n" + table(rows) + "\n")
+            "vanilla at the same N and batch, measured in this run. 'paper': He et al. 2023 "
+            "(arXiv 2305.15099), Table 2 (A100-80G, batch 32, 16 at 4K).\n\n" + table(rows) + "\n")
     print_report(text, args.out)
     return 0

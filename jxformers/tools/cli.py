@@ -213,8 +213,8 @@ def _generate(rest: list[str]) -> int:
                    "the throughput (sequences/s, e.g. images/s for fmnist_generate) goes to stderr")
     p.add_argument("--recompute", action="store_true",
                    help="rerun the whole forward at every step instead of decoding incrementally (a key/value "
-                        "cache for softmax, the recurrent state for linear attention): the baseline of seed "
-                        "002's table 2")
+                        "cache for softmax, the recurrent state for linear attention): the baseline of Table 1 of "
+                        "Katharopoulos et al. 2020 (\"Transformers are RNNs\", arXiv 2006.16236)")
     args = p.parse_args(rest)
     if args.count < 1 or args.steps < 0:
         p.error("--count must be >= 1 and --steps >= 0")

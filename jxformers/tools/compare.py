@@ -1,5 +1,6 @@
 """`jxformers compare CONFIG --attentions all`: train one experiment once per registered
-attention (and the Fourier Transformer: softmax with seed 001's spectral filter) with the
+attention (and the Fourier Transformer: softmax with the spectral filter of He et al. 2023,
+arXiv 2305.15099) with the
 same steps, seed, data and budget, then write one markdown table (final eval accuracy,
 steps/s, compiled train-step memory, next to the task's shortcut baselines on the same
 eval examples) and one plot, Long Range Arena's: accuracy against steps/s, point area

@@ -6,9 +6,10 @@ throughput, compiled step memory) with the task's baselines on the same eval exa
 noise, and write the curves.
 
 The Fourier Transformer here is softmax attention with the spectral filter before the
-first block's attention keeping 20% of the sequence (`model.stack.filters={0: 0.2}`), as seed
-001 section 5.1.1 does ("80% of the input removed at the first layer") and its official
-code (the filter inside layer 0, before its attention): every block runs at 20% length.
+first block's attention keeping 20% of the sequence (`model.stack.filters={0: 0.2}`), as He et
+al. 2023 ("Fourier Transformer: Fast Long Range Modeling by Removing Sequence Redundancy
+with FFT Operator", arXiv 2305.15099) section 5.1.1 does ("80% of the input removed at
+the first layer") and its official code (the filter inside layer 0, before its attention): every block runs at 20% length.
 
 `--attention NAME` (repeatable) adds a classifier with that registered attention at the
 same settings, e.g. the learnable patterns: `jxformers demo --attention lsh --attention

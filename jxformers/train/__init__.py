@@ -15,6 +15,7 @@
     workdir.py     the work directory: its saved config (read by eval / generate, checked
                    on a rerun), its lock, checks for missing or odd directories
     loop.py        train (setup, step, periodic hooks), evaluate_checkpoint, restore_model
+tensorboard.py TensorBoard scalars without TensorFlow
 """
 
 from jxformers.train.experiment import (
