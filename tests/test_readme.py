@@ -13,7 +13,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
 
 
 def run(block: str, namespace: dict, index: int) -> None:
-    exec(compile(block, f"README.md python block {index}", "exec"), namespace)  # noqa: S102
+    exec(compile(block, f"README.md python block {index}", "exec"), namespace)
 
 
 def test_readme_shows_python_usage():
@@ -46,6 +46,8 @@ def test_readme_links_lead_to_files_and_headings():
         page = root / path if path else root / "README.md"
         assert page.is_file(), f"README.md links to {target}, which is not a file"
         if anchor and page.suffix == ".md":
-            slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-                     for h in re.findall(r"^#+ (.*)$", page.read_text(), flags=re.M)}
+            slugs = {
+                re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.*)$", page.read_text(), flags=re.M)
+            }
             assert anchor in slugs, f"README.md links to {target}, but {path or 'README.md'} has no such heading"
