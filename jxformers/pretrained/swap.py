@@ -53,8 +53,8 @@ def swap_attention(model, config: ModelConfig, attention: str | None = None,
 
     Raises:
         ValueError: the config refuses the new attention (e.g. a causal-only one, or a
-        bias position scheme), the attention would leave pretrained weights unused
-        (FNet, Synthesizer, LSH's shared query-key), or an array's shape would change.
+            bias position scheme), the attention would leave pretrained weights unused
+            (FNet, Synthesizer, LSH's shared query-key), or an array's shape would change.
     """
     changes: dict[str, Any] = {}
     if attention is not None:
