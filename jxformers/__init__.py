@@ -8,7 +8,8 @@
     tools      the `jxformers` command, benchmarks, demo, plots
 """
 
-# isort: off  (ops first: importing it registers every attention, and it uses decoding)
+# ops first: importing it registers every attention, and it uses decoding
+# isort: off
 from jxformers import ops, registry, decoding, nn
 # isort: on
 from jxformers.nn import ModelConfig, build_model

@@ -11,7 +11,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
 
 
 def run(block: str, namespace: dict, index: int) -> None:
-    exec(compile(block, f"README.md python block {index}", "exec"), namespace)  # noqa: S102
+    exec(compile(block, f"README.md python block {index}", "exec"), namespace)
 
 
 def test_readme_shows_python_usage():

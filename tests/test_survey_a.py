@@ -176,7 +176,7 @@ def test_alpha_is_a_learned_parameter_that_a_train_step_moves():
     new_state, metrics = make_train_step(static, optimizer, grad_accum=1)(state, batch)
     assert bool(metrics["finite"])
     after = [np.asarray(a.arrays["alpha_logit"]) for a in nn.attention_modules(new_state.model(static))]
-    for b, a in zip(before, after):
+    for b, a in zip(before, after, strict=True):
         assert b.shape == (2,) and np.all(b == 0.0)  # alpha = 1.5 at the start: a = logit(0.5) = 0
         assert np.all(a != b)  # every head's alpha moved
 
@@ -258,7 +258,7 @@ def random_arrays(name, seed=7, **hp):
     """The attention's arrays with every entry random (LayerNorm gains and biases too)."""
     made = arrays_for(name, **hp)
     keys = jax.random.split(jax.random.key(seed), len(made))
-    return {n: x + 0.3 * jax.random.normal(kk, x.shape) for kk, (n, x) in zip(keys, sorted(made.items()))}
+    return {n: x + 0.3 * jax.random.normal(kk, x.shape) for kk, (n, x) in zip(keys, sorted(made.items()), strict=True)}
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -21,7 +21,6 @@ from jxformers.nn.blocks import Block
 from jxformers.nn.config import ModelConfig, build_model
 from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm
 from jxformers.nn.luna import LunaBlock, LunaStack
-from jxformers.nn.moe import MoE
 from jxformers.nn.models import (
     Classifier,
     ConditionedDecoder,
@@ -31,9 +30,9 @@ from jxformers.nn.models import (
     EncoderDecoder,
     LanguageModel,
 )
+from jxformers.nn.moe import MoE
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import ProductKeyMemory
-from jxformers.nn.recurrent import RecurrentLM
 from jxformers.nn.positions import (
     Positions,
     alibi_slopes,
@@ -41,6 +40,7 @@ from jxformers.nn.positions import (
     sinusoidal,
     t5_buckets,
 )
+from jxformers.nn.recurrent import RecurrentLM
 from jxformers.nn.set_transformer import ISAB, MAB, PMA
 from jxformers.nn.tokenlearner import TokenFuser, TokenLearner, TokenLearnerStage
 from jxformers.nn.trainable import redraw, trainable, update_arrays, updates_arrays

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -218,7 +219,7 @@ def _merged_ragged_dot(x, w, group_sizes):
 
 
 def _batched(axis_size, in_batched, *args):
-    return [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+    return [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched, strict=True)]
 
 
 @custom_batching.custom_vmap
@@ -377,7 +378,7 @@ class Experts(eqx.Module):
 
 # MoE's settings (what ModelConfig's `moe` mapping may set) and their defaults, which
 # the constructor reads too.
-SETTINGS = dict(num_experts=8, top_k=1, router="token_choice", ffn="gelu", second_policy="all", capacity_factor=1.25,
+SETTINGS: dict[str, Any] = dict(num_experts=8, top_k=1, router="token_choice", ffn="gelu", second_policy="all", capacity_factor=1.25,
                 eval_capacity_factor=2.0, min_capacity=4, dropless=False, dropless_method="auto", jitter_eps=0.0,
                 shared_expert=False, balance_weight=0.01, z_loss_weight=0.001)
 

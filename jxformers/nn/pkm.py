@@ -24,6 +24,7 @@ with vmap, has no cross-example batch). Per-token (no leakage across positions) 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -32,12 +33,11 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.layers import Linear, _lift
 
-
 # ProductKeyMemory's settings (what ModelConfig's `pkm` mapping may set): the required
 # ones, and the others with their defaults, which the constructor reads too (Lample et al.
 # use 4 heads and k = 32 of 512^2 keys; 8 suits the small memories of this library's tests).
 REQUIRED = ("num_keys",)
-SETTINGS = dict(top_k=8, heads=4, d_key=None, query_norm=False)
+SETTINGS: dict[str, Any] = dict(top_k=8, heads=4, d_key=None, query_norm=False)
 
 
 def check_settings(settings: dict, *, d_model: int, causal: bool, prefix: str = "") -> dict:

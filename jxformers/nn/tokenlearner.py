@@ -36,7 +36,7 @@ from jxformers.nn.layers import LayerNorm, Linear
 MAP_KINDS = ("sigmoid", "softmax")
 # TokenLearnerStage's settings (ModelConfig's `token_learner` mapping; None: required) and
 # defaults, which the constructor reads too.
-SETTINGS = {"after_layer": None, "num_tokens": None, "fuse": False, "maps": "sigmoid", "bottleneck": 64}
+SETTINGS: dict[str, Any] = {"after_layer": None, "num_tokens": None, "fuse": False, "maps": "sigmoid", "bottleneck": 64}
 
 
 class TokenLearner(eqx.Module):
