@@ -2,12 +2,14 @@
 # and installs what it needs; a stamp file re-installs when pyproject.toml changes.
 # `make test PYTHON=python3.13 VENV=.venv-3.13` tests under another interpreter in its own
 # venv; PYTEST_ARGS adds pytest arguments (.ci/run passes --fast-subset for the newest Python).
+# `make lint`: ruff (lint, and the format check once the code is formatted) and basedpyright,
+# configured in pyproject.toml, the same checks .pre-commit-config.yaml runs.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench clean check-venv
+.PHONY: demo test lint bench clean check-venv
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jxformers needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
@@ -34,6 +36,14 @@ demo: check-venv $(VENV)/.stamp-run
 
 test: check-venv $(VENV)/.stamp-dev
 	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
+
+LINT_PATHS := jxformers tests scripts
+
+# The format check waits for the one formatting commit (`ruff format jxformers tests scripts`);
+# then add `$(BIN)/ruff format --check $(LINT_PATHS)` after `ruff check`.
+lint: check-venv $(VENV)/.stamp-dev
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/basedpyright --pythonpath $(BIN)/python
 
 bench: $(VENV)/.stamp-run
 	$(BIN)/python scripts/bench_attention.py --out docs/benchmarks.md

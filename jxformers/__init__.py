@@ -15,7 +15,8 @@
 Each subpackage's docstring lists its files.
 """
 
-# isort: off  (ops first: importing it registers every attention, and it uses decoding)
+# ops first: importing it registers every attention, and it uses decoding
+# isort: off
 from jxformers import ops, registry, decoding, nn
 # isort: on
 from jxformers.nn import ModelConfig, build_model

@@ -533,6 +533,6 @@ def table() -> str:
         flags = ("yes" if f else "-" for f in (s.supports_causal, s.supports_kv_mask, s.supports_cross, s.takes_bias))
         rows.append((s.name, s.family, *flags, s.decoder.kind if s.decoder else "-", models(s), s.complexity, hp))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -31,9 +31,9 @@ from jxformers.tools.bench import simulate_cpu_devices
 if __name__ == "__main__":
     simulate_cpu_devices(sys.argv[1:])
 
-import jax  # noqa: E402
+import jax
 
-from jxformers.train import load_experiment, train  # noqa: E402
+from jxformers.train import load_experiment, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODES = ("none", "sync", "async")

@@ -33,8 +33,14 @@ from jxformers.kernels.flash import default_block_sizes
 from jxformers.nn import alibi_slopes
 from jxformers.ops.local import local_pattern
 from jxformers.ops.softmax import softmax_pattern
-from jxformers.ops.sparse import bigbird_pattern, bigbird_random_blocks, fixed_parts, longformer_pattern, strided_parts
-from jxformers.ops.sparse import summary_positions
+from jxformers.ops.sparse import (
+    bigbird_pattern,
+    bigbird_random_blocks,
+    fixed_parts,
+    longformer_pattern,
+    strided_parts,
+    summary_positions,
+)
 from jxformers.tools.help_text import description
 
 BIGBIRD_KEY = jax.random.PRNGKey(7)

@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import timed, with_grad, write_markdown  # noqa: E402 - the block-sparse benchmark's timing, shared
 
 from jxformers import ops  # noqa: E402
-from jxformers.tools.help_text import description  # noqa: E402
 from jxformers.kernels.linear import chunked_linear_attention  # noqa: E402
 from jxformers.ops.kernelized import FEATURE_MAPS  # noqa: E402
+from jxformers.tools.help_text import description  # noqa: E402
 
 CHUNK = 64
 
@@ -105,7 +105,7 @@ def check(name, fwd, grad, inputs, do, reference) -> str:
     with jax.default_matmul_precision("highest"):
         want = (ref_fwd(*wide), *ref_grad(*wide, do.astype(jnp.float32)))
     finite = all(bool(jnp.isfinite(x).all()) for x in got)
-    return ("" if finite else "NaN/Inf! ") + " / ".join(f"{_rel(a, b):.1e}" for a, b in zip(got, want))
+    return ("" if finite else "NaN/Inf! ") + " / ".join(f"{_rel(a, b):.1e}" for a, b in zip(got, want, strict=True))
 
 
 def fla_rows(n, d, batch, heads, repeat, backward: bool = True):
@@ -172,7 +172,7 @@ def fla_rows(n, d, batch, heads, repeat, backward: bool = True):
             print(f"{n} {d} {key}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         rows[key] = (fwd, bwd)
-    del q, k, v, q_f, k_f, g, do, calls
+    q = k = v = q_f = k_f = g = do = calls = run = None  # frees the tensors (the lambdas share these cells)
     torch.cuda.empty_cache()
     return rows
 
@@ -280,19 +280,19 @@ def main(argv=None) -> int:
             def emit(measured):  # rows out and written at once: a run cut short keeps what it measured
                 for (name, impl), (ms, ms_all) in measured.items():
                     if name == "softmax causal":
-                        f_fwd = 2.0 * n * n * d * heads_total
+                        f_fwd = 2.0 * n * n * d * heads_total  # noqa: B023 - called within this iteration
                         f_all = 3.5 * f_fwd
                     else:
-                        f_fwd, f_all = lin_fwd * heads_total, lin_all * heads_total
-                    row = (str(n), str(d), name, impl, str(batch), f"{ms:.3f}",
-                           f"{bytes_fwd / ms / 1e6:.1f}", f"{f_fwd / ms / 1e9:.1f}",
+                        f_fwd, f_all = lin_fwd * heads_total, lin_all * heads_total  # noqa: B023 - called within this iteration
+                    row = (str(n), str(d), name, impl, str(batch), f"{ms:.3f}",  # noqa: B023 - called within this iteration
+                           f"{bytes_fwd / ms / 1e6:.1f}", f"{f_fwd / ms / 1e9:.1f}",  # noqa: B023 - called within this iteration
                            f"{ms_all:.3f}" if ms_all else "-",
-                           f"{bytes_all / ms_all / 1e6:.1f}" if ms_all else "-",
-                           f"{f_all / ms_all / 1e9:.1f}" if ms_all else "-", errors.get((name, impl), "-"))
+                           f"{bytes_all / ms_all / 1e6:.1f}" if ms_all else "-",  # noqa: B023 - called within this iteration
+                           f"{f_all / ms_all / 1e9:.1f}" if ms_all else "-", errors.get((name, impl), "-"))  # noqa: B023 - called within this iteration
                     rows.append(row)
                     print(" | ".join(row), flush=True)
                 if args.out:
-                    write_table(args, argv, header, rows, note)
+                    write_table(args, argv, header, rows, note)  # noqa: B023 - called within this iteration
 
             emit(measured)
             if HAVE_FLA and on_gpu and not args.no_fla and not note:

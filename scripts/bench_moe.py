@@ -26,18 +26,18 @@ from jxformers.tools.bench import simulate_cpu_devices
 if __name__ == "__main__":
     simulate_cpu_devices(sys.argv[1:])
 
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import timed, write_markdown  # noqa: E402 - the kernel benchmarks' timing and table writer
+from bench_kernels import timed, write_markdown
 
-from jxformers.nn.layers import FeedForward  # noqa: E402
-from jxformers.nn.moe import MoE, grouped_matmul  # noqa: E402
-from jxformers.nn.moe_sharded import expert_parallel_moe  # noqa: E402
+from jxformers.nn.layers import FeedForward
+from jxformers.nn.moe import MoE, grouped_matmul
+from jxformers.nn.moe_sharded import expert_parallel_moe
 
 GATED = ("geglu", "swiglu")
 

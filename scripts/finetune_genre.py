@@ -72,7 +72,7 @@ def run(name, pretrained, model, args, splits):
     rng = np.random.default_rng(args.seed)
     key = jax.random.key(args.seed)
     start, losses = time.time(), []
-    for i in range(args.steps):
+    for _ in range(args.steps):
         pick = rng.integers(0, len(labels), args.batch)
         key, k = jax.random.split(key)
         model, state, loss = step(model, state, ids[pick], mask[pick], labels[pick], k)

@@ -16,8 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jxformers.kernels import Alibi, Band, BlockSizes, KeyRange, block_sparse_attention, block_sparse_reference, causal
-from jxformers.kernels import intersect, union
+from jxformers.kernels import (
+    Alibi,
+    Band,
+    BlockSizes,
+    KeyRange,
+    block_sparse_attention,
+    block_sparse_reference,
+    causal,
+    intersect,
+    union,
+)
 from jxformers.nn import alibi_slopes
 from jxformers.tools.help_text import description
 
@@ -67,12 +76,12 @@ def main(argv=None) -> int:
             for name, pattern in cases(n).items():
                 def run(fn, q, k, v, pattern=pattern):
                     out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v), q, k, v)
-                    return (out, *vjp(do.astype(out.dtype)))
+                    return (out, *vjp(do.astype(out.dtype)))  # noqa: B023 - called within this iteration
 
                 kernel = jax.jit(lambda q, k, v, pattern=pattern: run(lambda q, k, v: block_sparse_attention(
-                    q, k, v, pattern, kv_mask=kv_mask, backend=args.backend, block_sizes=BlockSizes(*args.block)), q, k, v))
+                    q, k, v, pattern, kv_mask=kv_mask, backend=args.backend, block_sizes=BlockSizes(*args.block)), q, k, v))  # noqa: B023 - called within this iteration
                 ref = jax.jit(lambda q, k, v, pattern=pattern: run(lambda q, k, v: block_sparse_reference(
-                    q, k, v, pattern, kv_mask=kv_mask)[0], q, k, v))
+                    q, k, v, pattern, kv_mask=kv_mask)[0], q, k, v))  # noqa: B023 - called within this iteration
                 try:
                     got = kernel(q, k, v)
                 except Exception as e:  # noqa: BLE001 - one failing case is reported; the rest still run
@@ -82,7 +91,7 @@ def main(argv=None) -> int:
                     continue
                 with jax.default_matmul_precision("highest"):  # the reference in full float32, not TF32
                     want = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
-                errors = [rel(a, b) for a, b in zip(got, want)]
+                errors = [rel(a, b) for a, b in zip(got, want, strict=True)]
                 finite = all(bool(jnp.isfinite(x).all()) for x in got)
                 ok = finite and max(errors) < tol
                 failures += not ok
@@ -159,7 +168,7 @@ def check_training(steps: int = 8) -> int:
                     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
                 loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-                updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+                updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))  # noqa: B023 - called within this iteration
                 return eqx.apply_updates(model, updates), state, loss
 
             losses = []
@@ -167,7 +176,7 @@ def check_training(steps: int = 8) -> int:
                 model, state, loss = step(model, state)
                 losses.append(float(loss))
             curves[impl] = losses
-        gap = max(abs(a - b) for a, b in zip(curves["xla"], curves[IMPL]))
+        gap = max(abs(a - b) for a, b in zip(curves["xla"], curves[IMPL], strict=True))
         ok = gap < 0.05 and all(np.isfinite(curves[IMPL])) and curves[IMPL][-1] < curves[IMPL][0]
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} training {name:18s} loss xla {curves['xla'][0]:.3f}->{curves['xla'][-1]:.3f} "

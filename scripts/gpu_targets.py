@@ -39,9 +39,9 @@ def read_rows(text: str) -> list[Row]:
             continue
         if header is None or not line.startswith("| ") or not cells[0].isdigit():
             continue
-        cell = dict(zip(header, cells))
+        cell = dict(zip(header, cells, strict=False))
 
-        def number(name):
+        def number(name, cell=cell):
             value = cell.get(name, "-")
             return None if value in ("-", "") else float(value)
 

@@ -63,11 +63,11 @@ def test_linear_accepts_a_callable_feature_map():
 def test_linear_gradients_agree_across_causal_forms():
     q, k, v = qkv(3, 40)
     grads = [
-        jax.grad(lambda q, k, v: jnp.sum(jnp.sin(ops.linear_attention(q, k, v, causal=True, form=f, chunk_size=8))), (0, 1, 2))(q, k, v)
+        jax.grad(lambda q, k, v: jnp.sum(jnp.sin(ops.linear_attention(q, k, v, causal=True, form=f, chunk_size=8))), (0, 1, 2))(q, k, v)  # noqa: B023 - called within this iteration
         for f in ("quadratic", "scan", "chunked")
     ]
     for other in grads[1:]:
-        for a, b in zip(grads[0], other):
+        for a, b in zip(grads[0], other, strict=True):
             assert_close(a, b, atol=1e-5)
 
 
@@ -278,7 +278,7 @@ def test_fourier_downsample_is_the_orthonormal_inverse_at_the_new_length_or_resc
     # The padded (dense-matrix) form agrees with both on the real prefix.
     padded = jnp.concatenate([x32, jnp.ones(5)])[:, None]
     for rescale in (False, True):
-        y, mask = jax.jit(lambda a: ops.fourier_downsample_padded(a, n, ratio, rescale=rescale))(padded)
+        y, mask = jax.jit(lambda a: ops.fourier_downsample_padded(a, n, ratio, rescale=rescale))(padded)  # noqa: B023 - called within this iteration
         assert int(mask.sum()) == m
         assert_close(y[:m, 0], ops.fourier_downsample(x32, ratio, rescale=rescale), atol=1e-5)
     with pytest.raises(ValueError, match="keep_ratio"):
@@ -293,7 +293,7 @@ def test_padded_filter_equals_the_filter_of_each_real_prefix(chirp, monkeypatch)
     x = jax.random.normal(jax.random.key(0), (40, 3))
     filtered = jax.jit(jax.vmap(lambda length: ops.fourier_downsample_padded(x, length, 0.2)))
     ys, masks = filtered(jnp.array([40, 33, 1, 0]))
-    for y, mask, length in zip(ys, masks, [40, 33, 1, 0]):
+    for y, mask, length in zip(ys, masks, [40, 33, 1, 0], strict=True):
         kept = math.ceil(0.2 * length)
         assert mask.tolist() == [True] * kept + [False] * (8 - kept)
         assert_close(y[kept:], np.zeros((8 - kept, 3)))

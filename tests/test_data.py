@@ -87,7 +87,7 @@ def test_sources_pad_with_an_explicit_mask():
     assert np.array_equal(predicted, np.arange(sep + 1, 2 * sep))
     recall = make_source("recall", seed=1, size=10, max_len=20, pairs=5, keys=6, values=4)[0]
     ids, n = recall["tokens"], int(recall["mask"].sum())
-    pairs = dict(zip(ids[0 : 10 : 2], ids[1:10:2]))
+    pairs = dict(zip(ids[0 : 10 : 2], ids[1:10:2], strict=True))
     assert ids[10] == 1 and pairs[ids[11]] == ids[12] and n == 13
     assert np.flatnonzero(recall["loss_mask"]).tolist() == [11]
 
@@ -140,7 +140,7 @@ def _marker_centres(image):
     intensity too (anti-aliased strokes are 1 px wide and never fill such a plus)."""
     full = image == 255
     core = full[1:-1, 1:-1] & full[:-2, 1:-1] & full[2:, 1:-1] & full[1:-1, :-2] & full[1:-1, 2:]
-    return [(int(y) + 1, int(x) + 1) for y, x in zip(*np.nonzero(core))]
+    return [(int(y) + 1, int(x) + 1) for y, x in zip(*np.nonzero(core), strict=True)]
 
 
 @pytest.mark.parametrize("length", [6, 9, 14])

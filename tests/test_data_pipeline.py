@@ -174,7 +174,7 @@ def test_workers_give_the_same_batches_and_resume_with_any_worker_count():
     source = make_source("copy", seed=0, size=40, max_len=16)
     expected = batches(make_loader(source, batch_size=4, seed=3), 14)  # crosses an epoch boundary
     got, state = batches_and_state(make_loader(source, batch_size=4, seed=3, workers=2), 5, 14)
-    assert all(same(a, b) for a, b in zip(expected, got))
+    assert all(same(a, b) for a, b in zip(expected, got, strict=False))
     resumed = iter(make_loader(source, batch_size=4, seed=3))  # saved with 2 workers, resumed with none
     resumed.set_state(state)
     assert all(same(a, next(resumed)) for a in expected[5:])
@@ -211,9 +211,9 @@ class OneByOne:
 def test_read_ahead_of_pathfinder_gives_the_records_read_one_by_one_with_any_worker_count():
     source = make_source("pathfinder", seed=2, size=40, image_size=16, contour_length=4, distractors=1)
     expected = batches(make_loader(OneByOne(source), batch_size=4, seed=3), 12)  # crosses an epoch boundary
-    assert all(same(a, b) for a, b in zip(expected, batches(make_loader(source, batch_size=4, seed=3), 12)))
+    assert all(same(a, b) for a, b in zip(expected, batches(make_loader(source, batch_size=4, seed=3), 12), strict=False))
     got, state = batches_and_state(make_loader(source, batch_size=4, seed=3, workers=2), 5, 8)
-    assert all(same(a, b) for a, b in zip(expected, got))
+    assert all(same(a, b) for a, b in zip(expected, got, strict=False))
     resumed = iter(make_loader(OneByOne(source), batch_size=4, seed=3))  # checkpoints are interchangeable
     resumed.set_state(state)
     assert all(same(a, next(resumed)) for a in expected[5:])
@@ -279,7 +279,7 @@ def test_a_built_pathfinder_split_holds_the_records_drawn_together(tmp_path):
     build_split(source, tmp_path / "pf", processes=1, records_per_shard=7, progress=False)
     built = read_split(tmp_path, "pf", source)
     assert all(same(built[i], source[i]) for i in range(10))
-    assert all(same(a, source[i]) for a, i in zip(source.__getitems__([7, 2]), [7, 2]))
+    assert all(same(a, source[i]) for a, i in zip(source.__getitems__([7, 2]), [7, 2], strict=True))
     spec_file = tmp_path / "pf" / "spec.json"  # a split built by an older generator is refused
     spec = json.loads(spec_file.read_text())
     del spec["source"]["generator_version"]

@@ -18,8 +18,16 @@ import numpy as np
 import pytest
 from conftest import assert_close, qkv
 
-from jxformers.kernels import Band, BlockSizes, KeyRange, block_sparse_attention, block_sparse_reference, causal, union
-from jxformers.kernels import flash_mgpu
+from jxformers.kernels import (
+    Band,
+    BlockSizes,
+    KeyRange,
+    block_sparse_attention,
+    block_sparse_reference,
+    causal,
+    flash_mgpu,
+    union,
+)
 from jxformers.ops.local import local_pattern
 
 if flash_mgpu.interpret_params() is None:
@@ -73,7 +81,7 @@ def test_causal_full_then_partial_with_gradients():
     want = want_vjp((w.astype(jnp.float32), jnp.zeros_like(want_lse)))
     assert_close(out, want_out, atol=2e-2, rtol=2e-2)
     assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
-    for g, h in zip(got, want):
+    for g, h in zip(got, want, strict=True):
         assert g.dtype == jnp.bfloat16
         assert_close(g, h, atol=5e-2, rtol=5e-2)
 
@@ -96,7 +104,7 @@ def test_window_and_global_keys_under_vmap():
     n = 128
     pattern = union(Band(-24, 24), KeyRange(0, 8))
     q, k, v = (jnp.stack(x) for x in zip(*(qkv(s, n, heads=1, kv_heads=1, d=32, dv=32, dtype=jnp.bfloat16)
-                                           for s in (3, 4))))
+                                           for s in (3, 4)), strict=True))
     out, lse = jax.vmap(lambda *x: _run(pattern, *x, 128))(q, k, v)
     want_out, want_lse = jax.vmap(lambda *x: block_sparse_reference(*x, pattern))(q, k, v)
     assert_close(out, want_out, atol=2e-2, rtol=2e-2)

@@ -14,15 +14,34 @@ import pytest
 from conftest import assert_close, cuda_target, qkv
 
 from jxformers import ModelConfig, build_model, ops
-from jxformers.kernels import Alibi, Band, BlockSizes, KeyRange, QueryRange, block_sparse_attention, causal, impl
-from jxformers.kernels import block_sparse_reference, intersect, union, visited_fraction
+from jxformers.kernels import (
+    Alibi,
+    Band,
+    BlockSizes,
+    KeyRange,
+    QueryRange,
+    block_sparse_attention,
+    block_sparse_reference,
+    causal,
+    impl,
+    intersect,
+    union,
+    visited_fraction,
+)
 from jxformers.kernels.block_mask import EMPTY, FULL, PARTIAL, add_full_blocks, block_kinds, visit_lists
 from jxformers.kernels.pattern import KeyResidue, dense_mask, key_set
 from jxformers.nn import alibi_slopes
 from jxformers.ops.local import block_local_pattern, local_pattern
 from jxformers.ops.softmax import softmax_pattern
-from jxformers.ops.sparse import bigbird_pattern, longformer_pattern, residue_order, sparse_transformer_pattern
-from jxformers.ops.sparse import fixed_parts, strided_parts, summary_positions
+from jxformers.ops.sparse import (
+    bigbird_pattern,
+    fixed_parts,
+    longformer_pattern,
+    residue_order,
+    sparse_transformer_pattern,
+    strided_parts,
+    summary_positions,
+)
 
 N = 37  # an odd length: tails of every block size
 PRIMITIVES = [
@@ -194,7 +213,7 @@ def _assert_same_path(op, q, k, v, **kw):
     got, got_grads = _value_and_grads(op, q, k, v, impl="interpret", **kw)
     want, want_grads = _value_and_grads(op, q, k, v, impl="xla", **kw)
     assert_close(got, want, atol=2e-6)
-    for a, b in zip(got_grads, want_grads):
+    for a, b in zip(got_grads, want_grads, strict=True):
         assert_close(a, b, atol=2e-5)
 
 
@@ -241,7 +260,7 @@ def test_cross_attention_and_block_sizes(is_causal):
     got = jax.jit(jax.grad(loss(lambda q, k, v: block_sparse_attention(q, k, v, pattern, interpret=True,
                                                                        block_sizes=sizes)), (0, 1, 2)))(q, k, v)
     want = jax.grad(loss(functools.partial(ops.softmax_attention, causal=is_causal, impl="xla")), (0, 1, 2))(q, k, v)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert_close(a, b, atol=2e-5)
 
 
@@ -277,7 +296,7 @@ def test_alibi_in_the_kernel_equals_the_dense_bias(is_causal, q_len):
     got, got_grads = run("interpret")
     want, want_grads = run("xla")
     assert_close(got, want, atol=2e-6)
-    for a, b in zip(got_grads, want_grads):
+    for a, b in zip(got_grads, want_grads, strict=True):
         assert_close(a, b, atol=5e-5, rtol=2e-5)
     assert float(jnp.abs(want_grads[3]).min()) > 1e-3  # the slopes' gradient is not trivially zero
 
@@ -476,7 +495,7 @@ def test_the_gpu_kernels_lower_for_cuda_through_triton():
     }
     for name, kw in calls.items():
         def loss(q, k, v, slopes):
-            kw_ = dict(kw, alibi=Alibi(slopes)) if "alibi" in kw else kw
+            kw_ = dict(kw, alibi=Alibi(slopes)) if "alibi" in kw else kw  # noqa: B023 - called within this iteration
             out = block_sparse_attention(q, k, v, union(Band(-40, 40), KeyRange(0, 8)), **kw_)
             return jnp.sum(out.astype(jnp.float32))
 

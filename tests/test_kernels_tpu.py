@@ -17,8 +17,19 @@ import numpy as np
 import pytest
 from conftest import qkv
 
-from jxformers.kernels import Alibi, Band, BlockSizes, KernelChoice, KeyRange, QueryRange, block_sparse_attention, causal, impl
-from jxformers.kernels import block_sparse_reference, union
+from jxformers.kernels import (
+    Alibi,
+    Band,
+    BlockSizes,
+    KernelChoice,
+    KeyRange,
+    QueryRange,
+    block_sparse_attention,
+    block_sparse_reference,
+    causal,
+    impl,
+    union,
+)
 
 B128 = BlockSizes(128, 128, 128, 128)
 MIXED = BlockSizes(128, 64, 64, 128)  # the dq/dk-dv tiles differ from the forward's, and bq != bk
@@ -60,7 +71,7 @@ def _check(pattern, *, q_len=256, kv_len=None, heads=2, kv_heads=2, d=32, dv=32,
     kv_len = q_len if kv_len is None else kv_len
     examples = [qkv(seed + n, q_len, heads=heads, kv_heads=kv_heads, d=d, dv=dv, kv_len=kv_len)
                 for n in range(batch or 1)]
-    q, k, v = (jnp.stack(xs) for xs in zip(*examples)) if batch else examples[0]
+    q, k, v = (jnp.stack(xs) for xs in zip(*examples, strict=True)) if batch else examples[0]
 
     def kernel(q, k, v, kv_mask, extra_blocks):
         return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks, block_sizes=sizes,
@@ -78,7 +89,7 @@ def _check(pattern, *, q_len=256, kv_len=None, heads=2, kv_heads=2, d=32, dv=32,
     # The reference runs in float32 whatever the kernel's dtype.
     want = _run(lambda *qkv_: reference(*qkv_, kv_mask, extra_blocks), q, k, v, w_out, w_lse)
     assert got[0].dtype == dtype and got[0].shape == (*q.shape[:-1], dv)
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (*got[:2], *got[2]), (*want[:2], *want[2])):
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (*got[:2], *got[2]), (*want[:2], *want[2]), strict=True):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         _close(a, b, tol, name)
 

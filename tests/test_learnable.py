@@ -256,7 +256,7 @@ def test_train_step_moves_the_centroids_outside_the_gradient(name, kwargs, rever
     new_state, metrics = make_train_step(static, optimizer, grad_accum=2)(state, batch)  # donates state
     assert bool(metrics["finite"])
     after = [a.drawn["centroids"] for a in nn.attention_modules(new_state.model(static))]
-    for a, b in zip(before, after):
+    for a, b in zip(before, after, strict=True):
         assert not bool(jnp.allclose(a, b))  # moved by the k-means update, not by the optimizer
     # The update is the pure function of the batch's recorded inputs, no gradient involved.
     def one(t, m):
@@ -312,7 +312,7 @@ def test_sinkhorn_sorts_and_its_sorting_network_gets_a_gradient():
     arrays = arrays_for("sinkhorn", block_size=b, max_len=32)
     for causal in (False, True):
         grads = jax.jit(jax.grad(lambda a: jnp.sum(ops.sinkhorn_attention(
-            q, k, v, block_size=b, max_len=32, causal=causal, **a) ** 2)))(arrays)
+            q, k, v, block_size=b, max_len=32, causal=causal, **a) ** 2)))(arrays)  # noqa: B023 - called within this iteration
         for name in ("sort_w1", "sort_w2", "sort_b2"):
             assert float(jnp.abs(grads[name]).max()) > 0, f"{name} got no gradient (causal={causal})"
 

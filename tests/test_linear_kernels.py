@@ -57,9 +57,9 @@ def test_kernel_equals_the_quadratic_form_with_gradients_and_final_state(causal,
         return jax.jit(jax.grad(value, argnums=(0, 1, 2, 3) if gated else (0, 1, 2), has_aux=True))
 
     (g_ref, o_ref), (g_ker, o_ker) = loss(ref)(fq, fk, v, log_gate), loss(ker)(fq, fk, v, log_gate)
-    for a, b in zip(o_ker, o_ref):
+    for a, b in zip(o_ker, o_ref, strict=True):
         assert_close(a, b, atol=1e-5, rtol=1e-5)
-    for a, b in zip(g_ker, g_ref):
+    for a, b in zip(g_ker, g_ref, strict=True):
         assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
@@ -114,9 +114,9 @@ def test_per_feature_gates_equal_a_dense_reference_without_overflow():
         return jax.jit(jax.grad(value, argnums=(0, 1, 2, 3), has_aux=True))
 
     (g_ref, o_ref), (g_ker, o_ker) = grads(ref)(fq, fk, v, log_gate), grads(ker)(fq, fk, v, log_gate)
-    for a, b in zip(o_ker, o_ref):
+    for a, b in zip(o_ker, o_ref, strict=True):
         assert_close(a, b, atol=1e-5, rtol=1e-5)
-    for a, b in zip(g_ker, g_ref):
+    for a, b in zip(g_ker, g_ref, strict=True):
         assert bool(jnp.all(jnp.isfinite(a)))
         assert_close(a, b, atol=2e-5, rtol=1e-4)
 
@@ -160,7 +160,7 @@ def test_ops_through_the_kernel_equal_their_xla_forms(name):
         assert_close(got, _op(name, q, k, v, causal=True, impl="xla", form=form, kv_mask=kv_mask, gate=gate), **tol)
     if name in ("elu", "performer softmax", "rfa gated"):  # the other maps differ only in XLA-differentiated features
         grads = jax.jit(jax.grad(loss("interpret", "chunked"), argnums=(0, 1, 2)))(q, k, v)
-        for a, b in zip(grads, jax.grad(loss("xla", "chunked"), argnums=(0, 1, 2))(q, k, v)):
+        for a, b in zip(grads, jax.grad(loss("xla", "chunked"), argnums=(0, 1, 2))(q, k, v), strict=True):
             assert_close(a, b, **tol)
     assert_close(_op(name, q, k, v, causal=False, impl="interpret", kv_mask=kv_mask),
                  _op(name, q, k, v, causal=False, impl="xla", kv_mask=kv_mask), **tol)
@@ -181,7 +181,7 @@ def test_bf16_and_fp16_inputs_through_the_kernel():
 
     g_ker = jax.jit(jax.grad(loss("interpret"), argnums=(0, 1, 2)))(q, k, v)
     g_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(q32, k32, v32)
-    for a, b in zip(g_ker, g_ref):
+    for a, b in zip(g_ker, g_ref, strict=True):
         assert a.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(a)))
         assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) <= 5e-2 * float(jnp.max(jnp.abs(b))) + 1e-2
     half = _op(name, *(x.astype(jnp.float16) for x in (q, k, v)), causal=True, impl="interpret", gate=gate)
@@ -258,8 +258,8 @@ def test_bf16_stability_at_64k_tokens_against_float64(gated):
     lengths = [(n, "xla", 256), (4096, "interpret", 64)]
     for length, impl, chunk in lengths:
         g = None if gate is None else gate[:length]
-        out = jax.jit(lambda fq, fk, v, g: kernel_attention(fq, fk, v, causal=True, gate=g, chunk_size=chunk,
-                                                             impl=impl))(fq[:length], fk[:length], v[:length], g)
+        out = jax.jit(lambda fq, fk, v, g: kernel_attention(fq, fk, v, causal=True, gate=g, chunk_size=chunk,  # noqa: B023 - called within this iteration
+                                                             impl=impl))(fq[:length], fk[:length], v[:length], g)  # noqa: B023 - called within this iteration
         assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(out))), impl
         want = _float64_reference(fq[:length], fk[:length], v[:length], g)
         err = np.abs(np.asarray(out[:, 0], np.float64) - want)
@@ -305,7 +305,7 @@ def test_the_kernels_lower_for_cuda_through_triton():
     fq, fk, v = (jnp.ones((n, h, m), jnp.bfloat16) for h in (4, 2, 2))
     for causal, log_gate in ((True, jnp.zeros((n, 2))), (True, jnp.zeros((n, 2, m))), (True, None), (False, None)):
         def loss(fq, fk, v, log_gate):
-            return jnp.sum(chunked_linear_attention(fq, fk, v, causal=causal, log_gate=log_gate).astype(jnp.float32))
+            return jnp.sum(chunked_linear_attention(fq, fk, v, causal=causal, log_gate=log_gate).astype(jnp.float32))  # noqa: B023 - called within this iteration
 
         try:
             with cuda_target():

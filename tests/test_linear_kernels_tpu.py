@@ -112,11 +112,11 @@ def test_tpu_kernel_matches_the_dense_reference(name):
     batch = case.get("batch", False)
     args = _inputs(0, case["heads"], case["kv_heads"], case["gate"])
     if batch:
-        args = tuple(jnp.stack(xs) for xs in zip(args, _inputs(1, case["heads"], case["kv_heads"], case["gate"])))
+        args = tuple(jnp.stack(xs) for xs in zip(args, _inputs(1, case["heads"], case["kv_heads"], case["gate"]), strict=True))
     (got, g_got), (want, g_want) = (_with_grads(fn, args, case["causal"], 0, batch) for fn in (_kernel, _reference))
-    for what, a, b in zip(("out", "S", "z"), got, want):
+    for what, a, b in zip(("out", "S", "z"), got, want, strict=True):
         _close(a, b, what)
-    for what, a, b in zip(("dq", "dk", "dv", "dlog_gate"), g_got, g_want):
+    for what, a, b in zip(("dq", "dk", "dv", "dlog_gate"), g_got, g_want, strict=False):
         _close(a, b, what, atol=2e-5, rtol=1e-4)
 
 
@@ -128,7 +128,7 @@ def test_tpu_kernel_bf16_and_fp16_against_float32():
     low = tuple(x.astype(jnp.bfloat16) for x in (fq, fk, v))
     got, g_got = _with_grads(_kernel, (*low, log_gate), True, 3)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
-    for what, a, b in zip(("out", "S", "z", "dq", "dk", "dv", "dlog_gate"), (*got, *g_got), (*want, *g_want)):
+    for what, a, b in zip(("out", "S", "z", "dq", "dk", "dv", "dlog_gate"), (*got, *g_got), (*want, *g_want), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.all(np.isfinite(a)), what
         err, scale = float(np.abs(a - b).max()), float(np.abs(b).max())
@@ -170,7 +170,7 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
         texts = [lowered(*call) for call in calls]
     finally:  # the stand-in chip must not outlive the test (get_tpu_info caches)
         getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)()
-    for (causal, log_gate, _, _), text in zip(calls, texts):
+    for (causal, log_gate, _, _), text in zip(calls, texts, strict=True):
         for name in ("states", "output", "dstates", "grads"):
             assert f"linear_attention_{name}_tpu" in text, (name, causal, None if log_gate is None else log_gate.shape)
 

@@ -167,7 +167,7 @@ def test_dropless_gradients_under_vmap_match_capacity_dispatch():
 
     grad = eqx.filter_jit(eqx.filter_grad(loss))
     g1, g2 = grad(dropless), grad(roomy)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
@@ -351,7 +351,7 @@ def test_config_moe_every_other_layer_adds_weighted_aux_losses_to_the_loss():
         return sink
 
     aux = []
-    for t, m in zip(tokens, mask):
+    for t, m in zip(tokens, mask, strict=True):
         sink = layer_aux(model, t, m)
         assert len(sink) == 1
         aux.append(0.5 * sink[0]["balance_loss"] + 0.001 * sink[0]["z_loss"])

@@ -123,7 +123,7 @@ def test_drawn_arrays_are_not_trained_and_redraw_resamples_them():
     fresh = jxformers.nn.redraw(model, jax.random.key(1))
     p0, p1 = (b.attention.drawn["projection"] for b in fresh.blocks)
     assert not bool(jnp.allclose(p0, p1))
-    for old, new in zip(model.blocks, fresh.blocks):
+    for old, new in zip(model.blocks, fresh.blocks, strict=True):
         assert not bool(jnp.allclose(old.attention.drawn["projection"], new.attention.drawn["projection"]))
         assert bool(jnp.all(old.ffn.w_in.weight == new.ffn.w_in.weight))
     # BigBird's random pattern is drawn once for the run (its paper's code seeds it per
@@ -338,7 +338,7 @@ def test_reversible_backward_reconstructs_and_matches_autodiff():
 
     ours = eqx.filter_grad(lambda a: loss(lambda b, x, c: reversible_stack(b, x, bias=c), *a))((blocks, x, bias))
     ref = eqx.filter_grad(lambda a: loss(_plain_reversible, *a))((blocks, x, bias))
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
         assert_close(a, b, atol=2e-5)
     assert float(jnp.abs(ours[2]).max()) > 0  # the T5 bias gets its gradient
     # The model's decoding parity holds for the reversible wiring too.
@@ -399,7 +399,7 @@ def test_reversible_stack_uses_the_blocks_branches_with_dropout():
 
     def plain(blocks, x):  # the same wiring, plain autodiff, the blocks' own branches and keys
         x1 = x2 = x
-        for b, k in zip(blocks, jax.random.split(key, len(blocks))):
+        for b, k in zip(blocks, jax.random.split(key, len(blocks)), strict=True):
             kf, kg = jax.random.split(k)
             x1 = x1 + b.attention_branch(x2, key=kf)
             x2 = x2 + b.ffn_branch(x1, key=kg)
@@ -409,7 +409,7 @@ def test_reversible_stack_uses_the_blocks_branches_with_dropout():
     assert_close(ours(model.blocks, x), plain(model.blocks, x), atol=2e-5)
     g_ours = eqx.filter_grad(lambda a: jnp.sum(jnp.sin(ours(*a))))((model.blocks, x))
     g_plain = eqx.filter_grad(lambda a: jnp.sum(jnp.sin(plain(*a))))((model.blocks, x))
-    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_plain)):
+    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_plain), strict=True):
         assert_close(a, b, atol=2e-5)
     assert not bool(jnp.allclose(ours(model.blocks, x), reversible_stack(model.blocks, x, inference=True)))
 

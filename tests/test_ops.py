@@ -119,7 +119,7 @@ def test_chunked_equals_softmax_for_any_lengths_and_chunk(n, kv_len, chunk, caus
 def test_chunked_gradients_equal_softmax_gradients():
     q, k, v = qkv(4, 30)
     f = lambda op, **kw: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(op(q, k, v, causal=True, **kw))), (0, 1, 2))(q, k, v)  # noqa: E731
-    for a, b in zip(f(ops.chunked_attention, chunk_size=8), f(ops.softmax_attention)):
+    for a, b in zip(f(ops.chunked_attention, chunk_size=8), f(ops.softmax_attention), strict=True):
         assert_close(a, b, atol=1e-5)
 
 
@@ -194,7 +194,7 @@ def test_longformer_global_indices_may_differ_per_example_under_vmap():
     q, k, v = qkv(11, 30)
     idx = jnp.array([[0, 7], [3, 29]])
     batched = jax.vmap(lambda g: ops.longformer_attention(q, k, v, window=2, global_indices=g))(idx)
-    for row, g in zip(batched, ([0, 7], [3, 29])):
+    for row, g in zip(batched, ([0, 7], [3, 29]), strict=True):
         assert_close(row, ops.longformer_attention(q, k, v, window=2, global_indices=tuple(g)), atol=1e-6)
 
 

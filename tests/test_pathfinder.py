@@ -97,11 +97,11 @@ def test_a_batch_draws_each_record_as_alone():
     """render_batch in any order and across chunks: every record as render(seed, index)."""
     indices = [70, 3, 0, 65, 64, 9]
     images, labels = pathfinder.render_batch(5, indices, contour_length=9)
-    for index, image, label in zip(indices, images, labels):
+    for index, image, label in zip(indices, images, labels, strict=True):
         alone, alone_label = pathfinder.render(5, index, contour_length=9)
         assert np.array_equal(image, alone) and label == alone_label == index % 2
     chunked = pathfinder.render_batch(5, range(pathfinder._CHUNK + 2), contour_length=9)[0]  # two chunks
-    assert all(np.array_equal(chunked[index], image) for index, image in zip(indices[1:], images[1:]))
+    assert all(np.array_equal(chunked[index], image) for index, image in zip(indices[1:], images[1:], strict=True))
     with pytest.raises(ValueError, match=r"indices must be >= 0; got \[-1\]"):
         pathfinder.render_batch(5, [2, -1])
     with pytest.raises(ValueError, match="indices must be integers; got dtype float64"):

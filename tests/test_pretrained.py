@@ -82,8 +82,8 @@ def numpy_bert(t, ids, types, mask):
         + t["embeddings.token_type_embeddings.weight"][types]
     x = _layer_norm(x, t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"], eps)
     for i in range(c["num_hidden_layers"]):
-        p = lambda name: (t[f"encoder.layer.{i}.{name}.weight"], t[f"encoder.layer.{i}.{name}.bias"])  # noqa: E731
-        dense = lambda h, name: h @ p(name)[0].T + p(name)[1]  # noqa: E731
+        p = lambda name: (t[f"encoder.layer.{i}.{name}.weight"], t[f"encoder.layer.{i}.{name}.bias"])  # noqa: E731, B023
+        dense = lambda h, name: h @ p(name)[0].T + p(name)[1]  # noqa: E731, B023
         q, k, v = (dense(x, f"attention.self.{w}").reshape(n, heads, -1) for w in ("query", "key", "value"))
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1]) + np.where(mask, 0.0, -1e9)[None, None]
         weights = np.exp(scores - scores.max(-1, keepdims=True))

@@ -64,7 +64,7 @@ def test_the_equivalent_mask_is_the_segments_reach():
 def test_relative_scores_are_the_papers_four_terms():
     n, m, h, d = 3, 7, 2, 4
     ks = jax.random.split(jax.random.key(2), 6)
-    q, k, v = (jax.random.normal(kk, shape) for kk, shape in zip(ks[:3], [(n, h, d), (m, h, d), (m, h, d)]))
+    q, k, v = (jax.random.normal(kk, shape) for kk, shape in zip(ks[:3], [(n, h, d), (m, h, d), (m, h, d)], strict=True))
     w_r = jax.random.normal(ks[3], (8, h * d))
     u, vb = jax.random.normal(ks[4], (h, d)), jax.random.normal(ks[5], (h, d))
     r = (relative_sinusoid(jnp.arange(m), 8) @ w_r).reshape(m, h, d)
@@ -98,7 +98,7 @@ def test_memory_is_a_stop_gradient_and_u_v_are_shared():
         return m.forward(tokens[4:], first_memory)[0].sum()
 
     g1, g2 = eqx.filter_jit(eqx.filter_grad(through))(model), eqx.filter_jit(eqx.filter_grad(given))(model)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert model.u.shape == (2, 8) and not hasattr(model.layers[0], "u")
 
@@ -241,7 +241,7 @@ def test_a_tiny_compressive_lm_learns_on_a_stream():
         return optax.apply_updates(params, updates), state, new, ce
 
     memory, losses = model.init_memory(), []
-    for epoch in range(6):
+    for _ in range(6):
         for s in range(0, 76, 4):
             params, state, memory, ce = step(params, state, memory, stream[s:s + 5])
             losses.append(float(ce))

@@ -4,11 +4,11 @@ the whole generic suite runs for it and `jxformers list` shows it.
 docs/adding_an_attention.md walks through the same steps."""
 
 import jax.numpy as jnp
+import masks
 from attention_facts import FACTS, Facts, Growth
 from jaxtyping import Array, Bool, Float
 from suites import AttentionSuite, ModelSuite, jit_variants
 
-import masks
 from jxformers import decoding, ops, registry
 from jxformers.tools import cli
 

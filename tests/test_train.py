@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from jxformers.tools import cli
-from jxformers.train.experiment import EXPERIMENTS_DIR
 from jxformers.nn.config import FlatConfigWarning
 from jxformers.train import NonFiniteError, load_experiment, make_optimizer, train
+from jxformers.train.experiment import EXPERIMENTS_DIR
 from jxformers.train.optim import decay_mask, learning_rate_schedule
 from jxformers.train.tensorboard import crc32c, encode_event, read_records
 
@@ -295,7 +295,7 @@ def test_performer_features_are_redrawn_and_a_resumed_run_redraws_the_same_way(t
     assert losses(run) == straight  # exact, step by step
     resumed_drawn = restore_train_state(experiment, run)[0].drawn
     initial = init_train_state(experiment)[0].drawn
-    for a, b, first in zip(*(jax.tree.leaves(x) for x in (straight_drawn, resumed_drawn, initial))):
+    for a, b, first in zip(*(jax.tree.leaves(x) for x in (straight_drawn, resumed_drawn, initial)), strict=True):
         assert bool(jnp.all(a == b)) and not bool(jnp.allclose(a, first))  # redrawn, the same way
 
 
@@ -582,7 +582,7 @@ def test_one_constructor_builds_the_state_for_train_restore_and_eval(tmp_path, m
     initial, _, _, _ = init_train_state(experiment)
     leaves = jax.tree_util.tree_leaves_with_path(params)
     assert leaves and all((x == saved["['params']" + jax.tree_util.keystr(p)]).all() for p, x in leaves)
-    assert any((x != y).any() for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(initial.params)))
+    assert any((x != y).any() for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(initial.params), strict=True))
     wider = load_experiment(write_config(tmp_path), ["train.steps=4", "model.d_model=32"])
     with pytest.raises(ValueError, match=r"parameter \['params'\]\.\S+ has shape \(.*16\); the model expects "
                                          r"\(.*32\).*config changed"):

@@ -48,7 +48,7 @@ def test_stream_rows_continue_from_batch_to_batch(texts):
     source = make_source("shakespeare_stream", seed=0, size=24, path=str(texts), max_len=9, rows=4)
     stream = b"".join((texts / f"play{i}_gut.txt").read_bytes() for i in range(7))  # the train plays
     piece = len(stream) // 4
-    batches = list(zip(range(3), make_loader(source, batch_size=4, seed=0, shuffle=False)))
+    batches = list(zip(range(3), make_loader(source, batch_size=4, seed=0, shuffle=False), strict=False))
     for t, batch in batches:
         for b in range(4):
             start = b * piece + 8 * t
@@ -84,7 +84,7 @@ def test_memory_is_carried_checkpointed_and_resumed(texts, tmp_path):
     train(e, run, progress=False)
     assert losses(run) == straight  # exact, step by step: step 5 read step 4's memory from the checkpoint
     resumed = restore_train_state(e, run)[0].memory
-    for a, b in zip(jax.tree.leaves(memory), jax.tree.leaves(resumed)):
+    for a, b in zip(jax.tree.leaves(memory), jax.tree.leaves(resumed), strict=True):
         assert bool(jnp.all(a == b))
     # and the memory matters: a resume that dropped it would log other losses
     batch = next(iter(make_loader(e.sources()[0], batch_size=4, seed=0, shuffle=False)))
@@ -95,7 +95,7 @@ def test_memory_is_carried_checkpointed_and_resumed(texts, tmp_path):
     # evaluation carries its own memory of eval_mem_len slots across the batches, emptied by each evaluate()
     static = init_train_state(e)[1]
     eval_step = make_eval_step(static)
-    loader = list(zip(range(3), make_loader(e.sources()[1], batch_size=4, seed=0, shuffle=False)))
+    loader = list(zip(range(3), make_loader(e.sources()[1], batch_size=4, seed=0, shuffle=False), strict=False))
     first = evaluate(eval_step, state, [b for _, b in loader], 3, language_model=True)
     assert eval_step.memory["hidden"].shape == (4, 2, 12, 16) and (np.asarray(eval_step.memory["length"]) == 12).all()
     assert evaluate(eval_step, state, [b for _, b in loader], 3, language_model=True) == first
@@ -128,7 +128,7 @@ def test_gradient_accumulation_splits_the_rows_with_their_memories(texts):
 
     e = experiment(texts, "model.dropout=0.0")
     state, static, optimizer, _ = init(e)
-    batches = [b for _, b in zip(range(2), make_loader(e.sources()[0], batch_size=4, seed=0, shuffle=False))]
+    batches = [b for _, b in zip(range(2), make_loader(e.sources()[0], batch_size=4, seed=0, shuffle=False), strict=False)]
     results = []
     for accum in (1, 2):
         s = state
@@ -138,7 +138,7 @@ def test_gradient_accumulation_splits_the_rows_with_their_memories(texts):
         results.append((s, metrics))
     (a, ma), (b, mb) = results
     np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-5)
-    for x, y in zip(jax.tree.leaves(a.memory), jax.tree.leaves(b.memory)):
+    for x, y in zip(jax.tree.leaves(a.memory), jax.tree.leaves(b.memory), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-4)
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-4)

@@ -204,7 +204,7 @@ def test_non_finite_before_any_checkpoint_says_so_and_metrics_stay_json(tmp_path
     records = [json.loads(x, parse_constant=refuse) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
                .splitlines()]
     skipped = next(r for r in records if r.get("skipped"))
-    assert isinstance(skipped["loss"], str) and not float(skipped["loss"]) == float(skipped["loss"])  # "NaN"
+    assert isinstance(skipped["loss"], str) and float(skipped["loss"]) != float(skipped["loss"])  # "NaN"
 
 
 # ----------------------------------------------------------------------------- messages

@@ -133,7 +133,7 @@ class _ReadAhead:
             if first not in self._blocks:
                 positions = [p for p in range(first, first + span, self.stride) if p < len(self.sampler)]
                 keys = [self.sampler[p].record_key for p in positions]
-                self._blocks[first] = dict(zip(positions, self.source.__getitems__(keys)))
+                self._blocks[first] = dict(zip(positions, self.source.__getitems__(keys), strict=True))
                 while len(self._blocks) > self._KEPT_BLOCKS:
                     del self._blocks[next(iter(self._blocks))]
             block = self._blocks[first]
@@ -226,7 +226,7 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
         # never parse them, and the flags' defaults are what they get.
         flags.FLAGS.mark_as_parsed()
     if hasattr(source, "__getitems__"):  # it draws records faster together (Pathfinder)
-        source = _ReadAhead(source, sampler, stride=max(workers, 1) * sampler._shard_options.shard_count)
+        source = _ReadAhead(source, sampler, stride=max(workers, 1) * sampler._shard_options.shard_count)  # noqa: SLF001 - grain keeps it
         sampler = _Positions(sampler)
     # Records leave the workers one by one (batching there would give each worker's
     # batches its own records, and change them with the worker count).

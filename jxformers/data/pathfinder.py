@@ -171,7 +171,7 @@ def _random_walks(rngs, k, steps, size, step):
     return walks[fits], np.repeat(np.arange(len(rngs)), k)[fits]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _grid(size, seg):
     """Constants of a canvas: (pad, width, offsets, flat offsets, flat 3x3): the canvas
     is padded by `pad` on each side (width = size + 2 pad) so that any pixel near a dash
@@ -478,7 +478,7 @@ def _main_contours(rngs, size, contour_length, seg, gap):
     cs = copied[at] - rank // _TAILS
     group = np.cumsum(rank % _TAILS == 0) - 1  # one per image and number of copied steps
     most = contour_length - least
-    u = np.concatenate([rngs[j].random((k, most, _TURNS + 1)) for j, k in zip(drawn, tried)])
+    u = np.concatenate([rngs[j].random((k, most, _TURNS + 1)) for j, k in zip(drawn, tried, strict=True)])
     starts, before = head[at, cs], head[at, cs - 1]
     tails = canvas.steered(u.transpose(1, 0, 2), starts, np.angle(starts - before), contour_length - cs, group,
                            drawn[at])

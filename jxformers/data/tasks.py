@@ -181,7 +181,7 @@ class Pathfinder:
                                                  contour_length=self.contour_length, distractors=self.distractors)
         tokens = images.reshape(len(images), -1).astype(np.int32)
         return [{"tokens": t.copy(), "mask": np.ones(t.shape, bool), "label": np.int32(y)}  # copies: a record
-                for t, y in zip(tokens, labels)]  # kept alone does not keep its whole batch
+                for t, y in zip(tokens, labels, strict=True)]  # kept alone does not keep its whole batch
 
 
 TASKS = {

@@ -23,8 +23,8 @@ import numpy as np
 
 from jxformers.kernels import flash_gpu
 from jxformers.kernels.alibi import Alibi, check_alibi
-from jxformers.kernels.impl import KernelChoice
 from jxformers.kernels.block_mask import add_full_blocks, block_kinds, ceil_div, visit_lists
+from jxformers.kernels.impl import KernelChoice
 from jxformers.kernels.pattern import Pattern, dense_mask
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -333,12 +333,12 @@ def merge_attentions(parts):
     exponent is finite, so no NaN reaches a gradient); rows with no key anywhere are zero.
     Returns `[q_len, heads, d_v]` float32."""
     seen = [jnp.isfinite(lse) for _, lse in parts]
-    top = functools.reduce(jnp.maximum, [jnp.where(s, lse, -jnp.inf) for s, (_, lse) in zip(seen, parts)])
+    top = functools.reduce(jnp.maximum, [jnp.where(s, lse, -jnp.inf) for s, (_, lse) in zip(seen, parts, strict=True)])
     top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))  # cancels: any finite shift is exact
-    weights = [jnp.where(s, jnp.exp(jnp.where(s, lse, top) - top), 0.0) for s, (_, lse) in zip(seen, parts)]
+    weights = [jnp.where(s, jnp.exp(jnp.where(s, lse, top) - top), 0.0) for s, (_, lse) in zip(seen, parts, strict=True)]
     total = sum(weights)
     norm = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-    return sum(out.astype(jnp.float32) * (w * norm)[..., None] for (out, _), w in zip(parts, weights))
+    return sum(out.astype(jnp.float32) * (w * norm)[..., None] for (out, _), w in zip(parts, weights, strict=True))
 
 
 def visited_fraction(pattern: Pattern, q_len: int, kv_len: int, block_sizes: BlockSizes | None = None,

@@ -26,7 +26,6 @@ from jxformers.nn.blocks import Block
 from jxformers.nn.config import ModelConfig, build_model
 from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm
 from jxformers.nn.luna import LunaBlock, LunaStack
-from jxformers.nn.moe import MoE
 from jxformers.nn.models import (
     Classifier,
     ConditionedDecoder,
@@ -36,9 +35,9 @@ from jxformers.nn.models import (
     EncoderDecoder,
     LanguageModel,
 )
+from jxformers.nn.moe import MoE
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import ProductKeyMemory
-from jxformers.nn.recurrent import RecurrentLM
 from jxformers.nn.positions import (
     Positions,
     alibi_slopes,
@@ -46,6 +45,7 @@ from jxformers.nn.positions import (
     sinusoidal,
     t5_buckets,
 )
+from jxformers.nn.recurrent import RecurrentLM
 from jxformers.nn.set_transformer import ISAB, MAB, PMA
 from jxformers.nn.tokenlearner import TokenFuser, TokenLearner, TokenLearnerStage
 from jxformers.nn.trainable import redraw, trainable, update_arrays, updates_arrays

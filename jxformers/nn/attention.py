@@ -47,7 +47,7 @@ class AttentionInputs:
         self.owners: list[int] = []
         self.values: list[tuple[Array, Array, Array | None]] = []
 
-    def add(self, module: "Attention", q, k, kv_mask) -> None:
+    def add(self, module: Attention, q, k, kv_mask) -> None:
         i = self._index.get(id(module))
         if i is not None:  # a module outside the recorded model (a copy) is not updated
             self.owners.append(i)
@@ -76,7 +76,7 @@ def recording() -> bool:
     return _RECORDING.get() is not None
 
 
-def attention_modules(model) -> list["Attention"]:
+def attention_modules(model) -> list[Attention]:
     """The attention modules of a model, in tree order."""
     is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
     return [x for x in jax.tree.leaves(model, is_leaf=is_attention) if is_attention(x)]

@@ -174,7 +174,7 @@ class LunaStack(eqx.Module):
     ) -> tuple[Float[Array, "n d_model"], list[Float[Array, "l d_model"]]]:
         """The output and the packed sequence each layer read (`[P_0, P_1, ...]`, one per layer)."""
         p, seen = self.packed.astype(x.dtype), []
-        for block, k in zip(self.blocks, split_key(key, len(self.blocks))):
+        for block, k in zip(self.blocks, split_key(key, len(self.blocks)), strict=True):
             seen.append(p)
             x, p = block(x, p, kv_mask=kv_mask, key=k, inference=inference)
         return x, seen
@@ -199,7 +199,7 @@ class LunaStack(eqx.Module):
         context_kv: None = None, context_mask: None = None,
     ) -> tuple[Float[Array, " d_model"], tuple[dict[str, Array], ...]]:
         p, states = self.packed.astype(x.dtype), []
-        for block, layer_state in zip(self.blocks, state):
+        for block, layer_state in zip(self.blocks, state, strict=True):
             x, layer_state = block.decode_step(x, p, layer_state)
             states.append(layer_state)
         return x, tuple(states)

@@ -272,7 +272,7 @@ class Encoder(eqx.Module):
         spacing = jnp.ones((), jnp.float32)
         pos = self._positions(x.shape[0], spacing)
         on_grid = True  # positions 0..n-1 until a filter resamples them
-        for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)))):
+        for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)), strict=True)):
             source = {}
             if i in filters:
                 if upsample_sum and i > 0:
@@ -479,7 +479,7 @@ class LanguageModel(eqx.Module):
             return self._logits(x)
         # Only transformer blocks hold MoE layers (ModelConfig refuses them elsewhere).
         moe_sink = {"aux": aux} if aux is not None else {}
-        for block, k in zip(self.blocks, _split(key, len(self.blocks))):
+        for block, k in zip(self.blocks, _split(key, len(self.blocks)), strict=True):
             x = block(x, kv_mask=mask, bias=bias, positions=positions, context=context, context_mask=context_mask,
                       key=k, inference=inference, **moe_sink)
         return self._logits(x)
@@ -504,7 +504,7 @@ class LanguageModel(eqx.Module):
         if self.reversible:
             x, states = reversible_decode_step(self.blocks, x, state["layers"], bias_fn=bias_fn)
             return self._logits(x), {"layers": states, "length": state["length"] + 1}
-        for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"])):
+        for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"], strict=True)):
             kv = None if context_kv is None else context_kv[i]
             x, layer_state = block.decode_step(x, layer_state, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask)
             layers.append(layer_state)

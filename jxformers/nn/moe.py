@@ -71,6 +71,7 @@ import dataclasses
 import math
 import typing
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -221,7 +222,7 @@ def _merged_ragged_dot(x, w, group_sizes):
 
 
 def _batched(axis_size, in_batched, *args):
-    return [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+    return [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched, strict=True)]
 
 
 @custom_batching.custom_vmap

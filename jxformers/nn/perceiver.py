@@ -93,6 +93,6 @@ class PerceiverEncoder(eqx.Module):
             kc, kt = split_key(k, 2)
             which = min(r, 1)
             z = self.cross[which](z, self.input_norms[which](x), y_mask=mask, key=kc, inference=inference)
-            for block, kb in zip(self.tower, split_key(kt, len(self.tower))):
+            for block, kb in zip(self.tower, split_key(kt, len(self.tower)), strict=True):
                 z = block(z, key=kb, inference=inference)
         return self.norm(z), jnp.ones((z.shape[0],), bool)

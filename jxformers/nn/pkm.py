@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from typing import Any
 
 import equinox as eqx
 import jax

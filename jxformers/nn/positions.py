@@ -59,7 +59,7 @@ def alibi_slopes(heads: int) -> Float[Array, " heads"]:
     return jnp.asarray(slopes, jnp.float32)
 
 
-def t5_buckets(relative: Int[Array, "..."], *, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128):
+def t5_buckets(relative: Int[Array, " ..."], *, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128):
     """T5's bucket of relative position (key - query): exact buckets for small
     distances, logarithmic ones up to `max_distance`; separate buckets for the future
     when bidirectional."""

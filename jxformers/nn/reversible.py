@@ -56,7 +56,7 @@ def _run(blocks, x1, x2, bias, rest):
 
 
 def _forward(static, params, x1, x2, bias, rest):
-    return _run([eqx.combine(p, s) for s, p in zip(static, params)], x1, x2, bias, rest)
+    return _run([eqx.combine(p, s) for s, p in zip(static, params, strict=True)], x1, x2, bias, rest)
 
 
 def _zero_cotangent(x):
@@ -87,13 +87,13 @@ def _stack_bwd(static, residuals, cotangents):
         s, p = static[i], params[i]
         kf, kg = _keys(key_data, i)
         # y2 = x2 + G(y1): recover x2, and push g2 into G's parameters and into y1.
-        g_out, g_vjp = jax.vjp(lambda p, y: _ffn_branch(eqx.combine(p, s), y, kg), p, y1)
+        g_out, g_vjp = jax.vjp(lambda p, y: _ffn_branch(eqx.combine(p, s), y, kg), p, y1)  # noqa: B023 - called within this iteration
         x2 = y2 - g_out
         dp_g, dy1 = g_vjp(g2)
         g1 = g1 + dy1
         # y1 = x1 + F(x2): recover x1, and push g1 into F's parameters, x2 and the bias.
         f_out, f_vjp = jax.vjp(
-            lambda p, x, b: _attention_branch(eqx.combine(p, s), x, (b, mask, positions), kf), p, x2, bias
+            lambda p, x, b: _attention_branch(eqx.combine(p, s), x, (b, mask, positions), kf), p, x2, bias  # noqa: B023 - called within this iteration
         )
         x1 = y1 - f_out
         dp_f, dx2, db = f_vjp(g1)
@@ -132,7 +132,7 @@ def reversible_stack(
     for block in blocks:
         if not block.pre_norm or block.cross_attention is not None:
             raise ValueError("reversible blocks must be pre-norm self-attention blocks (no cross-attention)")
-    params, static = zip(*(eqx.partition(b, eqx.is_array) for b in blocks)) if blocks else ((), ())
+    params, static = zip(*(eqx.partition(b, eqx.is_array) for b in blocks), strict=True) if blocks else ((), ())
     key_data = None
     if key is not None and not inference:
         key_data = jax.random.key_data(jax.random.split(key, len(blocks)))
@@ -150,7 +150,7 @@ def reversible_decode_step(blocks, x, states, *, bias_fn=None):
     """One token through a reversible stack with each block's decoding state."""
     x1 = x2 = x
     new = []
-    for block, state in zip(blocks, states):
+    for block, state in zip(blocks, states, strict=True):
         h, state = block.attention.decode_step(block.norms[0](x2), state, bias_fn=bias_fn)
         x1 = x1 + h
         x2 = x2 + block.ffn_branch(x1[None], inference=True)[0]

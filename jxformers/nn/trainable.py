@@ -38,7 +38,7 @@ def redraw(model, key: PRNGKeyArray):
     if not attentions:
         return model
     keys = jax.random.split(key, len(attentions))
-    return eqx.tree_at(_redrawn, model, [a.redraw(k) for a, k in zip(attentions, keys)])
+    return eqx.tree_at(_redrawn, model, [a.redraw(k) for a, k in zip(attentions, keys, strict=True)])
 
 
 def updates_arrays(model) -> bool:
@@ -59,7 +59,7 @@ def update_arrays(model, owners: list[int], values: list[tuple]):
     """
     attentions = _attentions(model)
     grouped: dict[int, list[tuple]] = {}
-    for i, value in zip(owners, values):
+    for i, value in zip(owners, values, strict=True):
         grouped.setdefault(i, []).append(value)
     if not grouped:
         return model

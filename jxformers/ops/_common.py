@@ -18,7 +18,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int
+
+from jxformers._typing import ArrayLike
 
 # ----------------------------------------------------------------------------- checks
 
@@ -122,18 +124,18 @@ def softmax_parts(
     whose keys are all masked gets all-zero probabilities (never NaN), and gradients
     through masked entries are exactly zero.
     """
-    logits_, masks = zip(*parts)
+    logits_, masks = zip(*parts, strict=True)
     return list(_joint_softmax(tuple(logits_), tuple(jnp.asarray(m) for m in masks)))
 
 
 @jax.custom_jvp
 def _joint_softmax(logits_: tuple, masks: tuple) -> tuple:
     row_max = None
-    for s, m in zip(logits_, masks):
+    for s, m in zip(logits_, masks, strict=True):
         part_max = jnp.max(jnp.where(m, s, -jnp.inf), axis=-1)
         row_max = part_max if row_max is None else jnp.maximum(row_max, part_max)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # empty rows shift by 0
-    exps = [jnp.where(m, jnp.exp(s - row_max[..., None]), 0.0) for s, m in zip(logits_, masks)]
+    exps = [jnp.where(m, jnp.exp(s - row_max[..., None]), 0.0) for s, m in zip(logits_, masks, strict=True)]
     denom = sum(e.sum(axis=-1) for e in exps)
     inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
     return tuple(e * inv[..., None] for e in exps)
@@ -149,8 +151,8 @@ def _joint_softmax_jvp(primals, tangents):
     logits_, masks = primals
     d_logits, _ = tangents
     probs = _joint_softmax(logits_, masks)
-    inner = sum((p * ds).sum(axis=-1) for p, ds in zip(probs, d_logits))
-    return probs, tuple(jnp.where(m, p * (ds - inner[..., None]), 0.0) for p, ds, m in zip(probs, d_logits, masks))
+    inner = sum((p * ds).sum(axis=-1) for p, ds in zip(probs, d_logits, strict=True))
+    return probs, tuple(jnp.where(m, p * (ds - inner[..., None]), 0.0) for p, ds, m in zip(probs, d_logits, masks, strict=True))
 
 
 def weighted_values(p: Float[ArrayLike, "*n h g q k"], v: Float[ArrayLike, "*n k h dv"]) -> Float[Array, "*n q h g dv"]:
@@ -185,7 +187,7 @@ def pad_to(x: ArrayLike, length: int, axis: int = 0, value=0) -> Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
-def zero_padded(k: ArrayLike, v: ArrayLike, kv_mask: Bool[ArrayLike, "kv_len"] | None) -> tuple[ArrayLike, ArrayLike]:
+def zero_padded(k: ArrayLike, v: ArrayLike, kv_mask: Bool[ArrayLike, " kv_len"] | None) -> tuple[ArrayLike, ArrayLike]:
     """`k` and `v` with zeros at padded key positions (kv_mask False). A masked key still
     meets a zero weight in most forms (a masked softmax row, a block of a pattern, a
     kernel feature sum), and 0 * NaN is NaN: zeroed first, whatever padding holds (NaN,
@@ -201,7 +203,7 @@ def zero_padded(k: ArrayLike, v: ArrayLike, kv_mask: Bool[ArrayLike, "kv_len"] |
             jnp.where(keep, v, jnp.zeros((), jnp.result_type(v))))
 
 
-def valid_keys(kv_mask: Bool[ArrayLike, "kv_len"] | None, kv_len: int, padded_len: int) -> Bool[Array, "padded"]:
+def valid_keys(kv_mask: Bool[ArrayLike, " kv_len"] | None, kv_len: int, padded_len: int) -> Bool[Array, " padded"]:
     """kv_mask (True = real) extended with False over the padding to `padded_len`."""
     real = jnp.ones((kv_len,), bool) if kv_mask is None else kv_mask
     return pad_to(real, padded_len, value=False)
@@ -228,7 +230,7 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def positions(n: int) -> Int[Array, "n"]:
+def positions(n: int) -> Int[Array, " n"]:
     return jnp.arange(n, dtype=jnp.int32)
 
 
@@ -242,7 +244,7 @@ def positions(n: int) -> Int[Array, "n"]:
 
 class Part(NamedTuple):
     logits: Float[Array, "h g L _k"]
-    mask: Bool[Array, "..."]
+    mask: Bool[Array, " ..."]
     apply: Callable[[Float[Array, "h g L _k"]], Float[Array, "L h g _dv"]]
 
 
@@ -290,10 +292,10 @@ def block_part(
 def attend_parts(parts: list[Part]) -> Float[Array, "L h g dv"]:
     """Joint masked softmax over every part's keys, then the weighted sum of values."""
     probs = softmax_parts([(p.logits, p.mask) for p in parts])
-    return sum(part.apply(p) for part, p in zip(parts, probs))
+    return sum(part.apply(p) for part, p in zip(parts, probs, strict=True))
 
 
-def first_occurrence(idx: Int[ArrayLike, "m"]) -> Bool[Array, "m"]:
+def first_occurrence(idx: Int[ArrayLike, " m"]) -> Bool[Array, " m"]:
     """True where idx[i] differs from every earlier entry (so a key listed twice counts once)."""
     m = idx.shape[0]
     same = idx[:, None] == idx[None, :]
@@ -332,7 +334,7 @@ def window_block(n: int, window: int) -> int:
 
 
 def sliding_window_part(
-    qg: Float[ArrayLike, "L h g d"], k: Float[ArrayLike, "L h d"], v: Float[ArrayLike, "L h dv"], real: Bool[ArrayLike, "L"],
+    qg: Float[ArrayLike, "L h g d"], k: Float[ArrayLike, "L h d"], v: Float[ArrayLike, "L h dv"], real: Bool[ArrayLike, " L"],
     *, block: int, window: int, causal: bool, scale: float,
 ) -> Part:
     """Query i against keys j with |i - j| <= window (0 <= i - j <= window if causal),

@@ -10,8 +10,9 @@ position reaches every other in two hops at O(N * (rows + width)) cost.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, Bool, Float
 
+from jxformers._typing import ArrayLike
 from jxformers.ops._common import ceil_div, check_positive, check_self, zero_padded
 from jxformers.ops.local import block_local_attention, dilated_attention
 from jxformers.registry import register
@@ -25,7 +26,7 @@ def axial_attention(
     width: int = 64,
     order: str = "row_then_column",
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Axial attention over a grid of `width` columns (rows = ceil(seq / width); a short

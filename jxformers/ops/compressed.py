@@ -9,8 +9,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
     ceil_div,
     check_mask_shape,
@@ -30,8 +31,8 @@ from jxformers.registry import register
 def compress_memory(
     x: Float[ArrayLike, "kv_len kv_heads d"],
     kernel: Float[ArrayLike, "stride _d_in _d_out"],
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
-) -> tuple[Float[Array, "mem kv_heads _d_out_head"], Bool[Array, "mem"]]:
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
+) -> tuple[Float[Array, "mem kv_heads _d_out_head"], Bool[Array, " mem"]]:
     """Strided convolution along the length, kernel size = stride (the paper's stride-3
     convolution), mixing all heads' features as the paper's does over d_model.
 
@@ -67,7 +68,7 @@ def memory_compressed_attention(
     k_kernel: Float[ArrayLike, "stride _dk_in _dk_out"],
     v_kernel: Float[ArrayLike, "_stride _dv_in _dv_out"],
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads _d_v_out"]:
     """Softmax attention over keys and values compressed by a strided convolution.

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from jxformers.registry import register
+from jxformers._typing import ArrayLike
 from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype, zero_padded
+from jxformers.registry import register
 
 
 def _alpha(n: int) -> Array:
@@ -36,7 +37,7 @@ def _check_axis(x: ArrayLike, axis: int) -> int:
     return axis % x.ndim
 
 
-def dct(x: Float[ArrayLike, "..."], axis: int = 0) -> Float[Array, "..."]:
+def dct(x: Float[ArrayLike, " ..."], axis: int = 0) -> Float[Array, " ..."]:
     """Orthonormal DCT-II along `axis` (He et al. 2023, eq. 1): y_k = a_k sum_n x_n cos(pi k (2n + 1) / 2N).
 
     Computed with one length-N FFT (eq. 4-6), any N; float32 (or float64) result.
@@ -53,7 +54,7 @@ def dct(x: Float[ArrayLike, "..."], axis: int = 0) -> Float[Array, "..."]:
     return jnp.moveaxis(y, -1, axis)
 
 
-def idct(y: Float[ArrayLike, "..."], axis: int = 0) -> Float[Array, "..."]:
+def idct(y: Float[ArrayLike, " ..."], axis: int = 0) -> Float[Array, " ..."]:
     """Inverse of `dct` (He et al. 2023, eq. 3): x_n = sum_k a_k y_k cos(pi k (2n + 1) / 2N)."""
     axis = _check_axis(y, axis)
     ym = jnp.moveaxis(y, axis, -1)
@@ -79,8 +80,8 @@ def kept_length(n: int, keep_ratio: float) -> int:
 
 
 def fourier_downsample(
-    x: Float[ArrayLike, "..."], keep_ratio: float, axis: int = 0, *, rescale: bool = False
-) -> Float[Array, "..."]:
+    x: Float[ArrayLike, " ..."], keep_ratio: float, axis: int = 0, *, rescale: bool = False
+) -> Float[Array, " ..."]:
     """The Fourier Transformer's spectral filter (He et al. 2023, section 4.1, eq. 7-8).
 
     DCT along `axis`, keep the first M = ceil(keep_ratio * N) coefficients, inverse DCT at
@@ -179,8 +180,8 @@ def _dct_matrix(rows: int, cols: int, length: ArrayLike) -> Array:
 
 
 def fourier_downsample_padded(
-    x: Float[ArrayLike, "n *rest"], length: Int[ArrayLike, ""] | int, keep_ratio: float, *, rescale: bool = False
-) -> tuple[Float[Array, "m *rest"], Bool[Array, " m"]]:
+    x: Float[ArrayLike, " n *rest"], length: Int[ArrayLike, ""] | int, keep_ratio: float, *, rescale: bool = False
+) -> tuple[Float[Array, " m *rest"], Bool[Array, " m"]]:
     """`fourier_downsample` of the real prefix `x[:length]` of a padded sequence.
 
     The prefix of length L is filtered to M_L = ceil(keep_ratio * L) samples, written to the
@@ -213,7 +214,7 @@ def fourier_downsample_padded(
     return y.reshape(m, *x.shape[1:]).astype(x.dtype), mask
 
 
-def nearest_upsample(x: Float[ArrayLike, "..."], length: int, axis: int = 0) -> Float[Array, "..."]:
+def nearest_upsample(x: Float[ArrayLike, " ..."], length: int, axis: int = 0) -> Float[Array, " ..."]:
     """Parameter-free nearest-neighbour upsampling to `length` along `axis` (position n
     takes sample floor(n * M / length)); the Fourier Transformer's encoder-decoder setting
     upsamples every block's output this way before summing them (He et al. 2023, section 4.1)."""
@@ -235,7 +236,7 @@ def fnet_attention(
     k: Float[ArrayLike, "_seq kv_heads _d_k"],
     v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """FNet as a drop-in attention: `fnet_mixing` of the values flattened to
     `[seq, kv_heads * d_v]` (q and k are ignored; FNet has no attention weights).

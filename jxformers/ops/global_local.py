@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
     Part,
     attend_parts,
@@ -73,7 +74,7 @@ def etc_attention(
     hard_l2g: bool = False,
     relative_keys: Float[ArrayLike, "labels heads _d_k"] | None = None,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """ETC's global-local attention (Ainslie et al. 2020, section 3.1-3.2).

@@ -25,11 +25,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
 from jxformers.decoding import recurrent
-from jxformers.kernels.impl import IMPLS, choose_kernel
 from jxformers.kernels import linear as linear_kernels
+from jxformers.kernels.impl import IMPLS, choose_kernel
 from jxformers.kernels.linear import chunked_linear_attention
 from jxformers.ops._common import (
     ceil_div,
@@ -148,7 +149,7 @@ def kernel_attention(
     v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     form: str = "chunked",
     chunk_size: int | None = None,
     gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
@@ -266,7 +267,7 @@ def linear_attention(
     *,
     feature_map: str | Callable[[Array], Array] = "elu",
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
     impl: str = "auto",
@@ -362,7 +363,7 @@ def performer_features(
     projection: Float[ArrayLike, "m _d_k"],
     *,
     kernel: str = "softmax",
-    shift: Float[ArrayLike, "..."] | float = 0.0,
+    shift: Float[ArrayLike, " ..."] | float = 0.0,
 ) -> Float[Array, "n heads m"]:
     """FAVOR+ features with E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) ("softmax") or the
     generalised ReLU kernel ("relu").
@@ -412,7 +413,7 @@ def performer_attention(
     *,
     kernel: str = "softmax",
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
     impl: str = "auto",
@@ -544,7 +545,7 @@ def rfa_attention(
     log_sigma: Float[ArrayLike, "_kv_heads _d_k"] | None = None,
     gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
     impl: str = "auto",

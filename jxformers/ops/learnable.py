@@ -25,8 +25,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
 from jxformers.decoding import TaggedCache
 from jxformers.ops._common import (
     ceil_div,
@@ -132,7 +133,7 @@ def _recent_in_bucket(q, k, v, q_bucket, k_bucket, real, *, window: int, self_ma
     return jnp.einsum("lw,lwd->ld", p, v[j]), lse
 
 
-def _combine_rounds(outs: Float[Array, "r *L dv"], lses: Float[Array, "r *L"]) -> Float[Array, "*L dv"]:
+def _combine_rounds(outs: Float[Array, "r *L dv"], lses: Float[Array, " r *L"]) -> Float[Array, "*L dv"]:
     """Hash rounds combined by their log-sum-exp weights, o = sum_r exp(z^r - z) o^r
     (rounds where a query had no key weigh nothing)."""
     top = jnp.max(lses, axis=0, keepdims=True)
@@ -244,7 +245,7 @@ def lsh_attention(
     chunk_size: int = 64,
     rotations: Float[ArrayLike, "heads n_hashes _d_k half"] | None = None,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Reformer's LSH attention (Kitaev et al., 2020, section 2), shared-QK.
@@ -379,7 +380,7 @@ def routing_attention(
     local_window: int = 32,
     centroids: Float[ArrayLike, "heads n_clusters _d_k"] | None = None,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Routing Transformer attention (Roy et al., 2021): content-based clusters from
@@ -585,7 +586,7 @@ def sinkhorn_attention(
     sort_logits: Float[ArrayLike, "heads blocks blocks"] | None = None,
     gumbel_key: PRNGKeyArray | None = None,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Sparse Sinkhorn attention (Tay et al., 2020).
@@ -761,7 +762,7 @@ def clusterformer_attention(
     n_clusters: int = 4,
     chunk_size: int = 64,
     centroids: Float[ArrayLike, "heads n_clusters _d_k"] | None = None,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Cluster-Former attention (Wang et al., 2020, section 3): tokens are assigned to

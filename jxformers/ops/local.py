@@ -12,8 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, Bool, Float
 
+from jxformers._typing import ArrayLike
 from jxformers.decoding import KVCache, ring_buffer
 from jxformers.kernels import IMPLS, choose_kernel
 from jxformers.kernels import pattern as kp
@@ -60,7 +61,7 @@ def local_attention(
     *,
     window: int = 128,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
     impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
@@ -113,7 +114,7 @@ def block_local_attention(
     *,
     block_size: int = 128,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
     impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
@@ -165,7 +166,7 @@ def dilated_attention(
     window: int = 64,
     dilation: int = 2,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
     impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
@@ -282,7 +283,7 @@ def image_local_2d_attention(
     memory_height: int = 8,
     memory_width: int = 8,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
     """Image Transformer's 2-D local attention (Parmar et al. 2018, section 3.2).

@@ -8,8 +8,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
     ceil_div,
     check_mask_shape,
@@ -37,7 +38,7 @@ def linformer_attention(
     *,
     e_proj: Float[ArrayLike, "proj_len max_len"],
     f_proj: Float[ArrayLike, "_proj_len _max_len"],
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     causal: bool = False,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
@@ -166,8 +167,8 @@ def synthesizer_attention(
     *,
     kind: str = "random",
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
-    mixture_logits: Float[ArrayLike, "2"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
+    mixture_logits: Float[ArrayLike, " 2"] | None = None,
     dense_logits: Float[ArrayLike, "_heads _q_len _max_len"] | None = None,
     random: Float[ArrayLike, "_heads _max_len _max_len2"] | None = None,
     fixed_random: Float[ArrayLike, "_heads _max_len _max_len2"] | None = None,
@@ -237,7 +238,7 @@ def synthesizer_dense_params(key: PRNGKeyArray, *, d_model: int, heads: int, kin
     else:
         shapes = {"wa": (d_model, factor), "wb": (d_model, ceil_div(max_len, factor))}
     params = {}
-    for (name, (fan_in, fan_out)), k in zip(shapes.items(), jax.random.split(key, len(shapes))):
+    for (name, (fan_in, fan_out)), k in zip(shapes.items(), jax.random.split(key, len(shapes)), strict=True):
         params[name] = jax.random.normal(k, (heads, fan_in, fan_out)) / math.sqrt(fan_in)
         params[name.replace("w", "b")] = jnp.zeros((heads, fan_out))
     return params
@@ -281,8 +282,8 @@ register(
 
 
 def segment_means(
-    x: Float[ArrayLike, "n heads d"], num_segments: int, real: Bool[ArrayLike, "n"] | None = None
-) -> tuple[Float[Array, "num_segments heads d"], Bool[Array, "num_segments"]]:
+    x: Float[ArrayLike, "n heads d"], num_segments: int, real: Bool[ArrayLike, " n"] | None = None
+) -> tuple[Float[Array, "num_segments heads d"], Bool[Array, " num_segments"]]:
     """Means of `num_segments` contiguous segments of near-equal size (segment s covers
     positions [floor(s n / m), floor((s + 1) n / m))), over real positions only; works for
     any n >= 1 (segments may be empty when m > n; those are marked not real)."""
@@ -317,7 +318,7 @@ def nystrom_attention(
     v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
     num_landmarks: int = 64,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     pinv_iterations: int = 6,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads d_v"]:

@@ -14,8 +14,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
     ceil_div,
     check_mask_shape,
@@ -39,7 +40,7 @@ def induced_attention(
     *,
     inducing: Float[ArrayLike, "num_inducing heads _d_k"],
     unpack_keys: Float[ArrayLike, "heads _d_v _d_k"] | None = None,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Inducing-point attention in one op: a reduction of Set Transformer's ISAB (Lee et
@@ -97,7 +98,7 @@ def latent_attention(
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],
     v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "num_latents heads d_v"]:
     """Cross attention from a small latent array to the inputs: Perceiver's encoder and
@@ -111,7 +112,7 @@ def luna_causal_pack(
     k: Float[ArrayLike, "n heads _d_k"],
     v: Float[ArrayLike, "_n _heads d_v"],
     *,
-    kv_mask: Bool[ArrayLike, "_n"] | None = None,
+    kv_mask: Bool[ArrayLike, " _n"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "_n packed heads d_v"]:
     """Luna's causal pack (Ma et al. 2021, section 3.4, as the authors' fairseq code):
@@ -139,8 +140,8 @@ def luna_causal_pack(
 
 
 def funnel_pool(
-    x: Float[ArrayLike, "n *rest"], stride: int = 2, mask: Bool[ArrayLike, "_n"] | None = None
-) -> tuple[Float[Array, "pooled *rest"], Bool[Array, "pooled"]]:
+    x: Float[ArrayLike, " n *rest"], stride: int = 2, mask: Bool[ArrayLike, " _n"] | None = None
+) -> tuple[Float[Array, " pooled *rest"], Bool[Array, " pooled"]]:
     """Funnel Transformer's strided mean pooling along the sequence (Dai et al., 2020):
     windows of `stride` positions, averaged over real positions only; returns the pooled
     sequence `[ceil(n / stride), ...]` and its mask (a window is real if any position is).
@@ -164,7 +165,7 @@ def funnel_attention(
     v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     stride: int = 2,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "pooled heads d_v"]:
     """Funnel attention: queries mean-pooled by `stride` attend the full keys and values,

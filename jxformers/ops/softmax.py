@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float
+from jaxtyping import Array, Bool, Float
 
+from jxformers._typing import ArrayLike
 from jxformers.decoding import kv_cache
 from jxformers.kernels import IMPLS, choose_kernel
 from jxformers.kernels import pattern as kp
@@ -58,7 +59,7 @@ def softmax_attention(
     v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
     mask: Bool[ArrayLike, "_q_len _kv_len"] | None = None,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     bias: Float[ArrayLike, "_q_len _kv_len"] | Float[ArrayLike, "_heads _q_len _kv_len"] | Alibi | None = None,
     causal: bool = False,
     scale: float | None = None,
@@ -148,7 +149,7 @@ def chunked_attention(
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],
     v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
-    kv_mask: Bool[ArrayLike, "_kv_len"] | None = None,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     causal: bool = False,
     chunk_size: int = 512,
     scale: float | None = None,

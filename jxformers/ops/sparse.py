@@ -17,8 +17,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
+from jxformers.kernels import IMPLS, choose_kernel
+from jxformers.kernels import pattern as kp
+from jxformers.kernels.flash import BlockSizes, merge_attentions, pattern_attention
 from jxformers.ops._common import (
     attend_parts,
     block_part,
@@ -40,9 +44,6 @@ from jxformers.ops._common import (
     window_block,
     zero_padded,
 )
-from jxformers.kernels import IMPLS, choose_kernel
-from jxformers.kernels import pattern as kp
-from jxformers.kernels.flash import BlockSizes, merge_attentions, pattern_attention
 from jxformers.ops.local import IMPL_DOC
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import TokenInputs, register
@@ -59,7 +60,7 @@ def sparse_transformer_attention(
     pattern: str = "strided",
     num_summary: int = 1,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
     impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
@@ -257,7 +258,7 @@ def _global_projections(q, k, v, global_q, global_k, global_v):
         return q, k, v
     if not all(given):
         raise ValueError("global_q, global_k and global_v go together (Longformer's Q_g, K_g, V_g); "
-                         f"got only {[n for n, g in zip(('global_q', 'global_k', 'global_v'), given) if g]}")
+                         f"got only {[n for n, g in zip(('global_q', 'global_k', 'global_v'), given, strict=True) if g]}")
     for name, x, like in (("global_q", global_q, q), ("global_k", global_k, k), ("global_v", global_v, v)):
         if jnp.shape(x) != jnp.shape(like):
             raise ValueError(f"{name} must have the shape of its local projection {jnp.shape(like)}; got {jnp.shape(x)}")
@@ -271,12 +272,12 @@ def longformer_attention(
     *,
     window: int = 128,
     dilation: int = 1,
-    global_indices: Int[ArrayLike, "num_global"] | Sequence[int] = (0,),
+    global_indices: Int[ArrayLike, " num_global"] | Sequence[int] = (0,),
     global_q: Float[ArrayLike, "_seq _heads _d_k"] | None = None,
     global_k: Float[ArrayLike, "_seq _kv_heads _d_k"] | None = None,
     global_v: Float[ArrayLike, "_seq _kv_heads _d_v"] | None = None,
     causal: bool = False,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
     impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
@@ -402,7 +403,7 @@ def longformer_global_params(key: PRNGKeyArray, *, d_model: int, heads: int, kv_
     bound = 1.0 / math.sqrt(d_model)
     shapes = {"global_q": (heads, d_k), "global_k": (kv_heads, d_k), "global_v": (kv_heads, d_v)}
     params = {}
-    for (name, shape), k in zip(shapes.items(), jax.random.split(key, 3)):
+    for (name, shape), k in zip(shapes.items(), jax.random.split(key, 3), strict=True):
         kw, kb = jax.random.split(k)
         params[name + "_w"] = jax.random.uniform(kw, (d_model, *shape), minval=-bound, maxval=bound)
         params[name + "_b"] = jax.random.uniform(kb, shape, minval=-bound, maxval=bound)
@@ -492,7 +493,7 @@ def bigbird_attention(
     num_random_blocks: int = 3,
     num_window_blocks: int = 3,
     num_global_blocks: int = 2,
-    kv_mask: Bool[ArrayLike, "_seq"] | None = None,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
     impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:

@@ -55,7 +55,7 @@ def bert_config(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     if overrides.get("pooling") == "cls":
         raise ValueError("pooling 'cls' would prepend a new CLS token and shift BERT's positions; the tokenizer's "
                          "[CLS] is token 0 already: use pooling 'mean' (MiniLM's sentence embedding) or 'pma'")
-    values = dict(
+    values: dict[str, Any] = dict(
         task="classify", vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
         num_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"], max_len=positions, ffn=ACTIVATIONS[act],
         position="learned", norm="layernorm", norm_placement="post", pooling="mean", dropout=0.0, embed_scale=False,

@@ -163,7 +163,7 @@ def table(rows: list[Row], base_label: str = "softmax") -> str:
     for r in rows:
         b = base.get(r.length)
 
-        def ratio(x, y):
+        def ratio(x, y, b=b):
             return f"{x / y:.2f}" if b and y else "-"
 
         lines.append(
@@ -179,7 +179,7 @@ def table(rows: list[Row], base_label: str = "softmax") -> str:
 
 def provenance(command: str) -> str:
     """The Command, Machine and Date lines every benchmark report starts with."""
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"Command: `{command}`  \nMachine: {machine()}  \nDate: {when}  \n"
 
 

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ LENGTHS = (1024, 2048, 3072, 4096)
 # The paper's batch per length (He et al. 2023, section 5.1.2: 32, and 16 at 4K for vanilla's memory).
 PAPER_BATCH = {4096: 16}
 DEFAULT_BATCH = 32
-TEXT_MODEL = dict(task="classify", vocab_size=256, num_classes=2, num_layers=4, d_model=256, num_heads=4,
+TEXT_MODEL: dict[str, Any] = dict(task="classify", vocab_size=256, num_classes=2, num_layers=4, d_model=256, num_heads=4,
                   ffn={"kind": "gelu", "d_ff": 1024}, embedding={"position": "sinusoidal"}, head="mean", dropout=0.1)
 BASELINE = "vanilla"
 MODELS = {BASELINE: {}, "fourier_transformer": {"stack": {"filters": {0: 0.2}}}}

@@ -290,7 +290,7 @@ def _data(rest: list[str]) -> int:
 
     from jxformers.data.cache import build_split
 
-    specs = dict(zip(SPLITS, experiment.sources(generated=True)))
+    specs = dict(zip(SPLITS, experiment.sources(generated=True), strict=True))
     try:
         for split in args.split or SPLITS:
             out = build_split(specs[split], pathlib.Path(args.out) / split, processes=args.processes,

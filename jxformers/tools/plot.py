@@ -34,8 +34,8 @@ def plot_runs(workdirs, out: str | pathlib.Path, *, metrics=DEFAULT_METRICS, lab
     runs = [read_metrics(w) for w in workdirs]
     labels = labels or [pathlib.Path(w).name for w in workdirs]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
-        for run, label in zip(runs, labels):
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        for run, label in zip(runs, labels, strict=True):
             if metric in run:
                 steps = sorted(run[metric])
                 ax.plot(steps, [run[metric][s] for s in steps], label=label, marker="." if len(steps) < 30 else None)

@@ -18,6 +18,7 @@ work starts: unknown keys and ill-typed values are ValueErrors that list what ex
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -196,7 +197,7 @@ class Experiment:
             return specs
         from jxformers.data.cache import read_split
 
-        return tuple(read_split(d.path, split, spec) for split, spec in zip(SPLITS, specs))
+        return tuple(read_split(d.path, split, spec) for split, spec in zip(SPLITS, specs, strict=True))
 
 
 def _deep_merge(base: dict, extra: Mapping) -> dict:
@@ -238,10 +239,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parsed = read_yaml(value, f"--set {text}") if value.strip() else ""
     _check_flow_mapping(parsed, text)
     if isinstance(parsed, str):  # YAML 1.1 reads 1e-3 as a string; a number is meant
-        try:
+        with contextlib.suppress(ValueError):
             parsed = float(parsed)
-        except ValueError:
-            pass
     return path, parsed
 
 

@@ -29,8 +29,8 @@ import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from jxformers.nn import build_model, trainable
-from jxformers.train.recurrent import init_train_memory
 from jxformers.train.optim import make_optimizer
+from jxformers.train.recurrent import init_train_memory
 
 
 class TrainState(eqx.Module):

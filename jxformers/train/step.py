@@ -163,7 +163,7 @@ def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_mod
     total = correct = count = 0.0
     if hasattr(eval_step, "reset"):  # a step carrying memory starts each evaluation empty
         eval_step.reset()
-    for _, batch in zip(range(batches), loader):
+    for _, batch in zip(range(batches), loader, strict=False):
         t, c, n = (float(x) for x in eval_step(state, batch))
         total, correct, count = total + t, correct + c, count + n
     out = {"eval_loss": total / max(count, 1.0), "eval_accuracy": correct / max(count, 1.0)}
