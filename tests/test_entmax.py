@@ -172,7 +172,7 @@ def test_alpha_is_a_learned_parameter_that_a_train_step_moves():
     new_state, metrics = make_train_step(static, optimizer, grad_accum=1)(state, batch)
     assert bool(metrics["finite"])
     after = [np.asarray(a.arrays["alpha_logit"]) for a in nn.attention_modules(new_state.model(static))]
-    for b, a in zip(before, after):
+    for b, a in zip(before, after, strict=True):
         assert b.shape == (2,) and np.all(b == 0.0)  # alpha = 1.5 at the start: a = logit(0.5) = 0
         assert np.all(a != b)  # every head's alpha moved
 

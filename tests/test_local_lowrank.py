@@ -82,7 +82,7 @@ def random_arrays(name, seed=7, **hp):
     """The attention's arrays with every entry random (LayerNorm gains and biases too)."""
     made = arrays_for(name, **hp)
     keys = jax.random.split(jax.random.key(seed), len(made))
-    return {n: x + 0.3 * jax.random.normal(kk, x.shape) for kk, (n, x) in zip(keys, sorted(made.items()))}
+    return {n: x + 0.3 * jax.random.normal(kk, x.shape) for kk, (n, x) in zip(keys, sorted(made.items()), strict=True)}
 
 
 @pytest.mark.parametrize("causal", [False, True])

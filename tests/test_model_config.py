@@ -12,6 +12,9 @@ import pytest
 import yaml
 
 from jxformers.nn import build_model
+from jxformers.nn import moe as moe_lib
+from jxformers.nn import pkm as pkm_lib
+from jxformers.nn import tokenlearner as tokenlearner_lib
 from jxformers.nn.config import (
     FlatConfigWarning,
     ModelConfig,
@@ -21,7 +24,6 @@ from jxformers.nn.config import (
     TransformerStack,
     legacy,
 )
-from jxformers.nn import moe as moe_lib, pkm as pkm_lib, tokenlearner as tokenlearner_lib
 
 SMALL = dict(vocab_size=29, num_layers=2, d_model=16, num_heads=2, max_len=16)
 
@@ -132,8 +134,8 @@ def test_component_dataclasses_are_accepted_and_defaults_are_written_once():
     with pytest.raises(ValueError, match="no reversible wiring"):
         ModelConfig(task="lm", stack=TransformerStack(reversible=True), ffn=MoEConfig(num_experts=2))
     # The modules' keyword defaults are their config dataclasses' defaults.
-    assert moe_lib.SETTINGS == {k: v for k, v in MoEConfig().settings().items()}
-    assert pkm_lib.SETTINGS == {k: v for k, v in PKMConfig(num_keys=8).settings().items() if k != "num_keys"}
+    assert {k: v for k, v in MoEConfig().settings().items()} == moe_lib.SETTINGS
+    assert {k: v for k, v in PKMConfig(num_keys=8).settings().items() if k != "num_keys"} == pkm_lib.SETTINGS
     assert {k: v for k, v in tokenlearner_lib.SETTINGS.items() if v is not None} == {
         "fuse": TokenLearnerConfig.fuse, "maps": TokenLearnerConfig.maps, "bottleneck": TokenLearnerConfig.bottleneck}
 

@@ -13,7 +13,6 @@ from conftest import assert_close
 
 import jxformers
 from jxformers import ModelConfig, build_model, ops
-from jxformers.nn.config import FlatConfigWarning
 from jxformers.nn import (
     Attention,
     FeedForward,
@@ -25,6 +24,7 @@ from jxformers.nn import (
     t5_buckets,
     trainable,
 )
+from jxformers.nn.config import FlatConfigWarning
 from jxformers.ops import fourier_downsample
 
 TINY = dict(vocab_size=29, num_layers=2, d_model=16, num_heads=4, d_ff=24, max_len=48)

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import pytest
 import yaml
 
-from jxformers.tools import cli
 from jxformers.nn.config import FlatConfigWarning
+from jxformers.tools import cli
 from jxformers.train import NonFiniteError, load_experiment, make_optimizer, train
 from jxformers.train.experiment import EXPERIMENTS_DIR
 from jxformers.train.optim import decay_mask, learning_rate_schedule

@@ -71,7 +71,6 @@ import dataclasses
 import math
 import typing
 from collections.abc import Callable
-from typing import Any
 
 import equinox as eqx
 import jax

@@ -26,15 +26,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from jxformers.validate import check_fields, defaults, setting
 from jxformers.nn.layers import Linear, _lift
+from jxformers.validate import check_fields, defaults, setting
 
 
 @typing.no_type_check  # values come from users' YAML: check_fields names the key instead

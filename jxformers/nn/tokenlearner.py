@@ -131,7 +131,7 @@ class TokenLearnerConfig:
 
 
 # TokenLearnerStage's settings and defaults (None: required), read from TokenLearnerConfig.
-SETTINGS = {f.name: None for f in dataclasses.fields(TokenLearnerConfig)} | defaults(TokenLearnerConfig)
+SETTINGS: dict[str, Any] = {f.name: None for f in dataclasses.fields(TokenLearnerConfig)} | defaults(TokenLearnerConfig)
 
 
 def check_settings(settings: Mapping[str, Any], *, num_layers: int, prefix: str = "") -> dict[str, Any]:

@@ -26,25 +26,19 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
 """
 
 # isort: off  (the order below is the registry's order)
-from jxformers.ops.softmax import causal_mask, chunked_attention, softmax_attention
-from jxformers.ops.local import (
-    block_local_attention,
-    block_raster_coordinates,
-    block_raster_order,
-    dilated_attention,
-    image_local_2d_attention,
-    local_attention,
-)
-from jxformers.ops.sparse import (
-    bigbird_attention,
-    bigbird_global_blocks,
-    bigbird_random_blocks,
-    longformer_attention,
-    sparse_transformer_attention,
-)
-from jxformers.ops.global_local import etc_arrays, etc_attention, etc_relative_labels
 from jxformers.ops.axial import axial_attention
 from jxformers.ops.compressed import compress_memory, memory_compressed_attention
+from jxformers.ops.entmax import adaptive_sparse_arrays, adaptive_sparse_attention, entmax, head_alpha, sparsemax
+from jxformers.ops.fourier import (
+    dct,
+    fnet_attention,
+    fnet_mixing,
+    fourier_downsample,
+    fourier_downsample_padded,
+    idct,
+    nearest_upsample,
+)
+from jxformers.ops.global_local import etc_arrays, etc_attention, etc_relative_labels
 from jxformers.ops.kernelized import (
     kernel_attention,
     linear_attention,
@@ -54,6 +48,28 @@ from jxformers.ops.kernelized import (
     rfa_attention,
     rfa_features,
 )
+from jxformers.ops.learnable import (
+    clusterformer_attention,
+    kmeans_centroids,
+    kmeans_update,
+    lsh_arrays,
+    lsh_attention,
+    lsh_buckets,
+    routing_attention,
+    sinkhorn_arrays,
+    sinkhorn_attention,
+    sinkhorn_balance,
+)
+from jxformers.ops.local import (
+    block_local_attention,
+    block_raster_coordinates,
+    block_raster_order,
+    dilated_attention,
+    image_local_2d_attention,
+    local_attention,
+)
+from jxformers.ops.local_lowrank import dual_layer_norm, dynamic_projection, long_short_arrays, long_short_attention
+from jxformers.ops.local_pooling import pool_keys, poolingformer_arrays, poolingformer_attention
 from jxformers.ops.lowrank import (
     iterative_pinv,
     linformer_attention,
@@ -69,30 +85,15 @@ from jxformers.ops.memory import (
     latent_attention,
     luna_causal_pack,
 )
-from jxformers.ops.learnable import (
-    clusterformer_attention,
-    kmeans_centroids,
-    kmeans_update,
-    lsh_arrays,
-    lsh_attention,
-    lsh_buckets,
-    routing_attention,
-    sinkhorn_arrays,
-    sinkhorn_attention,
-    sinkhorn_balance,
+from jxformers.ops.softmax import causal_mask, chunked_attention, softmax_attention
+from jxformers.ops.sparse import (
+    bigbird_attention,
+    bigbird_global_blocks,
+    bigbird_random_blocks,
+    longformer_attention,
+    sparse_transformer_attention,
 )
-from jxformers.ops.entmax import adaptive_sparse_arrays, adaptive_sparse_attention, entmax, head_alpha, sparsemax
-from jxformers.ops.local_lowrank import dual_layer_norm, dynamic_projection, long_short_arrays, long_short_attention
-from jxformers.ops.local_pooling import pool_keys, poolingformer_arrays, poolingformer_attention
-from jxformers.ops.fourier import (
-    dct,
-    fnet_attention,
-    fnet_mixing,
-    fourier_downsample,
-    fourier_downsample_padded,
-    idct,
-    nearest_upsample,
-)
+
 # isort: on
 
 __all__ = [

@@ -20,8 +20,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
 from jxformers.decoding import KVCache, cache_append, full_cache_init
 from jxformers.ops._common import (
     check_mask_shape,

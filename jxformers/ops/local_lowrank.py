@@ -18,8 +18,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
 from jxformers.decoding import KVCache, cache_append, full_cache_init
 from jxformers.ops._common import (
     Part,
@@ -79,7 +80,7 @@ def dynamic_projection(
     """Transformer-LS's dynamic projection of each segment: P = softmax(K W_P) over the
     segment's (real) positions `[l, rank]` per head, K_bar = P^T K and V_bar = P^T V."""
     s = einsum_f32("slhd,hdr->slhr", k, proj_w)
-    p = _masked_softmax_over(s, real[:, :, None, None], axis=1)
+    p = _masked_softmax_over(s, jnp.asarray(real)[:, :, None, None], axis=1)
     return einsum_f32("slhr,slhd->srhd", p, k), einsum_f32("slhr,slhd->srhd", p, v)
 
 
@@ -180,6 +181,7 @@ def long_short_attention(
     near_mask = (k_pos >= start - half) & (k_pos < start + window + half) & rb  # [blocks, 3w]
     near_mask = jnp.broadcast_to(near_mask[:, None, :], (length // window, window, 3 * window))
     near = block_part(to_blocks(qg, window), kb, vb, near_mask, sc)
+    assert proj_w is not None  # checked above; for the type checker
     kbar, vbar = dynamic_projection(k[None], v[None], real[None], proj_w)
     kbar, vbar = dual_layer_norm(kbar[0], ln_proj_k), dual_layer_norm(vbar[0], ln_proj_v)
     any_real = jnp.broadcast_to(jnp.any(real), (length, kbar.shape[0]))

@@ -15,8 +15,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
     attend_parts,
     block_part,
@@ -122,6 +123,7 @@ def poolingformer_attention(
                              f"got {tuple(w.shape)}")
     y = local_attention(q, k, v, window=window, kv_mask=kv_mask, scale=scale, impl="xla").astype(jnp.float32)
     flat = y.reshape(n, heads * d_v)
+    assert level2_q is not None and level2_k is not None and level2_v is not None  # checked above; for the checker
     q2, k2, v2 = (einsum_f32("nc,chd->nhd", flat, w) for w in (level2_q, level2_k, level2_v))
     # Query blocks of `block` tokens (a multiple of the stride, >= pool_window) see the
     # pooled slots of their own block and the blocks either side.

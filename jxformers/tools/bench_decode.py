@@ -60,7 +60,7 @@ class Row:
 def _model(method: Method, length: int, d_model: int, layers: int):
     config = ModelConfig(
         task="lm", vocab_size=256, num_layers=layers, d_model=d_model, num_heads=4, max_len=length,
-        attention={"name": method.attention, **method.attention_kwargs}, embedding={"position": "rope"},
+        attention={"name": method.attention, **dict(method.attention_kwargs)}, embedding={"position": "rope"},
     )
     return build_model(config, key=jax.random.key(0))
 

@@ -23,6 +23,8 @@ commands:
   demo      train softmax, linear and Fourier-Transformer models on tiny ListOps and compare
   convert   a BERT checkpoint (config.json + model.safetensors) to a jxformers model: convert BERT_DIR --out DIR
   compare   train an experiment once per registered attention; one table and one plot (--help)
+  describe  what an experiment key means: type, default, allowed values, doc: describe [KEY]
+  schema    the JSON Schema of an experiment file, for editors
 """
 
 
@@ -366,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         print(registry.table())
         print(architectures_table())
         return 0
+    if command in ("describe", "schema"):
+        from jxformers.tools import describe
+
+        return (describe.describe_main if command == "describe" else describe.schema_main)(rest)
     if command == "bench":
         from jxformers.tools import bench
 

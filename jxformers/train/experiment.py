@@ -30,13 +30,12 @@ from typing import Any
 
 import yaml
 
-from jxformers import registry
 from jxformers.data import make_source
 from jxformers.nn import ModelConfig
 from jxformers.nn.config import legacy
 from jxformers.train.optim import OPTIMIZERS, SCHEDULES
 from jxformers.train.recurrent import check_experiment as check_recurrent
-from jxformers.validate import check_at_least, check_fields, from_mapping
+from jxformers.validate import check_at_least, check_fields, from_mapping, setting
 
 # Shipped with the package (package data), so an installed wheel has them too.
 EXPERIMENTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments"
@@ -61,13 +60,13 @@ class DataConfig(_Section):
     splits built by `jxformers data build` to read instead of generating (the same
     records either way)."""
 
-    task: str = "listops"
-    train_size: int = 96_000
-    eval_size: int = 2_000
-    seed: int = 0
-    settings: dict = dataclasses.field(default_factory=dict)
-    workers: int = 0
-    path: str | None = None
+    task: str = setting("listops", "the data task (`jxformers data list`)")
+    train_size: int = setting(96_000, "examples in the training split")
+    eval_size: int = setting(2_000, "examples in the evaluation split")
+    seed: int = setting(0, "the training split's seed (evaluation: seed + 1)")
+    settings: dict = setting(factory=dict, doc="the task's own settings (max_len, ...), checked by its source")
+    workers: int = setting(0, "grain worker processes making records (0: the training process)")
+    path: str | None = setting(None, "a directory of splits built by `jxformers data build`, read instead")
 
     def __post_init__(self):
         check_fields(self, "data.")
@@ -90,25 +89,24 @@ class TrainConfig(_Section):
     call). BigBird's random pattern is drawn once and never redrawn (its paper's code
     seeds it per layer)."""
 
-    steps: int = 1000
-    batch_size: int = 32
-    optimizer: str = "adamw"
-    learning_rate: float = 1e-3
-    warmup_steps: int = 100
-    schedule: str = "cosine"
-    weight_decay: float = 0.01
-    clip_norm: float | None = 1.0
-    grad_accum: int = 1
-    eval_every: int = 500
-    eval_batches: int = 8
-    log_every: int = 10
-    seed: int = 0
-    on_nonfinite: str = "stop"
-    redraw_every: int = 1000
+    steps: int = setting(1000, "optimizer steps")
+    batch_size: int = setting(32, "examples per step (all devices)")
+    optimizer: str = setting("adamw", "the optimizer", choices=OPTIMIZERS)
+    learning_rate: float = setting(1e-3, "peak learning rate, > 0")
+    warmup_steps: int = setting(100, "linear warm-up steps from 0")
+    schedule: str = setting("cosine", "the decay after warm-up", choices=SCHEDULES)
+    weight_decay: float = setting(0.01, "decoupled weight decay (not on norms, biases, embeddings)")
+    clip_norm: float | None = setting(1.0, "global gradient norm clipping (0 or null: none)")
+    grad_accum: int = setting(1, "micro-batches per step (divides batch_size)")
+    eval_every: int = setting(500, "evaluate every this many steps")
+    eval_batches: int = setting(8, "batches per evaluation")
+    log_every: int = setting(10, "log metrics every this many steps")
+    seed: int = setting(0, "parameters, dropout and drawn arrays")
+    on_nonfinite: str = setting("stop", "a NaN or inf loss: stop (raise) or skip the update", choices=("stop", "skip"))
+    redraw_every: int = setting(1000, "redraw Performer's and RFA's features every this many steps (0: never)")
 
     def __post_init__(self):
-        check_fields(self, "train.", {"optimizer": OPTIMIZERS, "schedule": SCHEDULES,
-                                      "on_nonfinite": ("stop", "skip")})
+        check_fields(self, "train.")
         check_at_least(self, "train.", 1, "steps", "batch_size", "grad_accum", "eval_every", "eval_batches",
                        "log_every")
         check_at_least(self, "train.", 0, "warmup_steps", "redraw_every", "weight_decay")
@@ -127,15 +125,15 @@ class CheckpointConfig(_Section):
     """The `checkpoint` section: save every `every` steps, keep the latest `keep` plus
     the best by `best_metric` (`best_mode` max or min), saving asynchronously or not."""
 
-    every: int = 500
-    keep: int = 3
-    best_metric: str = "eval_accuracy"
-    best_mode: str = "max"
-    async_save: bool = True
+    every: int = setting(500, "save every this many steps")
+    keep: int = setting(3, "the latest checkpoints kept (the best is kept too)")
+    best_metric: str = setting("eval_accuracy", "the metric that picks the best checkpoint",
+                               choices=("eval_accuracy", "eval_loss"))
+    best_mode: str = setting("max", "whether the best is the highest or the lowest", choices=("max", "min"))
+    async_save: bool = setting(True, "save in the background while training goes on")
 
     def __post_init__(self):
-        check_fields(self, "checkpoint.", {"best_metric": ("eval_accuracy", "eval_loss"),
-                                           "best_mode": ("max", "min")})
+        check_fields(self, "checkpoint.")
         check_at_least(self, "checkpoint.", 1, "every", "keep")
 
 
@@ -153,10 +151,10 @@ class MeshConfig(_Section):
     unsharded run). The product must equal the device count, checked when the run
     starts (the count is not known before)."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-    expert: int = 1
+    data: int = setting(-1, "devices the batch is split over (-1: the devices the other axes leave)")
+    fsdp: int = setting(1, "devices the batch and each parameter are split over (fully sharded)")
+    tensor: int = setting(1, "devices attention heads and feed-forward units are split over")
+    expert: int = setting(1, "devices MoE experts are split over")
 
     def __post_init__(self):
         check_fields(self, "mesh.")

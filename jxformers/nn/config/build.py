@@ -12,14 +12,16 @@ import jax
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import Block
 from jxformers.nn.config.components import (
-    RECURRENT_STACKS,
+    CompressiveStack,
     FeedForwardConfig,
     FFNConfig,
     ISABStack,
     LunaStack,
     MixtureHead,
     PerceiverStack,
+    PooledHead,
     TransformerStack,
+    TransformerXLStack,
     d_ff,
 )
 from jxformers.nn.config.model import ModelConfig
@@ -102,7 +104,7 @@ def _stack(config: ModelConfig, *, causal: bool, key, pooled: frozenset[int] = f
 
 
 def _pma(config: ModelConfig, key) -> PMA | None:
-    if config.head.kind != "pma":
+    if not isinstance(config.head, PooledHead) or config.head.kind != "pma":
         return None
     dense = _dense(config)
     return PMA(config.d_model, config.num_heads, num_seeds=config.head.pma_seeds, d_ff=dense["d_ff"],
@@ -123,6 +125,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
     stack, norm, embed = config.stack, config.norm, config.embedding
 
     def embedding(k, causal):
+        assert embed.position is not None  # ModelConfig resolves it from the stack
         positions = Positions(embed.position, dim=config.d_model, heads=config.num_heads, max_len=config.max_len,
                               causal=causal, key=k)
         kt, _ = jax.random.split(k)
@@ -147,15 +150,13 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
                 cross_attends=stack.cross_attends, d_ff=dense["d_ff"], ffn=dense["ffn"], norm_kind=norm.kind,
                 pre_norm=dense["pre_norm"], dropout=config.dropout, max_len=config.max_len, key=keys[2],
             )
-        transformer = isinstance(stack, TransformerStack)
-        filters = stack.filters if transformer else {}
-        pooled = frozenset(filters) if transformer and stack.downsample == "funnel" else frozenset()
+        transformer = stack if isinstance(stack, TransformerStack) else TransformerStack()  # isab, luna: none
+        pooled = frozenset(transformer.filters) if transformer.downsample == "funnel" else frozenset()
         return Encoder(
             embedding(keys[0], False), _stack(config, causal=False, key=keys[1], pooled=pooled),
             make_norm(norm.kind, config.d_model, norm.eps) if norm.final else None,
-            max_len=config.max_len, use_cls=use_cls, filters=filters,
-            downsample=stack.downsample if transformer else "fourier",
-            reversible=transformer and stack.reversible, token_learner=token_learner(), key=keys[2],
+            max_len=config.max_len, use_cls=use_cls, filters=transformer.filters, downsample=transformer.downsample,
+            reversible=transformer.reversible, token_learner=token_learner(), key=keys[2],
         )
 
     def decoder(layers, cross):
@@ -163,7 +164,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         if isinstance(config.head, MixtureHead) and not cross:
             head = MixtureOfLogistics(config.d_model, config.vocab_size, config.head.components,
                                       key=jax.random.fold_in(keys[5], 1))
-        blocks = _blocks(config, layers, causal=True, cross=True, key=keys[4]) if cross else \
+        blocks: list[Any] = _blocks(config, layers, causal=True, cross=True, key=keys[4]) if cross else \
             _stack(config, causal=True, key=keys[4])
         return LanguageModel(
             embedding(keys[3], True), blocks, make_norm(norm.kind, config.d_model, norm.eps), max_len=config.max_len,
@@ -171,19 +172,22 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             head=head, key=keys[5],
         )
 
-    if stack.kind in RECURRENT_STACKS:
-        compressive = stack.kind == "compressive"
-        dense = _dense(config)
+    if isinstance(stack, (TransformerXLStack, CompressiveStack)):
+        compressive = stack if isinstance(stack, CompressiveStack) else None
         return RecurrentLM(
-            config.vocab_size, config.d_model, config.num_heads, config.num_layers, **dense,
-            mem_len=stack.mem_len, eval_mem_len=stack.eval_mem_len, cmem_len=stack.cmem_len if compressive else 0,
-            compression=stack.compression if compressive else "conv", rate=stack.compression_rate if compressive else 1,
-            max_len=config.max_len, tie=config.head.tie_embeddings, dtype=config.dtype, key=keys[4],
+            config.vocab_size, config.d_model, config.num_heads, config.num_layers, **_dense(config),
+            mem_len=stack.mem_len, eval_mem_len=stack.eval_mem_len, cmem_len=compressive.cmem_len if compressive else 0,
+            compression=compressive.compression if compressive else "conv",
+            rate=compressive.compression_rate if compressive else 1, max_len=config.max_len,
+            tie=getattr(config.head, "tie_embeddings", True), dtype=config.dtype, key=keys[4],
         )
     if config.task == "lm":
         return decoder(config.num_layers, cross=False)
     if config.task == "seq2seq":
-        return EncoderDecoder(encoder(False), decoder(config.decoder_layers, cross=True))
+        source = encoder(False)
+        assert isinstance(source, Encoder)  # seq2seq: a transformer stack (STACKS)
+        return EncoderDecoder(source, decoder(config.decoder_layers, cross=True))
+    assert isinstance(config.head, PooledHead)  # ModelConfig gives encoder tasks a pooled head
     tower = Classifier(encoder(config.head.kind == "cls"), config.num_classes, pooling=config.head.kind,
                        pma=_pma(config, jax.random.fold_in(keys[6], 1)), key=keys[6])
     if config.task == "classify":

@@ -33,7 +33,6 @@ from jxformers.nn.config.components import (
     FeedForwardConfig,
     FFNConfig,
     HeadConfig,
-    LayerConfig,
     MixtureHead,
     NormConfig,
     PooledHead,
@@ -54,6 +53,13 @@ TASKS = ("classify", "retrieval", "lm", "seq2seq")
 ENCODER_TASKS = ("classify", "retrieval")
 DTYPES = ("float32", "bfloat16", "float16")
 _NORMS = {kind: NormConfig for kind in NORM_KINDS}
+
+
+class BlockConfig(typing.NamedTuple):
+    """One block's attention and FFN, its overrides applied (`ModelConfig.layer`)."""
+
+    attention: AttentionConfig
+    ffn: FFNConfig
 
 
 @typing.no_type_check  # values come from users' YAML: check_fields names the key instead
@@ -89,6 +95,9 @@ class ModelConfig:
     decoder: DecoderConfig | None = setting(None, "the decoder of task seq2seq (None: its defaults there)")
     head: HeadConfig | None = setting(None, "the output head (None: the task's, cls pooling or a softmax)")
 
+    if typing.TYPE_CHECKING:  # set by __post_init__, not a setting
+        _bound: tuple[registry.BoundAttention, ...]
+
     def __init__(self, **values: Any):
         flat = legacy.flat_keys(values)
         if flat:
@@ -104,7 +113,7 @@ class ModelConfig:
             elif f.default is not dataclasses.MISSING:
                 value = f.default
             else:
-                value = f.default_factory()
+                value = typing.cast(Any, f.default_factory)()
             object.__setattr__(self, f.name, value)
         self.__post_init__()
 
@@ -174,10 +183,10 @@ class ModelConfig:
     def _blocks(self) -> int:
         return max(self.num_layers, self.decoder_layers if self.task == "seq2seq" else 0)
 
-    def layer(self, index: int) -> LayerConfig:
+    def layer(self, index: int) -> BlockConfig:
         """Block `index`'s attention and FFN, overrides applied."""
         override = self.stack.layer_overrides.get(index) if isinstance(self.stack, TransformerStack) else None
-        return LayerConfig(attention=(override and override.attention) or self.attention,
+        return BlockConfig(attention=(override and override.attention) or self.attention,
                            ffn=(override and override.ffn) or self.ffn)
 
     def bound_attention(self, index: int) -> registry.BoundAttention:
@@ -246,7 +255,7 @@ class ModelConfig:
         elif position in BIAS_KINDS or position == "rope":
             raise ValueError(f"stack {kind!r} takes positions added to the embeddings (sinusoidal, learned) or none; "
                              f"got {position!r}")
-        if kind == "perceiver" and self.head.kind == "cls":
+        if kind == "perceiver" and getattr(self.head, "kind", None) == "cls":
             raise ValueError("a perceiver has no CLS token: pool its latents with head 'mean' (the paper's average) "
                              "or 'pma'")
 
@@ -279,6 +288,7 @@ class ModelConfig:
 
     def _check_head(self):
         head = self.head
+        assert head is not None  # resolved from the task in __post_init__
         if isinstance(head, PooledHead) != (self.task in ENCODER_TASKS):
             serves = "classify, retrieval" if isinstance(head, PooledHead) else "lm, seq2seq"
             raise ValueError(f"head {head.kind!r} serves tasks {serves}; got task {self.task!r}")
@@ -299,10 +309,10 @@ class ModelConfig:
                              f" got {self.ffn.kind!r}")
         if not sparse:
             return
-        kind = sparse[0].kind
-        if self.stack.reversible or self.task not in ("classify", "lm"):
+        kind, reversible = sparse[0].kind, getattr(self.stack, "reversible", False)
+        if reversible or self.task not in ("classify", "lm"):
             raise ValueError(f"ffn {kind!r} needs stack 'transformer', task classify or lm, and no reversible "
-                             f"wiring; got task {self.task!r}, reversible {self.stack.reversible}")
+                             f"wiring; got task {self.task!r}, reversible {reversible}")
         if not isinstance(self.ffn, FeedForwardConfig) and getattr(self.head, "kind", None) == "pma":
             raise ValueError(f"head 'pma' builds its own FeedForward of the model's ffn: with ffn {self.ffn.kind!r} "
                              f"make the model's ffn dense and put {self.ffn.kind!r} in blocks through "
