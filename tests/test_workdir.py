@@ -282,3 +282,13 @@ def test_ctrl_c_is_acknowledged_at_once_and_says_what_was_saved(tmp_path):
     assert seen["ack"] - sent < 5.0
     last = lines[-1][1]
     assert "nothing to save yet" in last or ("saved step" in last and "rerun to resume" in last)
+
+
+def test_an_impossible_mesh_is_refused_before_any_file_is_written(tmp_path, capsys):
+    config = write_config(tmp_path)
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"mesh \{.*'fsdp': 3.*devices"):
+        train(load_experiment(config, ["mesh.fsdp=3"]), run, progress=False)
+    assert not run.exists()
+    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "mesh.fsdp=3"]) == 1
+    assert "mesh" in capsys.readouterr().err and not run.exists()

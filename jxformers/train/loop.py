@@ -444,15 +444,17 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
     t, every = experiment.train, experiment.checkpoint.every
     with contextlib.ExitStack() as stack:
         signals = stack.enter_context(_Signals())  # first: a signal during setup is acknowledged too
-        changes = _prepare_workdir(experiment, workdir, stack)
+        # What can still fail once the config is valid (the model's constructors, a mesh the
+        # devices cannot form) fails here, before the work directory is touched.
         state, static, optimizer, schedule = init_train_state(experiment)
+        plan = sharding_plan(experiment, state, static)
+        changes = _prepare_workdir(experiment, workdir, stack)
         train_source, eval_source = experiment.sources()
         iterator = stack.enter_context(contextlib.closing(iter(make_loader(
             train_source, batch_size=_per_process(t.batch_size, "train.batch_size"), seed=t.seed, workers=experiment.data.workers,
             shuffle=not getattr(train_source, "stream", False)))))  # a stream's rows continue from batch to batch
         checkpointer = stack.enter_context(contextlib.closing(
             _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save)))
-        plan = sharding_plan(experiment, state, static)
         if plan is not None:  # the template on the mesh: a checkpoint restores onto it, whatever mesh saved it
             state = plan.place_state(state)
         state = _restore(checkpointer, state, iterator, training=True) or state
