@@ -9,7 +9,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean check-venv
+.PHONY: demo test lint docs bench clean check-venv
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jxformers needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
@@ -45,8 +45,16 @@ lint: check-venv $(VENV)/.stamp-dev
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/basedpyright --pythonpath $(BIN)/python
 
+# `make docs`: the documentation site (mkdocs.yml, docs/) built strictly into site/; CI runs it.
+$(VENV)/.stamp-docs: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	@touch $@
+
+docs: check-venv $(VENV)/.stamp-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+
 bench: $(VENV)/.stamp-run
 	$(BIN)/python scripts/bench_attention.py --out docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) .venv-3.* .pytest_cache .hypothesis .jax_cache
+	rm -rf $(VENV) .venv-3.* .pytest_cache .hypothesis .jax_cache site
