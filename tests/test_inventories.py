@@ -13,7 +13,7 @@ from jxformers.kernels import IMPLS
 
 ROOT = pathlib.Path(__file__).parents[1]
 PACKAGE = ROOT / "jxformers"
-SUBPACKAGES = sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
+SUBPACKAGES = sorted(p.parent for p in PACKAGE.rglob("*/__init__.py"))
 
 
 def docstring(path: pathlib.Path) -> str:
@@ -30,7 +30,9 @@ def named(text: str, module: str) -> bool:
 def test_each_package_docstring_names_its_files_and_only_them(package):
     text = docstring(package / "__init__.py")
     modules = sorted(p.stem for p in package.glob("*.py") if not p.name.startswith("_"))
+    subpackages = sorted(p.parent.name for p in package.glob("*/__init__.py"))
     assert not [m for m in modules if not named(text, m)], f"{package.name}/__init__.py's docstring omits these files"
+    assert not [s for s in subpackages if f"{s}/" not in text], f"{package.name}/__init__.py omits these subpackages"
     listed = set(re.findall(r"(?<![\w/.])(\w+)\.py\b", text))
     assert not listed - set(modules), f"{package.name}/__init__.py's docstring names files that are not there"
 

@@ -18,7 +18,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     moe_sharded.py  expert parallelism for MoE with `jax.shard_map`
     generation.py  generate: sampling a continuation with `lax.scan`
     trainable.py  which leaves an optimizer updates; redrawing or updating the drawn arrays
-    config.py     ModelConfig, build_model
+    config/       ModelConfig and its components, build_model
 """
 
 from jxformers.nn.attention import Attention, attention_modules, record_attention_inputs

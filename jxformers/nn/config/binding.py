@@ -68,7 +68,7 @@ def bind_attention(attention: AttentionConfig | str, max_len: int) -> registry.B
     """The attention bound with its hyper-parameters. The one that bounds the sequence
     length (the spec's `covers_length`, e.g. Linformer's `max_len`) defaults to the
     model's max_len and may not be smaller. The component's `impl` fills the op's `impl`;
-    an attention without a kernel refuses "pallas", "interpret" and "cudnn"."""
+        an attention without a kernel takes only the values of `IMPLS` that need none (auto, xla)."""
     attention = AttentionConfig.from_value(attention)
     name, impl = attention.name, attention.impl
     spec = registry.get(name)
