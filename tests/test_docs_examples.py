@@ -9,9 +9,12 @@ tests/test_readme.py, on their own and in the README's order, not again here."""
 
 import pathlib
 import re
+import warnings
 
 import pytest
 import yaml
+
+from jxformers.nn.config import FlatConfigWarning, legacy
 
 ROOT = pathlib.Path(__file__).parents[1]
 DOCS = ROOT / "docs"
@@ -49,7 +52,12 @@ IN_ORDER = [page for page in RUN if len(own_blocks(page)) > 1]
 
 
 def run(block: str, namespace: dict, where: str) -> None:
-    exec(compile(block, where, "exec"), namespace)
+    """Run one block; a FlatConfigWarning is an error: the pages show the component form
+    (the migration section of guide/config.md shows the flat form inside
+    `warnings.catch_warnings`, which sets its own filter)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlatConfigWarning)
+        exec(compile(block, where, "exec"), namespace)
 
 
 @pytest.mark.parametrize(("page", "index"), OWN, ids=[f"{page}-{i}" for page, i in OWN])
@@ -99,3 +107,11 @@ def test_site_pages_cite_papers_not_seed_files(page):
     """The project's source documents are not in the repository: a page names the paper
     (authors, year, title, arXiv id), never "seed 00N"."""
     assert not re.search(r"\bseed 0\d\d\b", expanded(page), flags=re.I), f"docs/{page} cites a seed file"
+
+
+def test_config_page_maps_every_flat_key_where_legacy_moves_it():
+    """guide/config.md's table of flat keys is jxformers.nn.config.legacy.MOVED, row for row."""
+    text = (DOCS / "guide" / "config.md").read_text()
+    table = text[text.index("| flat key | now |"):]
+    rows = dict(re.findall(r"^\| `([^`]+)` \| `([^`]+)` \|$", table, flags=re.M))
+    assert rows == legacy.MOVED

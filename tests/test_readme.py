@@ -5,15 +5,21 @@ runs) and its links lead somewhere."""
 
 import pathlib
 import re
+import warnings
 
 import pytest
+
+from jxformers.nn.config import FlatConfigWarning
 
 TEXT = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
 
 
 def run(block: str, namespace: dict, index: int) -> None:
-    exec(compile(block, f"README.md python block {index}", "exec"), namespace)
+    """Run one block; a FlatConfigWarning is an error: the README shows the component form."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlatConfigWarning)
+        exec(compile(block, f"README.md python block {index}", "exec"), namespace)
 
 
 def test_readme_shows_python_usage():

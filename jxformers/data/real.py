@@ -99,7 +99,7 @@ class FashionMNIST:
     @property
     def pixel_values(self) -> bool:
         """Whether a language model's tokens 0..255 are pixel intensities (what an
-        `output_head: mixture_of_logistics` models)."""
+        `head: mixture_of_logistics` models)."""
         return self.mode == "generate"
 
     @property

@@ -10,7 +10,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     set_transformer.py  MAB, ISAB, PMA (Set Transformer)
     luna.py       LunaBlock, LunaStack (Luna, with its causal form)
     perceiver.py  PerceiverEncoder (Perceiver)
-    tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig token_learner)
+    tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig stack.token_learner)
     recurrent.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
     reversible.py  reversible residual blocks (Reformer's wiring)
     models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
@@ -18,7 +18,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     moe_sharded.py  expert parallelism for MoE with `jax.shard_map`
     generation.py  generate: sampling a continuation with `lax.scan`
     trainable.py  which leaves an optimizer updates; redrawing or updating the drawn arrays
-    config/       ModelConfig and its components, build_model
+    config/       ModelConfig and its components (attention, embedding, norm, ffn, stack,
+                  decoder, head), build_model; the flat keys of earlier versions converted
 """
 
 from jxformers.nn.attention import Attention, attention_modules, record_attention_inputs

@@ -18,7 +18,7 @@ the learned P (as the authors' decoder, whose P only the encoder attention updat
 Decoding is recurrent: each layer keeps its running pack sum, O(l d) per token.
 
 `LunaStack` is one element of an `Encoder`'s or `LanguageModel`'s blocks (ModelConfig
-architecture="luna").
+stack "luna").
 """
 
 from __future__ import annotations

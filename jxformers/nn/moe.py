@@ -60,8 +60,8 @@ a model adds to its training loss). Expert choice is balanced by construction: i
 balance_loss is 0.
 
 Elsewhere: `Block` takes an MoE as its FFN and appends the aux dict to a list the model's
-caller passes (`aux=`); `ModelConfig(ffn="moe", moe={...})` builds them (per block with
-layer_overrides) and the train step adds the losses; `moe_sharded.py` runs the layer
+caller passes (`aux=`); `ModelConfig(ffn={"kind": "moe", ...})` (a `MoEConfig`) builds them (per block with
+`stack.layer_overrides`) and the train step adds the losses; `moe_sharded.py` runs the layer
 with its experts split over devices (shard_map, all_to_all).
 """
 

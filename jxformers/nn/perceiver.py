@@ -11,9 +11,9 @@ adds an MLP. Cost O(N M) for the cross-attends plus O(M^2) per latent block, for
 inputs and M latents: independent of N beyond the cross-attends.
 
 The output is the final latent array (with the final norm), all of it real; a
-`Classifier` averages it (pooling "mean", the paper's head) or pools it with PMA. The
+`Classifier` averages it (head "mean", the paper's) or pools it with PMA. The
 cross-attention reads the input as a set: with positions off (ModelConfig
-position="none") the output does not depend on the input's order.
+embedding position "none") the output does not depend on the input's order.
 """
 
 from __future__ import annotations

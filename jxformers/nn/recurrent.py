@@ -2,8 +2,7 @@
 2009.06732v2, sections 3.2.16-3.2.17): Transformer-XL (Dai et al.
 2019) and the Compressive Transformer (Rae et al. 2020), as causal language models.
 
-    model = build_model({"task": "lm", "architecture": "transformer_xl", "position": "none",
-                         "mem_len": 64}, key=key)
+    model = build_model({"task": "lm", "stack": {"kind": "transformer_xl", "mem_len": 64}}, key=key)
     memory = model.init_memory()                      # per layer: the cached hidden states
     logits, memory, recon = model.forward(segment, memory)   # segment [n] -> logits [n, vocab]
 

@@ -7,8 +7,8 @@
 Each MAB is a full attention block with its own query/key/value/output projections,
 residuals, LayerNorms and row-wise feed-forward network. ISAB is permutation-equivariant
 and costs O(N m); PMA pools a set into k vectors, invariant to the set's order. `ISAB`
-is a block of `Encoder` (ModelConfig architecture="isab"); `PMA` is a `Classifier`
-pooling (pooling="pma"). `pre_norm=True` moves each LayerNorm to the branch's input
+is a block of `Encoder` (ModelConfig stack "isab"); `PMA` is a `Classifier`
+pooling (ModelConfig head "pma"). `pre_norm=True` moves each LayerNorm to the branch's input
 (X + Multihead(LN(X), Y)), a variant the paper does not define.
 """
 

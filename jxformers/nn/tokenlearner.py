@@ -14,7 +14,7 @@ X_{j+1} = B_w Y + X_j with B_w = sigmoid(beta(X_j)) `[N, k]`, beta a linear laye
 the block's input (after a LayerNorm, as the authors' code), so TokenLearner can sit in
 every block from some depth on.
 
-`TokenLearnerStage` is what `Encoder` holds (ModelConfig's `token_learner`): with
+`TokenLearnerStage` is what `Encoder` holds (ModelConfig's `stack.token_learner`, a `TokenLearnerConfig`): with
 `fuse=False` one TokenLearner after block `after_layer` and the later blocks run on the k
 tokens (the paper's ViT setting, TokenLearner after a fraction of the layers); with
 `fuse=True` every later block runs TokenLearner -> block -> TokenFuser, each with its

@@ -771,7 +771,7 @@ def clusterformer_attention(
     or the end of one and the start of the next). Tokens are clustered by their unit-
     normalised query vectors, one assignment per head; the centroids are state moved by
     online k-means in training (`clusterformer_update`), not by the gradient. The paper
-    interleaves these layers with sliding-window ones (`ModelConfig.layer_overrides`).
+    interleaves these layers with sliding-window ones (ModelConfig `stack.layer_overrides`).
 
     Arguments:
         q, k, v: self-attention inputs of one length `seq` (any length).

@@ -2,7 +2,7 @@
 Funnel-style query pooling (Dai et al., 2020).
 
 The models these ops come from are built whole in `jxformers.nn` (ModelConfig
-`architecture`): Set Transformer's ISAB and PMA (Lee et al. 2019; `nn/set_transformer.py`),
+`stack` kinds): Set Transformer's ISAB and PMA (Lee et al. 2019; `nn/set_transformer.py`),
 Luna (Ma et al. 2021; `nn/luna.py`, whose causal pack is `luna_causal_pack` here) and
 Perceiver (Jaegle et al. 2021; `nn/perceiver.py`). `induced_attention` is a registered
 single-op reduction of ISAB that fits any attention slot.
@@ -53,7 +53,7 @@ def induced_attention(
 
     Not the paper's ISAB, which is two full attention blocks MAB(X, MAB(I, X)), each
     with its own projections, residual, LayerNorm and feed-forward network: that is
-    ModelConfig(architecture="isab") (`jxformers.nn.set_transformer.ISAB`). This op keeps
+    ModelConfig(stack="isab") (`jxformers.nn.set_transformer.ISAB`). This op keeps
     only the two attentions, so it can replace softmax in any model. Non-causal.
 
     Time O(N * m * d).
@@ -87,7 +87,7 @@ def induced_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, d_v: int, num_ind
 
 register(
     "induced", induced_attention, family="memory",
-    paper="after Lee et al. 2019: ISAB reduced to one op (the paper's ISAB: ModelConfig architecture='isab')",
+    paper="after Lee et al. 2019: ISAB reduced to one op (the paper's ISAB: ModelConfig stack 'isab')",
     complexity="O(N*m)", supports_cross=True, exact=False, init_arrays=induced_arrays,
     docs={"num_inducing": "inducing points m"},
 )

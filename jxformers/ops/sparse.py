@@ -417,7 +417,7 @@ def longformer_globals(
     hyper_parameters: dict,
 ) -> dict[str, Array]:
     """The global projections of the layer's tokens (nothing when there are none).
-    Rotary embeddings (position="rope") rotate the module's q and k, not these: with
+    Rotary embeddings (ModelConfig embedding position "rope") rotate the module's q and k, not these: with
     rope the global rows see no positions (the paper uses learned absolute ones)."""
     if not params:
         return {}

@@ -3,13 +3,14 @@ models: `load_bert` builds a `Classifier` whose encoder computes BertModel's
 `last_hidden_state` from the same weights and tokens, and `save_converted` /
 `load_converted` store a converted model as config.yaml + model.eqx.
 
-How BERT maps onto ModelConfig (`bert_config`): post-norm blocks (norm_placement
-"post", no final norm: final_norm False), learned absolute positions from 0 (the
-tokenizer's [CLS] is token 0, so the encoder adds no CLS token of its own: pooling
+How BERT maps onto ModelConfig (`bert_config`): post-norm blocks (norm placement
+"post", no final norm: norm.final False), learned absolute positions from 0 (the
+tokenizer's [CLS] is token 0, so the encoder adds no CLS token of its own: head
 "mean", which is also how sentence-transformers' MiniLM was trained), token-type
-embeddings (type_vocab_size), an embedding LayerNorm (embed_norm), no sqrt(d) scaling
-of the token embeddings (embed_scale False), LayerNorm epsilon from the checkpoint
-(norm_eps, 1e-12), the erf GELU ("gelu" in BERT's config; ffn "gelu_exact"). Dropout
+embeddings (embedding.type_vocab_size), an embedding LayerNorm (embedding.norm), no
+sqrt(d) scaling of the token embeddings (embedding.scale False), LayerNorm epsilon from
+the checkpoint (norm.eps, 1e-12), the erf GELU ("gelu" in BERT's config; ffn kind
+"gelu_exact"). Dropout
 defaults to 0 here (BERT trains with 0.1; pass dropout= to fine-tune with it).
 """
 
@@ -144,8 +145,11 @@ def load_bert(path: str | pathlib.Path, *, num_classes: int = 2, key: jax.Array 
         num_classes: classes of the new head.
         key: PRNG key of the new head and of any arrays a swapped attention brings
             (default key 0).
-        overrides: ModelConfig fields in `OVERRIDES`, e.g. attention="performer",
-            attention_kwargs={...}, filters={2: 0.5}, max_len=128, dropout=0.1.
+        overrides: the names in `OVERRIDES` (this function's own keywords, in the flat
+            form: `attention_kwargs` sets the attention's hyper-parameters, `filters`,
+            `downsample` and `layer_overrides` the stack's, `pooling` the head's kind,
+            `impl` the attention's), e.g. attention="performer", attention_kwargs={...},
+            filters={2: 0.5}, max_len=128, dropout=0.1.
 
     Returns:
         `(model, config)`; `model.encoder(ids, mask, token_types=...)` gives `(hidden

@@ -36,7 +36,8 @@ def swap_attention(model, config: ModelConfig, attention: str | None = None,
                    downsample: str | None = None, key: jax.Array | None = None):
     """`model` (built from `config`, e.g. by `load_bert`) with every block's self-attention
     core replaced by `attention` (its hyper-parameters `attention_kwargs`) and/or the
-    encoder's `filters` / `downsample` set, keeping every learned array: the projections
+    encoder's `filters` / `downsample` set (the new config's `attention` component,
+    `stack.filters`, `stack.downsample`), keeping every learned array: the projections
     q, k, v, o, the FFNs, norms, embeddings and head are copied; arrays the new attention
     brings (Linformer's projections, Performer's features) are fresh from `key`.
 

@@ -8,7 +8,7 @@ The model is LRA's Text classifier (Tay et al. 2021, which He et al.'s section 5
 follows): 4 layers, d_model 256, 4 heads, MLP 1024, byte tokens, 2 classes, mean
 pooling (He et al.'s section 4.2 for a model trained from scratch), dropout 0.1, AdamW.
 The Fourier Transformer is the same model with the spectral filter right before block
-0's attention keeping 20% of the tokens (`filters={0: 0.2}`, He et al.'s section 5.1.1).
+0's attention keeping 20% of the tokens (`stack.filters` `{0: 0.2}`, He et al.'s section 5.1.1).
 The paper's batch is 32 (16 at 4K) on an A100-80G; `--batch` sets a smaller one for a CPU.
 
 Measured per model and length: the train step (forward, backward, AdamW update; the
@@ -149,7 +149,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attentions", nargs="*", default=[], metavar="NAME",
                    help="also measure the Text model with these registered attentions")
     p.add_argument("--set", dest="model_size", action="append", default=[], metavar="FIELD=INT",
-                   help="change the model (ModelConfig integer fields), e.g. --set num_layers=2")
+                   help="change the model's integer sizes (ModelConfig fields), e.g. --set num_layers=2; d_ff, now "
+                        "ffn.d_ff, is converted with a FlatConfigWarning")
     p.add_argument("--out", metavar="FILE", help="also write the markdown report to this file")
     return p
 

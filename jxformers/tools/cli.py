@@ -1,7 +1,8 @@
-"""The `jxformers` command: `list` prints the attention registry and the architectures,
+"""The `jxformers` command: `list` prints the attention registry and the model stacks,
 `bench` runs the attention benchmark, `train` / `eval` / `generate` run experiments,
 `data build` writes an experiment's splits to disk, `convert` turns a BERT checkpoint into
-a jxformers model (see each `--help`)."""
+a jxformers model, `describe` says what an experiment key means and `schema` prints the
+experiment file's JSON Schema (see each `--help`)."""
 
 from __future__ import annotations
 

@@ -71,6 +71,8 @@ def keys(cls: type, prefix: str, variant: str = "") -> list[Key]:
     a union once)."""
     hints, out = _hints(cls), []
     for field in dataclasses.fields(cls):
+        if cls is AttentionConfig and field.name == "hyper_parameters":  # written beside name, listed below
+            continue
         path = f"{prefix}.{field.name}"
         annotation = hints[field.name]
         out.append(Key(path, _type_name(annotation), _default(field), field.metadata.get("choices"),
@@ -81,7 +83,7 @@ def keys(cls: type, prefix: str, variant: str = "") -> list[Key]:
                 else variant
             out.extend(keys(component, path, label))
     if cls is AttentionConfig:
-        out.append(Key(f"{prefix}.<hyper-parameter>", "per attention", None, None,
+        out.append(Key(f"{prefix}.<hyper-parameter>", "per attention", "(component)", None,
                        "the named attention's hyper-parameters, beside name (`jxformers list NAME` lists them)", variant))
     return out
 
@@ -100,7 +102,8 @@ def describe(key: str | None = None) -> str:
     for k in found:
         where = f"  [{k.variant}]" if k.variant else ""
         choices = f", one of {list(k.choices)}" if k.choices else ""
-        default = "" if k.default == "(component)" else f" = {k.default!r}"
+        default = {"(component)": "", "(required)": " (required)"}.get(k.default, f" = {k.default!r}") \
+            if isinstance(k.default, str) else f" = {k.default!r}"
         lines.append(f"{k.path}: {k.type}{default}{choices}{where}")
         if k.doc:
             lines.append(f"    {k.doc}")

@@ -3,7 +3,8 @@
     name:        the experiment's name
     data:        task (listops, copy, recall), train_size, eval_size, seed, the task's
                  own settings under `settings` (max_len, ...), workers, path  (DataConfig)
-    model:       ModelConfig fields (task, vocab_size and num_classes come from the data)
+    model:       a ModelConfig: sizes and components (attention, embedding, norm, ffn,
+                 stack, decoder, head); task, vocab_size and num_classes come from the data
     train:       steps, batch_size, optimizer, learning_rate, schedule, ...  (TrainConfig)
     checkpoint:  every, keep, best_metric, best_mode, async_save           (CheckpointConfig)
     mesh:        the device mesh's axis sizes data, fsdp, tensor, expert        (MeshConfig;
@@ -12,7 +13,8 @@
     preset:      the preset to apply (or `--set preset=tiny`)
 
 `load_experiment(path_or_name, overrides)` applies the preset, then `key=value`
-overrides with dotted keys (`train.steps=100`), and validates everything before any
+overrides with dotted keys (`train.steps=100`, `model.ffn.d_ff=256`; a component named
+anew keeps the settings its new kind has too), and validates everything before any
 work starts: unknown keys and ill-typed values are ValueErrors that list what exists.
 """
 

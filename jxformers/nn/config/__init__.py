@@ -14,7 +14,7 @@ bias) are ValueErrors that list the options.
     components.py  the components (attention, embedding, norm, ffn, stack, decoder, head)
     model.py       ModelConfig and the contracts between its components
     binding.py     bind_attention, ShortSequenceWarning
-    legacy.py      the flat keys of jxformers <= 0.3, converted (FlatConfigWarning)
+    legacy.py      the flat keys of jxformers before the component configs, converted (FlatConfigWarning)
     build.py       build_model
 """
 

@@ -1,4 +1,4 @@
-"""The flat `ModelConfig` keys of jxformers <= 0.3, converted to the components that now
+"""The flat `ModelConfig` keys of jxformers before the component configs, converted to the components that now
 hold them (with one `FlatConfigWarning` naming the new keys): configs written by hand,
 shipped experiments of old versions and the `config.yaml` of old runs keep working."""
 
@@ -39,7 +39,7 @@ _STACK_KEYS = {"memory_size": ("isab", "luna", "perceiver"), "cross_attends": ("
 
 
 class FlatConfigWarning(FutureWarning):
-    """A model config used the flat keys of jxformers <= 0.3; they were converted."""
+    """A model config used the flat keys of jxformers before the component configs; they were converted."""
 
 
 def flat_keys(values: Mapping[str, Any]) -> list[str]:

@@ -71,7 +71,7 @@ class ModelConfig:
                     ffn={"kind": "swiglu", "d_ff": 256}, stack={"kind": "transformer", "reversible": True})
 
     A component is given as its dataclass, a mapping of its settings, or a string naming
-    its kind (attention: its name). The flat keyword form of jxformers <= 0.3
+    its kind (attention: its name). The flat keyword form of jxformers before the component configs
     (`attention_kwargs=...`, `position=...`, `architecture=...`) is converted with one
     `FlatConfigWarning` naming the new keys.
     """
