@@ -4,7 +4,7 @@ and the paper's ratios sit beside ours at the paper's lengths. No timing is asse
 
 from jxformers.tools import bench_models
 
-SMALL = {"num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32}
+SMALL = {"num_layers": 1, "d_model": 16, "num_heads": 2, "ffn": {"d_ff": 32}}
 
 
 def test_every_model_is_measured_and_the_filter_cuts_flops_and_memory():
@@ -30,9 +30,10 @@ def test_table_shows_ratios_to_vanilla_next_to_the_paper():
 
 def test_main_writes_the_report_with_command_and_machine(tmp_path):
     out = tmp_path / "bench.md"
-    sizes = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    sizes = ["--set", "num_layers=1", "--set", "d_model=16", "--set", "num_heads=2", "--set", "ffn.d_ff=32"]
     assert bench_models.main(["--lengths", "24", "--batch", "1", "--steps", "1", "--repeats", "1", *sizes,
                               "--out", str(out)]) == 0
     text = out.read_text()
     assert "Command: `python scripts/bench_models.py --lengths 24" in text and "Machine:" in text
     assert "| 24 | 1 | vanilla |" in text and "| 24 | 1 | fourier_transformer |" in text
+    assert "'ffn': {'kind': 'gelu', 'd_ff': 32}" in text  # the dotted size merged into the component

@@ -11,7 +11,7 @@ import yaml
 
 from jxformers.tools import cli
 from jxformers.tools.describe import all_keys, describe, schema
-from jxformers.train.experiment import EXPERIMENTS_DIR, _deep_merge
+from jxformers.train.experiment import EXPERIMENTS_DIR, deep_merge
 
 
 def test_a_key_of_a_union_component_is_described_per_kind():
@@ -41,7 +41,7 @@ def test_the_schema_accepts_every_shipped_experiment(path: pathlib.Path):
     validator = jsonschema.Draft202012Validator(schema())
     validator.validate(config)
     for preset in (config.get("presets") or {}).values():
-        validator.validate(_deep_merge({k: v for k, v in config.items() if k != "presets"}, preset or {}))
+        validator.validate(deep_merge({k: v for k, v in config.items() if k != "presets"}, preset or {}))
 
 
 @pytest.mark.parametrize("bad", [

@@ -36,6 +36,7 @@ from jxformers.tools.bench import print_report, provenance
 from jxformers.tools.help_text import description
 from jxformers.tools.xla_cost import compile_with_cost
 from jxformers.train import init_train_state, load_experiment
+from jxformers.train.experiment import deep_merge
 from jxformers.train.step import make_train_step
 
 LENGTHS = (1024, 2048, 3072, 4096)
@@ -76,7 +77,7 @@ def models(attentions: list[str]) -> dict[str, dict]:
 def _build(fields: dict, length: int, batch: int, model_size: dict):
     """(compiled train step, state, batch, cost) of one model at one length."""
     base = load_experiment("lra_listops")  # its train section (AdamW): the model is replaced
-    config = ModelConfig(**(TEXT_MODEL | model_size | {"max_len": length} | fields))
+    config = ModelConfig(**deep_merge(deep_merge(TEXT_MODEL, model_size), {"max_len": length} | fields))
     experiment = dataclasses.replace(base, model=config, train=dataclasses.replace(base.train, batch_size=batch))
     state, static, optimizer, _ = init_train_state(experiment)
     k_tokens, k_label = jax.random.split(jax.random.key(length))
@@ -148,9 +149,9 @@ def parser() -> argparse.ArgumentParser:
                    help="timed repeats after one warm-up round; the minimum is kept (default %(default)s)")
     p.add_argument("--attentions", nargs="*", default=[], metavar="NAME",
                    help="also measure the Text model with these registered attentions")
-    p.add_argument("--set", dest="model_size", action="append", default=[], metavar="FIELD=INT",
-                   help="change the model's integer sizes (ModelConfig fields), e.g. --set num_layers=2; d_ff, now "
-                        "ffn.d_ff, is converted with a FlatConfigWarning")
+    p.add_argument("--set", dest="model_size", action="append", default=[], metavar="KEY=INT",
+                   help="change the model's integer sizes (ModelConfig keys, dotted into components), e.g. "
+                        "--set num_layers=2 --set ffn.d_ff=128")
     p.add_argument("--out", metavar="FILE", help="also write the markdown report to this file")
     return p
 
@@ -160,14 +161,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         labels = models(args.attentions)
-        size = {k: int(v) for k, v in (item.split("=", 1) for item in args.model_size)}
+        size: dict[str, Any] = {}
+        for item in args.model_size:
+            key, value = item.split("=", 1)
+            *parents, name = key.split(".")
+            node = size
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[name] = int(value)
     except ValueError as e:
         p.error(str(e))
     if any(n < 1 for n in args.lengths) or min(args.steps, args.repeats) < 1 or (args.batch or 1) < 1:
         p.error(f"lengths, --batch, --steps and --repeats must be positive; got {args}")
     rows = run(labels, args.lengths, batch=args.batch, steps=args.steps, repeats=args.repeats, model_size=size)
     command = " ".join(["python scripts/bench_models.py", *(argv if argv is not None else sys.argv[1:])])
-    model = TEXT_MODEL | size
+    model = deep_merge(TEXT_MODEL, size)
     text = (provenance(command) + f"Model: {model}; Fourier Transformer: filters {MODELS['fourier_transformer']['stack']['filters']}. "
             f"Step times are the minimum over {args.repeats} interleaved repeats of {args.steps} steps after a "
             "warm-up; memory is XLA's compiled temporaries + arguments of the train step; ratios are to "

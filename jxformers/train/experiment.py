@@ -200,13 +200,13 @@ class Experiment:
         return tuple(read_split(d.path, split, spec) for split, spec in zip(SPLITS, specs, strict=True))
 
 
-def _deep_merge(base: dict, extra: Mapping) -> dict:
+def deep_merge(base: dict, extra: Mapping) -> dict:
     out = copy.deepcopy(base)
     for key, value in extra.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), str):  # a component's shorthand, as a mapping
             out[key] = legacy.expand(out[key], key)
         if isinstance(value, Mapping) and isinstance(out.get(key), dict) and not _other_kind(out[key], value):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -342,7 +342,7 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
     if preset is not None:
         if preset not in presets:
             raise ValueError(f"unknown preset {preset!r}; this experiment has {sorted(presets)}")
-        config = _deep_merge(config, presets[preset])
+        config = deep_merge(config, presets[preset])
     _drop_other_attention_kwargs(config, parsed)
     for path, value in parsed:
         if path[0] not in TOP or path[0] == "presets":
