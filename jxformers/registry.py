@@ -14,10 +14,14 @@ binding, lookup. It holds no entries: each attention registers itself beside its
 Hyper-parameters are the op's keyword-only arguments that take static Python values
 (names, types and defaults from its signature), plus those of its array initialiser
 (`init_arrays`) that only shape the arrays it makes (Performer's `num_features`).
-A registration writes by hand only what a signature cannot say: a doc line, the
-allowed choices, the capabilities, the decoder, and the hyper-parameter that must
-cover a model's length (`covers_length`). Unknown names, unknown or ill-typed
-hyper-parameters and unsupported capabilities are ValueErrors listing what exists.
+A registration writes by hand only what a signature cannot say, and everything other
+modules need to know about the attention: a doc line, the allowed choices and numbers
+(`limits`) of each hyper-parameter, the capabilities, the decoder, the hyper-parameter
+that must cover a model's length (`covers_length`), its row of the README's op table
+(`summary`, `complexity`: `markdown_table()`), how far one query reaches (`dense_width`,
+for the warning where it is dense) and the width of the grid it reads (`grid_width`).
+Unknown names, unknown, ill-typed or out-of-range hyper-parameters and unsupported
+capabilities are ValueErrors listing what exists or is allowed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from typing import Any
 
 import jax
 import jaxtyping
+
+from jxformers.validate import Limits, check_value, type_name
 
 # Arguments every attention is called with, never hyper-parameters (`scale` keeps the
 # op's 1/sqrt(d_k): an attention's temperature belongs to its query projection).
@@ -67,49 +73,14 @@ def _is_static(tp) -> bool:
     return any(m is not type(None) and not _is_array_type(m) for m in _members(tp))
 
 
-def _type_name(tp) -> str:
-    names = []
-    for m in _members(tp):
-        origin = typing.get_origin(m)
-        if m is type(None):
-            names.append("None")
-        elif origin in (tuple, collections.abc.Sequence) or m in (tuple, collections.abc.Sequence):
-            names.append("tuple of ints")
-        elif origin is collections.abc.Callable or m is collections.abc.Callable:
-            names.append("callable")
-        elif isinstance(m, type) and not _is_array_type(m):
-            names.append(m.__name__)
-    return " or ".join(names)
-
-
-def _accepts(member, value) -> tuple[bool, Any]:
-    """(value fits this member of an annotation, the value normalised)."""
-    origin = typing.get_origin(member)
-    if member is type(None):
-        return value is None, value
-    if member is bool:
-        return isinstance(value, bool), value
-    if member is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if member is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool), value
-    if member is str:
-        return isinstance(value, str), value
-    if origin in (tuple, collections.abc.Sequence) or member in (tuple, collections.abc.Sequence):
-        ok = isinstance(value, (tuple, list)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-        return ok, tuple(value) if ok else value
-    if origin is collections.abc.Callable or member is collections.abc.Callable:
-        return callable(value) and not isinstance(value, str), value
-    return False, value
-
-
 @dataclasses.dataclass(frozen=True)
 class HyperParameter:
     """One hyper-parameter: a static Python value (never traced).
 
     Fields:
         name, annotation, default: from the signature (`default` is `inspect.Parameter.empty`
-            when the op requires it). doc, choices: written in the registration.
+            when the op requires it). doc, choices, limits: written in the registration
+            (`limits`: the numbers it allows, a `jxformers.validate.Limits`).
         arrays_only: taken by the array initialiser (or the training-time array update)
             only, not by the op: it shapes the arrays (the op reads the shapes, not the
             value) or tunes the update.
@@ -121,24 +92,43 @@ class HyperParameter:
     doc: str = ""
     choices: tuple[Any, ...] | None = None
     arrays_only: bool = False
+    limits: Limits | None = None
 
     @property
     def required(self) -> bool:
         return self.default is _REQUIRED
 
+    @property
+    def static_annotation(self) -> Any:
+        """The annotation less its array members (an op may also take an array there)."""
+        members = tuple(m for m in _members(self.annotation) if not _is_array_type(m))
+        return members[0] if len(members) == 1 else typing.Union[members]  # noqa: UP007 (a runtime tuple)
+
+    @property
+    def numeric(self) -> bool:
+        """An int or float (or a tuple of ints): the kind of value whose range a
+        registration must declare (`limits`)."""
+        def number(m) -> bool:
+            if typing.get_origin(m) in (tuple, collections.abc.Sequence):
+                return any(number(a) for a in typing.get_args(m))
+            return m in (int, float)
+        return any(number(m) for m in _members(self.static_annotation))
+
+    def allowed(self) -> str:
+        """What it allows, in words: its type, then its choices or limits."""
+        words = " or ".join(type_name(m) for m in _members(self.static_annotation))
+        if self.choices is not None:
+            words += f", one of {list(self.choices)}"
+        if self.limits is not None:
+            words += f", {self.limits}"
+        return words
+
     def check(self, attention: str, value: Any) -> Any:
-        """The value, normalised (lists become tuples); ValueError when it does not fit."""
-        for member in _members(self.annotation):
-            ok, normalised = _accepts(member, value)
-            if ok:
-                break
-        else:
-            raise ValueError(
-                f"{attention}: hyper-parameter {self.name!r} must be {_type_name(self.annotation)}; got {value!r}"
-            )
-        if self.choices is not None and isinstance(normalised, str) and normalised not in self.choices:
-            raise ValueError(f"{attention}: {self.name} must be one of {list(self.choices)}; got {value!r}")
-        return normalised
+        """The value, normalised (lists become tuples, ints for a float become floats);
+        ValueError naming the attention, the hyper-parameter, the value and what is
+        allowed when it does not fit (`jxformers.validate.check_value`, the one validator)."""
+        return check_value(f"{attention}: hyper-parameter {self.name}", value, self.static_annotation,
+                           choices=self.choices, limits=self.limits)
 
 
 def _signature_parameters(fn: Callable, skip: tuple[str, ...]) -> dict[str, HyperParameter]:
@@ -236,6 +226,16 @@ class AttentionSpec:
             kv_len, kv_heads, d_k], *, kv_mask [batch, kv_len] or None, <hyper-parameters>)
             -> {name: new array}` gives new values of drawn arrays from a batch of the
             module's inputs; the train step calls it after each step (`nn.update_arrays`).
+        summary: what it computes, in one line (the README's op table: for a pattern,
+            when query i attends key j).
+        dense_width: `(words, fn)`: how far one query reaches, in keys (or, for the
+            low-rank and kernelized ones, the rows or features it summarises the keys
+            into), `fn(hyper_parameters, max_len) -> int`, and that reach in words; a model
+            whose max_len it reaches warns that the attention is dense there
+            (`nn.config.ShortSequenceWarning`). None: no such width (softmax).
+        grid_width: the hyper-parameter giving the row width of the 2-D grid the op reads
+            the sequence as (axial's and Image Transformer's `width`); an experiment on
+            images warns when it is not the images' width.
     """
 
     name: str
@@ -259,6 +259,9 @@ class AttentionSpec:
     shared_qk: bool = False
     noise_key: str | None = None
     update_arrays_fn: Callable[..., dict[str, Any]] | None = None
+    summary: str = ""
+    dense_width: tuple[str, Callable[[Mapping[str, Any], int], int]] | None = None
+    grid_width: str | None = None
 
     @property
     def updates_arrays(self) -> bool:
@@ -319,6 +322,12 @@ class BoundAttention:
     @property
     def hyper_parameters(self) -> dict[str, Any]:
         return dict(self.hyper)
+
+    def width(self, max_len: int) -> int | None:
+        """How far one query reaches at `max_len` (its spec's `dense_width`), or None."""
+        if self.spec.dense_width is None:
+            return None
+        return self.spec.dense_width[1](self.hyper_parameters, max_len)
 
     def _op_kwargs(self) -> dict[str, Any]:
         only = {p.name for p in self.spec.hyper_parameters if p.arrays_only}
@@ -439,11 +448,19 @@ def register(
     update_arrays: Callable[..., dict[str, Any]] | None = None,
     docs: Mapping[str, str] | None = None,
     choices: Mapping[str, tuple[Any, ...]] | None = None,
+    limits: Mapping[str, Limits | int | float] | None = None,
+    summary: str = "",
+    dense_width: tuple[str, Callable[[Mapping[str, Any], int], int]] | None = None,
+    grid_width: str | None = None,
 ) -> AttentionSpec:
     """Register `op` under `name`; hyper-parameters come from its keyword-only signature
     (and `init_arrays`'s). Capabilities default to what the signature shows (`causal`,
     `kv_mask`, `bias` arguments); say False where the op takes the argument only to
-    refuse it. `docs` and `choices` describe hyper-parameters by name."""
+    refuse it. `docs`, `choices` and `limits` describe hyper-parameters by name: a doc
+    line, the allowed values of a string one, the allowed numbers of a numeric one (a
+    `jxformers.validate.Limits`, or a bare number: the minimum). Every int or float
+    hyper-parameter declares its limits, so that `bind` refuses what the op would refuse
+    at its first call. `summary`, `dense_width` and `grid_width`: see `AttentionSpec`."""
     if name in _REGISTRY:
         raise ValueError(f"attention {name!r} is already registered")
     op_params = inspect.signature(op).parameters
@@ -462,9 +479,16 @@ def register(
     if noise_key is not None and noise_key not in op_params:
         raise ValueError(f"{name}: {noise_key=} is not an argument of its op")
     docs, choices = dict(docs or {}), dict(choices or {})
-    for extra in sorted((set(docs) | set(choices) | {covers_length} - {None}) - set(found)):
+    bounds = {n: Limits.of(given) for n, given in (limits or {}).items()}
+    roles = {n for n in (covers_length, grid_width) if n is not None}
+    for extra in sorted((set(docs) | set(choices) | set(bounds) | roles) - set(found)):
         raise ValueError(f"{name}: {extra!r} is not a hyper-parameter of its op; found {sorted(found)}")
-    params = tuple(dataclasses.replace(p, doc=docs.get(n, ""), choices=choices.get(n)) for n, p in found.items())
+    params = tuple(dataclasses.replace(p, doc=docs.get(n, ""), choices=choices.get(n), limits=bounds.get(n))
+                   for n, p in found.items())
+    unlimited = [p.name for p in params if p.numeric and p.limits is None]
+    if unlimited:
+        raise ValueError(f"{name}: declare the numbers that hyper-parameter(s) {unlimited} allow: "
+                         "limits={name: minimum or jxformers.validate.Limits(...)}")
     flags = {
         "supports_causal": ("causal", supports_causal),
         "supports_kv_mask": ("kv_mask", supports_kv_mask),
@@ -479,7 +503,7 @@ def register(
         name, op, family, paper, complexity, params, supports_cross=supports_cross, decoder=decoder,
         init_arrays_fn=init_arrays, drawn=tuple(drawn), token_inputs=token_inputs, redrawn=redrawn, exact=exact, content_based=content_based,
         covers_length=covers_length, shared_qk=shared_qk, noise_key=noise_key, update_arrays_fn=update_arrays,
-        **resolved,
+        summary=summary, dense_width=dense_width, grid_width=grid_width, **resolved,
     )
     for p in params:  # the defaults themselves must pass the checks
         if not p.required:
@@ -535,4 +559,38 @@ def table() -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def describe(name: str) -> str:
+    """One attention in words (what `jxformers list NAME` prints): what it computes, its
+    capabilities, and each hyper-parameter's type, default, allowed values and doc."""
+    s = get(name)
+    lines = [f"{s.name}: {s.summary or s.op.__name__}", f"  op: jxformers.ops.{s.op.__name__}   paper: {s.paper}",
+             f"  family: {s.family}   cost: {s.complexity}   models: {models(s)}"]
+    if s.dense_width is not None:
+        lines.append(f"  dense (a ShortSequenceWarning) at a max_len no longer than {s.dense_width[0]}")
+    lines.append("  hyper-parameters:" if s.hyper_parameters else "  hyper-parameters: none")
+    for p in s.hyper_parameters:
+        default = "required" if p.required else f"= {p.default!r}"
+        lines.append(f"    {p.name}: {p.allowed()} {default}" + (f"  -- {p.doc}" if p.doc else ""))
+    return "\n".join(lines)
+
+
+def markdown_table(shipped_only: bool = True) -> str:
+    """The README's op table, rendered from the registrations (op, `summary`, causal,
+    `complexity`), in registration order. tests/test_readme.py keeps README.md's copy
+    current; regenerate it with `jxformers list --markdown` (or `python -c "from
+    jxformers import registry; print(registry.markdown_table())"`) and paste it between
+    the `attention-ops` markers. `shipped_only`: leave out attentions registered outside
+    the package (tests' toys)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| op | pattern (query i attends key j iff ...) | causal | cost |", "|---|---|---|---|"]
+    for s in _REGISTRY.values():
+        if shipped_only and not s.op.__module__.startswith("jxformers."):
+            continue
+        lines.append(f"| `{s.op.__name__}` | {cell(s.summary)} | {'yes' if s.supports_causal else 'no'} | "
+                     f"{cell(s.complexity)} |")
     return "\n".join(lines)

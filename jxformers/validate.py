@@ -15,12 +15,16 @@
     from_mapping(TrainConfig, values, "train")  # + unknown keys, listing the known ones
 
 Fields may be declared with `setting(default, doc, choices=...)`: the one-line doc and the
-allowed values live at the field (`check_fields` reads the choices, `describe` prints them).
+allowed values live at the field (`check_fields` reads the choices and limits, `describe` prints them).
+
+`check_value` is the one validator of single values: config fields go through it, and so
+do attentions' hyper-parameters (`jxformers.registry`: `spec.bind(...)`).
 
 `check_fields` checks each field's value against its annotation: `int` (not a bool),
 `float` (an int is accepted and converted; so is a numeric string, because YAML 1.1
-reads `1e-3` as a string), `bool`, `str`, `dict`, `list`, and unions such as
-`int | None`. `choices` maps a field name to its allowed values. Errors are
+reads `1e-3` as a string), `bool`, `str`, `dict`, `list`, a tuple of ints (a list is
+accepted and converted), a callable, and unions such as `int | None`. `choices` maps a
+field name to its allowed values; `Limits` says which numbers a field allows. Errors are
 ValueErrors whose names start with `prefix` ("train." gives "train.steps must be int;
 got 'ten'"; "config " gives "config num_layers must be int; got '2'").
 
@@ -31,12 +35,13 @@ before these checks can name the key and the allowed values.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import inspect
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -64,15 +69,78 @@ def _base(option: Any) -> Any:
     return typing.get_origin(option) or option
 
 
-def _name(option: Any) -> str:
-    option = _base(option)
-    return "None" if option is type(None) else getattr(option, "__name__", str(option))
+def _is_sequence(base: Any) -> bool:
+    return base in (tuple, collections.abc.Sequence)
+
+
+def type_name(option: Any) -> str:
+    base = _base(option)
+    if _is_sequence(base):
+        element = (typing.get_args(option) or (Any,))[0]
+        return "tuple" if element is Any else f"tuple of {type_name(element)}s"
+    if base is collections.abc.Callable:
+        return "callable"
+    return "None" if base is type(None) else getattr(base, "__name__", str(base))
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The numbers a value allows beyond its type (an int or float, or each int of a
+    tuple): `minimum` and `maximum` are inclusive bounds, `above` and `below` exclusive
+    ones, `odd` asks for an odd int, and `rule = (predicate, words)` says anything else
+    (`(lambda n: n == 1 or n % 2 == 0, "1 or even")`). `str(limits)` is what the
+    errors and `jxformers list NAME` show: ">= 1", "> 0 and < 1", ">= 1 and 1 or even"."""
+
+    minimum: int | float | None = None
+    above: int | float | None = None
+    maximum: int | float | None = None
+    below: int | float | None = None
+    odd: bool = False
+    rule: tuple[Callable[[Any], bool], str] | None = None
+
+    def __str__(self) -> str:
+        parts = [f"{sign} {bound}" for sign, bound in ((">=", self.minimum), (">", self.above), ("<=", self.maximum),
+                                                       ("<", self.below)) if bound is not None]
+        parts += ["odd"] * self.odd + ([self.rule[1]] if self.rule else [])
+        return " and ".join(parts) or "any number"
+
+    def allows(self, value: int | float) -> bool:
+        return ((self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above)
+                and (self.maximum is None or value <= self.maximum) and (self.below is None or value < self.below)
+                and (not self.odd or value % 2 == 1) and (self.rule is None or bool(self.rule[0](value))))
+
+    @classmethod
+    def of(cls, given: Limits | int | float) -> Limits:
+        """`Limits` as given, or a bare number as the minimum (`0` -> `Limits(minimum=0)`)."""
+        if isinstance(given, Limits):
+            return given
+        if isinstance(given, bool) or not isinstance(given, (int, float)):
+            raise ValueError(f"limits must be a Limits or a minimum number; got {given!r}")
+        return cls(minimum=given)
 
 
 @typing.no_type_check
-def check_value(name: str, value: Any, annotation: Any) -> Any:
-    """`value` if it fits `annotation`, converted where that is lossless and meant (an int
-    or a numeric string for a float); otherwise a ValueError naming `name`."""
+def check_value(name: str, value: Any, annotation: Any, *, choices: tuple | None = None,
+                limits: Limits | None = None) -> Any:
+    """`value` if it fits `annotation`, then `choices` (its allowed values; a callable,
+    where the annotation takes one, is the alternative to named choices and is not
+    checked against them) and `limits` (numbers: `Limits`), converted where that is
+    lossless and meant (an int or a numeric string for a float, a list of ints for a
+    tuple); otherwise a ValueError naming `name`, the value and what is allowed."""
+    value = _check_type(name, value, annotation)
+    if choices is not None and (isinstance(value, str) or not callable(value)) and value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}; got {value!r}")
+    if limits is not None:
+        numbers = value if isinstance(value, tuple) else (value,)
+        for number in numbers:
+            if isinstance(number, (int, float)) and not isinstance(number, bool) and not limits.allows(number):
+                each = " (each)" if isinstance(value, tuple) else ""
+                raise ValueError(f"{name} must be {limits}{each}; got {value!r}")
+    return value
+
+
+@typing.no_type_check
+def _check_type(name: str, value: Any, annotation: Any) -> Any:
     options = _options(annotation)
     for option in options:
         base = _base(option)
@@ -86,22 +154,32 @@ def check_value(name: str, value: Any, annotation: Any) -> Any:
             return value
         if base in (bool, str, dict, list) and isinstance(value, base):
             return value
-        if base not in _SIMPLE and base is not type(None) and isinstance(base, type) and isinstance(value, base):
+        if _is_sequence(base) and isinstance(value, (tuple, list)):
+            element = (typing.get_args(option) or (Any,))[0]
+            try:
+                return tuple(_check_type(name, x, element) for x in value)
+            except ValueError:
+                continue
+        if base is collections.abc.Callable and callable(value) and not isinstance(value, str):
+            return value
+        if base not in _SIMPLE and base is not type(None) and not _is_sequence(base) and isinstance(base, type) \
+                and isinstance(value, base):
             return value
     if float in [_base(o) for o in options] and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
         try:
             return float(value)
         except ValueError:
             pass
-    allowed = " or ".join(_name(o) for o in options)
+    allowed = " or ".join(type_name(o) for o in options)
     raise ValueError(f"{name} must be {allowed}; got {value!r}")
 
 
 def setting(default: Any = dataclasses.MISSING, doc: str = "", *, choices: tuple | None = None,
-            factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with its one-line `doc` and allowed values (`choices`) beside its
-    default (`factory` for a mutable default); `check_fields` enforces the choices."""
-    metadata = {"doc": doc, "choices": choices}
+            limits: Limits | int | float | None = None, factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with its one-line `doc` and allowed values (`choices`; `limits`
+    for a number: a `Limits`, or a bare minimum) beside its default (`factory` for a
+    mutable default); `check_fields` enforces them."""
+    metadata = {"doc": doc, "choices": choices, "limits": None if limits is None else Limits.of(limits)}
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -127,12 +205,11 @@ def check_fields(instance: Any, prefix: str, choices: Mapping[str, tuple] | None
     hints = _hints(type(instance))
     for field in dataclasses.fields(instance):
         value = getattr(instance, field.name)
-        checked = check_value(f"{prefix}{field.name}", value, hints[field.name])
+        allowed = (choices or {}).get(field.name, field.metadata.get("choices"))
+        checked = check_value(f"{prefix}{field.name}", value, hints[field.name], choices=allowed,
+                              limits=field.metadata.get("limits"))
         if checked is not value:
             object.__setattr__(instance, field.name, checked)
-        allowed = (choices or {}).get(field.name, field.metadata.get("choices"))
-        if allowed is not None and checked not in allowed:
-            raise ValueError(f"{prefix}{field.name} must be one of {list(allowed)}; got {checked!r}")
 
 
 @typing.no_type_check

@@ -42,7 +42,7 @@ def test_registry_refuses_unknown_names_and_hyper_parameters():
     spec = registry.get("local")
     with pytest.raises(ValueError, match="unknown hyper-parameter.*windw.*known: \\['impl', 'window'\\]"):
         spec(q, k, v, windw=3)
-    with pytest.raises(ValueError, match="'window' must be int"):
+    with pytest.raises(ValueError, match="local: hyper-parameter window must be int; got '3'"):
         spec(q, k, v, window="3")
     with pytest.raises(ValueError, match="pattern must be one of"):
         registry.get("sparse_transformer")(q, k, v, pattern="random")

@@ -17,6 +17,11 @@ from jxformers.ops._common import ceil_div, check_positive, check_self, zero_pad
 from jxformers.ops.local import block_local_attention, dilated_attention
 from jxformers.registry import register
 
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "axial_attention",
+]
+
 
 def axial_attention(
     q: Float[ArrayLike, "seq heads d_k"],
@@ -69,6 +74,10 @@ def axial_attention(
 
 
 register(
-    "axial", axial_attention, family="fixed pattern", paper="Ho et al. 2019", complexity="O(N*(W+N/W))",
+    "axial", axial_attention, family="fixed pattern", paper="Ho et al. 2019", complexity="O(N (W + N/W))",
     choices={"order": ("row", "column", "row_then_column")}, docs={"width": "grid columns", "order": "passes"},
+    summary="same row, then same column of a `width`-column grid",
+    limits={"width": 1},
+    dense_width=("its row and column (width + max_len / width keys)", lambda hp, n: hp["width"] + -(-n // hp["width"])),
+    grid_width="width",
 )

@@ -27,6 +27,12 @@ from jxformers.ops._common import (
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import register
 
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "compress_memory",
+    "memory_compressed_attention",
+]
+
 
 def compress_memory(
     x: Float[ArrayLike, "kv_len kv_heads d"],
@@ -125,6 +131,8 @@ def memory_compressed_arrays(
 
 register(
     "memory_compressed", memory_compressed_attention, family="downsampling", paper="Liu et al. 2018",
-    complexity="O(N^2/s)", supports_cross=True, exact=False, init_arrays=memory_compressed_arrays,
+    complexity="O(N^2 / s)", supports_cross=True, exact=False, init_arrays=memory_compressed_arrays,
     docs={"stride": "convolution stride and kernel size"},
+    summary="softmax over keys/values shortened by a strided convolution",
+    limits={"stride": 1},
 )

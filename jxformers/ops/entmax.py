@@ -35,6 +35,16 @@ from jxformers.ops._common import (
     zero_padded,
 )
 from jxformers.registry import Decoder, register
+from jxformers.validate import Limits
+
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "adaptive_sparse_arrays",
+    "adaptive_sparse_attention",
+    "entmax",
+    "head_alpha",
+    "sparsemax",
+]
 
 # ----------------------------------------------------------------------------- entmax
 
@@ -286,4 +296,7 @@ register(
     decoder=Decoder("cache", full_cache_init, _adaptive_sparse_step),
     docs={"alpha": "entmax alpha in (1, 2] (2: sparsemax); the learned alpha's initial value",
           "learned": "learn alpha = 1 + sigmoid(a) per head (else alpha is fixed)"},
+    summary=("Adaptively Sparse Transformer: alpha-entmax of q k^T (exact zeros), alpha = 1 + sigmoid(a) learned "
+             "per head; sparsemax at a fixed alpha = 2"),
+    limits={"alpha": Limits(above=1, maximum=2)},
 )

@@ -18,6 +18,17 @@ from jxformers._typing import ArrayLike
 from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype, zero_padded
 from jxformers.registry import register
 
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "dct",
+    "fnet_attention",
+    "fnet_mixing",
+    "fourier_downsample",
+    "fourier_downsample_padded",
+    "idct",
+    "nearest_upsample",
+]
+
 
 def _alpha(n: int) -> Array:
     """Orthonormal scale of eq. 2: sqrt(1/N) for k = 0, sqrt(2/N) otherwise."""
@@ -253,4 +264,6 @@ def fnet_attention(
 
 
 register("fnet", fnet_attention, family="fourier", paper="Lee-Thorp et al. 2021", complexity="O(N log N)",
-         exact=False, content_based=False)
+         exact=False, content_based=False,
+    summary="Re(FFT2) token mixing of the values (FNet)",
+)

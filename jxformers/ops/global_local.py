@@ -37,6 +37,13 @@ from jxformers.ops._common import (
 )
 from jxformers.registry import register
 
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "etc_arrays",
+    "etc_attention",
+    "etc_relative_labels",
+]
+
 
 def etc_relative_labels(max_distance: int) -> int:
     """Size of ETC's relative position vocabulary: the clipped distances -k..k (labels
@@ -193,7 +200,7 @@ def etc_attention(
 
 
 register(
-    "etc", etc_attention, family="fixed pattern + memory", paper="Ainslie et al. 2020 (ETC)", complexity="O(N*(r+g))",
+    "etc", etc_attention, family="fixed pattern + memory", paper="Ainslie et al. 2020 (ETC)", complexity="O(N (r + g))",
     supports_causal=False, exact=False, init_arrays=etc_arrays,
     docs={"num_global": "global tokens n_g, the first positions of the sequence",
           "local_radius": "r, long keys each side of a long query (l2l)",
@@ -201,4 +208,9 @@ register(
           "max_distance": "k, relative position labels clipped at distance k (0: none)",
           "hard_g2l": "a global token attends only the long tokens of its segment",
           "hard_l2g": "a long token attends only its segment's global token"},
+    summary=("ETC: the first g positions global (g2g, g2l, l2g full; hard masks tie a global token to its "
+             "segment), long tokens within radius r; relative position labels clipped at k"),
+    limits={"num_global": 1, "local_radius": 0, "global_every": 1, "max_distance": 0},
+    dense_width=("its local radius and global tokens (2 local_radius + 1 + num_global keys per long token)",
+                 lambda hp, n: 2 * hp["local_radius"] + 1 + hp["num_global"]),
 )

@@ -46,6 +46,18 @@ from jxformers.ops._common import (
     zero_padded,
 )
 from jxformers.registry import TokenInputs, register
+from jxformers.validate import Limits
+
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "kernel_attention",
+    "linear_attention",
+    "performer_attention",
+    "performer_features",
+    "performer_projection",
+    "rfa_attention",
+    "rfa_features",
+]
 
 FORMS = ("chunked", "scan", "quadratic")
 DEFAULT_CHUNK = 64
@@ -322,9 +334,11 @@ _FORMS = {"form": FORMS, "impl": IMPLS}
 _FORM_DOCS = {"chunk_size": "chunk of the causal chunked form", "form": "causal form"} | IMPL_DOC
 
 register(
-    "linear", linear_attention, family="kernelized", paper="Katharopoulos et al. 2020", complexity="O(N*d^2)",
+    "linear", linear_attention, family="kernelized", paper="Katharopoulos et al. 2020", complexity="O(N d^2)",
     supports_cross=True, exact=False, decoder=recurrent(_linear_features),
     choices={"feature_map": tuple(FEATURE_MAPS), **_FORMS}, docs={"feature_map": "phi", **_FORM_DOCS},
+    summary="phi(q) . phi(k), phi = elu + 1, relu, identity or yours; causal as chunked / scan / quadratic",
+    limits={"chunk_size": 1},
 )
 
 
@@ -502,12 +516,15 @@ def _performer_query_features(q, arrays, hyper_parameters):
 
 
 register(
-    "performer", performer_attention, family="kernelized", paper="Choromanski et al. 2021", complexity="O(N*m*d)",
+    "performer", performer_attention, family="kernelized", paper="Choromanski et al. 2021", complexity="O(N m d)",
     supports_cross=True, exact=False, init_arrays=performer_arrays, drawn=("projection",),
     decoder=recurrent(_performer_key_features, query_features=_performer_query_features),
     choices={"kernel": ("softmax", "relu"), **_FORMS},
     docs={"num_features": "random features m", "orthogonal": "orthogonal random features",
           "kernel": "softmax (FAVOR+) or relu", **_FORM_DOCS},
+    summary="FAVOR+ positive orthogonal random features (or ReLU kernel), stabilised",
+    limits={"chunk_size": 1, "num_features": 1},
+    dense_width=("its random features (num_features)", lambda hp, n: hp["num_features"]),
 )
 
 
@@ -641,10 +658,13 @@ def _rfa_decay(k, arrays, hyper_parameters):
 
 
 register(
-    "rfa", rfa_attention, family="kernelized", paper="Peng et al. 2021", complexity="O(N*m*d)",
+    "rfa", rfa_attention, family="kernelized", paper="Peng et al. 2021", complexity="O(N m d)",
     supports_cross=True, exact=False, init_arrays=rfa_arrays, drawn=("projection",),
     token_inputs=TokenInputs(rfa_gate_params, rfa_gate),
     decoder=recurrent(_rfa_key_features, query_features=_rfa_query_features, gate=_rfa_decay),
     choices=_FORMS, docs={"num_features": "random Fourier features m", "sigma": "initial random feature scale (learned)",
                           "gated": "gate the causal state (sigmoid of the layer input)", **_FORM_DOCS},
+    summary="random Fourier features with learned scale, optional input-dependent gate",
+    limits={"chunk_size": 1, "num_features": 1, "sigma": Limits(above=0)},
+    dense_width=("its random features (num_features)", lambda hp, n: hp["num_features"]),
 )

@@ -46,6 +46,21 @@ from jxformers.ops._common import (
 from jxformers.ops.local import local_attention
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import Decoder, register
+from jxformers.validate import Limits
+
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "clusterformer_attention",
+    "kmeans_centroids",
+    "kmeans_update",
+    "lsh_arrays",
+    "lsh_attention",
+    "lsh_buckets",
+    "routing_attention",
+    "sinkhorn_arrays",
+    "sinkhorn_attention",
+    "sinkhorn_balance",
+]
 
 _INT32_MAX = 2**31 - 1
 
@@ -348,10 +363,16 @@ def _lsh_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn)
 
 register(
     "lsh", lsh_attention, family="learnable pattern", paper="Kitaev et al. 2020 (Reformer)",
-    complexity="O(N*c*r)", exact=False, init_arrays=lsh_arrays, drawn=("rotations",), shared_qk=True,
+    complexity="O(N c r)", exact=False, init_arrays=lsh_arrays, drawn=("rotations",), shared_qk=True,
     decoder=Decoder("tagged cache", _lsh_init, _lsh_step),
     docs={"n_buckets": "hash buckets (1 or even)", "n_hashes": "hash rounds r",
           "chunk_size": "c, tokens per chunk of the sorted order (keys behind when causal)"},
+    summary=("Reformer: shared-QK keys q/‖q‖ hashed by random rotations in r rounds (combined by log-sum-exp), "
+             "sorted by (bucket, position), own + previous chunk, self-mask; causal: the chunk_size latest keys of"
+             " the own bucket"),
+    limits={"n_buckets": Limits(minimum=1, rule=(lambda n: n == 1 or n % 2 == 0, "1 or even")), "n_hashes": 1,
+            "chunk_size": 1},
+    dense_width=("its chunks (2 chunk_size keys per hash round)", lambda hp, n: 2 * hp["chunk_size"]),
 )
 
 
@@ -518,11 +539,15 @@ def _routing_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias
 
 register(
     "routing", routing_attention, family="learnable pattern", paper="Roy et al. 2021 (Routing Transformer)",
-    complexity="O(N*N/k)", exact=False, init_arrays=kmeans_centroids, drawn=("centroids",), redrawn=False,
+    complexity="O(N^1.5) at k = sqrt N", exact=False, init_arrays=kmeans_centroids, drawn=("centroids",), redrawn=False,
     update_arrays=routing_update, decoder=Decoder("tagged cache", _routing_init, _routing_step),
     docs={"n_clusters": "k-means clusters k per routing head (about sqrt(N))",
           "local_heads": "query heads doing local attention (default half)",
           "local_window": "keys each side of the local heads", "decay": "EMA decay of the centroids in training"},
+    summary=("Routing Transformer: online k-means centroids (EMA in training), balanced top-w clusters of queries "
+             "and keys, plus local heads; causal: the w latest keys of the query's cluster"),
+    limits={"n_clusters": 1, "local_heads": 0, "local_window": 0, "decay": Limits(minimum=0, below=1)},
+    dense_width=("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
 )
 
 
@@ -743,11 +768,15 @@ def _sinkhorn_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bia
 
 register(
     "sinkhorn", sinkhorn_attention, family="learnable pattern", paper="Tay et al. 2020 (Sparse Sinkhorn Attention)",
-    complexity="O(N*(b+N/b))", exact=False, init_arrays=sinkhorn_arrays, covers_length="max_len",
+    complexity="O(N (b + N/b))", exact=False, init_arrays=sinkhorn_arrays, covers_length="max_len",
     noise_key="gumbel_key", decoder=Decoder("tagged cache", _sinkhorn_init, _sinkhorn_step),
     docs={"block_size": "tokens per block b", "max_len": "longest sequence the sorting network covers",
           "sinkhorn_iters": "balancing rounds", "temperature": "tau of the Gumbel-Sinkhorn",
           "sortcut_blocks": "SortCut: attend only to the first n sorted blocks (0: off)"},
+    summary=("Sinkhorn Transformer: contiguous blocks, learned sorting network, Gumbel-Sinkhorn soft permutation; "
+             "own block + sorted block (SortCut: the first n sorted blocks)"),
+    limits={"block_size": 1, "max_len": 1, "sinkhorn_iters": 1, "temperature": Limits(above=0), "sortcut_blocks": 0},
+    dense_width=("its own and sorted blocks (2 block_size keys)", lambda hp, n: 2 * hp["block_size"]),
 )
 
 
@@ -819,8 +848,11 @@ def clusterformer_update(
 
 register(
     "clusterformer", clusterformer_attention, family="learnable pattern", paper="Wang et al. 2020 (Cluster-Former)",
-    complexity="O(N*c)", exact=False, init_arrays=kmeans_centroids, drawn=("centroids",), redrawn=False,
+    complexity="O(N c)", exact=False, init_arrays=kmeans_centroids, drawn=("centroids",), redrawn=False,
     update_arrays=clusterformer_update,
     docs={"n_clusters": "k-means clusters per head", "chunk_size": "c, tokens per chunk of the sorted order",
           "decay": "EMA decay of the centroids in training"},
+    summary="Cluster-Former: nearest k-means centroid, sorted by (cluster, position), attention within chunks",
+    limits={"n_clusters": 1, "chunk_size": 1, "decay": Limits(minimum=0, below=1)},
+    dense_width=("its chunks (chunk_size keys)", lambda hp, n: hp["chunk_size"]),
 )

@@ -40,6 +40,16 @@ from jxformers.ops._common import (
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import Decoder, register
 
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "block_local_attention",
+    "block_raster_coordinates",
+    "block_raster_order",
+    "dilated_attention",
+    "image_local_2d_attention",
+    "local_attention",
+]
+
 IMPL_DOC = {"impl": "one of jxformers.kernels.IMPLS (block-sparse flash kernel; no cuDNN route)"}
 LOCAL_IMPL_DOC = {"impl": "one of jxformers.kernels.IMPLS (block-sparse flash kernel or cuDNN)"}
 
@@ -102,8 +112,11 @@ def local_attention(
 
 register(
     "local", local_attention, family="fixed pattern", paper="Parmar et al. 2018; Beltagy et al. 2020",
-    complexity="O(N*w)", decoder=ring_buffer(softmax_attention, slots=lambda hp: hp["window"] + 1),
+    complexity="O(N w)", decoder=ring_buffer(softmax_attention, slots=lambda hp: hp["window"] + 1),
     choices={"impl": IMPLS}, docs={"window": "keys each side (behind when causal)"} | LOCAL_IMPL_DOC,
+    summary="|i - j| <= window (0 <= i - j <= window causal)",
+    limits={"window": 0},
+    dense_width=("its window (2 window + 1 keys)", lambda hp, n: 2 * hp["window"] + 1),
 )
 
 
@@ -154,7 +167,10 @@ def block_local_attention(
 
 register(
     "block_local", block_local_attention, family="fixed pattern", paper="Parmar et al. 2018; Qiu et al. 2019",
-    complexity="O(N*b)", choices={"impl": IMPLS}, docs={"block_size": "tokens per block"} | IMPL_DOC,
+    complexity="O(N b)", choices={"impl": IMPLS}, docs={"block_size": "tokens per block"} | IMPL_DOC,
+    summary="i // b == j // b (contiguous blocks)",
+    limits={"block_size": 1},
+    dense_width=("its block (block_size keys)", lambda hp, n: hp["block_size"]),
 )
 
 
@@ -213,9 +229,11 @@ def dilated_attention(
 
 
 register(
-    "dilated", dilated_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N*w)",
+    "dilated", dilated_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N w)",
     choices={"impl": IMPLS},
     docs={"window": "attended keys each side", "dilation": "stride between attended keys"} | LOCAL_IMPL_DOC,
+    summary="(i - j) % dilation == 0 and |i - j| <= window * dilation",
+    limits={"window": 0, "dilation": 1},
 )
 
 
@@ -376,8 +394,15 @@ def _image_local_2d_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, b
 
 register(
     "image_local_2d", image_local_2d_attention, family="fixed pattern", paper="Parmar et al. 2018 (Image Transformer)",
-    complexity="O(N*m)", decoder=Decoder("ring buffer", _image_local_2d_init, _image_local_2d_step),
+    complexity="O(N m)", decoder=Decoder("ring buffer", _image_local_2d_init, _image_local_2d_step),
     docs={"width": "image width in pixels (a multiple of query_width)", "query_height": "query block rows h_q",
           "query_width": "query block columns w_q", "memory_height": "h_m, memory rows above the query block",
           "memory_width": "w_m, memory columns left and right of the query block"},
+    summary=("Image Transformer 2-D: block raster order; a query block attends its memory block (h_m rows above, "
+             "w_m columns each side)"),
+    limits={"width": 1, "query_height": 1, "query_width": 1, "memory_height": 0, "memory_width": 0},
+    dense_width=("its memory block ((memory_height + query_height) x (query_width + 2 memory_width) pixels)",
+                 lambda hp, n: (hp["memory_height"] + hp["query_height"])
+                 * (hp["query_width"] + 2 * hp["memory_width"])),
+    grid_width="width",
 )

@@ -47,6 +47,14 @@ from jxformers.ops._common import (
 )
 from jxformers.registry import Decoder, register
 
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "dual_layer_norm",
+    "dynamic_projection",
+    "long_short_arrays",
+    "long_short_attention",
+]
+
 
 def dual_layer_norm(x: Float[ArrayLike, "*n kv_heads d"], params: Float[ArrayLike, "2 kv_heads d"] | None,
                     eps: float = 1e-5) -> Float[Array, "*n kv_heads d"]:
@@ -224,9 +232,12 @@ def _long_short_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, bias_
 
 register(
     "long_short", long_short_attention, family="fixed pattern + low rank", paper="Zhu et al. 2021 (Transformer-LS)",
-    complexity="O(N*(w+r))", exact=False, init_arrays=long_short_arrays,
+    complexity="O(N (w + r))", exact=False, init_arrays=long_short_arrays,
     decoder=Decoder("cache", full_cache_init, _long_short_step),
     docs={"window": "short-term window w (segment length; keys behind when causal)",
           "segment_size": "causal: tokens per dynamically projected segment l",
           "rank": "projected keys r (per segment when causal)"},
+    summary=("Transformer-LS: segment-wise window + r keys from a dynamic projection softmax(K W_P)^T K, DualLN, "
+             "one softmax; causal: recent window + per-segment projections of earlier segments"),
+    limits={"window": 1, "segment_size": 1, "rank": 1},
 )

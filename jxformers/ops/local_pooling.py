@@ -39,6 +39,13 @@ from jxformers.ops._common import (
 from jxformers.ops.local import local_attention
 from jxformers.registry import register
 
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "pool_keys",
+    "poolingformer_arrays",
+    "poolingformer_attention",
+]
+
 POOLINGS = ("mean", "max")
 
 
@@ -157,7 +164,9 @@ def poolingformer_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, d_v: int) -
 
 register(
     "poolingformer", poolingformer_attention, family="fixed pattern + memory", paper="Zhang et al. 2021 (Poolingformer)",
-    complexity="O(N*(w1+w2/stride))", exact=False, init_arrays=poolingformer_arrays, choices={"pooling": POOLINGS},
+    complexity="O(N (w1 + w2 / stride))", exact=False, init_arrays=poolingformer_arrays, choices={"pooling": POOLINGS},
     docs={"window": "level 1: keys each side", "pool_window": "level 2: keys each side (pooled)",
           "pool_size": "pooling kernel", "pool_stride": "pooling stride", "pooling": "mean or max"},
+    summary="Poolingformer: window attention, then its output attends mean/max-pooled keys of a larger window; y + z",
+    limits={"window": 0, "pool_window": 1, "pool_size": 1, "pool_stride": 1},
 )

@@ -30,6 +30,16 @@ from jxformers.ops._common import (
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import TokenInputs, register
 
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "iterative_pinv",
+    "linformer_attention",
+    "nystrom_attention",
+    "segment_means",
+    "synthesizer_attention",
+    "synthesizer_logits",
+]
+
 
 def linformer_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
@@ -101,9 +111,12 @@ def linformer_arrays(key: PRNGKeyArray, *, proj_len: int = 256, max_len: int = 4
 
 
 register(
-    "linformer", linformer_attention, family="low rank", paper="Wang et al. 2020", complexity="O(N*k)",
+    "linformer", linformer_attention, family="low rank", paper="Wang et al. 2020", complexity="O(N k)",
     supports_causal=False, supports_cross=True, exact=False, init_arrays=linformer_arrays, covers_length="max_len",
     docs={"proj_len": "projected length k", "max_len": "longest sequence the projections cover"},
+    summary="keys/values projected along the length by E, F",
+    limits={"proj_len": 1, "max_len": 1},
+    dense_width=("its projected length (proj_len)", lambda hp, n: hp["proj_len"]),
 )
 
 
@@ -275,6 +288,9 @@ register(
           "trainable_random": "random: train R (else fixed)",
           "mixture": "learned softmax-normalised mixture with dot-product attention",
           "hidden": "dense: hidden width (default d_model)", "factor": "factorized_dense: a (b = max_len / a)"},
+    summary=("dense (from X), factorized dense, random (trained or fixed), factorized random; optional learned "
+             "mixture with q k^T"),
+    limits={"max_len": 1, "rank": 1, "hidden": 1, "factor": 1},
 )
 
 
@@ -373,7 +389,10 @@ def nystrom_attention(
 
 
 register(
-    "nystrom", nystrom_attention, family="low rank", paper="Xiong et al. 2021", complexity="O(N*m + m^3)",
+    "nystrom", nystrom_attention, family="low rank", paper="Xiong et al. 2021", complexity="O(N m + m^3)",
     supports_cross=True, exact=False,
     docs={"num_landmarks": "landmarks m", "pinv_iterations": "pseudo-inverse iterations"},
+    summary="Nystrom landmarks (segment means) and an iterative pseudo-inverse",
+    limits={"num_landmarks": 1, "pinv_iterations": 0},
+    dense_width=("its landmarks (num_landmarks)", lambda hp, n: hp["num_landmarks"]),
 )

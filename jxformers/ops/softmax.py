@@ -39,6 +39,13 @@ from jxformers.ops._common import (
 )
 from jxformers.registry import register
 
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "causal_mask",
+    "chunked_attention",
+    "softmax_attention",
+]
+
 
 def causal_mask(q_len: int, kv_len: int) -> Bool[Array, "q_len kv_len"]:
     """Causal mask aligned bottom-right: query i sits at position i + kv_len - q_len, so
@@ -141,6 +148,7 @@ register(
     "softmax", softmax_attention, family="exact", paper="Vaswani et al. 2017", complexity="O(N^2)",
     supports_cross=True, decoder=kv_cache(softmax_attention), choices={"impl": IMPLS},
     docs={"impl": "one of jxformers.kernels.IMPLS (flash-attention kernel or cuDNN)"},
+    summary="`mask`, `kv_mask`, `bias`, causal (bottom-right) — the reference",
 )
 
 
@@ -237,6 +245,8 @@ def chunked_attention(
 
 register(
     "chunked", chunked_attention, family="exact", paper="Rabe & Staats 2021",
-    complexity="O(N^2) time, O(N*chunk) memory", supports_cross=True, decoder=kv_cache(softmax_attention),
+    complexity="O(N^2) time, O(N chunk) memory", supports_cross=True, decoder=kv_cache(softmax_attention),
     docs={"chunk_size": "queries and keys per chunk"},
+    summary="same as softmax, online softmax over chunks (Rabe & Staats)",
+    limits={"chunk_size": 1},
 )

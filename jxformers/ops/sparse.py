@@ -47,6 +47,16 @@ from jxformers.ops._common import (
 from jxformers.ops.local import IMPL_DOC
 from jxformers.ops.softmax import softmax_attention
 from jxformers.registry import TokenInputs, register
+from jxformers.validate import Limits
+
+# What jxformers.ops exports from this family (the package imports it with `*`).
+__all__ = [
+    "bigbird_attention",
+    "bigbird_global_blocks",
+    "bigbird_random_blocks",
+    "longformer_attention",
+    "sparse_transformer_attention",
+]
 
 # ----------------------------------------------------------------------------- Sparse Transformer
 
@@ -230,9 +240,14 @@ def sparse_transformer_pattern(stride: int, pattern: str, num_summary: int, *, c
 
 register(
     "sparse_transformer", sparse_transformer_attention, family="fixed pattern", paper="Child et al. 2019",
-    complexity="O(N*sqrt(N))", choices={"pattern": ("strided", "fixed"), "impl": IMPLS},
+    complexity="O(N sqrt N)", choices={"pattern": ("strided", "fixed"), "impl": IMPLS},
     docs={"stride": "s, about sqrt(N)", "pattern": "strided or fixed", "num_summary": "c, summary positions per block (fixed)"}
     | IMPL_DOC,
+    summary="strided: |i - j| < s or (i - j) % s == 0; fixed: j // s == i // s or j % s >= s - c",
+    limits={"stride": 1, "num_summary": 1},
+    dense_width=("its pattern (stride + max_len / stride keys)",
+                 lambda hp, n: hp["stride"]
+                 + -(-n // hp["stride"]) * (hp["num_summary"] if hp["pattern"] == "fixed" else 1)),
 )
 
 
@@ -429,11 +444,15 @@ def longformer_globals(
 
 
 register(
-    "longformer", longformer_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N*(w+g))",
+    "longformer", longformer_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N (w + g))",
     token_inputs=TokenInputs(longformer_global_params, longformer_globals), choices={"impl": IMPLS},
     docs={"window": "keys each side", "dilation": "stride between window keys",
           "global_indices": "positions of global tokens",
           "global_projections": "separate Q_g, K_g, V_g for the global attention (the paper's)"} | IMPL_DOC,
+    summary="(dilated) window, or i or j global; separate Q_g/K_g/V_g for global rows",
+    limits={"window": 0, "dilation": 1, "global_indices": 0},
+    dense_width=("its window and globals (2 window + 1 + globals keys)",
+                 lambda hp, n: 2 * hp["window"] + 1 + len(hp["global_indices"])),
 )
 
 
@@ -624,9 +643,15 @@ def bigbird_arrays(key: PRNGKeyArray) -> dict[str, PRNGKeyArray]:
 
 
 register(
-    "bigbird", bigbird_attention, family="fixed pattern", paper="Zaheer et al. 2020", complexity="O(N*b*(w+g+r))",
+    "bigbird", bigbird_attention, family="fixed pattern", paper="Zaheer et al. 2020", complexity="O(N b (w + g + r))",
     init_arrays=bigbird_arrays, drawn=("key",), redrawn=False, choices={"impl": IMPLS},
     docs={"block_size": "tokens per block", "num_random_blocks": "random key blocks per query block",
           "num_window_blocks": "sliding window in blocks (odd)", "num_global_blocks": "global blocks (first and last)"}
     | IMPL_DOC,
+    summary="block window, global first/last blocks, random blocks",
+    limits={"block_size": 1, "num_random_blocks": 0, "num_window_blocks": Limits(minimum=1, odd=True),
+            "num_global_blocks": 0},
+    dense_width=("its blocks (block_size x (window + global + random blocks) keys)",
+                 lambda hp, n: hp["block_size"]
+                 * (hp["num_window_blocks"] + hp["num_global_blocks"] + hp["num_random_blocks"])),
 )

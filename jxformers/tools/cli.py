@@ -14,7 +14,8 @@ import warnings
 USAGE = """usage: jxformers COMMAND [ARGS]   (jxformers --version prints the version)
 
 commands:
-  list      print the attention registry (names, capabilities, hyper-parameters) and the model architectures
+  list      print the attention registry (names, capabilities, hyper-parameters) and the model architectures;
+            `list NAME`: one attention's hyper-parameters and allowed values; `list --markdown`: the README's op table
   bench     time and measure every attention against softmax (--help for options)
   train     train an experiment: jxformers train CONFIG --workdir DIR [--set key=value ...]
   eval      evaluate the newest (--best: the best) checkpoint of a work directory: eval --workdir DIR
@@ -362,12 +363,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "list":
-        argparse.ArgumentParser(prog="jxformers list", description="print the attention registry and the model architectures").parse_args(rest)
+        parser = argparse.ArgumentParser(prog="jxformers list",
+                                         description="print the attention registry and the model architectures")
+        parser.add_argument("name", nargs="?", help="one attention: its hyper-parameters (type, default, allowed "
+                            "values, doc) and what it can do")
+        parser.add_argument("--markdown", action="store_true", help="the README's op table (Markdown), rendered "
+                            "from the registrations")
+        args = parser.parse_args(rest)
         from jxformers import registry
         from jxformers.nn.config import architectures_table
 
-        print(registry.table())
-        print(architectures_table())
+        if args.markdown:
+            print(registry.markdown_table())
+        elif args.name is not None:
+            try:
+                print(registry.describe(args.name))
+            except ValueError as e:
+                print(f"jxformers list: {e}", file=sys.stderr)
+                return 2
+        else:
+            print(registry.table())
+            print(architectures_table())
         return 0
     if command in ("describe", "schema"):
         from jxformers.tools import describe

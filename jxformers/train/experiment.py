@@ -301,19 +301,18 @@ def _read(source: str | os.PathLike | Mapping) -> dict:
     return values
 
 
-_GRID_ATTENTIONS = ("axial", "image_local_2d")  # attentions that read the sequence as rows of `width`
-
-
 def _warn_if_grid_is_not_the_image(model: ModelConfig, source) -> None:
-    """A 2-D attention whose rows are not the image's rows runs, but sees a wrong grid."""
+    """A 2-D attention (one whose registration names its `grid_width`) whose rows are not
+    the image's rows runs, but sees a wrong grid."""
     image_size = getattr(source, "image_size", None)
-    name = model.attention.name
-    if name not in _GRID_ATTENTIONS or image_size is None:
+    bound = model.bound_attention(0)
+    role = bound.spec.grid_width
+    if role is None or image_size is None:
         return
-    width = model.bound_attention(0).hyper_parameters["width"]  # defaults filled in
+    width = bound.hyper_parameters[role]  # defaults filled in
     if width != image_size:
-        warnings.warn(f"{name} attention's width {width} is not the images' width {image_size}: its rows "
-                      f"are not the image's rows (set model.attention.width={image_size})", stacklevel=3)
+        warnings.warn(f"{bound.name} attention's {role} {width} is not the images' width {image_size}: its rows "
+                      f"are not the image's rows (set model.attention.{role}={image_size})", stacklevel=3)
 
 
 def _drop_other_attention_kwargs(config: dict, parsed: list[tuple[list[str], Any]]) -> None:

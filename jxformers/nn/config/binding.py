@@ -15,46 +15,15 @@ class ShortSequenceWarning(UserWarning):
     `warnings.simplefilter("ignore", ShortSequenceWarning)`."""
 
 
-# How far one query reaches, in keys (or, for the low-rank and kernelized ones, the rows
-# or features it summarises the keys into), from the pattern each op's docstring defines.
-# Defaults were chosen for sequences in the thousands; at a max_len this width reaches
-# the op is dense (BigBird's default blocks at N = 256 take 2.5x softmax's memory).
-_WIDTH = {
-    "local": ("its window (2 window + 1 keys)", lambda hp, n: 2 * hp["window"] + 1),
-    "longformer": ("its window and globals (2 window + 1 + globals keys)",
-                   lambda hp, n: 2 * hp["window"] + 1 + len(hp["global_indices"])),
-    "block_local": ("its block (block_size keys)", lambda hp, n: hp["block_size"]),
-    "bigbird": ("its blocks (block_size x (window + global + random blocks) keys)",
-                lambda hp, n: hp["block_size"] * (hp["num_window_blocks"] + hp["num_global_blocks"]
-                                                  + hp["num_random_blocks"])),
-    "sparse_transformer": ("its pattern (stride + max_len / stride keys)",
-                           lambda hp, n: hp["stride"] + -(-n // hp["stride"]) * (
-                               hp["num_summary"] if hp["pattern"] == "fixed" else 1)),
-    "axial": ("its row and column (width + max_len / width keys)", lambda hp, n: hp["width"] + -(-n // hp["width"])),
-    "linformer": ("its projected length (proj_len)", lambda hp, n: hp["proj_len"]),
-    "nystrom": ("its landmarks (num_landmarks)", lambda hp, n: hp["num_landmarks"]),
-    "induced": ("its inducing points (num_inducing)", lambda hp, n: hp["num_inducing"]),
-    "performer": ("its random features (num_features)", lambda hp, n: hp["num_features"]),
-    "rfa": ("its random features (num_features)", lambda hp, n: hp["num_features"]),
-    "lsh": ("its chunks (2 chunk_size keys per hash round)", lambda hp, n: 2 * hp["chunk_size"]),
-    "routing": ("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
-    "sinkhorn": ("its own and sorted blocks (2 block_size keys)", lambda hp, n: 2 * hp["block_size"]),
-    "clusterformer": ("its chunks (chunk_size keys)", lambda hp, n: hp["chunk_size"]),
-    "etc": ("its local radius and global tokens (2 local_radius + 1 + num_global keys per long token)",
-            lambda hp, n: 2 * hp["local_radius"] + 1 + hp["num_global"]),
-    "image_local_2d": ("its memory block ((memory_height + query_height) x (query_width + 2 memory_width) pixels)",
-                       lambda hp, n: (hp["memory_height"] + hp["query_height"])
-                       * (hp["query_width"] + 2 * hp["memory_width"])),
-}
-
-
 def warn_if_dense(bound: registry.BoundAttention, max_len: int) -> None:
-    """ShortSequenceWarning when `bound` is no sparser (or lower-rank) than softmax at max_len."""
-    name = bound.spec.name
-    if name not in _WIDTH:
+    """ShortSequenceWarning when `bound` is no sparser (or lower-rank) than softmax at max_len:
+    when how far one query reaches (its registration's `dense_width`) reaches max_len.
+    Defaults were chosen for sequences in the thousands (BigBird's default blocks at
+    N = 256 take 2.5x softmax's memory)."""
+    name, width = bound.spec.name, bound.width(max_len)
+    if width is None or bound.spec.dense_width is None:
         return
-    what, width_of = _WIDTH[name]
-    width = width_of(bound.hyper_parameters, max_len)
+    what = bound.spec.dense_width[0]
     if width >= max_len:
         warnings.warn(
             f"{name} attention at max_len {max_len}: {what} spans {width} >= {max_len}, so it is dense at this "
