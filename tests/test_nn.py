@@ -290,7 +290,7 @@ def test_config_from_dict_and_yaml(tmp_path):
         ({"dropout": 1.0}, "dropout"),
         ({"attention": "flashy"}, "unknown attention 'flashy'; registered: softmax"),
         ({"attention": "local", "attention_kwargs": {"widow": 3}}, "unknown hyper-parameter"),
-        ({"attention": "local", "attention_kwargs": {"window": "3"}}, "window' must be int"),
+        ({"attention": "local", "attention_kwargs": {"window": "3"}}, "hyper-parameter window must be int"),
         ({"task": "lm", "attention": "nystrom"}, "needs causal attention.*Causal attentions"),
         ({"attention": "linear", "position": "alibi"}, "logit bias"),
         ({"d_model": 12, "num_heads": 4, "position": "rope"}, "even head size"),
