@@ -33,7 +33,7 @@ import yaml
 from jxformers.data import make_source
 from jxformers.nn import ModelConfig
 from jxformers.nn.config import legacy
-from jxformers.nn.recurrent import RECURRENT_ARCHITECTURES
+from jxformers.nn.transformer_xl import MEMORY_ARCHITECTURES
 from jxformers.train.optim import OPTIMIZERS, SCHEDULES
 from jxformers.validate import check_at_least, check_fields, from_mapping, setting
 
@@ -305,7 +305,7 @@ def _check_stream_source(model_config: ModelConfig, source, *, batch_size: int) 
     multiple of the rate. (`grad_accum` is checked by TrainConfig: it divides the batch,
     and each micro-batch takes its rows' memories.)"""
     arch = model_config.stack.kind
-    if arch not in RECURRENT_ARCHITECTURES:
+    if arch not in MEMORY_ARCHITECTURES:
         return
     if not getattr(source, "stream", False):
         raise ValueError(f"architecture {arch!r} carries a memory from batch to batch and needs a stream of consecutive "

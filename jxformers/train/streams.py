@@ -1,5 +1,5 @@
 """Training and evaluating models that carry a memory between steps (Transformer-XL,
-the Compressive Transformer; `jxformers.nn.recurrent.RecurrentLM`).
+the Compressive Transformer; `jxformers.nn.transformer_xl.RecurrentLM`).
 
 The data is a stream source (`shakespeare_stream`): batches of `rows` records read in
 order, row b of batch t + 1 continuing row b of batch t. The train state holds one
@@ -21,18 +21,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jxformers.nn.recurrent import RecurrentLM
+from jxformers.nn.transformer_xl import RecurrentLM
 from jxformers.train.sharding import jit_train_step
 
 
-def is_recurrent(model) -> bool:
+def carries_memory(model) -> bool:
     """True for a model (or its static part) with a memory carried between segments."""
     return isinstance(model, RecurrentLM)
 
 
 def init_train_memory(model, rows: int):
     """`rows` empty train memories stacked (None for a model without memory)."""
-    if not is_recurrent(model):
+    if not carries_memory(model):
         return None
     return jax.tree.map(lambda x: jnp.repeat(x[None], rows, 0), model.init_memory())
 
