@@ -33,6 +33,7 @@ import yaml
 from jxformers.data import make_source
 from jxformers.nn import ModelConfig
 from jxformers.nn.config import legacy
+from jxformers.nn.config.components import CompressiveStack
 from jxformers.nn.transformer_xl import MEMORY_ARCHITECTURES
 from jxformers.train.optim import OPTIMIZERS, SCHEDULES
 from jxformers.validate import check_at_least, check_fields, from_mapping, setting
@@ -313,10 +314,10 @@ def _check_stream_source(model_config: ModelConfig, source, *, batch_size: int) 
     if source.rows != batch_size:
         raise ValueError(f"architecture {arch!r}: each batch row is one stream, so data.settings.rows ({source.rows}) "
                          f"must equal train.batch_size ({batch_size})")
-    segment = source.max_len - 1
-    if arch == "compressive" and segment % model_config.stack.compression_rate:
+    segment, stack = source.max_len - 1, model_config.stack
+    if isinstance(stack, CompressiveStack) and segment % stack.compression_rate:
         raise ValueError(f"architecture 'compressive': segments of data max_len - 1 = {segment} tokens must be a multiple "
-                         f"of compression_rate ({model_config.stack.compression_rate})")
+                         f"of compression_rate ({stack.compression_rate})")
 
 
 _GRID_ATTENTIONS = ("axial", "image_local_2d")  # attentions that read the sequence as rows of `width`
