@@ -37,6 +37,8 @@ __all__ = ["ModelConfig", "ShortSequenceWarning", "build_model", "decoding", "ge
 # name -> the module that defines it
 _NAMES = {"ModelConfig": "jxformers.nn", "build_model": "jxformers.nn", "ShortSequenceWarning": "jxformers.nn.config",
           "generate": "jxformers.nn.generation"}
+# `jxformers.<name>` without an import statement loads these too
+_SUBMODULES = ("data", "decoding", "kernels", "nn", "ops", "pretrained", "registry", "tools", "train", "validate", "xla_cost")
 
 
 def __getattr__(name: str):
@@ -44,7 +46,7 @@ def __getattr__(name: str):
         importlib.import_module("jxformers.ops")  # its modules fill the registry (and import decoding)
     if name in _NAMES:
         value = getattr(importlib.import_module(_NAMES[name]), name)
-    elif name in __all__:
+    elif name in __all__ or name in _SUBMODULES:
         value = importlib.import_module(f"jxformers.{name}")
     else:
         raise AttributeError(f"module 'jxformers' has no attribute {name!r}")
@@ -53,4 +55,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

@@ -179,3 +179,12 @@ def test_importing_validate_loads_only_validate():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     loaded = set(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
     assert loaded <= VALIDATE_LOADS_AT_MOST, f"{len(loaded)} modules: {sorted(loaded - VALIDATE_LOADS_AT_MOST)}"
+
+
+def test_the_package_names_load_on_first_use_and_the_registry_is_filled():
+    code = ("import sys\nfrom jxformers import decoding, registry\nassert 'softmax' in registry.names(), registry.names()\n"
+            "from jxformers import ModelConfig, ShortSequenceWarning, build_model, generate, nn, ops\n"
+            "import jxformers\nassert jxformers.kernels.IMPLS and jxformers.ModelConfig is ModelConfig\n"
+            "assert 'jxformers.train' not in sys.modules")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
