@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jxformers.ops._common import group_heads, guarded_divide
+from jxformers._arrays import group_heads, guarded_divide
 from jxformers.registry import Decoder
 
 _NO_SCALE = -1e30  # the stabiliser before any key: exp(_NO_SCALE - x) == 0

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import importlib
 import inspect
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -518,15 +520,25 @@ def unregister(name: str) -> None:
     del _REGISTRY[name]
 
 
+def _shipped() -> dict[str, AttentionSpec]:
+    """The registry with the shipped attentions in it. They register when `jxformers.ops`
+    is imported; `import jxformers.registry` alone does not import it (this module holds no
+    entries and imports no op), so the first lookup loads them, by name: the registry is
+    the layer below the ops, which fill it like plugins."""
+    if "jxformers.ops" not in sys.modules:
+        importlib.import_module("jxformers.ops")
+    return _REGISTRY
+
+
 def names(**capabilities: bool) -> list[str]:
     """Registered names in registration order, optionally filtered by capability flags,
     e.g. `names(supports_causal=True, decodes=True)`."""
-    return [n for n, s in _REGISTRY.items() if all(getattr(s, c) == want for c, want in capabilities.items())]
+    return [n for n, s in _shipped().items() if all(getattr(s, c) == want for c, want in capabilities.items())]
 
 
 def get(name: str) -> AttentionSpec:
     """The spec registered under `name`; ValueError listing the names otherwise."""
-    if name not in _REGISTRY:
+    if name not in _shipped():
         raise ValueError(f"unknown attention {name!r}; registered: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import jxformers
 from jxformers import ModelConfig, build_model, registry
 from jxformers.ops import softmax_attention
-from jxformers.tools.xla_cost import compile_with_cost
+from jxformers.xla_cost import compile_with_cost
 
 # One odd length (tails of blocks and chunks) for most properties; the dense-mask
 # equivalence also runs a length that divides evenly. Each length is a compilation.

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from jxformers import ops
 from jxformers.ops import fourier
-from jxformers.tools.xla_cost import compile_with_cost
+from jxformers.xla_cost import compile_with_cost
 
 # ----------------------------------------------------------------------------- linear attention
 

@@ -1,4 +1,4 @@
-"""Memory without timing: XLA's compiled temporary memory (tools/xla_cost.py).
+"""Memory without timing: XLA's compiled temporary memory (jxformers/xla_cost.py).
 
 Chunked attention's compiled temporary memory at N = 8192 is under a quarter of dense
 softmax's, forward and backward. (How each attention's FLOPs grow with N is the generic
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jxformers import ops
-from jxformers.tools.xla_cost import compile_with_cost
+from jxformers.xla_cost import compile_with_cost
 
 N = 8192
 

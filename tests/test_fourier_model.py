@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_close
 
 from jxformers import build_model, ops
-from jxformers.tools.xla_cost import compile_with_cost
+from jxformers.xla_cost import compile_with_cost
 
 TINY = dict(vocab_size=29, num_layers=2, d_model=16, num_heads=4, d_ff=24, max_len=64)
 

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-TINY = 1e-30  # as jxformers.ops._common.guarded_divide: a smaller denominator is an empty row
+TINY = 1e-30  # as jxformers._arrays.guarded_divide: a smaller denominator is an empty row
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False, dtype=None):

@@ -11,7 +11,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     luna.py       LunaBlock, LunaStack (Luna, with its causal form)
     perceiver.py  PerceiverEncoder (Perceiver)
     tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig stack.token_learner)
-    recurrent.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
+    transformer_xl.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
+    recurrent.py  deprecated name of transformer_xl.py
     reversible.py  reversible residual blocks (Reformer's wiring)
     models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
     mixture.py    the discretized mixture of logistics output head (PixelCNN++)
@@ -46,10 +47,10 @@ from jxformers.nn.positions import (
     sinusoidal,
     t5_buckets,
 )
-from jxformers.nn.recurrent import RecurrentLM
 from jxformers.nn.set_transformer import ISAB, MAB, PMA
 from jxformers.nn.tokenlearner import TokenFuser, TokenLearner, TokenLearnerStage
 from jxformers.nn.trainable import redraw, trainable, update_arrays, updates_arrays
+from jxformers.nn.transformer_xl import RecurrentLM
 
 __all__ = [
     "Attention", "Block", "Classifier", "ConditionedDecoder", "DualClassifier", "Embedding", "Encoder",

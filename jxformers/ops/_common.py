@@ -1,5 +1,6 @@
 """Shared pieces of the attention ops: argument validation, grouped-query logits,
-the one masked softmax every op reduces to, and blocking helpers.
+the one masked softmax every op reduces to, and blocking helpers. (Grouping query heads
+and the guarded division are in `jxformers._arrays`: the decoders use them too.)
 
 Every op in this package ends in `softmax_parts`: a masked softmax over one or more
 *parts* (groups of keys gathered in whatever layout suits the pattern) normalised
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
 
 # ----------------------------------------------------------------------------- checks
@@ -91,12 +93,6 @@ def out_dtype(q: ArrayLike, k: ArrayLike, v: ArrayLike) -> jnp.dtype:
 # ----------------------------------------------------------------------------- softmax
 
 
-def group_heads(q: Float[ArrayLike, "*lead heads d"], kv_heads: int) -> Float[Array, "*lead h g d"]:
-    """Split query heads into [kv_heads, group] so one key head serves `group` queries."""
-    *lead, heads, d = q.shape
-    return jnp.asarray(q).reshape(*lead, kv_heads, heads // kv_heads, d)
-
-
 def einsum_f32(spec: str, a: ArrayLike, b: ArrayLike) -> Array:
     """einsum accumulating in float32. Operands are cast to their common dtype; on CPU,
     16-bit floats are upcast to float32 first, because XLA:CPU's dot thunk rejects
@@ -163,15 +159,6 @@ def weighted_values(p: Float[ArrayLike, "*n h g q k"], v: Float[ArrayLike, "*n k
 def head_mask(mask: Bool[ArrayLike, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:
     """Give a [*n, q, k] mask the two head axes of the logits."""
     return mask[..., None, None, :, :]
-
-
-_TINY = 1e-30  # below this a denominator is treated as empty (all keys masked)
-
-
-def guarded_divide(num: ArrayLike, den: ArrayLike) -> Array:
-    """num / den with empty rows (den == 0: every key masked) giving zeros, not NaN."""
-    ok = jnp.abs(den) > _TINY
-    return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
 
 
 # ----------------------------------------------------------------------------- blocking

@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
 from jxformers.decoding import KVCache, cache_append, full_cache_init
 from jxformers.ops._common import (
     check_mask_shape,
     check_qkv,
     default_scale,
-    group_heads,
     logits,
     out_dtype,
     weighted_values,

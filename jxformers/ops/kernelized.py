@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._arrays import group_heads, guarded_divide
 from jxformers._typing import ArrayLike
 from jxformers.decoding import recurrent
 from jxformers.kernels import linear as linear_kernels
@@ -38,8 +39,6 @@ from jxformers.ops._common import (
     check_positive,
     check_qkv,
     einsum_f32,
-    group_heads,
-    guarded_divide,
     out_dtype,
     pad_to,
     to_blocks,

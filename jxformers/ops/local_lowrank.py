@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
 from jxformers.decoding import KVCache, cache_append, full_cache_init
 from jxformers.ops._common import (
@@ -31,7 +32,6 @@ from jxformers.ops._common import (
     check_self,
     default_scale,
     einsum_f32,
-    group_heads,
     head_mask,
     logits,
     neighbour_blocks,

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
     attend_parts,
@@ -26,7 +27,6 @@ from jxformers.ops._common import (
     check_self,
     default_scale,
     einsum_f32,
-    group_heads,
     neighbour_blocks,
     out_dtype,
     pad_to,

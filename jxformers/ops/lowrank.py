@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
     ceil_div,
@@ -18,7 +19,6 @@ from jxformers.ops._common import (
     check_qkv,
     default_scale,
     einsum_f32,
-    group_heads,
     logits,
     out_dtype,
     positions,

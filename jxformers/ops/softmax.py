@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
 from jxformers.decoding import kv_cache
 from jxformers.kernels import IMPLS, choose_kernel
@@ -25,7 +26,6 @@ from jxformers.ops._common import (
     check_positive,
     check_qkv,
     default_scale,
-    group_heads,
     head_mask,
     logits,
     out_dtype,

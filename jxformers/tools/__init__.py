@@ -9,7 +9,5 @@ compare.py       `jxformers compare`: one experiment trained once per attention
 describe.py      `jxformers describe` and `jxformers schema`: what each experiment key means
 demo.py          `make demo`: softmax, linear-attention and Fourier-Transformer classifiers
 plot.py          training curves of several runs in one PNG
-xla_cost.py      XLA's FLOPs and memory of a compiled program (the benchmarks, the tests and
-                 the train loop share it)
 help_text.py     command-line help drawn from module docstrings
 """

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from jxformers import registry
 from jxformers.tools.help_text import description
-from jxformers.tools.xla_cost import compile_with_cost
+from jxformers.xla_cost import compile_with_cost
 
 FULL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
 SHORT_LENGTHS = (256, 512, 1024)

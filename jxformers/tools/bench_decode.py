@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from jxformers.nn import ModelConfig, build_model
 from jxformers.tools.bench import machine, print_report
-from jxformers.tools.xla_cost import compile_with_cost
+from jxformers.xla_cost import compile_with_cost
 
 FULL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 

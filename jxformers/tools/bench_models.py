@@ -34,10 +34,10 @@ from jxformers import registry
 from jxformers.nn.config import ModelConfig
 from jxformers.tools.bench import print_report, provenance
 from jxformers.tools.help_text import description
-from jxformers.tools.xla_cost import compile_with_cost
 from jxformers.train import init_train_state, load_experiment
 from jxformers.train.experiment import deep_merge
 from jxformers.train.step import make_train_step
+from jxformers.xla_cost import compile_with_cost
 
 LENGTHS = (1024, 2048, 3072, 4096)
 # The paper's batch per length (He et al. 2023, section 5.1.2: 32, and 16 at 4K for vanilla's memory).

@@ -6,7 +6,8 @@
     state.py       TrainState (params, drawn, opt_state, step, rng) and its one constructor
                    init_train_state; state_dict / load_state_dict (leaves by tree path)
     step.py        losses, the jitted train step (state -> state) and eval step, evaluate
-    recurrent.py   the steps of models carrying a memory between steps (Transformer-XL) on streams
+    streams.py     training on streams of consecutive segments with a memory carried between
+                   steps (Transformer-XL): its train and eval steps
     sharding.py    the device mesh (MeshConfig) and the rules sharding the state and the
                    batch over data / fsdp / tensor / expert (docs/distributed.md)
     distributed.py several processes: jax.distributed from flags or a detected cluster

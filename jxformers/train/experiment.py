@@ -35,8 +35,9 @@ import yaml
 from jxformers.data import make_source
 from jxformers.nn import ModelConfig
 from jxformers.nn.config import legacy
+from jxformers.nn.config.components import CompressiveStack
+from jxformers.nn.transformer_xl import MEMORY_ARCHITECTURES
 from jxformers.train.optim import OPTIMIZERS, SCHEDULES
-from jxformers.train.recurrent import check_experiment as check_recurrent
 from jxformers.validate import check_at_least, check_fields, from_mapping, setting
 
 # Shipped with the package (package data), so an installed wheel has them too.
@@ -301,6 +302,26 @@ def _read(source: str | os.PathLike | Mapping) -> dict:
     return values
 
 
+def _check_stream_source(model_config: ModelConfig, source, *, batch_size: int) -> None:
+    """An architecture carrying a memory between segments (Transformer-XL, compressive)
+    needs a stream source with one row per batch row and (compressive) segments of a
+    multiple of the rate. (`grad_accum` is checked by TrainConfig: it divides the batch,
+    and each micro-batch takes its rows' memories.)"""
+    arch = model_config.stack.kind
+    if arch not in MEMORY_ARCHITECTURES:
+        return
+    if not getattr(source, "stream", False):
+        raise ValueError(f"stack {arch!r} carries a memory from batch to batch and needs a stream of consecutive "
+                         f"segments (data task 'shakespeare_stream'); got data task {type(source).__name__}")
+    if source.rows != batch_size:
+        raise ValueError(f"stack {arch!r}: each batch row is one stream, so data.settings.rows ({source.rows}) "
+                         f"must equal train.batch_size ({batch_size})")
+    segment, stack = source.max_len - 1, model_config.stack
+    if isinstance(stack, CompressiveStack) and segment % stack.compression_rate:
+        raise ValueError(f"stack 'compressive': segments of data max_len - 1 = {segment} tokens must be a multiple "
+                         f"of compression_rate ({stack.compression_rate})")
+
+
 def _warn_if_grid_is_not_the_image(model: ModelConfig, source) -> None:
     """A 2-D attention (one whose registration names its `grid_width`) whose rows are not
     the image's rows runs, but sees a wrong grid."""
@@ -366,7 +387,7 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
                          f"{data.task!r} ({data.settings}) are not pixels (fashion_mnist with mode: generate is)")
     model = ModelConfig.from_dict(model_values)
     _warn_if_grid_is_not_the_image(model, train_source)
-    check_recurrent(model, train_source, batch_size=train.batch_size, grad_accum=train.grad_accum)
+    _check_stream_source(model, train_source, batch_size=train.batch_size)
     raw = {"name": config.get("name", "experiment"), "preset": preset, "data": data.to_dict(),
            "model": model.to_dict(), "train": train.to_dict(), "checkpoint": ckpt.to_dict(), "mesh": sections["mesh"].to_dict()}
     return Experiment(raw["name"], data, model, train, ckpt, raw, sections["mesh"])

@@ -47,7 +47,6 @@ from tqdm import tqdm
 from jxformers.data import make_loader
 from jxformers.data.baselines import baselines
 from jxformers.nn import redraw
-from jxformers.tools.xla_cost import cost_of
 from jxformers.train import distributed
 from jxformers.train.checkpoint import Checkpointer
 from jxformers.train.experiment import Experiment
@@ -56,6 +55,7 @@ from jxformers.train.state import TrainState, init_train_state, load_state_dict,
 from jxformers.train.step import evaluate, make_eval_step, make_train_step
 from jxformers.train.tensorboard import EventWriter
 from jxformers.train.workdir import check_rerun, check_workdir, has_checkpoints, workdir_lock, write_config
+from jxformers.xla_cost import cost_of
 
 
 class NonFiniteError(RuntimeError):

@@ -16,7 +16,7 @@ that would each need an explicit `reshard`, so the automatic mode is used.)
 
 Rules, on the dimensions' names (read from each leaf's tree path; Linear weights are
 `[out, in]`, `jxformers.nn.layers.Linear`):
-    batch      every array of a batch, and a recurrent model's per-row memory, is split on
+    batch      every array of a batch, and a Transformer-XL's per-row memory, is split on
                its leading (batch) dimension over (`data`, `fsdp`).
     tensor     attention heads: the output dimension of q_proj / k_proj / v_proj / r_proj
                (weights and biases) and the input dimension of o_proj / out_proj, when the

@@ -8,7 +8,7 @@ arrays (attention's drawn features / random blocks / rotations and PRNG keys ins
 model: non-trainable, replaced by `redraw`), the optimizer state, the step (an int32
 array), the run's PRNG key, and, for a model with a memory carried from step to step
 (Transformer-XL, the Compressive Transformer), that `memory` (one per batch row;
-`jxformers.train.recurrent`; None otherwise). The static rest of the model (activation functions,
+`jxformers.train.streams`; None otherwise). The static rest of the model (activation functions,
 shapes, bound attentions) is kept outside, as `static`.
 
 For checkpoints, `state_dict(state)` flattens the state to one dict keyed by each leaf's
@@ -30,7 +30,7 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from jxformers.nn import build_model, trainable
 from jxformers.train.optim import make_optimizer
-from jxformers.train.recurrent import init_train_memory
+from jxformers.train.streams import init_train_memory
 
 
 class TrainState(eqx.Module):

@@ -27,7 +27,7 @@ import optax
 
 from jxformers.nn import record_attention_inputs, update_arrays, updates_arrays
 from jxformers.nn.moe import aux_loss, has_moe, layer_metrics, reduce_aux
-from jxformers.train import recurrent
+from jxformers.train import streams
 from jxformers.train.sharding import ShardingPlan, jit_train_step
 from jxformers.train.state import TrainState, split_model
 
@@ -92,8 +92,8 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
     `layer_metrics` (means over micro-batches; counts summed). With a `sharding` plan
     (`jxformers.train.sharding`) the state comes in and goes out on the plan's
     shardings, the batch split over (data, fsdp), the metrics replicated."""
-    if recurrent.is_recurrent(static):  # memory carried between steps: its own step
-        return recurrent.make_train_step(static, optimizer, grad_accum=grad_accum, sharding=sharding)
+    if streams.carries_memory(static):  # memory carried between steps: its own step
+        return streams.make_train_step(static, optimizer, grad_accum=grad_accum, sharding=sharding)
 
     updating = updates_arrays(static)
     owners: list[int] = []
@@ -145,8 +145,8 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
 def make_eval_step(static):
     """A jitted (state, batch) -> (loss sum, correct, count) in inference mode (on a
     sharded state and batch, it runs where they are)."""
-    if recurrent.is_recurrent(static):  # carries its memory across the evaluated batches
-        return recurrent.make_eval_step(static)
+    if streams.carries_memory(static):  # carries its memory across the evaluated batches
+        return streams.make_eval_step(static)
 
     @jax.jit
     def step(state: TrainState, batch):

@@ -33,9 +33,9 @@ from jxformers.nn.moe import MoE, MoEConfig
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import PKMConfig, ProductKeyMemory
 from jxformers.nn.positions import Positions
-from jxformers.nn.recurrent import RecurrentLM
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
+from jxformers.nn.transformer_xl import RecurrentLM
 
 
 def as_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike) -> ModelConfig:

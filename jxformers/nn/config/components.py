@@ -29,8 +29,8 @@ from jxformers.nn.models import DOWNSAMPLE_KINDS, POOLING_KINDS
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import POSITION_KINDS
-from jxformers.nn.recurrent import COMPRESSIONS
 from jxformers.nn.tokenlearner import TokenLearnerConfig
+from jxformers.nn.transformer_xl import COMPRESSIONS
 from jxformers.validate import check_fields, setting
 
 # The output heads of a language model (the pooled heads of an encoder are POOLING_KINDS).

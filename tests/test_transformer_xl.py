@@ -1,4 +1,4 @@
-"""Transformer-XL and the Compressive Transformer (`jxformers.nn.recurrent`): segments with
+"""Transformer-XL and the Compressive Transformer (`jxformers.nn.transformer_xl`): segments with
 memory against one pass with the equivalent mask, the relative scores against their
 formula, stop-gradient memories, the compressive memory's bookkeeping, the
 reconstruction loss's gradient, config errors, and a tiny LM that learns."""
@@ -14,7 +14,7 @@ import pytest
 from suites import decode_all
 
 from jxformers.nn import ModelConfig, build_model
-from jxformers.nn.recurrent import (
+from jxformers.nn.transformer_xl import (
     RecurrentLM,
     relative_attention,
     relative_sinusoid,

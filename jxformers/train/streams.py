@@ -1,5 +1,5 @@
 """Training and evaluating models that carry a memory between steps (Transformer-XL,
-the Compressive Transformer; `jxformers.nn.recurrent.RecurrentLM`).
+the Compressive Transformer; `jxformers.nn.transformer_xl.RecurrentLM`).
 
 The data is a stream source (`shakespeare_stream`): batches of `rows` records read in
 order, row b of batch t + 1 continuing row b of batch t. The train state holds one
@@ -21,38 +21,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jxformers.nn.recurrent import RECURRENT_ARCHITECTURES, RecurrentLM
+from jxformers.nn.transformer_xl import RecurrentLM
+from jxformers.train.sharding import jit_train_step
 
 
-def is_recurrent(model) -> bool:
+def carries_memory(model) -> bool:
     """True for a model (or its static part) with a memory carried between segments."""
     return isinstance(model, RecurrentLM)
 
 
 def init_train_memory(model, rows: int):
     """`rows` empty train memories stacked (None for a model without memory)."""
-    if not is_recurrent(model):
+    if not carries_memory(model):
         return None
     return jax.tree.map(lambda x: jnp.repeat(x[None], rows, 0), model.init_memory())
-
-
-def check_experiment(model_config, source, *, batch_size: int, grad_accum: int) -> None:
-    """A recurrent architecture needs a stream source with one row per batch row and
-    (compressive) segments of a multiple of the rate. (`grad_accum` is checked by
-    TrainConfig: it divides the batch, and each micro-batch takes its rows' memories.)"""
-    arch = model_config.stack.kind
-    if arch not in RECURRENT_ARCHITECTURES:
-        return
-    if not getattr(source, "stream", False):
-        raise ValueError(f"architecture {arch!r} carries a memory from batch to batch and needs a stream of consecutive "
-                         f"segments (data task 'shakespeare_stream'); got data task {type(source).__name__}")
-    if source.rows != batch_size:
-        raise ValueError(f"architecture {arch!r}: each batch row is one stream, so data.settings.rows ({source.rows}) "
-                         f"must equal train.batch_size ({batch_size})")
-    segment = source.max_len - 1
-    if arch == "compressive" and segment % model_config.stack.compression_rate:
-        raise ValueError(f"architecture 'compressive': segments of data max_len - 1 = {segment} tokens must be a multiple "
-                         f"of compression_rate ({model_config.stack.compression_rate})")
 
 
 def stream_loss(model, batch, memory, key, *, inference: bool):
@@ -121,8 +103,6 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
         new_state = eqx.tree_at(lambda s: (s.params, s.opt_state, s.step, s.memory), state,
                                 (keep(new_params, params), keep(new_opt_state, state.opt_state), state.step + 1, memory))
         return new_state, metrics
-
-    from jxformers.train.sharding import jit_train_step  # sharding imports experiment, which imports this
 
     return jit_train_step(step, sharding)
 

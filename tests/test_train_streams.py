@@ -20,8 +20,8 @@ from jxformers.train import (
     restore_train_state,
     train,
 )
-from jxformers.train.recurrent import stream_loss
 from jxformers.train.step import evaluate, make_eval_step
+from jxformers.train.streams import stream_loss
 
 
 @pytest.fixture
