@@ -10,7 +10,7 @@ import pytest
 ROOT = pathlib.Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_config_overhead as bench
+import bench_config_overhead as bench  # noqa: E402  (a script, importable once scripts/ is on the path)
 
 
 def test_defaults_compare_the_flat_config_commit_with_head():
