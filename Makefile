@@ -2,7 +2,7 @@
 # and installs what it needs; a stamp file re-installs when pyproject.toml changes.
 # `make test PYTHON=python3.13 VENV=.venv-3.13` tests under another interpreter in its own
 # venv; PYTEST_ARGS adds pytest arguments (.ci/run passes --fast-subset for the newest Python).
-# `make lint`: ruff (lint, and the format check once the code is formatted) and basedpyright,
+# `make lint`: ruff (lint and the format check) and basedpyright,
 # configured in pyproject.toml, the same checks .pre-commit-config.yaml runs.
 PYTHON ?= python3
 VENV ?= .venv
@@ -39,10 +39,9 @@ test: check-venv $(VENV)/.stamp-dev
 
 LINT_PATHS := jxformers tests scripts
 
-# The format check waits for the one formatting commit (`ruff format jxformers tests scripts`);
-# then add `$(BIN)/ruff format --check $(LINT_PATHS)` after `ruff check`.
 lint: check-venv $(VENV)/.stamp-dev
 	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/basedpyright --pythonpath $(BIN)/python
 
 # `make docs`: the documentation site (mkdocs.yml, docs/) built strictly into site/; CI runs it.

@@ -35,10 +35,26 @@ __version__ = "0.1.0"
 __all__ = ["ModelConfig", "ShortSequenceWarning", "build_model", "decoding", "generate", "nn", "ops", "registry"]
 
 # name -> the module that defines it
-_NAMES = {"ModelConfig": "jxformers.nn", "build_model": "jxformers.nn", "ShortSequenceWarning": "jxformers.nn.config",
-          "generate": "jxformers.nn.generation"}
+_NAMES = {
+    "ModelConfig": "jxformers.nn",
+    "build_model": "jxformers.nn",
+    "ShortSequenceWarning": "jxformers.nn.config",
+    "generate": "jxformers.nn.generation",
+}
 # `jxformers.<name>` without an import statement loads these too
-_SUBMODULES = ("data", "decoding", "kernels", "nn", "ops", "pretrained", "registry", "tools", "train", "validate", "xla_cost")
+_SUBMODULES = (
+    "data",
+    "decoding",
+    "kernels",
+    "nn",
+    "ops",
+    "pretrained",
+    "registry",
+    "tools",
+    "train",
+    "validate",
+    "xla_cost",
+)
 
 
 def __getattr__(name: str):

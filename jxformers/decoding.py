@@ -88,8 +88,12 @@ State = KVCache | RecurrentState | TaggedCache
 
 def _empty_cache(n: int, kv_heads: int, d_k: int, d_v: int, dtype) -> KVCache:
     dtype = jnp.float32 if dtype is None else dtype
-    return KVCache(jnp.zeros((n, kv_heads, d_k), dtype), jnp.zeros((n, kv_heads, d_v), dtype),
-                   jnp.full((n,), -1, jnp.int32), jnp.zeros((), jnp.int32))
+    return KVCache(
+        jnp.zeros((n, kv_heads, d_k), dtype),
+        jnp.zeros((n, kv_heads, d_v), dtype),
+        jnp.full((n,), -1, jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
 
 
 def cache_append(state: KVCache, k, v) -> KVCache:
@@ -97,8 +101,10 @@ def cache_append(state: KVCache, k, v) -> KVCache:
     to the next slot (position p goes to slot p % slots)."""
     slot = state.length % state.k.shape[0]
     return KVCache(
-        state.k.at[slot].set(k.astype(state.k.dtype)), state.v.at[slot].set(v.astype(state.v.dtype)),
-        state.slot_pos.at[slot].set(state.length), state.length + 1,
+        state.k.at[slot].set(k.astype(state.k.dtype)),
+        state.v.at[slot].set(v.astype(state.v.dtype)),
+        state.slot_pos.at[slot].set(state.length),
+        state.length + 1,
     )
 
 
@@ -169,8 +175,12 @@ def recurrent(
     def init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> RecurrentState:
         probe = jax.eval_shape(lambda: features(jnp.zeros((kv_heads, d_k)), arrays, hyper_parameters)[0])
         m = probe.shape[-1]
-        return RecurrentState(jnp.zeros((kv_heads, m, d_v), jnp.float32), jnp.zeros((kv_heads, m), jnp.float32),
-                              jnp.full((kv_heads,), _NO_SCALE, jnp.float32), jnp.zeros((), jnp.int32))
+        return RecurrentState(
+            jnp.zeros((kv_heads, m, d_v), jnp.float32),
+            jnp.zeros((kv_heads, m), jnp.float32),
+            jnp.full((kv_heads,), _NO_SCALE, jnp.float32),
+            jnp.zeros((), jnp.int32),
+        )
 
     def step(q, k, v, state: RecurrentState, *, hyper_parameters, arrays, bias_fn):
         phi_k, log_max = features(k, arrays, hyper_parameters)

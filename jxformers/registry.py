@@ -8,7 +8,7 @@ binding, lookup. It holds no entries: each attention registers itself beside its
     >>> spec = registry.get("local")
     >>> spec.supports_causal, spec.supports_kv_mask, spec.supports_cross, spec.takes_bias, spec.decodes
     (True, True, False, False, True)
-    >>> local = spec.bind(window=8)               # validated once; frozen and hashable
+    >>> local = spec.bind(window=8)  # validated once; frozen and hashable
     >>> out = local(q, k, v, causal=True)
 
 Hyper-parameters are the op's keyword-only arguments that take static Python values
@@ -110,10 +110,12 @@ class HyperParameter:
     def numeric(self) -> bool:
         """An int or float (or a tuple of ints): the kind of value whose range a
         registration must declare (`limits`)."""
+
         def number(m) -> bool:
             if typing.get_origin(m) in (tuple, collections.abc.Sequence):
                 return any(number(a) for a in typing.get_args(m))
             return m in (int, float)
+
         return any(number(m) for m in _members(self.static_annotation))
 
     def allowed(self) -> str:
@@ -129,8 +131,13 @@ class HyperParameter:
         """The value, normalised (lists become tuples, ints for a float become floats);
         ValueError naming the attention, the hyper-parameter, the value and what is
         allowed when it does not fit (`jxformers.validate.check_value`, the one validator)."""
-        return check_value(f"{attention}: hyper-parameter {self.name}", value, self.static_annotation,
-                           choices=self.choices, limits=self.limits)
+        return check_value(
+            f"{attention}: hyper-parameter {self.name}",
+            value,
+            self.static_annotation,
+            choices=self.choices,
+            limits=self.limits,
+        )
 
 
 def _signature_parameters(fn: Callable, skip: tuple[str, ...]) -> dict[str, HyperParameter]:
@@ -347,8 +354,9 @@ class BoundAttention:
             if wanted and not able:
                 raise ValueError(f"{s.name} attention does not support {what}; ones that do: {names(**{flag: True})}")
 
-    def __call__(self, q, k, v, *, arrays: Mapping[str, Any] | None = None, causal: bool = False, kv_mask=None,
-                 bias=None):
+    def __call__(
+        self, q, k, v, *, arrays: Mapping[str, Any] | None = None, causal: bool = False, kv_mask=None, bias=None
+    ):
         self.check_call(causal=causal, kv_mask=kv_mask, bias=bias)
         kwargs = self._op_kwargs() | dict(arrays or {})
         if self.spec.supports_causal:
@@ -376,11 +384,13 @@ class BoundAttention:
         if fn is None:
             return {}
         wanted = inspect.signature(fn).parameters
-        return fn(dict(arrays), q, k, kv_mask=kv_mask,
-                  **{n: v for n, v in self.hyper_parameters.items() if n in wanted})
+        return fn(
+            dict(arrays), q, k, kv_mask=kv_mask, **{n: v for n, v in self.hyper_parameters.items() if n in wanted}
+        )
 
-    def init_token_params(self, key, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int,
-                          causal: bool = False) -> dict[str, Any]:
+    def init_token_params(
+        self, key, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int, causal: bool = False
+    ) -> dict[str, Any]:
         """The learned parameters of its token inputs (empty when it reads no tokens) for
         a module that is `causal` or not."""
         token_inputs = self.spec.token_inputs
@@ -403,13 +413,21 @@ class BoundAttention:
             raise ValueError(f"{self.name} attention cannot decode incrementally; ones that can: {names(decodes=True)}")
         return self.spec.decoder
 
-    def init_state(self, *, max_len: int, kv_heads: int, d_k: int, d_v: int, arrays: Mapping[str, Any] | None = None,
-                   dtype=None):
+    def init_state(
+        self, *, max_len: int, kv_heads: int, d_k: int, d_v: int, arrays: Mapping[str, Any] | None = None, dtype=None
+    ):
         """The empty decoding state for sequences up to `max_len` (fixed shape)."""
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be a positive int; got {max_len!r}")
-        return self._decoder().init(hyper_parameters=self.hyper_parameters, arrays=dict(arrays or {}),
-                                    max_len=max_len, kv_heads=kv_heads, d_k=d_k, d_v=d_v, dtype=dtype)
+        return self._decoder().init(
+            hyper_parameters=self.hyper_parameters,
+            arrays=dict(arrays or {}),
+            max_len=max_len,
+            kv_heads=kv_heads,
+            d_k=d_k,
+            d_v=d_v,
+            dtype=dtype,
+        )
 
     def decode_step(self, q, k, v, state, *, arrays: Mapping[str, Any] | None = None, bias_fn=None):
         """Attend the next token's query `[heads, d_k]` to every key so far (its own
@@ -417,8 +435,9 @@ class BoundAttention:
         -> [heads, 1, slots]` adds a position bias (attentions that take one)."""
         decoder = self._decoder()
         self.check_call(bias=None if bias_fn is None else True)
-        return decoder.step(q, k, v, state, hyper_parameters=self.hyper_parameters, arrays=dict(arrays or {}),
-                            bias_fn=bias_fn)
+        return decoder.step(
+            q, k, v, state, hyper_parameters=self.hyper_parameters, arrays=dict(arrays or {}), bias_fn=bias_fn
+        )
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -467,16 +486,20 @@ def register(
         raise ValueError(f"attention {name!r} is already registered")
     op_params = inspect.signature(op).parameters
     found = _signature_parameters(op, CALL_ARGUMENTS)
-    initialisers = [(init_arrays, SHAPE_ARGUMENTS, "init_arrays"),
-                    (token_inputs and token_inputs.init, TOKEN_SHAPE_ARGUMENTS, "token_inputs.init"),
-                    (update_arrays, UPDATE_ARGUMENTS, "update_arrays")]
+    initialisers = [
+        (init_arrays, SHAPE_ARGUMENTS, "init_arrays"),
+        (token_inputs and token_inputs.init, TOKEN_SHAPE_ARGUMENTS, "token_inputs.init"),
+        (update_arrays, UPDATE_ARGUMENTS, "update_arrays"),
+    ]
     for fn, shapes, what in initialisers:
         if fn is None:
             continue
         for n, p in _signature_parameters(fn, shapes).items():
             if n in found and found[n].default != p.default:
-                raise ValueError(f"{name}: {n} defaults to {found[n].default!r} in the op but {p.default!r} in "
-                                 f"{what}; give it one default")
+                raise ValueError(
+                    f"{name}: {n} defaults to {found[n].default!r} in the op but {p.default!r} in "
+                    f"{what}; give it one default"
+                )
             found.setdefault(n, dataclasses.replace(p, arrays_only=True))
     if noise_key is not None and noise_key not in op_params:
         raise ValueError(f"{name}: {noise_key=} is not an argument of its op")
@@ -485,12 +508,16 @@ def register(
     roles = {n for n in (covers_length, grid_width) if n is not None}
     for extra in sorted((set(docs) | set(choices) | set(bounds) | roles) - set(found)):
         raise ValueError(f"{name}: {extra!r} is not a hyper-parameter of its op; found {sorted(found)}")
-    params = tuple(dataclasses.replace(p, doc=docs.get(n, ""), choices=choices.get(n), limits=bounds.get(n))
-                   for n, p in found.items())
+    params = tuple(
+        dataclasses.replace(p, doc=docs.get(n, ""), choices=choices.get(n), limits=bounds.get(n))
+        for n, p in found.items()
+    )
     unlimited = [p.name for p in params if p.numeric and p.limits is None]
     if unlimited:
-        raise ValueError(f"{name}: declare the numbers that hyper-parameter(s) {unlimited} allow: "
-                         "limits={name: minimum or jxformers.validate.Limits(...)}")
+        raise ValueError(
+            f"{name}: declare the numbers that hyper-parameter(s) {unlimited} allow: "
+            "limits={name: minimum or jxformers.validate.Limits(...)}"
+        )
     flags = {
         "supports_causal": ("causal", supports_causal),
         "supports_kv_mask": ("kv_mask", supports_kv_mask),
@@ -502,10 +529,28 @@ def register(
             raise ValueError(f"{name}: {flag}=True but its op takes no {argument!r} argument")
         resolved[flag] = argument in op_params if given is None else given
     spec = AttentionSpec(
-        name, op, family, paper, complexity, params, supports_cross=supports_cross, decoder=decoder,
-        init_arrays_fn=init_arrays, drawn=tuple(drawn), token_inputs=token_inputs, redrawn=redrawn, exact=exact, content_based=content_based,
-        covers_length=covers_length, shared_qk=shared_qk, noise_key=noise_key, update_arrays_fn=update_arrays,
-        summary=summary, dense_width=dense_width, grid_width=grid_width, **resolved,
+        name,
+        op,
+        family,
+        paper,
+        complexity,
+        params,
+        supports_cross=supports_cross,
+        decoder=decoder,
+        init_arrays_fn=init_arrays,
+        drawn=tuple(drawn),
+        token_inputs=token_inputs,
+        redrawn=redrawn,
+        exact=exact,
+        content_based=content_based,
+        covers_length=covers_length,
+        shared_qk=shared_qk,
+        noise_key=noise_key,
+        update_arrays_fn=update_arrays,
+        summary=summary,
+        dense_width=dense_width,
+        grid_width=grid_width,
+        **resolved,
     )
     for p in params:  # the defaults themselves must pass the checks
         if not p.required:
@@ -561,8 +606,18 @@ def models(spec: AttentionSpec) -> str:
 
 def table() -> str:
     """The registry as a plain-text table (what `jxformers list` prints)."""
-    head = ("name", "family", "causal", "kv_mask", "cross", "bias", "decoder", "models", "complexity",
-            "hyper-parameters (defaults)")
+    head = (
+        "name",
+        "family",
+        "causal",
+        "kv_mask",
+        "cross",
+        "bias",
+        "decoder",
+        "models",
+        "complexity",
+        "hyper-parameters (defaults)",
+    )
     rows = [head]
     for s in _REGISTRY.values():
         hp = ", ".join(p.name if p.required else f"{p.name}={p.default!r}" for p in s.hyper_parameters) or "-"
@@ -578,8 +633,11 @@ def describe(name: str) -> str:
     """One attention in words (what `jxformers list NAME` prints): what it computes, its
     capabilities, and each hyper-parameter's type, default, allowed values and doc."""
     s = get(name)
-    lines = [f"{s.name}: {s.summary or s.op.__name__}", f"  op: jxformers.ops.{s.op.__name__}   paper: {s.paper}",
-             f"  family: {s.family}   cost: {s.complexity}   models: {models(s)}"]
+    lines = [
+        f"{s.name}: {s.summary or s.op.__name__}",
+        f"  op: jxformers.ops.{s.op.__name__}   paper: {s.paper}",
+        f"  family: {s.family}   cost: {s.complexity}   models: {models(s)}",
+    ]
     if s.dense_width is not None:
         lines.append(f"  dense (a ShortSequenceWarning) at a max_len no longer than {s.dense_width[0]}")
     lines.append("  hyper-parameters:" if s.hyper_parameters else "  hyper-parameters: none")
@@ -596,6 +654,7 @@ def markdown_table(shipped_only: bool = True) -> str:
     jxformers import registry; print(registry.markdown_table())"`) and paste it between
     the `attention-ops` markers. `shipped_only`: leave out attentions registered outside
     the package (tests' toys)."""
+
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
@@ -603,6 +662,7 @@ def markdown_table(shipped_only: bool = True) -> str:
     for s in _REGISTRY.values():
         if shipped_only and not s.op.__module__.startswith("jxformers."):
             continue
-        lines.append(f"| `{s.op.__name__}` | {cell(s.summary)} | {'yes' if s.supports_causal else 'no'} | "
-                     f"{cell(s.complexity)} |")
+        lines.append(
+            f"| `{s.op.__name__}` | {cell(s.summary)} | {'yes' if s.supports_causal else 'no'} | {cell(s.complexity)} |"
+        )
     return "\n".join(lines)

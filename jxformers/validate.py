@@ -99,15 +99,23 @@ class Limits:
     rule: tuple[Callable[[Any], bool], str] | None = None
 
     def __str__(self) -> str:
-        parts = [f"{sign} {bound}" for sign, bound in ((">=", self.minimum), (">", self.above), ("<=", self.maximum),
-                                                       ("<", self.below)) if bound is not None]
+        parts = [
+            f"{sign} {bound}"
+            for sign, bound in ((">=", self.minimum), (">", self.above), ("<=", self.maximum), ("<", self.below))
+            if bound is not None
+        ]
         parts += ["odd"] * self.odd + ([self.rule[1]] if self.rule else [])
         return " and ".join(parts) or "any number"
 
     def allows(self, value: int | float) -> bool:
-        return ((self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above)
-                and (self.maximum is None or value <= self.maximum) and (self.below is None or value < self.below)
-                and (not self.odd or value % 2 == 1) and (self.rule is None or bool(self.rule[0](value))))
+        return (
+            (self.minimum is None or value >= self.minimum)
+            and (self.above is None or value > self.above)
+            and (self.maximum is None or value <= self.maximum)
+            and (self.below is None or value < self.below)
+            and (not self.odd or value % 2 == 1)
+            and (self.rule is None or bool(self.rule[0](value)))
+        )
 
     @classmethod
     def of(cls, given: Limits | int | float) -> Limits:
@@ -120,8 +128,9 @@ class Limits:
 
 
 @typing.no_type_check
-def check_value(name: str, value: Any, annotation: Any, *, choices: tuple | None = None,
-                limits: Limits | None = None) -> Any:
+def check_value(
+    name: str, value: Any, annotation: Any, *, choices: tuple | None = None, limits: Limits | None = None
+) -> Any:
     """`value` if it fits `annotation`, then `choices` (its allowed values; a callable,
     where the annotation takes one, is the alternative to named choices and is not
     checked against them) and `limits` (numbers: `Limits`), converted where that is
@@ -162,8 +171,13 @@ def _check_type(name: str, value: Any, annotation: Any) -> Any:
                 continue
         if base is collections.abc.Callable and callable(value) and not isinstance(value, str):
             return value
-        if base not in _SIMPLE and base is not type(None) and not _is_sequence(base) and isinstance(base, type) \
-                and isinstance(value, base):
+        if (
+            base not in _SIMPLE
+            and base is not type(None)
+            and not _is_sequence(base)
+            and isinstance(base, type)
+            and isinstance(value, base)
+        ):
             return value
     if float in [_base(o) for o in options] and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
         try:
@@ -174,8 +188,14 @@ def _check_type(name: str, value: Any, annotation: Any) -> Any:
     raise ValueError(f"{name} must be {allowed}; got {value!r}")
 
 
-def setting(default: Any = dataclasses.MISSING, doc: str = "", *, choices: tuple | None = None,
-            limits: Limits | int | float | None = None, factory: Any = dataclasses.MISSING) -> Any:
+def setting(
+    default: Any = dataclasses.MISSING,
+    doc: str = "",
+    *,
+    choices: tuple | None = None,
+    limits: Limits | int | float | None = None,
+    factory: Any = dataclasses.MISSING,
+) -> Any:
     """A dataclass field with its one-line `doc` and allowed values (`choices`; `limits`
     for a number: a `Limits`, or a bare minimum) beside its default (`factory` for a
     mutable default); `check_fields` enforces them."""
@@ -206,8 +226,9 @@ def check_fields(instance: Any, prefix: str, choices: Mapping[str, tuple] | None
     for field in dataclasses.fields(instance):
         value = getattr(instance, field.name)
         allowed = (choices or {}).get(field.name, field.metadata.get("choices"))
-        checked = check_value(f"{prefix}{field.name}", value, hints[field.name], choices=allowed,
-                              limits=field.metadata.get("limits"))
+        checked = check_value(
+            f"{prefix}{field.name}", value, hints[field.name], choices=allowed, limits=field.metadata.get("limits")
+        )
         if checked is not value:
             object.__setattr__(instance, field.name, checked)
 
@@ -223,8 +244,13 @@ def check_at_least(instance: Any, prefix: str, minimum: int | float, *names: str
 
 
 @typing.no_type_check
-def from_mapping(cls: type[T], values: Mapping[str, Any] | None, section: str, *,
-                 unknown_message: str = "{section}: unknown key(s) {unknown}; known: {known}") -> T:
+def from_mapping(
+    cls: type[T],
+    values: Mapping[str, Any] | None,
+    section: str,
+    *,
+    unknown_message: str = "{section}: unknown key(s) {unknown}; known: {known}",
+) -> T:
     """`cls(**values)` after refusing keys that are not fields of `cls` (the error lists
     the known ones, sorted); missing keys take the dataclass defaults."""
     values = {} if values is None else values

@@ -41,13 +41,26 @@ MODES = ("none", "sync", "async")
 
 def experiment_for(mode: str, args) -> object:
     every = args.steps if mode == "none" else args.every  # "none": one save, after the last step
-    overrides = [f"train.steps={args.steps}", f"train.batch_size={args.batch_size}", "train.log_every=1",
-                 f"train.eval_every={args.steps}", "train.eval_batches=1", f"train.warmup_steps={args.steps}",
-                 f"model.num_layers={args.layers}", f"model.d_model={args.d_model}", f"model.ffn.d_ff={4 * args.d_model}",
-                 f"model.num_heads={args.d_model // 64}", f"data.settings.max_len={args.seq_len}",
-                 f"data.settings.symbols={args.seq_len // 2 - 2}", f"data.train_size={args.steps * args.batch_size}",
-                 "data.eval_size=64", f"checkpoint.every={every}", f"checkpoint.async_save={mode == 'async'}",
-                 "checkpoint.keep=2", *(f"mesh.{m}" for m in args.mesh)]
+    overrides = [
+        f"train.steps={args.steps}",
+        f"train.batch_size={args.batch_size}",
+        "train.log_every=1",
+        f"train.eval_every={args.steps}",
+        "train.eval_batches=1",
+        f"train.warmup_steps={args.steps}",
+        f"model.num_layers={args.layers}",
+        f"model.d_model={args.d_model}",
+        f"model.ffn.d_ff={4 * args.d_model}",
+        f"model.num_heads={args.d_model // 64}",
+        f"data.settings.max_len={args.seq_len}",
+        f"data.settings.symbols={args.seq_len // 2 - 2}",
+        f"data.train_size={args.steps * args.batch_size}",
+        "data.eval_size=64",
+        f"checkpoint.every={every}",
+        f"checkpoint.async_save={mode == 'async'}",
+        "checkpoint.keep=2",
+        *(f"mesh.{m}" for m in args.mesh),
+    ]
     return load_experiment(ROOT / "experiments" / "copy.yaml", overrides)
 
 
@@ -56,16 +69,20 @@ def measure(mode: str, args) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         train(experiment_for(mode, args), workdir, progress=False)
         records = [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-        newest = max((p for p in (pathlib.Path(workdir) / "checkpoints").iterdir() if p.name.isdigit()),
-                     key=lambda p: int(p.name))
+        newest = max(
+            (p for p in (pathlib.Path(workdir) / "checkpoints").iterdir() if p.name.isdigit()),
+            key=lambda p: int(p.name),
+        )
         size = sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
     steps = {r["step"]: r["step_ms"] for r in records if "step_ms" in r}
     saves = {r["step"]: r["checkpoint_save_ms"] for r in records if "checkpoint_save_ms" in r}
     last = max(steps)  # every mode saves the last step; that save is not on a step's path
-    return {"steps_ms": sum(ms for s, ms in steps.items() if s > 1),
-            "blocked_ms": sum(ms for s, ms in saves.items() if s != last),
-            "saves": len([s for s in saves if s != last]),
-            "checkpoint_bytes": size}
+    return {
+        "steps_ms": sum(ms for s, ms in steps.items() if s > 1),
+        "blocked_ms": sum(ms for s, ms in saves.items() if s != last),
+        "saves": len([s for s in saves if s != last]),
+        "checkpoint_bytes": size,
+    }
 
 
 def main() -> None:
@@ -98,8 +115,10 @@ def main() -> None:
     for mode in MODES:
         r = best[mode]
         per_save = r["blocked_ms"] / r["saves"] if r["saves"] else 0.0
-        lines.append(f"| {mode} | {r['saves']} | {per_save:.1f} | {r['blocked_ms'] / r['steps_ms']:.2%} | "
-                     f"{r['steps_ms'] / base:.3f} | {(r['steps_ms'] + r['blocked_ms']) / base - 1:+.2%} |")
+        lines.append(
+            f"| {mode} | {r['saves']} | {per_save:.1f} | {r['blocked_ms'] / r['steps_ms']:.2%} | "
+            f"{r['steps_ms'] / base:.3f} | {(r['steps_ms'] + r['blocked_ms']) / base - 1:+.2%} |"
+        )
     size = best["none"]["checkpoint_bytes"]
     mesh = " ".join(args.mesh) or "one device"
     header = [

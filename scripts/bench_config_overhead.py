@@ -60,26 +60,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------- the three models
 
+
 def model_configs(name: str, *, d_model: int, layers: int, seq: int) -> dict[str, dict]:
     """{"flat": keywords of the old ModelConfig, "component": of the new} for one reference
     model; both describe the same model (same parameters)."""
     d_ff = 4 * d_model
     shared = {"vocab_size": 256, "num_layers": layers, "d_model": d_model, "num_heads": 4, "max_len": seq + 1}
     if name == "softmax_lm":
-        return {"flat": dict(task="lm", **shared, attention="softmax", ffn="gelu", d_ff=d_ff),
-                "component": dict(task="lm", **shared, attention={"name": "softmax"},
-                                  ffn={"kind": "gelu", "d_ff": d_ff})}
+        return {
+            "flat": dict(task="lm", **shared, attention="softmax", ffn="gelu", d_ff=d_ff),
+            "component": dict(task="lm", **shared, attention={"name": "softmax"}, ffn={"kind": "gelu", "d_ff": d_ff}),
+        }
     if name == "performer_classifier":
-        return {"flat": dict(task="classify", num_classes=10, **shared, attention="performer",
-                             attention_kwargs={"num_features": 64}, ffn="gelu", d_ff=d_ff),
-                "component": dict(task="classify", num_classes=10, **shared,
-                                  attention={"name": "performer", "num_features": 64},
-                                  ffn={"kind": "gelu", "d_ff": d_ff})}
+        return {
+            "flat": dict(
+                task="classify",
+                num_classes=10,
+                **shared,
+                attention="performer",
+                attention_kwargs={"num_features": 64},
+                ffn="gelu",
+                d_ff=d_ff,
+            ),
+            "component": dict(
+                task="classify",
+                num_classes=10,
+                **shared,
+                attention={"name": "performer", "num_features": 64},
+                ffn={"kind": "gelu", "d_ff": d_ff},
+            ),
+        }
     if name == "moe_lm":
-        return {"flat": dict(task="lm", **shared, attention="softmax", ffn="moe", d_ff=d_ff,
-                             moe={"num_experts": 4, "top_k": 1}),
-                "component": dict(task="lm", **shared, attention={"name": "softmax"},
-                                  ffn={"kind": "moe", "num_experts": 4, "top_k": 1, "d_ff": d_ff})}
+        return {
+            "flat": dict(
+                task="lm", **shared, attention="softmax", ffn="moe", d_ff=d_ff, moe={"num_experts": 4, "top_k": 1}
+            ),
+            "component": dict(
+                task="lm",
+                **shared,
+                attention={"name": "softmax"},
+                ffn={"kind": "moe", "num_experts": 4, "top_k": 1, "d_ff": d_ff},
+            ),
+        }
     raise ValueError(f"unknown model {name!r}; known: {list(MODELS)}")
 
 
@@ -87,6 +109,7 @@ MODELS = ("softmax_lm", "performer_classifier", "moe_lm")
 
 
 # ----------------------------------------------------------------------------- arguments
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=" ".join(__doc__.strip().split("\n\n")[0].split()))
@@ -101,7 +124,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=256, help="tokens per example")
     p.add_argument("--batch", type=int, default=8, help="examples per step")
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "config_overhead.md"), help="markdown table written here")
+    p.add_argument(
+        "--out", default=os.path.join(ROOT, "docs", "config_overhead.md"), help="markdown table written here"
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)  # internal: measure this model in this process
     p.add_argument("--form", choices=("auto", "flat", "component"), default="auto", help=argparse.SUPPRESS)
     return p
@@ -124,6 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- the child
 
+
 def child(args: argparse.Namespace) -> dict:
     """Measure one model with whichever jxformers is first on sys.path; returns the figures."""
     import warnings
@@ -131,6 +157,7 @@ def child(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     import jax
     import jax.numpy as jnp
+
     jax_s = time.perf_counter() - t0
     jax.config.update("jax_enable_compilation_cache", False)  # every child compiles from scratch
 
@@ -141,6 +168,7 @@ def child(args: argparse.Namespace) -> dict:
     from jxformers.train.optim import make_optimizer
     from jxformers.train.state import TrainState, split_model
     from jxformers.train.step import make_train_step
+
     import_s = time.perf_counter() - t0
     tree = os.environ.get("BENCH_TREE")
     where = os.path.dirname(os.path.dirname(os.path.abspath(jxformers.__file__)))
@@ -173,8 +201,13 @@ def child(args: argparse.Namespace) -> dict:
     params, drawn, static = split_model(model)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     optimizer, _ = make_optimizer(optimizer="adamw", learning_rate=1e-3, total_steps=1000, weight_decay=0.01)
-    state = TrainState(params=params, drawn=drawn, opt_state=optimizer.init(params),
-                       step=jnp.zeros((), jnp.int32), rng=jax.random.key(1))
+    state = TrainState(
+        params=params,
+        drawn=drawn,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key(1),
+    )
     tokens = jax.random.randint(jax.random.key(2), (args.batch, args.seq), 0, 256, jnp.int32)
     ones = jnp.ones((args.batch, args.seq), bool)
     batch = {"tokens": tokens, "mask": ones}
@@ -205,13 +238,29 @@ def child(args: argparse.Namespace) -> dict:
     loss = float(metrics["loss"])
     if math.isnan(loss):
         raise RuntimeError(f"{args.child}: the loss is NaN")
-    return {"model": args.child, "form": form, "jxformers": where, "jax": jax.__version__, "jax_import_s": jax_s,
-            "import": import_s, "config": statistics.median(times) * 1e3, "first_config_ms": first_config_s * 1e3,
-            "build": build_s, "trace": trace_s, "xla": xla_s, "compile": trace_s + xla_s, "step": statistics.median(steps) * 1e3,
-            "params": int(n_params), "hlo": hlo, "loss": loss, "warnings": config_warnings}
+    return {
+        "model": args.child,
+        "form": form,
+        "jxformers": where,
+        "jax": jax.__version__,
+        "jax_import_s": jax_s,
+        "import": import_s,
+        "config": statistics.median(times) * 1e3,
+        "first_config_ms": first_config_s * 1e3,
+        "build": build_s,
+        "trace": trace_s,
+        "xla": xla_s,
+        "compile": trace_s + xla_s,
+        "step": statistics.median(steps) * 1e3,
+        "params": int(n_params),
+        "hlo": hlo,
+        "loss": loss,
+        "warnings": config_warnings,
+    }
 
 
 # ----------------------------------------------------------------------------- the parent
+
 
 def git(repo: str, *argv: str) -> str:
     return subprocess.run(["git", "-C", repo, *argv], check=True, capture_output=True, text=True).stdout.strip()
@@ -220,8 +269,9 @@ def git(repo: str, *argv: str) -> str:
 def extract(repo: str, ref: str, into: str) -> str:
     """`jxformers/` of `ref` (a full commit hash) under the directory `into`."""
     os.makedirs(into)
-    archive = subprocess.run(["git", "-C", repo, "archive", "--format=tar", ref, "jxformers"], check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", repo, "archive", "--format=tar", ref, "jxformers"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
     # byte-compiled now, so that no child's import time includes compiling the sources
     subprocess.run([sys.executable, "-m", "compileall", "-q", into], check=True)
@@ -231,14 +281,29 @@ def extract(repo: str, ref: str, into: str) -> str:
 def run_child(args: argparse.Namespace, tree: str, model: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "PYTHONPATH")}
     env.update(PYTHONPATH=tree, BENCH_TREE=tree)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", model, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--d-model", str(args.d_model), "--layers", str(args.layers),
-           "--seq", str(args.seq), "--batch", str(args.batch)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        model,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--d-model",
+        str(args.d_model),
+        "--layers",
+        str(args.layers),
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.batch),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"child {model} in {tree} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @dataclasses.dataclass
@@ -281,18 +346,29 @@ def write_markdown(rows: list[Row], *, header: dict[str, str], notes: list[str])
     """The report: what ran where, then one table row per model and metric."""
     lines = ["# Model config overhead: before / after the component ModelConfig", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
-    lines += ["", (f"Medians over repeats; ratio = after / before; outside [{1 - TOLERANCE:.2f}, "
-                   f"{1 + TOLERANCE:.2f}]: MISSED. The issue's target covers {' and '.join(GATED)}; the other rows "
-                   "are reported beside it."), "",
-              "| model | metric | before | after | after / before | per-repeat ratios | verdict |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        (
+            f"Medians over repeats; ratio = after / before; outside [{1 - TOLERANCE:.2f}, "
+            f"{1 + TOLERANCE:.2f}]: MISSED. The issue's target covers {' and '.join(GATED)}; the other rows "
+            "are reported beside it."
+        ),
+        "",
+        "| model | metric | before | after | after / before | per-repeat ratios | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         pairs = ", ".join(f"{p:.3f}" for p in r.pair_ratios) or "-"
-        lines.append(f"| {r.model} | {r.metric} ({UNITS[r.metric]}) | {_fmt(r.before, r.metric)} | "
-                     f"{_fmt(r.after, r.metric)} | {r.ratio:.3f} | {pairs} | {r.verdict} |")
+        lines.append(
+            f"| {r.model} | {r.metric} ({UNITS[r.metric]}) | {_fmt(r.before, r.metric)} | "
+            f"{_fmt(r.after, r.metric)} | {r.ratio:.3f} | {pairs} | {r.verdict} |"
+        )
     missed = [f"{r.model} {r.metric}" for r in rows if r.verdict == "MISSED" and r.metric in GATED]
-    lines += ["", "Target (compile and step within 5%): " + ("met" if not missed else "MISSED for " + ", ".join(missed)),
-              ""]
+    lines += [
+        "",
+        "Target (compile and step within 5%): " + ("met" if not missed else "MISSED for " + ", ".join(missed)),
+        "",
+    ]
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     return "\n".join(lines)
@@ -319,8 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
-    refs = {side: git(args.repo, "rev-parse", "--verify", f"{ref}^{{commit}}")
-            for side, ref in (("before", args.before), ("after", args.after))}
+    refs = {
+        side: git(args.repo, "rev-parse", "--verify", f"{ref}^{{commit}}")
+        for side, ref in (("before", args.before), ("after", args.after))
+    }
     if git(args.repo, "status", "--porcelain", "--", "jxformers") and args.after == "HEAD":
         print("note: uncommitted changes under jxformers/ are not measured (HEAD is archived)", file=sys.stderr)
     load = [os.getloadavg()[0]]
@@ -336,36 +414,49 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_child(args, trees[side], model)
                     r.update(side=side, repeat=repeat)
                     results.append(r)
-                    print(f"[{repeat + 1}/{args.repeats}] {model:<21} {side:<6} " + "  ".join(
-                        f"{m} {_fmt(r[m], m)}{UNITS[m]}" for m in METRICS), flush=True)
+                    print(
+                        f"[{repeat + 1}/{args.repeats}] {model:<21} {side:<6} "
+                        + "  ".join(f"{m} {_fmt(r[m], m)}{UNITS[m]}" for m in METRICS),
+                        flush=True,
+                    )
                 load.append(os.getloadavg()[0])
     elapsed = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
     rows = summarize(results)
 
     notes = []
     for model in args.models:
-        params = {side: {r["params"] for r in results if r["model"] == model and r["side"] == side}
-                  for side in ("before", "after")}
+        params = {
+            side: {r["params"] for r in results if r["model"] == model and r["side"] == side}
+            for side in ("before", "after")
+        }
         if params["before"] == params["after"] and len(params["before"]) == 1:
             notes.append(f"{model}: the same model before and after ({params['before'].pop():,} parameters).")
         else:
-            notes.append(f"{model}: DIFFERENT MODELS (parameters before {params['before']}, after "
-                         f"{params['after']}): its ratios compare unlike things.")
-        hlo = {side: {r["hlo"] for r in results if r["model"] == model and r["side"] == side}
-               for side in ("before", "after")}
+            notes.append(
+                f"{model}: DIFFERENT MODELS (parameters before {params['before']}, after "
+                f"{params['after']}): its ratios compare unlike things."
+            )
+        hlo = {
+            side: {r["hlo"] for r in results if r["model"] == model and r["side"] == side}
+            for side in ("before", "after")
+        }
         if hlo["before"] == hlo["after"] and len(hlo["before"]) == 1:
-            notes.append(f"{model}: the lowered train step (StableHLO without source locations) is identical before "
-                         "and after: XLA compiles the same program, so step-time differences are noise.")
+            notes.append(
+                f"{model}: the lowered train step (StableHLO without source locations) is identical before "
+                "and after: XLA compiles the same program, so step-time differences are noise."
+            )
         else:
-            notes.append(f"{model}: the lowered train step differs before and after (hashes {hlo['before']} and "
-                         f"{hlo['after']}).")
+            notes.append(
+                f"{model}: the lowered train step differs before and after (hashes {hlo['before']} and {hlo['after']})."
+            )
         warned = sorted({w for r in results if r["model"] == model for w in r["warnings"]})
         if warned:
             notes.append(f"{model}: constructing its config warned: {', '.join(warned)}.")
     forms = {side: sorted({r["form"] for r in results if r["side"] == side}) for side in ("before", "after")}
     jax_version = sorted({r["jax"] for r in results})
     command = "python scripts/bench_config_overhead.py " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
     header = {
         "command": f"`{command.strip()}`",
         "before": f"{args.before} = {refs['before'][:10]} (config form: {', '.join(forms['before'])})",
@@ -373,19 +464,21 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{machine()}, jax {', '.join(jax_version)} (CPU backend)",
         "date": started.strftime("%Y-%m-%d %H:%M UTC") + f", {elapsed / 60:.1f} min",
         "sizes": f"d_model {args.d_model}, {args.layers} layers, 4 heads, d_ff {4 * args.d_model}, seq {args.seq}, "
-                 f"batch {args.batch}, vocab 256; Performer 64 features; MoE 4 experts top-1",
+        f"batch {args.batch}, vocab 256; Performer 64 features; MoE 4 experts top-1",
         "runs": f"{args.repeats} child processes per model and commit, before and after alternating; step = median "
-                f"of {args.steps} steps after {args.warmup} warm-up steps",
+        f"of {args.steps} steps after {args.warmup} warm-up steps",
         "load average (1 min) during the run": f"{min(load):.2f} to {max(load):.2f}",
     }
     gated = [p for r in rows if r.metric in GATED for p in r.pair_ratios]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    notes.append(f"Noise: each figure comes from one process on a shared machine (load average {min(load):.1f} to "
-                 f"{max(load):.1f} on {cores} cores). The per-repeat ratios of compile and step ran from "
-                 f"{min(gated, default=float('nan')):.2f} to {max(gated, default=float('nan')):.2f}: one pair of "
-                 "runs moves by more than the 5% asked, and a median ratio outside the band whose per-repeat "
-                 "ratios straddle 1 is within the noise. import, build, trace, xla and compile are one-shot "
-                 "timings, noisier than the step median; config is a median of 20 constructions.")
+    notes.append(
+        f"Noise: each figure comes from one process on a shared machine (load average {min(load):.1f} to "
+        f"{max(load):.1f} on {cores} cores). The per-repeat ratios of compile and step ran from "
+        f"{min(gated, default=float('nan')):.2f} to {max(gated, default=float('nan')):.2f}: one pair of "
+        "runs moves by more than the 5% asked, and a median ratio outside the band whose per-repeat "
+        "ratios straddle 1 is within the noise. import, build, trace, xla and compile are one-shot "
+        "timings, noisier than the step median; config is a median of 20 constructions."
+    )
     text = write_markdown(rows, header=header, notes=notes)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -45,8 +45,9 @@ def loader_rate(source, *, batch: int, workers: int, seconds: float) -> float:
 
 def build_rate(source, directory, *, processes: int) -> float:
     began = time.perf_counter()
-    build_split(source, directory, processes=processes, records_per_shard=max(1, len(source) // (2 * processes)),
-                progress=False)
+    build_split(
+        source, directory, processes=processes, records_per_shard=max(1, len(source) // (2 * processes)), progress=False
+    )
     return len(source) / (time.perf_counter() - began)
 
 
@@ -55,18 +56,32 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="workers / build processes (default: CPUs)")
     p.add_argument("--seconds", type=float, default=8.0, help="time per on-the-fly measurement")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--build-seconds", type=float, default=20.0,
-                   help="about how long each build runs (its size is set from the on-the-fly rate)")
-    p.add_argument("--tasks", nargs="+", choices=sorted({task for _, task, _ in CASES}),
-                   help="measure only these tasks (default: all)")
+    p.add_argument(
+        "--build-seconds",
+        type=float,
+        default=20.0,
+        help="about how long each build runs (its size is set from the on-the-fly rate)",
+    )
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=sorted({task for _, task, _ in CASES}),
+        help="measure only these tasks (default: all)",
+    )
     args = p.parse_args()
     n = args.workers
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
-          f"(load average {os.getloadavg()[0]:.1f} at the start); command: python scripts/bench_data.py "
-          f"--workers {n} --seconds {args.seconds:g} --batch {args.batch} --build-seconds {args.build_seconds:g}"
-          + (f" --tasks {' '.join(args.tasks)}" if args.tasks else "") + "\n")
-    rows = [f"| task | on the fly, 0 workers | on the fly, {n} workers | build ({n} processes) | read the built split "
-            f"| built / on the fly (0 workers) |", "|---|---:|---:|---:|---:|---:|"]
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
+        f"(load average {os.getloadavg()[0]:.1f} at the start); command: python scripts/bench_data.py "
+        f"--workers {n} --seconds {args.seconds:g} --batch {args.batch} --build-seconds {args.build_seconds:g}"
+        + (f" --tasks {' '.join(args.tasks)}" if args.tasks else "")
+        + "\n"
+    )
+    rows = [
+        f"| task | on the fly, 0 workers | on the fly, {n} workers | build ({n} processes) | read the built split "
+        f"| built / on the fly (0 workers) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         for name, task, settings in CASES:
             if args.tasks and task not in args.tasks:
@@ -77,9 +92,12 @@ def main() -> None:
             size = max(4 * args.batch, int(parallel * args.build_seconds))
             small = make_source(task, seed=0, size=size, **settings)
             built = build_rate(small, os.path.join(tmp, task + str(settings)), processes=n)
-            read = loader_rate(read_split(tmp, task + str(settings), small), batch=args.batch, workers=0,
-                               seconds=args.seconds)
-            rows.append(f"| {name} | {alone:,.0f} | {parallel:,.0f} | {built:,.0f} | {read:,.0f} | {read / alone:,.0f}x |")
+            read = loader_rate(
+                read_split(tmp, task + str(settings), small), batch=args.batch, workers=0, seconds=args.seconds
+            )
+            rows.append(
+                f"| {name} | {alone:,.0f} | {parallel:,.0f} | {built:,.0f} | {read:,.0f} | {read / alone:,.0f}x |"
+            )
             print(rows[-1], flush=True)
     print("\nrecords per second\n")
     print("\n".join(rows))

@@ -1,6 +1,6 @@
 """Decoding benchmark (tokens/s against context length; see jxformers/bench_decode.py).
 
-    python scripts/bench_decode.py --out docs/decode.md
+python scripts/bench_decode.py --out docs/decode.md
 """
 
 import sys

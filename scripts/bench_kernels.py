@@ -73,32 +73,74 @@ def batched(fn):
 def configs(n: int, sizes: BlockSizes, heads: int):
     """name -> (op taking impl, visited fraction, dot_product_attention kwargs or None,
     bundled-mha causal flag or None)."""
-    yield "dense", (ops.softmax_attention, visited_fraction(softmax_pattern(n, n, causal=False), n, n, sizes), {}, False)
+    yield (
+        "dense",
+        (ops.softmax_attention, visited_fraction(softmax_pattern(n, n, causal=False), n, n, sizes), {}, False),
+    )
     causal_fraction = visited_fraction(softmax_pattern(n, n, causal=True), n, n, sizes)
     yield "causal", (functools.partial(ops.softmax_attention, causal=True), causal_fraction, {"is_causal": True}, True)
     # ALiBi computed per tile by the kernel; the XLA op materialises the [heads, N, N] bias.
-    yield "causal alibi", (functools.partial(ops.softmax_attention, causal=True, bias=Alibi(alibi_slopes(heads))),
-                           causal_fraction, None, None)
+    yield (
+        "causal alibi",
+        (
+            functools.partial(ops.softmax_attention, causal=True, bias=Alibi(alibi_slopes(heads))),
+            causal_fraction,
+            None,
+            None,
+        ),
+    )
     for w in (256, 512):
-        yield f"causal window {w}", (functools.partial(ops.local_attention, window=w, causal=True),
-                                     visited_fraction(local_pattern(w, causal=True, q_len=n, kv_len=n), n, n, sizes),
-                                     {"is_causal": True, "local_window_size": (w, 0)}, None)
+        yield (
+            f"causal window {w}",
+            (
+                functools.partial(ops.local_attention, window=w, causal=True),
+                visited_fraction(local_pattern(w, causal=True, q_len=n, kv_len=n), n, n, sizes),
+                {"is_causal": True, "local_window_size": (w, 0)},
+                None,
+            ),
+        )
     rnd = bigbird_random_blocks(BIGBIRD_KEY, n, block_size=64)
-    yield "bigbird b64", (functools.partial(ops.bigbird_attention, block_size=64, key=BIGBIRD_KEY),
-                          visited_fraction(bigbird_pattern(n, 64, 3, 2), n, n, BlockSizes(64, 64), extra_blocks=rnd),
-                          None, None)
+    yield (
+        "bigbird b64",
+        (
+            functools.partial(ops.bigbird_attention, block_size=64, key=BIGBIRD_KEY),
+            visited_fraction(bigbird_pattern(n, 64, 3, 2), n, n, BlockSizes(64, 64), extra_blocks=rnd),
+            None,
+            None,
+        ),
+    )
     band, columns = strided_parts(128, causal=True, n=n)
-    yield "sparse_transformer strided s128 causal", (
-        functools.partial(ops.sparse_transformer_attention, stride=128, pattern="strided", causal=True),
-        visited_fraction(band, n, n, sizes) + visited_fraction(columns, n, n, sizes), None, None)
+    yield (
+        "sparse_transformer strided s128 causal",
+        (
+            functools.partial(ops.sparse_transformer_attention, stride=128, pattern="strided", causal=True),
+            visited_fraction(band, n, n, sizes) + visited_fraction(columns, n, n, sizes),
+            None,
+            None,
+        ),
+    )
     own, others = fixed_parts(128, 8, causal=True, n=n)
     keys = len(summary_positions(n, 128, 8))
-    yield "sparse_transformer fixed s128 c8 causal", (
-        functools.partial(ops.sparse_transformer_attention, stride=128, pattern="fixed", num_summary=8, causal=True),
-        visited_fraction(own, n, n, sizes) + visited_fraction(others, n, keys, sizes) * keys / n, None, None)
-    yield "longformer w256 g2", (functools.partial(ops.longformer_attention, window=256, global_indices=(0, 1)),
-                                 visited_fraction(longformer_pattern(256, 1, (0, 1), causal=False, n=n), n, n, sizes),
-                                 None, None)
+    yield (
+        "sparse_transformer fixed s128 c8 causal",
+        (
+            functools.partial(
+                ops.sparse_transformer_attention, stride=128, pattern="fixed", num_summary=8, causal=True
+            ),
+            visited_fraction(own, n, n, sizes) + visited_fraction(others, n, keys, sizes) * keys / n,
+            None,
+            None,
+        ),
+    )
+    yield (
+        "longformer w256 g2",
+        (
+            functools.partial(ops.longformer_attention, window=256, global_indices=(0, 1)),
+            visited_fraction(longformer_pattern(256, 1, (0, 1), causal=False, n=n), n, n, sizes),
+            None,
+            None,
+        ),
+    )
 
 
 def mosaic_patterns(n: int):
@@ -135,7 +177,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--only", nargs="*", help="config names to run (default: all)")
     parser.add_argument("--impls", nargs="*", help="implementations to run, e.g. pallas cudnn (default: all)")
-    parser.add_argument("--no-xla-above", type=int, default=8192, help="skip the dense XLA baselines above this N (memory)")
+    parser.add_argument(
+        "--no-xla-above", type=int, default=8192, help="skip the dense XLA baselines above this N (memory)"
+    )
     defaults = BlockSizes()
     parser.add_argument("--block", type=int, nargs=2, default=[defaults.block_q, defaults.block_k], metavar=("Q", "K"))
     parser.add_argument("--block-bwd", type=int, nargs=2, default=list(defaults.backward), metavar=("Q", "K"))
@@ -143,19 +187,35 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", type=int, default=defaults.num_stages)
     parser.add_argument("--stages-bwd", type=int, default=defaults.num_stages_bwd)
     parser.add_argument("--out", help="write the markdown table here")
-    parser.add_argument("--mosaic", action="store_true",
-                        help="also run the Mosaic GPU forward (backend='mosaic_gpu') on dense, causal, windows, "
-                             "Longformer")
-    parser.add_argument("--mosaic-stages", type=int, nargs="+",
-                        help="K/V ring depths of the Mosaic GPU rows, one row each (default: --stages)")
+    parser.add_argument(
+        "--mosaic",
+        action="store_true",
+        help="also run the Mosaic GPU forward (backend='mosaic_gpu') on dense, causal, windows, Longformer",
+    )
+    parser.add_argument(
+        "--mosaic-stages",
+        type=int,
+        nargs="+",
+        help="K/V ring depths of the Mosaic GPU rows, one row each (default: --stages)",
+    )
     args = parser.parse_args(argv)
 
-    sizes = BlockSizes(*args.block, *args.block_bwd, num_warps=args.warps, num_stages=args.stages,
-                       num_stages_bwd=args.stages_bwd)
+    sizes = BlockSizes(
+        *args.block, *args.block_bwd, num_warps=args.warps, num_stages=args.stages, num_stages_bwd=args.stages_bwd
+    )
     contextlib.ExitStack().enter_context(default_block_sizes(sizes))  # what the ops' kernels run with
     rows = []
-    header = ("N", "d", "pattern", "impl", "visited", "fwd ms", "fwd TFLOP/s (visited / dense)", "fwd+bwd ms",
-              "fwd+bwd TFLOP/s (visited / dense)")
+    header = (
+        "N",
+        "d",
+        "pattern",
+        "impl",
+        "visited",
+        "fwd ms",
+        "fwd TFLOP/s (visited / dense)",
+        "fwd+bwd ms",
+        "fwd+bwd TFLOP/s (visited / dense)",
+    )
     print(" | ".join(header), flush=True)
     for n in args.lengths:
         batch = max(1, args.batch_tokens // n)
@@ -174,19 +234,24 @@ def main(argv=None) -> int:
                     for stages in args.mosaic_stages or [sizes.num_stages]:
                         label = "pallas mosaic_gpu" + (f" s{stages}" if args.mosaic_stages else "")
                         impls[label] = functools.partial(
-                            block_sparse_attention, pattern=mosaic_patterns(n)[name], backend="mosaic_gpu",
-                            block_sizes=dataclasses.replace(sizes, num_stages=stages))
+                            block_sparse_attention,
+                            pattern=mosaic_patterns(n)[name],
+                            backend="mosaic_gpu",
+                            block_sizes=dataclasses.replace(sizes, num_stages=stages),
+                        )
                 if cudnn is not None:
                     for impl in ("cudnn", "xla"):
                         if impl == "xla" and n > args.no_xla_above:
                             continue
                         impls[f"dot_product_attention {impl}"] = functools.partial(
-                            jax.nn.dot_product_attention, implementation=impl, **cudnn)
+                            jax.nn.dot_product_attention, implementation=impl, **cudnn
+                        )
                 if mha is not None:
                     from jax.experimental.pallas.ops.gpu import attention as bundled
 
-                    impls["bundled pallas mha"] = functools.partial(bundled.mha, segment_ids=None, causal=mha,
-                                                                   sm_scale=d ** -0.5)
+                    impls["bundled pallas mha"] = functools.partial(
+                        bundled.mha, segment_ids=None, causal=mha, sm_scale=d**-0.5
+                    )
                 for impl, fn in impls.items():
                     if args.impls and not any(impl.startswith(x) or impl.endswith(x) for x in args.impls):
                         continue
@@ -199,14 +264,28 @@ def main(argv=None) -> int:
                         print(f"{n} {d} {name} {impl}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                         continue
                     flops = dense_flops * frac
-                    row = (str(n), str(d), name, impl, f"{frac:.3f}", f"{ms:.3f}",
-                           f"{flops / ms / 1e9:.0f} / {dense_flops / ms / 1e9:.0f}", f"{ms_bwd:.3f}",
-                           f"{3.5 * flops / ms_bwd / 1e9:.0f} / {3.5 * dense_flops / ms_bwd / 1e9:.0f}")
+                    row = (
+                        str(n),
+                        str(d),
+                        name,
+                        impl,
+                        f"{frac:.3f}",
+                        f"{ms:.3f}",
+                        f"{flops / ms / 1e9:.0f} / {dense_flops / ms / 1e9:.0f}",
+                        f"{ms_bwd:.3f}",
+                        f"{3.5 * flops / ms_bwd / 1e9:.0f} / {3.5 * dense_flops / ms_bwd / 1e9:.0f}",
+                    )
                     rows.append(row)
                     print(" | ".join(row), flush=True)
                     if args.out:  # after every row: a run cut short keeps what it measured
-                        write_markdown(args.out, "bench_kernels.py", argv, f"bf16, {args.heads} heads, batch = "
-                                       f"{args.batch_tokens} tokens / N; kernel blocks {sizes}", header, rows)
+                        write_markdown(
+                            args.out,
+                            "bench_kernels.py",
+                            argv,
+                            f"bf16, {args.heads} heads, batch = {args.batch_tokens} tokens / N; kernel blocks {sizes}",
+                            header,
+                            rows,
+                        )
     return 0
 
 

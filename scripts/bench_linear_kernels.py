@@ -60,22 +60,45 @@ def configs(kernel_impl: str, chunk: int = CHUNK):
 
     def gated(impl, form="chunked"):
         def attend(q, k, v, gate_logits):
-            return ops.kernel_attention(elu(q), elu(k), v, causal=True, gate=jax.nn.sigmoid(gate_logits), form=form,
-                                        chunk_size=chunk, impl=impl, dtype=q.dtype)
+            return ops.kernel_attention(
+                elu(q),
+                elu(k),
+                v,
+                causal=True,
+                gate=jax.nn.sigmoid(gate_logits),
+                form=form,
+                chunk_size=chunk,
+                impl=impl,
+                dtype=q.dtype,
+            )
+
         return attend
 
-    yield "linear causal", {"pallas": linear(kernel_impl), "xla chunked": linear("xla"), "xla scan": linear("xla", "scan")}
+    yield (
+        "linear causal",
+        {"pallas": linear(kernel_impl), "xla chunked": linear("xla"), "xla scan": linear("xla", "scan")},
+    )
     yield "linear gated", {"pallas": gated(kernel_impl), "xla chunked": gated("xla"), "xla scan": gated("xla", "scan")}
+
     def per_feature(q, k, v, gate_logits):  # gated linear attention's decay per feature (the kernel's API only)
-        return chunked_linear_attention(elu(q), elu(k), v, log_gate=jax.nn.log_sigmoid(gate_logits), chunk_size=chunk,
-                                        interpret=kernel_impl == "interpret")
+        return chunked_linear_attention(
+            elu(q),
+            elu(k),
+            v,
+            log_gate=jax.nn.log_sigmoid(gate_logits),
+            chunk_size=chunk,
+            interpret=kernel_impl == "interpret",
+        )
 
     yield "linear gated per feature", {"pallas": per_feature}
     yield "linear non-causal", {"pallas": linear(kernel_impl, causal=False), "xla": linear("xla", causal=False)}
-    yield "softmax causal", {
-        "flash pallas": functools.partial(ops.softmax_attention, causal=True, impl=kernel_impl),
-        "cudnn": functools.partial(jax.nn.dot_product_attention, implementation="cudnn", is_causal=True),
-    }
+    yield (
+        "softmax causal",
+        {
+            "flash pallas": functools.partial(ops.softmax_attention, causal=True, impl=kernel_impl),
+            "cudnn": functools.partial(jax.nn.dot_product_attention, implementation="cudnn", is_causal=True),
+        },
+    )
 
 
 def compiled(name, impl, fn, q, k, v, gate_logits):
@@ -84,8 +107,12 @@ def compiled(name, impl, fn, q, k, v, gate_logits):
         if name.endswith("per feature"):
             gate_logits = jnp.broadcast_to(gate_logits[..., None], q.shape)
         fwd = jax.jit(jax.vmap(fn))
-        grad = jax.jit(jax.grad(lambda q, k, v, g, do: jnp.sum(fwd(q, k, v, g).astype(jnp.float32) * do.astype(jnp.float32)),
-                                argnums=(0, 1, 2)))
+        grad = jax.jit(
+            jax.grad(
+                lambda q, k, v, g, do: jnp.sum(fwd(q, k, v, g).astype(jnp.float32) * do.astype(jnp.float32)),
+                argnums=(0, 1, 2),
+            )
+        )
         return fwd, grad, (q, k, v, gate_logits)
     whole = impl == "cudnn"  # takes the batch itself
     return jax.jit(fn if whole else jax.vmap(fn)), with_grad(fn if whole else jax.vmap(fn)), (q, k, v)
@@ -150,6 +177,7 @@ def fla_rows(n, d, batch, heads, repeat, backward: bool = True):
     do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     rows = {}
     calls = {}
+
     def call(fn, **kwargs):  # [B, T, H, d] inputs; older versions default to head-first
         if "head_first" in inspect.signature(fn).parameters:
             kwargs["head_first"] = False
@@ -202,10 +230,14 @@ def crossover(rows, which: int) -> str:
 
 
 def write_table(args, argv, header, rows, note) -> None:
-    footer = (f"\nCrossover (linear kernel faster than the faster of flash pallas and cuDNN, causal): forward: "
-              f"{crossover(rows, 5)}. Forward+backward: {crossover(rows, 8)}.\n" + (f"\n{note}\n" if note else ""))
-    setting = (f"{args.dtype}, {args.heads} heads, batch = {args.batch_tokens} tokens / N; chunk {args.chunk}; "
-               "elu + 1 features")
+    footer = (
+        f"\nCrossover (linear kernel faster than the faster of flash pallas and cuDNN, causal): forward: "
+        f"{crossover(rows, 5)}. Forward+backward: {crossover(rows, 8)}.\n" + (f"\n{note}\n" if note else "")
+    )
+    setting = (
+        f"{args.dtype}, {args.heads} heads, batch = {args.batch_tokens} tokens / N; chunk {args.chunk}; "
+        "elu + 1 features"
+    )
     write_markdown(args.out, "bench_linear_kernels.py", argv, setting, header, rows, footer)
 
 
@@ -220,14 +252,26 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", help="config names to run (default: all)")
     parser.add_argument("--chunk", type=int, default=CHUNK, help="chunk of the kernel and the XLA chunked form")
     parser.add_argument("--scan-max", type=int, default=4096, help="skip the token-by-token XLA scan above this N")
-    parser.add_argument("--time-limit", type=float, default=270.0,
-                        help="start no new measurement after this many seconds (the table says where it stopped)")
-    parser.add_argument("--no-check", action="store_true",
-                        help="skip checking each kernel row's output and gradients against the XLA form in float32")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=270.0,
+        help="start no new measurement after this many seconds (the table says where it stopped)",
+    )
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip checking each kernel row's output and gradients against the XLA form in float32",
+    )
     parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention even when importable")
-    parser.add_argument("--fla-forward-only", action="store_true",
-                        help="time flash-linear-attention's forward only (its backward autotunes for minutes)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes for a CPU smoke run (kernels in interpret mode)")
+    parser.add_argument(
+        "--fla-forward-only",
+        action="store_true",
+        help="time flash-linear-attention's forward only (its backward autotunes for minutes)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes for a CPU smoke run (kernels in interpret mode)"
+    )
     parser.add_argument("--out", help="write the markdown table here (after every row)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -237,8 +281,20 @@ def main(argv=None) -> int:
     kernel_impl = "pallas" if jax.default_backend() != "cpu" else "interpret"
     dtype = jnp.dtype(args.dtype)
     started = time.perf_counter()
-    header = ("N", "d", "config", "impl", "batch", "fwd ms", "fwd GB/s", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd GB/s",
-              "fwd+bwd TFLOP/s", "rel err out / dq / dk / dv")
+    header = (
+        "N",
+        "d",
+        "config",
+        "impl",
+        "batch",
+        "fwd ms",
+        "fwd GB/s",
+        "fwd TFLOP/s",
+        "fwd+bwd ms",
+        "fwd+bwd GB/s",
+        "fwd+bwd TFLOP/s",
+        "rel err out / dq / dk / dv",
+    )
     rows, note = [], ""
     print(" | ".join(header), flush=True)
     for n in args.lengths:
@@ -250,14 +306,20 @@ def main(argv=None) -> int:
             gate_logits = jax.random.normal(keys[4], (batch, n, args.heads)) + 2.0
             lin_fwd, lin_all = linear_flops(n, d, d, args.chunk)
             heads_total = batch * args.heads
-            bytes_fwd, bytes_all = 8.0 * n * d * heads_total * dtype.itemsize / 2, 24.0 * n * d * heads_total * dtype.itemsize / 2
+            bytes_fwd, bytes_all = (
+                8.0 * n * d * heads_total * dtype.itemsize / 2,
+                24.0 * n * d * heads_total * dtype.itemsize / 2,
+            )
             measured, errors = {}, {}
             for name, impls in configs(kernel_impl, args.chunk):
                 if args.only and name not in args.only:
                     continue
                 for impl, fn in impls.items():
                     if time.perf_counter() - started > args.time_limit:
-                        note = f"Stopped at the time limit ({args.time_limit:.0f} s) before N = {n}, d = {d}, {name}, {impl}."
+                        note = (
+                            f"Stopped at the time limit ({args.time_limit:.0f} s) before "
+                            f"N = {n}, d = {d}, {name}, {impl}."
+                        )
                         break
                     if impl == "xla scan" and n > args.scan_max:
                         continue
@@ -284,11 +346,20 @@ def main(argv=None) -> int:
                         f_all = 3.5 * f_fwd
                     else:
                         f_fwd, f_all = lin_fwd * heads_total, lin_all * heads_total  # noqa: B023 - called within this iteration
-                    row = (str(n), str(d), name, impl, str(batch), f"{ms:.3f}",  # noqa: B023 - called within this iteration
-                           f"{bytes_fwd / ms / 1e6:.1f}", f"{f_fwd / ms / 1e9:.1f}",  # noqa: B023 - called within this iteration
-                           f"{ms_all:.3f}" if ms_all else "-",
-                           f"{bytes_all / ms_all / 1e6:.1f}" if ms_all else "-",  # noqa: B023 - called within this iteration
-                           f"{f_all / ms_all / 1e9:.1f}" if ms_all else "-", errors.get((name, impl), "-"))  # noqa: B023 - called within this iteration
+                    row = (
+                        str(n),  # noqa: B023
+                        str(d),  # noqa: B023
+                        name,
+                        impl,
+                        str(batch),  # noqa: B023
+                        f"{ms:.3f}",
+                        f"{bytes_fwd / ms / 1e6:.1f}",  # noqa: B023
+                        f"{f_fwd / ms / 1e9:.1f}",
+                        f"{ms_all:.3f}" if ms_all else "-",
+                        f"{bytes_all / ms_all / 1e6:.1f}" if ms_all else "-",  # noqa: B023 - called within this iteration
+                        f"{f_all / ms_all / 1e9:.1f}" if ms_all else "-",
+                        errors.get((name, impl), "-"),  # noqa: B023
+                    )
                     rows.append(row)
                     print(" | ".join(row), flush=True)
                 if args.out:

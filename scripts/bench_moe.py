@@ -52,12 +52,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=2, help="experts per token k (token choice)")
     p.add_argument("--ffn", default="gelu", help="expert FFN kind (relu, gelu, geglu, swiglu)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="capacity factor of the capacity dispatch")
-    p.add_argument("--gmm", default="64,8",
-                   help="E,k of the grouped-matmul comparison (the issue's target is stated at E = 64, k = 8)")
+    p.add_argument(
+        "--gmm",
+        default="64,8",
+        help="E,k of the grouped-matmul comparison (the issue's target is stated at E = 64, k = 8)",
+    )
     p.add_argument("--dtype", default="float32", help="activations and weights (bfloat16 on a GPU)")
     p.add_argument("--repeat", type=int, default=5, help="timed calls per row (median)")
-    p.add_argument("--simulate-devices", type=int, default=0,
-                   help="on CPU: N simulated devices (set before jax starts) and the expert-parallel rows")
+    p.add_argument(
+        "--simulate-devices",
+        type=int,
+        default=0,
+        help="on CPU: N simulated devices (set before jax starts) and the expert-parallel rows",
+    )
     p.add_argument("--out", help="write the markdown tables here")
     return p
 
@@ -68,6 +75,7 @@ def _matrices(kind: str) -> int:
 
 def _fwd_bwd(layer_fn, x):
     """jit(grad) of sum(layer(x)) w.r.t. the layer's arrays and x: one forward+backward."""
+
     def loss(layer, x):
         y = layer_fn(layer, x)
         return jnp.sum(y.astype(jnp.float32))
@@ -82,11 +90,19 @@ def layer_rows(a, dtype):
     per_matrix = 2 * t * d * f * _matrices(a.ffn) * 3 / 1e9  # forward + backward (x3), per expert-width f
     cast = lambda m: jax.tree.map(lambda w: w.astype(dtype) if eqx.is_inexact_array(w) else w, m)  # noqa: E731
     dense = cast(FeedForward(d, k * f, a.ffn, key=jax.random.key(1)))
-    rows = [("dense FFN, width k f", per_matrix * k,
-             timed(_fwd_bwd(lambda m, x: jax.vmap(m)(x), x), dense, x, repeat=a.repeat))]
+    rows = [
+        (
+            "dense FFN, width k f",
+            per_matrix * k,
+            timed(_fwd_bwd(lambda m, x: jax.vmap(m)(x), x), dense, x, repeat=a.repeat),
+        )
+    ]
     variants = [
-        (f"MoE top-{k}, capacity cf={a.capacity_factor}", dict(top_k=k, capacity_factor=a.capacity_factor),
-         a.capacity_factor * k),
+        (
+            f"MoE top-{k}, capacity cf={a.capacity_factor}",
+            dict(top_k=k, capacity_factor=a.capacity_factor),
+            a.capacity_factor * k,
+        ),
         (f"MoE top-{k}, dropless, ragged (ragged_dot)", dict(top_k=k, dropless=True, dropless_method="ragged"), k),
         (f"MoE top-{k}, dropless, padded (C = seq)", dict(top_k=k, dropless=True, dropless_method="padded"), e),
         (f"MoE expert choice, cf={k}", dict(router="expert_choice", capacity_factor=float(k)), k),
@@ -121,8 +137,16 @@ def sharded_rows(a, dtype):
     mesh = Mesh(np.array(jax.devices()), ("expert",))
     per = a.batch // n
     x = jax.random.normal(jax.random.key(0), (a.batch, a.seq, a.d_model), dtype)
-    moe = MoE(a.d_model, a.d_ff, a.experts, top_k=a.top_k, ffn=a.ffn, capacity_factor=a.capacity_factor,
-              min_capacity=1, key=jax.random.key(2))
+    moe = MoE(
+        a.d_model,
+        a.d_ff,
+        a.experts,
+        top_k=a.top_k,
+        ffn=a.ffn,
+        capacity_factor=a.capacity_factor,
+        min_capacity=1,
+        key=jax.random.key(2),
+    )
     moe = jax.tree.map(lambda w: w.astype(dtype) if eqx.is_inexact_array(w) else w, moe)
 
     def one_device(m, x):
@@ -132,34 +156,47 @@ def sharded_rows(a, dtype):
     def parallel(m, x):
         return expert_parallel_moe(m, x, mesh=mesh)[0]
 
-    return n, [("one device, groups vmapped", timed(_fwd_bwd(one_device, x), moe, x, repeat=a.repeat)),
-               (f"expert parallel over {n} devices", timed(_fwd_bwd(parallel, x), moe, x, repeat=a.repeat))]
+    return n, [
+        ("one device, groups vmapped", timed(_fwd_bwd(one_device, x), moe, x, repeat=a.repeat)),
+        (f"expert parallel over {n} devices", timed(_fwd_bwd(parallel, x), moe, x, repeat=a.repeat)),
+    ]
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     dtype = jnp.dtype(a.dtype)
-    setting = (f"{a.dtype}, T = {a.batch} x {a.seq} tokens, d = {a.d_model}, expert width f = {a.d_ff}, "
-               f"E = {a.experts}, k = {a.top_k}, ffn {a.ffn}; forward+backward, median of {a.repeat}")
+    setting = (
+        f"{a.dtype}, T = {a.batch} x {a.seq} tokens, d = {a.d_model}, expert width f = {a.d_ff}, "
+        f"E = {a.experts}, k = {a.top_k}, ffn {a.ffn}; forward+backward, median of {a.repeat}"
+    )
     rows, active = layer_rows(a, dtype)
     base = rows[0][2]
-    table = [[name, f"{gf:.2f}", f"{gf / active:.2f}", f"{ms:.2f}", f"{ms / base:.2f}", f"{1e3 * gf / ms:.1f}"]
-             for name, gf, ms in rows]
+    table = [
+        [name, f"{gf:.2f}", f"{gf / active:.2f}", f"{ms:.2f}", f"{ms / base:.2f}", f"{1e3 * gf / ms:.1f}"]
+        for name, gf, ms in rows
+    ]
     header = ["layer", "computed GFLOP", "computed / active", "ms", "time vs dense", "computed GFLOP/s"]
     e, k, rows_n, gflop, ms_g, ms_d = gmm_rows(a, dtype)
-    footer = (f"\nGrouped matmul (`grouped_matmul`, jax.lax.ragged_dot) at E = {e}, k = {k}: [{rows_n}, "
-              f"{a.d_model}] rows in {e} balanced groups times [{e}, {a.d_model}, {a.d_ff}], forward: "
-              f"{ms_g:.2f} ms ({1e3 * gflop / ms_g:.1f} GFLOP/s) against {ms_d:.2f} ms ({1e3 * gflop / ms_d:.1f} GFLOP/s) for "
-              f"one dense matmul of the same size: {ms_d / ms_g:.0%} of dense (target on a GPU: at least 50%).\n")
+    footer = (
+        f"\nGrouped matmul (`grouped_matmul`, jax.lax.ragged_dot) at E = {e}, k = {k}: [{rows_n}, "
+        f"{a.d_model}] rows in {e} balanced groups times [{e}, {a.d_model}, {a.d_ff}], forward: "
+        f"{ms_g:.2f} ms ({1e3 * gflop / ms_g:.1f} GFLOP/s) against {ms_d:.2f} ms "
+        f"({1e3 * gflop / ms_d:.1f} GFLOP/s) for "
+        f"one dense matmul of the same size: {ms_d / ms_g:.0%} of dense (target on a GPU: at least 50%).\n"
+    )
     if a.simulate_devices > 1 or len(jax.devices()) > 1:
         n, srows = sharded_rows(a, dtype)
-        footer += (f"\nExpert parallelism ({n} devices, mesh axis 'expert', capacity dispatch, forward+backward): "
-                   + "; ".join(f"{name} {ms:.2f} ms" for name, ms in srows)
-                   + f"; ratio {srows[1][1] / srows[0][1]:.2f}.")
+        footer += (
+            f"\nExpert parallelism ({n} devices, mesh axis 'expert', capacity dispatch, forward+backward): "
+            + "; ".join(f"{name} {ms:.2f} ms" for name, ms in srows)
+            + f"; ratio {srows[1][1] / srows[0][1]:.2f}."
+        )
         if jax.devices()[0].platform == "cpu":
-            footer += (" Simulated CPU devices share this machine's cores: the ratio weighs the shard_map and its "
-                       "two all_to_alls against the same work on one device (below 1 where XLA runs the devices' "
-                       "programs in parallel threads); it predicts nothing about a real cluster.")
+            footer += (
+                " Simulated CPU devices share this machine's cores: the ratio weighs the shard_map and its "
+                "two all_to_alls against the same work on one device (below 1 where XLA runs the devices' "
+                "programs in parallel threads); it predicts nothing about a real cluster."
+            )
         footer += "\n"
     for row in table:
         print(" | ".join(row))

@@ -47,8 +47,10 @@ def main() -> None:
     args = p.parse_args()
     generators = {path: (load(path), False) for path in args.older}
     generators |= {"this checkout, render": (pathfinder, False), "this checkout, render_batch": (pathfinder, True)}
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
-          f"(load average {os.getloadavg()[0]:.1f}); images/s on one core, best of {args.repeats}\n")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
+        f"(load average {os.getloadavg()[0]:.1f}); images/s on one core, best of {args.repeats}\n"
+    )
     print("| contour length | " + " | ".join(generators) + " |")
     print("|---|" + "---:|" * len(generators))
     for length in args.lengths:

@@ -48,8 +48,9 @@ def data(args, tokenizer):
 
 def run(name, pretrained, model, args, splits):
     ids, mask, labels = splits["train"]
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr if pretrained else args.scratch_lr,
-                                                  max(1, args.steps // 10), args.steps)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr if pretrained else args.scratch_lr, max(1, args.steps // 10), args.steps
+    )
     opt = optax.adamw(schedule, weight_decay=0.01)
     params = eqx.filter(model, eqx.is_inexact_array)
     state = opt.init(params)
@@ -80,10 +81,17 @@ def run(name, pretrained, model, args, splits):
     train_s = time.time() - start
     x, m, y = splits["valid"]
     preds = np.concatenate([np.asarray(predict(model, x[i : i + 64], m[i : i + 64])) for i in range(0, len(y), 64)])
-    return {"run": f"{'pretrained' if pretrained else 'scratch'} {name}", "eval_accuracy": float((preds == y).mean()),
-            "eval_n": int(len(y)), "final_train_loss": float(np.mean(losses[-20:])), "steps": args.steps,
-            "batch": args.batch, "max_len": args.max_len, "train_seconds": round(train_s, 1),
-            "machine": f"{platform.machine()} CPU x{jax.local_device_count()} ({platform.node()})"}
+    return {
+        "run": f"{'pretrained' if pretrained else 'scratch'} {name}",
+        "eval_accuracy": float((preds == y).mean()),
+        "eval_n": int(len(y)),
+        "final_train_loss": float(np.mean(losses[-20:])),
+        "steps": args.steps,
+        "batch": args.batch,
+        "max_len": args.max_len,
+        "train_seconds": round(train_s, 1),
+        "machine": f"{platform.machine()} CPU x{jax.local_device_count()} ({platform.node()})",
+    }
 
 
 def main():
@@ -105,10 +113,13 @@ def main():
     args = p.parse_args()
     splits = data(args, load_tokenizer(args.minilm))
     for name in args.variants.split(","):
-        base, config = load_bert(args.minilm, num_classes=3, max_len=args.max_len, dropout=args.dropout,
-                                 key=jax.random.key(args.seed))
+        base, config = load_bert(
+            args.minilm, num_classes=3, max_len=args.max_len, dropout=args.dropout, key=jax.random.key(args.seed)
+        )
         model, config = swap_attention(base, config, **VARIANTS[name], key=jax.random.key(args.seed))
-        todo = [(True, model)] + ([(False, build_model(config, key=jax.random.key(args.seed + 1)))] if args.scratch else [])
+        todo = [(True, model)] + (
+            [(False, build_model(config, key=jax.random.key(args.seed + 1)))] if args.scratch else []
+        )
         for pretrained, m in todo:
             result = run(name, pretrained, m, args, splits)
             print(json.dumps(result), flush=True)

@@ -54,8 +54,14 @@ def cases(n):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--backend", default="gpu", help="gpu, tpu or mosaic_gpu (its forward; the Triton backward)")
-    parser.add_argument("--block", type=int, nargs=2, default=[64, 64], metavar=("Q", "K"),
-                        help="the kernel's forward blocks (Mosaic GPU: block_q 128 runs two consumer warpgroups)")
+    parser.add_argument(
+        "--block",
+        type=int,
+        nargs=2,
+        default=[64, 64],
+        metavar=("Q", "K"),
+        help="the kernel's forward blocks (Mosaic GPU: block_q 128 runs two consumer warpgroups)",
+    )
     parser.add_argument("--training-only", action="store_true", help="only the cuDNN/segment routes and training")
     args = parser.parse_args(argv)
     if args.training_only:
@@ -74,20 +80,44 @@ def main(argv=None) -> int:
             do = jax.random.normal(keys[3], (n, heads, d), dtype)
             kv_mask = jnp.arange(n) < n - 7
             for name, pattern in cases(n).items():
+
                 def run(fn, q, k, v, pattern=pattern):
                     out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v), q, k, v)
                     return (out, *vjp(do.astype(out.dtype)))  # noqa: B023 - called within this iteration
 
-                kernel = jax.jit(lambda q, k, v, pattern=pattern: run(lambda q, k, v: block_sparse_attention(
-                    q, k, v, pattern, kv_mask=kv_mask, backend=args.backend, block_sizes=BlockSizes(*args.block)), q, k, v))  # noqa: B023 - called within this iteration
-                ref = jax.jit(lambda q, k, v, pattern=pattern: run(lambda q, k, v: block_sparse_reference(
-                    q, k, v, pattern, kv_mask=kv_mask)[0], q, k, v))  # noqa: B023 - called within this iteration
+                kernel = jax.jit(
+                    lambda q, k, v, pattern=pattern, kv_mask=kv_mask: run(
+                        lambda q, k, v: block_sparse_attention(
+                            q,
+                            k,
+                            v,
+                            pattern,
+                            kv_mask=kv_mask,
+                            backend=args.backend,
+                            block_sizes=BlockSizes(*args.block),
+                        ),
+                        q,
+                        k,
+                        v,
+                    )
+                )
+                ref = jax.jit(
+                    lambda q, k, v, pattern=pattern, kv_mask=kv_mask: run(
+                        lambda q, k, v: block_sparse_reference(q, k, v, pattern, kv_mask=kv_mask)[0],
+                        q,
+                        k,
+                        v,
+                    )
+                )
                 try:
                     got = kernel(q, k, v)
                 except Exception as e:  # noqa: BLE001 - one failing case is reported; the rest still run
                     failures += 1
-                    print(f"FAIL {jnp.dtype(dtype).name:8s} n={n} h={heads}/{kv_heads} d={d} {name:16s} "
-                          f"raised {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    print(
+                        f"FAIL {jnp.dtype(dtype).name:8s} n={n} h={heads}/{kv_heads} d={d} {name:16s} "
+                        f"raised {type(e).__name__}: {str(e)[:300]}",
+                        flush=True,
+                    )
                     continue
                 with jax.default_matmul_precision("highest"):  # the reference in full float32, not TF32
                     want = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
@@ -95,8 +125,11 @@ def main(argv=None) -> int:
                 finite = all(bool(jnp.isfinite(x).all()) for x in got)
                 ok = finite and max(errors) < tol
                 failures += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} {jnp.dtype(dtype).name:8s} n={n} h={heads}/{kv_heads} d={d} {name:16s} "
-                      f"rel err out/dq/dk/dv = {' '.join(f'{e:.1e}' for e in errors)}")
+                print(
+                    f"{'ok  ' if ok else 'FAIL'} {jnp.dtype(dtype).name:8s} n={n} h={heads}/{kv_heads} d={d} "
+                    f"{name:16s} "
+                    f"rel err out/dq/dk/dv = {' '.join(f'{e:.1e}' for e in errors)}"
+                )
     if args.backend != "mosaic_gpu":  # the routes and training run the ops' default kernel
         failures += check_routes()
         failures += check_training()
@@ -120,17 +153,25 @@ def check_routes() -> int:
     def alibi_run(fn, *qkv):
         out, vjp = jax.vjp(lambda s: fn(*qkv, Alibi(s)).astype(jnp.float32), slopes)
         return jnp.concatenate([out.ravel(), *vjp(jnp.ones_like(out))])
+
     with jax.default_matmul_precision("highest"):
         cases = {
-            "cudnn softmax causal": (ops.softmax_attention(q, k, v, causal=True, impl="cudnn"),
-                                     ops.softmax_attention(*f32, causal=True, impl="xla")),
-            "cudnn local causal w=100": (ops.local_attention(q, k, v, window=100, causal=True, impl="cudnn"),
-                                         ops.local_attention(*f32, window=100, causal=True, impl="xla")),
-            "kernel segment ids": (block_sparse_attention(q, k, v, causal(n, n), segment_ids=segments),
-                                   block_sparse_reference(*f32, causal(n, n), segment_ids=segments)[0]),
+            "cudnn softmax causal": (
+                ops.softmax_attention(q, k, v, causal=True, impl="cudnn"),
+                ops.softmax_attention(*f32, causal=True, impl="xla"),
+            ),
+            "cudnn local causal w=100": (
+                ops.local_attention(q, k, v, window=100, causal=True, impl="cudnn"),
+                ops.local_attention(*f32, window=100, causal=True, impl="xla"),
+            ),
+            "kernel segment ids": (
+                block_sparse_attention(q, k, v, causal(n, n), segment_ids=segments),
+                block_sparse_reference(*f32, causal(n, n), segment_ids=segments)[0],
+            ),
             "kernel alibi causal": (
                 alibi_run(lambda q, k, v, a: block_sparse_attention(q, k, v, causal(n, n), alibi=a), q, k, v),
-                alibi_run(lambda q, k, v, a: block_sparse_reference(q, k, v, causal(n, n), alibi=a)[0], *f32)),
+                alibi_run(lambda q, k, v, a: block_sparse_reference(q, k, v, causal(n, n), alibi=a)[0], *f32),
+            ),
         }
     for name, (got, want) in cases.items():
         err = rel(got, want)
@@ -149,14 +190,30 @@ def check_training(steps: int = 8) -> int:
     from jxformers import ModelConfig, build_model
 
     failures = 0
-    cases = {"softmax": {}, "local": {"window": 64}, "block_local": {"block_size": 64}, "dilated": {"window": 32},
-             "longformer": {"window": 64, "global_indices": (0, 1)}, "sparse_transformer": {"stride": 32}}
+    cases = {
+        "softmax": {},
+        "local": {"window": 64},
+        "block_local": {"block_size": 64},
+        "dilated": {"window": 32},
+        "longformer": {"window": 64, "global_indices": (0, 1)},
+        "sparse_transformer": {"stride": 32},
+    }
     tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 512), 0, 256)
     for name, hp in cases.items():
         curves = {}
         for impl in ("xla", IMPL):
-            config = ModelConfig(task="lm", vocab_size=256, num_layers=2, d_model=128, num_heads=4, max_len=512,
-                                 attention=name, attention_kwargs=hp, impl=impl, dtype="bfloat16")
+            config = ModelConfig(
+                task="lm",
+                vocab_size=256,
+                num_layers=2,
+                d_model=128,
+                num_heads=4,
+                max_len=512,
+                attention=name,
+                attention_kwargs=hp,
+                impl=impl,
+                dtype="bfloat16",
+            )
             model = build_model(config, key=jax.random.PRNGKey(1))
             optimizer = optax.adam(1e-3)
             state = optimizer.init(eqx.filter(model, eqx.is_array))
@@ -165,7 +222,9 @@ def check_training(steps: int = 8) -> int:
             def step(model, state):
                 def loss_fn(model):
                     logits = jax.vmap(model)(tokens[:, :-1])
-                    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+                    return optax.softmax_cross_entropy_with_integer_labels(
+                        logits.astype(jnp.float32), tokens[:, 1:]
+                    ).mean()
 
                 loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
                 updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))  # noqa: B023 - called within this iteration
@@ -179,8 +238,10 @@ def check_training(steps: int = 8) -> int:
         gap = max(abs(a - b) for a, b in zip(curves["xla"], curves[IMPL], strict=True))
         ok = gap < 0.05 and all(np.isfinite(curves[IMPL])) and curves[IMPL][-1] < curves[IMPL][0]
         failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} training {name:18s} loss xla {curves['xla'][0]:.3f}->{curves['xla'][-1]:.3f} "
-              f"{IMPL} {curves[IMPL][0]:.3f}->{curves[IMPL][-1]:.3f} max gap {gap:.4f}")
+        print(
+            f"{'ok  ' if ok else 'FAIL'} training {name:18s} loss xla {curves['xla'][0]:.3f}->{curves['xla'][-1]:.3f} "
+            f"{IMPL} {curves[IMPL][0]:.3f}->{curves[IMPL][-1]:.3f} max gap {gap:.4f}"
+        )
     return failures
 
 

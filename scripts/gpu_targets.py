@@ -45,17 +45,32 @@ def read_rows(text: str) -> list[Row]:
             value = cell.get(name, "-")
             return None if value in ("-", "") else float(value)
 
-        rows.append(Row(int(cell["N"]), int(cell["d"]), cell.get("pattern") or cell.get("config"), cell["impl"],
-                        number("visited") if "visited" in cell else 1.0, number("fwd ms"), number("fwd+bwd ms")))
+        rows.append(
+            Row(
+                int(cell["N"]),
+                int(cell["d"]),
+                cell.get("pattern") or cell.get("config"),
+                cell["impl"],
+                number("visited") if "visited" in cell else 1.0,
+                number("fwd ms"),
+                number("fwd+bwd ms"),
+            )
+        )
     return rows
 
 
-def best(rows: list[Row], n: int, d: int, pattern: str, impl_prefix: str, field: str = "fwd",
-         exact: bool = False) -> float | None:
+def best(
+    rows: list[Row], n: int, d: int, pattern: str, impl_prefix: str, field: str = "fwd", exact: bool = False
+) -> float | None:
     """The fastest `field` among rows of this shape whose impl starts with (or, `exact`,
     is) `impl_prefix`."""
-    times = [getattr(r, field) for r in rows if (r.n, r.d, r.pattern) == (n, d, pattern)
-             and (r.impl == impl_prefix if exact else r.impl.startswith(impl_prefix)) and getattr(r, field) is not None]
+    times = [
+        getattr(r, field)
+        for r in rows
+        if (r.n, r.d, r.pattern) == (n, d, pattern)
+        and (r.impl == impl_prefix if exact else r.impl.startswith(impl_prefix))
+        and getattr(r, field) is not None
+    ]
     return min(times) if times else None
 
 
@@ -76,35 +91,66 @@ def targets(rows: list[Row], grouped_matmul_percent: float | None) -> list[tuple
 
     d = 128
     # Speed relative to cuDNN is cuDNN's time over ours.
-    ratio("dense forward at 8K >= 0.8x cuDNN", best(rows, 8192, d, "dense", "dot_product_attention cudnn"),
-          best(rows, 8192, d, "dense", "pallas"), 0.8)
-    ratio("dense forward+backward at 8K >= 0.7x cuDNN",
-          best(rows, 8192, d, "dense", "dot_product_attention cudnn", "fwd_bwd"),
-          best(rows, 8192, d, "dense", "pallas", "fwd_bwd"), 0.7)
+    ratio(
+        "dense forward at 8K >= 0.8x cuDNN",
+        best(rows, 8192, d, "dense", "dot_product_attention cudnn"),
+        best(rows, 8192, d, "dense", "pallas"),
+        0.8,
+    )
+    ratio(
+        "dense forward+backward at 8K >= 0.7x cuDNN",
+        best(rows, 8192, d, "dense", "dot_product_attention cudnn", "fwd_bwd"),
+        best(rows, 8192, d, "dense", "pallas", "fwd_bwd"),
+        0.7,
+    )
     # The same kernel on both patterns: the target is about cost following density.
     impls = sorted({r.impl for r in rows if r.pattern == "causal window 512" and r.impl.startswith("pallas")})
-    window = [(best(rows, 16384, d, "causal", i, exact=True), best(rows, 16384, d, "causal window 512", i, exact=True))
-              for i in impls]
+    window = [
+        (best(rows, 16384, d, "causal", i, exact=True), best(rows, 16384, d, "causal window 512", i, exact=True))
+        for i in impls
+    ]
     window = [(a, b) for a, b in window if a is not None and b is not None]
-    ratio("causal window 512 at 16K >= 12x faster than dense causal (same kernel)",
-          *(max(window, key=lambda ab: ab[0] / ab[1]) if window else (None, None)), 12.0)
-    for pattern in ("bigbird b64", "longformer w256 g2", "sparse_transformer strided s128 causal",
-                    "sparse_transformer fixed s128 c8 causal"):
+    ratio(
+        "causal window 512 at 16K >= 12x faster than dense causal (same kernel)",
+        *(max(window, key=lambda ab: ab[0] / ab[1]) if window else (None, None)),
+        12.0,
+    )
+    for pattern in (
+        "bigbird b64",
+        "longformer w256 g2",
+        "sparse_transformer strided s128 causal",
+        "sparse_transformer fixed s128 c8 causal",
+    ):
         for n in (8192, 16384):
-            ms, frac, dense = best(rows, n, d, pattern, "pallas", exact=True), visited(rows, n, d, pattern), \
-                best(rows, n, d, "dense", "pallas", exact=True)
+            ms, frac, dense = (
+                best(rows, n, d, pattern, "pallas", exact=True),
+                visited(rows, n, d, pattern),
+                best(rows, n, d, "dense", "pallas", exact=True),
+            )
             per_block = None if ms is None or frac is None else ms / frac
-            ratio(f"{pattern} at {n}: time per visited block <= 1.3x the dense kernel's", per_block, dense, 1.3,
-                  higher_is_better=False)
+            ratio(
+                f"{pattern} at {n}: time per visited block <= 1.3x the dense kernel's",
+                per_block,
+                dense,
+                1.3,
+                higher_is_better=False,
+            )
     for form, field in (("forward", "fwd"), ("forward+backward", "fwd_bwd")):
         fla = [r for r in rows if (r.n, r.d, r.pattern) == (16384, d, "linear causal") and r.impl.startswith("fla")]
-        ratio(f"linear attention at 16K {form} <= 1.25x flash-linear-attention's time",
-              best(rows, 16384, d, "linear causal", "pallas", field),
-              min((getattr(r, field) for r in fla if getattr(r, field) is not None), default=None), 1.25,
-              higher_is_better=False)
-    out.append(("MoE grouped matmul >= 50% of a dense matmul",
-                "not measured" if grouped_matmul_percent is None else f"{grouped_matmul_percent:.0f}%",
-                None if grouped_matmul_percent is None else grouped_matmul_percent >= 50))
+        ratio(
+            f"linear attention at 16K {form} <= 1.25x flash-linear-attention's time",
+            best(rows, 16384, d, "linear causal", "pallas", field),
+            min((getattr(r, field) for r in fla if getattr(r, field) is not None), default=None),
+            1.25,
+            higher_is_better=False,
+        )
+    out.append(
+        (
+            "MoE grouped matmul >= 50% of a dense matmul",
+            "not measured" if grouped_matmul_percent is None else f"{grouped_matmul_percent:.0f}%",
+            None if grouped_matmul_percent is None else grouped_matmul_percent >= 50,
+        )
+    )
     return out
 
 

@@ -28,14 +28,18 @@ def main(argv=None) -> int:
         images, labels = render_many(args.seed, args.n, size=args.size, contour_length=length)
         speed[length] = args.n / (time.process_time() - start)
         columns[length] = baselines(images, labels)
-    print(f"Pathfinder {args.size}x{args.size}, {args.n} images per length (seed {args.seed}); "
-          "held-out accuracy of each baseline (chance 0.5):\n")
+    print(
+        f"Pathfinder {args.size}x{args.size}, {args.n} images per length (seed {args.seed}); "
+        "held-out accuracy of each baseline (chance 0.5):\n"
+    )
     print("| baseline | " + " | ".join(f"length {n}" for n in args.lengths) + " |")
     print("|---|" + "---|" * len(args.lengths))
     for name in columns[args.lengths[0]]:
         if name != "images used":
             print(f"| {name} | " + " | ".join(f"{columns[n][name]:.3f}" for n in args.lengths) + " |")
-    print("| distractors | " + " | ".join(str(pathfinder.default_distractors(args.size, n)) for n in args.lengths) + " |")
+    print(
+        "| distractors | " + " | ".join(str(pathfinder.default_distractors(args.size, n)) for n in args.lengths) + " |"
+    )
     print("| images/s on one core | " + " | ".join(f"{speed[n]:.0f}" for n in args.lengths) + " |")
     return 0
 

@@ -62,51 +62,72 @@ class Facts:
 FACTS: dict[str, Facts] = {
     "softmax": Facts(mask=masks.softmax, growth=Growth("quadratic")),
     "chunked": Facts(
-        variants=({"chunk_size": 8},), mask=masks.softmax, errors=(({"chunk_size": 0}, "chunk_size"),),
+        variants=({"chunk_size": 8},),
+        mask=masks.softmax,
+        errors=(({"chunk_size": 0}, "chunk_size"),),
     ),  # a scan over chunks: no FLOP count (see Growth); tests/test_complexity.py checks its memory
     "local": Facts(
-        variants=({"window": 3},), mask=masks.local, errors=(({"window": -1}, "window"),),
+        variants=({"window": 3},),
+        mask=masks.local,
+        errors=(({"window": -1}, "window"),),
         growth=Growth("linear", lambda n: {"window": 32}),
     ),
     "block_local": Facts(
-        variants=({"block_size": 5},), mask=masks.block_local, errors=(({"block_size": 0}, "block_size"),),
+        variants=({"block_size": 5},),
+        mask=masks.block_local,
+        errors=(({"block_size": 0}, "block_size"),),
         growth=Growth("linear", lambda n: {"block_size": 64}),
     ),
     "dilated": Facts(
-        variants=({"window": 2, "dilation": 3},), mask=masks.dilated,
+        variants=({"window": 2, "dilation": 3},),
+        mask=masks.dilated,
         errors=(({"window": -2}, "window"), ({"dilation": 0}, "dilation")),
         growth=Growth("linear", lambda n: {"window": 16, "dilation": 4}),
     ),
     "sparse_transformer": Facts(
-        variants=({"stride": 5}, {"stride": 5, "pattern": "fixed", "num_summary": 2}), mask=masks.sparse_transformer,
-        errors=(({"stride": 0}, "stride"), ({"pattern": "dense"}, "pattern"),
-                ({"stride": 4, "pattern": "fixed", "num_summary": 5}, "num_summary")),
+        variants=({"stride": 5}, {"stride": 5, "pattern": "fixed", "num_summary": 2}),
+        mask=masks.sparse_transformer,
+        errors=(
+            ({"stride": 0}, "stride"),
+            ({"pattern": "dense"}, "pattern"),
+            ({"stride": 4, "pattern": "fixed", "num_summary": 5}, "num_summary"),
+        ),
         growth=Growth("n sqrt n", lambda n: {"stride": math.isqrt(n)}),
     ),
     "longformer": Facts(
         variants=({"window": 2, "global_indices": (0, 11)}, {"window": 2, "dilation": 3, "global_indices": (0, 11)}),
         mask=masks.longformer,
-        errors=(({"global_indices": (0, 99)}, "global_indices"), ({"window": -1}, "window"),
-                ({"dilation": 0}, "dilation")),
+        errors=(
+            ({"global_indices": (0, 99)}, "global_indices"),
+            ({"window": -1}, "window"),
+            ({"dilation": 0}, "dilation"),
+        ),
         growth=Growth("linear", lambda n: {"window": 32, "global_indices": (0, 5)}),
     ),
     "bigbird": Facts(
-        variants=({"block_size": 4, "num_random_blocks": 2},), mask=masks.bigbird,
+        variants=({"block_size": 4, "num_random_blocks": 2},),
+        mask=masks.bigbird,
         errors=(({"block_size": 0}, "block_size"), ({"num_window_blocks": 2}, "num_window_blocks")),
         growth=Growth("linear", lambda n: {"block_size": 32}),
     ),
     "axial": Facts(
-        variants=({"width": 6}, {"width": 5, "order": "column"}), mask=masks.axial,
+        variants=({"width": 6}, {"width": 5, "order": "column"}),
+        mask=masks.axial,
         errors=(({"width": 0}, "width"), ({"order": "diagonal"}, "order")),
         growth=Growth("n sqrt n", lambda n: {"width": math.isqrt(n)}),
     ),
     "memory_compressed": Facts(
-        variants=({"stride": 3},), errors=(({"stride": 0}, "stride"),),
+        variants=({"stride": 3},),
+        errors=(({"stride": 0}, "stride"),),
         growth=Growth("quadratic", lambda n: {"stride": 4}),
     ),
     "linear": Facts(
         variants=({"chunk_size": 8}, {"form": "scan", "feature_map": "relu"}),
-        errors=(({"feature_map": "tanh"}, "feature_map"), ({"form": "fast"}, "form"), ({"chunk_size": 0}, "chunk_size")),
+        errors=(
+            ({"feature_map": "tanh"}, "feature_map"),
+            ({"form": "fast"}, "form"),
+            ({"chunk_size": 0}, "chunk_size"),
+        ),
         growth=Growth("linear", causal=(False,)),
     ),
     "performer": Facts(
@@ -126,16 +147,21 @@ FACTS: dict[str, Facts] = {
     ),
     "synthesizer": Facts(
         # The dense kinds read the layer input, not q: tests/test_nn.py checks them in the module.
-        variants=({"max_len": 40}, {"max_len": 40, "trainable_random": False, "mixture": True},
-                  {"kind": "factorized_random", "max_len": 40, "rank": 3}),
+        variants=(
+            {"max_len": 40},
+            {"max_len": 40, "trainable_random": False, "mixture": True},
+            {"kind": "factorized_random", "max_len": 40, "rank": 3},
+        ),
         errors=(({"max_len": 8}, "max_len"), ({"kind": "learned"}, "kind")),
     ),
     "nystrom": Facts(
-        variants=({"num_landmarks": 5},), errors=(({"num_landmarks": 0}, "num_landmarks"),),
+        variants=({"num_landmarks": 5},),
+        errors=(({"num_landmarks": 0}, "num_landmarks"),),
         growth=Growth("linear", lambda n: {"num_landmarks": 32}),
     ),
     "induced": Facts(
-        variants=({"num_inducing": 4},), errors=(({"num_inducing": 0}, "num_inducing"),),
+        variants=({"num_inducing": 4},),
+        errors=(({"num_inducing": 0}, "num_inducing"),),
         growth=Growth("linear", lambda n: {"num_inducing": 32}),
     ),
     "lsh": Facts(
@@ -145,14 +171,21 @@ FACTS: dict[str, Facts] = {
     ),
     "routing": Facts(
         variants=({"n_clusters": 3, "local_heads": 2, "local_window": 3},),  # 2 local and 2 routing query heads
-        errors=(({"local_heads": 1}, "local_heads"), ({"n_clusters": 0}, "n_clusters"),
-                ({"local_window": -1}, "local_window")),
+        errors=(
+            ({"local_heads": 1}, "local_heads"),
+            ({"n_clusters": 0}, "n_clusters"),
+            ({"local_window": -1}, "local_window"),
+        ),
         growth=Growth("n sqrt n", lambda n: {"n_clusters": math.isqrt(n), "local_heads": 0}),
     ),
     "sinkhorn": Facts(  # SortCut cannot be causal: tests/test_learnable.py checks it
         variants=({"block_size": 5, "max_len": 40, "sinkhorn_iters": 4},),
-        errors=(({"block_size": 0}, "block_size"), ({"temperature": 0.0}, "temperature"), ({"max_len": 8}, "max_len"),
-                ({"sinkhorn_iters": 0}, "sinkhorn_iters")),
+        errors=(
+            ({"block_size": 0}, "block_size"),
+            ({"temperature": 0.0}, "temperature"),
+            ({"max_len": 8}, "max_len"),
+            ({"sinkhorn_iters": 0}, "sinkhorn_iters"),
+        ),
         # Sorting N/b key blocks by a soft permutation costs (N/b)^2 b d: N^1.5 at b = sqrt(N).
         growth=Growth("n sqrt n", lambda n: {"block_size": math.isqrt(n), "max_len": n}),
     ),
@@ -173,29 +206,58 @@ FACTS: dict[str, Facts] = {
         growth=Growth("linear", lambda n: {"window": 32, "rank": 16}, causal=(False,)),
     ),
     "poolingformer": Facts(  # not causal: tests/test_local_pooling.py checks the refusal
-        variants=({"window": 2, "pool_window": 8, "pool_size": 3, "pool_stride": 2},
-                  {"window": 1, "pool_window": 5, "pool_size": 2, "pool_stride": 2, "pooling": "max"}),
-        errors=(({"window": -1}, "window"), ({"pool_size": 0}, "pool_size"), ({"pool_stride": 0}, "pool_stride"),
-                ({"pool_window": 2}, "pool_window"), ({"pooling": "conv"}, "pooling")),
+        variants=(
+            {"window": 2, "pool_window": 8, "pool_size": 3, "pool_stride": 2},
+            {"window": 1, "pool_window": 5, "pool_size": 2, "pool_stride": 2, "pooling": "max"},
+        ),
+        errors=(
+            ({"window": -1}, "window"),
+            ({"pool_size": 0}, "pool_size"),
+            ({"pool_stride": 0}, "pool_stride"),
+            ({"pool_window": 2}, "pool_window"),
+            ({"pooling": "conv"}, "pooling"),
+        ),
         growth=Growth("linear", lambda n: {"window": 16, "pool_window": 64, "pool_size": 5, "pool_stride": 4}),
     ),
     "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
     "image_local_2d": Facts(
-        variants=({"width": 6, "query_height": 2, "query_width": 3, "memory_height": 2, "memory_width": 1},
-                  {"width": 8, "query_height": 2, "query_width": 2, "memory_height": 3, "memory_width": 3}),
+        variants=(
+            {"width": 6, "query_height": 2, "query_width": 3, "memory_height": 2, "memory_width": 1},
+            {"width": 8, "query_height": 2, "query_width": 2, "memory_height": 3, "memory_width": 3},
+        ),
         mask=masks.image_local_2d,
-        errors=(({"query_width": 4}, "query_width"), ({"memory_height": -1}, "memory_height"),
-                ({"width": 0}, "width"), ({"query_height": 0}, "query_height")),
-        growth=Growth("linear", lambda n: {"width": 64, "query_height": 8, "query_width": 16, "memory_height": 8,
-                                           "memory_width": 16}),
+        errors=(
+            ({"query_width": 4}, "query_width"),
+            ({"memory_height": -1}, "memory_height"),
+            ({"width": 0}, "width"),
+            ({"query_height": 0}, "query_height"),
+        ),
+        growth=Growth(
+            "linear",
+            lambda n: {"width": 64, "query_height": 8, "query_width": 16, "memory_height": 8, "memory_width": 16},
+        ),
     ),
-    "etc": Facts(  # a softmax with relative-position logits: tests/test_global_local.py checks it against the dense form
-        variants=({"num_global": 3, "local_radius": 2, "global_every": 5, "max_distance": 3},
-                  {"num_global": 2, "local_radius": 4, "global_every": 6, "max_distance": 0, "hard_g2l": True,
-                   "hard_l2g": True}),
+    # a softmax with relative-position logits: tests/test_global_local.py checks it against the dense form
+    "etc": Facts(
+        variants=(
+            {"num_global": 3, "local_radius": 2, "global_every": 5, "max_distance": 3},
+            {
+                "num_global": 2,
+                "local_radius": 4,
+                "global_every": 6,
+                "max_distance": 0,
+                "hard_g2l": True,
+                "hard_l2g": True,
+            },
+        ),
         mask=masks.etc,
-        errors=(({"num_global": 0}, "num_global"), ({"num_global": 99}, "num_global"), ({"local_radius": -1}, "local_radius"),
-                ({"global_every": 0}, "global_every"), ({"max_distance": -1}, "max_distance")),
+        errors=(
+            ({"num_global": 0}, "num_global"),
+            ({"num_global": 99}, "num_global"),
+            ({"local_radius": -1}, "local_radius"),
+            ({"global_every": 0}, "global_every"),
+            ({"max_distance": -1}, "max_distance"),
+        ),
         growth=Growth("linear", lambda n: {"num_global": 4, "local_radius": 32, "global_every": 64}),
     ),
 }

@@ -19,8 +19,11 @@ import sys
 # so the cost and memory analyses the complexity tests read, are unchanged. Set before jax
 # starts, and only the flags this XLA knows (probed); subprocesses that set their own
 # XLA_FLAGS add FAST_COMPILE.
-_FAST_COMPILE_WANTED = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-                        "--xla_cpu_parallel_codegen_split_count=1")
+_FAST_COMPILE_WANTED = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
 _KNOWN_FLAGS_ENV = "JXFORMERS_TEST_XLA_FLAGS"  # the probe's answer, inherited by workers and CLI runs
 
 
@@ -32,8 +35,9 @@ def known_xla_flags(flags, probe_env=None) -> str:
     def accepted(candidate) -> bool:
         env = dict(probe_env if probe_env is not None else os.environ)
         env.update(XLA_FLAGS=" ".join(candidate), JAX_PLATFORMS="cpu")
-        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                               capture_output=True, text=True, timeout=300)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True, timeout=300
+        )
         return probe.returncode == 0
 
     if accepted(flags):
@@ -49,8 +53,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE)
 # the same small train steps: JAX's persistent compilation cache, kept in the checkout
 # (keyed by the program, jax version and flags), compiles each once (test_train.py: 175 s
 # -> 123 s on 2 cores).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), ".jax_cache"))
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # No size limit: with one, every write lists and stats the whole directory to evict, which
 # made the suite quadratic in its ~18k programs (90% of a worker's time near the end).
@@ -68,7 +73,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # differing_executors: pytest makes a fresh instance of a suite class for each test; the
 # suites keep no state on `self`, so replays are reproducible all the same.
 settings.register_profile(
-    "jxformers", max_examples=3, deadline=None, derandomize=True,
+    "jxformers",
+    max_examples=3,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
 )
 settings.load_profile("jxformers")
@@ -133,8 +141,11 @@ def _bounded_compiled_programs():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--fast-subset", action="store_true",
-                     help="only the files listed in tests/fast_subset.txt, without their heavy tests")
+    parser.addoption(
+        "--fast-subset",
+        action="store_true",
+        help="only the files listed in tests/fast_subset.txt, without their heavy tests",
+    )
 
 
 def _fast_subset_files() -> set[str]:

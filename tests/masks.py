@@ -67,8 +67,12 @@ def bigbird(n, hp, arrays, causal):
     nb = -(-n // b)
     rnd = np.asarray(
         ops.bigbird_random_blocks(
-            arrays["key"], n, block_size=b, num_random_blocks=hp["num_random_blocks"],
-            num_window_blocks=hp["num_window_blocks"], num_global_blocks=hp["num_global_blocks"],
+            arrays["key"],
+            n,
+            block_size=b,
+            num_random_blocks=hp["num_random_blocks"],
+            num_window_blocks=hp["num_window_blocks"],
+            num_global_blocks=hp["num_global_blocks"],
         )
     )
     g = hp["num_global_blocks"]
@@ -107,8 +111,12 @@ def image_local_2d(n, hp, arrays, causal):
     pixels = np.array(pixels[:n])
     row, col = pixels[:, 0], pixels[:, 1]
     top, left = pixels[:, 2] * qh, pixels[:, 3] * qw
-    m = ((row[None, :] >= top[:, None] - mh) & (row[None, :] < top[:, None] + qh)
-         & (col[None, :] >= left[:, None] - mw) & (col[None, :] < left[:, None] + qw + mw))
+    m = (
+        (row[None, :] >= top[:, None] - mh)
+        & (row[None, :] < top[:, None] + qh)
+        & (col[None, :] >= left[:, None] - mw)
+        & (col[None, :] < left[:, None] + qw + mw)
+    )
     return [m & _causal(n, causal)]
 
 

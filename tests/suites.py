@@ -250,8 +250,9 @@ def flops(name, growth, n, causal, heads=2, d=16):
     """XLA-counted FLOPs of the op alone at length n (its arrays are made outside)."""
     bound = registry.bind(name, **dict(growth.at_length(n)))
     x = jax.ShapeDtypeStruct((n, heads, d), jnp.float32)
-    arrays = jax.eval_shape(lambda key: bound.init_arrays(key, heads=heads, kv_heads=heads, d_k=d, d_v=d),
-                            jax.random.key(0))
+    arrays = jax.eval_shape(
+        lambda key: bound.init_arrays(key, heads=heads, kv_heads=heads, d_k=d, d_v=d), jax.random.key(0)
+    )
     _, cost = compile_with_cost(lambda q, k, v, arrays: bound(q, k, v, arrays=arrays, causal=causal), x, x, x, arrays)
     return cost.flops
 
@@ -337,6 +338,7 @@ def forward(model, x, mask=None):
 def forward_and_grad(model, x, mask=None):
     """(model(x, mask), gradient of a loss on it): one compilation where a test needs
     both (the forward is part of the gradient's program anyway)."""
+
     def loss(params, rest):
         out = eqx.combine(params, rest)(x, mask)
         return jnp.mean(jnp.square(out)), out

@@ -57,13 +57,21 @@ def test_linear_noncausal_equals_the_formula(feature_map):
 def test_linear_accepts_a_callable_feature_map():
     q, k, v = qkv(2, 12)
     phi = lambda x: jnp.exp(x)  # noqa: E731
-    assert_close(ops.linear_attention(q, k, v, feature_map=phi, causal=True), linear_reference(q, k, v, phi, True), atol=1e-5, rtol=1e-5)
+    assert_close(
+        ops.linear_attention(q, k, v, feature_map=phi, causal=True),
+        linear_reference(q, k, v, phi, True),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_linear_gradients_agree_across_causal_forms():
     q, k, v = qkv(3, 40)
     grads = [
-        jax.grad(lambda q, k, v: jnp.sum(jnp.sin(ops.linear_attention(q, k, v, causal=True, form=f, chunk_size=8))), (0, 1, 2))(q, k, v)  # noqa: B023 - called within this iteration
+        jax.grad(
+            lambda q, k, v: jnp.sum(jnp.sin(ops.linear_attention(q, k, v, causal=True, form=f, chunk_size=8))),  # noqa: B023
+            (0, 1, 2),
+        )(q, k, v)
         for f in ("quadratic", "scan", "chunked")
     ]
     for other in grads[1:]:
@@ -83,11 +91,18 @@ def test_gated_forms_agree():
     q, k, v = qkv(5, 37)
     gate = jax.nn.sigmoid(jax.random.normal(jax.random.key(9), (37, 2)))
     fq, fk = jax.nn.elu(q) + 1, jax.nn.elu(k) + 1
-    outs = [ops.kernel_attention(fq, fk, v, causal=True, gate=gate, form=f, chunk_size=8) for f in ("quadratic", "scan", "chunked")]
+    outs = [
+        ops.kernel_attention(fq, fk, v, causal=True, gate=gate, form=f, chunk_size=8)
+        for f in ("quadratic", "scan", "chunked")
+    ]
     assert_close(outs[1], outs[0], atol=1e-5)
     assert_close(outs[2], outs[0], atol=1e-5)
     # An all-ones gate is plain causal linear attention.
-    assert_close(ops.kernel_attention(fq, fk, v, causal=True, gate=jnp.ones((37, 2))), ops.kernel_attention(fq, fk, v, causal=True), atol=1e-5)
+    assert_close(
+        ops.kernel_attention(fq, fk, v, causal=True, gate=jnp.ones((37, 2))),
+        ops.kernel_attention(fq, fk, v, causal=True),
+        atol=1e-5,
+    )
 
 
 # ----------------------------------------------------------------------------- Performer
@@ -123,7 +138,13 @@ def test_performer_error_falls_as_features_grow():
     errors = []
     for m in (8, 64, 512):
         errs = [
-            float(jnp.mean(jnp.abs(ops.performer_attention(q, k, v, ops.performer_projection(jax.random.key(s), m, 16)) - exact)))
+            float(
+                jnp.mean(
+                    jnp.abs(
+                        ops.performer_attention(q, k, v, ops.performer_projection(jax.random.key(s), m, 16)) - exact
+                    )
+                )
+            )
             for s in range(4)
         ]
         errors.append(np.mean(errs))
@@ -188,20 +209,33 @@ def test_linformer_refuses_causal_and_supports_short_and_padded_sequences():
 def test_synthesizer_kinds_match_their_formulas():
     q, k, v = qkv(11, 10)
     r = jax.random.normal(jax.random.key(1), (4, 16, 16))
-    assert_close(ops.synthesizer_attention(q, k, v, kind="random", random=r),
-                 ops.softmax_attention(q, k, v, bias=r[:, :10, :10], scale=0.0), atol=1e-6)
-    assert_close(ops.synthesizer_attention(q, k, v, kind="random", fixed_random=r),
-                 ops.softmax_attention(q, k, v, bias=r[:, :10, :10], scale=0.0), atol=1e-6)
+    assert_close(
+        ops.synthesizer_attention(q, k, v, kind="random", random=r),
+        ops.softmax_attention(q, k, v, bias=r[:, :10, :10], scale=0.0),
+        atol=1e-6,
+    )
+    assert_close(
+        ops.synthesizer_attention(q, k, v, kind="random", fixed_random=r),
+        ops.softmax_attention(q, k, v, bias=r[:, :10, :10], scale=0.0),
+        atol=1e-6,
+    )
     # The paper's mixture: softmax(a1 B + a2 q k^T / sqrt(d)), (a1, a2) = softmax(learned logits).
     a, b = jax.random.normal(jax.random.key(2), (2, 4, 16, 3))
     mix = jnp.array([0.3, -0.4])
     a1, a2 = np.exp([0.3, -0.4]) / np.exp([0.3, -0.4]).sum()
-    assert_close(ops.synthesizer_attention(q, k, v, kind="factorized_random", factor_a=a, factor_b=b, mixture_logits=mix),
-                 ops.softmax_attention(q, k, v, bias=a1 * jnp.einsum("hqr,hkr->hqk", a[:, :10], b[:, :10]),
-                                       scale=a2 / math.sqrt(8)), atol=1e-5)
+    assert_close(
+        ops.synthesizer_attention(q, k, v, kind="factorized_random", factor_a=a, factor_b=b, mixture_logits=mix),
+        ops.softmax_attention(
+            q, k, v, bias=a1 * jnp.einsum("hqr,hkr->hqk", a[:, :10], b[:, :10]), scale=a2 / math.sqrt(8)
+        ),
+        atol=1e-5,
+    )
     dense = jax.random.normal(jax.random.key(3), (4, 10, 16))  # rows made from the tokens by the module
-    assert_close(ops.synthesizer_attention(q, k, v, kind="dense", dense_logits=dense, causal=True),
-                 ops.softmax_attention(q, k, v, bias=dense[:, :, :10], scale=0.0, causal=True), atol=1e-5)
+    assert_close(
+        ops.synthesizer_attention(q, k, v, kind="dense", dense_logits=dense, causal=True),
+        ops.softmax_attention(q, k, v, bias=dense[:, :, :10], scale=0.0, causal=True),
+        atol=1e-5,
+    )
     with pytest.raises(ValueError, match="needs `random`"):
         ops.synthesizer_attention(q, k, v, kind="random")
     with pytest.raises(ValueError, match="dense_logits"):
@@ -329,8 +363,9 @@ def test_performer_relu_kernel_is_the_papers_relu_of_wx_plus_epsilon():
         fq, fk = (np.maximum(np.einsum("nhd,md->nhm", x, w), 0) + 1e-3 for x in (q, k))
         num = np.einsum("qhm,khm,khd->qhd", fq, fk, v)
         den = np.einsum("qhm,khm->qh", fq, fk)
-        got = ops.performer_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(w, jnp.float32),
-                                      kernel="relu")
+        got = ops.performer_attention(
+            *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(w, jnp.float32), kernel="relu"
+        )
         assert_close(got, num / den[..., None], atol=1e-5, rtol=1e-4)
 
 
@@ -343,5 +378,5 @@ def test_performer_stabiliser_is_per_head_so_heads_never_couple(causal, form):
     w = ops.performer_projection(jax.random.key(103), 64, 16)
     together = ops.performer_attention(q, k, v, w, causal=causal, form=form)
     for h in range(2):
-        alone = ops.performer_attention(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], w, causal=causal, form=form)
-        assert_close(together[:, h:h + 1], alone, atol=1e-5, rtol=1e-4)
+        alone = ops.performer_attention(q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], w, causal=causal, form=form)
+        assert_close(together[:, h : h + 1], alone, atol=1e-5, rtol=1e-4)

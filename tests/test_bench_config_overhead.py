@@ -22,8 +22,9 @@ def test_defaults_compare_the_flat_config_commit_with_head():
     assert (args.before, args.after, args.models, args.repeats) == ("abc", "def", ["moe_lm"], 5)
 
 
-@pytest.mark.parametrize("argv", [["--models", "nope"], ["--models", ""], ["--repeats", "0"], ["--warmup", "-1"],
-                                  ["--steps", "0"]])
+@pytest.mark.parametrize(
+    "argv", [["--models", "nope"], ["--models", ""], ["--repeats", "0"], ["--warmup", "-1"], ["--steps", "0"]]
+)
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -46,8 +47,16 @@ def test_the_flat_and_component_forms_are_one_model(model):
 
 
 def fake(model, side, repeat, step, compile_s=5.0):
-    return {"model": model, "side": side, "repeat": repeat, "import": 1.0, "config": 0.1, "build": 3.0,
-            "compile": compile_s, "step": step}
+    return {
+        "model": model,
+        "side": side,
+        "repeat": repeat,
+        "import": 1.0,
+        "config": 0.1,
+        "build": 3.0,
+        "compile": compile_s,
+        "step": step,
+    }
 
 
 def test_medians_ratios_and_verdicts():
@@ -66,8 +75,7 @@ def test_medians_ratios_and_verdicts():
     assert bench.Row("m", "step", 100.0, 94.0, 0.94, []).verdict == "MISSED"  # faster by more than 5% too
     assert bench.Row("m", "step", 100.0, 105.0, 1.05, []).verdict == "ok"
 
-    text = bench.write_markdown(bench.summarize(results), header={"command": "`x`", "machine": "CPU"},
-                                notes=["a note"])
+    text = bench.write_markdown(bench.summarize(results), header={"command": "`x`", "machine": "CPU"}, notes=["a note"])
     assert "- machine: CPU" in text and "- a note" in text
     assert "| softmax_lm | step (ms) | 100.0 | 102.0 | 1.020 | 1.020, 2.727, 1.122 | ok |" in text
     assert "| moe_lm | compile (s) | 5.000 | 5.500 | 1.100 | 1.100, 1.100, 1.100 | MISSED |" in text
@@ -76,8 +84,9 @@ def test_medians_ratios_and_verdicts():
 
 
 def test_the_target_is_met_when_every_gated_ratio_is_within_five_percent():
-    results = [fake("moe_lm", side, r, 200.0 if side == "before" else 206.0) for r in range(3)
-               for side in ("before", "after")]
+    results = [
+        fake("moe_lm", side, r, 200.0 if side == "before" else 206.0) for r in range(3) for side in ("before", "after")
+    ]
     results[1]["config"] = 0.5  # config construction is reported, not part of the target
     text = bench.write_markdown(bench.summarize(results), header={}, notes=[])
     assert "Target (compile and step within 5%): met" in text

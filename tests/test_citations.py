@@ -9,9 +9,17 @@ SEED = re.compile(r"\bseeds?[\s\"'#*+]+0{2}\d|\bseeds/", flags=re.I)
 
 
 def test_no_file_cites_a_seed_document():
-    files = [p for folder in ("jxformers", "scripts", "tests", "docs") for p in (ROOT / folder).rglob("*")
-             if p.is_file() and p.suffix in {".py", ".md", ".yaml", ".sh", ".sbatch", ".txt"}]
+    files = [
+        p
+        for folder in ("jxformers", "scripts", "tests", "docs")
+        for p in (ROOT / folder).rglob("*")
+        if p.is_file() and p.suffix in {".py", ".md", ".yaml", ".sh", ".sbatch", ".txt"}
+    ]
     files.append(ROOT / "README.md")
-    found = [f"{p.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}" for p in files
-             for text in [p.read_text()] for m in SEED.finditer(text)]
+    found = [
+        f"{p.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}"
+        for p in files
+        for text in [p.read_text()]
+        for m in SEED.finditer(text)
+    ]
     assert not found, "cite the paper instead of a seed document: " + ", ".join(found)

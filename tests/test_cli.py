@@ -7,8 +7,16 @@ from jxformers import registry
 from jxformers.tools import cli
 
 ISSUE_NAMES = [
-    "softmax", "chunked", "local", "block_local", "dilated", "sparse_transformer",
-    "longformer", "bigbird", "axial", "memory_compressed",
+    "softmax",
+    "chunked",
+    "local",
+    "block_local",
+    "dilated",
+    "sparse_transformer",
+    "longformer",
+    "bigbird",
+    "axial",
+    "memory_compressed",
 ]
 
 
@@ -16,7 +24,10 @@ def test_registry_holds_the_exact_and_fixed_pattern_zoo():
     assert set(ISSUE_NAMES) <= set(registry.names())
     for name in registry.names():
         spec = registry.get(name)
-        assert all(isinstance(getattr(spec, f), bool) for f in ("supports_causal", "decodes", "supports_kv_mask", "supports_cross", "takes_bias"))
+        assert all(
+            isinstance(getattr(spec, f), bool)
+            for f in ("supports_causal", "decodes", "supports_kv_mask", "supports_cross", "takes_bias")
+        )
 
 
 def test_list_prints_every_attention(capsys):
@@ -32,7 +43,9 @@ def test_list_prints_every_attention(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "jxformers.tools.cli", "list"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "jxformers.tools.cli", "list"], capture_output=True, text=True, check=True
+    )
     assert "bigbird" in out.stdout
 
 
@@ -43,8 +56,25 @@ def test_unknown_command_fails_with_usage(capsys):
 
 def test_bench_writes_a_table_with_the_command_and_machine(tmp_path, capsys):
     out = tmp_path / "bench.md"
-    code = cli.main(["bench", "--lengths", "64", "--names", "local", "--batch", "1", "--heads", "2", "--dim", "8",
-                     "--repeats", "1", "--out", str(out)])
+    code = cli.main(
+        [
+            "bench",
+            "--lengths",
+            "64",
+            "--names",
+            "local",
+            "--batch",
+            "1",
+            "--heads",
+            "2",
+            "--dim",
+            "8",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     text = out.read_text()
     assert "Command: `jxformers bench --lengths 64" in text and "Machine:" in text
@@ -73,5 +103,7 @@ def test_short_sequence_and_checkpoint_warnings_are_one_line_said_once(capsys, m
         for _ in range(3):  # as when every evaluation builds the model again
             warnings.warn("nystrom at max_len 16 is dense", ShortSequenceWarning, stacklevel=1)
         warnings.warn("checkpoint 12 is damaged", CheckpointWarning, stacklevel=1)
-    assert capsys.readouterr().err.splitlines() == ["jxformers: warning: nystrom at max_len 16 is dense",
-                                                    "jxformers: warning: checkpoint 12 is damaged"]
+    assert capsys.readouterr().err.splitlines() == [
+        "jxformers: warning: nystrom at max_len 16 is dense",
+        "jxformers: warning: checkpoint 12 is damaged",
+    ]

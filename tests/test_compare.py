@@ -7,23 +7,40 @@ import pytest
 from jxformers import registry
 from jxformers.tools import cli, compare
 
-TINY = ["preset=tiny", "model.num_layers=1", "model.d_model=16", "model.d_ff=32", "train.steps=2",
-        "train.batch_size=8", "train.eval_every=2", "train.eval_batches=1", "train.log_every=1", "checkpoint.every=2",
-        "data.train_size=64", "data.eval_size=48"]
+TINY = [
+    "preset=tiny",
+    "model.num_layers=1",
+    "model.d_model=16",
+    "model.d_ff=32",
+    "train.steps=2",
+    "train.batch_size=8",
+    "train.eval_every=2",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "checkpoint.every=2",
+    "data.train_size=64",
+    "data.eval_size=48",
+]
 
 
 def test_all_means_every_registered_attention_and_the_fourier_transformer():
     runs = compare.candidates(["all"])
     assert list(runs) == [*registry.names(), "fourier_transformer"]
-    assert runs["linear"] == ["model.attention=linear"] and runs["fourier_transformer"] == ["model.stack.filters={0: 0.2}"]
+    assert runs["linear"] == ["model.attention=linear"] and runs["fourier_transformer"] == [
+        "model.stack.filters={0: 0.2}"
+    ]
     assert "fourier_transformer" not in compare.candidates(["softmax"], fourier=False)
     with pytest.raises(ValueError, match="softmax"):  # the error lists what is registered
         compare.candidates(["no_such_attention"])
 
 
 def test_an_attention_that_does_not_build_is_skipped_with_its_reason(tmp_path):
-    row = compare.run_one("lra_listops", [*TINY, "model.attention=local", "model.attention_kwargs={window: -1}"],
-                          tmp_path / "local", progress=False)
+    row = compare.run_one(
+        "lra_listops",
+        [*TINY, "model.attention=local", "model.attention_kwargs={window: -1}"],
+        tmp_path / "local",
+        progress=False,
+    )
     assert row["skipped"].startswith("does not build") and "window" in row["skipped"]
 
 

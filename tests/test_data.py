@@ -18,8 +18,10 @@ def independent_value(text: str) -> int:
         elif tok == "]":
             op, *args = stack.pop()
             value = {
-                "[MIN": lambda a: min(a), "[MAX": lambda a: max(a),
-                "[MED": lambda a: int(np.median(a)), "[SM": lambda a: sum(a) % 10,
+                "[MIN": lambda a: min(a),
+                "[MAX": lambda a: max(a),
+                "[MED": lambda a: int(np.median(a)),
+                "[SM": lambda a: sum(a) % 10,
             }[op](args)
             if not stack:
                 return value
@@ -87,7 +89,7 @@ def test_sources_pad_with_an_explicit_mask():
     assert np.array_equal(predicted, np.arange(sep + 1, 2 * sep))
     recall = make_source("recall", seed=1, size=10, max_len=20, pairs=5, keys=6, values=4)[0]
     ids, n = recall["tokens"], int(recall["mask"].sum())
-    pairs = dict(zip(ids[0 : 10 : 2], ids[1:10:2], strict=True))
+    pairs = dict(zip(ids[0:10:2], ids[1:10:2], strict=True))
     assert ids[10] == 1 and pairs[ids[11]] == ids[12] and n == 13
     assert np.flatnonzero(recall["loss_mask"]).tolist() == [11]
 

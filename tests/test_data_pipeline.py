@@ -148,11 +148,15 @@ def _reference_sample(seed, index, min_length, max_length):
 def test_listops_fast_generator_gives_the_records_of_the_reference():
     for lengths in ((10, 60), (100, 400)):
         for index in range(12):
-            assert listops.sample(2, index, min_length=lengths[0], max_length=lengths[1]) == \
-                _reference_sample(2, index, *lengths)
+            assert listops.sample(2, index, min_length=lengths[0], max_length=lengths[1]) == _reference_sample(
+                2, index, *lengths
+            )
     ids, label = listops.sample_ids(2, 0)
-    assert 500 < ids.shape[0] < 2000 and ids.dtype == np.int32 and label == listops.evaluate(
-        listops.parse(" ".join(listops.VOCAB[i] for i in ids)))
+    assert (
+        500 < ids.shape[0] < 2000
+        and ids.dtype == np.int32
+        and label == listops.evaluate(listops.parse(" ".join(listops.VOCAB[i] for i in ids)))
+    )
 
 
 # ----------------------------------------------------------------------------- workers
@@ -211,7 +215,9 @@ class OneByOne:
 def test_read_ahead_of_pathfinder_gives_the_records_read_one_by_one_with_any_worker_count():
     source = make_source("pathfinder", seed=2, size=40, image_size=16, contour_length=4, distractors=1)
     expected = batches(make_loader(OneByOne(source), batch_size=4, seed=3), 12)  # crosses an epoch boundary
-    assert all(same(a, b) for a, b in zip(expected, batches(make_loader(source, batch_size=4, seed=3), 12), strict=False))
+    assert all(
+        same(a, b) for a, b in zip(expected, batches(make_loader(source, batch_size=4, seed=3), 12), strict=False)
+    )
     got, state = batches_and_state(make_loader(source, batch_size=4, seed=3, workers=2), 5, 8)
     assert all(same(a, b) for a, b in zip(expected, got, strict=False))
     resumed = iter(make_loader(OneByOne(source), batch_size=4, seed=3))  # checkpoints are interchangeable
@@ -222,8 +228,11 @@ def test_read_ahead_of_pathfinder_gives_the_records_read_one_by_one_with_any_wor
 def test_state_for_workers_keeps_the_position_on_every_shard():
     for shard_index, shard_count in ((0, 1), (1, 2), (2, 3)):
         for consumed in (0, 1, 5, 6, 7):
-            state = {"worker_count": 0, "last_worker_index": -1,
-                     "last_seen_indices": {"0": shard_index + shard_count * (consumed - 1)}}
+            state = {
+                "worker_count": 0,
+                "last_worker_index": -1,
+                "last_seen_indices": {"0": shard_index + shard_count * (consumed - 1)},
+            }
             there = state_for_workers(state, 3, shard_index=shard_index, shard_count=shard_count)
             back = state_for_workers(there, 0, shard_index=shard_index, shard_count=shard_count)
             assert back == state
@@ -302,8 +311,9 @@ def test_read_ahead_makes_each_block_once_whatever_the_read_order():
             Counting.calls += 1
             return [self[i] for i in indices]
 
-    sampler = grain.samplers.IndexSampler(num_records=1000, shard_options=grain.sharding.NoSharding(),
-                                          shuffle=True, num_epochs=1, seed=0)
+    sampler = grain.samplers.IndexSampler(
+        num_records=1000, shard_options=grain.sharding.NoSharding(), shuffle=True, num_epochs=1, seed=0
+    )
     ahead = _ReadAhead(Counting(), sampler, stride=2)  # two readers' positions, read in a random order
     for position in np.random.default_rng(0).permutation(256):
         assert ahead[int(position)]["x"] == sampler[int(position)].record_key
@@ -318,15 +328,20 @@ def test_a_run_from_a_built_split_with_workers_matches_one_generating_and_eval_p
     from jxformers.train import load_experiment, train
 
     config = _listops_config(tmp_path)
-    assert cli.main(["data", "build", str(config), "--out", str(tmp_path / "built"), "--processes", "1",
-                     "--no-progress"]) == 0
+    assert (
+        cli.main(["data", "build", str(config), "--out", str(tmp_path / "built"), "--processes", "1", "--no-progress"])
+        == 0
+    )
     assert "data.path=" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path / "built")) == ["eval", "train"]
     four = ["train.steps=4", "checkpoint.every=2", "train.log_every=1"]
     straight = train(load_experiment(config, four), tmp_path / "straight", progress=False)
     built = [f"data.path={tmp_path / 'built'}"]
-    train(load_experiment(config, [*built, "data.workers=2", "train.steps=2", *four[1:]]), tmp_path / "run",
-          progress=False)
+    train(
+        load_experiment(config, [*built, "data.workers=2", "train.steps=2", *four[1:]]),
+        tmp_path / "run",
+        progress=False,
+    )
     resumed = train(load_experiment(config, [*built, *four]), tmp_path / "run", progress=False)
 
     def losses(workdir):

@@ -12,8 +12,15 @@ from jxformers.ops.kernelized import FEATURE_MAPS
 
 def _decode_all(decoder, q, k, v, hyper_parameters=None, arrays=None):
     hp, arrays = hyper_parameters or {}, arrays or {}
-    state = decoder.init(hyper_parameters=hp, arrays=arrays, max_len=q.shape[0], kv_heads=k.shape[1],
-                         d_k=k.shape[2], d_v=v.shape[2], dtype=None)
+    state = decoder.init(
+        hyper_parameters=hp,
+        arrays=arrays,
+        max_len=q.shape[0],
+        kv_heads=k.shape[1],
+        d_k=k.shape[2],
+        d_v=v.shape[2],
+        dtype=None,
+    )
 
     def step(state, xs):
         out, state = decoder.step(*xs, state, hyper_parameters=hp, arrays=arrays, bias_fn=None)
@@ -70,8 +77,13 @@ def test_gated_rfa_language_model_decodes_like_its_parallel_forward():
 
     from jxformers import ModelConfig, build_model
 
-    config = ModelConfig(task="lm", attention="rfa", position="rope", **TINY,
-                         attention_kwargs={"num_features": 16, "chunk_size": 5, "gated": True})
+    config = ModelConfig(
+        task="lm",
+        attention="rfa",
+        position="rope",
+        **TINY,
+        attention_kwargs={"num_features": 16, "chunk_size": 5, "gated": True},
+    )
     model = build_model(config, key=jax.random.key(0))
     x = tokens(5)
     assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)

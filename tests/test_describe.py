@@ -44,13 +44,16 @@ def test_the_schema_accepts_every_shipped_experiment(path: pathlib.Path):
         validator.validate(deep_merge({k: v for k, v in config.items() if k != "presets"}, preset or {}))
 
 
-@pytest.mark.parametrize("bad", [
-    {"train": {"stepz": 10}},
-    {"model": {"stack": {"kind": "transformer", "mem_len": 4}}},
-    {"model": {"ffn": {"kind": "gelu", "num_experts": 2}}},
-    {"model": {"norm": {"placement": "middle"}}},
-    {"mesh": {"data": "two"}},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"train": {"stepz": 10}},
+        {"model": {"stack": {"kind": "transformer", "mem_len": 4}}},
+        {"model": {"ffn": {"kind": "gelu", "num_experts": 2}}},
+        {"model": {"norm": {"placement": "middle"}}},
+        {"mesh": {"data": "two"}},
+    ],
+)
 def test_the_schema_refuses_what_the_config_refuses(bad):
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema())

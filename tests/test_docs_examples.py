@@ -112,6 +112,6 @@ def test_site_pages_cite_papers_not_seed_files(page):
 def test_config_page_maps_every_flat_key_where_legacy_moves_it():
     """guide/config.md's table of flat keys is jxformers.nn.config.legacy.MOVED, row for row."""
     text = (DOCS / "guide" / "config.md").read_text()
-    table = text[text.index("| flat key | now |"):]
+    table = text[text.index("| flat key | now |") :]
     rows = dict(re.findall(r"^\| `([^`]+)` \| `([^`]+)` \|$", table, flags=re.M))
     assert rows == legacy.MOVED

@@ -3,7 +3,6 @@ generic suite: sparsemax against its closed form, softmax as alpha -> 1 and fini
 differences for both gradients (scores and alpha), with alpha trained per head. Small
 shapes throughout."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,8 +67,10 @@ def test_sparsemax_attention_equals_numpy_sparsemax_of_the_scores():
 def test_entmax_near_one_approaches_softmax_and_is_sparse_at_larger_alpha():
     q, k, v = qkv(1, 16)
     dense = call(softmax_attention, q, k, v)
-    errors = [float(jnp.abs(call(ops.adaptive_sparse_attention, q, k, v, alpha=a) - dense).max())
-              for a in (1.5, 1.1, 1.01, 1.001)]
+    errors = [
+        float(jnp.abs(call(ops.adaptive_sparse_attention, q, k, v, alpha=a) - dense).max())
+        for a in (1.5, 1.1, 1.01, 1.001)
+    ]
     assert errors == sorted(errors, reverse=True), errors
     assert errors[-1] < 5e-3 and errors[0] > 2e-2
     # A learned alpha near 1 (a very negative a) too.
@@ -82,8 +83,11 @@ def one_hot_values(n):
     return jnp.broadcast_to(jnp.eye(n)[:, None, :], (n, KV_HEADS, n))
 
 
-@pytest.mark.parametrize("hp", [dict(alpha=1.5), dict(alpha=2.0), dict(alpha_logit=jnp.array([-1.0, 0.0, 1.0, 3.0]))],
-                         ids=["alpha=1.5", "sparsemax", "learned"])
+@pytest.mark.parametrize(
+    "hp",
+    [dict(alpha=1.5), dict(alpha=2.0), dict(alpha_logit=jnp.array([-1.0, 0.0, 1.0, 3.0]))],
+    ids=["alpha=1.5", "sparsemax", "learned"],
+)
 def test_weights_sum_to_one_are_sparse_and_exactly_zero_where_masked(hp):
     n = 20
     q, k, _ = qkv(2, n, d=D_K)
@@ -118,11 +122,16 @@ def test_entmax_gradients_match_finite_differences_in_scores_and_alpha():
 
         gz, galpha = jax.grad(f, argnums=(0, 1))(z, alpha)
         eps = 1e-6
-        fd_z = np.array([[(f(z.at[i, j].add(eps), alpha) - f(z.at[i, j].add(-eps), alpha)) / (2 * eps)
-                          for j in range(7)] for i in range(4)])
+        fd_z = np.array(
+            [
+                [(f(z.at[i, j].add(eps), alpha) - f(z.at[i, j].add(-eps), alpha)) / (2 * eps) for j in range(7)]
+                for i in range(4)
+            ]
+        )
         fd_alpha = np.array([(f(z, alpha.at[i].add(eps)) - f(z, alpha.at[i].add(-eps))) / (2 * eps) for i in range(4)])
-        fd_s = np.array([[(fs(z.at[i, j].add(eps)) - fs(z.at[i, j].add(-eps))) / (2 * eps) for j in range(7)]
-                         for i in range(4)])
+        fd_s = np.array(
+            [[(fs(z.at[i, j].add(eps)) - fs(z.at[i, j].add(-eps))) / (2 * eps) for j in range(7)] for i in range(4)]
+        )
         np.testing.assert_allclose(np.asarray(gz), fd_z, atol=1e-7)
         np.testing.assert_allclose(np.asarray(galpha), fd_alpha, atol=1e-7)
         assert np.abs(fd_alpha).max() > 1e-3  # alpha does move the loss
@@ -140,9 +149,11 @@ def test_attention_gradient_reaches_each_heads_alpha():
     assert np.all(np.abs(np.asarray(g)) > 0)
     # Chain rule through alpha = 1 + sigmoid(a): compare with a finite difference in float32.
     eps = 1e-2
+
     @jax.jit
     def loss(a):
         return jnp.sum(ops.adaptive_sparse_attention(q, k, v, alpha_logit=a, causal=True) ** 2)
+
     fd = [float(loss(a.at[i].add(eps)) - loss(a.at[i].add(-eps))) / (2 * eps) for i in range(HEADS)]
     assert_close(g, fd, atol=2e-2, rtol=2e-2)
 
@@ -153,8 +164,17 @@ def test_alpha_is_a_learned_parameter_that_a_train_step_moves():
     from jxformers.train.state import TrainState, split_model
     from jxformers.train.step import make_train_step
 
-    config = ModelConfig(task="lm", vocab_size=11, num_layers=1, d_model=16, num_heads=2, d_ff=16, max_len=16,
-                         attention="adaptive_sparse", attention_kwargs={"alpha": 1.5})
+    config = ModelConfig(
+        task="lm",
+        vocab_size=11,
+        num_layers=1,
+        d_model=16,
+        num_heads=2,
+        d_ff=16,
+        max_len=16,
+        attention="adaptive_sparse",
+        attention_kwargs={"alpha": 1.5},
+    )
     model = build_model(config, key=jax.random.key(0))
     params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
 
@@ -164,8 +184,13 @@ def test_alpha_is_a_learned_parameter_that_a_train_step_moves():
     assert [p for p in paths(params) if "alpha_logit" in p]  # given to the optimizer
     assert not [p for p in paths(drawn) if "alpha_logit" in p]
     optimizer = optax.adam(1e-2)
-    state = TrainState(params=params, drawn=drawn, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
-                       rng=jax.random.key(3))
+    state = TrainState(
+        params=params,
+        drawn=drawn,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key(3),
+    )
     tokens = jax.random.randint(jax.random.key(4), (4, 12), 0, 11)
     batch = {"tokens": tokens, "mask": jnp.ones((4, 12), bool), "loss_mask": jnp.ones((4, 12), bool)}
     before = [np.asarray(a.arrays["alpha_logit"]) for a in nn.attention_modules(model)]

@@ -25,8 +25,18 @@ CASES = [
     (lambda: ops.softmax_attention(q, k[:, :, :4], v), "d_k"),
     (lambda: ops.softmax_attention(q, k, v[:10]), "kv_len"),
     (lambda: ops.softmax_attention(q, *qkv(0, 12, kv_heads=3)[1:]), "heads"),
-    (lambda: ops.memory_compressed_attention(q, k, v, k_kernel=jnp.ones((3, 16, 16)), v_kernel=jnp.ones((2, 12, 12))), "stride"),
-    (lambda: ops.memory_compressed_attention(q, k, v, k_kernel=jnp.ones((3, 15, 16)), v_kernel=jnp.ones((3, 12, 12))), "kernel"),
+    (
+        lambda: ops.memory_compressed_attention(
+            q, k, v, k_kernel=jnp.ones((3, 16, 16)), v_kernel=jnp.ones((2, 12, 12))
+        ),
+        "stride",
+    ),
+    (
+        lambda: ops.memory_compressed_attention(
+            q, k, v, k_kernel=jnp.ones((3, 15, 16)), v_kernel=jnp.ones((3, 12, 12))
+        ),
+        "kernel",
+    ),
 ]
 
 

@@ -6,8 +6,11 @@ import pathlib
 from jxformers import registry
 from jxformers.nn.config import ARCHITECTURES
 
-ROWS = [line.split("|")[1] for line in (pathlib.Path(__file__).parents[1] / "docs" / "fidelity.md").read_text().splitlines()
-        if line.startswith("| ") and not line.startswith("| model / option")]
+ROWS = [
+    line.split("|")[1]
+    for line in (pathlib.Path(__file__).parents[1] / "docs" / "fidelity.md").read_text().splitlines()
+    if line.startswith("| ") and not line.startswith("| model / option")
+]
 
 
 def missing_rows(attentions) -> list[str]:

@@ -31,8 +31,10 @@ from jxformers.kernels import (
 from jxformers.ops.local import local_pattern
 
 if flash_mgpu.interpret_params() is None:
-    pytest.skip(f"jax {jax.__version__} has no Mosaic GPU interpret mode (jax._src.pallas.mosaic_gpu.interpret)",
-                allow_module_level=True)
+    pytest.skip(
+        f"jax {jax.__version__} has no Mosaic GPU interpret mode (jax._src.pallas.mosaic_gpu.interpret)",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -45,8 +47,17 @@ def _reset_interpreter():
 
 
 def _run(pattern, q, k, v, block_q, **kw):
-    return block_sparse_attention(q, k, v, pattern, backend="mosaic_gpu", interpret=True, return_lse=True,
-                                  block_sizes=BlockSizes(block_q, 64, num_stages=2), **kw)
+    return block_sparse_attention(
+        q,
+        k,
+        v,
+        pattern,
+        backend="mosaic_gpu",
+        interpret=True,
+        return_lse=True,
+        block_sizes=BlockSizes(block_q, 64, num_stages=2),
+        **kw,
+    )
 
 
 def _check(pattern, q, k, v, block_q, kv_mask=None):
@@ -103,8 +114,10 @@ def test_window_and_global_keys_under_vmap():
     # ops batch), which adds a grid axis to the kernel.
     n = 128
     pattern = union(Band(-24, 24), KeyRange(0, 8))
-    q, k, v = (jnp.stack(x) for x in zip(*(qkv(s, n, heads=1, kv_heads=1, d=32, dv=32, dtype=jnp.bfloat16)
-                                           for s in (3, 4)), strict=True))
+    q, k, v = (
+        jnp.stack(x)
+        for x in zip(*(qkv(s, n, heads=1, kv_heads=1, d=32, dv=32, dtype=jnp.bfloat16) for s in (3, 4)), strict=True)
+    )
     out, lse = jax.vmap(lambda *x: _run(pattern, *x, 128))(q, k, v)
     want_out, want_lse = jax.vmap(lambda *x: block_sparse_reference(*x, pattern))(q, k, v)
     assert_close(out, want_out, atol=2e-2, rtol=2e-2)
@@ -131,8 +144,16 @@ def test_compiled_kernel_lowers_for_hopper(dtype, d, block_q, masked):
     pattern = union(Band(-100, 100), KeyRange(0, 8))  # FULL and PARTIAL blocks
 
     def attend(q, k, v, kv_mask):
-        return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, backend="mosaic_gpu", return_lse=True,
-                                      block_sizes=BlockSizes(block_q, 64))
+        return block_sparse_attention(
+            q,
+            k,
+            v,
+            pattern,
+            kv_mask=kv_mask,
+            backend="mosaic_gpu",
+            return_lse=True,
+            block_sizes=BlockSizes(block_q, 64),
+        )
 
     mask = jax.ShapeDtypeStruct((n,), jnp.bool_) if masked else None
     lowered = jax.jit(attend).trace(q, k, k, mask).lower(lowering_platforms=("cuda",))

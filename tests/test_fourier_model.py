@@ -159,8 +159,9 @@ def test_funnel_pools_the_queries_and_attends_to_the_unpooled_keys_and_values():
         heads = lambda proj, h: proj(h).reshape(h.shape[0], attn.num_heads, attn.d_head)  # noqa: E731
         h = e.blocks[0](embed(e, x), kv_mask=mask)
         pooled, pooled_mask = ops.funnel_pool(h, 2, mask)
-        core = ops.funnel_attention(heads(attn.q_proj, h), heads(attn.k_proj, h), heads(attn.v_proj, h), stride=2,
-                                    kv_mask=mask)
+        core = ops.funnel_attention(
+            heads(attn.q_proj, h), heads(attn.k_proj, h), heads(attn.v_proj, h), stride=2, kv_mask=mask
+        )
         h = block.norms[0](pooled + attn.o_proj(core.reshape(pooled.shape[0], -1)))
         h = block.norms[1](h + block.ffn(h))
         return e.norm(h), pooled_mask
@@ -177,5 +178,7 @@ def test_funnel_pools_the_queries_and_attends_to_the_unpooled_keys_and_values():
 
 def test_funnel_needs_an_attention_that_takes_separate_keys():
     with pytest.raises(ValueError, match="funnel.*block 0"):
-        build_model(dict(TINY, attention="local", attention_kwargs={"window": 2}, filters={0: 0.5},
-                         downsample="funnel"), key=jax.random.key(0))
+        build_model(
+            dict(TINY, attention="local", attention_kwargs={"window": 2}, filters={0: 0.5}, downsample="funnel"),
+            key=jax.random.key(0),
+        )

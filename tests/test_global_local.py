@@ -2,7 +2,6 @@
 against a dense softmax built from the paper's four masks and relative position labels,
 its hard masks and its refusals. Small shapes, one or two compilations per test."""
 
-
 import jax
 import jax.numpy as jnp
 import masks
@@ -77,7 +76,9 @@ def test_etc_relative_labels_change_the_output_and_zero_vectors_give_the_masked_
     zero = jnp.zeros((ops.etc_relative_labels(2), HEADS, D_K))
     plain = call(ops.etc_attention, q, k, v, relative_keys=zero, **hp)
     mask = masks.etc(24, hp | {"hard_g2l": False, "hard_l2g": False}, {}, False)[0]
-    assert_close(plain, softmax_attention(q, jnp.repeat(k, 2, 1), jnp.repeat(v, 2, 1), mask=jnp.asarray(mask)), atol=2e-5)
+    assert_close(
+        plain, softmax_attention(q, jnp.repeat(k, 2, 1), jnp.repeat(v, 2, 1), mask=jnp.asarray(mask)), atol=2e-5
+    )
     # One label's vector moved (distance +1 in l2l and g2g) changes the output, and only where it is used.
     moved = call(ops.etc_attention, q, k, v, relative_keys=zero.at[2 + 1].set(1.0), **hp)
     assert not np.allclose(moved, plain, atol=1e-3)

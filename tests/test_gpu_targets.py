@@ -9,8 +9,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_targets  # noqa: E402
 
-HEADER = ("| N | d | pattern | impl | visited | fwd ms | fwd TFLOP/s (visited / dense) | fwd+bwd ms | "
-          "fwd+bwd TFLOP/s (visited / dense) |\n|---|---|---|---|---|---|---|---|---|\n")
+HEADER = (
+    "| N | d | pattern | impl | visited | fwd ms | fwd TFLOP/s (visited / dense) | fwd+bwd ms | "
+    "fwd+bwd TFLOP/s (visited / dense) |\n|---|---|---|---|---|---|---|---|---|\n"
+)
 
 
 def statuses(text, percent=None):
@@ -21,7 +23,8 @@ def test_ratios_and_verdicts_from_a_table():
     text = HEADER + (
         "| 8192 | 128 | dense | pallas | 1.000 | 4.0 | x / x | 20.0 | x / x |\n"
         "| 8192 | 128 | dense | dot_product_attention cudnn | 1.000 | 3.6 | x / x | 15.0 | x / x |\n"
-        "| 8192 | 128 | longformer w256 g2 | pallas | 0.100 | 0.5 | x / x | 2.0 | x / x |\n")
+        "| 8192 | 128 | longformer w256 g2 | pallas | 0.100 | 0.5 | x / x | 2.0 | x / x |\n"
+    )
     got = statuses(text, percent=60)
     assert got["dense forward at 8K >= 0.8x cuDNN"] == ("0.90x", True)
     assert got["dense forward+backward at 8K >= 0.7x cuDNN"] == ("0.75x", True)

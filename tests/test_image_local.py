@@ -2,7 +2,6 @@
 beyond the generic suite: against the image geometry (query and memory blocks in block
 raster order), which pixels it reads, and decoding from a ring buffer. Small shapes."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +22,12 @@ def raster_reference(height, width, qh, qw, mh, mw):
     `allowed [pixels, pixels]` and the generation order (block raster) rank of each."""
     r, c = np.divmod(np.arange(height * width), width)
     top, left = (r // qh) * qh, (c // qw) * qw
-    allowed = ((r[None, :] >= top[:, None] - mh) & (r[None, :] < top[:, None] + qh)
-               & (c[None, :] >= left[:, None] - mw) & (c[None, :] < left[:, None] + qw + mw))
+    allowed = (
+        (r[None, :] >= top[:, None] - mh)
+        & (r[None, :] < top[:, None] + qh)
+        & (c[None, :] >= left[:, None] - mw)
+        & (c[None, :] < left[:, None] + qw + mw)
+    )
     blocks_per_row = width // qw
     rank = ((r // qh) * blocks_per_row + c // qw) * (qh * qw) + (r % qh) * qw + c % qw
     return allowed, rank
@@ -39,8 +42,18 @@ def test_image_local_2d_on_an_image_equals_the_papers_blocks(causal):
     q, k, v = qkv(7, height * width)  # raster order
     order = ops.block_raster_order(height, width, query_height=qh, query_width=qw)
     np.testing.assert_array_equal(np.argsort(order), rank)
-    out = call(ops.image_local_2d_attention, q[order], k[order], v[order], width=width, query_height=qh, query_width=qw,
-               memory_height=mh, memory_width=mw, causal=causal)
+    out = call(
+        ops.image_local_2d_attention,
+        q[order],
+        k[order],
+        v[order],
+        width=width,
+        query_height=qh,
+        query_width=qw,
+        memory_height=mh,
+        memory_width=mw,
+        causal=causal,
+    )
     back = jnp.zeros_like(out).at[order].set(out)
     expected = softmax_attention(q, k, v, mask=jnp.asarray(allowed))
     assert_close(back, expected, atol=2e-5)
@@ -55,7 +68,14 @@ def test_image_local_2d_memory_is_above_left_and_right_never_below():
     out = call(ops.image_local_2d_attention, q, k, v, **hp)
     seq_of = {int(p): i for i, p in enumerate(order)}  # raster pixel -> sequence index
     query = seq_of[2 * width + 4]  # pixel (2, 4): query block rows 2-3, columns 4-7
-    for (r, c), reads in {(0, 4): True, (1, 3): True, (3, 3): True, (0, 2): False, (4, 5): False, (2, 0): False}.items():
+    for (r, c), reads in {
+        (0, 4): True,
+        (1, 3): True,
+        (3, 3): True,
+        (0, 2): False,
+        (4, 5): False,
+        (2, 0): False,
+    }.items():
         moved = call(ops.image_local_2d_attention, q, k, v.at[seq_of[r * width + c]].add(5.0), **hp)
         assert np.allclose(moved[query], out[query]) != reads, (r, c)
 

@@ -70,7 +70,8 @@ def modules() -> dict[str, tuple[pathlib.Path, bool]]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _targets(node: ast.Import | ast.ImportFrom, module: str, package: bool, known) -> list[str]:
@@ -182,10 +183,12 @@ def test_importing_validate_loads_only_validate():
 
 
 def test_the_package_names_load_on_first_use_and_the_registry_is_filled():
-    code = ("import sys\nfrom jxformers import decoding, registry\nassert 'softmax' in registry.names(), registry.names()\n"
-            "from jxformers import ModelConfig, ShortSequenceWarning, build_model, generate, nn, ops\n"
-            "import jxformers\nassert jxformers.kernels.IMPLS and jxformers.ModelConfig is ModelConfig\n"
-            "assert 'jxformers.train' not in sys.modules")
+    code = (
+        "import sys\nfrom jxformers import decoding, registry\nassert 'softmax' in registry.names(), registry.names()\n"
+        "from jxformers import ModelConfig, ShortSequenceWarning, build_model, generate, nn, ops\n"
+        "import jxformers\nassert jxformers.kernels.IMPLS and jxformers.ModelConfig is ModelConfig\n"
+        "assert 'jxformers.train' not in sys.modules"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr
 

@@ -39,8 +39,11 @@ def test_each_package_docstring_names_its_files_and_only_them(package):
 
 def test_the_package_docstring_names_every_subpackage_and_module():
     text = docstring(PACKAGE / "__init__.py")
-    entries = sorted(p.stem for p in PACKAGE.iterdir() if not p.name.startswith(("_", "."))
-                     and (p.suffix == ".py" or p.is_dir() and p.name != "__pycache__"))
+    entries = sorted(
+        p.stem
+        for p in PACKAGE.iterdir()
+        if not p.name.startswith(("_", ".")) and (p.suffix == ".py" or p.is_dir() and p.name != "__pycache__")
+    )
     assert not [e for e in entries if not named(text, e)], "jxformers/__init__.py's docstring omits these"
 
 
@@ -51,10 +54,19 @@ ENUMERATION = re.compile(rf'"?\b(?:{_IMPL})\b"?(?:\s*(?:,|\||\bor\b|\band\b)\s*(
 
 
 def test_impl_values_are_enumerated_only_beside_IMPLS():
-    files = [*PACKAGE.rglob("*.py"), *(ROOT / "scripts").glob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
-    found = [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
-             for path in files if path != PACKAGE / "kernels" / "impl.py"
-             for text in [path.read_text()] for m in ENUMERATION.finditer(text)]
+    files = [
+        *PACKAGE.rglob("*.py"),
+        *(ROOT / "scripts").glob("*.py"),
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "README.md",
+    ]
+    found = [
+        f"{path.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)}"
+        for path in files
+        if path != PACKAGE / "kernels" / "impl.py"
+        for text in [path.read_text()]
+        for m in ENUMERATION.finditer(text)
+    ]
     assert not found, "refer to jxformers.kernels.IMPLS instead of listing impl values:\n" + "\n".join(found)
 
 

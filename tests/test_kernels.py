@@ -45,12 +45,25 @@ from jxformers.ops.sparse import (
 
 N = 37  # an odd length: tails of every block size
 PRIMITIVES = [
-    Band(), Band(-5, 5), Band(0, None), Band(-6, 6, step=3), Band(0, 0, unit=8), Band(-1, 1, unit=8),
-    Band(None, None, step=5), Band(1, None, unit=8, key_unit=3), Band(-1, 2, unit=5, key_unit=2), KeyRange(3, 9), KeyRange(30, None), QueryRange(0, 4), KeyResidue(6, 4),
+    Band(),
+    Band(-5, 5),
+    Band(0, None),
+    Band(-6, 6, step=3),
+    Band(0, 0, unit=8),
+    Band(-1, 1, unit=8),
+    Band(None, None, step=5),
+    Band(1, None, unit=8, key_unit=3),
+    Band(-1, 2, unit=5, key_unit=2),
+    KeyRange(3, 9),
+    KeyRange(30, None),
+    QueryRange(0, 4),
+    KeyResidue(6, 4),
 ]
 COMBINED = [
-    union(Band(-3, 3), KeyRange(0, 2)), intersect(Band(-9, 9, step=2), causal(N, N)),
-    union(Band(-4, 4), Band(step=7)), intersect(union(Band(0, 0, unit=8), KeyResidue(8, 7)), causal(N, N)),
+    union(Band(-3, 3), KeyRange(0, 2)),
+    intersect(Band(-9, 9, step=2), causal(N, N)),
+    union(Band(-4, 4), Band(step=7)),
+    intersect(union(Band(0, 0, unit=8), KeyResidue(8, 7)), causal(N, N)),
     intersect(Band(-3, 3), causal(20, N)),
 ]
 
@@ -61,7 +74,7 @@ def _check_blocks(pattern, q_len, kv_len, bq, bk, exact):
     assert kinds.shape == (-(-q_len // bq), -(-kv_len // bk))
     for a in range(kinds.shape[0]):
         for b in range(kinds.shape[1]):
-            tile = dense[a * bq:(a + 1) * bq, b * bk:(b + 1) * bk]
+            tile = dense[a * bq : (a + 1) * bq, b * bk : (b + 1) * bk]
             if kinds[a, b] == EMPTY:
                 assert not tile.any(), (pattern, a, b)
             elif kinds[a, b] == FULL:
@@ -93,10 +106,12 @@ def test_visit_lists_put_full_blocks_first_and_agree_with_jax():
     lists = visit_lists(kinds)
     dynamic = visit_lists(jnp.asarray(kinds))
     for row in range(kinds.shape[0]):
-        visited = lists.index[row, :lists.count[row]]
+        visited = lists.index[row, : lists.count[row]]
         assert sorted(visited) == list(np.flatnonzero(kinds[row]))
-        assert all(kinds[row, visited[:lists.full[row]]] == FULL) and all(kinds[row, visited[lists.full[row]:]] == PARTIAL)
-        assert list(np.asarray(dynamic.index[row, :dynamic.count[row]])) == list(visited)
+        assert all(kinds[row, visited[: lists.full[row]]] == FULL) and all(
+            kinds[row, visited[lists.full[row] :]] == PARTIAL
+        )
+        assert list(np.asarray(dynamic.index[row, : dynamic.count[row]])) == list(visited)
     assert np.array_equal(np.asarray(dynamic.full), lists.full)
     assert visit_lists(block_kinds(Band(-20, 20), 128, 128, 16, 16)).full_contiguous
     assert not visit_lists(add_full_blocks(kinds, jnp.array([[5]] * 8))).full_contiguous
@@ -120,12 +135,19 @@ def test_op_patterns_equal_the_papers_masks(is_causal):
     n = 50
     cases = [
         (local_pattern(5, causal=is_causal, q_len=n, kv_len=n), masks.local(n, {"window": 5}, {}, is_causal)),
-        (block_local_pattern(8, causal=is_causal, q_len=n, kv_len=n), masks.block_local(n, {"block_size": 8}, {}, is_causal)),
+        (
+            block_local_pattern(8, causal=is_causal, q_len=n, kv_len=n),
+            masks.block_local(n, {"block_size": 8}, {}, is_causal),
+        ),
         (softmax_pattern(n, n, causal=is_causal), masks.softmax(n, {}, {}, is_causal)),
-        (sparse_transformer_pattern(6, "strided", 1, causal=is_causal, n=n),
-         masks.sparse_transformer(n, {"stride": 6}, {}, is_causal)),
-        (sparse_transformer_pattern(6, "fixed", 2, causal=is_causal, n=n),
-         masks.sparse_transformer(n, {"stride": 6, "pattern": "fixed", "num_summary": 2}, {}, is_causal)),
+        (
+            sparse_transformer_pattern(6, "strided", 1, causal=is_causal, n=n),
+            masks.sparse_transformer(n, {"stride": 6}, {}, is_causal),
+        ),
+        (
+            sparse_transformer_pattern(6, "fixed", 2, causal=is_causal, n=n),
+            masks.sparse_transformer(n, {"stride": 6, "pattern": "fixed", "num_summary": 2}, {}, is_causal),
+        ),
     ]
     for d in (1, 3):
         hp = {"window": 4, "dilation": d, "global_indices": (0, 7)}
@@ -200,6 +222,7 @@ def test_bigbird_blocks_equal_the_papers_mask():
 def _value_and_grads(op, q, k, v, **kw):
     """(op's output, the gradients of <output, w> for a fixed random w), in one compiled
     program (interpret-mode kernels run much faster compiled than op by op)."""
+
     @jax.jit
     def run(q, k, v):
         out, vjp = jax.vjp(lambda q, k, v: op(q, k, v, **kw), q, k, v)
@@ -232,11 +255,22 @@ OPS = {
 
 # Each pair costs two interpret-mode compilations with their gradients: both directions
 # for the ops whose causal kernel differs most, one for the rest.
-@pytest.mark.parametrize("name,is_causal", [
-    ("softmax", False), ("softmax", True), ("local", False), ("local", True), ("block_local", True),
-    ("dilated", False), ("sparse_transformer", False), ("sparse_transformer", True), ("strided", False),
-    ("strided", True), ("longformer", False),
-])
+@pytest.mark.parametrize(
+    "name,is_causal",
+    [
+        ("softmax", False),
+        ("softmax", True),
+        ("local", False),
+        ("local", True),
+        ("block_local", True),
+        ("dilated", False),
+        ("sparse_transformer", False),
+        ("sparse_transformer", True),
+        ("strided", False),
+        ("strided", True),
+        ("longformer", False),
+    ],
+)
 def test_kernel_path_equals_xla_path(name, is_causal):
     op, hp = OPS[name]
     q, k, v = qkv(0, N)
@@ -257,8 +291,11 @@ def test_cross_attention_and_block_sizes(is_causal):
     got = block_sparse_attention(q, k, v, pattern, interpret=True, block_sizes=sizes)
     assert_close(got, ops.softmax_attention(q, k, v, causal=is_causal, impl="xla"), atol=2e-6)
     loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) ** 2)  # noqa: E731
-    got = jax.jit(jax.grad(loss(lambda q, k, v: block_sparse_attention(q, k, v, pattern, interpret=True,
-                                                                       block_sizes=sizes)), (0, 1, 2)))(q, k, v)
+    got = jax.jit(
+        jax.grad(
+            loss(lambda q, k, v: block_sparse_attention(q, k, v, pattern, interpret=True, block_sizes=sizes)), (0, 1, 2)
+        )
+    )(q, k, v)
     want = jax.grad(loss(functools.partial(ops.softmax_attention, causal=is_causal, impl="xla")), (0, 1, 2))(q, k, v)
     for a, b in zip(got, want, strict=True):
         assert_close(a, b, atol=2e-5)
@@ -272,8 +309,11 @@ def test_lse_is_exact_and_differentiable():
     assert_close(out, ref_out, atol=2e-6)
     assert_close(lse, ref_lse, atol=2e-6)
     f = lambda fn: jax.jit(jax.grad(lambda q: jnp.sum(jnp.sin(fn(q)[1]))))(q)  # noqa: E731
-    assert_close(f(lambda q: block_sparse_attention(q, k, v, pattern, interpret=True, return_lse=True)),
-                 f(lambda q: block_sparse_reference(q, k, v, pattern)), atol=2e-5)
+    assert_close(
+        f(lambda q: block_sparse_attention(q, k, v, pattern, interpret=True, return_lse=True)),
+        f(lambda q: block_sparse_reference(q, k, v, pattern)),
+        atol=2e-5,
+    )
 
 
 @pytest.mark.parametrize("is_causal,q_len", [(False, N), (True, N), (True, 20)])
@@ -291,6 +331,7 @@ def test_alibi_in_the_kernel_equals_the_dense_bias(is_causal, q_len):
             f = lambda q, k, v, s: ops.softmax_attention(q, k, v, bias=Alibi(s, N - q_len), impl=impl, **kw)  # noqa: E731
             out, vjp = jax.vjp(f, q, k, v, slopes)
             return out, vjp(jax.random.normal(jax.random.key(9), out.shape, out.dtype))
+
         return go(q, k, v, slopes)
 
     got, got_grads = run("interpret")
@@ -337,8 +378,9 @@ def test_rows_without_keys_are_zero_with_finite_gradients():
     assert not jnp.any(out)
     assert all(bool(jnp.isfinite(g).all()) for g in grads)
     # Merged parts (strided: band + columns) where neither part sees a key.
-    out, grads = _value_and_grads(ops.sparse_transformer_attention, q, k, v, stride=5, kv_mask=kv_mask,
-                                  impl="interpret")
+    out, grads = _value_and_grads(
+        ops.sparse_transformer_attention, q, k, v, stride=5, kv_mask=kv_mask, impl="interpret"
+    )
     assert not jnp.any(out)
     assert all(bool(jnp.isfinite(g).all()) for g in grads)
 
@@ -407,8 +449,16 @@ def test_auto_choice_by_backend(monkeypatch):
 
 def test_model_impl_reaches_every_layer_and_matches_xla():
     tokens = jnp.arange(40) % 50
-    base = dict(task="lm", vocab_size=50, num_layers=2, d_model=16, num_heads=2, max_len=40, attention="local",
-                attention_kwargs={"window": 6})
+    base = dict(
+        task="lm",
+        vocab_size=50,
+        num_layers=2,
+        d_model=16,
+        num_heads=2,
+        max_len=40,
+        attention="local",
+        attention_kwargs={"window": 6},
+    )
     config = ModelConfig(**base, impl="interpret", layer_overrides={1: {"impl": "xla"}})
     assert [config.layer(i)["attention"].hyper_parameters["impl"] for i in range(2)] == ["interpret", "xla"]
     key = jax.random.key(0)
@@ -439,10 +489,16 @@ def test_cudnn_route_maps_the_patterns(is_causal):
 
     q, k, v = qkv(11, N, d=16, dv=16)
     # implementation="xla" runs the very call the cudnn route makes, on any device.
-    assert_close(cudnn_attention(q, k, v, causal=is_causal, implementation="xla"),
-                 ops.softmax_attention(q, k, v, causal=is_causal, impl="xla"), atol=2e-6)
-    assert_close(cudnn_attention(q, k, v, causal=is_causal, window=5, implementation="xla"),
-                 ops.local_attention(q, k, v, causal=is_causal, window=5, impl="xla"), atol=2e-6)
+    assert_close(
+        cudnn_attention(q, k, v, causal=is_causal, implementation="xla"),
+        ops.softmax_attention(q, k, v, causal=is_causal, impl="xla"),
+        atol=2e-6,
+    )
+    assert_close(
+        cudnn_attention(q, k, v, causal=is_causal, window=5, implementation="xla"),
+        ops.local_attention(q, k, v, causal=is_causal, window=5, impl="xla"),
+        atol=2e-6,
+    )
     assert "bfloat16 or float16" in cudnn_unsupported(q, k, v, causal=is_causal)
     bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     assert (cudnn_unsupported(*bf16, causal=is_causal, window=5) is None) == is_causal  # no right window in cuDNN
@@ -458,8 +514,13 @@ def test_auto_runs_sparse_transformer_through_the_kernel_on_hopper(monkeypatch, 
 
     taken = []
     for name in ("_strided_kernel", "_fixed_kernel"):
-        monkeypatch.setattr(sparse, name, lambda q, k, v, choice, name=name, **kw: taken.append((name, choice))
-                            or jnp.zeros(q.shape[:2] + v.shape[2:], q.dtype))
+        monkeypatch.setattr(
+            sparse,
+            name,
+            lambda q, k, v, choice, name=name, **kw: (
+                taken.append((name, choice)) or jnp.zeros(q.shape[:2] + v.shape[2:], q.dtype)
+            ),
+        )
     q, k, v = qkv(0, 256)
     ops.sparse_transformer_attention(q, k, v, stride=16, pattern=pattern)
     assert taken == []  # on this CPU: the XLA op
@@ -489,11 +550,13 @@ def test_the_gpu_kernels_lower_for_cuda_through_triton():
     q, k, v = (jnp.ones((n, h, 64), jnp.bfloat16) for h in (4, 2, 2))
     slopes = alibi_slopes(4)
     calls = {
-        "segment ids + kv_mask + alibi": dict(segment_ids=(jnp.arange(n) // 70,) * 2, kv_mask=jnp.arange(n) < 190,
-                                              alibi=Alibi(slopes)),
+        "segment ids + kv_mask + alibi": dict(
+            segment_ids=(jnp.arange(n) // 70,) * 2, kv_mask=jnp.arange(n) < 190, alibi=Alibi(slopes)
+        ),
         "extra blocks": dict(extra_blocks=jnp.zeros((4, 2), jnp.int32), block_sizes=BlockSizes(64, 64, 64, 64)),
     }
     for name, kw in calls.items():
+
         def loss(q, k, v, slopes):
             kw_ = dict(kw, alibi=Alibi(slopes)) if "alibi" in kw else kw  # noqa: B023 - called within this iteration
             out = block_sparse_attention(q, k, v, union(Band(-40, 40), KeyRange(0, 8)), **kw_)
@@ -501,8 +564,12 @@ def test_the_gpu_kernels_lower_for_cuda_through_triton():
 
         try:
             with cuda_target():
-                text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, slopes).lower(
-                    lowering_platforms=("cuda",)).as_text()
+                text = (
+                    jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+                    .trace(q, k, v, slopes)
+                    .lower(lowering_platforms=("cuda",))
+                    .as_text()
+                )
         except RuntimeError as e:  # a jaxlib built without the GPU lowering's dialects
             if "triton" in str(e).lower() and "dialect" in str(e).lower():
                 pytest.skip(f"no Triton lowering in this jaxlib: {e}")

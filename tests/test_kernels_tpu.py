@@ -45,6 +45,7 @@ def _run(fn, q, k, v, w_out, w_lse):
     """(out, lse) and the gradients w.r.t. q, k, v of a random projection of both (the
     lse term exercises the kernels' d_lse path; rows that see no key have lse = +inf and
     are left out of it)."""
+
     def loss(q, k, v):
         out, lse = fn(q, k, v)
         lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)
@@ -63,24 +64,62 @@ def _close(got, want, tol, what):
     assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol} x {scale:.3g}"
 
 
-def _check(pattern, *, q_len=256, kv_len=None, heads=2, kv_heads=2, d=32, dv=32, sizes=B128, kv_mask=None,
-           extra_blocks=None, block_size=None, dtype=jnp.float32, tol=2e-5, seed=0, batch=None, alibi=None,
-           segment_ids=None):
+def _check(
+    pattern,
+    *,
+    q_len=256,
+    kv_len=None,
+    heads=2,
+    kv_heads=2,
+    d=32,
+    dv=32,
+    sizes=B128,
+    kv_mask=None,
+    extra_blocks=None,
+    block_size=None,
+    dtype=jnp.float32,
+    tol=2e-5,
+    seed=0,
+    batch=None,
+    alibi=None,
+    segment_ids=None,
+):
     """The kernel against the reference on one example, or on `batch` examples under
     `jax.vmap` (as the models run it; kv_mask and extra_blocks then per example)."""
     kv_len = q_len if kv_len is None else kv_len
-    examples = [qkv(seed + n, q_len, heads=heads, kv_heads=kv_heads, d=d, dv=dv, kv_len=kv_len)
-                for n in range(batch or 1)]
+    examples = [
+        qkv(seed + n, q_len, heads=heads, kv_heads=kv_heads, d=d, dv=dv, kv_len=kv_len) for n in range(batch or 1)
+    ]
     q, k, v = (jnp.stack(xs) for xs in zip(*examples, strict=True)) if batch else examples[0]
 
     def kernel(q, k, v, kv_mask, extra_blocks):
-        return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks, block_sizes=sizes,
-                                      backend="tpu", interpret=True, return_lse=True, alibi=alibi,
-                                      segment_ids=segment_ids)
+        return block_sparse_attention(
+            q,
+            k,
+            v,
+            pattern,
+            kv_mask=kv_mask,
+            extra_blocks=extra_blocks,
+            block_sizes=sizes,
+            backend="tpu",
+            interpret=True,
+            return_lse=True,
+            alibi=alibi,
+            segment_ids=segment_ids,
+        )
 
     def reference(q, k, v, kv_mask, extra_blocks):
-        return block_sparse_reference(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks,
-                                      block_size=block_size, alibi=alibi, segment_ids=segment_ids)
+        return block_sparse_reference(
+            q,
+            k,
+            v,
+            pattern,
+            kv_mask=kv_mask,
+            extra_blocks=extra_blocks,
+            block_size=block_size,
+            alibi=alibi,
+            segment_ids=segment_ids,
+        )
 
     if batch:
         kernel, reference = jax.vmap(kernel), jax.vmap(reference)
@@ -114,10 +153,26 @@ CASES = {
     # ALiBi computed on each tile, with the queries the last 200 of 256 positions.
     # Packed sequences (segments of 70, cutting through tiles) in cross attention of odd
     # lengths, with padding: both tag layouts of the dk/dv kernel.
-    "segment_ids": dict(pattern=Band(-W, W), q_len=200, kv_len=210, heads=2, kv_heads=1, sizes=MIXED,
-                        kv_mask=jnp.arange(210) < 205, segment_ids=(jnp.arange(200) // 70, jnp.arange(210) // 70)),
-    "alibi": dict(pattern=causal(200, 256), q_len=200, kv_len=256, heads=4, kv_heads=2, sizes=MIXED,
-                  kv_mask=jnp.arange(256) < 250, alibi=Alibi(jnp.array([0.5, 0.25, 0.1, 0.02]), 56)),
+    "segment_ids": dict(
+        pattern=Band(-W, W),
+        q_len=200,
+        kv_len=210,
+        heads=2,
+        kv_heads=1,
+        sizes=MIXED,
+        kv_mask=jnp.arange(210) < 205,
+        segment_ids=(jnp.arange(200) // 70, jnp.arange(210) // 70),
+    ),
+    "alibi": dict(
+        pattern=causal(200, 256),
+        q_len=200,
+        kv_len=256,
+        heads=4,
+        kv_heads=2,
+        sizes=MIXED,
+        kv_mask=jnp.arange(256) < 250,
+        alibi=Alibi(jnp.array([0.5, 0.25, 0.1, 0.02]), 56),
+    ),
 }
 
 
@@ -133,8 +188,11 @@ def test_tpu_kernel_alibi_slope_gradient():
     def slope_grad(fn):
         return jax.jit(jax.grad(lambda s: jnp.sum(fn(s) * w)))(jnp.array([0.3, 0.05]))
 
-    got = slope_grad(lambda s: block_sparse_attention(q, k, v, Band(-W, W), alibi=Alibi(s), block_sizes=B64,
-                                                      backend="tpu", interpret=True))
+    got = slope_grad(
+        lambda s: block_sparse_attention(
+            q, k, v, Band(-W, W), alibi=Alibi(s), block_sizes=B64, backend="tpu", interpret=True
+        )
+    )
     want = slope_grad(lambda s: block_sparse_reference(q, k, v, Band(-W, W), alibi=Alibi(s))[0])
     _close(got, want, 2e-5, "d_slopes")
 
@@ -145,8 +203,16 @@ def test_tpu_kernel_bigbird_extra_blocks_under_vmap():
     # static block must not be counted twice. The key masks differ per example too.
     extra = jnp.asarray([[[3, -1], [0, 1], [2, 2], [-1, -1]], [[1, 2], [3, -1], [0, 0], [1, 3]]], jnp.int32)
     kv_mask = jnp.stack([jnp.arange(256) < 200, jnp.arange(256) >= 30])
-    _check(union(Band(-W, W), KeyRange(0, 8)), extra_blocks=extra, kv_mask=kv_mask, block_size=64, sizes=B64,
-           heads=1, kv_heads=1, batch=2)
+    _check(
+        union(Band(-W, W), KeyRange(0, 8)),
+        extra_blocks=extra,
+        kv_mask=kv_mask,
+        block_size=64,
+        sizes=B64,
+        heads=1,
+        kv_heads=1,
+        batch=2,
+    )
 
 
 def test_tpu_kernels_lower_to_mosaic(monkeypatch):
@@ -163,8 +229,18 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
     pattern = union(Band(-W, W, step=2), KeyRange(0, 8), QueryRange(0, 8))
 
     def loss(q, k, v, kv_mask, extra_blocks, sizes, alibi=None, segment_ids=None):
-        out = block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, extra_blocks=extra_blocks, block_sizes=sizes,
-                                     backend="tpu", alibi=alibi, segment_ids=segment_ids)
+        out = block_sparse_attention(
+            q,
+            k,
+            v,
+            pattern,
+            kv_mask=kv_mask,
+            extra_blocks=extra_blocks,
+            block_sizes=sizes,
+            backend="tpu",
+            alibi=alibi,
+            segment_ids=segment_ids,
+        )
         return jnp.sum(out.astype(jnp.float32))
 
     def lower(fn, *args):
@@ -172,14 +248,22 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
 
     grad = jax.grad(loss, argnums=(0, 1, 2))
     try:
-        texts = [lower(lambda q, k, v: grad(q, k, v, jnp.arange(200) < 190, None, MIXED,
-                                            Alibi(jnp.linspace(0.5, 0.1, 4))), q, k, v),
-                 lower(lambda q, k, v: grad(q, k, v, None, None, MIXED, segment_ids=(jnp.arange(200) // 70,) * 2),
-                       q, k, v),
-                 # Batched, with per-example run-time blocks: vmap adds a grid axis and
-                 # batches the scalar-prefetch visit lists.
-                 lower(jax.vmap(lambda q, k, v, e: grad(q, k, v, None, e, B64)), *(jnp.stack([x, x]) for x in (q, k, v)),
-                       jnp.zeros((2, 4, 2), jnp.int32))]
+        texts = [
+            lower(
+                lambda q, k, v: grad(q, k, v, jnp.arange(200) < 190, None, MIXED, Alibi(jnp.linspace(0.5, 0.1, 4))),
+                q,
+                k,
+                v,
+            ),
+            lower(lambda q, k, v: grad(q, k, v, None, None, MIXED, segment_ids=(jnp.arange(200) // 70,) * 2), q, k, v),
+            # Batched, with per-example run-time blocks: vmap adds a grid axis and
+            # batches the scalar-prefetch visit lists.
+            lower(
+                jax.vmap(lambda q, k, v, e: grad(q, k, v, None, e, B64)),
+                *(jnp.stack([x, x]) for x in (q, k, v)),
+                jnp.zeros((2, 4, 2), jnp.int32),
+            ),
+        ]
     finally:  # the stand-in chip must not outlive the test (get_tpu_info caches)
         getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)()
     for text in texts:

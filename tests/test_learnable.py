@@ -155,9 +155,18 @@ def test_lsh_errors_name_the_value():
 
 
 def test_reformer_model_lsh_in_a_reversible_stack_with_chunked_ffn():
-    config = ModelConfig(task="lm", vocab_size=17, num_layers=2, d_model=16, num_heads=2, max_len=32,
-                         attention="lsh", attention_kwargs={"n_buckets": 4, "chunk_size": 4}, reversible=True,
-                         ffn_chunk_size=5)
+    config = ModelConfig(
+        task="lm",
+        vocab_size=17,
+        num_layers=2,
+        d_model=16,
+        num_heads=2,
+        max_len=32,
+        attention="lsh",
+        attention_kwargs={"n_buckets": 4, "chunk_size": 4},
+        reversible=True,
+        ffn_chunk_size=5,
+    )
     model = build_model(config, key=jax.random.key(0))
     forward = eqx.filter_jit(lambda m, x: m(x))
     x = jax.random.randint(jax.random.key(1), (23,), 0, 17)
@@ -216,7 +225,9 @@ def test_kmeans_centroids_move_towards_the_data():
 
     @jax.jit
     def fit(c):
-        return jax.lax.fori_loop(0, 30, lambda _, c: ops.kmeans_update(c, data[:, None], jnp.ones(64, bool), decay=0.8), c)
+        return jax.lax.fori_loop(
+            0, 30, lambda _, c: ops.kmeans_update(c, data[:, None], jnp.ones(64, bool), decay=0.8), c
+        )
 
     start = closeness(centroids, data)
     assert closeness(fit(centroids), data) > start + 0.3
@@ -227,37 +238,62 @@ def test_kmeans_centroids_move_towards_the_data():
     assert_close(ignored, centroids, atol=0)  # padding never moves a centroid
 
 
-@pytest.mark.parametrize("name, kwargs, reversible", [("routing", {"n_clusters": 2, "local_heads": 0}, False),
-                                                      ("routing", {"n_clusters": 2, "local_heads": 0}, True),
-                                                      ("clusterformer", {"n_clusters": 2, "chunk_size": 4}, False)])
+@pytest.mark.parametrize(
+    "name, kwargs, reversible",
+    [
+        ("routing", {"n_clusters": 2, "local_heads": 0}, False),
+        ("routing", {"n_clusters": 2, "local_heads": 0}, True),
+        ("clusterformer", {"n_clusters": 2, "chunk_size": 4}, False),
+    ],
+)
 def test_train_step_moves_the_centroids_outside_the_gradient(name, kwargs, reversible):
     import optax
 
     from jxformers.train.state import TrainState, split_model
     from jxformers.train.step import make_train_step
 
-    config = ModelConfig(task="classify", vocab_size=11, num_layers=1, d_model=16, num_heads=2, d_ff=16, max_len=16,
-                         attention=name, attention_kwargs=kwargs, reversible=reversible)
+    config = ModelConfig(
+        task="classify",
+        vocab_size=11,
+        num_layers=1,
+        d_model=16,
+        num_heads=2,
+        d_ff=16,
+        max_len=16,
+        attention=name,
+        attention_kwargs=kwargs,
+        reversible=reversible,
+    )
     model = build_model(config, key=jax.random.key(0))
     assert nn.updates_arrays(model)
     params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))  # the step donates these
+
     def paths(tree):
         return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
     assert not [p for p in paths(params) if "centroids" in p]  # never given to the optimizer
     assert [p for p in paths(drawn) if "centroids" in p]
     optimizer = optax.adam(1e-3)
-    state = TrainState(params=params, drawn=drawn, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
-                       rng=jax.random.key(3))
+    state = TrainState(
+        params=params,
+        drawn=drawn,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key(3),
+    )
     tokens = jax.random.randint(jax.random.key(4), (4, 12), 0, 11)
-    batch = {"tokens": tokens, "mask": jnp.arange(12)[None, :] < jnp.array([[12], [9], [12], [7]]),
-             "label": jnp.array([0, 1, 1, 0])}
+    batch = {
+        "tokens": tokens,
+        "mask": jnp.arange(12)[None, :] < jnp.array([[12], [9], [12], [7]]),
+        "label": jnp.array([0, 1, 1, 0]),
+    }
     before = [np.asarray(a.drawn["centroids"]) for a in nn.attention_modules(model)]
     new_state, metrics = make_train_step(static, optimizer, grad_accum=2)(state, batch)  # donates state
     assert bool(metrics["finite"])
     after = [a.drawn["centroids"] for a in nn.attention_modules(new_state.model(static))]
     for a, b in zip(before, after, strict=True):
         assert not bool(jnp.allclose(a, b))  # moved by the k-means update, not by the optimizer
+
     # The update is the pure function of the batch's recorded inputs, no gradient involved.
     def one(t, m):
         with nn.record_attention_inputs(model) as recorder:
@@ -306,13 +342,18 @@ def test_sinkhorn_sorts_and_its_sorting_network_gets_a_gradient():
     # LRA's "sort" gives every block the sum of all key blocks: it sorts nothing and its network gets no gradient.
     n, b = 24, 6
     q, k, v = qkv(11, n)
-    one, other = (call(ops.sinkhorn_attention, q, k, v, block_size=b, max_len=32, sort_logits=permutation_logits(4, s))
-                  for s in (1, 2))
+    one, other = (
+        call(ops.sinkhorn_attention, q, k, v, block_size=b, max_len=32, sort_logits=permutation_logits(4, s))
+        for s in (1, 2)
+    )
     assert not np.allclose(one, other, atol=1e-3)  # the sorted block is the one the permutation picks
     arrays = arrays_for("sinkhorn", block_size=b, max_len=32)
     for causal in (False, True):
-        grads = jax.jit(jax.grad(lambda a: jnp.sum(ops.sinkhorn_attention(
-            q, k, v, block_size=b, max_len=32, causal=causal, **a) ** 2)))(arrays)  # noqa: B023 - called within this iteration
+        grads = jax.jit(
+            jax.grad(
+                lambda a: jnp.sum(ops.sinkhorn_attention(q, k, v, block_size=b, max_len=32, causal=causal, **a) ** 2)  # noqa: B023
+            )
+        )(arrays)
         for name in ("sort_w1", "sort_w2", "sort_b2"):
             assert float(jnp.abs(grads[name]).max()) > 0, f"{name} got no gradient (causal={causal})"
 
@@ -326,8 +367,7 @@ def test_sinkhorn_adds_gumbel_noise_in_training_only():
     clean, a, a2, other = run(None), run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
     assert_close(a, a2, atol=0)
     assert not np.allclose(a, clean, atol=1e-4) and not np.allclose(a, other, atol=1e-4)
-    module = nn.Attention("sinkhorn", 16, 2, attention_kwargs={"block_size": 4, "max_len": 32},
-                          key=jax.random.key(0))
+    module = nn.Attention("sinkhorn", 16, 2, attention_kwargs={"block_size": 4, "max_len": 32}, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(3), (13, 16))
     key = jax.random.key(4)
     apply = eqx.filter_jit(lambda m, x, key, inference: m(x, key=key, inference=inference))
@@ -339,13 +379,29 @@ def test_sinkhorn_adds_gumbel_noise_in_training_only():
 def test_sinkhorn_sortcut_attends_only_to_the_first_sorted_blocks():
     n, b = 24, 6
     q, k, v = qkv(13, n)
-    out = call(ops.sinkhorn_attention, q, k, v, block_size=b, max_len=32, sortcut_blocks=1,
-                                 sort_logits=permutation_logits(4, 1))  # sorted block 0 is block 3
+    out = call(
+        ops.sinkhorn_attention,
+        q,
+        k,
+        v,
+        block_size=b,
+        max_len=32,
+        sortcut_blocks=1,
+        sort_logits=permutation_logits(4, 1),
+    )  # sorted block 0 is block 3
     mask = np.broadcast_to(np.arange(n)[None, :] // b == 3, (n, n))
     assert_close(out, softmax_attention(q, k, v, mask=jnp.asarray(mask)), atol=2e-5)
     with pytest.raises(ValueError, match="sortcut_blocks"):
-        ops.sinkhorn_attention(q, k, v, block_size=b, max_len=32, sortcut_blocks=1, causal=True,
-                               **arrays_for("sinkhorn", block_size=b, max_len=32))
+        ops.sinkhorn_attention(
+            q,
+            k,
+            v,
+            block_size=b,
+            max_len=32,
+            sortcut_blocks=1,
+            causal=True,
+            **arrays_for("sinkhorn", block_size=b, max_len=32),
+        )
 
 
 # ----------------------------------------------------------------------------- Cluster-Former
@@ -355,8 +411,16 @@ def test_clusterformer_with_one_cluster_and_one_chunk_is_dense():
     n = 19
     q, k, v = qkv(14, n)
     kv_mask = jnp.arange(n) < 15
-    out = call(ops.clusterformer_attention, q, k, v, n_clusters=1, chunk_size=32, kv_mask=kv_mask,
-                                      **arrays_for("clusterformer", n_clusters=1))
+    out = call(
+        ops.clusterformer_attention,
+        q,
+        k,
+        v,
+        n_clusters=1,
+        chunk_size=32,
+        kv_mask=kv_mask,
+        **arrays_for("clusterformer", n_clusters=1),
+    )
     assert_close(out, softmax_attention(q, k, v, kv_mask=kv_mask), atol=2e-5)
 
 

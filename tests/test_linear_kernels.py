@@ -1,7 +1,8 @@
 """The chunked linear-attention kernels (jxformers/kernels/linear*.py) in Pallas
 interpret mode against the XLA forms of `kernel_attention` (quadratic, scan, chunked):
 outputs and gradients, causal and not, every feature map, gate on and off (per token, and
-per feature against a dense reference), padding, odd lengths, grouped-query heads, bf16; the recurrent decoder's state; bf16 stability at
+per feature against a dense reference), padding, odd lengths, grouped-query heads, bf16; the
+recurrent decoder's state; bf16 stability at
 64K tokens against float64. Shapes are small and shared so that few kernels compile."""
 
 import functools
@@ -46,14 +47,16 @@ def test_kernel_equals_the_quadratic_form_with_gradients_and_final_state(causal,
         return out, s, jnp.einsum("nhm,nh->hm", fk, decay)
 
     def ker(fq, fk, v, lg):
-        out, (s, z) = chunked_linear_attention(fq, fk, v, causal=causal, log_gate=lg, chunk_size=CHUNK,
-                                               interpret=True, return_state=True)
+        out, (s, z) = chunked_linear_attention(
+            fq, fk, v, causal=causal, log_gate=lg, chunk_size=CHUNK, interpret=True, return_state=True
+        )
         return out, s, z
 
     def loss(fn):
         def value(fq, fk, v, lg):
             out, s, z = fn(fq, fk, v, lg)
             return jnp.sum(out * cot) + jnp.sum(s * cot_s) + jnp.sum(z), (out, s, z)
+
         return jax.jit(jax.grad(value, argnums=(0, 1, 2, 3) if gated else (0, 1, 2), has_aux=True))
 
     (g_ref, o_ref), (g_ker, o_ker) = loss(ref)(fq, fk, v, log_gate), loss(ker)(fq, fk, v, log_gate)
@@ -73,9 +76,13 @@ def test_the_forward_saves_no_chunk_states(capsys):
     fq, fk, v = (jnp.ones((n, 2, m)) for _ in range(3))
     jax.ad_checkpoint.print_saved_residuals(
         lambda fq, fk, v, lg: chunked_linear_attention(fq, fk, v, log_gate=lg, chunk_size=16, interpret=True),
-        fq, fk, v, jnp.zeros((n, 2)))
+        fq,
+        fk,
+        v,
+        jnp.zeros((n, 2)),
+    )
     shapes = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
-    sizes = [int(np.prod([int(x) for x in shape[shape.index("[") + 1:-1].split(",")])) for shape in shapes]
+    sizes = [int(np.prod([int(x) for x in shape[shape.index("[") + 1 : -1].split(",")])) for shape in shapes]
     assert len(sizes) == 8 and max(sizes) == n * 2 * m, shapes
 
 
@@ -91,7 +98,9 @@ def test_per_feature_gates_equal_a_dense_reference_without_overflow():
 
     # Log-decays summed over (j, i] directly: differences of global cumulative sums
     # (down to -170 here) would cost the reference float32's precision, not the kernel.
-    i, j, t = (jnp.arange(N)[idx] for idx in ((slice(None), None, None), (None, slice(None), None), (None, None, slice(None))))
+    i, j, t = (
+        jnp.arange(N)[idx] for idx in ((slice(None), None, None), (None, slice(None), None), (None, None, slice(None)))
+    )
     between = ((j < t) & (t <= i)).astype(jnp.float32)  # [i, j, t]
 
     def ref(fq, fk, v, lg):
@@ -103,14 +112,16 @@ def test_per_feature_gates_equal_a_dense_reference_without_overflow():
         return out, jnp.einsum("jhm,jhd->hmd", tail, v), tail.sum(0)
 
     def ker(fq, fk, v, lg):
-        out, (s, z) = chunked_linear_attention(fq, fk, v, log_gate=lg, chunk_size=CHUNK, interpret=True,
-                                               return_state=True)
+        out, (s, z) = chunked_linear_attention(
+            fq, fk, v, log_gate=lg, chunk_size=CHUNK, interpret=True, return_state=True
+        )
         return out, s, z
 
     def grads(fn):
         def value(*args):
             out, s, z = fn(*args)
             return jnp.sum(out * cot) + jnp.sum(s * cot_s) + jnp.sum(z), (out, s, z)
+
         return jax.jit(jax.grad(value, argnums=(0, 1, 2, 3), has_aux=True))
 
     (g_ref, o_ref), (g_ker, o_ker) = grads(ref)(fq, fk, v, log_gate), grads(ker)(fq, fk, v, log_gate)
@@ -125,13 +136,25 @@ def test_per_feature_gates_equal_a_dense_reference_without_overflow():
 def _op(name, q, k, v, *, causal, impl, form="chunked", kv_mask=None, gate=None):
     proj = performer_projection(jax.random.key(5), 16, q.shape[2])
     if name in ("elu", "relu", "identity"):
-        return ops.linear_attention(q, k, v, feature_map=name, causal=causal, kv_mask=kv_mask, form=form,
-                                    chunk_size=CHUNK, impl=impl)
+        return ops.linear_attention(
+            q, k, v, feature_map=name, causal=causal, kv_mask=kv_mask, form=form, chunk_size=CHUNK, impl=impl
+        )
     if name.startswith("performer"):
-        return ops.performer_attention(q, k, v, proj, kernel=name.split()[1], causal=causal, kv_mask=kv_mask,
-                                       form=form, chunk_size=CHUNK, impl=impl)
-    return ops.rfa_attention(q, k, v, proj[:8], gate=gate, causal=causal, kv_mask=kv_mask, form=form,
-                             chunk_size=CHUNK, impl=impl)
+        return ops.performer_attention(
+            q,
+            k,
+            v,
+            proj,
+            kernel=name.split()[1],
+            causal=causal,
+            kv_mask=kv_mask,
+            form=form,
+            chunk_size=CHUNK,
+            impl=impl,
+        )
+    return ops.rfa_attention(
+        q, k, v, proj[:8], gate=gate, causal=causal, kv_mask=kv_mask, form=form, chunk_size=CHUNK, impl=impl
+    )
 
 
 MAPS = ("elu", "relu", "identity", "performer softmax", "performer relu", "rfa gated")
@@ -150,8 +173,9 @@ def test_ops_through_the_kernel_equal_their_xla_forms(name):
     cot = jax.random.normal(jax.random.key(6), v.shape[:1] + (4, 16))
 
     def loss(impl, form):
-        return lambda q, k, v: jnp.sum(_op(name, q, k, v, causal=True, impl=impl, form=form, kv_mask=kv_mask,
-                                           gate=gate) * cot)
+        return lambda q, k, v: jnp.sum(
+            _op(name, q, k, v, causal=True, impl=impl, form=form, kv_mask=kv_mask, gate=gate) * cot
+        )
 
     tol = dict(atol=1e-4, rtol=1e-4) if name == "rfa gated" else dict(atol=2e-5, rtol=2e-5)  # RFA's small normalisers
     got = _op(name, q, k, v, causal=True, impl="interpret", kv_mask=kv_mask, gate=gate)
@@ -162,8 +186,11 @@ def test_ops_through_the_kernel_equal_their_xla_forms(name):
         grads = jax.jit(jax.grad(loss("interpret", "chunked"), argnums=(0, 1, 2)))(q, k, v)
         for a, b in zip(grads, jax.grad(loss("xla", "chunked"), argnums=(0, 1, 2))(q, k, v), strict=True):
             assert_close(a, b, **tol)
-    assert_close(_op(name, q, k, v, causal=False, impl="interpret", kv_mask=kv_mask),
-                 _op(name, q, k, v, causal=False, impl="xla", kv_mask=kv_mask), **tol)
+    assert_close(
+        _op(name, q, k, v, causal=False, impl="interpret", kv_mask=kv_mask),
+        _op(name, q, k, v, causal=False, impl="xla", kv_mask=kv_mask),
+        **tol,
+    )
 
 
 def test_bf16_and_fp16_inputs_through_the_kernel():
@@ -194,8 +221,15 @@ def _decode(name, q, k, v, arrays, state=None):
     hp = spec.bind().hyper_parameters
     decoder = spec.decoder
     if state is None:
-        state = decoder.init(hyper_parameters=hp, arrays=arrays, max_len=q.shape[0], kv_heads=k.shape[1],
-                             d_k=k.shape[2], d_v=v.shape[2], dtype=None)
+        state = decoder.init(
+            hyper_parameters=hp,
+            arrays=arrays,
+            max_len=q.shape[0],
+            kv_heads=k.shape[1],
+            d_k=k.shape[2],
+            d_v=v.shape[2],
+            dtype=None,
+        )
 
     def step(state, xs):
         out, state = decoder.step(*xs, state, hyper_parameters=hp, arrays=arrays, bias_fn=None)
@@ -218,8 +252,9 @@ def test_a_kernel_forward_decodes_with_the_recurrent_decoder():
     assert_close(parallel, decoded, atol=2e-5, rtol=1e-4)
     split = 21
     phi = FEATURE_MAPS["elu"]
-    _, (s, z) = chunked_linear_attention(phi(q[:split]), phi(k[:split]), v[:split], causal=True, chunk_size=CHUNK,
-                                         interpret=True, return_state=True)
+    _, (s, z) = chunked_linear_attention(
+        phi(q[:split]), phi(k[:split]), v[:split], causal=True, chunk_size=CHUNK, interpret=True, return_state=True
+    )
     prefilled = RecurrentState(s, z, jnp.full((2,), -1e30), jnp.asarray(split, jnp.int32))
     rest, end = _decode("linear", q[split:], k[split:], v[split:], {}, state=prefilled)
     assert_close(rest, parallel[split:], atol=2e-5, rtol=1e-4)
@@ -233,9 +268,11 @@ def _float64_reference(fq, fk, v, gate, chunk=128):
     log_g = np.zeros(len(fq)) if gate is None else np.log(np.asarray(gate, np.float64)[:, 0])
     s, z, out = np.zeros((fq.shape[1], v.shape[1])), np.zeros(fq.shape[1]), []
     for start in range(0, len(fq), chunk):
-        q_c, k_c, v_c, lg = (x[start:start + chunk] for x in (fq, fk, v, log_g))
+        q_c, k_c, v_c, lg = (x[start : start + chunk] for x in (fq, fk, v, log_g))
         c = np.cumsum(lg)
-        decay = np.tril(np.exp(np.minimum(c[:, None] - c[None, :], 0.0)) if gate is not None else np.ones((len(c),) * 2))
+        decay = np.tril(
+            np.exp(np.minimum(c[:, None] - c[None, :], 0.0)) if gate is not None else np.ones((len(c),) * 2)
+        )
         a = (q_c @ k_c.T) * decay
         qd = q_c * np.exp(c)[:, None]
         out.append((a @ v_c + qd @ s) / (a.sum(1) + qd @ z)[:, None])
@@ -258,12 +295,21 @@ def test_bf16_stability_at_64k_tokens_against_float64(gated):
     lengths = [(n, "xla", 256), (4096, "interpret", 64)]
     for length, impl, chunk in lengths:
         g = None if gate is None else gate[:length]
-        out = jax.jit(lambda fq, fk, v, g: kernel_attention(fq, fk, v, causal=True, gate=g, chunk_size=chunk,  # noqa: B023 - called within this iteration
-                                                             impl=impl))(fq[:length], fk[:length], v[:length], g)  # noqa: B023 - called within this iteration
+        out = jax.jit(
+            lambda fq, fk, v, g: kernel_attention(
+                fq,
+                fk,
+                v,
+                causal=True,
+                gate=g,
+                chunk_size=chunk,  # noqa: B023 - called within this iteration
+                impl=impl,  # noqa: B023
+            )
+        )(fq[:length], fk[:length], v[:length], g)
         assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(out))), impl
         want = _float64_reference(fq[:length], fk[:length], v[:length], g)
         err = np.abs(np.asarray(out[:, 0], np.float64) - want)
-        excess = err - (2.0 ** -8 * np.abs(want) + 1e-3 * np.abs(want).max())
+        excess = err - (2.0**-8 * np.abs(want) + 1e-3 * np.abs(want).max())
         assert excess.max() <= 0, (impl, err.max())
 
 
@@ -304,13 +350,18 @@ def test_the_kernels_lower_for_cuda_through_triton():
     n, m = 128, 64
     fq, fk, v = (jnp.ones((n, h, m), jnp.bfloat16) for h in (4, 2, 2))
     for causal, log_gate in ((True, jnp.zeros((n, 2))), (True, jnp.zeros((n, 2, m))), (True, None), (False, None)):
+
         def loss(fq, fk, v, log_gate):
             return jnp.sum(chunked_linear_attention(fq, fk, v, causal=causal, log_gate=log_gate).astype(jnp.float32))  # noqa: B023 - called within this iteration
 
         try:
             with cuda_target():
-                text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(fq, fk, v, log_gate).lower(
-                    lowering_platforms=("cuda",)).as_text()
+                text = (
+                    jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+                    .trace(fq, fk, v, log_gate)
+                    .lower(lowering_platforms=("cuda",))
+                    .as_text()
+                )
         except RuntimeError as e:  # a jaxlib built without the GPU lowering's dialects
             if "triton" in str(e).lower() and "dialect" in str(e).lower():
                 pytest.skip(f"no Triton lowering in this jaxlib: {e}")

@@ -32,11 +32,13 @@ def _inputs(seed, heads, kv_heads, gate):
     q, k, v = qkv(seed, N, heads=heads, kv_heads=kv_heads, d=M, dv=DV)
     phi = FEATURE_MAPS["elu"]
     key = jax.random.key(seed + 1)
-    log_gate = {None: None,
-                "scalar": jax.nn.log_sigmoid(jax.random.normal(key, (N, kv_heads)) + 1.0),
-                # down to exp(-20) per token: split into query and key factors, a chunk's
-                # decay would overflow float32
-                "feature": jax.nn.log_sigmoid(6.0 * jax.random.normal(key, (N, kv_heads, M)))}[gate]
+    log_gate = {
+        None: None,
+        "scalar": jax.nn.log_sigmoid(jax.random.normal(key, (N, kv_heads)) + 1.0),
+        # down to exp(-20) per token: split into query and key factors, a chunk's
+        # decay would overflow float32
+        "feature": jax.nn.log_sigmoid(6.0 * jax.random.normal(key, (N, kv_heads, M))),
+    }[gate]
     return phi(q), phi(k), v, log_gate
 
 
@@ -48,8 +50,11 @@ def _reference(fq, fk, v, log_gate, causal):
     fq, fk, v = (x.astype(jnp.float32) for x in (fq, fk, v))
     n, kv_heads, m = fk.shape
     group = fq.shape[1] // kv_heads
-    lg = jnp.zeros(fk.shape) if log_gate is None else jnp.broadcast_to(
-        log_gate if log_gate.ndim == 3 else log_gate[:, :, None], fk.shape)
+    lg = (
+        jnp.zeros(fk.shape)
+        if log_gate is None
+        else jnp.broadcast_to(log_gate if log_gate.ndim == 3 else log_gate[:, :, None], fk.shape)
+    )
     t = jnp.arange(n)
     between = ((t[None, :, None] < t[None, None, :]) & (t[None, None, :] <= t[:, None, None])).astype(jnp.float32)
     decay = jnp.exp(jnp.einsum("ijt,thm->ijhm", between, lg))
@@ -64,13 +69,15 @@ def _reference(fq, fk, v, log_gate, causal):
 def _close(got, want, what, atol=1e-5, rtol=1e-5):
     assert got.shape == want.shape, (what, got.shape, want.shape)
     assert bool(jnp.all(jnp.isfinite(got))), f"{what}: not finite"
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol, rtol=rtol,
-                               err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol, rtol=rtol, err_msg=what
+    )
 
 
 def _kernel(fq, fk, v, log_gate, causal):
-    out, (s, z) = chunked_linear_attention(fq, fk, v, causal=causal, log_gate=log_gate, chunk_size=CHUNK,
-                                           return_state=True, backend="tpu", interpret=True)
+    out, (s, z) = chunked_linear_attention(
+        fq, fk, v, causal=causal, log_gate=log_gate, chunk_size=CHUNK, return_state=True, backend="tpu", interpret=True
+    )
     return out, s, z
 
 
@@ -81,8 +88,11 @@ def _with_grads(fn, args, causal, seed, batch=False):
     lead = args[0].shape[:1] if batch else ()
     heads, kv_heads = args[0].shape[-2], args[1].shape[-2]
     kc, ks, kz = jax.random.split(jax.random.key(seed + 7), 3)
-    cot, cot_s, cot_z = (jax.random.normal(kc, (*lead, N, heads, DV)), jax.random.normal(ks, (*lead, kv_heads, M, DV)),
-                         jax.random.normal(kz, (*lead, kv_heads, M)))
+    cot, cot_s, cot_z = (
+        jax.random.normal(kc, (*lead, N, heads, DV)),
+        jax.random.normal(ks, (*lead, kv_heads, M, DV)),
+        jax.random.normal(kz, (*lead, kv_heads, M)),
+    )
     call = functools.partial(fn, causal=causal)
     if batch:
         call = jax.vmap(call)
@@ -112,7 +122,9 @@ def test_tpu_kernel_matches_the_dense_reference(name):
     batch = case.get("batch", False)
     args = _inputs(0, case["heads"], case["kv_heads"], case["gate"])
     if batch:
-        args = tuple(jnp.stack(xs) for xs in zip(args, _inputs(1, case["heads"], case["kv_heads"], case["gate"]), strict=True))
+        args = tuple(
+            jnp.stack(xs) for xs in zip(args, _inputs(1, case["heads"], case["kv_heads"], case["gate"]), strict=True)
+        )
     (got, g_got), (want, g_want) = (_with_grads(fn, args, case["causal"], 0, batch) for fn in (_kernel, _reference))
     for what, a, b in zip(("out", "S", "z"), got, want, strict=True):
         _close(a, b, what)
@@ -128,7 +140,9 @@ def test_tpu_kernel_bf16_and_fp16_against_float32():
     low = tuple(x.astype(jnp.bfloat16) for x in (fq, fk, v))
     got, g_got = _with_grads(_kernel, (*low, log_gate), True, 3)
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
-    for what, a, b in zip(("out", "S", "z", "dq", "dk", "dv", "dlog_gate"), (*got, *g_got), (*want, *g_want), strict=True):
+    for what, a, b in zip(
+        ("out", "S", "z", "dq", "dk", "dv", "dlog_gate"), (*got, *g_got), (*want, *g_want), strict=True
+    ):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.all(np.isfinite(a)), what
         err, scale = float(np.abs(a - b).max()), float(np.abs(b).max())
@@ -152,8 +166,13 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
     n, m = 256, 64  # m padded to 128; chunks of 128 (the MXU's) and 64
     fq, fk, v = (jnp.ones((n, h, m), jnp.bfloat16) for h in (4, 2, 2))
     # The last call runs under vmap: Pallas adds a grid axis for the batch.
-    calls = ((True, jnp.zeros((n, 2)), 128, False), (True, jnp.zeros((n, 2, m)), 64, False),
-             (True, None, 64, False), (False, None, 128, False), (True, jnp.zeros((n, 2)), 64, True))
+    calls = (
+        (True, jnp.zeros((n, 2)), 128, False),
+        (True, jnp.zeros((n, 2, m)), 64, False),
+        (True, None, 64, False),
+        (False, None, 128, False),
+        (True, jnp.zeros((n, 2)), 64, True),
+    )
 
     def lowered(causal, log_gate, chunk, batch):
         def loss(fq, fk, v, log_gate):
@@ -192,8 +211,17 @@ def test_pallas_impl_picks_the_tpu_kernel_on_tpus(monkeypatch):
     kv_mask = jnp.arange(N) < N - 4
 
     def op(impl):
-        return ops.rfa_attention(q, k, v, performer_projection(jax.random.key(7), 8, 16), gate=gate, causal=True, kv_mask=kv_mask,
-                                 chunk_size=CHUNK, impl=impl)
+        return ops.rfa_attention(
+            q,
+            k,
+            v,
+            performer_projection(jax.random.key(7), 8, 16),
+            gate=gate,
+            causal=True,
+            kv_mask=kv_mask,
+            chunk_size=CHUNK,
+            impl=impl,
+        )
 
     got = op("pallas")
     assert [(c["backend"], c["interpret"]) for c in calls] == [("tpu", False)]

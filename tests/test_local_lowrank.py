@@ -2,7 +2,6 @@
 generic suite: against a numpy reference written from the paper (bidirectional and
 causal, with padding), its projection's reach and its two LayerNorms. Small shapes."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,8 +48,9 @@ def long_short_np(q, k, v, arrays, *, window, segment_size, causal, kv_mask=None
     def project(lo, hi):  # P = softmax over the real positions of [lo, hi) of K W_P; -> K_bar, V_bar [rank, h, d]
         idx = np.arange(lo, min(hi, n))
         scores = np.einsum("lhd,hdr->lhr", k[idx], a["proj_w"])
-        p = np.stack([np.stack([softmax_np(scores[:, h, r], real[idx]) for r in range(rank)], 1)
-                      for h in range(k.shape[1])], 1)  # [l, h, r]
+        p = np.stack(
+            [np.stack([softmax_np(scores[:, h, r], real[idx]) for r in range(rank)], 1) for h in range(k.shape[1])], 1
+        )  # [l, h, r]
         kbar, vbar = np.einsum("lhr,lhd->rhd", p, k[idx]), np.einsum("lhr,lhd->rhd", p, v[idx])
         return layer_norm_np(kbar, a["ln_proj_k"]), layer_norm_np(vbar, a["ln_proj_v"]), real[idx].any()
 
@@ -86,15 +86,27 @@ def random_arrays(name, seed=7, **hp):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n, hp", [(19, dict(window=4, segment_size=5, rank=3)), (16, dict(window=6, segment_size=4, rank=2))])
+@pytest.mark.parametrize(
+    "n, hp", [(19, dict(window=4, segment_size=5, rank=3)), (16, dict(window=6, segment_size=4, rank=2))]
+)
 def test_long_short_equals_the_papers_formula(causal, n, hp):
     q, k, v = qkv(8, n)
     arrays = random_arrays("long_short", rank=hp["rank"])
     kv_mask = jnp.arange(n) < n - 3
-    out = call(ops.long_short_attention, q, k, v, window=hp["window"], segment_size=hp["segment_size"], causal=causal,
-               kv_mask=kv_mask, **arrays)
-    expected = long_short_np(q, k, v, arrays, window=hp["window"], segment_size=hp["segment_size"], causal=causal,
-                             kv_mask=kv_mask)
+    out = call(
+        ops.long_short_attention,
+        q,
+        k,
+        v,
+        window=hp["window"],
+        segment_size=hp["segment_size"],
+        causal=causal,
+        kv_mask=kv_mask,
+        **arrays,
+    )
+    expected = long_short_np(
+        q, k, v, arrays, window=hp["window"], segment_size=hp["segment_size"], causal=causal, kv_mask=kv_mask
+    )
     assert_close(out[: n - 3], expected[: n - 3], atol=2e-5, rtol=1e-4)
 
 

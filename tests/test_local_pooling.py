@@ -2,7 +2,6 @@
 suite: against a numpy reference written from the paper (mean and max pooling, with
 padding), the second level's reach, and its refusal of causal use. Small shapes."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +26,6 @@ def softmax_np(s, real):
         return np.zeros_like(s)
     e = np.where(real, np.exp(s - s[real].max()), 0.0)
     return e / e.sum()
-
 
 
 def poolingformer_np(q, k, v, arrays, *, window, pool_window, pool_size, pool_stride, pooling, kv_mask=None):
@@ -67,10 +65,15 @@ def poolingformer_np(q, k, v, arrays, *, window, pool_window, pool_size, pool_st
     return y + z
 
 
-@pytest.mark.parametrize("hp", [dict(window=2, pool_window=8, pool_size=3, pool_stride=2, pooling="mean"),
-                                dict(window=1, pool_window=20, pool_size=4, pool_stride=3, pooling="max"),
-                                dict(window=3, pool_window=5, pool_size=5, pool_stride=5, pooling="mean")],
-                         ids=["mean", "max-wide", "kernel=stride"])
+@pytest.mark.parametrize(
+    "hp",
+    [
+        dict(window=2, pool_window=8, pool_size=3, pool_stride=2, pooling="mean"),
+        dict(window=1, pool_window=20, pool_size=4, pool_stride=3, pooling="max"),
+        dict(window=3, pool_window=5, pool_size=5, pool_stride=5, pooling="mean"),
+    ],
+    ids=["mean", "max-wide", "kernel=stride"],
+)
 def test_poolingformer_equals_the_papers_two_levels(hp):
     n = 29
     q, k, v = qkv(10, n)
@@ -105,10 +108,19 @@ def test_poolingformer_refuses_causal_and_names_its_arrays():
     with pytest.raises(ValueError, match="causal"):
         bound(q, k, v, arrays=arrays_for("poolingformer"), causal=True)
     with pytest.raises(ValueError, match="causal"):
-        ModelConfig(task="lm", vocab_size=11, num_layers=1, d_model=16, num_heads=2, d_ff=16, max_len=16,
-                    attention="poolingformer")
+        ModelConfig(
+            task="lm",
+            vocab_size=11,
+            num_layers=1,
+            d_model=16,
+            num_heads=2,
+            d_ff=16,
+            max_len=16,
+            attention="poolingformer",
+        )
     with pytest.raises(ValueError, match="level2_q"):
         ops.poolingformer_attention(q, k, v, window=2, pool_window=8)
     with pytest.raises(ValueError, match="level2_v"):
-        ops.poolingformer_attention(q, k, v, window=2, pool_window=8,
-                                    **(arrays_for("poolingformer") | {"level2_v": jnp.zeros((3, 4, 6))}))
+        ops.poolingformer_attention(
+            q, k, v, window=2, pool_window=8, **(arrays_for("poolingformer") | {"level2_v": jnp.zeros((3, 4, 6))})
+        )

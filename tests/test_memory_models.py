@@ -78,8 +78,10 @@ def ref_multihead(att, x, y, y_mask=None):
 def ref_pack(pack, p, x, x_mask):
     """Luna's pack: Multihead(P, X, X) without an output projection."""
     heads = pack.num_heads
-    q, k, v = (ref_linear(proj, z).reshape(len(z), heads, -1) for proj, z in
-               ((pack.q_proj, p), (pack.k_proj, x), (pack.v_proj, x)))
+    q, k, v = (
+        ref_linear(proj, z).reshape(len(z), heads, -1)
+        for proj, z in ((pack.q_proj, p), (pack.k_proj, x), (pack.v_proj, x))
+    )
     logits = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     logits = jnp.where(x_mask[None, None, :], logits, -jnp.inf)
     return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(logits, -1), v).reshape(p.shape)
@@ -188,8 +190,9 @@ def test_causal_luna_never_reads_the_future_and_decodes_recurrently(placement):
     assert_close(decode_all(model, tokens), logits, atol=3e-5, rtol=1e-4)
     if placement == "post":  # the paper's; the pre-norm variant runs the same ops
         assert finite_grads(loss_grad(model, tokens))
-    assert sum(x.size for x in jax.tree.leaves(model.init_decode_state(4))) == \
-        sum(x.size for x in jax.tree.leaves(model.init_decode_state(16)))  # a fixed-size recurrent state
+    assert sum(x.size for x in jax.tree.leaves(model.init_decode_state(4))) == sum(
+        x.size for x in jax.tree.leaves(model.init_decode_state(16))
+    )  # a fixed-size recurrent state
 
 
 def test_luna_classifier_ignores_padding():
@@ -216,8 +219,11 @@ def test_perceiver_repeats_share_weights_after_the_first_cross_attend():
     assert len(encoder.cross) == 2 and len(encoder.tower) == SMALL["num_layers"]
     assert encoder.cross[0].attention.num_heads == 1  # the paper's single-head cross-attention
     tokens = jnp.arange(6) + 1
-    assert_close(call(repeated_perceiver(), tokens),
-                 call(repeated_perceiver(), jnp.concatenate([tokens, tokens[:2]]), jnp.arange(N) < 6), atol=2e-5)
+    assert_close(
+        call(repeated_perceiver(), tokens),
+        call(repeated_perceiver(), jnp.concatenate([tokens, tokens[:2]]), jnp.arange(N) < 6),
+        atol=2e-5,
+    )
 
 
 @given(tokens=TOKENS, perm=PERMUTATIONS, mask=MASKS)
@@ -255,21 +261,24 @@ def test_perceiver_trains_on_a_toy_set_task():
 # ----------------------------------------------------------------------------- reaching them
 
 
-@pytest.mark.parametrize("extra, word", [
-    (dict(architecture="isab", task="lm"), "serves tasks"),
-    (dict(architecture="perceiver", task="seq2seq"), "serves tasks"),
-    (dict(architecture="perceiver"), "CLS"),
-    (dict(pooling="pma", task="lm"), "pma"),
-    (dict(pma_seeds=2), "pma_seeds"),
-    (dict(cross_attends=2), "cross_attends"),
-    (dict(memory_size=8), "memory_size"),
-    (dict(architecture="isab", pooling="mean", attention="performer"), "own softmax"),
-    (dict(architecture="luna", position="rope"), "positions"),
-    (dict(architecture="luna", kv_heads=1), "kv_heads"),
-    (dict(architecture="set_transformer"), "stack kind must be one of"),
-    (dict(stack={"kind": "isab", "num_latents": 4}), r"unknown setting\(s\) \['num_latents'\]"),
-    (dict(stack="transformer_xl", task="lm", embedding={"position": "learned"}), "position 'none'"),
-])
+@pytest.mark.parametrize(
+    "extra, word",
+    [
+        (dict(architecture="isab", task="lm"), "serves tasks"),
+        (dict(architecture="perceiver", task="seq2seq"), "serves tasks"),
+        (dict(architecture="perceiver"), "CLS"),
+        (dict(pooling="pma", task="lm"), "pma"),
+        (dict(pma_seeds=2), "pma_seeds"),
+        (dict(cross_attends=2), "cross_attends"),
+        (dict(memory_size=8), "memory_size"),
+        (dict(architecture="isab", pooling="mean", attention="performer"), "own softmax"),
+        (dict(architecture="luna", position="rope"), "positions"),
+        (dict(architecture="luna", kv_heads=1), "kv_heads"),
+        (dict(architecture="set_transformer"), "stack kind must be one of"),
+        (dict(stack={"kind": "isab", "num_latents": 4}), r"unknown setting\(s\) \['num_latents'\]"),
+        (dict(stack="transformer_xl", task="lm", embedding={"position": "learned"}), "position 'none'"),
+    ],
+)
 def test_invalid_combinations_are_refused(extra, word):
     with pytest.raises(ValueError, match=word):
         ModelConfig(**extra)
@@ -297,8 +306,10 @@ def test_norm_placement_defaults_to_the_papers():
 
 def test_retrieval_towers_and_the_list_command(capsys):
     for arch, pooling, seeds in [("isab", "pma", 2), ("perceiver", "mean", 1)]:
-        model = build_model(ModelConfig(task="retrieval", architecture=arch, pooling=pooling, pma_seeds=seeds, **SMALL),
-                            key=jax.random.key(0))
+        model = build_model(
+            ModelConfig(task="retrieval", architecture=arch, pooling=pooling, pma_seeds=seeds, **SMALL),
+            key=jax.random.key(0),
+        )
         assert call(model, jnp.arange(5), jnp.arange(7)).shape == (2,)
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out

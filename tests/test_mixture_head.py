@@ -15,14 +15,25 @@ from jxformers.nn.generation import generate
 from jxformers.nn.mixture import UNREACHABLE, discretized_logistic_log_probs
 from jxformers.train.step import loss_and_metrics
 
-TINY = dict(task="lm", vocab_size=257, num_layers=1, d_model=16, num_heads=2, max_len=12,
-            output_head="mixture_of_logistics", mixture_components=3)
+TINY = dict(
+    task="lm",
+    vocab_size=257,
+    num_layers=1,
+    d_model=16,
+    num_heads=2,
+    max_len=12,
+    output_head="mixture_of_logistics",
+    mixture_components=3,
+)
 
 
 def _params(key, shape):
     k1, k2, k3 = jax.random.split(key, 3)
-    return (jax.random.normal(k1, shape), jax.random.uniform(k2, shape, minval=-1.2, maxval=1.2),
-            jax.random.uniform(k3, shape, minval=-8.0, maxval=1.0))  # includes scales below the floor
+    return (
+        jax.random.normal(k1, shape),
+        jax.random.uniform(k2, shape, minval=-1.2, maxval=1.2),
+        jax.random.uniform(k3, shape, minval=-8.0, maxval=1.0),
+    )  # includes scales below the floor
 
 
 def _logistic_cdf(x, mean, log_scale):
@@ -39,8 +50,14 @@ def test_probabilities_sum_to_one_and_match_the_cdf():
     pi = np.exp(w - w.max()) / np.exp(w - w.max()).sum()
     for v in (0, 1, 77, 128, 254, 255):
         c = 2 * v / 255 - 1
-        p = sum(pi[k] * ((1.0 if v == 255 else _logistic_cdf(c + 1 / 255, mu[k], s[k]))
-                         - (0.0 if v == 0 else _logistic_cdf(c - 1 / 255, mu[k], s[k]))) for k in range(10))
+        p = sum(
+            pi[k]
+            * (
+                (1.0 if v == 255 else _logistic_cdf(c + 1 / 255, mu[k], s[k]))
+                - (0.0 if v == 0 else _logistic_cdf(c - 1 / 255, mu[k], s[k]))
+            )
+            for k in range(10)
+        )
         np.testing.assert_allclose(float(jnp.exp(log_p[0, v])), p, rtol=2e-4, atol=1e-7)
 
 
@@ -96,13 +113,19 @@ def test_tiny_model_trains():
     assert losses[-1] < losses[0] - 1.0  # values 100..109: ~log(10) nats reachable from ~log(256)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"vocab_size": 300}, "vocab_size must be 256"),
-    ({"task": "classify", "num_classes": 2}, "serves tasks lm"),
-    ({"mixture_components": 0}, "head.components must be >= 1"),
-    ({"output_head": "softmax", "mixture_components": 5}, r"head 'softmax': unknown setting\(s\) \['mixture_components'\]"),
-    ({"output_head": "gaussian"}, "head kind must be one of"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"vocab_size": 300}, "vocab_size must be 256"),
+        ({"task": "classify", "num_classes": 2}, "serves tasks lm"),
+        ({"mixture_components": 0}, "head.components must be >= 1"),
+        (
+            {"output_head": "softmax", "mixture_components": 5},
+            r"head 'softmax': unknown setting\(s\) \['mixture_components'\]",
+        ),
+        ({"output_head": "gaussian"}, "head kind must be one of"),
+    ],
+)
 def test_misuse_is_a_clear_error(change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**(TINY | change))

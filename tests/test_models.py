@@ -37,7 +37,9 @@ def test_decoding_states_have_fixed_size():
 def test_greedy_generation_matches_the_parallel_argmax(name):
     model = build_model(config(name, "lm"), key=jax.random.key(2))
     prompt = tokens(7, 5)
-    out = eqx.filter_jit(lambda m, p: jxformers.generate(m, p, 9, key=jax.random.key(0), temperature=0.0))(model, prompt)
+    out = eqx.filter_jit(lambda m, p: jxformers.generate(m, p, 9, key=jax.random.key(0), temperature=0.0))(
+        model, prompt
+    )
     assert out.shape == (14,) and bool(jnp.all(out[:5] == prompt))
     logits = forward(model, out)
     assert bool(jnp.all(jnp.argmax(logits[4:-1], -1) == out[5:]))

@@ -58,7 +58,7 @@ def _loop(moe, x, experts, gates, active):
         y = jnp.zeros((D,))
         for j in range(experts.shape[1]):
             if bool(active[t, j]):
-                y = y + gates[t, j] * _expert(moe, int(experts[t, j]), x[t:t + 1])[0]
+                y = y + gates[t, j] * _expert(moe, int(experts[t, j]), x[t : t + 1])[0]
         rows.append(y)
     return jnp.stack(rows)
 
@@ -118,7 +118,7 @@ def test_capacity_overflow_dropped_exactly():
     y, aux = _run(moe, x, mask=mask)
     assert float(aux["dropped"]) == n - 2 - cap
     assert_close(y[:2], jnp.zeros((2, D)))
-    assert_close(y[2:2 + cap], _expert(moe, 0, x[2:2 + cap]) / e, atol=1e-5)
+    assert_close(y[2 : 2 + cap], _expert(moe, 0, x[2 : 2 + cap]) / e, atol=1e-5)
     # inference uses the eval factor: 2.0 -> capacity 6
     _, aux = _run(moe, x, inference=True)
     assert float(aux["dropped"]) == n - 6
@@ -158,12 +158,15 @@ def test_dropless_equals_per_token_loop(method, ffn="swiglu"):
 def test_dropless_gradients_under_vmap_match_capacity_dispatch():
     kw = dict(top_k=2, ffn="geglu", key=jax.random.key(6))
     # the ragged_dot path (the padded one is the capacity dispatch itself)
-    dropless, roomy = MoE(D, FF, 4, dropless=True, dropless_method="ragged", **kw), MoE(D, FF, 4, capacity_factor=2.0, **kw)
+    dropless, roomy = (
+        MoE(D, FF, 4, dropless=True, dropless_method="ragged", **kw),
+        MoE(D, FF, 4, capacity_factor=2.0, **kw),
+    )
     xs = jnp.stack([_x(7), _x(8)])
 
     def loss(m):
         y, aux = jax.vmap(lambda a: m(a))(xs)
-        return jnp.sum(y ** 2) + aux["balance_loss"].mean() + aux["z_loss"].mean()
+        return jnp.sum(y**2) + aux["balance_loss"].mean() + aux["z_loss"].mean()
 
     grad = eqx.filter_jit(eqx.filter_grad(loss))
     g1, g2 = grad(dropless), grad(roomy)
@@ -176,12 +179,15 @@ def test_top1_with_one_expert_equals_the_ffn(ffn):
     ffn_mod = FeedForward(D, FF, ffn, key=jax.random.key(9))
     moe = MoE(D, FF, 1, ffn=ffn, capacity_factor=1.0, key=jax.random.key(10))
     t = lambda w: w.T[None]  # noqa: E731  Linear [out, in] -> [1, in, out]
-    moe = eqx.tree_at(lambda m: (m.experts.w_in, m.experts.b_in, m.experts.w_out, m.experts.b_out), moe,
-                      (t(ffn_mod.w_in.weight), ffn_mod.w_in.bias[None], t(ffn_mod.w_out.weight),
-                       ffn_mod.w_out.bias[None]))
+    moe = eqx.tree_at(
+        lambda m: (m.experts.w_in, m.experts.b_in, m.experts.w_out, m.experts.b_out),
+        moe,
+        (t(ffn_mod.w_in.weight), ffn_mod.w_in.bias[None], t(ffn_mod.w_out.weight), ffn_mod.w_out.bias[None]),
+    )
     if ffn == "swiglu":
-        moe = eqx.tree_at(lambda m: (m.experts.w_gate, m.experts.b_gate), moe,
-                          (t(ffn_mod.w_gate.weight), ffn_mod.w_gate.bias[None]))
+        moe = eqx.tree_at(
+            lambda m: (m.experts.w_gate, m.experts.b_gate), moe, (t(ffn_mod.w_gate.weight), ffn_mod.w_gate.bias[None])
+        )
     x = _x(11)
     y, aux = _run(moe, x)
     assert_close(y, ffn_mod(x), atol=1e-5)
@@ -254,16 +260,22 @@ def test_jitter_only_in_training():
         moe(x)
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=2, jitter_eps=0.1, second_policy="random"),
-                                dict(top_k=2, dropless=True, shared_expert=True),
-                                dict(router="expert_choice")], ids=["capacity", "dropless", "expert_choice"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_k=2, jitter_eps=0.1, second_policy="random"),
+        dict(top_k=2, dropless=True, shared_expert=True),
+        dict(router="expert_choice"),
+    ],
+    ids=["capacity", "dropless", "expert_choice"],
+)
 def test_gradients_finite_and_bf16(kw):
     moe = MoE(D, FF, 4, ffn="swiglu", key=jax.random.key(22), **kw)
     x, mask = _x(23), jnp.arange(12) < 11
 
     def loss(m):
         y, aux = m(x, mask=mask, key=jax.random.key(1))
-        return jnp.sum(y ** 2) + 0.01 * aux["balance_loss"] + 1e-3 * aux["z_loss"]
+        return jnp.sum(y**2) + 0.01 * aux["balance_loss"] + 1e-3 * aux["z_loss"]
 
     grads = eqx.filter_jit(eqx.filter_grad(loss))(moe)
     leaves = jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
@@ -331,8 +343,12 @@ TINY = dict(vocab_size=29, num_layers=2, d_model=16, num_heads=4, d_ff=24, max_l
 
 
 def test_config_moe_every_other_layer_adds_weighted_aux_losses_to_the_loss():
-    config = ModelConfig(task="lm", **TINY, layer_overrides={1: {"ffn": "moe"}},
-                         moe={"num_experts": 4, "top_k": 2, "dropless": True, "balance_weight": 0.5})
+    config = ModelConfig(
+        task="lm",
+        **TINY,
+        layer_overrides={1: {"ffn": "moe"}},
+        moe={"num_experts": 4, "top_k": 2, "dropless": True, "balance_weight": 0.5},
+    )
     model = build_model(config, key=jax.random.key(40))
     assert isinstance(model.blocks[0].ffn, FeedForward) and isinstance(model.blocks[1].ffn, MoE)
     assert model.blocks[1].ffn.balance_weight == 0.5 and model.blocks[1].ffn.causal
@@ -380,10 +396,12 @@ def test_config_pkm_classifier_and_config_errors():
     # In the component form a setting exists only on its FFN: PKM without num_keys is refused
     # when the config is made (it used to pass and fail in build_model), MoE takes no num_keys.
     small = {k: v for k, v in TINY.items() if k != "d_ff"}
-    for ffn, match in (({"kind": "pkm"}, r"needs \['num_keys'\] \(num_keys: sub-keys per half"),
-                       ("pkm", r"needs \['num_keys'\]"),
-                       ({"kind": "moe", "num_keys": 4}, r"unknown setting\(s\) \['num_keys'\]"),
-                       ({"kind": "pkm", "num_keys": 4, "d_ff": 64}, r"unknown setting\(s\) \['d_ff'\]")):
+    for ffn, match in (
+        ({"kind": "pkm"}, r"needs \['num_keys'\] \(num_keys: sub-keys per half"),
+        ("pkm", r"needs \['num_keys'\]"),
+        ({"kind": "moe", "num_keys": 4}, r"unknown setting\(s\) \['num_keys'\]"),
+        ({"kind": "pkm", "num_keys": 4, "d_ff": 64}, r"unknown setting\(s\) \['d_ff'\]"),
+    ):
         with pytest.raises(ValueError, match=match):
             ModelConfig(**small, ffn=ffn)
 
@@ -404,8 +422,13 @@ def test_moe_and_pkm_language_model_decodes_like_its_parallel_forward():
     """Token choice is per token once nothing is dropped (dropless), and the memory
     without query normalisation is per token: decoding one token at a time equals the
     parallel forward."""
-    config = ModelConfig(task="lm", **TINY, layer_overrides={0: {"ffn": "pkm"}, 1: {"ffn": "moe"}},
-                         moe={"num_experts": 4, "top_k": 2, "dropless": True}, pkm={"num_keys": 4, "top_k": 2})
+    config = ModelConfig(
+        task="lm",
+        **TINY,
+        layer_overrides={0: {"ffn": "pkm"}, 1: {"ffn": "moe"}},
+        moe={"num_experts": 4, "top_k": 2, "dropless": True},
+        pkm={"num_keys": 4, "top_k": 2},
+    )
     model = build_model(config, key=jax.random.key(43))
     tokens = jax.random.randint(jax.random.key(44), (8,), 0, 29)
     parallel = eqx.filter_jit(lambda m, t: m(t, inference=True))(model, tokens)
@@ -424,11 +447,25 @@ def test_training_logs_per_layer_moe_metrics_to_jsonl_and_tensorboard(tmp_path):
     config = {
         "name": "moe_tiny",
         "data": {"task": "copy", "train_size": 64, "eval_size": 16, "settings": {"max_len": 16, "symbols": 4}},
-        "model": {"attention": "softmax", "num_layers": 2, "d_model": 16, "num_heads": 2, "d_ff": 32,
-                  "layer_overrides": {1: {"ffn": "moe"}},
-                  "moe": {"num_experts": 4, "top_k": 2, "capacity_factor": 0.5, "min_capacity": 1}},
-        "train": {"steps": 3, "batch_size": 4, "learning_rate": 0.003, "warmup_steps": 1, "eval_every": 3,
-                  "eval_batches": 1, "log_every": 1, "grad_accum": 2},
+        "model": {
+            "attention": "softmax",
+            "num_layers": 2,
+            "d_model": 16,
+            "num_heads": 2,
+            "d_ff": 32,
+            "layer_overrides": {1: {"ffn": "moe"}},
+            "moe": {"num_experts": 4, "top_k": 2, "capacity_factor": 0.5, "min_capacity": 1},
+        },
+        "train": {
+            "steps": 3,
+            "batch_size": 4,
+            "learning_rate": 0.003,
+            "warmup_steps": 1,
+            "eval_every": 3,
+            "eval_batches": 1,
+            "log_every": 1,
+            "grad_accum": 2,
+        },
         "checkpoint": {"every": 3},
     }
     path = tmp_path / "moe.yaml"
@@ -451,7 +488,9 @@ def test_training_logs_per_layer_moe_metrics_to_jsonl_and_tensorboard(tmp_path):
     assert b"moe0/router_entropy" in payload and b"moe0/dropped" in payload
 
 
-@pytest.mark.parametrize("module,cls", [("moe", "MoE"), ("pkm", "ProductKeyMemory"), ("tokenlearner", "TokenLearnerStage")])
+@pytest.mark.parametrize(
+    "module,cls", [("moe", "MoE"), ("pkm", "ProductKeyMemory"), ("tokenlearner", "TokenLearnerStage")]
+)
 def test_sub_settings_and_their_modules_share_one_set_of_defaults(module, cls):
     # ModelConfig's moe / pkm / token_learner mappings are completed from SETTINGS; the
     # modules' keyword defaults must be the same values, or the config builds another layer.
@@ -460,7 +499,10 @@ def test_sub_settings_and_their_modules_share_one_set_of_defaults(module, cls):
 
     lib = importlib.import_module(f"jxformers.nn.{module}")
     params = inspect.signature(getattr(lib, cls).__init__).parameters
-    shared = {name: value for name, value in lib.SETTINGS.items()
-              if name in params and params[name].default is not inspect.Parameter.empty}
+    shared = {
+        name: value
+        for name, value in lib.SETTINGS.items()
+        if name in params and params[name].default is not inspect.Parameter.empty
+    }
     assert shared, f"{cls} takes none of {sorted(lib.SETTINGS)}"
     assert {name: params[name].default for name in shared} == shared

@@ -99,5 +99,11 @@ def test_expert_parallel_moe_equals_per_device_layer():
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
     env.pop("XLA_FLAGS", None)
-    result = subprocess.run([sys.executable, "-c", SCRIPT.replace("FAST_COMPILE", FAST_COMPILE)], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT.replace("FAST_COMPILE", FAST_COMPILE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-4000:]

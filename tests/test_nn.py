@@ -39,8 +39,10 @@ def tokens(seed, n=20):
 
 def test_rotary_scores_depend_only_on_the_offset():
     q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 8))
+
     def score(m, n):
         return float(jnp.sum(rotary(q, jnp.array([m])) * rotary(k, jnp.array([n]))))
+
     assert score(7, 3) == pytest.approx(score(14, 10), abs=1e-5)
     assert score(7, 3) != pytest.approx(score(7, 5), abs=1e-3)
     assert score(0, 0) == pytest.approx(float(jnp.sum(q * k)), abs=1e-5)  # position 0 is the identity
@@ -118,8 +120,9 @@ def test_drawn_arrays_are_not_trained_and_redraw_resamples_them():
     assert not bool(jnp.allclose(new.drawn["projection"], attn.drawn["projection"]))
     assert bool(jnp.all(new.q_proj.weight == attn.q_proj.weight))
     # A whole model: every attention's drawn arrays change, nothing else does.
-    model = build_model(dict(TINY, task="lm", attention="performer", attention_kwargs={"num_features": 8}),
-                        key=jax.random.key(0))
+    model = build_model(
+        dict(TINY, task="lm", attention="performer", attention_kwargs={"num_features": 8}), key=jax.random.key(0)
+    )
     fresh = jxformers.nn.redraw(model, jax.random.key(1))
     p0, p1 = (b.attention.drawn["projection"] for b in fresh.blocks)
     assert not bool(jnp.allclose(p0, p1))
@@ -251,7 +254,11 @@ def test_dropout_needs_a_key_in_training_and_is_off_in_inference():
 
 def test_per_layer_overrides():
     model = build_model(
-        dict(TINY, task="lm", layer_overrides={1: {"attention": "local", "attention_kwargs": {"window": 2}, "ffn": "swiglu"}}),
+        dict(
+            TINY,
+            task="lm",
+            layer_overrides={1: {"attention": "local", "attention_kwargs": {"window": 2}, "ffn": "swiglu"}},
+        ),
         key=jax.random.key(0),
     )
     assert model.blocks[0].attention.name == "softmax" and model.blocks[1].attention.name == "local"
@@ -275,8 +282,9 @@ def test_config_from_dict_and_yaml(tmp_path):
     assert cfg.stack.filters == {0: 0.5}
     # The flat form of earlier versions: the same config, with a FlatConfigWarning.
     with pytest.warns(FlatConfigWarning, match="attention_kwargs -> attention"):
-        flat = ModelConfig.from_yaml("task: lm\nvocab_size: 29\nattention: performer\nattention_kwargs:\n"
-                                     "  num_features: 8\nfilters: {}\n")
+        flat = ModelConfig.from_yaml(
+            "task: lm\nvocab_size: 29\nattention: performer\nattention_kwargs:\n  num_features: 8\nfilters: {}\n"
+        )
     assert flat == ModelConfig.from_yaml(text)
 
 
@@ -353,8 +361,9 @@ def test_reversible_backward_reconstructs_and_matches_autodiff():
 
 def test_reversible_activation_memory_does_not_grow_with_depth():
     def temp(layers, reversible):
-        model = build_model(dict(TINY, task="lm", num_layers=layers, reversible=reversible, max_len=256),
-                            key=jax.random.key(0))
+        model = build_model(
+            dict(TINY, task="lm", num_layers=layers, reversible=reversible, max_len=256), key=jax.random.key(0)
+        )
         x = tokens(0, 256)
         params, static = eqx.partition(model, eqx.is_inexact_array)
         grad = jax.jit(jax.grad(lambda p: jnp.mean(eqx.combine(p, static)(x) ** 2)))
@@ -386,8 +395,10 @@ def test_each_residual_branch_drops_once():
         zeroed = float(jnp.mean(out == 0))
         assert abs(zeroed - 0.5) < 0.02, zeroed
         assert float(jnp.mean(branch(x, inference=True) == 0)) < 0.01
-    assert not any(isinstance(leaf, eqx.nn.Dropout) for leaf in jax.tree.leaves(
-        block.attention, is_leaf=lambda m: isinstance(m, eqx.nn.Dropout)))
+    assert not any(
+        isinstance(leaf, eqx.nn.Dropout)
+        for leaf in jax.tree.leaves(block.attention, is_leaf=lambda m: isinstance(m, eqx.nn.Dropout))
+    )
 
 
 def test_reversible_stack_uses_the_blocks_branches_with_dropout():
@@ -447,8 +458,15 @@ _grad = eqx.filter_jit(eqx.filter_grad(lambda attention, x: jnp.sum(attention(x)
 
 
 def test_rfa_gate_and_sigma_are_parameters_of_the_module():
-    attn = Attention("rfa", 16, 4, kv_heads=2, causal=True, key=jax.random.key(0),
-                     attention_kwargs={"num_features": 8, "gated": True, "sigma": 0.5})
+    attn = Attention(
+        "rfa",
+        16,
+        4,
+        kv_heads=2,
+        causal=True,
+        key=jax.random.key(0),
+        attention_kwargs={"num_features": 8, "gated": True, "sigma": 0.5},
+    )
     assert set(attn.token_params) == {"gate_w", "gate_b"} and set(attn.arrays) == {"log_sigma"}
     mask = trainable(attn)
     assert mask.token_params["gate_w"] is True and mask.arrays["log_sigma"] is True
@@ -456,11 +474,14 @@ def test_rfa_gate_and_sigma_are_parameters_of_the_module():
     x = jax.random.normal(jax.random.key(1), (9, 16))
     q, k, v = (attn._heads(x, p, h) for p, h in ((attn.q_proj, 4), (attn.k_proj, 2), (attn.v_proj, 2)))
     gate = jax.nn.sigmoid(x @ attn.token_params["gate_w"] + attn.token_params["gate_b"][None])  # [tokens, heads]
-    expected = ops.rfa_attention(q, k, v, attn.drawn["projection"], log_sigma=attn.arrays["log_sigma"], gate=gate,
-                                 causal=True)
+    expected = ops.rfa_attention(
+        q, k, v, attn.drawn["projection"], log_sigma=attn.arrays["log_sigma"], gate=gate, causal=True
+    )
     assert_close(_call(attn, x), attn._out(expected, x), atol=1e-5)
     grads = _grad(attn, x)
-    assert float(jnp.abs(grads.token_params["gate_w"]).max()) > 0 and float(jnp.abs(grads.arrays["log_sigma"]).max()) > 0
+    assert (
+        float(jnp.abs(grads.token_params["gate_w"]).max()) > 0 and float(jnp.abs(grads.arrays["log_sigma"]).max()) > 0
+    )
     # Ungated RFA has no gate; the gate needs a causal state.
     assert Attention("rfa", 16, 4, key=jax.random.key(0)).token_params == {}
     with pytest.raises(ValueError, match="gated=True needs causal"):
@@ -477,8 +498,13 @@ def test_rfa_learned_sigma_scales_the_random_features():
 
 
 def test_longformer_global_projections_change_only_the_global_rows():
-    attn = Attention("longformer", 16, 4, key=jax.random.key(0),
-                     attention_kwargs={"window": 2, "dilation": 2, "global_indices": (0, 5)})
+    attn = Attention(
+        "longformer",
+        16,
+        4,
+        key=jax.random.key(0),
+        attention_kwargs={"window": 2, "dilation": 2, "global_indices": (0, 5)},
+    )
     assert sorted(attn.token_params) == sorted(f"global_{p}_{w}" for p in "qkv" for w in "wb")
     assert all(trainable(attn).token_params.values())
     x = jax.random.normal(jax.random.key(1), (12, 16))
@@ -492,8 +518,9 @@ def test_longformer_global_projections_change_only_the_global_rows():
 
 
 def _synthesizer(kind, **kwargs):
-    return Attention("synthesizer", 16, 2, key=jax.random.key(0),
-                     attention_kwargs={"kind": kind, "max_len": 12, **kwargs})
+    return Attention(
+        "synthesizer", 16, 2, key=jax.random.key(0), attention_kwargs={"kind": kind, "max_len": 12, **kwargs}
+    )
 
 
 def test_dense_synthesizer_reads_the_layer_input_not_the_queries():
@@ -523,8 +550,9 @@ def test_factorized_dense_synthesizer_tiles_a_and_repeats_b():
     xn, pn = np.asarray(x), {n: np.asarray(a) for n, a in p.items()}
     a = np.stack([xn @ pn["wa"][h] + pn["ba"][h] for h in range(2)])  # [heads, n, 4]
     b = np.stack([xn @ pn["wb"][h] + pn["bb"][h] for h in range(2)])  # [heads, n, 3]
-    c = np.stack([[np.array([a[h, i, t % 4] * b[h, i, t // 4] for t in range(12)]) for i in range(12)]
-                  for h in range(2)])
+    c = np.stack(
+        [[np.array([a[h, i, t % 4] * b[h, i, t // 4] for t in range(12)]) for i in range(12)] for h in range(2)]
+    )
     assert_close(attn.core.token_arrays(p, x, x)["dense_logits"], c, atol=1e-5)
 
 
@@ -545,8 +573,10 @@ def test_dense_synthesizer_language_model_is_causal_and_trains():
     from suites import TINY as SMALL
     from suites import finite_grads, forward, loss_grad, tokens
 
-    model = build_model(ModelConfig(task="lm", attention="synthesizer", **SMALL,
-                                    attention_kwargs={"kind": "dense", "hidden": 8}), key=jax.random.key(0))
+    model = build_model(
+        ModelConfig(task="lm", attention="synthesizer", **SMALL, attention_kwargs={"kind": "dense", "hidden": 8}),
+        key=jax.random.key(0),
+    )
     x = tokens(3)
     logits = forward(model, x)
     changed = forward(model, x.at[12:].set(tokens(4)[12:]))

@@ -18,9 +18,7 @@ NAMES = [n for n in registry.names() if registry.get(n).op.__module__.startswith
 
 def call(name, q, k, v, **kwargs):
     bound = registry.bind(name, **FACTS[name].variants[0])
-    arrays = bound.init_arrays(
-        jax.random.key(0), heads=q.shape[1], kv_heads=k.shape[1], d_k=q.shape[2], d_v=v.shape[2]
-    )
+    arrays = bound.init_arrays(jax.random.key(0), heads=q.shape[1], kv_heads=k.shape[1], d_k=q.shape[2], d_v=v.shape[2])
     return bound(q, k, v, arrays=arrays, **kwargs)
 
 
@@ -61,7 +59,9 @@ def test_numpy_inputs_and_masks_are_accepted(name):
     q, k, v = (np.asarray(x) for x in qkv(0, 12))
     kwargs = {"kv_mask": np.arange(12) < 9} if registry.get(name).supports_kv_mask else {}
     as_jax = {n: jnp.asarray(x) for n, x in kwargs.items()}
-    out, expected = jax.jit(lambda: (call(name, q, k, v, **kwargs), call(name, *map(jnp.asarray, (q, k, v)), **as_jax)))()
+    out, expected = jax.jit(
+        lambda: (call(name, q, k, v, **kwargs), call(name, *map(jnp.asarray, (q, k, v)), **as_jax))
+    )()
     assert_close(out, expected, atol=1e-6)
 
 

@@ -105,8 +105,11 @@ def test_softmax_bf16_softmax_runs_in_float32():
 
 
 @given(
-    n=st.sampled_from([1, 19, 64]), kv_len=st.sampled_from([7, 33]), chunk=st.sampled_from([4, 16]),
-    causal=st.booleans(), seed=st.integers(0, 100),
+    n=st.sampled_from([1, 19, 64]),
+    kv_len=st.sampled_from([7, 33]),
+    chunk=st.sampled_from([4, 16]),
+    causal=st.booleans(),
+    seed=st.integers(0, 100),
 )
 def test_chunked_equals_softmax_for_any_lengths_and_chunk(n, kv_len, chunk, causal, seed):
     q, k, v = qkv(seed, n, kv_len=kv_len)
@@ -134,7 +137,9 @@ def test_local_attention_window_zero_attends_only_itself():
 def test_local_attention_window_wider_than_sequence_is_full_attention():
     q, k, v = qkv(6, 20)
     assert_close(ops.local_attention(q, k, v, window=50), ops.softmax_attention(q, k, v), atol=1e-6)
-    assert_close(ops.local_attention(q, k, v, window=50, causal=True), ops.softmax_attention(q, k, v, causal=True), atol=1e-6)
+    assert_close(
+        ops.local_attention(q, k, v, window=50, causal=True), ops.softmax_attention(q, k, v, causal=True), atol=1e-6
+    )
 
 
 def test_local_attention_groups_contiguous_not_strided_positions():
@@ -148,7 +153,9 @@ def test_local_attention_groups_contiguous_not_strided_positions():
 
 def test_dilated_with_dilation_one_is_local():
     q, k, v = qkv(8, 37)
-    assert_close(ops.dilated_attention(q, k, v, window=4, dilation=1), ops.local_attention(q, k, v, window=4), atol=1e-6)
+    assert_close(
+        ops.dilated_attention(q, k, v, window=4, dilation=1), ops.local_attention(q, k, v, window=4), atol=1e-6
+    )
 
 
 # ----------------------------------------------------------------------------- sparse family
@@ -207,7 +214,11 @@ def test_longformer_out_of_range_traced_indices_are_ignored_and_repeats_count_on
 
 def test_longformer_without_global_tokens_is_local():
     q, k, v = qkv(13, 30)
-    assert_close(ops.longformer_attention(q, k, v, window=3, global_indices=()), ops.local_attention(q, k, v, window=3), atol=1e-6)
+    assert_close(
+        ops.longformer_attention(q, k, v, window=3, global_indices=()),
+        ops.local_attention(q, k, v, window=3),
+        atol=1e-6,
+    )
 
 
 def test_sparse_transformer_strided_reaches_every_earlier_position_in_two_hops():
@@ -252,7 +263,9 @@ def test_memory_compressed_equals_softmax_over_the_convolved_memory(causal):
     k_kernel = jax.random.normal(kk, (s, 16, 16)) * 0.1
     v_kernel = jax.random.normal(kv_, (s, 12, 12)) * 0.1
     real = np.arange(n) < n - 4
-    out = ops.memory_compressed_attention(q, k, v, k_kernel=k_kernel, v_kernel=v_kernel, causal=causal, kv_mask=jnp.asarray(real))
+    out = ops.memory_compressed_attention(
+        q, k, v, k_kernel=k_kernel, v_kernel=v_kernel, causal=causal, kv_mask=jnp.asarray(real)
+    )
     ck, cv = _conv_numpy(k, k_kernel, real), _conv_numpy(v, v_kernel, real)
     slots = ck.shape[0]
     slot_real = np.array([real[m * s : (m + 1) * s].any() for m in range(slots)])
@@ -273,9 +286,19 @@ def test_longformer_dilated_window_with_global_tokens_and_global_projections_equ
     gq, gk, gv = (x * 1.5 + 0.3 for x in qkv(22, n))  # the paper's separate Q_g, K_g, V_g
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     is_global = np.isin(np.arange(n), glob)
-    longformer = jax.jit(lambda *x, causal: ops.longformer_attention(
-        *x[:3], window=window, dilation=dilation, global_indices=glob, causal=causal, global_q=x[3], global_k=x[4],
-        global_v=x[5]), static_argnames="causal")
+    longformer = jax.jit(
+        lambda *x, causal: ops.longformer_attention(
+            *x[:3],
+            window=window,
+            dilation=dilation,
+            global_indices=glob,
+            causal=causal,
+            global_q=x[3],
+            global_k=x[4],
+            global_v=x[5],
+        ),
+        static_argnames="causal",
+    )
     dense = jax.jit(lambda q, k, v, mask: ops.softmax_attention(q, k, v, mask=mask))
     for causal in (False, True):
         got = longformer(q, k, v, gq, gk, gv, causal=causal)

@@ -53,7 +53,7 @@ def test_each_contour_is_one_stroke_and_none_touch(length):
 def test_markers_are_anti_aliased_discs_of_radius_1_5():
     image, _ = pathfinder.render(0, 1)
     for y, x in marker_centres(image):
-        patch = image[y - 1:y + 2, x - 1:x + 2].astype(int)
+        patch = image[y - 1 : y + 2, x - 1 : x + 2].astype(int)
         assert (patch[[0, 1, 1, 1, 2], [1, 0, 1, 2, 1]] == 255).all()
         assert (patch[[0, 0, 2, 2], [0, 2, 0, 2]] >= 149).all()  # 2 - sqrt(2) of full ink, or a stroke's
 
@@ -81,13 +81,16 @@ def test_features_count_grey_ink_as_ink():
     assert cues["marker distance"][0, 0] == pytest.approx(np.hypot(6, 6))
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(size=8), "size must be >= 12; got 8"),
-    (dict(contour_length=3), "contour_length must be >= 4; got 3"),
-    (dict(gap=3), r"gap must be in \[0, 2\].*got 3"),
-    (dict(distractors=-1), "distractors must be >= 0.*got -1"),
-    (dict(size=12, contour_length=6, distractors=30), "could not fit 2 contours of 6 steps and 30 distractors"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(size=8), "size must be >= 12; got 8"),
+        (dict(contour_length=3), "contour_length must be >= 4; got 3"),
+        (dict(gap=3), r"gap must be in \[0, 2\].*got 3"),
+        (dict(distractors=-1), "distractors must be >= 0.*got -1"),
+        (dict(size=12, contour_length=6, distractors=30), "could not fit 2 contours of 6 steps and 30 distractors"),
+    ],
+)
 def test_bad_settings_raise(settings, message):
     with pytest.raises(ValueError, match=message):
         pathfinder.render(0, 0, **settings)

@@ -29,9 +29,16 @@ def test_an_attention_dense_at_max_len_warns(attention, kwargs, max_len, match):
 
 @pytest.mark.parametrize(
     "attention,kwargs,max_len",
-    [("local", {"window": 63}, 128), ("bigbird", {}, 1024), ("linformer", {"proj_len": 64}, 128),
-     ("softmax", {}, 8), ("dilated", {"window": 64}, 64), ("lsh", {"chunk_size": 32}, 128),
-     ("routing", {"n_clusters": 4}, 128), ("clusterformer", {"chunk_size": 32}, 64)],
+    [
+        ("local", {"window": 63}, 128),
+        ("bigbird", {}, 1024),
+        ("linformer", {"proj_len": 64}, 128),
+        ("softmax", {}, 8),
+        ("dilated", {"window": 64}, 64),
+        ("lsh", {"chunk_size": 32}, 128),
+        ("routing", {"n_clusters": 4}, 128),
+        ("clusterformer", {"chunk_size": 32}, 64),
+    ],
 )
 def test_an_attention_sparser_than_its_sequence_does_not_warn(attention, kwargs, max_len):
     with warnings.catch_warnings():
@@ -82,9 +89,23 @@ def test_demo_reports_mean_and_spread_over_seeds(tmp_path, capsys, monkeypatch):
     from jxformers.tools import demo
 
     monkeypatch.setattr(demo, "MODELS", {"softmax": [], "linear": ["model.attention=linear"]})  # fewer compilations
-    args = ["--workdir", str(tmp_path), "--no-progress", "--seeds", "2", "--set", "train.steps=2",
-            "--set", "train.eval_batches=1", "--set", "data.eval_size=16", "--set", "train.batch_size=8",
-            "--set", "data.train_size=16"]
+    args = [
+        "--workdir",
+        str(tmp_path),
+        "--no-progress",
+        "--seeds",
+        "2",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.eval_batches=1",
+        "--set",
+        "data.eval_size=16",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "data.train_size=16",
+    ]
     assert demo.main(args) == 0
     out = capsys.readouterr().out
     assert "eval accuracy (mean ± sd, 2 seeds)" in out and "within noise" in out

@@ -25,25 +25,44 @@ from jxformers.pretrained import (
 )
 
 HF_CONFIG = {
-    "architectures": ["BertModel"], "model_type": "bert", "vocab_size": 40, "hidden_size": 16,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 24,
-    "type_vocab_size": 2, "layer_norm_eps": 1e-12, "hidden_act": "gelu", "position_embedding_type": "absolute",
-    "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "initializer_range": 0.02, "pad_token_id": 0,
+    "architectures": ["BertModel"],
+    "model_type": "bert",
+    "vocab_size": 40,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 32,
+    "max_position_embeddings": 24,
+    "type_vocab_size": 2,
+    "layer_norm_eps": 1e-12,
+    "hidden_act": "gelu",
+    "position_embedding_type": "absolute",
+    "hidden_dropout_prob": 0.1,
+    "attention_probs_dropout_prob": 0.1,
+    "initializer_range": 0.02,
+    "pad_token_id": 0,
 }
 MINILM = pathlib.Path("data/minilm/model")
 
 
 def _random_bert(rng) -> dict[str, np.ndarray]:
     c, d = HF_CONFIG, HF_CONFIG["hidden_size"]
-    shapes = {"embeddings.word_embeddings.weight": (c["vocab_size"], d),
-              "embeddings.position_embeddings.weight": (c["max_position_embeddings"], d),
-              "embeddings.token_type_embeddings.weight": (c["type_vocab_size"], d),
-              "embeddings.LayerNorm.weight": (d,), "embeddings.LayerNorm.bias": (d,)}
+    shapes = {
+        "embeddings.word_embeddings.weight": (c["vocab_size"], d),
+        "embeddings.position_embeddings.weight": (c["max_position_embeddings"], d),
+        "embeddings.token_type_embeddings.weight": (c["type_vocab_size"], d),
+        "embeddings.LayerNorm.weight": (d,),
+        "embeddings.LayerNorm.bias": (d,),
+    }
     for i in range(c["num_hidden_layers"]):
-        for name, (out, inp) in {"attention.self.query": (d, d), "attention.self.key": (d, d),
-                                 "attention.self.value": (d, d), "attention.output.dense": (d, d),
-                                 "intermediate.dense": (c["intermediate_size"], d),
-                                 "output.dense": (d, c["intermediate_size"])}.items():
+        for name, (out, inp) in {
+            "attention.self.query": (d, d),
+            "attention.self.key": (d, d),
+            "attention.self.value": (d, d),
+            "attention.output.dense": (d, d),
+            "intermediate.dense": (c["intermediate_size"], d),
+            "output.dense": (d, c["intermediate_size"]),
+        }.items():
             shapes[f"encoder.layer.{i}.{name}.weight"] = (out, inp)
             shapes[f"encoder.layer.{i}.{name}.bias"] = (out,)
         for name in ("attention.output.LayerNorm", "output.LayerNorm"):
@@ -78,8 +97,11 @@ def numpy_bert(t, ids, types, mask):
     eps, heads = c["layer_norm_eps"], c["num_attention_heads"]
     t = {k: v.astype(np.float64) for k, v in t.items()}
     n = len(ids)
-    x = t["embeddings.word_embeddings.weight"][ids] + t["embeddings.position_embeddings.weight"][:n] \
+    x = (
+        t["embeddings.word_embeddings.weight"][ids]
+        + t["embeddings.position_embeddings.weight"][:n]
         + t["embeddings.token_type_embeddings.weight"][types]
+    )
     x = _layer_norm(x, t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"], eps)
     for i in range(c["num_hidden_layers"]):
         p = lambda name: (t[f"encoder.layer.{i}.{name}.weight"], t[f"encoder.layer.{i}.{name}.bias"])  # noqa: E731, B023
@@ -134,8 +156,11 @@ def _transformers_hidden(path, ids, types, mask):
     torch, transformers = _torch_bert()
     bert = transformers.BertModel.from_pretrained(str(path), add_pooling_layer=False).eval()
     with torch.no_grad():
-        out = bert(input_ids=torch.tensor(ids, dtype=torch.long), token_type_ids=torch.tensor(types, dtype=torch.long),
-                   attention_mask=torch.tensor(mask, dtype=torch.long))
+        out = bert(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            token_type_ids=torch.tensor(types, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+        )
     return out.last_hidden_state.numpy()
 
 
@@ -166,8 +191,12 @@ def test_swap_attention_keeps_every_pretrained_weight(tiny_bert):
     for name, kwargs in (("linear", {}), ("local", {"window": 2})):
         swapped, new_config = swap_attention(model, config, name, kwargs, key=jax.random.key(3))
         assert new_config.attention.name == name
-        for get in (lambda m: m.encoder.blocks[1].attention.k_proj.weight, lambda m: m.encoder.blocks[0].ffn.w_in.bias,
-                    lambda m: m.encoder.embedding.types, lambda m: m.head.weight):
+        for get in (
+            lambda m: m.encoder.blocks[1].attention.k_proj.weight,
+            lambda m: m.encoder.blocks[0].ffn.w_in.bias,
+            lambda m: m.encoder.embedding.types,
+            lambda m: m.head.weight,
+        ):
             np.testing.assert_array_equal(get(swapped), get(model))
         out = _hidden(swapped, ids, types, mask)
         assert out.shape == base.shape and np.all(np.isfinite(out)) and not np.allclose(out, base, atol=1e-3)
@@ -197,8 +226,23 @@ def test_attentions_that_do_not_fit_are_refused(tiny_bert):
 def test_convert_command_round_trips(tiny_bert, tmp_path, capsys):
     from jxformers.tools.cli import main
 
-    assert main(["convert", str(tiny_bert[0]), "--out", str(tmp_path / "out"), "--num-classes", "3",
-                 "--attention", "local", "--attention-kwargs", '{"window": 3}']) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tiny_bert[0]),
+                "--out",
+                str(tmp_path / "out"),
+                "--num-classes",
+                "3",
+                "--attention",
+                "local",
+                "--attention-kwargs",
+                '{"window": 3}',
+            ]
+        )
+        == 0
+    )
     assert "attention local" in capsys.readouterr().out
     model, config = load_converted(tmp_path / "out")
     direct, _ = swap_attention(*load_bert(tiny_bert[0], num_classes=3), "local", {"window": 3})
@@ -214,8 +258,9 @@ def test_encode_with_a_bert_tokenizer(tmp_path):
     tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
-                                                                                                ("[SEP]", 3)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     ids, mask = encode(load_tokenizer(tmp_path), ["To be or NOT to be", "nott"], max_len=6)
     np.testing.assert_array_equal(ids, [[2, 4, 5, 6, 7, 3], [2, 7, 8, 3, 0, 0]])

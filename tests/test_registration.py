@@ -54,10 +54,12 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("name,hyper_parameters,words", BAD_VALUES,
-                         ids=[f"{n}-{'-'.join(map(str, hp))}" for n, hp, _ in BAD_VALUES])
+@pytest.mark.parametrize(
+    "name,hyper_parameters,words", BAD_VALUES, ids=[f"{n}-{'-'.join(map(str, hp))}" for n, hp, _ in BAD_VALUES]
+)
 def test_bind_refuses_a_value_the_op_would_refuse_naming_attention_parameter_value_and_limits(
-        name, hyper_parameters, words):
+    name, hyper_parameters, words
+):
     with pytest.raises(ValueError, match=rf"^{name}: hyper-parameter {words}$"):
         registry.get(name).bind(**hyper_parameters)
 
@@ -83,7 +85,9 @@ def test_a_registration_must_declare_the_limits_of_a_numeric_hyper_parameter():
     def op(q, k, v, *, size: int = 4):
         return q
 
-    with pytest.raises(ValueError, match=r"toy_unlimited: declare the numbers that hyper-parameter\(s\) \['size'\] allow"):
+    with pytest.raises(
+        ValueError, match=r"toy_unlimited: declare the numbers that hyper-parameter\(s\) \['size'\] allow"
+    ):
         registry.register("toy_unlimited", op, family="toy", paper="-", complexity="O(1)")
     assert "toy_unlimited" not in registry.names()
 
@@ -106,9 +110,10 @@ def test_one_validator_for_configs_and_hyper_parameters():
 
 # ----------------------------------------------------------------------------- the README's table
 
+
 def readme_table() -> str:
     text = README.read_text()
-    section = text[text.index("[start:attention-ops]"):text.index("[end:attention-ops]")]
+    section = text[text.index("[start:attention-ops]") : text.index("[end:attention-ops]")]
     return "\n".join(line for line in section.splitlines() if line.startswith("|"))
 
 
@@ -116,7 +121,8 @@ def test_the_readme_op_table_is_the_one_rendered_from_the_registrations():
     assert readme_table() == registry.markdown_table(), (
         "README.md's op table (between the attention-ops markers) is not the registry's: replace it with the "
         "output of `jxformers list --markdown` (registry.markdown_table(); the rows' text is each registration's "
-        "summary= and complexity=)")
+        "summary= and complexity=)"
+    )
 
 
 def test_the_rendered_table_has_one_row_per_shipped_attention_in_registry_order():
@@ -128,6 +134,7 @@ def test_the_rendered_table_has_one_row_per_shipped_attention_in_registry_order(
 
 
 # ----------------------------------------------------------------------------- ops' exports
+
 
 def test_ops_exports_each_family_files_names_and_every_registered_op():
     families = sorted(p.stem for p in pathlib.Path(ops.__file__).parent.glob("*.py") if not p.stem.startswith("_"))

@@ -23,8 +23,15 @@ ROOT = pathlib.Path(__file__).parents[1]
 def run_script(script: str, timeout: int = 600) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, check=False,
-                         timeout=timeout, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return out.stdout
 
@@ -45,7 +52,10 @@ PARTS = 4
 @pytest.mark.parametrize("part", range(PARTS))
 @pytest.mark.heavy
 def test_every_registered_attention_trains_on_a_2x2x2_mesh_with_the_losses_of_one_device(part):
-    run_script((PRELUDE + """
+    run_script(
+        (
+            PRELUDE
+            + """
     from attention_facts import FACTS
     from suites import model_config
     from jxformers import registry
@@ -89,16 +99,23 @@ def test_every_registered_attention_trains_on_a_2x2x2_mesh_with_the_losses_of_on
         leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
         q = next(x for p, x in leaves.items() if p.endswith("attention.q_proj.weight"))
         assert q.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp"), (name, q.sharding)
-        assert len(q.addressable_shards) == 8 and q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)
+        half = (q.shape[0] // 2, q.shape[1] // 2)
+        assert len(q.addressable_shards) == 8 and q.addressable_shards[0].data.shape == half
         w_out = next(p for p in leaves if p.endswith("ffn.w_out.weight"))
         assert plan.spec(".params" + w_out) == jax.sharding.PartitionSpec("fsdp", "tensor"), name
         assert plan.batch.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
     print("worst relative loss difference", worst)
-    """).replace("PARTS", str(PARTS)).replace("PART", str(part)))
+    """
+        )
+        .replace("PARTS", str(PARTS))
+        .replace("PART", str(part))
+    )
 
 
 def test_moe_experts_split_over_the_expert_axis_and_train_like_one_device():
-    run_script(PRELUDE + """
+    run_script(
+        PRELUDE
+        + """
     from jax.sharding import PartitionSpec as P
     from jxformers.train import load_experiment, init_train_state
     from jxformers.train.sharding import make_mesh, plan_sharding
@@ -126,7 +143,8 @@ def test_moe_experts_split_over_the_expert_axis_and_train_like_one_device():
             out.append(float(m["loss"]))
         losses[shape is None] = out
     np.testing.assert_allclose(losses[False], losses[True], rtol=1e-5)
-    """)
+    """
+    )
 
 
 def _losses(workdir):
@@ -143,13 +161,16 @@ def test_sharded_checkpoint_saved_as_4x2_on_8_devices_resumes_as_2x2_on_4_device
     checkpoint restores on 4 of the 8 devices as 2 x 2 with identical parameters; then a
     process with 4 devices resumes the run on a 2 x 2 mesh with the losses of an
     uninterrupted 8-device run."""
-    config = {"name": "ckpt", "data": {"task": "copy", "train_size": 64, "eval_size": 8,
-                                       "settings": {"max_len": 12, "symbols": 4}},
-              "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
-              "train": {"steps": 2, "batch_size": 8, "grad_accum": 2, "eval_every": 2, "eval_batches": 1,
-                        "log_every": 1},
-              "checkpoint": {"every": 2, "async_save": False}}
-    run_script(PRELUDE + f"""
+    config = {
+        "name": "ckpt",
+        "data": {"task": "copy", "train_size": 64, "eval_size": 8, "settings": {"max_len": 12, "symbols": 4}},
+        "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
+        "train": {"steps": 2, "batch_size": 8, "grad_accum": 2, "eval_every": 2, "eval_batches": 1, "log_every": 1},
+        "checkpoint": {"every": 2, "async_save": False},
+    }
+    run_script(
+        PRELUDE
+        + f"""
     import pathlib
     from jxformers.data import make_loader
     from jxformers.train import load_experiment, train, restore_train_state
@@ -180,12 +201,16 @@ def test_sharded_checkpoint_saved_as_4x2_on_8_devices_resumes_as_2x2_on_4_device
         assert a.sharding == s and set(a.sharding.device_set) == set(jax.devices()[:4]), (path, a.sharding)
     q = restored.params.blocks[0].attention.q_proj.weight
     assert "fsdp" in q.sharding.spec, q.sharding.spec
-    """)
-    run_script(PRELUDE.replace("count=8", "count=4").replace("== 8", "== 4") + f"""
+    """
+    )
+    run_script(
+        PRELUDE.replace("count=8", "count=4").replace("== 8", "== 4")
+        + f"""
     from jxformers.train import load_experiment, train
     train(load_experiment({config!r}, ["mesh.data=2", "mesh.fsdp=2", "train.steps=4"]), {str(tmp_path / "run")!r},
           progress=False)
-    """)
+    """
+    )
     resumed, full = _losses(tmp_path / "run"), _losses(tmp_path / "full")
     assert sorted(resumed) == sorted(full) == [1, 2, 3, 4]
     assert resumed[1] == full[1] and resumed[2] == full[2]  # the same 4 x 2 run up to the checkpoint
@@ -196,8 +221,11 @@ def test_mesh_sizes_and_their_errors():
     assert mesh_shape(MeshConfig(), 8) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
     assert mesh_shape({"fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
     assert mesh_shape({"data": 2, "fsdp": -1}, 8) == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
-    with pytest.raises(ValueError, match=r"mesh \{'data': 2, 'fsdp': 2, 'tensor': 1, 'expert': 1\} has 4 devices "
-                                         r"\(2 x 2 x 1 x 1\); there are 8 devices"):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh \{'data': 2, 'fsdp': 2, 'tensor': 1, 'expert': 1\} has 4 devices "
+        r"\(2 x 2 x 1 x 1\); there are 8 devices",
+    ):
         mesh_shape({"data": 2, "fsdp": 2}, 8)
     with pytest.raises(ValueError, match="fixed axes' product 3 does not divide the 8 devices"):
         mesh_shape({"tensor": 3}, 8)
@@ -230,8 +258,9 @@ def test_rules_fall_back_to_replication_when_a_dimension_does_not_divide():
     notes.clear()
     assert leaf_spec(".params.x", (3, 5), sizes, {}, notes) == P()
     assert "no dimension of (3, 5) is divisible by fsdp=2" in notes[0]
-    assert leaf_spec(".params.blocks[0].ffn.w_in.weight", (6, 16), {"data": 8, "fsdp": 1, "tensor": 1,
-                                                                     "expert": 1}) == P()
+    assert (
+        leaf_spec(".params.blocks[0].ffn.w_in.weight", (6, 16), {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}) == P()
+    )
 
 
 def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(tmp_path):
@@ -242,11 +271,24 @@ def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(
     rng = __import__("numpy").random.default_rng(0)
     for i in range(8):
         (root / f"play{i}_gut.txt").write_bytes(bytes(rng.integers(97, 101, 3000).astype("uint8")))
-    overrides = ["preset=tiny", f"data.settings.path={root}", "data.settings.max_len=9", "data.settings.rows=4",
-                 "data.train_size=64", "data.eval_size=8", "train.batch_size=4", "model.mem_len=6",
-                 "model.eval_mem_len=12", "model.d_model=16", "model.num_heads=2", "model.d_ff=32",
-                 "model.num_layers=1"]
-    run_script(PRELUDE + f"""
+    overrides = [
+        "preset=tiny",
+        f"data.settings.path={root}",
+        "data.settings.max_len=9",
+        "data.settings.rows=4",
+        "data.train_size=64",
+        "data.eval_size=8",
+        "train.batch_size=4",
+        "model.mem_len=6",
+        "model.eval_mem_len=12",
+        "model.d_model=16",
+        "model.num_heads=2",
+        "model.d_ff=32",
+        "model.num_layers=1",
+    ]
+    run_script(
+        PRELUDE
+        + f"""
     from jax.sharding import PartitionSpec as P
     from jxformers.data import make_loader
     from jxformers.train import load_experiment, init_train_state
@@ -273,7 +315,8 @@ def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(
         results.append((losses, evaluate(make_eval_step(static), state, kept, 3, language_model=True)["eval_loss"]))
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5)
-    """)
+    """
+    )
 
 
 @pytest.mark.heavy
@@ -294,28 +337,46 @@ def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_l
     # Long enough that JAX's preemption notice (polled once a second; a step takes
     # 0.1-0.5 s here) arrives with a checkpoint still to come.
     steps, every = 40, 4
-    config = {"name": "mp", "data": {"task": "copy", "train_size": 512, "eval_size": 8,
-                                     "settings": {"max_len": 12, "symbols": 4}},
-              "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
-              "train": {"steps": steps, "batch_size": 8, "eval_every": steps, "eval_batches": 1, "log_every": 1},
-              "checkpoint": {"every": every, "async_save": False}, "mesh": {"data": 4, "fsdp": 2}}
+    config = {
+        "name": "mp",
+        "data": {"task": "copy", "train_size": 512, "eval_size": 8, "settings": {"max_len": 12, "symbols": 4}},
+        "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
+        "train": {"steps": steps, "batch_size": 8, "eval_every": steps, "eval_batches": 1, "log_every": 1},
+        "checkpoint": {"every": every, "async_save": False},
+        "mesh": {"data": 4, "fsdp": 2},
+    }
     path = tmp_path / "mp.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def launch(workdir, devices, *flags):
         return subprocess.Popen(
-            [sys.executable, "-m", "jxformers.tools.cli", "train", str(path), "--workdir", str(workdir), "--no-progress",
-             *flags], cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "jxformers.tools.cli",
+                "train",
+                str(path),
+                "--workdir",
+                str(workdir),
+                "--no-progress",
+                *flags,
+            ],
+            cwd=ROOT,
             env=env | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def two_processes(workdir):
         with socket.socket() as s:
             s.bind(("localhost", 0))
             port = s.getsockname()[1]
-        return [launch(workdir, 4, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i))
-                for i in range(2)]
+        return [
+            launch(workdir, 4, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i))
+            for i in range(2)
+        ]
 
     def finish(procs, code=0):
         """Each process's stderr, once all exited with `code`."""
@@ -392,14 +453,15 @@ def test_each_process_reads_its_rows_of_the_global_batches():
 
     from jxformers.data.loader import ProcessRows
 
-    base = grain.samplers.IndexSampler(num_records=40, shard_options=grain.sharding.NoSharding(), shuffle=True,
-                                       num_epochs=1, seed=3)
+    base = grain.samplers.IndexSampler(
+        num_records=40, shard_options=grain.sharding.NoSharding(), shuffle=True, num_epochs=1, seed=3
+    )
     keys = [base[i].record_key for i in range(40)]
     parts = [ProcessRows(base, 4, p, 3) for p in range(3)]
     assert [len(part) for part in parts] == [12, 12, 12]  # 3 whole global batches of 12; the rest dropped
     for t in range(3):
         rows = [part[t * 4 + j].record_key for part in parts for j in range(4)]
-        assert rows == keys[t * 12:(t + 1) * 12]
+        assert rows == keys[t * 12 : (t + 1) * 12]
     assert parts[1][5].index == 5
     with pytest.raises(IndexError):
         parts[0][12]

@@ -53,16 +53,23 @@ def test_generate_refuses_prompt_ids_outside_the_vocabulary_and_top_k_beyond_it(
     assert generate(lm, jnp.array([1, 2]), 3, key=key, top_k=16).shape == (5,)
 
 
-@pytest.mark.parametrize("tokens,match", [
-    (jnp.ones((2, 5), jnp.int32), r"shape \[seq\]; got shape \(2, 5\).*jax.vmap"),
-    (jnp.ones((5,), jnp.float32), "integer ids; got dtype float32"),
-])
+@pytest.mark.parametrize(
+    "tokens,match",
+    [
+        (jnp.ones((2, 5), jnp.int32), r"shape \[seq\]; got shape \(2, 5\).*jax.vmap"),
+        (jnp.ones((5,), jnp.float32), "integer ids; got dtype float32"),
+    ],
+)
 def test_a_batch_without_vmap_and_float_ids_are_refused_by_name(lm, tokens, match, monkeypatch):
     # As a user meets it: without this suite's jaxtyping runtime checks, which would
     # refuse the call first with a TypeCheckError.
     monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
-    classifier = build_model(ModelConfig(task="classify", vocab_size=VOCAB, num_classes=2, num_layers=1, d_model=16,
-                                         num_heads=2, max_len=16), key=jax.random.key(0))
+    classifier = build_model(
+        ModelConfig(
+            task="classify", vocab_size=VOCAB, num_classes=2, num_layers=1, d_model=16, num_heads=2, max_len=16
+        ),
+        key=jax.random.key(0),
+    )
     for model in (lm, classifier):
         with pytest.raises(ValueError, match=match):
             model(tokens)

@@ -2,7 +2,6 @@
 maps and padding, the fuser's weights, a classifier that trains with them, and config
 errors. Small shapes."""
 
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -54,8 +53,9 @@ def test_token_fuser_maps_tokens_back_by_sigmoid_weights_of_the_original():
 @pytest.mark.parametrize("fuse, pooling", [(False, "cls"), (True, "mean")])
 def test_classifier_with_token_learner_is_padding_safe_and_trains(fuse, pooling):
     small = TL_SMALL | dict(num_layers=2, d_model=8, num_heads=2, d_ff=16)
-    config = ModelConfig(**small, pooling=pooling, token_learner={"after_layer": 0, "num_tokens": 3, "fuse": fuse,
-                                                                  "bottleneck": 8})
+    config = ModelConfig(
+        **small, pooling=pooling, token_learner={"after_layer": 0, "num_tokens": 3, "fuse": fuse, "bottleneck": 8}
+    )
     model = build_model(config, key=jax.random.key(0))
     stage = model.encoder.token_learner
     assert len(stage.learners) == 1 and len(stage.fusers) == (1 if fuse else 0)
@@ -86,16 +86,19 @@ def test_classifier_with_token_learner_is_padding_safe_and_trains(fuse, pooling)
     assert float(step(model2, opt_state)[2]) < float(loss)
 
 
-@pytest.mark.parametrize("extra, word", [
-    (dict(task="lm"), "causal"),
-    (dict(token_learner={"after_layer": 2, "num_tokens": 3}), "after_layer"),
-    (dict(token_learner={"num_tokens": 3}), "after_layer"),
-    (dict(token_learner={"after_layer": 0, "num_tokens": 0}), "num_tokens"),
-    (dict(token_learner={"after_layer": 0, "num_tokens": 3, "maps": "relu"}), "maps"),
-    (dict(token_learner={"after_layer": 0, "num_tokens": 3, "where": 1}), "where"),
-    (dict(position="rope"), "position"),
-    (dict(filters={1: 0.5}), "filters"),
-])
+@pytest.mark.parametrize(
+    "extra, word",
+    [
+        (dict(task="lm"), "causal"),
+        (dict(token_learner={"after_layer": 2, "num_tokens": 3}), "after_layer"),
+        (dict(token_learner={"num_tokens": 3}), "after_layer"),
+        (dict(token_learner={"after_layer": 0, "num_tokens": 0}), "num_tokens"),
+        (dict(token_learner={"after_layer": 0, "num_tokens": 3, "maps": "relu"}), "maps"),
+        (dict(token_learner={"after_layer": 0, "num_tokens": 3, "where": 1}), "where"),
+        (dict(position="rope"), "position"),
+        (dict(filters={1: 0.5}), "filters"),
+    ],
+)
 def test_token_learner_config_errors(extra, word):
     values = TL_SMALL | {"token_learner": {"after_layer": 0, "num_tokens": 3}} | extra
     with pytest.raises(ValueError, match=word):

@@ -47,9 +47,14 @@ def toy_band_attention(
 # call; `summary` and `complexity` are its row of the README's op table; `dense_width`
 # is how far one query reaches (a model whose max_len it reaches warns).
 registry.register(
-    "toy_band", toy_band_attention, family="fixed pattern", paper="a test's toy", complexity="O(N^2)",
+    "toy_band",
+    toy_band_attention,
+    family="fixed pattern",
+    paper="a test's toy",
+    complexity="O(N^2)",
     decoder=decoding.ring_buffer(ops.softmax_attention, slots=lambda hp: hp["window"] + 1),
-    docs={"window": "keys at most this far away"}, limits={"window": 0},
+    docs={"window": "keys at most this far away"},
+    limits={"window": 0},
     summary="|i - j| <= window, by a dense mask (a test's toy)",
     dense_width=("its band (2 window + 1 keys)", lambda hp, n: 2 * hp["window"] + 1),
 )
@@ -63,7 +68,9 @@ def band_mask(n, hp, arrays, causal):
 
 
 FACTS["toy_band"] = Facts(
-    variants=({"window": 3}, {"window": 0}), mask=band_mask, errors=(({"window": -1}, "window"),),
+    variants=({"window": 3}, {"window": 0}),
+    mask=band_mask,
+    errors=(({"window": -1}, "window"),),
     growth=Growth("quadratic", lambda n: {"window": 32}),
 )
 
@@ -98,8 +105,11 @@ def test_a_model_config_validates_its_hyper_parameters():
 
 
 def test_a_model_config_warns_where_it_is_dense():
-    with pytest.warns(ShortSequenceWarning, match=r"toy_band attention at max_len 8: its band \(2 window \+ 1 keys\) "
-                                                  r"spans 9 >= 8"):
+    with pytest.warns(
+        ShortSequenceWarning,
+        match=r"toy_band attention at max_len 8: its band \(2 window \+ 1 keys\) "
+        r"spans 9 >= 8",
+    ):
         ModelConfig(attention={"name": "toy_band", "window": 4}, max_len=8, num_layers=1)
 
 

@@ -29,8 +29,15 @@ TINY = {
     "name": "tiny",
     "data": {"task": "copy", "train_size": 256, "eval_size": 16, "settings": {"max_len": 16, "symbols": 4}},
     "model": {"attention": "linear", "num_layers": 1, "d_model": 16, "num_heads": 2, "ffn": {"d_ff": 32}},
-    "train": {"steps": 12, "batch_size": 8, "learning_rate": 0.003, "warmup_steps": 2, "eval_every": 6,
-              "eval_batches": 2, "log_every": 1},
+    "train": {
+        "steps": 12,
+        "batch_size": 8,
+        "learning_rate": 0.003,
+        "warmup_steps": 2,
+        "eval_every": 6,
+        "eval_batches": 2,
+        "log_every": 1,
+    },
     "checkpoint": {"every": 4, "keep": 2},
 }
 
@@ -62,8 +69,9 @@ def test_every_shipped_experiment_and_preset_validates(tmp_path):
     root = pathlib.Path(__file__).parents[1] / "jxformers" / "experiments"  # package data
     assert EXPERIMENTS_DIR.resolve() == root.resolve()
     names = sorted(p.stem for p in root.glob("*.yaml"))
-    assert {"copy", "lra_listops", "lra_pathfinder", "fmnist_classify", "fmnist_generate",
-            "shakespeare_lm"} <= set(names)
+    assert {"copy", "lra_listops", "lra_pathfinder", "fmnist_classify", "fmnist_generate", "shakespeare_lm"} <= set(
+        names
+    )
     fixtures = _real_data_fixtures(tmp_path)
     for name in names:
         presets = yaml.safe_load((root / f"{name}.yaml").read_text()).get("presets", {})
@@ -89,16 +97,22 @@ def _real_data_fixtures(tmp_path):
         images = np.zeros((3, 28, 28), np.uint8)
         header = b"\0\0\x08\x03" + b"".join(n.to_bytes(4, "big") for n in (3, 28, 28))
         (fm / f"{split}-images-idx3-ubyte.gz").write_bytes(gzip.compress(header + images.tobytes()))
-        (fm / f"{split}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"\0\0\x08\x01" + (3).to_bytes(4, "big")
-                                                                          + bytes([0, 1, 2])))
+        (fm / f"{split}-labels-idx1-ubyte.gz").write_bytes(
+            gzip.compress(b"\0\0\x08\x01" + (3).to_bytes(4, "big") + bytes([0, 1, 2]))
+        )
     for i in range(8):
         (texts / f"play{i}_gut.txt").write_bytes(b"to be or not to be " * 100)
     streams = tmp_path / "streams"  # 32 rows of segments of 256 bytes: longer texts
     streams.mkdir()
     for i in range(8):
         (streams / f"play{i}_gut.txt").write_bytes(b"to be or not to be " * 1100)
-    return {"fmnist_classify": fm, "fmnist_generate": fm, "shakespeare_lm": texts, "shakespeare_moe": texts,
-            "shakespeare_txl": streams}
+    return {
+        "fmnist_classify": fm,
+        "fmnist_generate": fm,
+        "shakespeare_lm": texts,
+        "shakespeare_moe": texts,
+        "shakespeare_txl": streams,
+    }
 
 
 @pytest.mark.parametrize(
@@ -133,8 +147,9 @@ def test_missing_config_lists_the_shipped_ones():
 
 
 def test_overrides_and_presets():
-    e = load_experiment("copy", ["preset=tiny", "train.steps=7", "model.embedding.position=rope",
-                                 "train.clip_norm=0.5"])
+    e = load_experiment(
+        "copy", ["preset=tiny", "train.steps=7", "model.embedding.position=rope", "train.clip_norm=0.5"]
+    )
     assert e.train.steps == 7 and e.model.embedding.position == "rope" and e.train.clip_norm == 0.5
     assert e.model.num_layers == 2 and e.model.ffn.d_ff == 128  # from the preset
 
@@ -144,7 +159,8 @@ def test_flat_overrides_of_earlier_versions_still_work(recwarn):
     assert e.model.embedding.position == "rope" and e.model.ffn.d_ff == 96
     assert [str(w.message) for w in recwarn if w.category is FlatConfigWarning] == [
         "flat model config keys are deprecated and were converted: position -> embedding.position, d_ff -> "
-        "ffn.d_ff, filters -> stack.filters"]
+        "ffn.d_ff, filters -> stack.filters"
+    ]
 
 
 def test_a_component_named_anew_keeps_what_still_applies():
@@ -156,7 +172,9 @@ def test_a_component_named_anew_keeps_what_still_applies():
     assert same.model.attention.hyper_parameters == {"width": 16}
     given = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=local", "model.attention.window=8"])
     assert given.model.attention.hyper_parameters == {"window": 8}
-    flat = load_experiment("lra_pathfinder", ["preset=tiny", "model.attention=local", "model.attention_kwargs={window: 8}"])
+    flat = load_experiment(
+        "lra_pathfinder", ["preset=tiny", "model.attention=local", "model.attention_kwargs={window: 8}"]
+    )
     assert flat.model.attention == given.model.attention
     # Another dense FFN keeps the width; another stack keeps none of the transformer's settings.
     swiglu = load_experiment("lra_pathfinder", ["preset=tiny", "model.ffn=swiglu"]).model.ffn
@@ -186,8 +204,9 @@ def test_weight_decay_skips_vectors_and_schedules_warm_up():
     for kind in ("cosine", "inverse_sqrt", "constant"):
         lr = learning_rate_schedule(peak=1.0, warmup_steps=10, total_steps=100, kind=kind)
         assert float(lr(0)) == pytest.approx(0.0) and float(lr(10)) == pytest.approx(1.0, rel=1e-3)
-    assert float(learning_rate_schedule(peak=1.0, warmup_steps=10, total_steps=100, kind="inverse_sqrt")(40)) == \
-        pytest.approx(0.5, rel=1e-3)
+    assert float(
+        learning_rate_schedule(peak=1.0, warmup_steps=10, total_steps=100, kind="inverse_sqrt")(40)
+    ) == pytest.approx(0.5, rel=1e-3)
     radam, _ = make_optimizer(optimizer="radam", learning_rate=1e-2, weight_decay=0.1)
     assert radam.update(zero, radam.init(params), params)[0]["w"].shape == (3, 3)
 
@@ -250,8 +269,11 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     with pytest.warns(UserWarning, match="checkpoint at step 12 could not be restored.*resuming from step 8"):
         summary = train(more, tmp_path / "run", progress=False)
     assert summary["step"] == 14
-    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(x)][-6:] == [9, 10, 11, 12, 13, 14]  # resumed from step 8
+    assert [
+        json.loads(x)["step"]
+        for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(x)
+    ][-6:] == [9, 10, 11, 12, 13, 14]  # resumed from step 8
     # the log marks the resume, so the steps 9-12 logged twice can be told apart
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["resumed_from_step"] for r in records if "resumed_from_step" in r] == [8]
@@ -261,20 +283,40 @@ def test_a_changed_config_does_not_touch_the_checkpoints(tmp_path):
     train(load_experiment(write_config(tmp_path), ["train.steps=4"]), tmp_path / "run", progress=False)
     before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     with pytest.raises(ValueError, match="config changed"):
-        train(load_experiment(write_config(tmp_path), ["train.steps=8", "model.d_model=32"]), tmp_path / "run",
-              progress=False)
+        train(
+            load_experiment(write_config(tmp_path), ["train.steps=8", "model.d_model=32"]),
+            tmp_path / "run",
+            progress=False,
+        )
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
 
 
 def test_non_finite_steps_stop_or_are_skipped(tmp_path):
     config = write_config(tmp_path)
     with pytest.raises(NonFiniteError, match="at step 2"):
-        train(load_experiment(config, ["train.learning_rate=1e38", "train.clip_norm=null", "train.warmup_steps=0",
-                                       "train.schedule=constant"]), tmp_path / "stop", progress=False)
-    summary = train(load_experiment(config, ["train.learning_rate=1e38", "train.clip_norm=null",
-                                             "train.warmup_steps=0", "train.schedule=constant",
-                                             "train.on_nonfinite=skip", "train.steps=4"]),
-                    tmp_path / "skip", progress=False)
+        train(
+            load_experiment(
+                config,
+                ["train.learning_rate=1e38", "train.clip_norm=null", "train.warmup_steps=0", "train.schedule=constant"],
+            ),
+            tmp_path / "stop",
+            progress=False,
+        )
+    summary = train(
+        load_experiment(
+            config,
+            [
+                "train.learning_rate=1e38",
+                "train.clip_norm=null",
+                "train.warmup_steps=0",
+                "train.schedule=constant",
+                "train.on_nonfinite=skip",
+                "train.steps=4",
+            ],
+        ),
+        tmp_path / "skip",
+        progress=False,
+    )
     assert summary["step"] == 4
     records = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("skipped") for r in records)
@@ -284,8 +326,11 @@ def test_performer_features_are_redrawn_and_a_resumed_run_redraws_the_same_way(t
     from jxformers.train import restore_train_state
     from jxformers.train.state import init_train_state
 
-    config = write_config(tmp_path, model={"attention": "performer", "attention_kwargs": {"num_features": 8}},
-                          train={"steps": 8, "redraw_every": 3, "eval_every": 8})
+    config = write_config(
+        tmp_path,
+        model={"attention": "performer", "attention_kwargs": {"num_features": 8}},
+        train={"steps": 8, "redraw_every": 3, "eval_every": 8},
+    )
     experiment = load_experiment(config, ["checkpoint.async_save=false"])
     run = tmp_path / "run"
     train(experiment, run, progress=False)
@@ -302,8 +347,20 @@ def test_performer_features_are_redrawn_and_a_resumed_run_redraws_the_same_way(t
 def _run_cli(config, workdir, *extra):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.Popen(
-        [sys.executable, "-m", "jxformers.tools.cli", "train", str(config), "--workdir", str(workdir), "--no-progress",
-         *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        [
+            sys.executable,
+            "-m",
+            "jxformers.tools.cli",
+            "train",
+            str(config),
+            "--workdir",
+            str(workdir),
+            "--no-progress",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
 
 
@@ -350,22 +407,55 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
 
 def test_cli_train_eval_generate(tmp_path, capsys):
     config = write_config(tmp_path)
-    assert cli.main(["train", str(config), "--workdir", str(tmp_path / "run"), "--no-progress",
-                     "--set", "train.steps=4"]) == 0
+    assert (
+        cli.main(["train", str(config), "--workdir", str(tmp_path / "run"), "--no-progress", "--set", "train.steps=4"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
     assert cli.main(["eval", str(config), "--workdir", str(tmp_path / "run"), "--set", "train.steps=4"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == 4 and 0 <= result["eval_accuracy"] <= 1
     assert result["eval_bits_per_token"] == pytest.approx(result["eval_loss"] / 0.6931471805599453)
-    assert cli.main(["generate", str(config), "--workdir", str(tmp_path / "run"), "--prompt", "1 3 4 2",
-                     "--steps", "5", "--count", "3"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                str(config),
+                "--workdir",
+                str(tmp_path / "run"),
+                "--prompt",
+                "1 3 4 2",
+                "--steps",
+                "5",
+                "--count",
+                "3",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     rows = captured.out.strip().splitlines()
     assert len(rows) == 3 and all(len(r.split()) == 9 and r.split()[:4] == ["1", "3", "4", "2"] for r in rows)
     assert "sequences/s" in captured.err
     # --recompute reruns the whole forward at every step: greedy, the same tokens as the cache.
-    assert cli.main(["generate", str(config), "--workdir", str(tmp_path / "run"), "--prompt", "1 3 4 2",
-                     "--steps", "5", "--count", "3", "--recompute"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                str(config),
+                "--workdir",
+                str(tmp_path / "run"),
+                "--prompt",
+                "1 3 4 2",
+                "--steps",
+                "5",
+                "--count",
+                "3",
+                "--recompute",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip().splitlines() == rows
     with pytest.raises(SystemExit):
         cli.main(["eval", str(config), "--workdir", str(tmp_path / "empty")])
@@ -392,8 +482,21 @@ def test_plot_draws_several_runs(tmp_path):
 
 @pytest.mark.heavy
 def test_demo_trains_three_models_and_prints_the_table(tmp_path, capsys):
-    args = ["--workdir", str(tmp_path), "--no-progress", "--seeds", "1", "--set", "train.steps=3", "--set", "train.eval_batches=1",
-            "--set", "data.eval_size=32", "--set", "train.batch_size=8"]
+    args = [
+        "--workdir",
+        str(tmp_path),
+        "--no-progress",
+        "--seeds",
+        "1",
+        "--set",
+        "train.steps=3",
+        "--set",
+        "train.eval_batches=1",
+        "--set",
+        "data.eval_size=32",
+        "--set",
+        "train.batch_size=8",
+    ]
     assert cli.main(["demo", *args]) == 0
     out = capsys.readouterr().out
     for name in ("softmax", "linear", "fourier_transformer"):
@@ -442,19 +545,27 @@ def test_config_sections_are_typed_frozen_dataclasses_with_defaults():
     from jxformers.validate import check_fields, from_mapping
 
     t = TrainConfig()
-    assert (t.steps, t.batch_size, t.optimizer, t.learning_rate, t.clip_norm, t.redraw_every) == \
-        (1000, 32, "adamw", 1e-3, 1.0, 1000)  # Performer's features are redrawn by default
+    assert (t.steps, t.batch_size, t.optimizer, t.learning_rate, t.clip_norm, t.redraw_every) == (
+        1000,
+        32,
+        "adamw",
+        1e-3,
+        1.0,
+        1000,
+    )  # Performer's features are redrawn by default
     assert DataConfig().settings == {} and CheckpointConfig().async_save is True
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.steps = 3
     assert TrainConfig(learning_rate="1e-3").learning_rate == 0.001  # YAML 1.1 reads 1e-3 as a string
     assert TrainConfig(weight_decay=0).weight_decay == 0.0 and TrainConfig(clip_norm=None).clip_norm is None
-    for kwargs, match in [({"steps": "ten"}, "train.steps must be int; got 'ten'"),
-                          ({"steps": True}, "train.steps must be int; got True"),
-                          ({"clip_norm": "big"}, "train.clip_norm must be float or None"),
-                          ({"schedule": "linear"}, r"train.schedule must be one of \['cosine'"),
-                          ({"steps": 0}, "train.steps must be >= 1; got 0"),
-                          ({"batch_size": 6, "grad_accum": 4}, "divisible")]:
+    for kwargs, match in [
+        ({"steps": "ten"}, "train.steps must be int; got 'ten'"),
+        ({"steps": True}, "train.steps must be int; got True"),
+        ({"clip_norm": "big"}, "train.clip_norm must be float or None"),
+        ({"schedule": "linear"}, r"train.schedule must be one of \['cosine'"),
+        ({"steps": 0}, "train.steps must be >= 1; got 0"),
+        ({"batch_size": 6, "grad_accum": 4}, "divisible"),
+    ]:
         with pytest.raises(ValueError, match=match):
             TrainConfig(**kwargs)
     with pytest.raises(ValueError, match=r"checkpoint.best_mode must be one of \['max', 'min'\]"):
@@ -507,8 +618,13 @@ def test_checkpoints_restore_each_leaf_by_its_path_not_its_position(tmp_path):
         q: jax.Array
 
     def state(params):
-        return TrainState(params=params, drawn={"key": jax.random.key(3)}, opt_state=(jnp.zeros(()),),
-                          step=jnp.asarray(5, jnp.int32), rng=jax.random.key(1))
+        return TrainState(
+            params=params,
+            drawn={"key": jax.random.key(3)},
+            opt_state=(jnp.zeros(()),),
+            step=jnp.asarray(5, jnp.int32),
+            rng=jax.random.key(1),
+        )
 
     saved = state(QK(q=jnp.full((2, 2), 1.0), k=jnp.full((2, 2), 2.0)))
     ckpt, iterator = _checkpointer(tmp_path / "ckpt")
@@ -530,17 +646,26 @@ def test_checkpoints_restore_each_leaf_by_its_path_not_its_position(tmp_path):
 
 def test_a_renamed_or_reshaped_leaf_is_refused_naming_its_path(tmp_path):
     ckpt, iterator = _checkpointer(tmp_path / "ckpt")
-    ckpt.save(8, {"['params'].blocks[0].attention.q_proj.weight": jnp.zeros((16, 16)), "['step']": jnp.zeros(())},
-              iterator)
+    ckpt.save(
+        8, {"['params'].blocks[0].attention.q_proj.weight": jnp.zeros((16, 16)), "['step']": jnp.zeros(())}, iterator
+    )
     ckpt.wait()
-    with pytest.raises(ValueError, match=r"checkpoint at step 8: parameter \['params'\]\.blocks\[0\]\.attention\."
-                                         r"q_proj\.weight has shape \(16, 16\); the model expects \(32, 16\)"):
-        ckpt.restore_latest({"['params'].blocks[0].attention.q_proj.weight": jnp.zeros((32, 16)),
-                             "['step']": jnp.zeros(())}, iterator)
-    with pytest.raises(ValueError, match=r"parameter \['params'\]\.blocks\[0\]\.attention\.query\.weight is "
-                                         r"missing.*q_proj\.weight is unexpected.*config changed"):
-        ckpt.restore_latest({"['params'].blocks[0].attention.query.weight": jnp.zeros((16, 16)),
-                             "['step']": jnp.zeros(())}, iterator)
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint at step 8: parameter \['params'\]\.blocks\[0\]\.attention\."
+        r"q_proj\.weight has shape \(16, 16\); the model expects \(32, 16\)",
+    ):
+        ckpt.restore_latest(
+            {"['params'].blocks[0].attention.q_proj.weight": jnp.zeros((32, 16)), "['step']": jnp.zeros(())}, iterator
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"parameter \['params'\]\.blocks\[0\]\.attention\.query\.weight is "
+        r"missing.*q_proj\.weight is unexpected.*config changed",
+    ):
+        ckpt.restore_latest(
+            {"['params'].blocks[0].attention.query.weight": jnp.zeros((16, 16)), "['step']": jnp.zeros(())}, iterator
+        )
     assert ckpt.steps() == [8]  # nothing was set aside
     ckpt.close()
 
@@ -550,14 +675,24 @@ def test_old_list_layout_checkpoints_are_refused_with_an_explanation(tmp_path):
 
     experiment = load_experiment(write_config(tmp_path), ["train.steps=4"])
     ckpt, iterator = _checkpointer(tmp_path / "run" / "checkpoints")
-    ckpt.save(4, {"params": [jnp.zeros((7, 16)), jnp.zeros((16,))], "frozen": [], "opt_state": [jnp.zeros(())],
-                  "step": np.asarray(4, np.int64), "key": np.asarray(jax.random.key_data(jax.random.key(0)))},
-              iterator)
+    ckpt.save(
+        4,
+        {
+            "params": [jnp.zeros((7, 16)), jnp.zeros((16,))],
+            "frozen": [],
+            "opt_state": [jnp.zeros(())],
+            "step": np.asarray(4, np.int64),
+            "key": np.asarray(jax.random.key_data(jax.random.key(0))),
+        },
+        iterator,
+    )
     ckpt.close()
     from jxformers.train import restore_model
 
-    with pytest.raises(ValueError, match="written by jxformers before checkpoints stored arrays by tree path.*"
-                                         "Retrain.*check out the older"):
+    with pytest.raises(
+        ValueError,
+        match="written by jxformers before checkpoints stored arrays by tree path.*Retrain.*check out the older",
+    ):
         restore_model(experiment, tmp_path / "run")
     with pytest.raises(ValueError, match="before checkpoints stored arrays by tree path"):
         train(experiment, tmp_path / "run", progress=False)
@@ -584,6 +719,9 @@ def test_one_constructor_builds_the_state_for_train_restore_and_eval(tmp_path, m
     assert leaves and all((x == saved["['params']" + jax.tree_util.keystr(p)]).all() for p, x in leaves)
     assert any((x != y).any() for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(initial.params), strict=True))
     wider = load_experiment(write_config(tmp_path), ["train.steps=4", "model.d_model=32"])
-    with pytest.raises(ValueError, match=r"parameter \['params'\]\.\S+ has shape \(.*16\); the model expects "
-                                         r"\(.*32\).*config changed"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter \['params'\]\.\S+ has shape \(.*16\); the model expects "
+        r"\(.*32\).*config changed",
+    ):
         restore_model(wider, tmp_path / "run")

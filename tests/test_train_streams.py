@@ -35,13 +35,30 @@ def texts(tmp_path):
 
 
 def experiment(texts, *extra):
-    return load_experiment("shakespeare_txl", ["preset=tiny", f"data.settings.path={texts}",
-                                               "data.settings.max_len=9", "data.settings.rows=4",
-                                               "data.train_size=64", "data.eval_size=8", "train.batch_size=4",
-                                               "model.mem_len=6", "model.eval_mem_len=12", "model.d_model=16",
-                                               "model.num_heads=2", "model.d_ff=32", "train.steps=8",
-                                               "train.eval_every=4", "train.eval_batches=2", "train.log_every=1",
-                                               "checkpoint.every=4", "checkpoint.async_save=false", *extra])
+    return load_experiment(
+        "shakespeare_txl",
+        [
+            "preset=tiny",
+            f"data.settings.path={texts}",
+            "data.settings.max_len=9",
+            "data.settings.rows=4",
+            "data.train_size=64",
+            "data.eval_size=8",
+            "train.batch_size=4",
+            "model.mem_len=6",
+            "model.eval_mem_len=12",
+            "model.d_model=16",
+            "model.num_heads=2",
+            "model.d_ff=32",
+            "train.steps=8",
+            "train.eval_every=4",
+            "train.eval_batches=2",
+            "train.log_every=1",
+            "checkpoint.every=4",
+            "checkpoint.async_save=false",
+            *extra,
+        ],
+    )
 
 
 def test_stream_rows_continue_from_batch_to_batch(texts):
@@ -52,12 +69,10 @@ def test_stream_rows_continue_from_batch_to_batch(texts):
     for t, batch in batches:
         for b in range(4):
             start = b * piece + 8 * t
-            assert bytes(batch["tokens"][b].astype(np.uint8)) == stream[start:start + 9]
+            assert bytes(batch["tokens"][b].astype(np.uint8)) == stream[start : start + 9]
     assert (batches[1][1]["tokens"][:, 0] == batches[0][1]["tokens"][:, -1]).all()  # overlap by the last target
     with pytest.raises(ValueError, match=r"size \(10\) must be a multiple of rows \(4\)"):
         make_source("shakespeare_stream", seed=0, size=10, path=str(texts), max_len=9, rows=4)
-
-
 
 
 @pytest.mark.heavy
@@ -75,7 +90,7 @@ def test_memory_is_carried_checkpointed_and_resumed(texts, tmp_path):
     piece = len(stream) // 4
     table = state.params.table
     for b in range(4):
-        read = np.frombuffer(stream[b * piece + 58: b * piece + 64], np.uint8)
+        read = np.frombuffer(stream[b * piece + 58 : b * piece + 64], np.uint8)
         distance = jnp.linalg.norm(memory["hidden"][b, 0][:, None] - table[None] * math.sqrt(16), axis=-1)
         assert np.asarray(jnp.argmin(distance, -1)).tolist() == read.tolist()
         np.testing.assert_allclose(memory["hidden"][b, 0], table[read] * math.sqrt(16), atol=0.05)
@@ -102,8 +117,15 @@ def test_memory_is_carried_checkpointed_and_resumed(texts, tmp_path):
 
 
 def test_compressive_trains_on_the_stream(texts, tmp_path):
-    e = experiment(texts, "model.architecture=compressive", "model.cmem_len=4", "model.compression_rate=2",
-                   "model.eval_mem_len=8", "train.steps=4", "data.settings.max_len=9")
+    e = experiment(
+        texts,
+        "model.architecture=compressive",
+        "model.cmem_len=4",
+        "model.compression_rate=2",
+        "model.eval_mem_len=8",
+        "train.steps=4",
+        "data.settings.max_len=9",
+    )
     train(e, tmp_path / "run", progress=False)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("reconstruction_loss", 0) > 0 for r in records)
@@ -111,11 +133,14 @@ def test_compressive_trains_on_the_stream(texts, tmp_path):
     assert (np.asarray(memory["compressed_length"]) == 4).all()  # 4 segments of 8 through a memory of 6
 
 
-@pytest.mark.parametrize("extra,match", [
-    (["data.task=shakespeare", "data.settings={path: X, max_len: 9}"], "stream of consecutive segments"),
-    (["data.settings.rows=2"], r"rows \(2\) must equal train.batch_size \(4\)"),
-    (["model.architecture=compressive", "model.cmem_len=4", "model.compression_rate=3"], "multiple"),
-])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["data.task=shakespeare", "data.settings={path: X, max_len: 9}"], "stream of consecutive segments"),
+        (["data.settings.rows=2"], r"rows \(2\) must equal train.batch_size \(4\)"),
+        (["model.architecture=compressive", "model.cmem_len=4", "model.compression_rate=3"], "multiple"),
+    ],
+)
 def test_experiment_checks_its_stream(texts, extra, match):
     extra = [x.replace("X", str(texts)) for x in extra]
     with pytest.raises(ValueError, match=match):
@@ -128,7 +153,9 @@ def test_gradient_accumulation_splits_the_rows_with_their_memories(texts):
 
     e = experiment(texts, "model.dropout=0.0")
     state, static, optimizer, _ = init(e)
-    batches = [b for _, b in zip(range(2), make_loader(e.sources()[0], batch_size=4, seed=0, shuffle=False), strict=False)]
+    batches = [
+        b for _, b in zip(range(2), make_loader(e.sources()[0], batch_size=4, seed=0, shuffle=False), strict=False)
+    ]
     results = []
     for accum in (1, 2):
         s = state

@@ -25,8 +25,9 @@ SMALL = dict(task="lm", vocab_size=40, num_layers=2, d_model=16, num_heads=2, d_
 
 
 def xl(mem_len, **extra):
-    return build_model(ModelConfig(architecture="transformer_xl", mem_len=mem_len, **SMALL | extra),
-                       key=jax.random.key(0))
+    return build_model(
+        ModelConfig(architecture="transformer_xl", mem_len=mem_len, **SMALL | extra), key=jax.random.key(0)
+    )
 
 
 @eqx.filter_jit
@@ -38,7 +39,7 @@ def fwd(model, tokens, memory, attend=None, update=True):
 def run_segments(model, tokens, segment, memory):
     out = []
     for s in range(0, tokens.shape[0], segment):
-        logits, memory, _ = fwd(model, tokens[s:s + segment], memory)
+        logits, memory, _ = fwd(model, tokens[s : s + segment], memory)
         out.append(logits)
     return jnp.concatenate(out), memory
 
@@ -50,7 +51,9 @@ def test_segments_with_memory_equal_one_pass_with_the_equivalent_mask(mem_len, s
     segmented, memory = run_segments(model, tokens, segment, model.init_memory())
     one_pass, _, _ = fwd(model, tokens, model.init_memory(0), segment_mask(tokens.shape[0], segment, mem_len), False)
     np.testing.assert_allclose(segmented, one_pass, atol=2e-5, rtol=2e-5)
-    plain_causal = eqx.filter_jit(lambda m, t: m(t))(model, tokens)  # no segment restriction: a different function, which the test tells apart
+    plain_causal = eqx.filter_jit(lambda m, t: m(t))(
+        model, tokens
+    )  # no segment restriction: a different function, which the test tells apart
     assert float(jnp.abs(plain_causal - segmented).max()) > 1e-3
     assert int(memory["length"]) == mem_len
 
@@ -64,7 +67,9 @@ def test_the_equivalent_mask_is_the_segments_reach():
 def test_relative_scores_are_the_papers_four_terms():
     n, m, h, d = 3, 7, 2, 4
     ks = jax.random.split(jax.random.key(2), 6)
-    q, k, v = (jax.random.normal(kk, shape) for kk, shape in zip(ks[:3], [(n, h, d), (m, h, d), (m, h, d)], strict=True))
+    q, k, v = (
+        jax.random.normal(kk, shape) for kk, shape in zip(ks[:3], [(n, h, d), (m, h, d), (m, h, d)], strict=True)
+    )
     w_r = jax.random.normal(ks[3], (8, h * d))
     u, vb = jax.random.normal(ks[4], (h, d)), jax.random.normal(ks[5], (h, d))
     r = (relative_sinusoid(jnp.arange(m), 8) @ w_r).reshape(m, h, d)
@@ -116,8 +121,17 @@ def test_evaluation_may_use_a_longer_memory():
 
 
 def compressive(kind="mean", rate=2, mem_len=6, cmem_len=4, **extra):
-    return build_model(ModelConfig(architecture="compressive", mem_len=mem_len, cmem_len=cmem_len, compression=kind,
-                                   compression_rate=rate, **SMALL | extra), key=jax.random.key(5))
+    return build_model(
+        ModelConfig(
+            architecture="compressive",
+            mem_len=mem_len,
+            cmem_len=cmem_len,
+            compression=kind,
+            compression_rate=rate,
+            **SMALL | extra,
+        ),
+        key=jax.random.key(5),
+    )
 
 
 @pytest.mark.parametrize("kind,rate,n", [("mean", 2, 4), ("max", 2, 4), ("conv", 2, 4), ("mean", 3, 3)])
@@ -130,24 +144,28 @@ def test_compressive_memory_bookkeeping_across_segments(kind, rate, n):
     tokens = jax.random.randint(jax.random.key(6), (6 * n,), 0, 40)
     states = np.asarray(model.table[tokens] * math.sqrt(16))
     conv = model.layers[0].compressor.conv
-    pool = {"mean": lambda w: w.mean(1), "max": lambda w: w.max(1),
-            "conv": lambda w: w.reshape(w.shape[0], -1) @ np.asarray(conv.weight).T + np.asarray(conv.bias)
-            if conv is not None else None}[kind]
+    pool = {
+        "mean": lambda w: w.mean(1),
+        "max": lambda w: w.max(1),
+        "conv": lambda w: (
+            w.reshape(w.shape[0], -1) @ np.asarray(conv.weight).T + np.asarray(conv.bias) if conv is not None else None
+        ),
+    }[kind]
     memory = model.init_memory()
     evicted = 0
     for s in range(6):
-        _, memory, _ = fwd(model, tokens[s * n:(s + 1) * n], memory)
+        _, memory, _ = fwd(model, tokens[s * n : (s + 1) * n], memory)
         seen = states[: (s + 1) * n]
         kept = seen[-mem_len:]
         assert int(memory["length"]) == len(kept)
-        np.testing.assert_allclose(memory["hidden"][0][mem_len - len(kept):], kept, atol=1e-6)
+        np.testing.assert_allclose(memory["hidden"][0][mem_len - len(kept) :], kept, atol=1e-6)
         gone = seen[: max(len(seen) - mem_len, 0)]
         assert len(gone) - evicted == (0 if len(seen) <= mem_len else min(n, len(seen) - mem_len))  # <= n leave
         evicted = len(gone)
         squeezed = pool(gone.reshape(-1, rate, 16)) if len(gone) else np.zeros((0, 16))
         squeezed = squeezed[-cmem_len:]
         assert int(memory["compressed_length"]) == len(squeezed) == min(len(gone) // rate, cmem_len)
-        np.testing.assert_allclose(memory["compressed"][0][cmem_len - len(squeezed):], squeezed, atol=1e-5)
+        np.testing.assert_allclose(memory["compressed"][0][cmem_len - len(squeezed) :], squeezed, atol=1e-5)
     assert evicted == 6 * n - mem_len
 
 
@@ -158,8 +176,11 @@ def test_compressive_attends_to_the_compressed_memory():
     assert int(memory["compressed_length"]) > 0
     a = fwd(model, tokens[12:], memory)[0]
     b = fwd(model, tokens[12:], memory | {"compressed": memory["compressed"] + 1.0})[0]
-    c = fwd(model, tokens[12:], memory | {"compressed_length": jnp.zeros((), jnp.int32),
-                                             "compressed": memory["compressed"] + 1.0})[0]
+    c = fwd(
+        model,
+        tokens[12:],
+        memory | {"compressed_length": jnp.zeros((), jnp.int32), "compressed": memory["compressed"] + 1.0},
+    )[0]
     assert float(jnp.abs(a - b).max()) > 1e-4  # read
     d = fwd(model, tokens[12:], memory | {"compressed_length": jnp.zeros((), jnp.int32)})[0]
     np.testing.assert_allclose(c, d, atol=1e-6)  # empty slots are never read
@@ -194,19 +215,24 @@ def test_nothing_evicted_means_no_reconstruction_loss():
     assert float(first) == float(second) == 0.0 and int(memory["compressed_length"]) == 0
 
 
-@pytest.mark.parametrize("extra,match", [
-    (dict(architecture="transformer_xl", mem_len=4, position="sinusoidal"), "set embedding.position 'none'"),
-    (dict(architecture="transformer_xl", position="none", mem_len=0), "mem_len must be >= 1; got 0"),
-    (dict(architecture="transformer_xl", position="none", mem_len=4, cmem_len=4),
-     r"stack 'transformer_xl': unknown setting\(s\) \['cmem_len'\]"),
-    (dict(mem_len=3), r"stack 'transformer': unknown setting\(s\) \['mem_len'\]"),
-    (dict(architecture="compressive", position="none", mem_len=4, cmem_len=2), "multiples"),
-    (dict(architecture="compressive", position="none", mem_len=6, cmem_len=0), "cmem_len must be >= 1"),
-    (dict(architecture="compressive", position="none", mem_len=6, cmem_len=2, compression="avg"), "compression"),
-    (dict(architecture="transformer_xl", position="none", mem_len=4, attention="performer"), "own softmax"),
-    (dict(architecture="transformer_xl", position="none", mem_len=4, task="classify"), "serves tasks"),
-    (dict(architecture="transformer_xl", position="none", mem_len=4, ffn="moe"), "ffn"),
-])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (dict(architecture="transformer_xl", mem_len=4, position="sinusoidal"), "set embedding.position 'none'"),
+        (dict(architecture="transformer_xl", position="none", mem_len=0), "mem_len must be >= 1; got 0"),
+        (
+            dict(architecture="transformer_xl", position="none", mem_len=4, cmem_len=4),
+            r"stack 'transformer_xl': unknown setting\(s\) \['cmem_len'\]",
+        ),
+        (dict(mem_len=3), r"stack 'transformer': unknown setting\(s\) \['mem_len'\]"),
+        (dict(architecture="compressive", position="none", mem_len=4, cmem_len=2), "multiples"),
+        (dict(architecture="compressive", position="none", mem_len=6, cmem_len=0), "cmem_len must be >= 1"),
+        (dict(architecture="compressive", position="none", mem_len=6, cmem_len=2, compression="avg"), "compression"),
+        (dict(architecture="transformer_xl", position="none", mem_len=4, attention="performer"), "own softmax"),
+        (dict(architecture="transformer_xl", position="none", mem_len=4, task="classify"), "serves tasks"),
+        (dict(architecture="transformer_xl", position="none", mem_len=4, ffn="moe"), "ffn"),
+    ],
+)
 def test_config_errors(extra, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**{"task": "lm"} | extra)
@@ -243,7 +269,7 @@ def test_a_tiny_compressive_lm_learns_on_a_stream():
     memory, losses = model.init_memory(), []
     for _ in range(6):
         for s in range(0, 76, 4):
-            params, state, memory, ce = step(params, state, memory, stream[s:s + 5])
+            params, state, memory, ce = step(params, state, memory, stream[s : s + 5])
             losses.append(float(ce))
     assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
     assert isinstance(eqx.combine(params, static), RecurrentLM)

@@ -26,8 +26,22 @@ def trained(tmp_path_factory):
     12) trained with a --set that the shipped config does not have (one layer more)."""
     root = tmp_path_factory.mktemp("trained")
     config = write_config(root)
-    assert cli.main(["train", str(config), "--workdir", str(root / "run"), "--no-progress",
-                     "--set", "model.num_layers=2", "--set", "checkpoint.async_save=false"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                str(config),
+                "--workdir",
+                str(root / "run"),
+                "--no-progress",
+                "--set",
+                "model.num_layers=2",
+                "--set",
+                "checkpoint.async_save=false",
+            ]
+        )
+        == 0
+    )
     return config, root / "run"
 
 
@@ -79,14 +93,44 @@ def test_a_rerun_that_changes_the_model_is_refused_before_config_yaml_changes(tr
     config, run = trained
     run = _copy(run, tmp_path)
     before = (run / "config.yaml").read_text()
-    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "model.num_layers=2",
-                     "--set", "model.max_len=8"]) == 1
+    assert (
+        cli.main(
+            [
+                "train",
+                str(config),
+                "--workdir",
+                str(run),
+                "--no-progress",
+                "--set",
+                "model.num_layers=2",
+                "--set",
+                "model.max_len=8",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "config changed" in err and "model.max_len: 16 in the run, 8 now" in err
     assert (run / "config.yaml").read_text() == before
     # A resumable change (more steps) is taken, and the log says so.
-    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "model.num_layers=2",
-                     "--set", "checkpoint.async_save=false", "--set", "train.steps=13"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                str(config),
+                "--workdir",
+                str(run),
+                "--no-progress",
+                "--set",
+                "model.num_layers=2",
+                "--set",
+                "checkpoint.async_save=false",
+                "--set",
+                "train.steps=13",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert {"step": 12, "config_changed": {"train.steps": [12, 13]}} in records
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 13
@@ -98,11 +142,44 @@ def test_a_run_saved_before_a_setting_existed_resumes_with_its_default(trained, 
     saved = yaml.safe_load((run / "config.yaml").read_text())
     del saved["model"]["stack"]["token_learner"], saved["train"]["redraw_every"]  # as an older version wrote it
     (run / "config.yaml").write_text(yaml.safe_dump(saved))
-    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "model.num_layers=2",
-                     "--set", "checkpoint.async_save=false", "--set", "train.steps=13"]) == 0
-    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "model.num_layers=2",
-                     "--set", "model.architecture=luna", "--set", "model.position=none",
-                     "--set", "model.attention=softmax"]) == 1
+    assert (
+        cli.main(
+            [
+                "train",
+                str(config),
+                "--workdir",
+                str(run),
+                "--no-progress",
+                "--set",
+                "model.num_layers=2",
+                "--set",
+                "checkpoint.async_save=false",
+                "--set",
+                "train.steps=13",
+            ]
+        )
+        == 0
+    )
+    assert (
+        cli.main(
+            [
+                "train",
+                str(config),
+                "--workdir",
+                str(run),
+                "--no-progress",
+                "--set",
+                "model.num_layers=2",
+                "--set",
+                "model.architecture=luna",
+                "--set",
+                "model.position=none",
+                "--set",
+                "model.attention=softmax",
+            ]
+        )
+        == 1
+    )
     assert "model.stack.kind: 'transformer' in the run, 'luna' now" in capsys.readouterr().err
 
 
@@ -201,8 +278,9 @@ def test_non_finite_before_any_checkpoint_says_so_and_metrics_stay_json(tmp_path
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
 
-    records = [json.loads(x, parse_constant=refuse) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
-               .splitlines()]
+    records = [
+        json.loads(x, parse_constant=refuse) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     skipped = next(r for r in records if r.get("skipped"))
     assert isinstance(skipped["loss"], str) and float(skipped["loss"]) != float(skipped["loss"])  # "NaN"
 
@@ -262,8 +340,21 @@ def test_progress_is_plain_lines_off_a_terminal_and_silent_when_off(tmp_path, ca
 def test_ctrl_c_is_acknowledged_at_once_and_says_what_was_saved(tmp_path):
     config = write_config(tmp_path, train={"steps": 4000}, checkpoint={"every": 1000})
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "jxformers.tools.cli", "train", str(config), "--workdir",
-                             str(tmp_path / "run"), "--no-progress"], stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jxformers.tools.cli",
+            "train",
+            str(config),
+            "--workdir",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     lines, seen = [], {}
     reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), x)) for x in proc.stderr], daemon=True)
     reader.start()
@@ -276,8 +367,14 @@ def test_ctrl_c_is_acknowledged_at_once_and_says_what_was_saved(tmp_path):
     assert proc.wait(timeout=240) == 128 + signal.SIGINT
     reader.join(timeout=10)
     for when, line in lines:
-        seen.setdefault("ack" if "SIGINT received" in line else "done" if line.startswith("jxformers train: ")
-                        and ("saved step" in line or "nothing" in line) else "other", when)
+        seen.setdefault(
+            "ack"
+            if "SIGINT received" in line
+            else "done"
+            if line.startswith("jxformers train: ") and ("saved step" in line or "nothing" in line)
+            else "other",
+            when,
+        )
     assert "ack" in seen and "done" in seen, "".join(x for _, x in lines)[-2000:]
     assert seen["ack"] - sent < 5.0
     last = lines[-1][1]

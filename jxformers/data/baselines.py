@@ -64,8 +64,9 @@ def pathfinder_shortcut(train: Records, eval_records: Records) -> dict[str, floa
         side = int(round(pixels**0.5))
         return records["tokens"].reshape(n, side, side).astype(np.uint8)
 
-    scores = pathfinder_check.held_out_baselines(images(train), train["label"], images(eval_records),
-                                                 eval_records["label"])
+    scores = pathfinder_check.held_out_baselines(
+        images(train), train["label"], images(eval_records), eval_records["label"]
+    )
     return {"best_shortcut": max(scores[name] for name in (*pathfinder_check.SHORTCUTS, "all shortcuts together"))}
 
 

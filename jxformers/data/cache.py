@@ -94,8 +94,14 @@ def _write_shard(source, path: pathlib.Path, start: int, stop: int, layout: list
     return stop - start
 
 
-def build_split(source, directory: str | os.PathLike, *, processes: int | None = None,
-                records_per_shard: int = RECORDS_PER_SHARD, progress: bool = True) -> pathlib.Path:
+def build_split(
+    source,
+    directory: str | os.PathLike,
+    *,
+    processes: int | None = None,
+    records_per_shard: int = RECORDS_PER_SHARD,
+    progress: bool = True,
+) -> pathlib.Path:
     """Write every record of `source` to `directory` (see the module docstring) with
     `processes` processes (default: the CPU count), resuming a build interrupted there.
     A ValueError when `directory` holds a build of another source."""
@@ -104,14 +110,21 @@ def build_split(source, directory: str | os.PathLike, *, processes: int | None =
     if records_per_shard < 1:
         raise ValueError(f"records_per_shard must be >= 1; got {records_per_shard}")
     directory = pathlib.Path(directory)
-    spec = {"source": describe(source), "size": len(source), "layout": layout_of(source[0]),
-            "records_per_shard": records_per_shard, "shards": shard_names(len(source), records_per_shard),
-            "writer_options": WRITER_OPTIONS}
+    spec = {
+        "source": describe(source),
+        "size": len(source),
+        "layout": layout_of(source[0]),
+        "records_per_shard": records_per_shard,
+        "shards": shard_names(len(source), records_per_shard),
+        "writer_options": WRITER_OPTIONS,
+    }
     if (directory / SPEC).exists():
         found = json.loads((directory / SPEC).read_text())
         if found != spec:
-            raise ValueError(f"{directory} holds a build of another source ({_differences(found, spec)}); "
-                             f"remove it or build elsewhere")
+            raise ValueError(
+                f"{directory} holds a build of another source ({_differences(found, spec)}); "
+                f"remove it or build elsewhere"
+            )
     directory.mkdir(parents=True, exist_ok=True)
     (directory / SPEC).write_text(json.dumps(spec, indent=1))
     for stale in directory.glob("*.partial"):  # from an interrupted build: rewritten below
@@ -120,8 +133,14 @@ def build_split(source, directory: str | os.PathLike, *, processes: int | None =
     size, per = len(source), records_per_shard
     done = size - sum(min(per, size - k * per) for k, _ in todo)
     # A bar on a terminal only: redrawn into a log file it would fill it.
-    bar = tqdm(total=size, initial=done, unit="rec", desc=f"build {directory}",
-               disable=not (progress and sys.stderr.isatty()), file=sys.stderr)
+    bar = tqdm(
+        total=size,
+        initial=done,
+        unit="rec",
+        desc=f"build {directory}",
+        disable=not (progress and sys.stderr.isatty()),
+        file=sys.stderr,
+    )
     workers = min(processes or os.cpu_count() or 1, len(todo))
     jobs = [(source, directory / name, k * per, min((k + 1) * per, size), spec["layout"]) for k, name in todo]
     with bar:
@@ -159,17 +178,22 @@ class BuiltSplit:
         self.spec, self.directory = spec, pathlib.Path(directory)
         path = self.directory / SPEC
         if not path.exists():
-            raise ValueError(f"no built split in {self.directory} (no {SPEC}); build it with "
-                             f"`jxformers data build CONFIG --out DIR`")
+            raise ValueError(
+                f"no built split in {self.directory} (no {SPEC}); build it with `jxformers data build CONFIG --out DIR`"
+            )
         built = json.loads(path.read_text())
         expected = {"source": describe(spec), "size": len(spec)}
         if {k: built.get(k) for k in expected} != expected:
-            raise ValueError(f"{self.directory} was built from another source than the config's "
-                             f"({_differences({k: built.get(k) for k in expected}, expected)}); rebuild it")
+            raise ValueError(
+                f"{self.directory} was built from another source than the config's "
+                f"({_differences({k: built.get(k) for k in expected}, expected)}); rebuild it"
+            )
         missing = [name for name in built["shards"] if not (self.directory / name).exists()]
         if missing:
-            raise ValueError(f"the build in {self.directory} is incomplete ({len(missing)} of "
-                             f"{len(built['shards'])} shards missing); rerun `jxformers data build` to finish it")
+            raise ValueError(
+                f"the build in {self.directory} is incomplete ({len(missing)} of "
+                f"{len(built['shards'])} shards missing); rerun `jxformers data build` to finish it"
+            )
         self.layout, self.paths = built["layout"], [str(self.directory / name) for name in built["shards"]]
         self._reader = None
 

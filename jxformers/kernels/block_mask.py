@@ -85,8 +85,11 @@ def add_full_blocks(kinds: np.ndarray, rows_cols) -> jax.Array:
     row; negative entries are none): BigBird's random blocks on top of its static part."""
     rows, r = rows_cols.shape
     cols = jnp.asarray(rows_cols, jnp.int32)
-    extra = jnp.zeros(kinds.shape, bool).at[jnp.repeat(jnp.arange(rows), r), jnp.clip(cols, 0).reshape(-1)].max(
-        (cols >= 0).reshape(-1))
+    extra = (
+        jnp.zeros(kinds.shape, bool)
+        .at[jnp.repeat(jnp.arange(rows), r), jnp.clip(cols, 0).reshape(-1)]
+        .max((cols >= 0).reshape(-1))
+    )
     return jnp.where(extra, FULL, jnp.asarray(kinds)).astype(jnp.int8)
 
 

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def cudnn_unsupported(q, k, v, *, causal: bool, kv_mask=None, mask=None, bias=None, window: int | None = None) -> str | None:
+def cudnn_unsupported(
+    q, k, v, *, causal: bool, kv_mask=None, mask=None, bias=None, window: int | None = None
+) -> str | None:
     """Why cuDNN's fused attention cannot take this call, or None when it can."""
     if window is not None and not causal:
         return "cuDNN takes a sliding window only with causal=True (no right window; seen on an H100, cuDNN 9)"
@@ -28,12 +30,27 @@ def cudnn_unsupported(q, k, v, *, causal: bool, kv_mask=None, mask=None, bias=No
     return None
 
 
-def cudnn_attention(q, k, v, *, causal: bool = False, window: int | None = None, scale: float | None = None,
-                    implementation: str = "cudnn"):
+def cudnn_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float | None = None,
+    implementation: str = "cudnn",
+):
     """`[q_len, heads, d]` attention through `jax.nn.dot_product_attention`: keys with
     j <= i when causal, |i - j| <= window (j >= i - window when causal) when given.
     `implementation="xla"` runs the same call anywhere (tests)."""
     window_size = None if window is None else (window, 0 if causal else window)
-    out = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=causal,
-                                       local_window_size=window_size, implementation=implementation)
+    out = jax.nn.dot_product_attention(
+        q[None],
+        k[None],
+        v[None],
+        scale=scale,
+        is_causal=causal,
+        local_window_size=window_size,
+        implementation=implementation,
+    )
     return out[0]

@@ -66,8 +66,13 @@ class BlockSizes:
     def fitted(self, q_len: int, kv_len: int) -> BlockSizes:
         """Blocks no longer than the (power-of-two rounded) sequences."""
         bq, bk = self.backward
-        return dataclasses.replace(self, block_q=min(self.block_q, _pow2(q_len)), block_k=min(self.block_k, _pow2(kv_len)),
-                                   block_q_bwd=min(bq, _pow2(q_len)), block_k_bwd=min(bk, _pow2(kv_len)))
+        return dataclasses.replace(
+            self,
+            block_q=min(self.block_q, _pow2(q_len)),
+            block_k=min(self.block_k, _pow2(kv_len)),
+            block_q_bwd=min(bq, _pow2(q_len)),
+            block_k_bwd=min(bk, _pow2(kv_len)),
+        )
 
 
 _default_sizes = [BlockSizes()]
@@ -111,8 +116,19 @@ class _Static:
         return ceil_div(self.q_len, bq) * bq, ceil_div(self.kv_len, bk) * bk
 
 
-def block_sparse_reference(q, k, v, pattern: Pattern, *, kv_mask=None, segment_ids=None, scale: float | None = None,
-                           extra_blocks=None, block_size: int | None = None, alibi: Alibi | None = None):
+def block_sparse_reference(
+    q,
+    k,
+    v,
+    pattern: Pattern,
+    *,
+    kv_mask=None,
+    segment_ids=None,
+    scale: float | None = None,
+    extra_blocks=None,
+    block_size: int | None = None,
+    alibi: Alibi | None = None,
+):
     """Dense masked softmax attention under `pattern` (and `kv_mask`, `segment_ids`, the
     FULL `extra_blocks` of `block_size`, the `alibi` bias), computed with an N x N mask:
     the reference the kernels are tested against. Returns `(out [q_len, heads, d_v],
@@ -191,8 +207,9 @@ def _flash_bwd_rule(static, residuals, cotangents):
     # d lse_i / d s_ij = p_ij: a cotangent on the lse shifts delta (FlashAttention's D_i).
     delta = jnp.einsum("qhd,qhd->hq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - jnp.where(jnp.isfinite(lse), d_lse, 0.0)
-    dq, dk, dv, d_slope_rows = _kernels(static).backward(q, k, v, kv_mask, slopes, d_out.astype(q.dtype), lse, delta,
-                                                          rows, cols, static)
+    dq, dk, dv, d_slope_rows = _kernels(static).backward(
+        q, k, v, kv_mask, slopes, d_out.astype(q.dtype), lse, delta, rows, cols, static
+    )
     kv_heads = k.shape[1]
     group = q.shape[1] // kv_heads
 
@@ -221,8 +238,9 @@ def _check_segments(segment_ids, q_len: int, kv_len: int) -> None:
         raise ValueError("segment_ids must be a pair (query segments [q_len], key segments [kv_len])") from None
     for name, x, n in (("query", q_seg, q_len), ("key", kv_seg, kv_len)):
         if tuple(jnp.shape(x)) != (n,) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise ValueError(f"{name} segment ids must be an int array of shape {(n,)}; "
-                             f"got {jnp.result_type(x)}{list(jnp.shape(x))}")
+            raise ValueError(
+                f"{name} segment ids must be an int array of shape {(n,)}; got {jnp.result_type(x)}{list(jnp.shape(x))}"
+            )
 
 
 def check_inputs(q, k, v, kv_mask=None) -> None:
@@ -230,18 +248,34 @@ def check_inputs(q, k, v, kv_mask=None) -> None:
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"q, k, v must be [seq, heads, d]; got {q.shape}, {k.shape}, {v.shape}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"the kernels take q, k, v of one float dtype (float32, bfloat16, float16); "
-                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"the kernels take q, k, v of one float dtype (float32, bfloat16, float16); "
+            f"got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if q.shape[1] % k.shape[1] or k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"heads must be a multiple of kv_heads and k, v must agree; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"heads must be a multiple of kv_heads and k, v must agree; got {q.shape}, {k.shape}, {v.shape}"
+        )
     if kv_mask is not None and tuple(kv_mask.shape) != (k.shape[0],):
         raise ValueError(f"kv_mask must have shape {(k.shape[0],)}; got {tuple(kv_mask.shape)}")
 
 
-def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_ids=None, scale: float | None = None,
-                           extra_blocks=None, alibi: Alibi | None = None,
-                           block_sizes: BlockSizes | None = None, backend: str = "gpu", interpret: bool = False,
-                           return_lse: bool = False):
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    pattern: Pattern,
+    *,
+    kv_mask=None,
+    segment_ids=None,
+    scale: float | None = None,
+    extra_blocks=None,
+    alibi: Alibi | None = None,
+    block_sizes: BlockSizes | None = None,
+    backend: str = "gpu",
+    interpret: bool = False,
+    return_lse: bool = False,
+):
     """Flash attention restricted to `pattern`, visiting only its blocks.
 
     Arguments:
@@ -290,9 +324,18 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
         check_alibi(alibi, heads)
         slopes = jnp.asarray(alibi.slopes, jnp.float32)
     has_tags = kv_mask is not None or segment_ids is not None
-    static = _Static(pattern, q_len, kv_len, float(1.0 / math.sqrt(d_k) if scale is None else scale), sizes,
-                     has_tags, segment_ids is not None, backend, interpret,
-                     None if alibi is None else int(alibi.q_offset))
+    static = _Static(
+        pattern,
+        q_len,
+        kv_len,
+        float(1.0 / math.sqrt(d_k) if scale is None else scale),
+        sizes,
+        has_tags,
+        segment_ids is not None,
+        backend,
+        interpret,
+        None if alibi is None else int(alibi.q_offset),
+    )
     lq, lk = static.padded
     dk_pad, dv_pad = _pow2(d_k), _pow2(d_v)
     qp = _pad_axis(_pad_axis(q, 0, lq), 2, dk_pad)
@@ -314,16 +357,38 @@ def block_sparse_attention(q, k, v, pattern: Pattern, *, kv_mask=None, segment_i
     return out
 
 
-def pattern_attention(q, k, v, pattern: Pattern, choice: KernelChoice, *, kv_mask=None, scale: float | None = None,
-                      extra_blocks=None, alibi: Alibi | None = None, block_sizes: BlockSizes | None = None,
-                      return_lse: bool = False):
+def pattern_attention(
+    q,
+    k,
+    v,
+    pattern: Pattern,
+    choice: KernelChoice,
+    *,
+    kv_mask=None,
+    scale: float | None = None,
+    extra_blocks=None,
+    alibi: Alibi | None = None,
+    block_sizes: BlockSizes | None = None,
+    return_lse: bool = False,
+):
     """`block_sparse_attention` as the ops call it: inputs of mixed float dtypes promoted
     to one, run where `choice` says."""
     dtype = jnp.result_type(q, k, v)
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
-    return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, scale=scale, extra_blocks=extra_blocks,
-                                  alibi=alibi, block_sizes=block_sizes, backend=choice.backend,
-                                  interpret=choice.interpret, return_lse=return_lse)
+    return block_sparse_attention(
+        q,
+        k,
+        v,
+        pattern,
+        kv_mask=kv_mask,
+        scale=scale,
+        extra_blocks=extra_blocks,
+        alibi=alibi,
+        block_sizes=block_sizes,
+        backend=choice.backend,
+        interpret=choice.interpret,
+        return_lse=return_lse,
+    )
 
 
 def merge_attentions(parts):
@@ -335,14 +400,17 @@ def merge_attentions(parts):
     seen = [jnp.isfinite(lse) for _, lse in parts]
     top = functools.reduce(jnp.maximum, [jnp.where(s, lse, -jnp.inf) for s, (_, lse) in zip(seen, parts, strict=True)])
     top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))  # cancels: any finite shift is exact
-    weights = [jnp.where(s, jnp.exp(jnp.where(s, lse, top) - top), 0.0) for s, (_, lse) in zip(seen, parts, strict=True)]
+    weights = [
+        jnp.where(s, jnp.exp(jnp.where(s, lse, top) - top), 0.0) for s, (_, lse) in zip(seen, parts, strict=True)
+    ]
     total = sum(weights)
     norm = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
     return sum(out.astype(jnp.float32) * (w * norm)[..., None] for (out, _), w in zip(parts, weights, strict=True))
 
 
-def visited_fraction(pattern: Pattern, q_len: int, kv_len: int, block_sizes: BlockSizes | None = None,
-                     extra_blocks=None) -> float:
+def visited_fraction(
+    pattern: Pattern, q_len: int, kv_len: int, block_sizes: BlockSizes | None = None, extra_blocks=None
+) -> float:
     """Fraction of the block grid the kernels visit for `pattern` (benchmarks' FLOP counts)."""
     sizes = (block_sizes or _default_sizes[-1]).fitted(q_len, kv_len)
     kinds = block_kinds(pattern, q_len, kv_len, sizes.block_q, sizes.block_k)

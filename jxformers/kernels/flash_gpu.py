@@ -123,8 +123,11 @@ def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, 
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
-            jnp.zeros((bq,), jnp.float32))
+    init = (
+        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
     acc, m, l = _visit(index_ref, full_ref, count_ref, qb, body, init, contiguous=contiguous)
     seen = l > 0
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
@@ -155,8 +158,13 @@ def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
     meta = [jnp.asarray(rows.index), jnp.asarray(rows.full), jnp.asarray(rows.count)]
     tags = _extras(kv_mask, slopes, static)
     inputs = [*meta, q, k, v, *tags]
-    in_specs = [*map(_full_spec, meta), pl.BlockSpec((bq, None, dk), lambda h, b: (b, h, 0)),
-                _kv_spec(lk, dk, group), _kv_spec(lk, dv, group), *map(_full_spec, tags)]
+    in_specs = [
+        *map(_full_spec, meta),
+        pl.BlockSpec((bq, None, dk), lambda h, b: (b, h, 0)),
+        _kv_spec(lk, dk, group),
+        _kv_spec(lk, dv, group),
+        *map(_full_spec, tags),
+    ]
     return pl.pallas_call(
         functools.partial(_forward_kernel, static=static, bq=bq, bk=bk, contiguous=rows.full_contiguous),
         grid=(heads, lq // bq),
@@ -169,7 +177,9 @@ def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
     )(*inputs)
 
 
-def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk, contiguous):
+def _dq_kernel(
+    index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk, contiguous
+):
     kvm_ref, qt_ref, slope = _extra_refs(rest, static)
     alibi = slope is not None
     dq_ref = rest[-2] if alibi else rest[-1]
@@ -200,7 +210,9 @@ def _dq_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_
         rest[-1][...] = d_slope
 
 
-def _dkv_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk, contiguous):
+def _dkv_kernel(
+    index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, static, bq, bk, contiguous
+):
     kvm_ref, qt_ref, slope = _extra_refs(rest, static)
     dk_ref, dv_ref = rest[-2:]
     kb = pl.program_id(1)
@@ -248,8 +260,16 @@ def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: V
     dq, *d_slope = pl.pallas_call(
         functools.partial(_dq_kernel, static=static, bq=bq, bk=bk, contiguous=rows.full_contiguous),
         grid=(heads, lq // bq),
-        in_specs=[*map(_full_spec, meta), q_tile, _kv_spec(lk, dk_, group), _kv_spec(lk, dv_, group),
-                  pl.BlockSpec((bq, None, dv_), lambda h, b: (b, h, 0)), row_vec, row_vec, *map(_full_spec, extra)],
+        in_specs=[
+            *map(_full_spec, meta),
+            q_tile,
+            _kv_spec(lk, dk_, group),
+            _kv_spec(lk, dv_, group),
+            pl.BlockSpec((bq, None, dv_), lambda h, b: (b, h, 0)),
+            row_vec,
+            row_vec,
+            *map(_full_spec, extra),
+        ],
         out_specs=[q_tile] + [row_vec] * alibi,
         out_shape=dq_out,
         compiler_params=_compiler_params(sizes, backward=True),
@@ -262,12 +282,24 @@ def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: V
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, static=static, bq=bq, bk=bk, contiguous=cols.full_contiguous),
         grid=(heads, lk // bk),
-        in_specs=[*map(_full_spec, meta), pl.BlockSpec((lq, None, dk_), lambda h, b: (0, h, 0)),
-                  pl.BlockSpec((bk, None, dk_), lambda h, b: (b, h // group, 0)),
-                  pl.BlockSpec((bk, None, dv_), lambda h, b: (b, h // group, 0)),
-                  pl.BlockSpec((lq, None, dv_), lambda h, b: (0, h, 0)), full_rows, full_rows, *map(_full_spec, extra)],
-        out_specs=[pl.BlockSpec((bk, None, dk_), lambda h, b: (b, h, 0)), pl.BlockSpec((bk, None, dv_), lambda h, b: (b, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((lk, heads, dk_), jnp.float32), jax.ShapeDtypeStruct((lk, heads, dv_), jnp.float32)],
+        in_specs=[
+            *map(_full_spec, meta),
+            pl.BlockSpec((lq, None, dk_), lambda h, b: (0, h, 0)),
+            pl.BlockSpec((bk, None, dk_), lambda h, b: (b, h // group, 0)),
+            pl.BlockSpec((bk, None, dv_), lambda h, b: (b, h // group, 0)),
+            pl.BlockSpec((lq, None, dv_), lambda h, b: (0, h, 0)),
+            full_rows,
+            full_rows,
+            *map(_full_spec, extra),
+        ],
+        out_specs=[
+            pl.BlockSpec((bk, None, dk_), lambda h, b: (b, h, 0)),
+            pl.BlockSpec((bk, None, dv_), lambda h, b: (b, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((lk, heads, dk_), jnp.float32),
+            jax.ShapeDtypeStruct((lk, heads, dv_), jnp.float32),
+        ],
         compiler_params=_compiler_params(sizes, backward=True),
         interpret=static.interpret,
         name="block_sparse_flash_dkv",

@@ -83,23 +83,30 @@ def smem_bytes(block_q: int, block_k: int, d_k: int, d_v: int, slots: int, *, ma
 def check(q, v, block_q: int, block_k: int, num_stages: int, *, masked: bool = False) -> None:
     """ValueError for what this kernel does not take, naming the values."""
     if q.dtype not in DTYPES:
-        raise ValueError(f"backend='mosaic_gpu' takes bfloat16 or float16 inputs (wgmma would run float32 as "
-                         f"TF32); got {q.dtype}; use backend='gpu' for float32")
+        raise ValueError(
+            f"backend='mosaic_gpu' takes bfloat16 or float16 inputs (wgmma would run float32 as "
+            f"TF32); got {q.dtype}; use backend='gpu' for float32"
+        )
     if block_q not in (WG_ROWS, 2 * WG_ROWS):
-        raise ValueError(f"backend='mosaic_gpu' needs block_q 64 (one consumer warpgroup) or 128 (two); got "
-                         f"{block_q} (sequences shorter than 64 are fitted below it: pass longer inputs or backend='gpu')")
+        raise ValueError(
+            f"backend='mosaic_gpu' needs block_q 64 (one consumer warpgroup) or 128 (two); got "
+            f"{block_q} (sequences shorter than 64 are fitted below it: pass longer inputs or backend='gpu')"
+        )
     if block_k not in (64, 128):
         raise ValueError(f"backend='mosaic_gpu' needs block_k 64 or 128; got {block_k}")
     if max(q.shape[2], v.shape[2]) > MAX_HEAD_DIM:
-        raise ValueError(f"backend='mosaic_gpu' takes head sizes up to {MAX_HEAD_DIM}; got d_k={q.shape[2]}, "
-                         f"d_v={v.shape[2]}")
+        raise ValueError(
+            f"backend='mosaic_gpu' takes head sizes up to {MAX_HEAD_DIM}; got d_k={q.shape[2]}, d_v={v.shape[2]}"
+        )
     if num_stages < 2:
         raise ValueError(f"backend='mosaic_gpu' needs num_stages >= 2 (K/V slots in flight); got {num_stages}")
     need = smem_bytes(block_q, block_k, _round64(q.shape[2]), _round64(v.shape[2]), num_stages, masked=masked)
     if need > SMEM_BYTES:
-        raise ValueError(f"backend='mosaic_gpu': block_q={block_q}, block_k={block_k}, num_stages={num_stages} with "
-                         f"d_k={q.shape[2]}, d_v={v.shape[2]} need {need} bytes of shared memory (> {SMEM_BYTES}); "
-                         "use fewer stages or smaller blocks")
+        raise ValueError(
+            f"backend='mosaic_gpu': block_q={block_q}, block_k={block_k}, num_stages={num_stages} with "
+            f"d_k={q.shape[2]}, d_v={v.shape[2]} need {need} bytes of shared memory (> {SMEM_BYTES}); "
+            "use fewer stages or smaller blocks"
+        )
 
 
 def _round64(n: int) -> int:
@@ -165,14 +172,47 @@ def _kernel(index_ref, full_ref, count_ref, q_ref, kt_ref, v_ref, *rest, static,
         plgpu.Barrier(num_arrivals=consumers) if consumers == 2 else None,  # the ping-pong
     ]
     refs = (index_ref, full_ref, count_ref, q_ref, kt_ref, v_ref, tags_ref, out_ref, lse_ref)
-    pl.run_scoped(lambda *scoped: _body(*refs, *scoped, static=static, group=group, consumers=consumers,
-                                        slots=slots, interpret=interpret),
-                  *scratch, *barriers, collective_axes="wg")
+    pl.run_scoped(
+        lambda *scoped: _body(
+            *refs, *scoped, static=static, group=group, consumers=consumers, slots=slots, interpret=interpret
+        ),
+        *scratch,
+        *barriers,
+        collective_axes="wg",
+    )
 
 
-def _body(index_ref, full_ref, count_ref, q_ref, kt_ref, v_ref, tags_ref, out_ref, lse_ref,
-          q_smem, k_smem, v_smem, o_smem, lse_smem, tag_smem, p_smem,
-          q_bar, k_bar, v_bar, tag_bar, k_free, v_free, turn, *, static, group, consumers, slots, interpret):
+def _body(
+    index_ref,
+    full_ref,
+    count_ref,
+    q_ref,
+    kt_ref,
+    v_ref,
+    tags_ref,
+    out_ref,
+    lse_ref,
+    q_smem,
+    k_smem,
+    v_smem,
+    o_smem,
+    lse_smem,
+    tag_smem,
+    p_smem,
+    q_bar,
+    k_bar,
+    v_bar,
+    tag_bar,
+    k_free,
+    v_free,
+    turn,
+    *,
+    static,
+    group,
+    consumers,
+    slots,
+    interpret,
+):
     head = lax.axis_index("heads")
     row = lax.axis_index("qblocks")
     wg = lax.axis_index("wg")
@@ -314,14 +354,16 @@ def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
     if interpret:
         params = interpret_params()
         if params is None:
-            raise ValueError(f"this JAX ({jax.__version__}) has no Mosaic GPU interpret mode "
-                             "(jax._src.pallas.mosaic_gpu.interpret)")
+            raise ValueError(
+                f"this JAX ({jax.__version__}) has no Mosaic GPU interpret mode (jax._src.pallas.mosaic_gpu.interpret)"
+            )
     meta = [jnp.asarray(rows.index, jnp.int32), jnp.asarray(rows.full, jnp.int32), jnp.asarray(rows.count, jnp.int32)]
     tags = [] if kv_mask is None else [jnp.asarray(kv_mask, jnp.int32)]
     consumers = bq // WG_ROWS
     kernel = plgpu.kernel(
-        functools.partial(_kernel, static=static, group=heads // kv_heads, consumers=consumers, slots=slots,
-                          interpret=interpret),
+        functools.partial(
+            _kernel, static=static, group=heads // kv_heads, consumers=consumers, slots=slots, interpret=interpret
+        ),
         out_type=[jax.ShapeDtypeStruct((lq, heads, dv_pad), q.dtype), jax.ShapeDtypeStruct((heads, lq), jnp.float32)],
         grid=(heads, lq // bq),
         grid_names=("heads", "qblocks"),

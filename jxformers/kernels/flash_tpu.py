@@ -71,8 +71,11 @@ def _prefetch(lists: VisitLists):
     2-D array's rows to whole tiles, a 1-D one far less, and SMEM is small.
     (`full_contiguous` is for the GPU kernels: here the index maps read every slot from
     SMEM and Pallas pipelines the copies whatever the block numbers.)"""
-    return [jnp.asarray(_slots(lists)).reshape(-1), jnp.asarray(lists.full, jnp.int32),
-            jnp.asarray(lists.count, jnp.int32)]
+    return [
+        jnp.asarray(_slots(lists)).reshape(-1),
+        jnp.asarray(lists.full, jnp.int32),
+        jnp.asarray(lists.count, jnp.int32),
+    ]
 
 
 def _visited(index, row, t):
@@ -83,11 +86,17 @@ def _visited(index, row, t):
 def _call(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch, static):
     """The pallas_call of a kernel whose scalar-prefetch arguments are the visit lists
     (`_prefetch`) and, with ALiBi, the head slopes."""
+
     def build(semantics):
         return pl.pallas_call(
             kernel,
-            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3 + _alibi(static), grid=grid,
-                                                  in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=3 + _alibi(static),
+                grid=grid,
+                in_specs=in_specs,
+                out_specs=out_specs,
+                scratch_shapes=scratch,
+            ),
             out_shape=out_shape,
             compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
             interpret=pltpu.InterpretParams() if static.interpret else False,
@@ -236,8 +245,11 @@ def _forward_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
 
     def step(partial):
         k_start = _visited(index_ref, qb, t) * bk
-        s = _mask_tags(_with_bias(_dot(q_ref[...], k_ref[...], _NT) * static.scale, static, slope, qb * bq, k_start, 0),
-                       kvm_ref, qt_ref)
+        s = _mask_tags(
+            _with_bias(_dot(q_ref[...], k_ref[...], _NT) * static.scale, static, slope, qb * bq, k_start, 0),
+            kvm_ref,
+            qt_ref,
+        )
         if partial:
             s = jnp.where(_tile_mask(static, qb * bq, k_start, (bq, bk), 0), s, -jnp.inf)
         m_prev = m_ref[...]
@@ -296,8 +308,11 @@ def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
         # would need an in-kernel transpose.
         out_specs=[oh.spec(bq, own_q), pl.BlockSpec((None, bq, LANES), lambda h, b, t, *_: (h, b, 0))],
         out_shape=[oh.shape(lq, q.dtype), jax.ShapeDtypeStruct((heads, lq, LANES), jnp.float32)],
-        scratch=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                 pltpu.VMEM((bq, dv), jnp.float32)],
+        scratch=[
+            pltpu.VMEM((bq, LANES), jnp.float32),
+            pltpu.VMEM((bq, LANES), jnp.float32),
+            pltpu.VMEM((bq, dv), jnp.float32),
+        ],
         static=static,
     )(*_scalars(rows, slopes, static), *inputs)
     return oh.take(out), lse[:, :, 0]
@@ -320,8 +335,9 @@ def _dq_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
     def step(partial):
         k, v = k_ref[...], v_ref[...]
         k_start = _visited(index_ref, qb, t) * bk
-        s = _mask_tags(_with_bias(_dot(q_ref[...], k, _NT) * static.scale, static, slope, qb * bq, k_start, 0),
-                       kvm_ref, qt_ref)
+        s = _mask_tags(
+            _with_bias(_dot(q_ref[...], k, _NT) * static.scale, static, slope, qb * bq, k_start, 0), kvm_ref, qt_ref
+        )
         if partial:
             s = jnp.where(_tile_mask(static, qb * bq, k_start, (bq, bk), 0), s, -jnp.inf)
         # Row vectors (1, bq) to columns (bq, 1), as splash's dq kernel reads them.
@@ -414,8 +430,15 @@ def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: V
         functools.partial(_dq_kernel, static=static, bq=bq, bk=bk),
         name="block_sparse_flash_dq_tpu",
         grid=(heads, lq // bq, rows.width),
-        in_specs=[qh.spec(bq, own_q), kh.spec(bk, visited_kv), vh.spec(bk, visited_kv), oh.spec(bq, own_q),
-                  row_spec, row_spec, *row_tag_specs],
+        in_specs=[
+            qh.spec(bq, own_q),
+            kh.spec(bk, visited_kv),
+            vh.spec(bk, visited_kv),
+            oh.spec(bq, own_q),
+            row_spec,
+            row_spec,
+            *row_tag_specs,
+        ],
         out_specs=[qh.spec(bq, own_q)] + [lane_rows] * alibi,
         out_shape=[qh.shape(lq, q.dtype)] + [jax.ShapeDtypeStruct((heads, lq, LANES), jnp.float32)] * alibi,
         scratch=[pltpu.VMEM((bq, dk_), jnp.float32)] + [pltpu.VMEM((bq, LANES), jnp.float32)] * alibi,
@@ -439,8 +462,15 @@ def backward(q, k, v, kv_mask, slopes, do, lse, delta, rows: VisitLists, cols: V
         functools.partial(_dkv_kernel, static=static, bq=bq, bk=bk),
         name="block_sparse_flash_dkv_tpu",
         grid=(heads, lk // bk, cols.width),
-        in_specs=[qh.spec(bq, visited_q), kh.spec(bk, own_kv), vh.spec(bk, own_kv), oh.spec(bq, visited_q),
-                  row_spec, row_spec, *col_tag_specs],
+        in_specs=[
+            qh.spec(bq, visited_q),
+            kh.spec(bk, own_kv),
+            vh.spec(bk, own_kv),
+            oh.spec(bq, visited_q),
+            row_spec,
+            row_spec,
+            *col_tag_specs,
+        ],
         out_specs=[dkh.spec(bk, own_out), dvh.spec(bk, own_out)],
         out_shape=[dkh.shape(lk, jnp.float32), dvh.shape(lk, jnp.float32)],
         scratch=[pltpu.VMEM((bk, dk_), jnp.float32), pltpu.VMEM((bk, dv_), jnp.float32)],

@@ -60,8 +60,14 @@ def device_backend() -> str:
     return jax.default_backend()
 
 
-def choose_kernel(impl: str, *, unsupported: str | None = None, what: str = "this op",
-                  q_len: int | None = None, cudnn: bool | str = False) -> KernelChoice | None:
+def choose_kernel(
+    impl: str,
+    *,
+    unsupported: str | None = None,
+    what: str = "this op",
+    q_len: int | None = None,
+    cudnn: bool | str = False,
+) -> KernelChoice | None:
     """The kernel to run for `impl`, or None for the XLA op; `KernelChoice("cudnn")`
     for cuDNN's fused attention.
 
@@ -85,8 +91,10 @@ def choose_kernel(impl: str, *, unsupported: str | None = None, what: str = "thi
     if unsupported is not None:
         if impl == "auto":
             return None
-        raise ValueError(f"impl={impl!r}: the Pallas kernel for {what} cannot run this call: {unsupported}; "
-                         "use impl='xla' (or 'auto', which falls back to it)")
+        raise ValueError(
+            f"impl={impl!r}: the Pallas kernel for {what} cannot run this call: {unsupported}; "
+            "use impl='xla' (or 'auto', which falls back to it)"
+        )
     if impl == "interpret":
         return KernelChoice("gpu", interpret=True)
     platform = device_backend()
@@ -98,9 +106,13 @@ def choose_kernel(impl: str, *, unsupported: str | None = None, what: str = "thi
             return KernelChoice("cudnn" if impl == "auto" and cudnn is True else "gpu")
         if impl == "auto":
             return None
-        raise ValueError(f"impl='pallas' needs an NVIDIA GPU of compute capability >= {PALLAS_MIN_CAPABILITY} "
-                         f"(the Triton lowering); this one reports {capability}. Use impl='xla'")
+        raise ValueError(
+            f"impl='pallas' needs an NVIDIA GPU of compute capability >= {PALLAS_MIN_CAPABILITY} "
+            f"(the Triton lowering); this one reports {capability}. Use impl='xla'"
+        )
     if impl == "auto":
         return None
-    raise ValueError(f"impl='pallas' has no kernel for the {platform!r} backend (kernels: NVIDIA GPU, TPU); "
-                     "use impl='xla', or impl='interpret' to run the kernel slowly in interpret mode")
+    raise ValueError(
+        f"impl='pallas' has no kernel for the {platform!r} backend (kernels: NVIDIA GPU, TPU); "
+        "use impl='xla', or impl='interpret' to run the kernel slowly in interpret mode"
+    )

@@ -111,7 +111,7 @@ def _backward(static, residuals, cotangents):
     s_all, z_all, _, _ = kernels.states(k, v, b, static) if static.causal else (None, None, s_fin, z_fin)
     s_in, z_in = (s_all, z_all) if static.causal else (s_fin, z_fin)
     # The final state's cotangent enters once per kv head: through the first head of its group.
-    first = (jnp.arange(heads) % group == 0)
+    first = jnp.arange(heads) % group == 0
     ds0 = jnp.where(first[:, None, None], jnp.repeat(d_s, group, axis=0), 0.0)
     dz0 = jnp.where(first[:, None], jnp.repeat(d_z, group, axis=0), 0.0)
     ds, dz = kernels.dstates(q, g, r, ds0, dz0, b, static)
@@ -153,8 +153,10 @@ def check_inputs(phi_q, phi_k, v, log_gate=None, *, causal: bool, chunk_size: in
     if phi_q.ndim != 3 or phi_k.ndim != 3 or v.ndim != 3:
         raise ValueError(f"phi_q, phi_k, v must be [seq, heads, d]; got {phi_q.shape}, {phi_k.shape}, {v.shape}")
     if phi_q.shape[1] % phi_k.shape[1] or phi_k.shape[:2] != v.shape[:2] or phi_q.shape[2] != phi_k.shape[2]:
-        raise ValueError(f"heads must be a multiple of kv_heads, phi_k and v must agree and the feature sizes "
-                         f"must match; got {phi_q.shape}, {phi_k.shape}, {v.shape}")
+        raise ValueError(
+            f"heads must be a multiple of kv_heads, phi_k and v must agree and the feature sizes "
+            f"must match; got {phi_q.shape}, {phi_k.shape}, {v.shape}"
+        )
     if causal and phi_q.shape[0] != phi_k.shape[0]:
         raise ValueError(f"causal needs q_len == kv_len; got {phi_q.shape[0]} and {phi_k.shape[0]}")
     dtype = jnp.result_type(phi_q, phi_k, v)
@@ -166,13 +168,27 @@ def check_inputs(phi_q, phi_k, v, log_gate=None, *, causal: bool, chunk_size: in
         if not causal:
             raise ValueError("log_gate needs causal=True (the gate decays a running state)")
         if tuple(log_gate.shape) not in (tuple(phi_k.shape[:2]), tuple(phi_k.shape)):
-            raise ValueError(f"log_gate must have shape {tuple(phi_k.shape[:2])} ([kv_len, kv_heads]) or "
-                             f"{tuple(phi_k.shape)} ([kv_len, kv_heads, m], per feature); got {tuple(log_gate.shape)}")
+            raise ValueError(
+                f"log_gate must have shape {tuple(phi_k.shape[:2])} ([kv_len, kv_heads]) or "
+                f"{tuple(phi_k.shape)} ([kv_len, kv_heads, m], per feature); got {tuple(log_gate.shape)}"
+            )
 
 
-def chunked_linear_attention(phi_q, phi_k, v, *, causal: bool = True, log_gate=None, chunk_size: int = DEFAULT_CHUNK,
-                             return_state: bool = False, backend: str = "gpu", interpret: bool = False,
-                             num_warps: int | None = None, num_stages: int = 2, dtype=None):
+def chunked_linear_attention(
+    phi_q,
+    phi_k,
+    v,
+    *,
+    causal: bool = True,
+    log_gate=None,
+    chunk_size: int = DEFAULT_CHUNK,
+    return_state: bool = False,
+    backend: str = "gpu",
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    dtype=None,
+):
     """Linear attention with features applied, as Pallas kernels (custom VJP).
 
     Arguments:
@@ -228,11 +244,19 @@ def chunked_linear_attention(phi_q, phi_k, v, *, causal: bool = True, log_gate=N
         lg = _pad(_pad(jnp.asarray(log_gate, jnp.float32), 0, n), 2, m_pad)
     else:
         lg = None if log_gate is None else _pad(jnp.asarray(log_gate, jnp.float32).T, 1, n)
-    static = _Static(n=n, chunk=chunk, causal=causal, gated=log_gate is not None, per_feature=per_feature,
-                     group=heads // kv_heads,
-                     mma=jnp.dtype(jnp.bfloat16 if in_dtype == jnp.bfloat16 else jnp.float32),
-                     num_warps=num_warps or (4 if max(m_pad, dv_pad) <= 64 else 8), num_stages=num_stages,
-                     interpret=interpret, backend=backend)
+    static = _Static(
+        n=n,
+        chunk=chunk,
+        causal=causal,
+        gated=log_gate is not None,
+        per_feature=per_feature,
+        group=heads // kv_heads,
+        mma=jnp.dtype(jnp.bfloat16 if in_dtype == jnp.bfloat16 else jnp.float32),
+        num_warps=num_warps or (4 if max(m_pad, dv_pad) <= 64 else 8),
+        num_stages=num_stages,
+        interpret=interpret,
+        backend=backend,
+    )
     out, s, z = _linear(qp, kp, vp, lg, static)
     out = out[:q_len, :, :d_v].astype(dtype)
     if return_state:

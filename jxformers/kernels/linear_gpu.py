@@ -142,13 +142,23 @@ def states(k, v, b, static):
     out_specs = [pl.BlockSpec((None, m, dv), lambda h: (h, 0, 0)), pl.BlockSpec((None, m), lambda h: (h, 0))]
     out_shape = [jax.ShapeDtypeStruct((kv_heads, m, dv), jnp.float32), jax.ShapeDtypeStruct((kv_heads, m), jnp.float32)]
     if static.causal:
-        out_specs = [pl.BlockSpec((None, nc * m, dv), lambda h: (h, 0, 0)), pl.BlockSpec((None, nc * m), lambda h: (h, 0))] + out_specs
-        out_shape = [jax.ShapeDtypeStruct((kv_heads, nc * m, dv), jnp.float32),
-                     jax.ShapeDtypeStruct((kv_heads, nc * m), jnp.float32)] + out_shape
+        out_specs = [
+            pl.BlockSpec((None, nc * m, dv), lambda h: (h, 0, 0)),
+            pl.BlockSpec((None, nc * m), lambda h: (h, 0)),
+        ] + out_specs
+        out_shape = [
+            jax.ShapeDtypeStruct((kv_heads, nc * m, dv), jnp.float32),
+            jax.ShapeDtypeStruct((kv_heads, nc * m), jnp.float32),
+        ] + out_shape
     result = pl.pallas_call(
         functools.partial(_states_kernel, static=static),
-        grid=(kv_heads,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=_params(static), interpret=static.interpret, name="linear_attention_states",
+        grid=(kv_heads,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(static),
+        interpret=static.interpret,
+        name="linear_attention_states",
     )(*inputs)
     if static.causal:
         return tuple(result)
@@ -159,10 +169,14 @@ def _state_specs(static, m, dv, group):
     """BlockSpecs of (S, z) as read by a (head, chunk) program: the state entering the
     chunk (causal) or the final one (non-causal)."""
     if static.causal:
-        return (pl.BlockSpec((None, m, dv), lambda h, c: (h // group, c, 0)),
-                pl.BlockSpec((None, m), lambda h, c: (h // group, c)))
-    return (pl.BlockSpec((None, m, dv), lambda h, c: (h // group, 0, 0)),
-            pl.BlockSpec((None, m), lambda h, c: (h // group, 0)))
+        return (
+            pl.BlockSpec((None, m, dv), lambda h, c: (h // group, c, 0)),
+            pl.BlockSpec((None, m), lambda h, c: (h // group, c)),
+        )
+    return (
+        pl.BlockSpec((None, m, dv), lambda h, c: (h // group, 0, 0)),
+        pl.BlockSpec((None, m), lambda h, c: (h // group, 0)),
+    )
 
 
 def _output_kernel(q_ref, k_ref, v_ref, s_ref, z_ref, *rest, static):
@@ -214,20 +228,28 @@ def output(q, k, v, s, z, b, static):
     kv_heads, dv = v.shape[1], v.shape[2]
     group = heads // kv_heads
     c_len = static.chunk
-    in_specs = [pl.BlockSpec((c_len, None, m), lambda h, c: (c, h, 0)),
-                pl.BlockSpec((c_len, None, m), lambda h, c: (c, h // group, 0)),
-                pl.BlockSpec((c_len, None, dv), lambda h, c: (c, h // group, 0)),
-                *_state_specs(static, m, dv, group)]
+    in_specs = [
+        pl.BlockSpec((c_len, None, m), lambda h, c: (c, h, 0)),
+        pl.BlockSpec((c_len, None, m), lambda h, c: (c, h // group, 0)),
+        pl.BlockSpec((c_len, None, dv), lambda h, c: (c, h // group, 0)),
+        *_state_specs(static, m, dv, group),
+    ]
     inputs = [q, k, v, s, z]
     if static.gated:
         in_specs.append(_chunk_gate_spec(static, c_len, m, group))
         inputs.append(b)
     return pl.pallas_call(
         functools.partial(_output_kernel, static=static),
-        grid=(heads, n // c_len), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((c_len, None, dv), lambda h, c: (c, h, 0)), pl.BlockSpec((None, c_len), lambda h, c: (h, c))],
+        grid=(heads, n // c_len),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((c_len, None, dv), lambda h, c: (c, h, 0)),
+            pl.BlockSpec((None, c_len), lambda h, c: (h, c)),
+        ],
         out_shape=[jax.ShapeDtypeStruct((n, heads, dv), q.dtype), jax.ShapeDtypeStruct((heads, n), jnp.float32)],
-        compiler_params=_params(static), interpret=static.interpret, name="linear_attention_output",
+        compiler_params=_params(static),
+        interpret=static.interpret,
+        name="linear_attention_output",
     )(*inputs)
 
 
@@ -279,8 +301,13 @@ def dstates(q, g, r, ds0, dz0, b, static):
     n, heads, m = q.shape
     dv = g.shape[-1]
     nc = n // static.chunk
-    in_specs = [_kv_spec(n, m, 1), _kv_spec(n, dv, 1), pl.BlockSpec((None, n), lambda h: (h, 0)),
-                pl.BlockSpec((None, m, dv), lambda h: (h, 0, 0)), pl.BlockSpec((None, m), lambda h: (h, 0))]
+    in_specs = [
+        _kv_spec(n, m, 1),
+        _kv_spec(n, dv, 1),
+        pl.BlockSpec((None, n), lambda h: (h, 0)),
+        pl.BlockSpec((None, m, dv), lambda h: (h, 0, 0)),
+        pl.BlockSpec((None, m), lambda h: (h, 0)),
+    ]
     inputs = [q, g, r, ds0, dz0]
     if static.gated:
         in_specs.append(_gate_spec(static, n, m, static.group))
@@ -290,8 +317,13 @@ def dstates(q, g, r, ds0, dz0, b, static):
     out_shape = [jax.ShapeDtypeStruct((heads, rows, dv), jnp.float32), jax.ShapeDtypeStruct((heads, rows), jnp.float32)]
     return pl.pallas_call(
         functools.partial(_dstates_kernel, static=static),
-        grid=(heads,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=_params(static), interpret=static.interpret, name="linear_attention_dstates",
+        grid=(heads,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(static),
+        interpret=static.interpret,
+        name="linear_attention_dstates",
     )(*inputs)
 
 
@@ -356,12 +388,15 @@ def grads(q, k, v, g, r, s, z, ds, dz, b, static):
     group = heads // kv_heads
     c_len = static.chunk
     own = _state_specs(static, m, dv, 1)
-    in_specs = [pl.BlockSpec((c_len, None, m), lambda h, c: (c, h, 0)),
-                pl.BlockSpec((c_len, None, m), lambda h, c: (c, h // group, 0)),
-                pl.BlockSpec((c_len, None, dv), lambda h, c: (c, h // group, 0)),
-                pl.BlockSpec((c_len, None, dv), lambda h, c: (c, h, 0)),
-                pl.BlockSpec((None, c_len), lambda h, c: (h, c)),
-                *_state_specs(static, m, dv, group), *own]
+    in_specs = [
+        pl.BlockSpec((c_len, None, m), lambda h, c: (c, h, 0)),
+        pl.BlockSpec((c_len, None, m), lambda h, c: (c, h // group, 0)),
+        pl.BlockSpec((c_len, None, dv), lambda h, c: (c, h // group, 0)),
+        pl.BlockSpec((c_len, None, dv), lambda h, c: (c, h, 0)),
+        pl.BlockSpec((None, c_len), lambda h, c: (h, c)),
+        *_state_specs(static, m, dv, group),
+        *own,
+    ]
     inputs = [q, k, v, g, r, s, z, ds, dz]
     if static.gated:
         in_specs.append(_chunk_gate_spec(static, c_len, m, group))
@@ -369,8 +404,15 @@ def grads(q, k, v, g, r, s, z, ds, dz, b, static):
     tile = lambda d: pl.BlockSpec((c_len, None, d), lambda h, c: (c, h, 0))  # noqa: E731
     return pl.pallas_call(
         functools.partial(_grads_kernel, static=static),
-        grid=(heads, n // c_len), in_specs=in_specs, out_specs=[tile(m), tile(m), tile(dv)],
-        out_shape=[jax.ShapeDtypeStruct((n, heads, m), jnp.float32), jax.ShapeDtypeStruct((n, heads, m), jnp.float32),
-                   jax.ShapeDtypeStruct((n, heads, dv), jnp.float32)],
-        compiler_params=_params(static), interpret=static.interpret, name="linear_attention_grads",
+        grid=(heads, n // c_len),
+        in_specs=in_specs,
+        out_specs=[tile(m), tile(m), tile(dv)],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, heads, m), jnp.float32),
+            jax.ShapeDtypeStruct((n, heads, m), jnp.float32),
+            jax.ShapeDtypeStruct((n, heads, dv), jnp.float32),
+        ],
+        compiler_params=_params(static),
+        interpret=static.interpret,
+        name="linear_attention_grads",
     )(*inputs)

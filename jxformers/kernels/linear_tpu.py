@@ -72,16 +72,23 @@ def _dot(a, b, dims, dtype=None):
     products may be a single bf16 pass)."""
     dtype = a.dtype if dtype is None else dtype
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, precision=precision,
-                           preferred_element_type=jnp.float32)
+    return lax.dot_general(
+        a.astype(dtype), b.astype(dtype), dims, precision=precision, preferred_element_type=jnp.float32
+    )
 
 
 def _call(kernel, *, name, grid, sequential, in_specs, out_specs, out_shape, scratch=(), static):
     def build(semantics):
         return pl.pallas_call(
-            kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
+            kernel,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            scratch_shapes=scratch,
             compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-            interpret=pltpu.InterpretParams() if static.interpret else False, name=name,
+            interpret=pltpu.InterpretParams() if static.interpret else False,
+            name=name,
         )
 
     # Heads are independent (megacore may split them); a chunk walk carries its state
@@ -109,7 +116,7 @@ def _decay(b_col, b_row, c_len):
 def _scalar_gate(b_ref, c_len):
     """A scalar-gate tile `(1, C)` -> (b as a column `[C, 1]`, b as a row, B `[1, 1]`)."""
     b_row = b_ref[...]
-    return _column(b_ref), b_row, b_row[:, c_len - 1:]
+    return _column(b_ref), b_row, b_row[:, c_len - 1 :]
 
 
 def _per_feature(qf, kf, b, c_len, dw=None):
@@ -173,8 +180,10 @@ def _gate_spec(static, m, head, chunk=lambda c: c):
 
 def _state_specs(m, dv, head, chunk):
     """(S^T `[heads, rows, dv, m]`, z `[heads, rows, 1, m]`): row `chunk(c)`."""
-    return (pl.BlockSpec((None, None, dv, m), lambda h, c: (head(h), chunk(c), 0, 0)),
-            pl.BlockSpec((None, None, 1, m), lambda h, c: (head(h), chunk(c), 0, 0)))
+    return (
+        pl.BlockSpec((None, None, dv, m), lambda h, c: (head(h), chunk(c), 0, 0)),
+        pl.BlockSpec((None, None, 1, m), lambda h, c: (head(h), chunk(c), 0, 0)),
+    )
 
 
 def _as_state(s, z):
@@ -192,7 +201,7 @@ def _as_state(s, z):
 def _states_kernel(k_ref, v_ref, *rest, static):
     b_ref = rest[0] if static.gated else None
     s_acc, z_acc = rest[-2:]
-    outs = rest[int(static.gated):-2]
+    outs = rest[int(static.gated) : -2]
     c, c_len = pl.program_id(1), static.chunk
 
     @pl.when(c == 0)
@@ -207,7 +216,7 @@ def _states_kernel(k_ref, v_ref, *rest, static):
     s, z = s_acc[...], z_acc[...]
     if static.per_feature:  # b [C, m]: each feature decays at its own rate (S^T's columns)
         b = b_ref[...]
-        total = b[c_len - 1:, :]
+        total = b[c_len - 1 :, :]
         kf = kf * jnp.exp(total - b)
         s, z = s * jnp.exp(total), z * jnp.exp(total)
     elif static.gated:
@@ -234,16 +243,27 @@ def states(k, v, b, static):
     inputs = [_flat(k), _flat(v)] + ([_gate(b, static)] if static.gated else [])
     in_specs = [_tile(c_len, m, own), _tile(c_len, dv, own)] + ([_gate_spec(static, m, own)] if static.gated else [])
     final = [pl.BlockSpec((None, dv, m), lambda h, c: (h, 0, 0)), pl.BlockSpec((None, 1, m), lambda h, c: (h, 0, 0))]
-    out_specs, out_shape = final, [jax.ShapeDtypeStruct((kv_heads, dv, m), jnp.float32),
-                                   jax.ShapeDtypeStruct((kv_heads, 1, m), jnp.float32)]
+    out_specs, out_shape = (
+        final,
+        [jax.ShapeDtypeStruct((kv_heads, dv, m), jnp.float32), jax.ShapeDtypeStruct((kv_heads, 1, m), jnp.float32)],
+    )
     if static.causal:
         out_specs = [*_state_specs(m, dv, own, lambda c: c), *out_specs]
-        out_shape = [jax.ShapeDtypeStruct((kv_heads, nc, dv, m), jnp.float32),
-                     jax.ShapeDtypeStruct((kv_heads, nc, 1, m), jnp.float32), *out_shape]
+        out_shape = [
+            jax.ShapeDtypeStruct((kv_heads, nc, dv, m), jnp.float32),
+            jax.ShapeDtypeStruct((kv_heads, nc, 1, m), jnp.float32),
+            *out_shape,
+        ]
     result = _call(
-        functools.partial(_states_kernel, static=static), name="linear_attention_states_tpu",
-        grid=(kv_heads, nc), sequential=True, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch=[pltpu.VMEM((dv, m), jnp.float32), pltpu.VMEM((1, m), jnp.float32)], static=static,
+        functools.partial(_states_kernel, static=static),
+        name="linear_attention_states_tpu",
+        grid=(kv_heads, nc),
+        sequential=True,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch=[pltpu.VMEM((dv, m), jnp.float32), pltpu.VMEM((1, m), jnp.float32)],
+        static=static,
     )(*inputs)
     s_fin, z_fin = jnp.swapaxes(result[-2], 1, 2), result[-1][:, 0]
     if static.causal:
@@ -291,18 +311,27 @@ def output(q, k, v, s, z, b, static):
     group, c_len = heads // kv_heads, static.chunk
     own, kv = (lambda h: h), (lambda h: h // group)
     s, z = _as_state(s, z)
-    in_specs = [_tile(c_len, m, own), _tile(c_len, m, kv), _tile(c_len, dv, kv),
-                *_state_specs(m, dv, kv, (lambda c: c) if static.causal else (lambda c: 0))]
+    in_specs = [
+        _tile(c_len, m, own),
+        _tile(c_len, m, kv),
+        _tile(c_len, dv, kv),
+        *_state_specs(m, dv, kv, (lambda c: c) if static.causal else (lambda c: 0)),
+    ]
     inputs = [_flat(q), _flat(k), _flat(v), s, z]
     if static.gated:
         in_specs.append(_gate_spec(static, m, kv))
         inputs.append(_gate(b, static))
     out, den = _call(
-        functools.partial(_output_kernel, static=static), name="linear_attention_output_tpu",
-        grid=(heads, n // c_len), sequential=False, in_specs=in_specs,
+        functools.partial(_output_kernel, static=static),
+        name="linear_attention_output_tpu",
+        grid=(heads, n // c_len),
+        sequential=False,
+        in_specs=in_specs,
         out_specs=[_tile(c_len, dv, own), _row_spec(c_len, own)],
-        out_shape=[jax.ShapeDtypeStruct((n, heads * dv), q.dtype),
-                   jax.ShapeDtypeStruct((heads, n // c_len, 1, c_len), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, heads * dv), q.dtype),
+            jax.ShapeDtypeStruct((heads, n // c_len, 1, c_len), jnp.float32),
+        ],
         static=static,
     )(*inputs)
     return out.reshape(n, heads, dv), den.reshape(heads, n)
@@ -328,7 +357,7 @@ def _dstates_kernel(q_ref, g_ref, r_ref, ds0_ref, dz0_ref, *rest, static):
     ds, dz = acc[...], accz[...]
     if static.per_feature:
         b = b_ref[...]
-        total = b[c_len - 1:, :]
+        total = b[c_len - 1 :, :]
         qd = qd * jnp.exp(b)
         ds, dz = ds * jnp.exp(total), dz * jnp.exp(total)
     elif static.gated:
@@ -339,6 +368,7 @@ def _dstates_kernel(q_ref, g_ref, r_ref, ds0_ref, dz0_ref, *rest, static):
     accz[...] = dz + _dot(r_ref[...], qd, _NN)  # dz += sum_i r_i (decayed phi(q_i)): a row times the tile
 
     if not static.causal:
+
         @pl.when(t == pl.num_programs(1) - 1)
         def _final():
             ds_ref[...] = acc[...]
@@ -355,20 +385,30 @@ def dstates(q, g, r, ds0, dz0, b, static):
     own = lambda h: h  # noqa: E731
     back = lambda t: nc - 1 - t  # noqa: E731  (grid step t visits chunk nc - 1 - t)
     ds0, dz0 = _as_state(ds0, dz0)
-    in_specs = [_tile(c_len, m, own, back), _tile(c_len, dv, own, back), _row_spec(c_len, own, back),
-                *_state_specs(m, dv, own, lambda t: 0)]
+    in_specs = [
+        _tile(c_len, m, own, back),
+        _tile(c_len, dv, own, back),
+        _row_spec(c_len, own, back),
+        *_state_specs(m, dv, own, lambda t: 0),
+    ]
     inputs = [_flat(q), _flat(g), _rows(r, c_len), ds0, dz0]
     if static.gated:
         in_specs.append(_gate_spec(static, m, lambda h: h // static.group, back))
         inputs.append(_gate(b, static))
     rows = nc if static.causal else 1
     return _call(
-        functools.partial(_dstates_kernel, static=static), name="linear_attention_dstates_tpu",
-        grid=(heads, nc), sequential=True, in_specs=in_specs,
+        functools.partial(_dstates_kernel, static=static),
+        name="linear_attention_dstates_tpu",
+        grid=(heads, nc),
+        sequential=True,
+        in_specs=in_specs,
         out_specs=list(_state_specs(m, dv, own, back if static.causal else (lambda t: 0))),
-        out_shape=[jax.ShapeDtypeStruct((heads, rows, dv, m), jnp.float32),
-                   jax.ShapeDtypeStruct((heads, rows, 1, m), jnp.float32)],
-        scratch=[pltpu.VMEM((dv, m), jnp.float32), pltpu.VMEM((1, m), jnp.float32)], static=static,
+        out_shape=[
+            jax.ShapeDtypeStruct((heads, rows, dv, m), jnp.float32),
+            jax.ShapeDtypeStruct((heads, rows, 1, m), jnp.float32),
+        ],
+        scratch=[pltpu.VMEM((dv, m), jnp.float32), pltpu.VMEM((1, m), jnp.float32)],
+        static=static,
     )(*inputs)
 
 
@@ -391,7 +431,7 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, r_ref, s_ref, z_ref, ds_ref, dz_re
     dw = _dot(g, v, _NT, mma) + r  # dL/dw_ij before the decay and the mask
     if static.per_feature:
         b = b_ref[...]
-        k_decay = jnp.exp(b[c_len - 1:, :] - b)
+        k_decay = jnp.exp(b[c_len - 1 :, :] - b)
         dq, dk = dq * jnp.exp(b), dk * k_decay
         w, dq_in, dk_in = _per_feature(qf, kf, b, c_len, dw=jnp.where(_tril(c_len), dw, 0.0))
     else:
@@ -420,18 +460,31 @@ def grads(q, k, v, g, r, s, z, ds, dz, b, static):
     own, kv = (lambda h: h), (lambda h: h // group)
     chunk = (lambda c: c) if static.causal else (lambda c: 0)
     s, z = _as_state(s, z)
-    in_specs = [_tile(c_len, m, own), _tile(c_len, m, kv), _tile(c_len, dv, kv), _tile(c_len, dv, own),
-                _row_spec(c_len, own), *_state_specs(m, dv, kv, chunk), *_state_specs(m, dv, own, chunk)]
+    in_specs = [
+        _tile(c_len, m, own),
+        _tile(c_len, m, kv),
+        _tile(c_len, dv, kv),
+        _tile(c_len, dv, own),
+        _row_spec(c_len, own),
+        *_state_specs(m, dv, kv, chunk),
+        *_state_specs(m, dv, own, chunk),
+    ]
     inputs = [_flat(q), _flat(k), _flat(v), _flat(g), _rows(r, c_len), s, z, ds, dz]
     if static.gated:
         in_specs.append(_gate_spec(static, m, kv))
         inputs.append(_gate(b, static))
     dq, dk, dv_ = _call(
-        functools.partial(_grads_kernel, static=static), name="linear_attention_grads_tpu",
-        grid=(heads, n // c_len), sequential=False, in_specs=in_specs,
+        functools.partial(_grads_kernel, static=static),
+        name="linear_attention_grads_tpu",
+        grid=(heads, n // c_len),
+        sequential=False,
+        in_specs=in_specs,
         out_specs=[_tile(c_len, m, own), _tile(c_len, m, own), _tile(c_len, dv, own)],
-        out_shape=[jax.ShapeDtypeStruct((n, heads * m), jnp.float32), jax.ShapeDtypeStruct((n, heads * m), jnp.float32),
-                   jax.ShapeDtypeStruct((n, heads * dv), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, heads * m), jnp.float32),
+            jax.ShapeDtypeStruct((n, heads * m), jnp.float32),
+            jax.ShapeDtypeStruct((n, heads * dv), jnp.float32),
+        ],
         static=static,
     )(*inputs)
     return dq.reshape(n, heads, m), dk.reshape(n, heads, m), dv_.reshape(n, heads, dv)

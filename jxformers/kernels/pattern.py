@@ -152,7 +152,9 @@ class Union(Pattern):
 
     def blocks(self, q_start, k_start, block_q, block_k):
         pairs = [p.blocks(q_start, k_start, block_q, block_k) for p in self.parts]
-        return functools.reduce(np.logical_or, (a for a, _ in pairs)), functools.reduce(np.logical_or, (b for _, b in pairs))
+        return functools.reduce(np.logical_or, (a for a, _ in pairs)), functools.reduce(
+            np.logical_or, (b for _, b in pairs)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +166,9 @@ class Intersect(Pattern):
 
     def blocks(self, q_start, k_start, block_q, block_k):
         pairs = [p.blocks(q_start, k_start, block_q, block_k) for p in self.parts]
-        return functools.reduce(np.logical_and, (a for a, _ in pairs)), functools.reduce(np.logical_and, (b for _, b in pairs))
+        return functools.reduce(np.logical_and, (a for a, _ in pairs)), functools.reduce(
+            np.logical_and, (b for _, b in pairs)
+        )
 
 
 DENSE = Band()

@@ -23,7 +23,10 @@ def with_semantics(build, semantics, *, interpret: bool):
 
     @interpreted.def_vmap
     def _batched(axis_size, in_batched, *args):
-        args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, batched in zip(args, in_batched, strict=True)]
+        args = [
+            x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip(args, in_batched, strict=True)
+        ]
         out = jax.vmap(build(None))(*args)
         return out, jax.tree.map(lambda _: True, out)
 

@@ -155,8 +155,9 @@ class Attention(eqx.Module):
         drawn = attention.spec.drawn
         self.arrays = {n: a for n, a in made.items() if n not in drawn}
         self.drawn = {n: a for n, a in made.items() if n in drawn}
-        self.token_params = attention.init_token_params(kt, d_model=d_model, heads=num_heads, kv_heads=kv_heads,
-                                                        d_k=d_head, d_v=d_head, causal=causal)
+        self.token_params = attention.init_token_params(
+            kt, d_model=d_model, heads=num_heads, kv_heads=kv_heads, d_k=d_head, d_v=d_head, causal=causal
+        )
 
     @property
     def name(self) -> str:
@@ -166,7 +167,9 @@ class Attention(eqx.Module):
         """A copy with the drawn arrays (Performer features, BigBird pattern) resampled."""
         if not self.drawn:
             return self
-        made = self.core.init_arrays(key, heads=self.num_heads, kv_heads=self.kv_heads, d_k=self.d_head, d_v=self.d_head)
+        made = self.core.init_arrays(
+            key, heads=self.num_heads, kv_heads=self.kv_heads, d_k=self.d_head, d_v=self.d_head
+        )
         return eqx.tree_at(lambda m: m.drawn, self, {n: made[n] for n in self.drawn})
 
     def _core_arrays(self, queries=None, keys=None) -> dict[str, Any]:
@@ -236,8 +239,14 @@ class Attention(eqx.Module):
         """Empty decoding state (a cache, ring buffer or recurrent state; fixed shape)."""
         if not self.causal:
             raise ValueError("only causal self-attention decodes incrementally")
-        return self.core.init_state(max_len=max_len, kv_heads=self.kv_heads, d_k=self.d_head, d_v=self.d_head,
-                                    arrays=self._core_arrays(), dtype=dtype)
+        return self.core.init_state(
+            max_len=max_len,
+            kv_heads=self.kv_heads,
+            d_k=self.d_head,
+            d_v=self.d_head,
+            arrays=self._core_arrays(),
+            dtype=dtype,
+        )
 
     def decode_step(
         self, x: Float[Array, " d_model"], state: decoding.State, *, bias_fn: decoding.BiasFn | None = None
@@ -256,8 +265,12 @@ class Attention(eqx.Module):
             return self._out(out[None], x[None])[0], state
 
     def cross_step(
-        self, x: Float[Array, " d_model"], k: Float[Array, "ctx kv_heads d_head"], v: Float[Array, "ctx kv_heads d_head"],
-        *, kv_mask: Bool[Array, " ctx"] | None = None,
+        self,
+        x: Float[Array, " d_model"],
+        k: Float[Array, "ctx kv_heads d_head"],
+        v: Float[Array, "ctx kv_heads d_head"],
+        *,
+        kv_mask: Bool[Array, " ctx"] | None = None,
     ) -> Float[Array, " d_model"]:
         """One query through cross-attention against keys/values projected once
         (`project_context`)."""

@@ -42,8 +42,15 @@ class Block(eqx.Module):
     pre_norm: bool = eqx.field(static=True)
 
     def __init__(
-        self, attention: Attention, ffn: FeedForward | MoE | ProductKeyMemory, *, d_model: int, norm: str = "layernorm",
-        pre_norm: bool = True, cross_attention: Attention | None = None, dropout: float = 0.0,
+        self,
+        attention: Attention,
+        ffn: FeedForward | MoE | ProductKeyMemory,
+        *,
+        d_model: int,
+        norm: str = "layernorm",
+        pre_norm: bool = True,
+        cross_attention: Attention | None = None,
+        dropout: float = 0.0,
         norm_eps: float | None = None,
     ):
         self.attention, self.cross_attention, self.ffn = attention, cross_attention, ffn
@@ -60,10 +67,16 @@ class Block(eqx.Module):
         return x + branch_out if self.pre_norm else norm(x + branch_out)
 
     def attention_branch(
-        self, x: Float[Array, "seq d_model"], *, kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | Alibi | None = None, positions: Real[Array, " seq"] | None = None,
-        source: Float[Array, "kv d_model"] | None = None, source_positions: Real[Array, " kv"] | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "seq d_model"],
+        *,
+        kv_mask: Bool[Array, " kv"] | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
+        positions: Real[Array, " seq"] | None = None,
+        source: Float[Array, "kv d_model"] | None = None,
+        source_positions: Real[Array, " kv"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
         """The self-attention branch without its residual: dropout(attention(norm(x)))
         (pre-norm). The reversible stack calls this and `ffn_branch`.
@@ -76,17 +89,30 @@ class Block(eqx.Module):
         noise = None if key is None or inference else jax.random.fold_in(key, 1)
         if source is None:
             attend = lambda h: self.attention(  # noqa: E731
-                h, kv_mask=kv_mask, bias=bias, positions=positions, key=noise, inference=inference)
+                h, kv_mask=kv_mask, bias=bias, positions=positions, key=noise, inference=inference
+            )
         else:
             kv = norm(source) if self.pre_norm else source
             attend = lambda h: self.attention(  # noqa: E731
-                h, kv, kv_mask=kv_mask, bias=bias, positions=positions, context_positions=source_positions,
-                key=noise, inference=inference)
+                h,
+                kv,
+                kv_mask=kv_mask,
+                bias=bias,
+                positions=positions,
+                context_positions=source_positions,
+                key=noise,
+                inference=inference,
+            )
         return self._branch(attend, norm, x, key, inference)
 
     def ffn_branch(
-        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, " seq"] | None = None, aux: list | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "seq d_model"],
+        *,
+        mask: Bool[Array, " seq"] | None = None,
+        aux: list | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
         """The feed-forward branch without its residual: dropout(ffn(norm(x))) (pre-norm);
         the FFN's own dropout acts on its hidden units. `mask` (True for real tokens)
@@ -134,8 +160,16 @@ class Block(eqx.Module):
             `[seq, d_model]`.
         """
         k_attn, k_cross, k_ffn = (None, None, None) if key is None else jax.random.split(key, 3)
-        out = self.attention_branch(x, kv_mask=kv_mask, bias=bias, positions=positions, source=source,
-                                    source_positions=source_positions, key=k_attn, inference=inference)
+        out = self.attention_branch(
+            x,
+            kv_mask=kv_mask,
+            bias=bias,
+            positions=positions,
+            source=source,
+            source_positions=source_positions,
+            key=k_attn,
+            inference=inference,
+        )
         x = self._residual(x, out, self.norms[0])
         if self.cross_attention is not None:
             if context is None:

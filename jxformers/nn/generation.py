@@ -11,7 +11,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from jxformers.nn.layers import check_ids
 
 
-def sample_logits(logits: Float[Array, " vocab"], key: PRNGKeyArray, *, temperature: float, top_k: int | None) -> Int[Array, ""]:
+def sample_logits(
+    logits: Float[Array, " vocab"], key: PRNGKeyArray, *, temperature: float, top_k: int | None
+) -> Int[Array, ""]:
     """One token from `logits`: greedy when temperature == 0, else softmax(logits / T)
     restricted to the `top_k` largest logits when given."""
     if temperature == 0:

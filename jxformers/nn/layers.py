@@ -28,8 +28,10 @@ def check_ids(ids, size: int, what: str = "token ids") -> None:
     outside = (ids < 0) | (ids >= size)
     if outside.any():
         bad = np.unique(ids[outside])
-        raise ValueError(f"{what} must be in [0, {size}) (the table's size); got {bad[:8].tolist()}"
-                         f"{' and more' if bad.size > 8 else ''} at {int(outside.sum())} position(s)")
+        raise ValueError(
+            f"{what} must be in [0, {size}) (the table's size); got {bad[:8].tolist()}"
+            f"{' and more' if bad.size > 8 else ''} at {int(outside.sum())} position(s)"
+        )
 
 
 def check_tokens(tokens, mask=None) -> int:
@@ -38,8 +40,10 @@ def check_tokens(tokens, mask=None) -> int:
     like them."""
     shape = jnp.shape(tokens)
     if len(shape) != 1:
-        raise ValueError(f"tokens must be one example's ids, shape [seq]; got shape {shape} (models take one "
-                         "example at a time: call them under jax.vmap for a batch)")
+        raise ValueError(
+            f"tokens must be one example's ids, shape [seq]; got shape {shape} (models take one "
+            "example at a time: call them under jax.vmap for a batch)"
+        )
     if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
         raise ValueError(f"tokens must be integer ids; got dtype {jnp.result_type(tokens)}")
     if mask is not None and jnp.shape(mask) != shape:
@@ -138,11 +142,21 @@ class FeedForward(eqx.Module):
     w_out: Linear
     dropout: eqx.nn.Dropout
 
-    def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", *, dropout: float = 0.0,
-                 chunk_size: int | None = None, key: PRNGKeyArray):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        kind: str = "gelu",
+        *,
+        dropout: float = 0.0,
+        chunk_size: int | None = None,
+        key: PRNGKeyArray,
+    ):
         if kind not in FFN_KINDS:
             raise ValueError(f"ffn must be one of {FFN_KINDS}; got {kind!r}")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
             raise ValueError(f"{chunk_size=} must be None or an int >= 1")
         k1, k2, k3 = jax.random.split(key, 3)
         self.kind, self.chunk_size = kind, chunk_size

@@ -56,16 +56,18 @@ class Pack(eqx.Module):
     def __call__(
         self, p: Float[Array, "l d_model"], x: Float[Array, "n d_model"], kv_mask: Bool[Array, " n"] | None = None
     ) -> Float[Array, "l d_model"]:
-        out = softmax_attention(self._heads(self.q_proj, p), self._heads(self.k_proj, x), self._heads(self.v_proj, x),
-                                kv_mask=kv_mask)
+        out = softmax_attention(
+            self._heads(self.q_proj, p), self._heads(self.k_proj, x), self._heads(self.v_proj, x), kv_mask=kv_mask
+        )
         return out.reshape(p.shape)
 
     def prefixes(
         self, p: Float[Array, "l d_model"], x: Float[Array, "n d_model"], kv_mask: Bool[Array, " n"] | None = None
     ) -> Float[Array, "n l d_model"]:
         """Y_P^t for every t: `ops.luna_causal_pack`, the pack of x_{<=t} only."""
-        out = luna_causal_pack(self._heads(self.q_proj, p), self._heads(self.k_proj, x), self._heads(self.v_proj, x),
-                               kv_mask=kv_mask)
+        out = luna_causal_pack(
+            self._heads(self.q_proj, p), self._heads(self.k_proj, x), self._heads(self.v_proj, x), kv_mask=kv_mask
+        )
         return out.reshape(x.shape[0], *p.shape)
 
 
@@ -85,8 +87,17 @@ class LunaBlock(eqx.Module):
     causal: bool = eqx.field(static=True)
 
     def __init__(
-        self, d_model: int, num_heads: int, *, d_ff: int, ffn: str = "gelu", norm: str = "layernorm",
-        pre_norm: bool = False, causal: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        d_ff: int,
+        ffn: str = "gelu",
+        norm: str = "layernorm",
+        pre_norm: bool = False,
+        causal: bool = False,
+        dropout: float = 0.0,
+        key: PRNGKeyArray,
     ):
         kp, ku, kf = jax.random.split(key, 3)
         self.pack = Pack(d_model, num_heads, key=kp)
@@ -96,7 +107,9 @@ class LunaBlock(eqx.Module):
         self.dropout = eqx.nn.Dropout(dropout)
         self.pre_norm, self.causal = pre_norm, causal
 
-    def unpack_one(self, x_t: Float[Array, " d_model"], packed_t: Float[Array, "l d_model"]) -> Float[Array, " d_model"]:
+    def unpack_one(
+        self, x_t: Float[Array, " d_model"], packed_t: Float[Array, "l d_model"]
+    ) -> Float[Array, " d_model"]:
         """Position t's unpack: its query attends its own packed sequence Y_P^t."""
         return self.unpack(x_t[None], packed_t)[0]
 
@@ -107,8 +120,13 @@ class LunaBlock(eqx.Module):
         return x + out if self.pre_norm else norm(x + out)
 
     def __call__(
-        self, x: Float[Array, "n d_model"], p: Float[Array, "l d_model"], *, kv_mask: Bool[Array, " n"] | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "n d_model"],
+        p: Float[Array, "l d_model"],
+        *,
+        kv_mask: Bool[Array, " n"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> tuple[Float[Array, "n d_model"], Float[Array, "l d_model"]]:
         """Returns `(x', p')`; padded rows of x (kv_mask False) are never packed. Causal:
         p' is p (see the module docstring)."""
@@ -153,8 +171,18 @@ class LunaStack(eqx.Module):
     causal: bool = eqx.field(static=True)
 
     def __init__(
-        self, d_model: int, num_heads: int, *, num_layers: int, packed_len: int, d_ff: int, ffn: str = "gelu",
-        norm: str = "layernorm", pre_norm: bool = False, causal: bool = False, dropout: float = 0.0,
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_layers: int,
+        packed_len: int,
+        d_ff: int,
+        ffn: str = "gelu",
+        norm: str = "layernorm",
+        pre_norm: bool = False,
+        causal: bool = False,
+        dropout: float = 0.0,
         key: PRNGKeyArray,
     ):
         if packed_len < 1 or num_layers < 1:
@@ -162,15 +190,28 @@ class LunaStack(eqx.Module):
         kp, kb = jax.random.split(key)
         self.packed = jax.random.normal(kp, (packed_len, d_model)) * d_model**-0.5  # the authors' initialisation
         self.blocks = tuple(
-            LunaBlock(d_model, num_heads, d_ff=d_ff, ffn=ffn, norm=norm, pre_norm=pre_norm, causal=causal,
-                      dropout=dropout, key=k)
+            LunaBlock(
+                d_model,
+                num_heads,
+                d_ff=d_ff,
+                ffn=ffn,
+                norm=norm,
+                pre_norm=pre_norm,
+                causal=causal,
+                dropout=dropout,
+                key=k,
+            )
             for k in jax.random.split(kb, num_layers)
         )
         self.causal = causal
 
     def layers(
-        self, x: Float[Array, "n d_model"], *, kv_mask: Bool[Array, " n"] | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "n d_model"],
+        *,
+        kv_mask: Bool[Array, " n"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> tuple[Float[Array, "n d_model"], list[Float[Array, "l d_model"]]]:
         """The output and the packed sequence each layer read (`[P_0, P_1, ...]`, one per layer)."""
         p, seen = self.packed.astype(x.dtype), []
@@ -180,9 +221,16 @@ class LunaStack(eqx.Module):
         return x, seen
 
     def __call__(
-        self, x: Float[Array, "n d_model"], *, kv_mask: Bool[Array, " n"] | None = None, bias: None = None,
-        positions: Int[Array, " n"] | None = None, context: None = None, context_mask: None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "n d_model"],
+        *,
+        kv_mask: Bool[Array, " n"] | None = None,
+        bias: None = None,
+        positions: Int[Array, " n"] | None = None,
+        context: None = None,
+        context_mask: None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "n d_model"]:
         return self.layers(x, kv_mask=kv_mask, key=key, inference=inference)[0]
 
@@ -195,8 +243,13 @@ class LunaStack(eqx.Module):
         return tuple(dict(zero) for _ in self.blocks)
 
     def decode_step(
-        self, x: Float[Array, " d_model"], state: tuple[dict[str, Array], ...], *, bias_fn: Any = None,
-        context_kv: None = None, context_mask: None = None,
+        self,
+        x: Float[Array, " d_model"],
+        state: tuple[dict[str, Array], ...],
+        *,
+        bias_fn: Any = None,
+        context_kv: None = None,
+        context_mask: None = None,
     ) -> tuple[Float[Array, " d_model"], tuple[dict[str, Array], ...]]:
         p, states = self.packed.astype(x.dtype), []
         for block, layer_state in zip(self.blocks, state, strict=True):

@@ -60,7 +60,9 @@ def _check_length(n: int, max_len: int, what: str = "sequence"):
 
 def _check_reversible(blocks, reversible):
     if reversible and not all(isinstance(b, Block) for b in blocks):
-        raise ValueError(f"reversible wiring needs transformer Blocks; got {sorted({type(b).__name__ for b in blocks})}")
+        raise ValueError(
+            f"reversible wiring needs transformer Blocks; got {sorted({type(b).__name__ for b in blocks})}"
+        )
 
 
 class Embedding(eqx.Module):
@@ -76,15 +78,26 @@ class Embedding(eqx.Module):
     dtype: str = eqx.field(static=True)
     scale: bool = eqx.field(static=True)
 
-    def __init__(self, vocab_size: int, d_model: int, positions: Positions, *, dtype: str, scale: bool = True,
-                 type_vocab_size: int = 0, norm: LayerNorm | RMSNorm | None = None, key: PRNGKeyArray):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        positions: Positions,
+        *,
+        dtype: str,
+        scale: bool = True,
+        type_vocab_size: int = 0,
+        norm: LayerNorm | RMSNorm | None = None,
+        key: PRNGKeyArray,
+    ):
         kt, ky = jax.random.split(key)
         self.table = jax.random.normal(kt if type_vocab_size else key, (vocab_size, d_model)) / math.sqrt(d_model)
         self.types = 0.02 * jax.random.normal(ky, (type_vocab_size, d_model)) if type_vocab_size else None
         self.positions, self.dtype, self.scale, self.norm = positions, dtype, scale, norm
 
-    def __call__(self, tokens: Int[Array, " n"], positions: Int[Array, " n"],
-                 token_types: Int[Array, " n"] | None = None) -> Float[Array, "n d_model"]:
+    def __call__(
+        self, tokens: Int[Array, " n"], positions: Int[Array, " n"], token_types: Int[Array, " n"] | None = None
+    ) -> Float[Array, "n d_model"]:
         x = lookup(self.table, tokens)
         if self.scale:
             x = x * math.sqrt(self.table.shape[1])
@@ -157,10 +170,18 @@ class Encoder(eqx.Module):
     reversible: bool = eqx.field(static=True)
 
     def __init__(
-        self, embedding: Embedding, blocks: list[AnyBlock], norm: LayerNorm | RMSNorm | None, *, max_len: int,
+        self,
+        embedding: Embedding,
+        blocks: list[AnyBlock],
+        norm: LayerNorm | RMSNorm | None,
+        *,
+        max_len: int,
         use_cls: bool,
-        filters: dict[int, float] | None = None, downsample: str = "fourier", reversible: bool = False,
-        token_learner: TokenLearnerStage | None = None, key: PRNGKeyArray,
+        filters: dict[int, float] | None = None,
+        downsample: str = "fourier",
+        reversible: bool = False,
+        token_learner: TokenLearnerStage | None = None,
+        key: PRNGKeyArray,
     ):
         if downsample not in DOWNSAMPLE_KINDS:
             raise ValueError(f"downsample must be one of {DOWNSAMPLE_KINDS}; got {downsample!r}")
@@ -171,7 +192,9 @@ class Encoder(eqx.Module):
             if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
                 raise ValueError(f"filter keep ratio must be in (0, 1]; got {ratio!r} at layer {layer}")
             if downsample == "funnel" and abs(1 / ratio - round(1 / ratio)) > 1e-6:
-                raise ValueError(f"funnel pooling needs keep ratios 1/stride (1/2, 1/3...); got {ratio} at layer {layer}")
+                raise ValueError(
+                    f"funnel pooling needs keep ratios 1/stride (1/2, 1/3...); got {ratio} at layer {layer}"
+                )
         for i, block in enumerate(blocks):
             pooling = downsample == "funnel" and i in filters
             if isinstance(block, Block) and block.attention.cross != pooling:
@@ -182,10 +205,16 @@ class Encoder(eqx.Module):
         if reversible and filters:
             raise ValueError("a reversible encoder cannot shorten its sequence (filters)")
         _check_reversible(blocks, reversible)
-        if token_learner is not None and (reversible or filters or not all(isinstance(b, Block) for b in blocks)
-                                          or token_learner.after_layer >= len(blocks) - 1):
-            raise ValueError(f"a token learner needs transformer Blocks after its after_layer "
-                             f"({token_learner.after_layer}, {len(blocks)} blocks), no filters and no reversible wiring")
+        if token_learner is not None and (
+            reversible
+            or filters
+            or not all(isinstance(b, Block) for b in blocks)
+            or token_learner.after_layer >= len(blocks) - 1
+        ):
+            raise ValueError(
+                f"a token learner needs transformer Blocks after its after_layer "
+                f"({token_learner.after_layer}, {len(blocks)} blocks), no filters and no reversible wiring"
+            )
         self.reversible, self.token_learner = reversible, token_learner
         self.embedding, self.blocks, self.norm = embedding, tuple(blocks), norm
         self.cls = 0.02 * jax.random.normal(key, (embedding.table.shape[1],)) if use_cls else None
@@ -219,8 +248,15 @@ class Encoder(eqx.Module):
         3.2); the CLS token (if any) passes through the block beside the learned tokens."""
         start = 0 if self.cls is None else 1
         small, small_mask = _learned(self, self.token_learner.learner(i), x, mask)
-        y = block(small, kv_mask=small_mask, bias=None, positions=self._positions(small.shape[0], 1.0), key=key,
-                  inference=inference, aux=aux)
+        y = block(
+            small,
+            kv_mask=small_mask,
+            bias=None,
+            positions=self._positions(small.shape[0], 1.0),
+            key=key,
+            inference=inference,
+            aux=aux,
+        )
         body = x[start:]
         return jnp.concatenate([y[:start], body + self.token_learner.fuser(i)(y[start:], body)])
 
@@ -231,9 +267,15 @@ class Encoder(eqx.Module):
         return jnp.concatenate([jnp.zeros((start,), jnp.float32), body])
 
     def __call__(
-        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
-        key: PRNGKeyArray | None = None, inference: bool = False, upsample_sum: bool = False,
-        aux: list | None = None, token_types: Int[Array, " seq"] | None = None,
+        self,
+        tokens: Int[Array, " seq"],
+        mask: Bool[Array, " seq"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
+        upsample_sum: bool = False,
+        aux: list | None = None,
+        token_types: Int[Array, " seq"] | None = None,
     ) -> tuple[Float[Array, "out d_model"], Bool[Array, " out"]]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens (padding at the end
@@ -312,8 +354,10 @@ def _learned(encoder, learner, x, mask):
     start = 0 if encoder.cls is None else 1
     tokens = learner(x[start:], mask[start:])
     any_real = jnp.any(mask[start:])
-    return (jnp.concatenate([x[:start], tokens]),
-            jnp.concatenate([mask[:start], jnp.broadcast_to(any_real, tokens.shape[:1])]))
+    return (
+        jnp.concatenate([x[:start], tokens]),
+        jnp.concatenate([mask[:start], jnp.broadcast_to(any_real, tokens.shape[:1])]),
+    )
 
 
 def _upsample(x, mask, target_mask):
@@ -359,8 +403,13 @@ class Classifier(eqx.Module):
         return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype)
 
     def __call__(
-        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
-        key: PRNGKeyArray | None = None, inference: bool = False, aux: list | None = None,
+        self,
+        tokens: Int[Array, " seq"],
+        mask: Bool[Array, " seq"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
+        aux: list | None = None,
     ) -> Float[Array, " num_classes"]:
         """`tokens [seq]` (and a padding mask) -> class logits `[num_classes]` (float32);
         MoE layers append their aux dicts to `aux`."""
@@ -381,8 +430,14 @@ class DualClassifier(eqx.Module):
         self.tower, self.hidden, self.out = tower, Linear(4 * d, d, key=k1), Linear(d, num_classes, key=k2)
 
     def __call__(
-        self, tokens: Int[Array, " seq"], other: Int[Array, " seq2"], mask: Bool[Array, " seq"] | None = None,
-        other_mask: Bool[Array, " seq2"] | None = None, *, key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        tokens: Int[Array, " seq"],
+        other: Int[Array, " seq2"],
+        mask: Bool[Array, " seq"] | None = None,
+        other_mask: Bool[Array, " seq2"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, " num_classes"]:
         k1, k2 = _split(key, 2)
         x1 = self.tower.pool(tokens, mask, key=k1, inference=inference)
@@ -429,8 +484,16 @@ class LanguageModel(eqx.Module):
     reversible: bool = eqx.field(static=True)
 
     def __init__(
-        self, embedding: Embedding, blocks: list[AnyBlock], norm, *, max_len: int, tie: bool, reversible: bool = False,
-        head: MixtureOfLogistics | None = None, key: PRNGKeyArray,
+        self,
+        embedding: Embedding,
+        blocks: list[AnyBlock],
+        norm,
+        *,
+        max_len: int,
+        tie: bool,
+        reversible: bool = False,
+        head: MixtureOfLogistics | None = None,
+        key: PRNGKeyArray,
     ):
         """`head`: an output head whose "logits" are normalised log-probabilities (the
         pixel mixture of `jxformers.nn.mixture`); it replaces the (tied) readout."""
@@ -455,9 +518,15 @@ class LanguageModel(eqx.Module):
         return self.embedding.logits(x) if self.unembed is None else self.unembed(x).astype(jnp.float32)
 
     def __call__(
-        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
-        context: Float[Array, "ctx d_model"] | None = None, context_mask: Bool[Array, " ctx"] | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False, aux: list | None = None,
+        self,
+        tokens: Int[Array, " seq"],
+        mask: Bool[Array, " seq"] | None = None,
+        *,
+        context: Float[Array, "ctx d_model"] | None = None,
+        context_mask: Bool[Array, " ctx"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
+        aux: list | None = None,
     ) -> Float[Array, "seq vocab"]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens.
@@ -475,13 +544,24 @@ class LanguageModel(eqx.Module):
         x = self.embedding(tokens, positions)
         bias = self.embedding.positions.grid_bias(n)
         if self.reversible:
-            x = reversible_stack(self.blocks, x, kv_mask=mask, bias=bias, positions=positions, key=key, inference=inference)
+            x = reversible_stack(
+                self.blocks, x, kv_mask=mask, bias=bias, positions=positions, key=key, inference=inference
+            )
             return self._logits(x)
         # Only transformer blocks hold MoE layers (ModelConfig refuses them elsewhere).
         moe_sink = {"aux": aux} if aux is not None else {}
         for block, k in zip(self.blocks, _split(key, len(self.blocks)), strict=True):
-            x = block(x, kv_mask=mask, bias=bias, positions=positions, context=context, context_mask=context_mask,
-                      key=k, inference=inference, **moe_sink)
+            x = block(
+                x,
+                kv_mask=mask,
+                bias=bias,
+                positions=positions,
+                context=context,
+                context_mask=context_mask,
+                key=k,
+                inference=inference,
+                **moe_sink,
+            )
         return self._logits(x)
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
@@ -494,8 +574,12 @@ class LanguageModel(eqx.Module):
         }
 
     def decode_step(
-        self, token: Int[Array, ""], state: dict[str, Any], *,
-        context_kv: tuple[tuple[Array, Array], ...] | None = None, context_mask: Bool[Array, " ctx"] | None = None,
+        self,
+        token: Int[Array, ""],
+        state: dict[str, Any],
+        *,
+        context_kv: tuple[tuple[Array, Array], ...] | None = None,
+        context_mask: Bool[Array, " ctx"] | None = None,
     ) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
         """Feed one token at position `state["length"]`; returns the next-token logits
         `[vocab]` and the new state."""
@@ -506,7 +590,9 @@ class LanguageModel(eqx.Module):
             return self._logits(x), {"layers": states, "length": state["length"] + 1}
         for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"], strict=True)):
             kv = None if context_kv is None else context_kv[i]
-            x, layer_state = block.decode_step(x, layer_state, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask)
+            x, layer_state = block.decode_step(
+                x, layer_state, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask
+            )
             layers.append(layer_state)
         return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1}
 
@@ -532,14 +618,22 @@ class EncoderDecoder(eqx.Module):
         return self.encoder(source, source_mask, key=key, inference=inference, upsample_sum=self.upsample_sum)
 
     def __call__(
-        self, source: Int[Array, " src"], target: Int[Array, " tgt"], source_mask: Bool[Array, " src"] | None = None,
-        target_mask: Bool[Array, " tgt"] | None = None, *, key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        source: Int[Array, " src"],
+        target: Int[Array, " tgt"],
+        source_mask: Bool[Array, " src"] | None = None,
+        target_mask: Bool[Array, " tgt"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "tgt vocab"]:
         k1, k2 = _split(key, 2)
         memory, memory_mask = self.encode(source, source_mask, key=k1, inference=inference)
         return self.decoder(target, target_mask, context=memory, context_mask=memory_mask, key=k2, inference=inference)
 
-    def conditioned(self, source: Int[Array, " src"], source_mask: Bool[Array, " src"] | None = None) -> ConditionedDecoder:
+    def conditioned(
+        self, source: Int[Array, " src"], source_mask: Bool[Array, " src"] | None = None
+    ) -> ConditionedDecoder:
         memory, memory_mask = self.encode(source, source_mask, inference=True)
         return ConditionedDecoder(self.decoder, memory, memory_mask)
 
@@ -560,7 +654,9 @@ class ConditionedDecoder(eqx.Module):
     def vocab_size(self) -> int:
         return self.decoder.vocab_size
 
-    def __call__(self, target: Int[Array, " tgt"], mask: Bool[Array, " tgt"] | None = None) -> Float[Array, "tgt vocab"]:
+    def __call__(
+        self, target: Int[Array, " tgt"], mask: Bool[Array, " tgt"] | None = None
+    ) -> Float[Array, "tgt vocab"]:
         return self.decoder(target, mask, context=self.memory, context_mask=self.memory_mask, inference=True)
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
@@ -568,7 +664,11 @@ class ConditionedDecoder(eqx.Module):
         state["context_kv"] = tuple(b.cross_attention.project_context(self.memory) for b in self.decoder.blocks)
         return state
 
-    def decode_step(self, token: Int[Array, ""], state: dict[str, Any]) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
+    def decode_step(
+        self, token: Int[Array, ""], state: dict[str, Any]
+    ) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
         inner = {k: v for k, v in state.items() if k != "context_kv"}
-        logits, inner = self.decoder.decode_step(token, inner, context_kv=state["context_kv"], context_mask=self.memory_mask)
+        logits, inner = self.decoder.decode_step(
+            token, inner, context_kv=state["context_kv"], context_mask=self.memory_mask
+        )
         return logits, inner | {"context_kv": state["context_kv"]}

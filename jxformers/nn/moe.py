@@ -43,7 +43,8 @@ Dispatch:
                dense (so padded wins while E / k <= 8); not run on a TPU in this work.
                "padded": the capacity dispatch with C = seq (an
                expert takes a token at most once, so nothing can drop): dense einsums at
-               E / k times the assignments' FLOPs, and E * seq * d buffer memory. `ragged_dot` has no batching rule for a batched lhs with
+               E / k times the assignments' FLOPs, and E * seq * d buffer memory.
+               `ragged_dot` has no batching rule for a batched lhs with
                unbatched weights, so `grouped_matmul` carries its own (custom_vmap inside
                a custom_vjp): under vmap the batch's rows are merged and sorted by expert
                into one ragged_dot (forward and input gradient); the weight gradient is
@@ -240,7 +241,8 @@ def _gmm_vmap(axis_size, in_batched, x, w, group_sizes):
 def _gmm_weight_grad_one(x, ct, group_sizes, w):
     """d(sum ct * ragged_dot(x, w, g)) / dw: [E, a, b], group e's rows of x^T ct."""
     numbers = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    )
     return jax.lax.ragged_dot_general(x, ct, group_sizes, numbers, preferred_element_type=w.dtype)
 
 
@@ -315,8 +317,9 @@ class Experts(eqx.Module):
     b_out: Float[Array, "experts d_model"]
     dropout: eqx.nn.Dropout
 
-    def __init__(self, num_experts: int, d_model: int, d_ff: int, kind: str = "gelu", *, dropout: float = 0.0,
-                 key: PRNGKeyArray):
+    def __init__(
+        self, num_experts: int, d_model: int, d_ff: int, kind: str = "gelu", *, dropout: float = 0.0, key: PRNGKeyArray
+    ):
         if kind not in FFN_KINDS:
             raise ValueError(f"ffn must be one of {FFN_KINDS}; got {kind!r}")
         keys = jax.random.split(key, 6)
@@ -360,8 +363,13 @@ class Experts(eqx.Module):
         return proj(self.w_out, self.b_out, h)
 
     def ragged(
-        self, x: Float[Array, "rows d_model"], group_sizes: Int[Array, " experts"], expert_of_row: Int[Array, " rows"],
-        *, key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "rows d_model"],
+        group_sizes: Int[Array, " experts"],
+        expert_of_row: Int[Array, " rows"],
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "rows d_model"]:
         """Rows sorted by expert (`group_sizes[e]` rows for expert e, `expert_of_row`
         their expert, clipped into range for rows past the groups, whose output is
@@ -377,6 +385,7 @@ class Experts(eqx.Module):
 
 
 # ----------------------------------------------------------------------------- the layer
+
 
 @typing.no_type_check  # values come from users' YAML: check_fields names the key instead
 @dataclasses.dataclass(frozen=True)
@@ -427,8 +436,10 @@ class MoEConfig:
     def check_causal(self, causal: bool) -> None:
         """Expert choice sees the whole sequence: refused in a causal model."""
         if causal and self.router == "expert_choice":
-            raise ValueError("moe.router 'expert_choice' leaks future tokens (each expert picks among the whole "
-                             "sequence), so it cannot be causal; use router 'token_choice' in causal models")
+            raise ValueError(
+                "moe.router 'expert_choice' leaks future tokens (each expert picks among the whole "
+                "sequence), so it cannot be causal; use router 'token_choice' in causal models"
+            )
 
     def settings(self) -> dict:
         """The `MoE` constructor's keywords (everything but kind and d_ff)."""
@@ -478,7 +489,6 @@ def layer_metrics(layers: list[dict[str, Array]]) -> dict[str, Array]:
     return out
 
 
-
 class MoE(eqx.Module):
     """A mixture-of-experts FFN replacement: router, dispatch, E experts, an optional
     shared expert (a FeedForward every token goes through, added to the routed output).
@@ -523,30 +533,63 @@ class MoE(eqx.Module):
     causal: bool = eqx.field(static=True)
 
     def __init__(
-        self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = SETTINGS["top_k"],
-        router: str = SETTINGS["router"], ffn: str = SETTINGS["ffn"], second_policy: str = SETTINGS["second_policy"],
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        *,
+        top_k: int = SETTINGS["top_k"],
+        router: str = SETTINGS["router"],
+        ffn: str = SETTINGS["ffn"],
+        second_policy: str = SETTINGS["second_policy"],
         capacity_factor: float = SETTINGS["capacity_factor"],
         eval_capacity_factor: float = SETTINGS["eval_capacity_factor"],
-        min_capacity: int = SETTINGS["min_capacity"], dropless: bool = SETTINGS["dropless"],
-        dropless_method: str = SETTINGS["dropless_method"], jitter_eps: float = SETTINGS["jitter_eps"],
-        shared_expert: bool = SETTINGS["shared_expert"], balance_weight: float = SETTINGS["balance_weight"],
-        z_loss_weight: float = SETTINGS["z_loss_weight"], causal: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
+        min_capacity: int = SETTINGS["min_capacity"],
+        dropless: bool = SETTINGS["dropless"],
+        dropless_method: str = SETTINGS["dropless_method"],
+        jitter_eps: float = SETTINGS["jitter_eps"],
+        shared_expert: bool = SETTINGS["shared_expert"],
+        balance_weight: float = SETTINGS["balance_weight"],
+        z_loss_weight: float = SETTINGS["z_loss_weight"],
+        causal: bool = False,
+        dropout: float = 0.0,
+        key: PRNGKeyArray,
     ):
-        check_settings(dict(num_experts=num_experts, top_k=top_k, router=router, ffn=ffn, second_policy=second_policy,
-                            capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
-                            min_capacity=min_capacity, dropless=dropless, dropless_method=dropless_method,
-                            jitter_eps=jitter_eps,
-                            shared_expert=shared_expert, balance_weight=balance_weight,
-                            z_loss_weight=z_loss_weight), causal=causal)
+        check_settings(
+            dict(
+                num_experts=num_experts,
+                top_k=top_k,
+                router=router,
+                ffn=ffn,
+                second_policy=second_policy,
+                capacity_factor=capacity_factor,
+                eval_capacity_factor=eval_capacity_factor,
+                min_capacity=min_capacity,
+                dropless=dropless,
+                dropless_method=dropless_method,
+                jitter_eps=jitter_eps,
+                shared_expert=shared_expert,
+                balance_weight=balance_weight,
+                z_loss_weight=z_loss_weight,
+            ),
+            causal=causal,
+        )
         kr, ke, ks = jax.random.split(key, 3)
         self.router = Linear(d_model, num_experts, use_bias=False, key=kr)
         self.experts = Experts(num_experts, d_model, d_ff, ffn, dropout=dropout, key=ke)
         self.shared = FeedForward(d_model, d_ff, ffn, dropout=dropout, key=ks) if shared_expert else None
         self.top_k, self.routing, self.second_policy = top_k, router, second_policy
         self.capacity_factor, self.eval_capacity_factor, self.min_capacity = (
-            capacity_factor, eval_capacity_factor, min_capacity)
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+        )
         self.dropless, self.dropless_method, self.jitter_eps, self.causal = (
-            dropless, dropless_method, jitter_eps, causal)
+            dropless,
+            dropless_method,
+            jitter_eps,
+            causal,
+        )
         self.balance_weight, self.z_loss_weight = balance_weight, z_loss_weight
 
     @property
@@ -566,14 +609,23 @@ class MoE(eqx.Module):
         return self.router(x)
 
     def __call__(
-        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, " seq"] | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "seq d_model"],
+        *,
+        mask: Bool[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> tuple[Float[Array, "seq d_model"], dict[str, Array]]:
         return self.forward(x, mask=mask, key=key, inference=inference)
 
     def forward(
-        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, " seq"] | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False, experts_fn: Callable | None = None,
+        self,
+        x: Float[Array, "seq d_model"],
+        *,
+        mask: Bool[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
+        experts_fn: Callable | None = None,
     ) -> tuple[Float[Array, "seq d_model"], dict[str, Array]]:
         """The layer, with the experts' step replaceable: `experts_fn(buffers [E, C, d],
         counts [E], key) -> [E, C, d]`, where expert e's first counts[e] slots hold
@@ -587,16 +639,27 @@ class MoE(eqx.Module):
             raise ValueError("MoE second_policy 'random' in training needs a key (or pass inference=True)")
         k_jitter, k_policy, k_experts, k_shared = split_key(key, 4)
         logits = self.router_logits(x, key=k_jitter, inference=inference)
-        aux = {"z_loss": z_loss(logits, real), "router_entropy": router_entropy(logits, real),
-               "router_confidence": router_confidence(logits, real)}
+        aux = {
+            "z_loss": z_loss(logits, real),
+            "router_entropy": router_entropy(logits, real),
+            "router_confidence": router_confidence(logits, real),
+        }
         ragged = experts_fn is None and self.dropless and self.ragged_dispatch
         if experts_fn is None:
             experts_fn = lambda b, _, k: self.experts.dense(b, key=k, inference=inference)  # noqa: E731
         if self.routing == "expert_choice":
             y, more = self._expert_choice(x, logits, real, key=k_experts, inference=inference, experts_fn=experts_fn)
         else:
-            y, more = self._token_choice(x, logits, real, policy_key=None if inference else k_policy,
-                                         key=k_experts, inference=inference, experts_fn=experts_fn, ragged=ragged)
+            y, more = self._token_choice(
+                x,
+                logits,
+                real,
+                policy_key=None if inference else k_policy,
+                key=k_experts,
+                inference=inference,
+                experts_fn=experts_fn,
+                ragged=ragged,
+            )
         aux.update(more)
         aux["loss"] = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
         if self.shared is not None:
@@ -653,7 +716,9 @@ class MoE(eqx.Module):
         weight = jnp.where(valid, gates, 0.0).astype(x.dtype)
         out = jnp.zeros_like(x).at[token.reshape(-1)].add((y * weight[..., None]).reshape(num_experts * cap, -1))
         picked = jnp.zeros((seq,), bool).at[token.reshape(-1)].max(valid.reshape(-1))
-        aux = {"balance_loss": jnp.zeros((), jnp.float32),
-               "dropped": (real & ~picked).sum().astype(jnp.float32),
-               "expert_load": valid.sum(1).astype(jnp.float32)}
+        aux = {
+            "balance_loss": jnp.zeros((), jnp.float32),
+            "dropped": (real & ~picked).sum().astype(jnp.float32),
+            "expert_load": valid.sum(1).astype(jnp.float32),
+        }
         return out, aux

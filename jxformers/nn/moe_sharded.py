@@ -67,15 +67,23 @@ def _packed_experts(experts, received, counts, *, key, inference):
     filled = (jnp.arange(cap)[None, None, :] < counts[:, :, None]).reshape(local, slots)
     expert_of_row = jnp.where(filled, jnp.arange(local)[:, None], local).reshape(-1)  # empty rows sort last
     order = jnp.argsort(expert_of_row, stable=True)
-    rows = experts.ragged(received.reshape(-1, d)[order], counts.sum(1), expert_of_row[order],
-                          key=key, inference=inference)
+    rows = experts.ragged(
+        received.reshape(-1, d)[order], counts.sum(1), expert_of_row[order], key=key, inference=inference
+    )
     out = jnp.zeros_like(rows).at[order].set(rows)
     return jnp.where(filled.reshape(-1, 1), out, 0).reshape(local, slots, d)
 
 
 def expert_parallel_moe(
-    moe: MoE, x: Float[Array, "batch seq d_model"], mask: Bool[Array, "batch seq"] | None = None, *, mesh: Mesh,
-    axis: str = AXIS, data_axis: str | None = None, key: PRNGKeyArray | None = None, inference: bool = False,
+    moe: MoE,
+    x: Float[Array, "batch seq d_model"],
+    mask: Bool[Array, "batch seq"] | None = None,
+    *,
+    mesh: Mesh,
+    axis: str = AXIS,
+    data_axis: str | None = None,
+    key: PRNGKeyArray | None = None,
+    inference: bool = False,
 ) -> tuple[Float[Array, "batch seq d_model"], dict[str, Array]]:
     """`moe` over `mesh`: experts split over `axis`, the batch over `axis` and, when
     given, `data_axis` (see the module docstring). `key` is folded with the device's
@@ -91,8 +99,10 @@ def expert_parallel_moe(
     if num_experts % devices:
         raise ValueError(f"num_experts ({num_experts}) must be a multiple of the {axis!r} axis size ({devices})")
     if x.shape[0] % groups:
-        raise ValueError(f"batch ({x.shape[0]}) must be a multiple of the number of routing groups ({groups}: "
-                         f"the devices over {(data_axis, axis) if data_axis else axis!r})")
+        raise ValueError(
+            f"batch ({x.shape[0]}) must be a multiple of the number of routing groups ({groups}: "
+            f"the devices over {(data_axis, axis) if data_axis else axis!r})"
+        )
     mask = jnp.ones(x.shape[:2], bool) if mask is None else mask
     params, static = eqx.partition(moe, _is_param)
     local_experts = num_experts // devices
@@ -118,13 +128,15 @@ def expert_parallel_moe(
 
         b, n, d = x.shape
         k = None if key is None else jax.random.fold_in(key, jax.lax.axis_index(batch_axes))
-        y, aux = m.forward(x.reshape(b * n, d), mask=mask.reshape(b * n), key=k, inference=inference,
-                           experts_fn=exchange)
+        y, aux = m.forward(
+            x.reshape(b * n, d), mask=mask.reshape(b * n), key=k, inference=inference, experts_fn=exchange
+        )
         out = {name: (jax.lax.psum if name in SUMMED else jax.lax.pmean)(v, batch_axes) for name, v in aux.items()}
         return y.reshape(b, n, d), out
 
     spec_x = PartitionSpec(batch_axes)
     aux_specs = {name: PartitionSpec() for name in AUX_NAMES}
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(_param_specs(moe, axis), spec_x, spec_x),
-                       out_specs=(spec_x, aux_specs))
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(_param_specs(moe, axis), spec_x, spec_x), out_specs=(spec_x, aux_specs)
+    )
     return fn(params, x, mask)

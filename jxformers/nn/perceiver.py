@@ -56,13 +56,25 @@ class PerceiverEncoder(eqx.Module):
     max_len: int = eqx.field(static=True)
 
     def __init__(
-        self, embedding: Embedding, tower: list[Block], norm: LayerNorm | RMSNorm, *, num_latents: int,
-        cross_attends: int = 1, d_ff: int, ffn: str = "gelu", norm_kind: str = "layernorm", pre_norm: bool = True,
-        dropout: float = 0.0, max_len: int, key: PRNGKeyArray,
+        self,
+        embedding: Embedding,
+        tower: list[Block],
+        norm: LayerNorm | RMSNorm,
+        *,
+        num_latents: int,
+        cross_attends: int = 1,
+        d_ff: int,
+        ffn: str = "gelu",
+        norm_kind: str = "layernorm",
+        pre_norm: bool = True,
+        dropout: float = 0.0,
+        max_len: int,
+        key: PRNGKeyArray,
     ):
         if num_latents < 1 or cross_attends < 1:
-            raise ValueError(f"Perceiver needs num_latents >= 1 and cross_attends >= 1; got {num_latents=}, "
-                             f"{cross_attends=}")
+            raise ValueError(
+                f"Perceiver needs num_latents >= 1 and cross_attends >= 1; got {num_latents=}, {cross_attends=}"
+            )
         d_model = embedding.table.shape[1]
         kl, kc = jax.random.split(key)
         distinct = min(cross_attends, 2)  # the first cross-attend, and the one the repeats share
@@ -81,8 +93,12 @@ class PerceiverEncoder(eqx.Module):
         return None
 
     def __call__(
-        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        tokens: Int[Array, " seq"],
+        mask: Bool[Array, " seq"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> tuple[Float[Array, "num_latents d_model"], Bool[Array, " num_latents"]]:
         n = check_tokens(tokens, mask)
         if n > self.max_len:

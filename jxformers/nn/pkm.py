@@ -67,11 +67,14 @@ class PKMConfig:
         query norm in a causal model."""
         d_key = d_model if self.d_key is None else self.d_key
         if d_key < 2 or d_key % 2:
-            raise ValueError(f"pkm.d_key must be even and >= 2 (two halves); with d_key unset it is d_model = "
-                             f"{d_model}")
+            raise ValueError(
+                f"pkm.d_key must be even and >= 2 (two halves); with d_key unset it is d_model = {d_model}"
+            )
         if causal and self.query_norm:
-            raise ValueError("pkm.query_norm reads the statistics of the whole sequence, which leaks future tokens "
-                             "in a causal model; set query_norm False")
+            raise ValueError(
+                "pkm.query_norm reads the statistics of the whole sequence, which leaks future tokens "
+                "in a causal model; set query_norm False"
+            )
 
     def settings(self) -> dict:
         """The `ProductKeyMemory` constructor's keywords (everything but kind)."""
@@ -92,8 +95,10 @@ def check_settings(settings: dict, *, d_model: int, causal: bool, prefix: str = 
         raise ValueError(f"{prefix}unknown product-key memory setting(s) {unknown}; known: {known}")
     missing = [name for name in REQUIRED if name not in settings]
     if missing:
-        raise ValueError(f"{prefix}product-key memory setting(s) {missing} are required (num_keys: sub-keys per "
-                         f"half, the memory holds num_keys^2 values); got {dict(settings)}")
+        raise ValueError(
+            f"{prefix}product-key memory setting(s) {missing} are required (num_keys: sub-keys per "
+            f"half, the memory holds num_keys^2 values); got {dict(settings)}"
+        )
     config = PKMConfig(**settings)
     config.check_model(d_model=d_model, causal=causal)
     return config.settings()
@@ -145,11 +150,23 @@ class ProductKeyMemory(eqx.Module):
     heads: int = eqx.field(static=True)
     d_key: int = eqx.field(static=True)
 
-    def __init__(self, d_model: int, num_keys: int, *, top_k: int = SETTINGS["top_k"], heads: int = SETTINGS["heads"],
-                 d_key: int | None = SETTINGS["d_key"], query_norm: bool = SETTINGS["query_norm"],
-                 dropout: float = 0.0, key: PRNGKeyArray):
-        check_settings(dict(num_keys=num_keys, top_k=top_k, heads=heads, d_key=d_key, query_norm=query_norm),
-                       d_model=d_model, causal=False)
+    def __init__(
+        self,
+        d_model: int,
+        num_keys: int,
+        *,
+        top_k: int = SETTINGS["top_k"],
+        heads: int = SETTINGS["heads"],
+        d_key: int | None = SETTINGS["d_key"],
+        query_norm: bool = SETTINGS["query_norm"],
+        dropout: float = 0.0,
+        key: PRNGKeyArray,
+    ):
+        check_settings(
+            dict(num_keys=num_keys, top_k=top_k, heads=heads, d_key=d_key, query_norm=query_norm),
+            d_model=d_model,
+            causal=False,
+        )
         d_key = d_model if d_key is None else d_key
         kq, kk, kv = jax.random.split(key, 3)
         half = d_key // 2
@@ -177,8 +194,12 @@ class ProductKeyMemory(eqx.Module):
         return q.reshape(x.shape[0], self.heads, self.d_key)
 
     def __call__(
-        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, " seq"] | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "seq d_model"],
+        *,
+        mask: Bool[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "seq d_model"]:
         scores, index = product_key_lookup(self.queries(x, mask), self.sub_keys, self.top_k)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)  # [seq, heads, k]

@@ -33,7 +33,9 @@ def sinusoidal(positions: Int[Array, " n"], dim: int) -> Float[Array, "n dim"]:
     return jnp.pad(out, ((0, 0), (0, dim - 2 * half)))
 
 
-def rotary(x: Float[Array, "n heads d"], positions: Real[Array, " n"], base: float = 10000.0) -> Float[Array, "n heads d"]:
+def rotary(
+    x: Float[Array, "n heads d"], positions: Real[Array, " n"], base: float = 10000.0
+) -> Float[Array, "n heads d"]:
     """Rotate feature pairs (i, i + d/2) of each head by angle p * base^(-2i/d)
     (RoFormer, eq. 34, "rotate half" layout), so q_m . k_n depends on m - n only.
     Positions may be fractional (a shortened encoder's resampled grid)."""
@@ -50,6 +52,7 @@ def rotary(x: Float[Array, "n heads d"], positions: Real[Array, " n"], base: flo
 def alibi_slopes(heads: int) -> Float[Array, " heads"]:
     """ALiBi's head slopes: the geometric sequence 2^(-8/n), 2^(-16/n), ... for the
     nearest power of two n <= heads, interleaved with the 2n sequence for the rest."""
+
     def power_of_two(n):
         start = 2.0 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]

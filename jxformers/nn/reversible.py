@@ -93,7 +93,10 @@ def _stack_bwd(static, residuals, cotangents):
         g1 = g1 + dy1
         # y1 = x1 + F(x2): recover x1, and push g1 into F's parameters, x2 and the bias.
         f_out, f_vjp = jax.vjp(
-            lambda p, x, b: _attention_branch(eqx.combine(p, s), x, (b, mask, positions), kf), p, x2, bias  # noqa: B023 - called within this iteration
+            lambda p, x, b: _attention_branch(eqx.combine(p, s), x, (b, mask, positions), kf),  # noqa: B023
+            p,
+            x2,
+            bias,
         )
         x1 = y1 - f_out
         dp_f, dx2, db = f_vjp(g1)

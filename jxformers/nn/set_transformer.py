@@ -42,8 +42,16 @@ class MAB(eqx.Module):
     pre_norm: bool = eqx.field(static=True)
 
     def __init__(
-        self, d_model: int, num_heads: int, *, d_ff: int, ffn: str = "gelu", norm: str = "layernorm",
-        pre_norm: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        d_ff: int,
+        ffn: str = "gelu",
+        norm: str = "layernorm",
+        pre_norm: bool = False,
+        dropout: float = 0.0,
+        key: PRNGKeyArray,
     ):
         ka, kf = jax.random.split(key)
         self.attention = Attention("softmax", d_model, num_heads, cross=True, key=ka)
@@ -58,8 +66,13 @@ class MAB(eqx.Module):
         return norm(x + self.dropout(f(x), key=key, inference=inference))
 
     def __call__(
-        self, x: Float[Array, "nx d_model"], y: Float[Array, "ny d_model"], *, y_mask: Bool[Array, " ny"] | None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "nx d_model"],
+        y: Float[Array, "ny d_model"],
+        *,
+        y_mask: Bool[Array, " ny"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "nx d_model"]:
         k1, k2, k3 = split_key(key, 3)
         h = self._residual(lambda q: self.attention(q, y, kv_mask=y_mask), self.norms[0], x, k1, inference)
@@ -80,8 +93,17 @@ class ISAB(eqx.Module):
     mab_out: MAB
 
     def __init__(
-        self, d_model: int, num_heads: int, *, num_inducing: int, d_ff: int, ffn: str = "gelu",
-        norm: str = "layernorm", pre_norm: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_inducing: int,
+        d_ff: int,
+        ffn: str = "gelu",
+        norm: str = "layernorm",
+        pre_norm: bool = False,
+        dropout: float = 0.0,
+        key: PRNGKeyArray,
     ):
         if num_inducing < 1:
             raise ValueError(f"ISAB needs num_inducing >= 1; got {num_inducing}")
@@ -92,8 +114,13 @@ class ISAB(eqx.Module):
         self.mab_out = MAB(d_model, num_heads, **mab, key=k2)
 
     def __call__(
-        self, x: Float[Array, "n d_model"], *, kv_mask: Bool[Array, " n"] | None = None, bias: None = None,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        x: Float[Array, "n d_model"],
+        *,
+        kv_mask: Bool[Array, " n"] | None = None,
+        bias: None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "n d_model"]:
         k1, k2 = split_key(key, 2)
         h = self.mab_in(self.inducing.astype(x.dtype), x, y_mask=kv_mask, key=k1, inference=inference)
@@ -110,8 +137,17 @@ class PMA(eqx.Module):
     mab: MAB
 
     def __init__(
-        self, d_model: int, num_heads: int, *, num_seeds: int = 1, d_ff: int, ffn: str = "gelu",
-        norm: str = "layernorm", pre_norm: bool = False, dropout: float = 0.0, key: PRNGKeyArray,
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_seeds: int = 1,
+        d_ff: int,
+        ffn: str = "gelu",
+        norm: str = "layernorm",
+        pre_norm: bool = False,
+        dropout: float = 0.0,
+        key: PRNGKeyArray,
     ):
         if num_seeds < 1:
             raise ValueError(f"PMA needs num_seeds >= 1; got {num_seeds}")
@@ -121,9 +157,18 @@ class PMA(eqx.Module):
         self.mab = MAB(d_model, num_heads, d_ff=d_ff, ffn=ffn, norm=norm, pre_norm=pre_norm, dropout=dropout, key=km)
 
     def __call__(
-        self, z: Float[Array, "n d_model"], mask: Bool[Array, " n"] | None = None, *,
-        key: PRNGKeyArray | None = None, inference: bool = False,
+        self,
+        z: Float[Array, "n d_model"],
+        mask: Bool[Array, " n"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
     ) -> Float[Array, "k d_model"]:
         k1, k2 = split_key(key, 2)
-        return self.mab(self.seeds.astype(z.dtype), self.rff(z, key=k1, inference=inference), y_mask=mask, key=k2,
-                        inference=inference)
+        return self.mab(
+            self.seeds.astype(z.dtype),
+            self.rff(z, key=k1, inference=inference),
+            y_mask=mask,
+            key=k2,
+            inference=inference,
+        )

@@ -37,6 +37,8 @@ from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.validate import check_fields, defaults, setting
 
 MAP_KINDS = ("sigmoid", "softmax")
+
+
 class TokenLearner(eqx.Module):
     """N tokens -> k learned tokens (Ryoo et al. 2021, eq. 1).
 
@@ -52,8 +54,9 @@ class TokenLearner(eqx.Module):
     out: Linear
     kind: str = eqx.field(static=True)
 
-    def __init__(self, d_model: int, num_tokens: int, *, bottleneck: int = 64, maps: str = "sigmoid",
-                 key: PRNGKeyArray):
+    def __init__(
+        self, d_model: int, num_tokens: int, *, bottleneck: int = 64, maps: str = "sigmoid", key: PRNGKeyArray
+    ):
         if maps not in MAP_KINDS:
             raise ValueError(f"token learner maps must be one of {MAP_KINDS}; got {maps!r}")
         k1, k2 = jax.random.split(key)
@@ -71,7 +74,9 @@ class TokenLearner(eqx.Module):
         total = exp.sum(-1, keepdims=True)
         return exp / jnp.where(total > 0, total, 1.0)  # every token padded: zero maps
 
-    def __call__(self, x: Float[Array, "n d_model"], mask: Bool[Array, " n"] | None = None) -> Float[Array, "k d_model"]:
+    def __call__(
+        self, x: Float[Array, "n d_model"], mask: Bool[Array, " n"] | None = None
+    ) -> Float[Array, "k d_model"]:
         weights = self.maps(x, mask)
         if self.kind == "sigmoid":  # rho: the average over the real tokens
             count = x.shape[0] if mask is None else jnp.maximum(mask.sum(), 1)
@@ -94,7 +99,9 @@ class TokenFuser(eqx.Module):
         self.mix = Linear(num_tokens, num_tokens, use_bias=False, key=k1)
         self.norm, self.remap = LayerNorm(d_model), Linear(d_model, num_tokens, key=k2)
 
-    def __call__(self, tokens: Float[Array, "k d_model"], original: Float[Array, "n d_model"]) -> Float[Array, "n d_model"]:
+    def __call__(
+        self, tokens: Float[Array, "k d_model"], original: Float[Array, "n d_model"]
+    ) -> Float[Array, "n d_model"]:
         mixed = self.mix(tokens.T).T  # over the tokens, not the channels
         spread = jax.nn.sigmoid(self.remap(self.norm(original)).astype(jnp.float32))  # [n, k]
         return (spread @ mixed.astype(jnp.float32)).astype(original.dtype)
@@ -110,8 +117,9 @@ class TokenLearnerConfig:
     after_layer: int = setting(doc="the encoder block after which the tokens become learned ones (required)")
     num_tokens: int = setting(doc="k, the learned tokens (required)")
     fuse: bool = setting(False, "a TokenLearner and TokenFuser around every later block instead of one learner")
-    maps: str = setting("sigmoid", "the maps: sigmoid (the paper's gamma) or softmax (the authors' v1.1)",
-                        choices=MAP_KINDS)
+    maps: str = setting(
+        "sigmoid", "the maps: sigmoid (the paper's gamma) or softmax (the authors' v1.1)", choices=MAP_KINDS
+    )
     bottleneck: int = setting(64, "hidden width of the map MLP")
 
     def __post_init__(self):
@@ -125,9 +133,11 @@ class TokenLearnerConfig:
     def check_layers(self, num_layers: int) -> None:
         """At least one block must run on the learned tokens."""
         if not 0 <= self.after_layer < num_layers - 1:
-            raise ValueError(f"token_learner.after_layer must be a block index in [0, {num_layers - 1}) so that at "
-                             f"least one block runs on the learned tokens (num_layers = {num_layers}); "
-                             f"got {self.after_layer}")
+            raise ValueError(
+                f"token_learner.after_layer must be a block index in [0, {num_layers - 1}) so that at "
+                f"least one block runs on the learned tokens (num_layers = {num_layers}); "
+                f"got {self.after_layer}"
+            )
 
 
 # TokenLearnerStage's settings and defaults (None: required), read from TokenLearnerConfig.
@@ -141,8 +151,9 @@ def check_settings(settings: Mapping[str, Any], *, num_layers: int, prefix: str 
         raise ValueError(f"{prefix}unknown token_learner setting(s) {unknown}; known: {sorted(SETTINGS)}")
     missing = sorted(n for n, d in SETTINGS.items() if d is None and n not in settings)
     if missing:
-        raise ValueError(f"{prefix}token_learner needs {missing} (after_layer: the block it follows, "
-                         "num_tokens: k learned tokens)")
+        raise ValueError(
+            f"{prefix}token_learner needs {missing} (after_layer: the block it follows, num_tokens: k learned tokens)"
+        )
     config = TokenLearnerConfig(**settings)
     config.check_layers(num_layers)
     return dataclasses.asdict(config)
@@ -158,15 +169,27 @@ class TokenLearnerStage(eqx.Module):
     after_layer: int = eqx.field(static=True)
     fuse: bool = eqx.field(static=True)
 
-    def __init__(self, d_model: int, *, num_layers: int, after_layer: int, num_tokens: int,
-                 fuse: bool = SETTINGS["fuse"], maps: str = SETTINGS["maps"], bottleneck: int = SETTINGS["bottleneck"],
-                 key: PRNGKeyArray):
-        check_settings(dict(after_layer=after_layer, num_tokens=num_tokens, fuse=fuse, maps=maps,
-                            bottleneck=bottleneck), num_layers=num_layers)
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        num_layers: int,
+        after_layer: int,
+        num_tokens: int,
+        fuse: bool = SETTINGS["fuse"],
+        maps: str = SETTINGS["maps"],
+        bottleneck: int = SETTINGS["bottleneck"],
+        key: PRNGKeyArray,
+    ):
+        check_settings(
+            dict(after_layer=after_layer, num_tokens=num_tokens, fuse=fuse, maps=maps, bottleneck=bottleneck),
+            num_layers=num_layers,
+        )
         count = num_layers - 1 - after_layer if fuse else 1
         keys = jax.random.split(key, 2 * count)
-        self.learners = tuple(TokenLearner(d_model, num_tokens, bottleneck=bottleneck, maps=maps, key=k)
-                              for k in keys[:count])
+        self.learners = tuple(
+            TokenLearner(d_model, num_tokens, bottleneck=bottleneck, maps=maps, key=k) for k in keys[:count]
+        )
         self.fusers = tuple(TokenFuser(d_model, num_tokens, key=k) for k in keys[count:]) if fuse else ()
         self.after_layer, self.fuse = after_layer, fuse
 

@@ -62,8 +62,13 @@ def relative_sinusoid(distances: Int[Array, " m"], dim: int) -> Float[Array, "m 
 
 
 def relative_attention(
-    q: Float[Array, "n heads d"], k: Float[Array, "m heads d"], v: Float[Array, "m heads dv"],
-    r: Float[Array, "m heads d"], u: Float[Array, "heads d"], vb: Float[Array, "heads d"], *,
+    q: Float[Array, "n heads d"],
+    k: Float[Array, "m heads d"],
+    v: Float[Array, "m heads dv"],
+    r: Float[Array, "m heads d"],
+    u: Float[Array, "heads d"],
+    vb: Float[Array, "heads d"],
+    *,
     mask: Bool[Array, "n m"],
 ) -> Float[Array, "n heads dv"]:
     """Transformer-XL attention of n queries over m keys, the queries being the last n
@@ -83,8 +88,9 @@ def relative_attention(
     ac = jnp.einsum("nhd,mhd->hnm", f32(q) + f32(u)[None], f32(k))
     bd_by_distance = jnp.einsum("nhd,thd->hnt", f32(q) + f32(vb)[None], f32(r))
     distance = jnp.clip((m - n) + jnp.arange(n)[:, None] - jnp.arange(m)[None, :], 0, m - 1)
-    bd = jnp.take_along_axis(bd_by_distance, jnp.broadcast_to(distance[None], bd_by_distance.shape[:1] + distance.shape),
-                             axis=2)
+    bd = jnp.take_along_axis(
+        bd_by_distance, jnp.broadcast_to(distance[None], bd_by_distance.shape[:1] + distance.shape), axis=2
+    )
     scores = jnp.where(mask[None], (ac + bd) * scale, -jnp.inf)
     top = jnp.max(scores, -1, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -157,8 +163,20 @@ class RecurrentLayer(eqx.Module):
     heads: int = eqx.field(static=True)
     pre_norm: bool = eqx.field(static=True)
 
-    def __init__(self, d_model: int, heads: int, *, d_ff: int, ffn: str, norm: str, pre_norm: bool, dropout: float,
-                 compression: str | None = None, rate: int = 1, key: PRNGKeyArray):
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        *,
+        d_ff: int,
+        ffn: str,
+        norm: str,
+        pre_norm: bool,
+        dropout: float,
+        compression: str | None = None,
+        rate: int = 1,
+        key: PRNGKeyArray,
+    ):
         kq, kk, kv, kr, ko, kf, kc = jax.random.split(key, 7)
         self.q_proj = Linear(d_model, d_model, use_bias=False, key=kq)
         self.k_proj = Linear(d_model, d_model, use_bias=False, key=kk)
@@ -172,8 +190,14 @@ class RecurrentLayer(eqx.Module):
         self.heads, self.pre_norm = heads, pre_norm
 
     def __call__(
-        self, h: Float[Array, "n d"], memory: Float[Array, "mem d"], mask: Bool[Array, "n kv"],
-        u: Float[Array, "heads dh"], vb: Float[Array, "heads dh"], *, key: PRNGKeyArray | None = None,
+        self,
+        h: Float[Array, "n d"],
+        memory: Float[Array, "mem d"],
+        mask: Bool[Array, "n kv"],
+        u: Float[Array, "heads dh"],
+        vb: Float[Array, "heads dh"],
+        *,
+        key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> Float[Array, "n d"]:
         """h: the segment's inputs to this layer; memory: what it reads before them;
@@ -191,8 +215,9 @@ class RecurrentLayer(eqx.Module):
         a = relative_attention(q, k, v, r, u.astype(h.dtype), vb.astype(h.dtype), mask=mask)
         a = self.dropout(self.out_proj(a.reshape(n, d)), key=k1, inference=inference)
         h = h + a if self.pre_norm else self.norms[0](h + a)
-        f = self.dropout(self.ffn(self.norms[1](h) if self.pre_norm else h, key=k2, inference=inference), key=k3,
-                         inference=inference)
+        f = self.dropout(
+            self.ffn(self.norms[1](h) if self.pre_norm else h, key=k2, inference=inference), key=k3, inference=inference
+        )
         return h + f if self.pre_norm else self.norms[1](h + f)
 
     def reconstruction_loss(self, h, old, old_valid, compressed, compressed_valid) -> Array:
@@ -212,8 +237,10 @@ def _with_compressed(memory):
     if "compressed" in memory:
         return memory
     hidden = memory["hidden"]
-    return memory | {"compressed": jnp.zeros((hidden.shape[0], 0, hidden.shape[2]), hidden.dtype),
-                     "compressed_length": jnp.zeros((), jnp.int32)}
+    return memory | {
+        "compressed": jnp.zeros((hidden.shape[0], 0, hidden.shape[2]), hidden.dtype),
+        "compressed_length": jnp.zeros((), jnp.int32),
+    }
 
 
 def _without_empty(memory):
@@ -252,25 +279,60 @@ class RecurrentLM(eqx.Module):
     max_len: int = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
 
-    def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int, *, d_ff: int, ffn: str = "gelu",
-                 norm: str = "layernorm", pre_norm: bool = False, dropout: float = 0.0, mem_len: int,
-                 eval_mem_len: int | None = None, cmem_len: int = 0, compression: str = "conv", rate: int = 1,
-                 max_len: int, tie: bool = True, dtype: str = "float32", key: PRNGKeyArray):
-        for name, value, low in (("mem_len", mem_len, 0), ("cmem_len", cmem_len, 0), ("rate", rate, 1),
-                                 ("eval_mem_len", mem_len if eval_mem_len is None else eval_mem_len, 0)):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        d_ff: int,
+        ffn: str = "gelu",
+        norm: str = "layernorm",
+        pre_norm: bool = False,
+        dropout: float = 0.0,
+        mem_len: int,
+        eval_mem_len: int | None = None,
+        cmem_len: int = 0,
+        compression: str = "conv",
+        rate: int = 1,
+        max_len: int,
+        tie: bool = True,
+        dtype: str = "float32",
+        key: PRNGKeyArray,
+    ):
+        for name, value, low in (
+            ("mem_len", mem_len, 0),
+            ("cmem_len", cmem_len, 0),
+            ("rate", rate, 1),
+            ("eval_mem_len", mem_len if eval_mem_len is None else eval_mem_len, 0),
+        ):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}; got {value}")
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         if cmem_len and mem_len % rate:
-            raise ValueError(f"the compressive memory needs mem_len ({mem_len}) to be a multiple of the compression "
-                             f"rate ({rate})")
+            raise ValueError(
+                f"the compressive memory needs mem_len ({mem_len}) to be a multiple of the compression rate ({rate})"
+            )
         kt, kl, ku, kv, ko = jax.random.split(key, 5)
         dh = d_model // num_heads
         self.table = jax.random.normal(kt, (vocab_size, d_model)) / math.sqrt(d_model)
-        self.layers = tuple(RecurrentLayer(d_model, num_heads, d_ff=d_ff, ffn=ffn, norm=norm, pre_norm=pre_norm,
-                                           dropout=dropout, compression=compression if cmem_len else None, rate=rate,
-                                           key=k) for k in jax.random.split(kl, num_layers))
+        self.layers = tuple(
+            RecurrentLayer(
+                d_model,
+                num_heads,
+                d_ff=d_ff,
+                ffn=ffn,
+                norm=norm,
+                pre_norm=pre_norm,
+                dropout=dropout,
+                compression=compression if cmem_len else None,
+                rate=rate,
+                key=k,
+            )
+            for k in jax.random.split(kl, num_layers)
+        )
         self.u = 0.02 * jax.random.normal(ku, (num_heads, dh))
         self.v = 0.02 * jax.random.normal(kv, (num_heads, dh))
         self.norm = make_norm(norm, d_model) if pre_norm else None
@@ -291,16 +353,20 @@ class RecurrentLM(eqx.Module):
         mem_len = self.mem_len if mem_len is None else mem_len
         cmem_len = self.cmem_len if cmem_len is None else cmem_len
         if mem_len < 0 or cmem_len < 0 or (cmem_len and not self.compressive):
-            raise ValueError(f"a memory needs mem_len >= 0 and cmem_len >= 0 (0 without compression); got {mem_len=}, "
-                             f"{cmem_len=} for a model with cmem_len {self.cmem_len}")
+            raise ValueError(
+                f"a memory needs mem_len >= 0 and cmem_len >= 0 (0 without compression); got {mem_len=}, "
+                f"{cmem_len=} for a model with cmem_len {self.cmem_len}"
+            )
         if cmem_len and mem_len % self.rate:
             raise ValueError(f"mem_len ({mem_len}) must be a multiple of the compression rate ({self.rate})")
         layers, d = len(self.layers), self.table.shape[1]
         dtype = jnp.dtype(self.dtype)
         memory = {"hidden": jnp.zeros((layers, mem_len, d), dtype), "length": jnp.zeros((), jnp.int32)}
         if cmem_len:
-            memory |= {"compressed": jnp.zeros((layers, cmem_len, d), dtype),
-                       "compressed_length": jnp.zeros((), jnp.int32)}
+            memory |= {
+                "compressed": jnp.zeros((layers, cmem_len, d), dtype),
+                "compressed_length": jnp.zeros((), jnp.int32),
+            }
         return memory
 
     def _logits(self, x):
@@ -311,8 +377,14 @@ class RecurrentLM(eqx.Module):
         return self.unembed(x).astype(jnp.float32)
 
     def forward(
-        self, tokens: Int[Array, " n"], memory: dict[str, Array], *, mask: Bool[Array, " n"] | None = None,
-        attend: Bool[Array, "n n"] | None = None, update: bool = True, key: PRNGKeyArray | None = None,
+        self,
+        tokens: Int[Array, " n"],
+        memory: dict[str, Array],
+        *,
+        mask: Bool[Array, " n"] | None = None,
+        attend: Bool[Array, "n n"] | None = None,
+        update: bool = True,
+        key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, "n vocab"], dict[str, Array], Float[Array, ""]]:
         """One segment after `memory`: (logits [n, vocab], the memory after it, the mean
@@ -335,8 +407,9 @@ class RecurrentLM(eqx.Module):
             raise ValueError(f"memory for {hidden.shape[0]} layers; the model has {len(self.layers)}")
         if cmem_len and n % self.rate:
             raise ValueError(f"a compressive memory needs segments of a multiple of the rate {self.rate}; got {n}")
-        mem_valid = jnp.concatenate([_right_aligned(cmem_len, memory["compressed_length"]),
-                                     _right_aligned(mem_len, memory["length"])])
+        mem_valid = jnp.concatenate(
+            [_right_aligned(cmem_len, memory["compressed_length"]), _right_aligned(mem_len, memory["length"])]
+        )
         total = cmem_len + mem_len + n
         causal = jnp.arange(total)[None, :] <= (cmem_len + mem_len) + jnp.arange(n)[:, None]
         current = jnp.ones((n,), bool) if mask is None else mask
@@ -362,8 +435,12 @@ class RecurrentLM(eqx.Module):
         hidden, compressed = memory["hidden"], memory["compressed"]
         mem_len, cmem_len = hidden.shape[1], compressed.shape[1]
         joined = jnp.concatenate([hidden, jax.lax.stop_gradient(inputs).astype(hidden.dtype)], 1)
-        new = {"hidden": joined[:, n:], "length": jnp.minimum(memory["length"] + n, mem_len),
-               "compressed": compressed, "compressed_length": memory["compressed_length"]}
+        new = {
+            "hidden": joined[:, n:],
+            "length": jnp.minimum(memory["length"] + n, mem_len),
+            "compressed": compressed,
+            "compressed_length": memory["compressed_length"],
+        }
         recon = jnp.zeros((), jnp.float32)
         if not cmem_len:
             return new, recon
@@ -378,18 +455,24 @@ class RecurrentLM(eqx.Module):
             squeezed.append(made)
             losses.append(layer.reconstruction_loss(inputs[i], evicted[i], old_valid, made, new_valid))
         joined_c = jnp.concatenate([compressed, jax.lax.stop_gradient(jnp.stack(squeezed)).astype(compressed.dtype)], 1)
-        new["compressed"] = joined_c[:, n // self.rate:]
+        new["compressed"] = joined_c[:, n // self.rate :]
         new["compressed_length"] = jnp.minimum(memory["compressed_length"] + count // self.rate, cmem_len)
         return new, jnp.mean(jnp.stack(losses))
 
     def __call__(
-        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, *, key: PRNGKeyArray | None = None,
-        inference: bool = False, aux: list | None = None,
+        self,
+        tokens: Int[Array, " seq"],
+        mask: Bool[Array, " seq"] | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
+        aux: list | None = None,
     ) -> Float[Array, "seq vocab"]:
         """Next-token logits of one segment read from an empty memory (`[seq, vocab]`,
         row i predicts token i + 1)."""
-        logits, _, _ = self.forward(tokens, self.init_memory(0, 0), mask=mask, update=False, key=key,
-                                    inference=inference)
+        logits, _, _ = self.forward(
+            tokens, self.init_memory(0, 0), mask=mask, update=False, key=key, inference=inference
+        )
         return logits
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
@@ -404,7 +487,9 @@ class RecurrentLM(eqx.Module):
         """Token ids the model reads: [0, vocab_size)."""
         return self.table.shape[0]
 
-    def decode_step(self, token: Int[Array, ""], state: dict[str, Any]) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
+    def decode_step(
+        self, token: Int[Array, ""], state: dict[str, Any]
+    ) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
         """Feed one token (a segment of one after the memory); the next-token logits and
         the new state."""
         logits, memory, _ = self.forward(token[None], state["memory"], inference=True)
@@ -420,4 +505,3 @@ def segment_mask(length: int, segment: int, mem_len: int) -> Bool[Array, "length
     p = jnp.arange(length)[:, None]
     q = jnp.arange(length)[None, :]
     return (q <= p) & (q >= (p // segment) * segment - mem_len)
-

@@ -42,8 +42,7 @@ def check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, self_attention: bool 
         shape, dtype = jnp.shape(x), jnp.result_type(x)
         if len(shape) != 3:
             raise ValueError(
-                f"{name} must have shape [len, heads, features] (one example; batch with "
-                f"jax.vmap); got shape {shape}"
+                f"{name} must have shape [len, heads, features] (one example; batch with jax.vmap); got shape {shape}"
             )
         if 0 in shape:
             raise ValueError(
@@ -64,13 +63,10 @@ def check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, self_attention: bool 
         raise ValueError(f"v has kv_heads={v.shape[1]} but k has kv_heads={k.shape[1]}; they must match")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(
-            f"q heads ({q.shape[1]}) must be a positive multiple of k/v heads ({k.shape[1]}) "
-            "(grouped-query attention)"
+            f"q heads ({q.shape[1]}) must be a positive multiple of k/v heads ({k.shape[1]}) (grouped-query attention)"
         )
     if self_attention and q.shape[0] != k.shape[0]:
-        raise ValueError(
-            f"this op is self-attention: q_len ({q.shape[0]}) must equal kv_len ({k.shape[0]})"
-        )
+        raise ValueError(f"this op is self-attention: q_len ({q.shape[0]}) must equal kv_len ({k.shape[0]})")
 
 
 def check_mask_shape(name: str, mask: ArrayLike | None, shape: tuple[int, ...]) -> None:
@@ -148,7 +144,9 @@ def _joint_softmax_jvp(primals, tangents):
     d_logits, _ = tangents
     probs = _joint_softmax(logits_, masks)
     inner = sum((p * ds).sum(axis=-1) for p, ds in zip(probs, d_logits, strict=True))
-    return probs, tuple(jnp.where(m, p * (ds - inner[..., None]), 0.0) for p, ds, m in zip(probs, d_logits, masks, strict=True))
+    return probs, tuple(
+        jnp.where(m, p * (ds - inner[..., None]), 0.0) for p, ds, m in zip(probs, d_logits, masks, strict=True)
+    )
 
 
 def weighted_values(p: Float[ArrayLike, "*n h g q k"], v: Float[ArrayLike, "*n k h dv"]) -> Float[Array, "*n q h g dv"]:
@@ -186,8 +184,10 @@ def zero_padded(k: ArrayLike, v: ArrayLike, kv_mask: Bool[ArrayLike, " kv_len"] 
     if jnp.shape(kv_mask) != (n,) or jnp.shape(v)[0] != n:
         return k, v
     keep = jnp.asarray(kv_mask)[:, None, None]
-    return (jnp.where(keep, k, jnp.zeros((), jnp.result_type(k))),
-            jnp.where(keep, v, jnp.zeros((), jnp.result_type(v))))
+    return (
+        jnp.where(keep, k, jnp.zeros((), jnp.result_type(k))),
+        jnp.where(keep, v, jnp.zeros((), jnp.result_type(v))),
+    )
 
 
 def valid_keys(kv_mask: Bool[ArrayLike, " kv_len"] | None, kv_len: int, padded_len: int) -> Bool[Array, " padded"]:
@@ -236,7 +236,11 @@ class Part(NamedTuple):
 
 
 def dense_part(
-    qg: Float[ArrayLike, "L h g d"], k: Float[ArrayLike, "_k h d"], v: Float[ArrayLike, "_k h dv"], mask: Bool[ArrayLike, "L _k"], scale: float
+    qg: Float[ArrayLike, "L h g d"],
+    k: Float[ArrayLike, "_k h d"],
+    v: Float[ArrayLike, "_k h dv"],
+    mask: Bool[ArrayLike, "L _k"],
+    scale: float,
 ) -> Part:
     """All query rows against one shared set of keys."""
     return Part(logits(qg, k, scale), head_mask(mask), lambda p: weighted_values(p, v))
@@ -321,8 +325,15 @@ def window_block(n: int, window: int) -> int:
 
 
 def sliding_window_part(
-    qg: Float[ArrayLike, "L h g d"], k: Float[ArrayLike, "L h d"], v: Float[ArrayLike, "L h dv"], real: Bool[ArrayLike, " L"],
-    *, block: int, window: int, causal: bool, scale: float,
+    qg: Float[ArrayLike, "L h g d"],
+    k: Float[ArrayLike, "L h d"],
+    v: Float[ArrayLike, "L h dv"],
+    real: Bool[ArrayLike, " L"],
+    *,
+    block: int,
+    window: int,
+    causal: bool,
+    scale: float,
 ) -> Part:
     """Query i against keys j with |i - j| <= window (0 <= i - j <= window if causal),
     computed per block of queries against the neighbouring key blocks: O(L * block).

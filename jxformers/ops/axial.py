@@ -74,8 +74,13 @@ def axial_attention(
 
 
 register(
-    "axial", axial_attention, family="fixed pattern", paper="Ho et al. 2019", complexity="O(N (W + N/W))",
-    choices={"order": ("row", "column", "row_then_column")}, docs={"width": "grid columns", "order": "passes"},
+    "axial",
+    axial_attention,
+    family="fixed pattern",
+    paper="Ho et al. 2019",
+    complexity="O(N (W + N/W))",
+    choices={"order": ("row", "column", "row_then_column")},
+    docs={"width": "grid columns", "order": "passes"},
     summary="same row, then same column of a `width`-column grid",
     limits={"width": 1},
     dense_width=("its row and column (width + max_len / width keys)", lambda hp, n: hp["width"] + -(-n // hp["width"])),

@@ -104,7 +104,9 @@ def memory_compressed_attention(
             f"k_kernel and v_kernel must share the stride (axis 0); got {k_kernel.shape[0]} and {v_kernel.shape[0]}"
         )
     if k_kernel.shape[2] != k.shape[1] * k.shape[2]:
-        raise ValueError(f"k_kernel must keep the key size: last axis {k.shape[1] * k.shape[2]}; got {k_kernel.shape[2]}")
+        raise ValueError(
+            f"k_kernel must keep the key size: last axis {k.shape[1] * k.shape[2]}; got {k_kernel.shape[2]}"
+        )
     stride = k_kernel.shape[0]
     ck, real = compress_memory(k, k_kernel, kv_mask)
     cv, _ = compress_memory(v, v_kernel, kv_mask)
@@ -130,8 +132,14 @@ def memory_compressed_arrays(
 
 
 register(
-    "memory_compressed", memory_compressed_attention, family="downsampling", paper="Liu et al. 2018",
-    complexity="O(N^2 / s)", supports_cross=True, exact=False, init_arrays=memory_compressed_arrays,
+    "memory_compressed",
+    memory_compressed_attention,
+    family="downsampling",
+    paper="Liu et al. 2018",
+    complexity="O(N^2 / s)",
+    supports_cross=True,
+    exact=False,
+    init_arrays=memory_compressed_arrays,
     docs={"stride": "convolution stride and kernel size"},
     summary="softmax over keys/values shortened by a strided convolution",
     limits={"stride": 1},

@@ -200,10 +200,15 @@ def entmax(
 
 def _check_alpha(alpha: float, *, learned: bool) -> None:
     top = "2)" if learned else "2]"
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (1.0 < alpha <= 2.0) or (
-            learned and alpha == 2.0):
-        raise ValueError(f"alpha must be in (1, {top}{' (1 + sigmoid(a) never reaches 2)' if learned else ''}; "
-                         f"got {alpha!r}")
+    if (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, (int, float))
+        or not (1.0 < alpha <= 2.0)
+        or (learned and alpha == 2.0)
+    ):
+        raise ValueError(
+            f"alpha must be in (1, {top}{' (1 + sigmoid(a) never reaches 2)' if learned else ''}; got {alpha!r}"
+        )
 
 
 def head_alpha(alpha_logit: Float[ArrayLike, " heads"]) -> Float[Array, " heads"]:
@@ -272,8 +277,9 @@ def adaptive_sparse_attention(
     return out.reshape(q.shape[0], heads, v.shape[-1]).astype(out_dtype(q, k, v))
 
 
-def adaptive_sparse_arrays(key: PRNGKeyArray, *, heads: int, alpha: float = 1.5, learned: bool = True
-                           ) -> dict[str, Array]:
+def adaptive_sparse_arrays(
+    key: PRNGKeyArray, *, heads: int, alpha: float = 1.5, learned: bool = True
+) -> dict[str, Array]:
     """The learned a per head, alpha = 1 + sigmoid(a), every head starting at `alpha`
     (a = logit(alpha - 1)); none when `learned` is False (alpha stays fixed)."""
     _check_alpha(alpha, learned=learned)
@@ -282,21 +288,36 @@ def adaptive_sparse_arrays(key: PRNGKeyArray, *, heads: int, alpha: float = 1.5,
     return {"alpha_logit": jnp.full((heads,), math.log((alpha - 1.0) / (2.0 - alpha)), jnp.float32)}
 
 
-
 def _adaptive_sparse_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, bias_fn):
     state = cache_append(state, k, v)
-    out = adaptive_sparse_attention(q[None], state.k, state.v, alpha=hyper_parameters["alpha"],
-                                    alpha_logit=arrays.get("alpha_logit"), kv_mask=state.slot_pos >= 0)[0]
+    out = adaptive_sparse_attention(
+        q[None],
+        state.k,
+        state.v,
+        alpha=hyper_parameters["alpha"],
+        alpha_logit=arrays.get("alpha_logit"),
+        kv_mask=state.slot_pos >= 0,
+    )[0]
     return out.astype(q.dtype), state
 
 
 register(
-    "adaptive_sparse", adaptive_sparse_attention, family="sparse", paper="Correia et al. 2019",
-    complexity="O(N^2)", supports_cross=True, exact=False, init_arrays=adaptive_sparse_arrays,
+    "adaptive_sparse",
+    adaptive_sparse_attention,
+    family="sparse",
+    paper="Correia et al. 2019",
+    complexity="O(N^2)",
+    supports_cross=True,
+    exact=False,
+    init_arrays=adaptive_sparse_arrays,
     decoder=Decoder("cache", full_cache_init, _adaptive_sparse_step),
-    docs={"alpha": "entmax alpha in (1, 2] (2: sparsemax); the learned alpha's initial value",
-          "learned": "learn alpha = 1 + sigmoid(a) per head (else alpha is fixed)"},
-    summary=("Adaptively Sparse Transformer: alpha-entmax of q k^T (exact zeros), alpha = 1 + sigmoid(a) learned "
-             "per head; sparsemax at a fixed alpha = 2"),
+    docs={
+        "alpha": "entmax alpha in (1, 2] (2: sparsemax); the learned alpha's initial value",
+        "learned": "learn alpha = 1 + sigmoid(a) per head (else alpha is fixed)",
+    },
+    summary=(
+        "Adaptively Sparse Transformer: alpha-entmax of q k^T (exact zeros), alpha = 1 + sigmoid(a) learned "
+        "per head; sparsemax at a fixed alpha = 2"
+    ),
     limits={"alpha": Limits(above=1, maximum=2)},
 )

@@ -263,7 +263,13 @@ def fnet_attention(
     return jnp.repeat(mixed, q.shape[1] // kv_heads, axis=1).astype(out_dtype(q, k, v))
 
 
-register("fnet", fnet_attention, family="fourier", paper="Lee-Thorp et al. 2021", complexity="O(N log N)",
-         exact=False, content_based=False,
+register(
+    "fnet",
+    fnet_attention,
+    family="fourier",
+    paper="Lee-Thorp et al. 2021",
+    complexity="O(N log N)",
+    exact=False,
+    content_based=False,
     summary="Re(FFT2) token mixing of the values (FNet)",
 )

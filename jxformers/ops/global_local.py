@@ -64,7 +64,9 @@ def etc_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, max_distance: int = 1
 
 def _gather_labels(qa: Float[Array, "rows h g labels"], labels) -> Float[Array, "h g rows keys"]:
     """qa[i, :, :, labels[i, j]] laid out as logits `[h, g, rows, keys]`."""
-    picked = jnp.take_along_axis(qa, jnp.broadcast_to(labels[:, None, None, :], (*qa.shape[:3], labels.shape[1])), axis=-1)
+    picked = jnp.take_along_axis(
+        qa, jnp.broadcast_to(labels[:, None, None, :], (*qa.shape[:3], labels.shape[1])), axis=-1
+    )
     return jnp.transpose(picked, (1, 2, 0, 3))
 
 
@@ -132,23 +134,30 @@ def etc_attention(
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool; got {flag!r}")
     if causal:
-        raise ValueError("etc attention cannot be causal: ETC (Ainslie et al. 2020) is an encoder and its paper "
-                         "defines no causal form; got causal=True")
+        raise ValueError(
+            "etc attention cannot be causal: ETC (Ainslie et al. 2020) is an encoder and its paper "
+            "defines no causal form; got causal=True"
+        )
     check_self(q, k, v, kv_mask)
     n, heads, d_k = q.shape
     if num_global >= n:
-        raise ValueError(f"num_global ({num_global}) must be smaller than the sequence length seq ({n}): "
-                         "the long input is what follows the global tokens")
+        raise ValueError(
+            f"num_global ({num_global}) must be smaller than the sequence length seq ({n}): "
+            "the long input is what follows the global tokens"
+        )
     labels = etc_relative_labels(max_distance)
     if max_distance == 0 and relative_keys is not None:
         raise ValueError("relative_keys given but max_distance is 0 (no relative positions)")
     if max_distance > 0:
         if relative_keys is None:
-            raise ValueError(f"max_distance={max_distance} needs relative_keys [{labels}, {heads}, {d_k}] "
-                             "(etc_arrays makes them)")
+            raise ValueError(
+                f"max_distance={max_distance} needs relative_keys [{labels}, {heads}, {d_k}] (etc_arrays makes them)"
+            )
         if tuple(jnp.shape(relative_keys)) != (labels, heads, d_k):
-            raise ValueError(f"relative_keys must have shape {(labels, heads, d_k)} (2 max_distance + 3 labels, "
-                             f"heads, d_k); got {tuple(jnp.shape(relative_keys))}")
+            raise ValueError(
+                f"relative_keys must have shape {(labels, heads, d_k)} (2 max_distance + 3 labels, "
+                f"heads, d_k); got {tuple(jnp.shape(relative_keys))}"
+            )
     g_n, l_n = num_global, n - num_global
     kv_heads = k.shape[1]
     scale = default_scale(d_k, scale)
@@ -200,17 +209,29 @@ def etc_attention(
 
 
 register(
-    "etc", etc_attention, family="fixed pattern + memory", paper="Ainslie et al. 2020 (ETC)", complexity="O(N (r + g))",
-    supports_causal=False, exact=False, init_arrays=etc_arrays,
-    docs={"num_global": "global tokens n_g, the first positions of the sequence",
-          "local_radius": "r, long keys each side of a long query (l2l)",
-          "global_every": "long tokens per segment, each tied to one global token",
-          "max_distance": "k, relative position labels clipped at distance k (0: none)",
-          "hard_g2l": "a global token attends only the long tokens of its segment",
-          "hard_l2g": "a long token attends only its segment's global token"},
-    summary=("ETC: the first g positions global (g2g, g2l, l2g full; hard masks tie a global token to its "
-             "segment), long tokens within radius r; relative position labels clipped at k"),
+    "etc",
+    etc_attention,
+    family="fixed pattern + memory",
+    paper="Ainslie et al. 2020 (ETC)",
+    complexity="O(N (r + g))",
+    supports_causal=False,
+    exact=False,
+    init_arrays=etc_arrays,
+    docs={
+        "num_global": "global tokens n_g, the first positions of the sequence",
+        "local_radius": "r, long keys each side of a long query (l2l)",
+        "global_every": "long tokens per segment, each tied to one global token",
+        "max_distance": "k, relative position labels clipped at distance k (0: none)",
+        "hard_g2l": "a global token attends only the long tokens of its segment",
+        "hard_l2g": "a long token attends only its segment's global token",
+    },
+    summary=(
+        "ETC: the first g positions global (g2g, g2l, l2g full; hard masks tie a global token to its "
+        "segment), long tokens within radius r; relative position labels clipped at k"
+    ),
     limits={"num_global": 1, "local_radius": 0, "global_every": 1, "max_distance": 0},
-    dense_width=("its local radius and global tokens (2 local_radius + 1 + num_global keys per long token)",
-                 lambda hp, n: 2 * hp["local_radius"] + 1 + hp["num_global"]),
+    dense_width=(
+        "its local radius and global tokens (2 local_radius + 1 + num_global keys per long token)",
+        lambda hp, n: 2 * hp["local_radius"] + 1 + hp["num_global"],
+    ),
 )

@@ -207,11 +207,16 @@ def kernel_attention(
     if gate is not None and not causal:
         raise ValueError("gate needs causal=True (the gate decays a running state)")
     dtype = out_dtype(phi_q, phi_k, v) if dtype is None else dtype
-    choice = choose_kernel(impl, unsupported=_kernel_unsupported(impl, causal, form, chunk),
-                           what="kernelized (linear) attention", q_len=phi_q.shape[0])
+    choice = choose_kernel(
+        impl,
+        unsupported=_kernel_unsupported(impl, causal, form, chunk),
+        what="kernelized (linear) attention",
+        q_len=phi_q.shape[0],
+    )
     if choice is not None:
-        return _kernel_path(phi_q, phi_k, v, kv_mask, causal, gate, key_log_scale, min(chunk, phi_q.shape[0]),
-                            chunk, dtype, choice)
+        return _kernel_path(
+            phi_q, phi_k, v, kv_mask, causal, gate, key_log_scale, min(chunk, phi_q.shape[0]), chunk, dtype, choice
+        )
     phi_q, phi_k, v = (x.astype(jnp.float32) for x in (phi_q, phi_k, v))
     if kv_mask is not None:
         phi_k = jnp.where(kv_mask[:, None, None], phi_k, 0)
@@ -256,9 +261,16 @@ def _kernel_path(phi_q, phi_k, v, kv_mask, causal, gate, key_log_scale, scale_ch
         starts = jnp.zeros((scales.shape[0], scale_chunk, scales.shape[1]), jnp.float32).at[:, 0].set(steps)
         boundary = starts.reshape(-1, scales.shape[1])[: phi_k.shape[0]]
         log_gate = boundary if log_gate is None else log_gate + boundary
-    out = chunked_linear_attention(phi_q.astype(compute), phi_k.astype(compute), v.astype(compute), causal=causal,
-                                   log_gate=log_gate, chunk_size=chunk, backend=choice.backend,
-                                   interpret=choice.interpret)
+    out = chunked_linear_attention(
+        phi_q.astype(compute),
+        phi_k.astype(compute),
+        v.astype(compute),
+        causal=causal,
+        log_gate=log_gate,
+        chunk_size=chunk,
+        backend=choice.backend,
+        interpret=choice.interpret,
+    )
     return out.astype(dtype)
 
 
@@ -316,7 +328,14 @@ def linear_attention(
         raise ValueError(f"feature_map must be a name or a callable; got {feature_map!r}")
     check_qkv(q, k, v, self_attention=causal)
     return kernel_attention(
-        phi(q), phi(k), v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=out_dtype(q, k, v),
+        phi(q),
+        phi(k),
+        v,
+        causal=causal,
+        kv_mask=kv_mask,
+        form=form,
+        chunk_size=chunk_size,
+        dtype=out_dtype(q, k, v),
         impl=impl,
     )
 
@@ -333,9 +352,16 @@ _FORMS = {"form": FORMS, "impl": IMPLS}
 _FORM_DOCS = {"chunk_size": "chunk of the causal chunked form", "form": "causal form"} | IMPL_DOC
 
 register(
-    "linear", linear_attention, family="kernelized", paper="Katharopoulos et al. 2020", complexity="O(N d^2)",
-    supports_cross=True, exact=False, decoder=recurrent(_linear_features),
-    choices={"feature_map": tuple(FEATURE_MAPS), **_FORMS}, docs={"feature_map": "phi", **_FORM_DOCS},
+    "linear",
+    linear_attention,
+    family="kernelized",
+    paper="Katharopoulos et al. 2020",
+    complexity="O(N d^2)",
+    supports_cross=True,
+    exact=False,
+    decoder=recurrent(_linear_features),
+    choices={"feature_map": tuple(FEATURE_MAPS), **_FORMS},
+    docs={"feature_map": "phi", **_FORM_DOCS},
     summary="phi(q) . phi(k), phi = elu + 1, relu, identity or yours; causal as chunked / scan / quadratic",
     limits={"chunk_size": 1},
 )
@@ -403,14 +429,18 @@ def _projected(x, projection):
     return jnp.einsum("nhd,md->nhm", xs, projection.astype(jnp.float32)), xs
 
 
-def performer_log_features(x: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]) -> Float[Array, "n heads m"]:
+def performer_log_features(
+    x: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]
+) -> Float[Array, "n heads m"]:
     """log of the unnormalised FAVOR+ softmax features, W x' - |x'|^2 / 2 with
     x' = x d^(-1/4), in float32: `performer_features` is exp(this - shift) / sqrt(m)."""
     wx, xs = _projected(x, projection)
     return wx - 0.5 * jnp.sum(xs * xs, axis=-1, keepdims=True)
 
 
-def performer_query_features(q: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]) -> Float[Array, "n heads m"]:
+def performer_query_features(
+    q: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]
+) -> Float[Array, "n heads m"]:
     """FAVOR+ softmax features of queries, stabilised by each row's own max (a per-query
     constant, so it cancels between numerator and denominator)."""
     log_q = performer_log_features(q, projection)
@@ -461,8 +491,9 @@ def performer_attention(
     dtype = out_dtype(q, k, v)
     if kernel == "relu":
         fq, fk = performer_features(q, projection, kernel="relu"), performer_features(k, projection, kernel="relu")
-        return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype,
-                                impl=impl)
+        return kernel_attention(
+            fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype, impl=impl
+        )
     if kernel != "softmax":
         raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
     m = projection.shape[0]
@@ -476,8 +507,9 @@ def performer_attention(
         shift = jnp.max(key_max, axis=0)
         shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
         fk = jnp.exp(lk - shift[None, :, None]) / math.sqrt(m)
-        return kernel_attention(fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype,
-                                impl=impl)
+        return kernel_attention(
+            fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype, impl=impl
+        )
     chunk = min(chunk_size, q.shape[0])
     check_positive("chunk_size", chunk)
     nc = ceil_div(k.shape[0], chunk)
@@ -487,13 +519,22 @@ def performer_attention(
     per_token = jnp.repeat(running, chunk, axis=0)[: k.shape[0]]
     fk = jnp.exp(lk - per_token[:, :, None]) / math.sqrt(m)
     return kernel_attention(
-        fq, fk, v, causal=True, kv_mask=kv_mask, form="chunked", chunk_size=chunk_size, key_log_scale=running,
-        dtype=dtype, impl=impl,
+        fq,
+        fk,
+        v,
+        causal=True,
+        kv_mask=kv_mask,
+        form="chunked",
+        chunk_size=chunk_size,
+        key_log_scale=running,
+        dtype=dtype,
+        impl=impl,
     )
 
 
-def performer_arrays(key: PRNGKeyArray, *, d_k: int, num_features: int = 256, orthogonal: bool = True
-                     ) -> dict[str, Float[Array, "num_features d_k"]]:
+def performer_arrays(
+    key: PRNGKeyArray, *, d_k: int, num_features: int = 256, orthogonal: bool = True
+) -> dict[str, Float[Array, "num_features d_k"]]:
     """Performer's drawn projection (redrawn with the module)."""
     return {"projection": performer_projection(key, num_features, d_k, orthogonal=orthogonal)}
 
@@ -515,12 +556,23 @@ def _performer_query_features(q, arrays, hyper_parameters):
 
 
 register(
-    "performer", performer_attention, family="kernelized", paper="Choromanski et al. 2021", complexity="O(N m d)",
-    supports_cross=True, exact=False, init_arrays=performer_arrays, drawn=("projection",),
+    "performer",
+    performer_attention,
+    family="kernelized",
+    paper="Choromanski et al. 2021",
+    complexity="O(N m d)",
+    supports_cross=True,
+    exact=False,
+    init_arrays=performer_arrays,
+    drawn=("projection",),
     decoder=recurrent(_performer_key_features, query_features=_performer_query_features),
     choices={"kernel": ("softmax", "relu"), **_FORMS},
-    docs={"num_features": "random features m", "orthogonal": "orthogonal random features",
-          "kernel": "softmax (FAVOR+) or relu", **_FORM_DOCS},
+    docs={
+        "num_features": "random features m",
+        "orthogonal": "orthogonal random features",
+        "kernel": "softmax (FAVOR+) or relu",
+        **_FORM_DOCS,
+    },
     summary="FAVOR+ positive orthogonal random features (or ReLU kernel), stabilised",
     limits={"chunk_size": 1, "num_features": 1},
     dense_width=("its random features (num_features)", lambda hp, n: hp["num_features"]),
@@ -590,40 +642,57 @@ def rfa_attention(
     if projection.shape[1] != q.shape[2]:
         raise ValueError(f"projection must have shape [num_features, d_k={q.shape[2]}]; got {tuple(projection.shape)}")
     if log_sigma is not None and log_sigma.shape != (k.shape[1], k.shape[2]):
-        raise ValueError(f"log_sigma must have shape [kv_heads={k.shape[1]}, d_k={k.shape[2]}]; "
-                         f"got {tuple(log_sigma.shape)}")
+        raise ValueError(
+            f"log_sigma must have shape [kv_heads={k.shape[1]}, d_k={k.shape[2]}]; got {tuple(log_sigma.shape)}"
+        )
     fq, fk = rfa_features(q, projection, log_sigma), rfa_features(k, projection, log_sigma)
     if gate is not None:
         if gate.shape != k.shape[:2]:
             raise ValueError(f"gate must have shape {k.shape[:2]} ([kv_len, kv_heads]); got {gate.shape}")
         fk = fk * (1.0 - gate.astype(jnp.float32))[:, :, None]
     return kernel_attention(
-        fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, gate=gate, dtype=out_dtype(q, k, v),
+        fq,
+        fk,
+        v,
+        causal=causal,
+        kv_mask=kv_mask,
+        form=form,
+        chunk_size=chunk_size,
+        gate=gate,
+        dtype=out_dtype(q, k, v),
         impl=impl,
     )
 
 
-def rfa_arrays(key: PRNGKeyArray, *, kv_heads: int, d_k: int, num_features: int = 128, sigma: float = 1.0
-               ) -> dict[str, Array]:
+def rfa_arrays(
+    key: PRNGKeyArray, *, kv_heads: int, d_k: int, num_features: int = 128, sigma: float = 1.0
+) -> dict[str, Array]:
     """RFA's drawn standard-normal projection (redrawn with the module) and its learned
     random-feature scale, `log_sigma [kv_heads, d_k]` starting at log(sigma) (positive
     by parametrisation)."""
     if not sigma > 0:
         raise ValueError(f"sigma (the initial random feature scale) must be > 0; got {sigma!r}")
-    return {"projection": performer_projection(key, num_features, d_k),
-            "log_sigma": jnp.full((kv_heads, d_k), math.log(sigma), jnp.float32)}
+    return {
+        "projection": performer_projection(key, num_features, d_k),
+        "log_sigma": jnp.full((kv_heads, d_k), math.log(sigma), jnp.float32),
+    }
 
 
-def rfa_gate_params(key: PRNGKeyArray, *, d_model: int, kv_heads: int, causal: bool, gated: bool = False
-                    ) -> dict[str, Array]:
+def rfa_gate_params(
+    key: PRNGKeyArray, *, d_model: int, kv_heads: int, causal: bool, gated: bool = False
+) -> dict[str, Array]:
     """The gate's projection (w_g [d_model, kv_heads], b_g [kv_heads]) when `gated`."""
     if not gated:
         return {}
     if not causal:
-        raise ValueError("rfa: gated=True needs causal self-attention (the gate decays a running state); "
-                         "this attention is not causal (an encoder or cross-attention): use gated=False there")
-    return {"gate_w": jax.random.normal(key, (d_model, kv_heads)) / math.sqrt(d_model),
-            "gate_b": jnp.zeros((kv_heads,))}
+        raise ValueError(
+            "rfa: gated=True needs causal self-attention (the gate decays a running state); "
+            "this attention is not causal (an encoder or cross-attention): use gated=False there"
+        )
+    return {
+        "gate_w": jax.random.normal(key, (d_model, kv_heads)) / math.sqrt(d_model),
+        "gate_b": jnp.zeros((kv_heads,)),
+    }
 
 
 def rfa_gate(
@@ -657,12 +726,24 @@ def _rfa_decay(k, arrays, hyper_parameters):
 
 
 register(
-    "rfa", rfa_attention, family="kernelized", paper="Peng et al. 2021", complexity="O(N m d)",
-    supports_cross=True, exact=False, init_arrays=rfa_arrays, drawn=("projection",),
+    "rfa",
+    rfa_attention,
+    family="kernelized",
+    paper="Peng et al. 2021",
+    complexity="O(N m d)",
+    supports_cross=True,
+    exact=False,
+    init_arrays=rfa_arrays,
+    drawn=("projection",),
     token_inputs=TokenInputs(rfa_gate_params, rfa_gate),
     decoder=recurrent(_rfa_key_features, query_features=_rfa_query_features, gate=_rfa_decay),
-    choices=_FORMS, docs={"num_features": "random Fourier features m", "sigma": "initial random feature scale (learned)",
-                          "gated": "gate the causal state (sigmoid of the layer input)", **_FORM_DOCS},
+    choices=_FORMS,
+    docs={
+        "num_features": "random Fourier features m",
+        "sigma": "initial random feature scale (learned)",
+        "gated": "gate the causal state (sigmoid of the layer input)",
+        **_FORM_DOCS,
+    },
     summary="random Fourier features with learned scale, optional input-dependent gate",
     limits={"chunk_size": 1, "num_features": 1, "sigma": Limits(above=0)},
     dense_width=("its random features (num_features)", lambda hp, n: hp["num_features"]),

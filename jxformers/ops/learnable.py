@@ -196,8 +196,11 @@ def kmeans_centroids(key: PRNGKeyArray, *, heads: int, d_k: int, n_clusters: int
 
 
 def kmeans_update(
-    centroids: Float[ArrayLike, "heads c d"], x: Float[ArrayLike, "m heads d"], real: Bool[ArrayLike, " m"],
-    *, decay: float,
+    centroids: Float[ArrayLike, "heads c d"],
+    x: Float[ArrayLike, "m heads d"],
+    real: Bool[ArrayLike, " m"],
+    *,
+    decay: float,
 ) -> Float[Array, "heads c d"]:
     """One step of online mini-batch k-means on the unit sphere (Roy et al. 2021, eq. 11):
     every centroid moves towards the mean of the unit-normalised vectors nearest to it,
@@ -219,8 +222,10 @@ def _check_centroids(op: str, centroids, heads: int, n_clusters: int, d_k: int) 
     if centroids is None:
         raise ValueError(f"{op} needs its `centroids` (kmeans_centroids(key, ...) or the registry's init_arrays)")
     if tuple(centroids.shape) != (heads, n_clusters, d_k):
-        raise ValueError(f"centroids must have shape {(heads, n_clusters, d_k)} for {heads=}, {n_clusters=}, "
-                         f"{d_k=}; got {tuple(centroids.shape)}")
+        raise ValueError(
+            f"centroids must have shape {(heads, n_clusters, d_k)} for {heads=}, {n_clusters=}, "
+            f"{d_k=}; got {tuple(centroids.shape)}"
+        )
 
 
 def _flat(q, k, kv_mask):
@@ -305,11 +310,15 @@ def lsh_attention(
     check_self(q, k, v, kv_mask)
     heads, d_k = q.shape[1], q.shape[2]
     if rotations is None:
-        raise ValueError("lsh_attention needs its drawn `rotations` (lsh_arrays(key, ...) or the registry's init_arrays)")
+        raise ValueError(
+            "lsh_attention needs its drawn `rotations` (lsh_arrays(key, ...) or the registry's init_arrays)"
+        )
     want = (heads, n_hashes, d_k, max(n_buckets // 2, 1))
     if tuple(rotations.shape) != want:
-        raise ValueError(f"rotations must have shape {want} for {heads=}, {n_hashes=}, {d_k=}, {n_buckets=}; "
-                         f"got {tuple(rotations.shape)}")
+        raise ValueError(
+            f"rotations must have shape {want} for {heads=}, {n_hashes=}, {d_k=}, {n_buckets=}; "
+            f"got {tuple(rotations.shape)}"
+        )
     n = q.shape[0]
     chunk = min(chunk_size, n)
     length = ceil_div(n, chunk) * chunk
@@ -335,8 +344,12 @@ def lsh_attention(
 
 def _lsh_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> TaggedCache:
     heads, rounds = arrays["rotations"].shape[:2]
-    return TaggedCache(jnp.zeros((max_len, heads, d_k), jnp.float32), jnp.zeros((max_len, kv_heads, d_v), jnp.float32),
-                       jnp.zeros((max_len, heads, rounds), jnp.int32), jnp.zeros((), jnp.int32))
+    return TaggedCache(
+        jnp.zeros((max_len, heads, d_k), jnp.float32),
+        jnp.zeros((max_len, kv_heads, d_v), jnp.float32),
+        jnp.zeros((max_len, heads, rounds), jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
 
 
 def _lsh_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn):
@@ -347,31 +360,57 @@ def _lsh_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn)
     t, rotations = state.length, arrays["rotations"]
     qf = jnp.asarray(q, jnp.float32)
     buckets = jax.vmap(lambda x, r: lsh_buckets(x[None], r, hp["n_buckets"])[:, 0])(qf, rotations)  # [heads, R]
-    state = TaggedCache(state.k.at[t].set(_unit(qf)), state.v.at[t].set(v.astype(jnp.float32)),
-                        state.buckets.at[t].set(buckets), t + 1)
+    state = TaggedCache(
+        state.k.at[t].set(_unit(qf)), state.v.at[t].set(v.astype(jnp.float32)), state.buckets.at[t].set(buckets), t + 1
+    )
     filled = positions(state.k.shape[0]) <= t
     group = q.shape[0] // v.shape[0]
     scale = default_scale(q.shape[1], None)
 
     def head(h):
-        one = lambda r: _recent_step(qf[h], state.k[:, h], state.v[:, h // group], state.buckets[:, h, r],  # noqa: E731
-                                     buckets[h, r], filled, t, window=hp["chunk_size"], self_mask=True, scale=scale)
+        one = lambda r: _recent_step(  # noqa: E731
+            qf[h],
+            state.k[:, h],
+            state.v[:, h // group],
+            state.buckets[:, h, r],
+            buckets[h, r],
+            filled,
+            t,
+            window=hp["chunk_size"],
+            self_mask=True,
+            scale=scale,
+        )
         return _combine_rounds(*jax.vmap(one)(jnp.arange(buckets.shape[1])))
 
     return jax.vmap(head)(jnp.arange(q.shape[0])).astype(q.dtype), state
 
 
 register(
-    "lsh", lsh_attention, family="learnable pattern", paper="Kitaev et al. 2020 (Reformer)",
-    complexity="O(N c r)", exact=False, init_arrays=lsh_arrays, drawn=("rotations",), shared_qk=True,
+    "lsh",
+    lsh_attention,
+    family="learnable pattern",
+    paper="Kitaev et al. 2020 (Reformer)",
+    complexity="O(N c r)",
+    exact=False,
+    init_arrays=lsh_arrays,
+    drawn=("rotations",),
+    shared_qk=True,
     decoder=Decoder("tagged cache", _lsh_init, _lsh_step),
-    docs={"n_buckets": "hash buckets (1 or even)", "n_hashes": "hash rounds r",
-          "chunk_size": "c, tokens per chunk of the sorted order (keys behind when causal)"},
-    summary=("Reformer: shared-QK keys q/‖q‖ hashed by random rotations in r rounds (combined by log-sum-exp), "
-             "sorted by (bucket, position), own + previous chunk, self-mask; causal: the chunk_size latest keys of"
-             " the own bucket"),
-    limits={"n_buckets": Limits(minimum=1, rule=(lambda n: n == 1 or n % 2 == 0, "1 or even")), "n_hashes": 1,
-            "chunk_size": 1},
+    docs={
+        "n_buckets": "hash buckets (1 or even)",
+        "n_hashes": "hash rounds r",
+        "chunk_size": "c, tokens per chunk of the sorted order (keys behind when causal)",
+    },
+    summary=(
+        "Reformer: shared-QK keys q/‖q‖ hashed by random rotations in r rounds (combined by log-sum-exp), "
+        "sorted by (bucket, position), own + previous chunk, self-mask; causal: the chunk_size latest keys of"
+        " the own bucket"
+    ),
+    limits={
+        "n_buckets": Limits(minimum=1, rule=(lambda n: n == 1 or n % 2 == 0, "1 or even")),
+        "n_hashes": 1,
+        "chunk_size": 1,
+    },
     dense_width=("its chunks (2 chunk_size keys per hash round)", lambda hp, n: 2 * hp["chunk_size"]),
 )
 
@@ -386,8 +425,9 @@ def _routing_heads(heads: int, kv_heads: int, local_heads: int | None) -> int:
     if local_heads is None:
         return (kv_heads // 2) * group
     if local_heads < 0 or local_heads > heads or local_heads % group:
-        raise ValueError(f"{local_heads=} must be a multiple of the query heads per kv head ({group}) "
-                         f"between 0 and heads ({heads})")
+        raise ValueError(
+            f"{local_heads=} must be a multiple of the query heads per kv head ({group}) between 0 and heads ({heads})"
+        )
     return local_heads
 
 
@@ -453,8 +493,17 @@ def routing_attention(
     parts = []
     if n_local:
         kv_local = n_local // group
-        parts.append(local_attention(q[:, :n_local], k[:, :kv_local], v[:, :kv_local], window=local_window,
-                                     causal=causal, kv_mask=kv_mask, scale=scale).astype(dtype))
+        parts.append(
+            local_attention(
+                q[:, :n_local],
+                k[:, :kv_local],
+                v[:, :kv_local],
+                window=local_window,
+                causal=causal,
+                kv_mask=kv_mask,
+                scale=scale,
+            ).astype(dtype)
+        )
     if n_local < heads:
         kv_local = n_local // group
         _check_bucket_range(n_clusters, n)
@@ -487,8 +536,12 @@ def routing_attention(
 
 
 def routing_update(
-    arrays: dict, q: Float[ArrayLike, "batch seq heads d_k"], k: Float[ArrayLike, "batch seq kv_heads d_k"], *,
-    kv_mask: Bool[ArrayLike, "batch seq"] | None = None, decay: float = 0.999,
+    arrays: dict,
+    q: Float[ArrayLike, "batch seq heads d_k"],
+    k: Float[ArrayLike, "batch seq kv_heads d_k"],
+    *,
+    kv_mask: Bool[ArrayLike, "batch seq"] | None = None,
+    decay: float = 0.999,
 ) -> dict[str, Array]:
     """The centroids after one training batch: online k-means on the unit-normalised
     queries and keys together (Roy et al. eq. 11; `kmeans_update`)."""
@@ -500,8 +553,12 @@ def routing_update(
 
 def _routing_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> TaggedCache:
     heads = arrays["centroids"].shape[0]
-    return TaggedCache(jnp.zeros((max_len, kv_heads, d_k), jnp.float32), jnp.zeros((max_len, kv_heads, d_v), jnp.float32),
-                       jnp.zeros((max_len, heads, 1), jnp.int32), jnp.zeros((), jnp.int32))
+    return TaggedCache(
+        jnp.zeros((max_len, kv_heads, d_k), jnp.float32),
+        jnp.zeros((max_len, kv_heads, d_v), jnp.float32),
+        jnp.zeros((max_len, heads, 1), jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
 
 
 def _routing_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn):
@@ -514,8 +571,12 @@ def _routing_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias
     group = heads // kv_heads
     qf, kf = jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
     key_cluster = jax.vmap(lambda h: _nearest(kf[h // group][None], mu[h])[0])(jnp.arange(heads))
-    state = TaggedCache(state.k.at[t].set(kf), state.v.at[t].set(v.astype(jnp.float32)),
-                        state.buckets.at[t, :, 0].set(key_cluster), t + 1)
+    state = TaggedCache(
+        state.k.at[t].set(kf),
+        state.v.at[t].set(v.astype(jnp.float32)),
+        state.buckets.at[t, :, 0].set(key_cluster),
+        t + 1,
+    )
     filled = positions(slots) <= t
     n_local = _routing_heads(heads, kv_heads, hp["local_heads"])
     scale = default_scale(q.shape[1], None)
@@ -523,29 +584,53 @@ def _routing_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias
     if n_local:
         near = filled & (t - positions(slots) <= hp["local_window"])
         kv_local = n_local // group
-        outs.append(softmax_attention(qf[None, :n_local], state.k[:, :kv_local], state.v[:, :kv_local],
-                                      kv_mask=near)[0])
+        outs.append(
+            softmax_attention(qf[None, :n_local], state.k[:, :kv_local], state.v[:, :kv_local], kv_mask=near)[0]
+        )
     if n_local < heads:
         width = ceil_div(slots, hp["n_clusters"])
 
         def head(h):
             cluster = _nearest(qf[h][None], mu[h])[0]
-            return _recent_step(qf[h], state.k[:, h // group], state.v[:, h // group], state.buckets[:, h, 0], cluster,
-                                filled, t, window=width, self_mask=False, scale=scale)[0]
+            return _recent_step(
+                qf[h],
+                state.k[:, h // group],
+                state.v[:, h // group],
+                state.buckets[:, h, 0],
+                cluster,
+                filled,
+                t,
+                window=width,
+                self_mask=False,
+                scale=scale,
+            )[0]
 
         outs.append(jax.vmap(head)(jnp.arange(n_local, heads)))
     return jnp.concatenate(outs).astype(q.dtype), state
 
 
 register(
-    "routing", routing_attention, family="learnable pattern", paper="Roy et al. 2021 (Routing Transformer)",
-    complexity="O(N^1.5) at k = sqrt N", exact=False, init_arrays=kmeans_centroids, drawn=("centroids",), redrawn=False,
-    update_arrays=routing_update, decoder=Decoder("tagged cache", _routing_init, _routing_step),
-    docs={"n_clusters": "k-means clusters k per routing head (about sqrt(N))",
-          "local_heads": "query heads doing local attention (default half)",
-          "local_window": "keys each side of the local heads", "decay": "EMA decay of the centroids in training"},
-    summary=("Routing Transformer: online k-means centroids (EMA in training), balanced top-w clusters of queries "
-             "and keys, plus local heads; causal: the w latest keys of the query's cluster"),
+    "routing",
+    routing_attention,
+    family="learnable pattern",
+    paper="Roy et al. 2021 (Routing Transformer)",
+    complexity="O(N^1.5) at k = sqrt N",
+    exact=False,
+    init_arrays=kmeans_centroids,
+    drawn=("centroids",),
+    redrawn=False,
+    update_arrays=routing_update,
+    decoder=Decoder("tagged cache", _routing_init, _routing_step),
+    docs={
+        "n_clusters": "k-means clusters k per routing head (about sqrt(N))",
+        "local_heads": "query heads doing local attention (default half)",
+        "local_window": "keys each side of the local heads",
+        "decay": "EMA decay of the centroids in training",
+    },
+    summary=(
+        "Routing Transformer: online k-means centroids (EMA in training), balanced top-w clusters of queries "
+        "and keys, plus local heads; causal: the w latest keys of the query's cluster"
+    ),
     limits={"n_clusters": 1, "local_heads": 0, "local_window": 0, "decay": Limits(minimum=0, below=1)},
     dense_width=("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
 )
@@ -554,8 +639,9 @@ register(
 # ----------------------------------------------------------------------------- Sinkhorn Transformer
 
 
-def sinkhorn_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, block_size: int = 64, max_len: int = 1024
-                    ) -> dict[str, Array]:
+def sinkhorn_arrays(
+    key: PRNGKeyArray, *, heads: int, d_k: int, block_size: int = 64, max_len: int = 1024
+) -> dict[str, Array]:
     """The sorting network's learned weights per head, a two-layer ReLU network from a
     block's key sum to its logits over the ceil(max_len / block_size) blocks:
     sort_w1 `[heads, d_k, d_k]`, sort_b1 `[heads, d_k]`, sort_w2 `[heads, d_k, blocks]`,
@@ -572,8 +658,9 @@ def sinkhorn_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, block_size: int 
     }
 
 
-def sinkhorn_balance(log_r: Float[ArrayLike, "m n"], allowed: Bool[ArrayLike, "m n"], iters: int, *,
-                     rows_only: bool = False) -> Float[Array, "m n"]:
+def sinkhorn_balance(
+    log_r: Float[ArrayLike, "m n"], allowed: Bool[ArrayLike, "m n"], iters: int, *, rows_only: bool = False
+) -> Float[Array, "m n"]:
     """Sinkhorn normalisation in log space (Adams & Zemel 2011): `iters` rounds of row
     then column normalisation over the allowed entries; returns the soft permutation
     exp(log P) (zeros where not allowed, and on empty rows). `rows_only`: normalise rows
@@ -664,8 +751,10 @@ def sinkhorn_attention(
     if not temperature > 0:
         raise ValueError(f"{temperature=} must be > 0")
     if causal and sortcut_blocks:
-        raise ValueError(f"{sortcut_blocks=}: SortCut lets every query see the first sorted blocks, which "
-                         "cannot be causal; use sortcut_blocks=0 with causal=True")
+        raise ValueError(
+            f"{sortcut_blocks=}: SortCut lets every query see the first sorted blocks, which "
+            "cannot be causal; use sortcut_blocks=0 with causal=True"
+        )
     check_self(q, k, v, kv_mask)
     n, heads = q.shape[0], q.shape[1]
     if n > max_len:
@@ -684,8 +773,10 @@ def sinkhorn_attention(
         allowed = allowed & (positions(blocks)[None, :] < positions(blocks)[:, None])
     if sort_logits is None:
         if any(w is None for w in (sort_w1, sort_b1, sort_w2, sort_b2)):
-            raise ValueError("sinkhorn_attention needs its sorting network (sort_w1, sort_b1, sort_w2, sort_b2 from "
-                             "sinkhorn_arrays) or sort_logits")
+            raise ValueError(
+                "sinkhorn_attention needs its sorting network (sort_w1, sort_b1, sort_w2, sort_b2 from "
+                "sinkhorn_arrays) or sort_logits"
+            )
         if sort_w2.shape[-1] < blocks:
             raise ValueError(f"sort_w2 covers {sort_w2.shape[-1]} blocks but seq {n} needs {blocks}")
     elif tuple(sort_logits.shape) != (heads, blocks, blocks):
@@ -728,8 +819,12 @@ def sinkhorn_attention(
 def _sinkhorn_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> TaggedCache:
     b = min(hyper_parameters["block_size"], max_len)
     slots = ceil_div(max_len, b) * b
-    return TaggedCache(jnp.zeros((slots, kv_heads, d_k), jnp.float32), jnp.zeros((slots, kv_heads, d_v), jnp.float32),
-                       jnp.zeros((slots, 0, 0), jnp.int32), jnp.zeros((), jnp.int32))
+    return TaggedCache(
+        jnp.zeros((slots, kv_heads, d_k), jnp.float32),
+        jnp.zeros((slots, kv_heads, d_v), jnp.float32),
+        jnp.zeros((slots, 0, 0), jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
 
 
 def _sinkhorn_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn):
@@ -739,8 +834,12 @@ def _sinkhorn_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bia
     then); the token attends to its block's keys up to t and to the sorted block."""
     hp = hyper_parameters
     t, slots = state.length, state.k.shape[0]
-    state = TaggedCache(state.k.at[t].set(jnp.asarray(k, jnp.float32)), state.v.at[t].set(jnp.asarray(v, jnp.float32)),
-                        state.buckets, t + 1)
+    state = TaggedCache(
+        state.k.at[t].set(jnp.asarray(k, jnp.float32)),
+        state.v.at[t].set(jnp.asarray(v, jnp.float32)),
+        state.buckets,
+        t + 1,
+    )
     heads, kv_heads = q.shape[0], k.shape[0]
     b = min(hp["block_size"], slots)  # the parallel form's block at length max_len
     blocks = slots // b
@@ -767,14 +866,27 @@ def _sinkhorn_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bia
 
 
 register(
-    "sinkhorn", sinkhorn_attention, family="learnable pattern", paper="Tay et al. 2020 (Sparse Sinkhorn Attention)",
-    complexity="O(N (b + N/b))", exact=False, init_arrays=sinkhorn_arrays, covers_length="max_len",
-    noise_key="gumbel_key", decoder=Decoder("tagged cache", _sinkhorn_init, _sinkhorn_step),
-    docs={"block_size": "tokens per block b", "max_len": "longest sequence the sorting network covers",
-          "sinkhorn_iters": "balancing rounds", "temperature": "tau of the Gumbel-Sinkhorn",
-          "sortcut_blocks": "SortCut: attend only to the first n sorted blocks (0: off)"},
-    summary=("Sinkhorn Transformer: contiguous blocks, learned sorting network, Gumbel-Sinkhorn soft permutation; "
-             "own block + sorted block (SortCut: the first n sorted blocks)"),
+    "sinkhorn",
+    sinkhorn_attention,
+    family="learnable pattern",
+    paper="Tay et al. 2020 (Sparse Sinkhorn Attention)",
+    complexity="O(N (b + N/b))",
+    exact=False,
+    init_arrays=sinkhorn_arrays,
+    covers_length="max_len",
+    noise_key="gumbel_key",
+    decoder=Decoder("tagged cache", _sinkhorn_init, _sinkhorn_step),
+    docs={
+        "block_size": "tokens per block b",
+        "max_len": "longest sequence the sorting network covers",
+        "sinkhorn_iters": "balancing rounds",
+        "temperature": "tau of the Gumbel-Sinkhorn",
+        "sortcut_blocks": "SortCut: attend only to the first n sorted blocks (0: off)",
+    },
+    summary=(
+        "Sinkhorn Transformer: contiguous blocks, learned sorting network, Gumbel-Sinkhorn soft permutation; "
+        "own block + sorted block (SortCut: the first n sorted blocks)"
+    ),
     limits={"block_size": 1, "max_len": 1, "sinkhorn_iters": 1, "temperature": Limits(above=0), "sortcut_blocks": 0},
     dense_width=("its own and sorted blocks (2 block_size keys)", lambda hp, n: 2 * hp["block_size"]),
 )
@@ -837,8 +949,12 @@ def clusterformer_attention(
 
 
 def clusterformer_update(
-    arrays: dict, q: Float[ArrayLike, "batch seq heads d_k"], k: Float[ArrayLike, "batch seq kv_heads d_k"], *,
-    kv_mask: Bool[ArrayLike, "batch seq"] | None = None, decay: float = 0.999,
+    arrays: dict,
+    q: Float[ArrayLike, "batch seq heads d_k"],
+    k: Float[ArrayLike, "batch seq kv_heads d_k"],
+    *,
+    kv_mask: Bool[ArrayLike, "batch seq"] | None = None,
+    decay: float = 0.999,
 ) -> dict[str, Array]:
     """The centroids after one training batch: online k-means on the unit-normalised
     queries (what the op clusters; `kmeans_update`)."""
@@ -847,11 +963,21 @@ def clusterformer_update(
 
 
 register(
-    "clusterformer", clusterformer_attention, family="learnable pattern", paper="Wang et al. 2020 (Cluster-Former)",
-    complexity="O(N c)", exact=False, init_arrays=kmeans_centroids, drawn=("centroids",), redrawn=False,
+    "clusterformer",
+    clusterformer_attention,
+    family="learnable pattern",
+    paper="Wang et al. 2020 (Cluster-Former)",
+    complexity="O(N c)",
+    exact=False,
+    init_arrays=kmeans_centroids,
+    drawn=("centroids",),
+    redrawn=False,
     update_arrays=clusterformer_update,
-    docs={"n_clusters": "k-means clusters per head", "chunk_size": "c, tokens per chunk of the sorted order",
-          "decay": "EMA decay of the centroids in training"},
+    docs={
+        "n_clusters": "k-means clusters per head",
+        "chunk_size": "c, tokens per chunk of the sorted order",
+        "decay": "EMA decay of the centroids in training",
+    },
     summary="Cluster-Former: nearest k-means centroid, sorted by (cluster, position), attention within chunks",
     limits={"n_clusters": 1, "chunk_size": 1, "decay": Limits(minimum=0, below=1)},
     dense_width=("its chunks (chunk_size keys)", lambda hp, n: hp["chunk_size"]),

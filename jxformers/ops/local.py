@@ -111,9 +111,14 @@ def local_attention(
 
 
 register(
-    "local", local_attention, family="fixed pattern", paper="Parmar et al. 2018; Beltagy et al. 2020",
-    complexity="O(N w)", decoder=ring_buffer(softmax_attention, slots=lambda hp: hp["window"] + 1),
-    choices={"impl": IMPLS}, docs={"window": "keys each side (behind when causal)"} | LOCAL_IMPL_DOC,
+    "local",
+    local_attention,
+    family="fixed pattern",
+    paper="Parmar et al. 2018; Beltagy et al. 2020",
+    complexity="O(N w)",
+    decoder=ring_buffer(softmax_attention, slots=lambda hp: hp["window"] + 1),
+    choices={"impl": IMPLS},
+    docs={"window": "keys each side (behind when causal)"} | LOCAL_IMPL_DOC,
     summary="|i - j| <= window (0 <= i - j <= window causal)",
     limits={"window": 0},
     dense_width=("its window (2 window + 1 keys)", lambda hp, n: 2 * hp["window"] + 1),
@@ -161,13 +166,20 @@ def block_local_attention(
     mask = jnp.broadcast_to(to_blocks(real, block)[:, None, :], (real.shape[0] // block, block, block))
     if causal:
         mask = mask & jnp.tril(jnp.ones((block, block), bool))[None]
-    part = block_part(to_blocks(qg, block), to_blocks(kp, block), to_blocks(vp, block), mask, default_scale(q.shape[2], scale))
+    part = block_part(
+        to_blocks(qg, block), to_blocks(kp, block), to_blocks(vp, block), mask, default_scale(q.shape[2], scale)
+    )
     return rows_to_output(attend_parts([part]), q.shape[0], out_dtype(q, k, v))
 
 
 register(
-    "block_local", block_local_attention, family="fixed pattern", paper="Parmar et al. 2018; Qiu et al. 2019",
-    complexity="O(N b)", choices={"impl": IMPLS}, docs={"block_size": "tokens per block"} | IMPL_DOC,
+    "block_local",
+    block_local_attention,
+    family="fixed pattern",
+    paper="Parmar et al. 2018; Qiu et al. 2019",
+    complexity="O(N b)",
+    choices={"impl": IMPLS},
+    docs={"block_size": "tokens per block"} | IMPL_DOC,
     summary="i // b == j // b (contiguous blocks)",
     limits={"block_size": 1},
     dense_width=("its block (block_size keys)", lambda hp, n: hp["block_size"]),
@@ -221,15 +233,22 @@ def dilated_attention(
         return jnp.swapaxes(to_blocks(pad_to(x, length), dilation), 0, 1)
 
     real = interleave(valid_keys(kv_mask, n, length))
-    run = jax.vmap(lambda q_, k_, v_, m_: local_attention(q_, k_, v_, window=window, causal=causal, kv_mask=m_, scale=scale,
-                                                                      impl=impl))
+    run = jax.vmap(
+        lambda q_, k_, v_, m_: local_attention(
+            q_, k_, v_, window=window, causal=causal, kv_mask=m_, scale=scale, impl=impl
+        )
+    )
     out = run(interleave(q), interleave(k), interleave(v), real)
     out = jnp.swapaxes(out, 0, 1).reshape(length, *out.shape[2:])
     return out[:n]
 
 
 register(
-    "dilated", dilated_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N w)",
+    "dilated",
+    dilated_attention,
+    family="fixed pattern",
+    paper="Beltagy et al. 2020",
+    complexity="O(N w)",
     choices={"impl": IMPLS},
     docs={"window": "attended keys each side", "dilation": "stride between attended keys"} | LOCAL_IMPL_DOC,
     summary="(i - j) % dilation == 0 and |i - j| <= window * dilation",
@@ -240,15 +259,19 @@ register(
 # ----------------------------------------------------------------------------- Image Transformer 2-D
 
 
-def _check_image_local_2d(width: int, query_height: int, query_width: int, memory_height: int, memory_width: int) -> None:
+def _check_image_local_2d(
+    width: int, query_height: int, query_width: int, memory_height: int, memory_width: int
+) -> None:
     check_positive("width", width)
     check_positive("query_height", query_height)
     check_positive("query_width", query_width)
     check_positive("memory_height", memory_height, minimum=0)
     check_positive("memory_width", memory_width, minimum=0)
     if width % query_width:
-        raise ValueError(f"query_width ({query_width}) must divide the image width ({width}): "
-                         "query blocks tile each band of query_height rows")
+        raise ValueError(
+            f"query_width ({query_width}) must divide the image width ({width}): "
+            "query blocks tile each band of query_height rows"
+        )
 
 
 def block_raster_coordinates(index, *, width: int, query_height: int, query_width: int):
@@ -260,8 +283,12 @@ def block_raster_coordinates(index, *, width: int, query_height: int, query_widt
     blocks_per_row = width // query_width
     block, offset = index // block_size, index % block_size
     block_row, block_col = block // blocks_per_row, block % blocks_per_row
-    return (block_row * query_height + offset // query_width, block_col * query_width + offset % query_width,
-            block_row, block_col)
+    return (
+        block_row * query_height + offset // query_width,
+        block_col * query_width + offset % query_width,
+        block_row,
+        block_col,
+    )
 
 
 def block_raster_order(height: int, width: int, *, query_height: int, query_width: int) -> np.ndarray:
@@ -272,8 +299,9 @@ def block_raster_order(height: int, width: int, *, query_height: int, query_widt
     _check_image_local_2d(width, query_height, query_width, 0, 0)
     if height % query_height:
         raise ValueError(f"query_height ({query_height}) must divide the image height ({height})")
-    row, col, _, _ = block_raster_coordinates(np.arange(height * width), width=width, query_height=query_height,
-                                              query_width=query_width)
+    row, col, _, _ = block_raster_coordinates(
+        np.arange(height * width), width=width, query_height=query_height, query_width=query_width
+    )
     return row * width + col
 
 
@@ -285,8 +313,12 @@ def _in_memory_block(i, j, *, width, query_height, query_width, memory_height, m
     k_row, k_col, _, _ = block_raster_coordinates(j, **hw)
     top = q_brow * query_height
     left = q_bcol * query_width
-    inside = ((k_row >= top - memory_height) & (k_row < top + query_height)
-              & (k_col >= left - memory_width) & (k_col < left + query_width + memory_width))
+    inside = (
+        (k_row >= top - memory_height)
+        & (k_row < top + query_height)
+        & (k_col >= left - memory_width)
+        & (k_col < left + query_width + memory_width)
+    )
     return inside & (j <= i) if causal else inside
 
 
@@ -353,8 +385,14 @@ def image_local_2d_attention(
     neighbour = np.where(ok, nb_rows * per_row + nb_cols, num_blocks)  # num_blocks: an empty block
     key_idx = (neighbour[:, :, None] * block + np.arange(block)[None, None, :]).reshape(num_blocks, -1)
     query_idx = np.arange(length).reshape(num_blocks, block)
-    hw = dict(width=width, query_height=query_height, query_width=query_width, memory_height=memory_height,
-              memory_width=memory_width, causal=causal)
+    hw = dict(
+        width=width,
+        query_height=query_height,
+        query_width=query_width,
+        memory_height=memory_height,
+        memory_width=memory_width,
+        causal=causal,
+    )
     geometry = _in_memory_block(query_idx[:, :, None], key_idx[:, None, :], **hw)
     geometry &= (key_idx < length)[:, None, :]
     _, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, band)
@@ -373,8 +411,12 @@ def _image_local_2d_slots(hp) -> int:
 def _image_local_2d_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> KVCache:
     slots = min(max_len, _image_local_2d_slots(hyper_parameters))
     dtype = jnp.float32 if dtype is None else dtype
-    return KVCache(jnp.zeros((slots, kv_heads, d_k), dtype), jnp.zeros((slots, kv_heads, d_v), dtype),
-                   jnp.full((slots,), -1, jnp.int32), jnp.zeros((), jnp.int32))
+    return KVCache(
+        jnp.zeros((slots, kv_heads, d_k), dtype),
+        jnp.zeros((slots, kv_heads, d_v), dtype),
+        jnp.full((slots,), -1, jnp.int32),
+        jnp.zeros((), jnp.int32),
+    )
 
 
 def _image_local_2d_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, bias_fn):
@@ -382,27 +424,49 @@ def _image_local_2d_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, b
     block that come at or before it (the causal forward's row)."""
     hp = hyper_parameters
     slot = state.length % state.k.shape[0]
-    state = KVCache(state.k.at[slot].set(k.astype(state.k.dtype)), state.v.at[slot].set(v.astype(state.v.dtype)),
-                    state.slot_pos.at[slot].set(state.length), state.length + 1)
+    state = KVCache(
+        state.k.at[slot].set(k.astype(state.k.dtype)),
+        state.v.at[slot].set(v.astype(state.v.dtype)),
+        state.slot_pos.at[slot].set(state.length),
+        state.length + 1,
+    )
     here = state.length - 1
-    keep = _in_memory_block(here, jnp.maximum(state.slot_pos, 0), width=hp["width"], query_height=hp["query_height"],
-                            query_width=hp["query_width"], memory_height=hp["memory_height"],
-                            memory_width=hp["memory_width"], causal=True)
+    keep = _in_memory_block(
+        here,
+        jnp.maximum(state.slot_pos, 0),
+        width=hp["width"],
+        query_height=hp["query_height"],
+        query_width=hp["query_width"],
+        memory_height=hp["memory_height"],
+        memory_width=hp["memory_width"],
+        causal=True,
+    )
     out = softmax_attention(q[None], state.k, state.v, kv_mask=keep & (state.slot_pos >= 0))[0]
     return out.astype(q.dtype), state
 
 
 register(
-    "image_local_2d", image_local_2d_attention, family="fixed pattern", paper="Parmar et al. 2018 (Image Transformer)",
-    complexity="O(N m)", decoder=Decoder("ring buffer", _image_local_2d_init, _image_local_2d_step),
-    docs={"width": "image width in pixels (a multiple of query_width)", "query_height": "query block rows h_q",
-          "query_width": "query block columns w_q", "memory_height": "h_m, memory rows above the query block",
-          "memory_width": "w_m, memory columns left and right of the query block"},
-    summary=("Image Transformer 2-D: block raster order; a query block attends its memory block (h_m rows above, "
-             "w_m columns each side)"),
+    "image_local_2d",
+    image_local_2d_attention,
+    family="fixed pattern",
+    paper="Parmar et al. 2018 (Image Transformer)",
+    complexity="O(N m)",
+    decoder=Decoder("ring buffer", _image_local_2d_init, _image_local_2d_step),
+    docs={
+        "width": "image width in pixels (a multiple of query_width)",
+        "query_height": "query block rows h_q",
+        "query_width": "query block columns w_q",
+        "memory_height": "h_m, memory rows above the query block",
+        "memory_width": "w_m, memory columns left and right of the query block",
+    },
+    summary=(
+        "Image Transformer 2-D: block raster order; a query block attends its memory block (h_m rows above, "
+        "w_m columns each side)"
+    ),
     limits={"width": 1, "query_height": 1, "query_width": 1, "memory_height": 0, "memory_width": 0},
-    dense_width=("its memory block ((memory_height + query_height) x (query_width + 2 memory_width) pixels)",
-                 lambda hp, n: (hp["memory_height"] + hp["query_height"])
-                 * (hp["query_width"] + 2 * hp["memory_width"])),
+    dense_width=(
+        "its memory block ((memory_height + query_height) x (query_width + 2 memory_width) pixels)",
+        lambda hp, n: (hp["memory_height"] + hp["query_height"]) * (hp["query_width"] + 2 * hp["memory_width"]),
+    ),
     grid_width="width",
 )

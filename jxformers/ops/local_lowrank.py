@@ -56,8 +56,9 @@ __all__ = [
 ]
 
 
-def dual_layer_norm(x: Float[ArrayLike, "*n kv_heads d"], params: Float[ArrayLike, "2 kv_heads d"] | None,
-                    eps: float = 1e-5) -> Float[Array, "*n kv_heads d"]:
+def dual_layer_norm(
+    x: Float[ArrayLike, "*n kv_heads d"], params: Float[ArrayLike, "2 kv_heads d"] | None, eps: float = 1e-5
+) -> Float[Array, "*n kv_heads d"]:
     """A LayerNorm over each token's heads and features jointly (Transformer-LS's DualLN
     normalises the d_model-wide keys and values), with gain `params[0]` and bias
     `params[1]` `[kv_heads, d]` (None: gain 1, bias 0), in float32."""
@@ -82,8 +83,10 @@ def _masked_softmax_over(s: Array, real: Array, axis: int) -> Array:
 
 
 def dynamic_projection(
-    k: Float[ArrayLike, "seg l kv_heads d_k"], v: Float[ArrayLike, "seg l kv_heads d_v"],
-    real: Bool[ArrayLike, "seg l"], proj_w: Float[ArrayLike, "kv_heads d_k rank"],
+    k: Float[ArrayLike, "seg l kv_heads d_k"],
+    v: Float[ArrayLike, "seg l kv_heads d_v"],
+    real: Bool[ArrayLike, "seg l"],
+    proj_w: Float[ArrayLike, "kv_heads d_k rank"],
 ) -> tuple[Float[Array, "seg rank kv_heads d_k"], Float[Array, "seg rank kv_heads d_v"]]:
     """Transformer-LS's dynamic projection of each segment: P = softmax(K W_P) over the
     segment's (real) positions `[l, rank]` per head, K_bar = P^T K and V_bar = P^T V."""
@@ -94,8 +97,10 @@ def dynamic_projection(
 
 def _ls_arrays_check(proj_w, kv_heads: int, d_k: int) -> None:
     if proj_w is None:
-        raise ValueError("long_short_attention needs proj_w [kv_heads, d_k, rank] (the learned dynamic projection "
-                         "W_P): make it with registry.bind('long_short').init_arrays(...)")
+        raise ValueError(
+            "long_short_attention needs proj_w [kv_heads, d_k, rank] (the learned dynamic projection "
+            "W_P): make it with registry.bind('long_short').init_arrays(...)"
+        )
     if proj_w.shape[:2] != (kv_heads, d_k):
         raise ValueError(f"proj_w must have shape [kv_heads={kv_heads}, d_k={d_k}, rank]; got {tuple(proj_w.shape)}")
 
@@ -173,16 +178,26 @@ def long_short_attention(
         block = min(max(window, 16), n)
         length = ceil_div(n, block) * block
         qg = group_heads(pad_to(q, length), k.shape[1])
-        near = sliding_window_part(qg, pad_to(k_local, length), pad_to(v_local, length), pad_to(real, length, value=False),
-                                   block=block, window=window - 1, causal=True, scale=sc)
+        near = sliding_window_part(
+            qg,
+            pad_to(k_local, length),
+            pad_to(v_local, length),
+            pad_to(real, length, value=False),
+            block=block,
+            window=window - 1,
+            causal=True,
+            scale=sc,
+        )
         kbar, vbar, segment, seg_real = _causal_compressed(k, v, real, proj_w, ln_proj_k, ln_proj_v, segment_size)
         earlier = (positions(length)[:, None] // segment_size > segment[None, :]) & seg_real[None, :]
         far = Part(logits(qg, kbar, sc), head_mask(earlier), lambda p: weighted_values(p, vbar))
         return rows_to_output(attend_parts([near, far]), n, out_dtype(q, k, v))
     length = ceil_div(n, window) * window
     qg = group_heads(pad_to(q, length), k.shape[1])
-    kb, vb, rb = (neighbour_blocks(to_blocks(pad_to(x, length), window), 1, 1)
-                  for x in (k_local, v_local, pad_to(real, length, value=False)))
+    kb, vb, rb = (
+        neighbour_blocks(to_blocks(pad_to(x, length), window), 1, 1)
+        for x in (k_local, v_local, pad_to(real, length, value=False))
+    )
     start = positions(length // window)[:, None] * window
     k_pos = start - window + positions(3 * window)[None, :]  # [blocks, 3w]
     half = window // 2
@@ -205,8 +220,13 @@ def long_short_arrays(key: PRNGKeyArray, *, kv_heads: int, d_k: int, d_v: int, r
     def ln(d):
         return jnp.stack([jnp.ones((kv_heads, d)), jnp.zeros((kv_heads, d))])
 
-    return {"proj_w": jax.random.normal(key, (kv_heads, d_k, rank)) / math.sqrt(d_k),
-            "ln_local_k": ln(d_k), "ln_local_v": ln(d_v), "ln_proj_k": ln(d_k), "ln_proj_v": ln(d_v)}
+    return {
+        "proj_w": jax.random.normal(key, (kv_heads, d_k, rank)) / math.sqrt(d_k),
+        "ln_local_k": ln(d_k),
+        "ln_local_v": ln(d_v),
+        "ln_proj_k": ln(d_k),
+        "ln_proj_v": ln(d_v),
+    }
 
 
 def _long_short_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, bias_fn):
@@ -222,8 +242,9 @@ def _long_short_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, bias_
     v_local = dual_layer_norm(state.v, arrays.get("ln_local_v"))
     near_mask = (real & (state.slot_pos > t - window))[None, :]
     near = Part(logits(qg, k_local, sc), head_mask(near_mask), lambda p: weighted_values(p, v_local))
-    kbar, vbar, segment, seg_real = _causal_compressed(state.k, state.v, real, arrays["proj_w"], arrays.get("ln_proj_k"),
-                                                       arrays.get("ln_proj_v"), segment_size)
+    kbar, vbar, segment, seg_real = _causal_compressed(
+        state.k, state.v, real, arrays["proj_w"], arrays.get("ln_proj_k"), arrays.get("ln_proj_v"), segment_size
+    )
     earlier = ((t // segment_size > segment) & seg_real)[None, :]
     far = Part(logits(qg, kbar, sc), head_mask(earlier), lambda p: weighted_values(p, vbar))
     out = attend_parts([near, far])
@@ -231,13 +252,22 @@ def _long_short_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, bias_
 
 
 register(
-    "long_short", long_short_attention, family="fixed pattern + low rank", paper="Zhu et al. 2021 (Transformer-LS)",
-    complexity="O(N (w + r))", exact=False, init_arrays=long_short_arrays,
+    "long_short",
+    long_short_attention,
+    family="fixed pattern + low rank",
+    paper="Zhu et al. 2021 (Transformer-LS)",
+    complexity="O(N (w + r))",
+    exact=False,
+    init_arrays=long_short_arrays,
     decoder=Decoder("cache", full_cache_init, _long_short_step),
-    docs={"window": "short-term window w (segment length; keys behind when causal)",
-          "segment_size": "causal: tokens per dynamically projected segment l",
-          "rank": "projected keys r (per segment when causal)"},
-    summary=("Transformer-LS: segment-wise window + r keys from a dynamic projection softmax(K W_P)^T K, DualLN, "
-             "one softmax; causal: recent window + per-segment projections of earlier segments"),
+    docs={
+        "window": "short-term window w (segment length; keys behind when causal)",
+        "segment_size": "causal: tokens per dynamically projected segment l",
+        "rank": "projected keys r (per segment when causal)",
+    },
+    summary=(
+        "Transformer-LS: segment-wise window + r keys from a dynamic projection softmax(K W_P)^T K, DualLN, "
+        "one softmax; causal: recent window + per-segment projections of earlier segments"
+    ),
     limits={"window": 1, "segment_size": 1, "rank": 1},
 )

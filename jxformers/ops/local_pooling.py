@@ -50,7 +50,12 @@ POOLINGS = ("mean", "max")
 
 
 def pool_keys(
-    x: Float[ArrayLike, "L h d"], real: Bool[ArrayLike, " L"], *, size: int, stride: int, pooling: str = "mean",
+    x: Float[ArrayLike, "L h d"],
+    real: Bool[ArrayLike, " L"],
+    *,
+    size: int,
+    stride: int,
+    pooling: str = "mean",
 ) -> tuple[Float[Array, "m h d"], Bool[Array, " m"]]:
     """Pool `x` along its length with kernel `size` and `stride`: slot m covers positions
     [m * stride, m * stride + size), its mean or max over the real ones among them
@@ -123,11 +128,14 @@ def poolingformer_attention(
     d_v = v.shape[-1]
     for name, w, d in (("level2_q", level2_q, d_k), ("level2_k", level2_k, d_k), ("level2_v", level2_v, d_v)):
         if w is None:
-            raise ValueError(f"poolingformer_attention needs {name} [heads * d_v, heads, {d}] (the second level's "
-                             "learned projection): make it with registry.bind('poolingformer').init_arrays(...)")
+            raise ValueError(
+                f"poolingformer_attention needs {name} [heads * d_v, heads, {d}] (the second level's "
+                "learned projection): make it with registry.bind('poolingformer').init_arrays(...)"
+            )
         if tuple(w.shape) != (heads * d_v, heads, d):
-            raise ValueError(f"{name} must have shape [heads * d_v={heads * d_v}, heads={heads}, {d}]; "
-                             f"got {tuple(w.shape)}")
+            raise ValueError(
+                f"{name} must have shape [heads * d_v={heads * d_v}, heads={heads}, {d}]; got {tuple(w.shape)}"
+            )
     y = local_attention(q, k, v, window=window, kv_mask=kv_mask, scale=scale, impl="xla").astype(jnp.float32)
     flat = y.reshape(n, heads * d_v)
     assert level2_q is not None and level2_k is not None and level2_v is not None  # checked above; for the checker
@@ -146,8 +154,13 @@ def poolingformer_attention(
     start = (positions(nb)[:, None] * per - per + positions(3 * per)[None, :]) * pool_stride  # [nb, 3 per]
     q_pos = to_blocks(positions(length), block)[:, :, None]  # [nb, block, 1]
     inside = (start[:, None, :] >= q_pos - pool_window) & (start[:, None, :] + pool_size - 1 <= q_pos + pool_window)
-    part = block_part(to_blocks(group_heads(pad_to(q2, length), heads), block), kb, vb, inside & okb[:, None, :],
-                      default_scale(d_k, scale))
+    part = block_part(
+        to_blocks(group_heads(pad_to(q2, length), heads), block),
+        kb,
+        vb,
+        inside & okb[:, None, :],
+        default_scale(d_k, scale),
+    )
     z = rows_to_output(attend_parts([part]), n, jnp.float32)
     return (y + z).astype(out_dtype(q, k, v))
 
@@ -157,16 +170,29 @@ def poolingformer_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, d_v: int) -
     W'_V `[heads * d_v, heads, d_v]` of the first level's output (normal, 1/sqrt(heads * d_v))."""
     c = heads * d_v
     kq, kk, kv = jax.random.split(key, 3)
-    return {"level2_q": jax.random.normal(kq, (c, heads, d_k)) / math.sqrt(c),
-            "level2_k": jax.random.normal(kk, (c, heads, d_k)) / math.sqrt(c),
-            "level2_v": jax.random.normal(kv, (c, heads, d_v)) / math.sqrt(c)}
+    return {
+        "level2_q": jax.random.normal(kq, (c, heads, d_k)) / math.sqrt(c),
+        "level2_k": jax.random.normal(kk, (c, heads, d_k)) / math.sqrt(c),
+        "level2_v": jax.random.normal(kv, (c, heads, d_v)) / math.sqrt(c),
+    }
 
 
 register(
-    "poolingformer", poolingformer_attention, family="fixed pattern + memory", paper="Zhang et al. 2021 (Poolingformer)",
-    complexity="O(N (w1 + w2 / stride))", exact=False, init_arrays=poolingformer_arrays, choices={"pooling": POOLINGS},
-    docs={"window": "level 1: keys each side", "pool_window": "level 2: keys each side (pooled)",
-          "pool_size": "pooling kernel", "pool_stride": "pooling stride", "pooling": "mean or max"},
+    "poolingformer",
+    poolingformer_attention,
+    family="fixed pattern + memory",
+    paper="Zhang et al. 2021 (Poolingformer)",
+    complexity="O(N (w1 + w2 / stride))",
+    exact=False,
+    init_arrays=poolingformer_arrays,
+    choices={"pooling": POOLINGS},
+    docs={
+        "window": "level 1: keys each side",
+        "pool_window": "level 2: keys each side (pooled)",
+        "pool_size": "pooling kernel",
+        "pool_stride": "pooling stride",
+        "pooling": "mean or max",
+    },
     summary="Poolingformer: window attention, then its output attends mean/max-pooled keys of a larger window; y + z",
     limits={"window": 0, "pool_window": 1, "pool_size": 1, "pool_stride": 1},
 )

@@ -97,22 +97,32 @@ def linformer_attention(
     return out
 
 
-
-def linformer_arrays(key: PRNGKeyArray, *, proj_len: int = 256, max_len: int = 4096
-                     ) -> dict[str, Float[Array, "proj_len max_len"]]:
+def linformer_arrays(
+    key: PRNGKeyArray, *, proj_len: int = 256, max_len: int = 4096
+) -> dict[str, Float[Array, "proj_len max_len"]]:
     """Linformer's learned length projections E and F, at nn.Linear(max_len, proj_len)'s
     scale (as the paper's code)."""
     check_positive("proj_len", proj_len)
     check_positive("max_len", max_len)
     ke, kf = jax.random.split(key)
     std = 1.0 / math.sqrt(max_len)
-    return {"e_proj": std * jax.random.normal(ke, (proj_len, max_len)),
-            "f_proj": std * jax.random.normal(kf, (proj_len, max_len))}
+    return {
+        "e_proj": std * jax.random.normal(ke, (proj_len, max_len)),
+        "f_proj": std * jax.random.normal(kf, (proj_len, max_len)),
+    }
 
 
 register(
-    "linformer", linformer_attention, family="low rank", paper="Wang et al. 2020", complexity="O(N k)",
-    supports_causal=False, supports_cross=True, exact=False, init_arrays=linformer_arrays, covers_length="max_len",
+    "linformer",
+    linformer_attention,
+    family="low rank",
+    paper="Wang et al. 2020",
+    complexity="O(N k)",
+    supports_causal=False,
+    supports_cross=True,
+    exact=False,
+    init_arrays=linformer_arrays,
+    covers_length="max_len",
     docs={"proj_len": "projected length k", "max_len": "longest sequence the projections cover"},
     summary="keys/values projected along the length by E, F",
     limits={"proj_len": 1, "max_len": 1},
@@ -147,6 +157,7 @@ def synthesizer_logits(
       `factor_b [heads, max_len, r]`.
     Lengths shorter than `max_len` take the leading rows/columns.
     """
+
     def need(name, value, shape_hint):
         if value is None:
             raise ValueError(f"synthesizer kind {kind!r} needs `{name}` {shape_hint}")
@@ -155,20 +166,28 @@ def synthesizer_logits(
     if kind in _FROM_TOKENS:
         b = need("dense_logits", dense_logits, "[heads, q_len, max_len] (from the layer input; use nn.Attention)")
         if b.shape[0] != heads or b.shape[1] != q_len or b.shape[2] < kv_len:
-            raise ValueError(f"dense_logits must have shape [{heads}, {q_len}, >= {kv_len}] (max_len >= the sequence); "
-                             f"got {b.shape}")
+            raise ValueError(
+                f"dense_logits must have shape [{heads}, {q_len}, >= {kv_len}] (max_len >= the sequence); got {b.shape}"
+            )
         return b[:, :, :kv_len].astype(jnp.float32)
     if kind == "random":
-        r = random if random is not None else need("random", fixed_random, "(or `fixed_random`) [heads, max_len, max_len]")
+        r = (
+            random
+            if random is not None
+            else need("random", fixed_random, "(or `fixed_random`) [heads, max_len, max_len]")
+        )
         if r.shape[0] != heads or r.shape[1] < q_len or r.shape[2] < kv_len:
-            raise ValueError(f"random must have shape [{heads}, >= {q_len}, >= {kv_len}] (max_len >= the sequence); "
-                             f"got {r.shape}")
+            raise ValueError(
+                f"random must have shape [{heads}, >= {q_len}, >= {kv_len}] (max_len >= the sequence); got {r.shape}"
+            )
         return r[:, :q_len, :kv_len].astype(jnp.float32)
     if kind == "factorized_random":
         a, b = need("factor_a", factor_a, "[heads, max_len, r]"), need("factor_b", factor_b, "[heads, max_len, r]")
         if a.shape[0] != heads or a.shape[1] < q_len or b.shape[1] < kv_len or a.shape[2] != b.shape[2]:
-            raise ValueError(f"factor_a/factor_b must be [{heads}, >= len, r] with one r (max_len >= the sequence); "
-                             f"got {a.shape}, {b.shape}")
+            raise ValueError(
+                f"factor_a/factor_b must be [{heads}, >= len, r] with one r (max_len >= the sequence); "
+                f"got {a.shape}, {b.shape}"
+            )
         return jnp.einsum("hqr,hkr->hqk", a[:, :q_len].astype(jnp.float32), b[:, :kv_len].astype(jnp.float32))
     raise ValueError(f"kind must be one of {SYNTHESIZER_KINDS}; got {kind!r}")
 
@@ -202,19 +221,39 @@ def synthesizer_attention(
     """
     k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v)
-    bias = synthesizer_logits(q.shape[0], k.shape[0], q.shape[1], kind=kind, dense_logits=dense_logits, random=random,
-                              fixed_random=fixed_random, factor_a=factor_a, factor_b=factor_b)
+    bias = synthesizer_logits(
+        q.shape[0],
+        k.shape[0],
+        q.shape[1],
+        kind=kind,
+        dense_logits=dense_logits,
+        random=random,
+        fixed_random=fixed_random,
+        factor_a=factor_a,
+        factor_b=factor_b,
+    )
     if mixture_logits is None:
         return softmax_attention(q, k, v, bias=bias, scale=0.0, causal=causal, kv_mask=kv_mask)
     if jnp.shape(mixture_logits) != (2,):
-        raise ValueError(f"mixture_logits must have shape (2,) (synthetic, dot product); got {jnp.shape(mixture_logits)}")
+        raise ValueError(
+            f"mixture_logits must have shape (2,) (synthetic, dot product); got {jnp.shape(mixture_logits)}"
+        )
     weights = jax.nn.softmax(jnp.asarray(mixture_logits, jnp.float32))
-    return softmax_attention(q * weights[1].astype(q.dtype), k, v, bias=weights[0] * bias, causal=causal,
-                             kv_mask=kv_mask)
+    return softmax_attention(
+        q * weights[1].astype(q.dtype), k, v, bias=weights[0] * bias, causal=causal, kv_mask=kv_mask
+    )
 
 
-def synthesizer_arrays(key: PRNGKeyArray, *, heads: int, kind: str = "random", max_len: int = 512, rank: int = 8,
-                       trainable_random: bool = True, mixture: bool = False) -> dict[str, Array]:
+def synthesizer_arrays(
+    key: PRNGKeyArray,
+    *,
+    heads: int,
+    kind: str = "random",
+    max_len: int = 512,
+    rank: int = 8,
+    trainable_random: bool = True,
+    mixture: bool = False,
+) -> dict[str, Array]:
     """The random kinds' matrices (`random` trained, or `fixed_random` drawn once when
     not `trainable_random`) and, with `mixture`, the mixture's logits (equal weights)."""
     for name, value in (("max_len", max_len), ("rank", rank)):
@@ -231,8 +270,16 @@ def synthesizer_arrays(key: PRNGKeyArray, *, heads: int, kind: str = "random", m
     return arrays
 
 
-def synthesizer_dense_params(key: PRNGKeyArray, *, d_model: int, heads: int, kind: str = "random", max_len: int = 512,
-                             hidden: int | None = None, factor: int = 8) -> dict[str, Array]:
+def synthesizer_dense_params(
+    key: PRNGKeyArray,
+    *,
+    d_model: int,
+    heads: int,
+    kind: str = "random",
+    max_len: int = 512,
+    hidden: int | None = None,
+    factor: int = 8,
+) -> dict[str, Array]:
     """The dense kinds' per-head layers on the token X_i (`d_model` wide).
 
     "dense": F(X_i) = W2 relu(W1 X_i + b1) + b2 with W1 `[heads, d_model, hidden]`
@@ -280,16 +327,33 @@ def synthesizer_dense_logits(
 
 
 register(
-    "synthesizer", synthesizer_attention, family="low rank", paper="Tay et al. 2021", complexity="O(N^2)",
-    supports_cross=True, exact=False, content_based=False, init_arrays=synthesizer_arrays,
-    token_inputs=TokenInputs(synthesizer_dense_params, synthesizer_dense_logits), drawn=("fixed_random",),
-    redrawn=False, covers_length="max_len", choices={"kind": SYNTHESIZER_KINDS},
-    docs={"kind": "synthetic logits", "max_len": "longest sequence", "rank": "factorized_random: rank",
-          "trainable_random": "random: train R (else fixed)",
-          "mixture": "learned softmax-normalised mixture with dot-product attention",
-          "hidden": "dense: hidden width (default d_model)", "factor": "factorized_dense: a (b = max_len / a)"},
-    summary=("dense (from X), factorized dense, random (trained or fixed), factorized random; optional learned "
-             "mixture with q k^T"),
+    "synthesizer",
+    synthesizer_attention,
+    family="low rank",
+    paper="Tay et al. 2021",
+    complexity="O(N^2)",
+    supports_cross=True,
+    exact=False,
+    content_based=False,
+    init_arrays=synthesizer_arrays,
+    token_inputs=TokenInputs(synthesizer_dense_params, synthesizer_dense_logits),
+    drawn=("fixed_random",),
+    redrawn=False,
+    covers_length="max_len",
+    choices={"kind": SYNTHESIZER_KINDS},
+    docs={
+        "kind": "synthetic logits",
+        "max_len": "longest sequence",
+        "rank": "factorized_random: rank",
+        "trainable_random": "random: train R (else fixed)",
+        "mixture": "learned softmax-normalised mixture with dot-product attention",
+        "hidden": "dense: hidden width (default d_model)",
+        "factor": "factorized_dense: a (b = max_len / a)",
+    },
+    summary=(
+        "dense (from X), factorized dense, random (trained or fixed), factorized random; optional learned "
+        "mixture with q k^T"
+    ),
     limits={"max_len": 1, "rank": 1, "hidden": 1, "factor": 1},
 )
 
@@ -389,8 +453,13 @@ def nystrom_attention(
 
 
 register(
-    "nystrom", nystrom_attention, family="low rank", paper="Xiong et al. 2021", complexity="O(N m + m^3)",
-    supports_cross=True, exact=False,
+    "nystrom",
+    nystrom_attention,
+    family="low rank",
+    paper="Xiong et al. 2021",
+    complexity="O(N m + m^3)",
+    supports_cross=True,
+    exact=False,
     docs={"num_landmarks": "landmarks m", "pinv_iterations": "pseudo-inverse iterations"},
     summary="Nystrom landmarks (segment means) and an iterative pseudo-inverse",
     limits={"num_landmarks": 1, "pinv_iterations": 0},

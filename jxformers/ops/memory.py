@@ -86,12 +86,18 @@ def induced_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, d_v: int, num_ind
 
 
 register(
-    "induced", induced_attention, family="memory",
+    "induced",
+    induced_attention,
+    family="memory",
     paper="after Lee et al. 2019: ISAB reduced to one op (the paper's ISAB: ModelConfig stack 'isab')",
-    complexity="O(N m)", supports_cross=True, exact=False, init_arrays=induced_arrays,
+    complexity="O(N m)",
+    supports_cross=True,
+    exact=False,
+    init_arrays=induced_arrays,
     docs={"num_inducing": "inducing points m"},
-    summary=('pack into m learned inducing points, unpack: ISAB reduced to one op (the paper\'s ISAB is '
-             '`stack="isab"`)'),
+    summary=(
+        'pack into m learned inducing points, unpack: ISAB reduced to one op (the paper\'s ISAB is `stack="isab"`)'
+    ),
     limits={"num_inducing": 1},
     dense_width=("its inducing points (num_inducing)", lambda hp, n: hp["num_inducing"]),
 )

@@ -114,14 +114,13 @@ def softmax_attention(
     if choice is not None and choice.backend == "cudnn":
         return cudnn_attention(q, k, v, causal=causal, scale=scale)
     if choice is not None:
-        return pattern_attention(q, k, v, softmax_pattern(q_len, kv_len, causal=causal), choice, kv_mask=kv_mask,
-                                 scale=scale, alibi=alibi).astype(out_dtype(q, k, v))
+        return pattern_attention(
+            q, k, v, softmax_pattern(q_len, kv_len, causal=causal), choice, kv_mask=kv_mask, scale=scale, alibi=alibi
+        ).astype(out_dtype(q, k, v))
     if alibi is not None:
         bias = alibi.dense(q_len, kv_len)
     if bias is not None and tuple(bias.shape) not in {(q_len, kv_len), (heads, q_len, kv_len)}:
-        raise ValueError(
-            f"bias must have shape {(q_len, kv_len)} or {(heads, q_len, kv_len)}; got {tuple(bias.shape)}"
-        )
+        raise ValueError(f"bias must have shape {(q_len, kv_len)} or {(heads, q_len, kv_len)}; got {tuple(bias.shape)}")
     scale = default_scale(d_k, scale)
 
     full = jnp.ones((q_len, kv_len), bool)
@@ -145,8 +144,14 @@ def softmax_attention(
 
 
 register(
-    "softmax", softmax_attention, family="exact", paper="Vaswani et al. 2017", complexity="O(N^2)",
-    supports_cross=True, decoder=kv_cache(softmax_attention), choices={"impl": IMPLS},
+    "softmax",
+    softmax_attention,
+    family="exact",
+    paper="Vaswani et al. 2017",
+    complexity="O(N^2)",
+    supports_cross=True,
+    decoder=kv_cache(softmax_attention),
+    choices={"impl": IMPLS},
     docs={"impl": "one of jxformers.kernels.IMPLS (flash-attention kernel or cuDNN)"},
     summary="`mask`, `kv_mask`, `bias`, causal (bottom-right) — the reference",
 )
@@ -244,8 +249,13 @@ def chunked_attention(
 
 
 register(
-    "chunked", chunked_attention, family="exact", paper="Rabe & Staats 2021",
-    complexity="O(N^2) time, O(N chunk) memory", supports_cross=True, decoder=kv_cache(softmax_attention),
+    "chunked",
+    chunked_attention,
+    family="exact",
+    paper="Rabe & Staats 2021",
+    complexity="O(N^2) time, O(N chunk) memory",
+    supports_cross=True,
+    decoder=kv_cache(softmax_attention),
     docs={"chunk_size": "queries and keys per chunk"},
     summary="same as softmax, online softmax over chunks (Rabe & Staats)",
     limits={"chunk_size": 1},

@@ -119,8 +119,9 @@ def sparse_transformer_attention(
         out = _strided_kernel(q, k, v, choice, stride=stride, causal=causal, kv_mask=kv_mask, scale=scale)
         return out.astype(out_dtype(q, k, v))
     if choice is not None:
-        out = _fixed_kernel(q, k, v, choice, stride=stride, num_summary=num_summary, causal=causal, kv_mask=kv_mask,
-                            scale=scale)
+        out = _fixed_kernel(
+            q, k, v, choice, stride=stride, num_summary=num_summary, causal=causal, kv_mask=kv_mask, scale=scale
+        )
         return out.astype(out_dtype(q, k, v))
     s = stride
     length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, s)
@@ -190,8 +191,14 @@ def _strided_kernel(q, k, v, choice, *, stride: int, causal: bool, kv_mask, scal
     length = order.shape[0]
     near = pattern_attention(q, k, v, band, choice, kv_mask=kv_mask, scale=scale, return_lse=True)
     real = valid_keys(kv_mask, n, length)
-    out, lse = pattern_attention(*(pad_to(x, length)[order] for x in (q, k, v)), columns, choice,
-                                 kv_mask=real[order], scale=scale, return_lse=True)
+    out, lse = pattern_attention(
+        *(pad_to(x, length)[order] for x in (q, k, v)),
+        columns,
+        choice,
+        kv_mask=real[order],
+        scale=scale,
+        return_lse=True,
+    )
     back = np.argsort(order)[:n]
     return merge_attentions([near, (out[back], lse[back])])
 
@@ -223,8 +230,16 @@ def _fixed_kernel(q, k, v, choice, *, stride: int, num_summary: int, causal: boo
     length = ceil_div(n, stride) * stride
     near = pattern_attention(q, k, v, own, choice, kv_mask=kv_mask, scale=scale, return_lse=True)
     real = valid_keys(kv_mask, n, length)
-    far = pattern_attention(q, pad_to(k, length)[where], pad_to(v, length)[where], others, choice,
-                            kv_mask=real[where], scale=scale, return_lse=True)
+    far = pattern_attention(
+        q,
+        pad_to(k, length)[where],
+        pad_to(v, length)[where],
+        others,
+        choice,
+        kv_mask=real[where],
+        scale=scale,
+        return_lse=True,
+    )
     return merge_attentions([near, far])
 
 
@@ -239,15 +254,24 @@ def sparse_transformer_pattern(stride: int, pattern: str, num_summary: int, *, c
 
 
 register(
-    "sparse_transformer", sparse_transformer_attention, family="fixed pattern", paper="Child et al. 2019",
-    complexity="O(N sqrt N)", choices={"pattern": ("strided", "fixed"), "impl": IMPLS},
-    docs={"stride": "s, about sqrt(N)", "pattern": "strided or fixed", "num_summary": "c, summary positions per block (fixed)"}
+    "sparse_transformer",
+    sparse_transformer_attention,
+    family="fixed pattern",
+    paper="Child et al. 2019",
+    complexity="O(N sqrt N)",
+    choices={"pattern": ("strided", "fixed"), "impl": IMPLS},
+    docs={
+        "stride": "s, about sqrt(N)",
+        "pattern": "strided or fixed",
+        "num_summary": "c, summary positions per block (fixed)",
+    }
     | IMPL_DOC,
     summary="strided: |i - j| < s or (i - j) % s == 0; fixed: j // s == i // s or j % s >= s - c",
     limits={"stride": 1, "num_summary": 1},
-    dense_width=("its pattern (stride + max_len / stride keys)",
-                 lambda hp, n: hp["stride"]
-                 + -(-n // hp["stride"]) * (hp["num_summary"] if hp["pattern"] == "fixed" else 1)),
+    dense_width=(
+        "its pattern (stride + max_len / stride keys)",
+        lambda hp, n: hp["stride"] + -(-n // hp["stride"]) * (hp["num_summary"] if hp["pattern"] == "fixed" else 1),
+    ),
 )
 
 
@@ -257,7 +281,9 @@ register(
 def _check_global_indices(global_indices, n: int) -> Int[Array, " num_global"]:
     if isinstance(global_indices, (jax.Array, np.ndarray)):
         if global_indices.ndim != 1 or not jnp.issubdtype(global_indices.dtype, jnp.integer):
-            raise ValueError(f"global_indices must be a 1-D int array; got {global_indices.dtype}{list(global_indices.shape)}")
+            raise ValueError(
+                f"global_indices must be a 1-D int array; got {global_indices.dtype}{list(global_indices.shape)}"
+            )
     else:
         bad = [i for i in global_indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
         if bad:
@@ -272,11 +298,15 @@ def _global_projections(q, k, v, global_q, global_k, global_v):
     if not any(given):
         return q, k, v
     if not all(given):
-        raise ValueError("global_q, global_k and global_v go together (Longformer's Q_g, K_g, V_g); "
-                         f"got only {[n for n, g in zip(('global_q', 'global_k', 'global_v'), given, strict=True) if g]}")
+        raise ValueError(
+            "global_q, global_k and global_v go together (Longformer's Q_g, K_g, V_g); "
+            f"got only {[n for n, g in zip(('global_q', 'global_k', 'global_v'), given, strict=True) if g]}"
+        )
     for name, x, like in (("global_q", global_q, q), ("global_k", global_k, k), ("global_v", global_v, v)):
         if jnp.shape(x) != jnp.shape(like):
-            raise ValueError(f"{name} must have the shape of its local projection {jnp.shape(like)}; got {jnp.shape(x)}")
+            raise ValueError(
+                f"{name} must have the shape of its local projection {jnp.shape(like)}; got {jnp.shape(x)}"
+            )
     return global_q, global_k, global_v
 
 
@@ -342,8 +372,13 @@ def longformer_attention(
     gq, gk, gv = _global_projections(q, k, v, global_q, global_k, global_v)
     static_globals = not isinstance(global_indices, (jax.Array, np.ndarray))
     pattern = longformer_pattern(window, dilation, global_indices, causal=causal, n=n) if static_globals else None
-    unsupported = ("global_indices given as an array (the kernel's pattern is static: give a tuple)" if not static_globals
-                   else "more than 16 runs of global positions" if pattern is None else None)
+    unsupported = (
+        "global_indices given as an array (the kernel's pattern is static: give a tuple)"
+        if not static_globals
+        else "more than 16 runs of global positions"
+        if pattern is None
+        else None
+    )
     choice = choose_kernel(impl, unsupported=unsupported, what="longformer attention", q_len=n)
     if choice is not None:
         out = pattern_attention(q, k, v, pattern, choice, kv_mask=kv_mask, scale=scale).astype(out_dtype(q, k, v))
@@ -357,8 +392,9 @@ def longformer_attention(
         slots = d * seg
         slot = (positions(n) % d) * seg + positions(n) // d
         origin = jnp.full((slots,), -1, jnp.int32).at[slot].set(positions(n))  # -1: a gap
-        laid_out = tuple(jnp.zeros((slots, *jnp.shape(x)[1:]), jnp.result_type(x)).at[slot].set(x)
-                         for x in (q, k, v, real_n))
+        laid_out = tuple(
+            jnp.zeros((slots, *jnp.shape(x)[1:]), jnp.result_type(x)).at[slot].set(x) for x in (q, k, v, real_n)
+        )
     block = window_block(slots, window)
     length, qg, kp, vp, real = prepare_self(*laid_out, block)
     scale = default_scale(q.shape[2], scale)
@@ -399,7 +435,9 @@ def _longformer_global_rows(out, idx, gq, gk, gv, kv_mask, causal, scale):
     return out.at[jnp.where(in_range, idx, n)].set(g_out.astype(out.dtype), mode="drop")
 
 
-def longformer_pattern(window: int, dilation: int, global_indices: Sequence[int], *, causal: bool, n: int) -> kp.Pattern | None:
+def longformer_pattern(
+    window: int, dilation: int, global_indices: Sequence[int], *, causal: bool, n: int
+) -> kp.Pattern | None:
     """The (dilated) window or a global key, within j <= i when causal; None when the
     global positions form more than 16 runs."""
     globals_ = kp.key_set(global_indices)
@@ -409,8 +447,9 @@ def longformer_pattern(window: int, dilation: int, global_indices: Sequence[int]
     return kp.intersect(kp.union(band, globals_), kp.causal(n, n) if causal else None)
 
 
-def longformer_global_params(key: PRNGKeyArray, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int,
-                             global_projections: bool = True) -> dict[str, Array]:
+def longformer_global_params(
+    key: PRNGKeyArray, *, d_model: int, heads: int, kv_heads: int, d_k: int, d_v: int, global_projections: bool = True
+) -> dict[str, Array]:
     """Q_g, K_g, V_g: weights `[d_model, heads, d]` and biases `[heads, d]` at
     `nn.Linear`'s scale (uniform in +-1/sqrt(d_model)), when `global_projections`."""
     if not global_projections:
@@ -439,20 +478,33 @@ def longformer_globals(
     if keys is None:
         raise ValueError("Longformer is self-attention: its global projections need the keys' tokens")
     sources = {"global_q": queries, "global_k": keys, "global_v": keys}
-    return {n: jnp.einsum("nm,mhd->nhd", x, params[n + "_w"].astype(x.dtype)) + params[n + "_b"].astype(x.dtype)[None]
-            for n, x in sources.items()}
+    return {
+        n: jnp.einsum("nm,mhd->nhd", x, params[n + "_w"].astype(x.dtype)) + params[n + "_b"].astype(x.dtype)[None]
+        for n, x in sources.items()
+    }
 
 
 register(
-    "longformer", longformer_attention, family="fixed pattern", paper="Beltagy et al. 2020", complexity="O(N (w + g))",
-    token_inputs=TokenInputs(longformer_global_params, longformer_globals), choices={"impl": IMPLS},
-    docs={"window": "keys each side", "dilation": "stride between window keys",
-          "global_indices": "positions of global tokens",
-          "global_projections": "separate Q_g, K_g, V_g for the global attention (the paper's)"} | IMPL_DOC,
+    "longformer",
+    longformer_attention,
+    family="fixed pattern",
+    paper="Beltagy et al. 2020",
+    complexity="O(N (w + g))",
+    token_inputs=TokenInputs(longformer_global_params, longformer_globals),
+    choices={"impl": IMPLS},
+    docs={
+        "window": "keys each side",
+        "dilation": "stride between window keys",
+        "global_indices": "positions of global tokens",
+        "global_projections": "separate Q_g, K_g, V_g for the global attention (the paper's)",
+    }
+    | IMPL_DOC,
     summary="(dilated) window, or i or j global; separate Q_g/K_g/V_g for global rows",
     limits={"window": 0, "dilation": 1, "global_indices": 0},
-    dense_width=("its window and globals (2 window + 1 + globals keys)",
-                 lambda hp, n: 2 * hp["window"] + 1 + len(hp["global_indices"])),
+    dense_width=(
+        "its window and globals (2 window + 1 + globals keys)",
+        lambda hp, n: 2 * hp["window"] + 1 + len(hp["global_indices"]),
+    ),
 )
 
 
@@ -559,8 +611,12 @@ def bigbird_attention(
         if key is None:
             raise ValueError("bigbird_attention needs `key` (or `random_blocks`) to draw its random blocks")
         random_blocks = bigbird_random_blocks(
-            key, n, block_size=block_size, num_random_blocks=num_random_blocks,
-            num_window_blocks=num_window_blocks, num_global_blocks=num_global_blocks,
+            key,
+            n,
+            block_size=block_size,
+            num_random_blocks=num_random_blocks,
+            num_window_blocks=num_window_blocks,
+            num_global_blocks=num_global_blocks,
         )
     if random_blocks is None:
         random_blocks = jnp.zeros((nb, 0), jnp.int32)
@@ -574,9 +630,17 @@ def bigbird_attention(
     unsupported = None if b >= 16 and not b & (b - 1) else f"block_size={b} is not a power of two >= 16"
     choice = choose_kernel(impl, unsupported=unsupported, what="bigbird attention", q_len=n)
     if choice is not None:
-        out = pattern_attention(q, k, v, bigbird_pattern(n, b, num_window_blocks, num_global_blocks), choice,
-                                kv_mask=kv_mask, scale=scale, extra_blocks=random_blocks,
-                                block_sizes=BlockSizes(b, b, block_q_bwd=b, block_k_bwd=b))
+        out = pattern_attention(
+            q,
+            k,
+            v,
+            bigbird_pattern(n, b, num_window_blocks, num_global_blocks),
+            choice,
+            kv_mask=kv_mask,
+            scale=scale,
+            extra_blocks=random_blocks,
+            block_sizes=BlockSizes(b, b, block_q_bwd=b, block_k_bwd=b),
+        )
         return _bigbird_global_rows(out.astype(out_dtype(q, k, v)), q, k, v, glob_ids, b, kv_mask, scale, impl)
     scale = default_scale(q.shape[2], scale)
     is_glob = jnp.zeros((nb,), bool).at[glob_ids].set(True)
@@ -633,8 +697,11 @@ def bigbird_pattern(n: int, block_size: int, num_window_blocks: int, num_global_
     b, nb = block_size, ceil_div(n, block_size)
     first, last = ceil_div(num_global_blocks, 2), num_global_blocks // 2
     half = num_window_blocks // 2
-    return kp.union(kp.Band(-half, half, unit=b), kp.KeyRange(0, min(first, nb) * b) if first else None,
-                    kp.KeyRange(max(0, nb - last) * b, None) if last else None)
+    return kp.union(
+        kp.Band(-half, half, unit=b),
+        kp.KeyRange(0, min(first, nb) * b) if first else None,
+        kp.KeyRange(max(0, nb - last) * b, None) if last else None,
+    )
 
 
 def bigbird_arrays(key: PRNGKeyArray) -> dict[str, PRNGKeyArray]:
@@ -643,15 +710,31 @@ def bigbird_arrays(key: PRNGKeyArray) -> dict[str, PRNGKeyArray]:
 
 
 register(
-    "bigbird", bigbird_attention, family="fixed pattern", paper="Zaheer et al. 2020", complexity="O(N b (w + g + r))",
-    init_arrays=bigbird_arrays, drawn=("key",), redrawn=False, choices={"impl": IMPLS},
-    docs={"block_size": "tokens per block", "num_random_blocks": "random key blocks per query block",
-          "num_window_blocks": "sliding window in blocks (odd)", "num_global_blocks": "global blocks (first and last)"}
+    "bigbird",
+    bigbird_attention,
+    family="fixed pattern",
+    paper="Zaheer et al. 2020",
+    complexity="O(N b (w + g + r))",
+    init_arrays=bigbird_arrays,
+    drawn=("key",),
+    redrawn=False,
+    choices={"impl": IMPLS},
+    docs={
+        "block_size": "tokens per block",
+        "num_random_blocks": "random key blocks per query block",
+        "num_window_blocks": "sliding window in blocks (odd)",
+        "num_global_blocks": "global blocks (first and last)",
+    }
     | IMPL_DOC,
     summary="block window, global first/last blocks, random blocks",
-    limits={"block_size": 1, "num_random_blocks": 0, "num_window_blocks": Limits(minimum=1, odd=True),
-            "num_global_blocks": 0},
-    dense_width=("its blocks (block_size x (window + global + random blocks) keys)",
-                 lambda hp, n: hp["block_size"]
-                 * (hp["num_window_blocks"] + hp["num_global_blocks"] + hp["num_random_blocks"])),
+    limits={
+        "block_size": 1,
+        "num_random_blocks": 0,
+        "num_window_blocks": Limits(minimum=1, odd=True),
+        "num_global_blocks": 0,
+    },
+    dense_width=(
+        "its blocks (block_size x (window + global + random blocks) keys)",
+        lambda hp, n: hp["block_size"] * (hp["num_window_blocks"] + hp["num_global_blocks"] + hp["num_random_blocks"]),
+    ),
 )

@@ -30,8 +30,19 @@ from jxformers.nn.config import ModelConfig, build_model, legacy
 # BERT's hidden_act -> our FFN kind (jax.nn.gelu(approximate=True) is gelu_new's tanh form)
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
 # What may differ from the checkpoint: the rest is fixed by its weights
-OVERRIDES = ("num_classes", "max_len", "attention", "attention_kwargs", "filters", "downsample", "impl", "dropout",
-             "dtype", "layer_overrides", "pooling")
+OVERRIDES = (
+    "num_classes",
+    "max_len",
+    "attention",
+    "attention_kwargs",
+    "filters",
+    "downsample",
+    "impl",
+    "dropout",
+    "dtype",
+    "layer_overrides",
+    "pooling",
+)
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 CONVERTED_CONFIG, CONVERTED_WEIGHTS = "config.yaml", "model.eqx"
 
@@ -54,13 +65,28 @@ def bert_config(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     if overrides.get("max_len", positions) > positions:
         raise ValueError(f"max_len {overrides['max_len']} exceeds the checkpoint's {positions} position embeddings")
     if overrides.get("pooling") == "cls":
-        raise ValueError("pooling 'cls' would prepend a new CLS token and shift BERT's positions; the tokenizer's "
-                         "[CLS] is token 0 already: use pooling 'mean' (MiniLM's sentence embedding) or 'pma'")
+        raise ValueError(
+            "pooling 'cls' would prepend a new CLS token and shift BERT's positions; the tokenizer's "
+            "[CLS] is token 0 already: use pooling 'mean' (MiniLM's sentence embedding) or 'pma'"
+        )
     values: dict[str, Any] = dict(
-        task="classify", vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
-        num_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"], max_len=positions, ffn=ACTIVATIONS[act],
-        position="learned", norm="layernorm", norm_placement="post", pooling="mean", dropout=0.0, embed_scale=False,
-        embed_norm=True, type_vocab_size=hf.get("type_vocab_size", 2), norm_eps=hf.get("layer_norm_eps", 1e-12),
+        task="classify",
+        vocab_size=hf["vocab_size"],
+        num_layers=hf["num_hidden_layers"],
+        d_model=hf["hidden_size"],
+        num_heads=hf["num_attention_heads"],
+        d_ff=hf["intermediate_size"],
+        max_len=positions,
+        ffn=ACTIVATIONS[act],
+        position="learned",
+        norm="layernorm",
+        norm_placement="post",
+        pooling="mean",
+        dropout=0.0,
+        embed_scale=False,
+        embed_norm=True,
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        norm_eps=hf.get("layer_norm_eps", 1e-12),
         final_norm=False,
     )
     # The overrides are the flat names of this function's API; the config takes components.
@@ -76,10 +102,16 @@ def _names(config: ModelConfig) -> list[tuple[Any, str]]:
         (lambda m: m.encoder.embedding.norm.weight, "embeddings.LayerNorm.weight"),
         (lambda m: m.encoder.embedding.norm.bias, "embeddings.LayerNorm.bias"),
     ]
-    ours = {"attention.q_proj": "attention.self.query", "attention.k_proj": "attention.self.key",
-            "attention.v_proj": "attention.self.value", "attention.o_proj": "attention.output.dense",
-            "norms.0": "attention.output.LayerNorm", "ffn.w_in": "intermediate.dense",
-            "ffn.w_out": "output.dense", "norms.1": "output.LayerNorm"}
+    ours = {
+        "attention.q_proj": "attention.self.query",
+        "attention.k_proj": "attention.self.key",
+        "attention.v_proj": "attention.self.value",
+        "attention.o_proj": "attention.output.dense",
+        "norms.0": "attention.output.LayerNorm",
+        "ffn.w_in": "intermediate.dense",
+        "ffn.w_out": "output.dense",
+        "norms.1": "output.LayerNorm",
+    }
     for i in range(config.num_layers):
         for path, theirs in ours.items():
             for leaf in ("weight", "bias"):
@@ -93,6 +125,7 @@ def _getter(i: int, path: str, leaf: str):
         for part in path.split("."):
             node = node[int(part)] if part.isdigit() else getattr(node, part)
         return getattr(node, leaf)
+
     return get
 
 
@@ -109,8 +142,9 @@ def load_weights(model, tensors: Mapping[str, np.ndarray], config: ModelConfig):
     pairs = _names(config)
     missing = [name for _, name in pairs if name not in tensors]
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} BERT tensors, e.g. {missing[:3]}; it holds e.g. "
-                         f"{sorted(tensors)[:5]}")
+        raise ValueError(
+            f"the checkpoint lacks {len(missing)} BERT tensors, e.g. {missing[:3]}; it holds e.g. {sorted(tensors)[:5]}"
+        )
     arrays = []
     for get, name in pairs:
         value = np.asarray(tensors[name], np.float32)
@@ -129,13 +163,14 @@ def _paths(path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     config = weights.parent / CONFIG
     for file in (weights, config):
         if not file.is_file():
-            raise ValueError(f"{file} not found: load_bert takes a directory with {CONFIG} and {WEIGHTS} "
-                             "(scripts/fetch_minilm.sh fetches MiniLM-L6-H384's)")
+            raise ValueError(
+                f"{file} not found: load_bert takes a directory with {CONFIG} and {WEIGHTS} "
+                "(scripts/fetch_minilm.sh fetches MiniLM-L6-H384's)"
+            )
     return weights, config
 
 
-def load_bert(path: str | pathlib.Path, *, num_classes: int = 2, key: jax.Array | None = None,
-              **overrides: Any):
+def load_bert(path: str | pathlib.Path, *, num_classes: int = 2, key: jax.Array | None = None, **overrides: Any):
     """A BERT checkpoint as a jxformers `Classifier` (mean pooling, a new linear head of
     `num_classes`) and its `ModelConfig`.
 
@@ -178,8 +213,10 @@ def load_converted(path: str | pathlib.Path):
     """`(model, config)` from a directory `save_converted` (or `jxformers convert`) wrote."""
     path = pathlib.Path(path)
     if not (path / CONVERTED_CONFIG).is_file() or not (path / CONVERTED_WEIGHTS).is_file():
-        raise ValueError(f"{path} holds no {CONVERTED_CONFIG} and {CONVERTED_WEIGHTS}; write them with "
-                         "`jxformers convert BERT_DIR --out DIR`")
+        raise ValueError(
+            f"{path} holds no {CONVERTED_CONFIG} and {CONVERTED_WEIGHTS}; write them with "
+            "`jxformers convert BERT_DIR --out DIR`"
+        )
     config = ModelConfig.from_yaml(path / CONVERTED_CONFIG)
     like = build_model(config, key=jax.random.key(0))
     return eqx.tree_deserialise_leaves(path / CONVERTED_WEIGHTS, like), config

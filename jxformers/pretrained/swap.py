@@ -24,16 +24,28 @@ def _arrays(model) -> dict[str, jax.Array]:
 def _check_fits(name: str) -> None:
     spec = registry.get(name)
     if not spec.content_based or spec.shared_qk:
-        fit = [n for n in registry.names(supports_kv_mask=True)
-               if registry.get(n).content_based and not registry.get(n).shared_qk]
+        fit = [
+            n
+            for n in registry.names(supports_kv_mask=True)
+            if registry.get(n).content_based and not registry.get(n).shared_qk
+        ]
         why = "takes its keys from the queries" if spec.shared_qk else "does not compare queries with keys"
-        raise ValueError(f"{name} attention {why}, so the pretrained query/key projections would go unused; "
-                         f"attentions that keep every pretrained weight: {fit}")
+        raise ValueError(
+            f"{name} attention {why}, so the pretrained query/key projections would go unused; "
+            f"attentions that keep every pretrained weight: {fit}"
+        )
 
 
-def swap_attention(model, config: ModelConfig, attention: str | None = None,
-                   attention_kwargs: Mapping[str, Any] | None = None, *, filters: Mapping[int, float] | None = None,
-                   downsample: str | None = None, key: jax.Array | None = None):
+def swap_attention(
+    model,
+    config: ModelConfig,
+    attention: str | None = None,
+    attention_kwargs: Mapping[str, Any] | None = None,
+    *,
+    filters: Mapping[int, float] | None = None,
+    downsample: str | None = None,
+    key: jax.Array | None = None,
+):
     """`model` (built from `config`, e.g. by `load_bert`) with every block's self-attention
     core replaced by `attention` (its hyper-parameters `attention_kwargs`) and/or the
     encoder's `filters` / `downsample` set (the new config's `attention` component,
@@ -70,8 +82,9 @@ def swap_attention(model, config: ModelConfig, attention: str | None = None,
         stack["downsample"] = downsample
     if stack:
         if not isinstance(config.stack, TransformerStack):
-            raise ValueError(f"filters and downsample act between transformer blocks; the stack is "
-                             f"{config.stack.kind!r}")
+            raise ValueError(
+                f"filters and downsample act between transformer blocks; the stack is {config.stack.kind!r}"
+            )
         changes["stack"] = dataclasses.replace(config.stack, **stack)
     new_config = dataclasses.replace(config, **changes)
     fresh = build_model(new_config, key=jax.random.key(0) if key is None else key)
@@ -80,8 +93,10 @@ def swap_attention(model, config: ModelConfig, attention: str | None = None,
     dropped = [p for p in old if p not in new and not any(a in p for a in attention_arrays)]
     changed = {p: (old[p].shape, new[p].shape) for p in new if p in old and old[p].shape != new[p].shape}
     if dropped or changed:
-        raise ValueError(f"swapping to {new_config.attention.name!r} would drop pretrained arrays {dropped[:4]} or "
-                         f"change their shapes {dict(list(changed.items())[:4])}")
+        raise ValueError(
+            f"swapping to {new_config.attention.name!r} would drop pretrained arrays {dropped[:4]} or "
+            f"change their shapes {dict(list(changed.items())[:4])}"
+        )
     leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh)
     carried = [old.get(jax.tree_util.keystr(p), leaf) if eqx.is_array(leaf) else leaf for p, leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, carried), new_config

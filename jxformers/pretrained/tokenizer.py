@@ -16,8 +16,10 @@ def load_tokenizer(path: str | pathlib.Path):
     path = pathlib.Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise ValueError(f"no tokenizer.json at {path}; a converted BERT directory ships one "
-                         "(scripts/fetch_minilm.sh fetches MiniLM's)")
+        raise ValueError(
+            f"no tokenizer.json at {path}; a converted BERT directory ships one "
+            "(scripts/fetch_minilm.sh fetches MiniLM's)"
+        )
     return Tokenizer.from_file(str(file))
 
 

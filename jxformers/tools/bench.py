@@ -128,7 +128,6 @@ def linear_forms_entries() -> list[Entry]:
     ]
 
 
-
 def simulate_cpu_devices(argv: list[str]) -> int:
     """`--simulate-devices N` in argv: ask XLA for N CPU devices. Call it before anything
     asks jax for a device (XLA reads the flag once, when it starts the backend); returns N
@@ -140,9 +139,11 @@ def simulate_cpu_devices(argv: list[str]) -> int:
         elif a.startswith("--simulate-devices="):
             count = int(a.split("=", 1)[1])
     if count > 1:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={count}").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+        ).strip()
     return count
+
 
 def machine() -> str:
     dev = jax.devices()[0]
@@ -194,8 +195,7 @@ def print_report(text: str, out: str | None) -> None:
 
 def header(command: str, *, batch: int, heads: int, d: int) -> str:
     return (
-        provenance(command)
-        + f"Shapes: batch {batch}, heads {heads}, d_k = d_v = {d}, float32; registry default "
+        provenance(command) + f"Shapes: batch {batch}, heads {heads}, d_k = d_v = {d}, float32; registry default "
         "hyper-parameters. Times are the minimum over interleaved repeats after a warm-up; "
         "ratios are to the first row of the same N, measured in the same run. Memory is "
         "XLA's compiled temporary allocation of the jitted forward+backward "
@@ -250,24 +250,46 @@ NOTES = """\
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jxformers bench", description=description(__doc__))
-    p.add_argument("--short", action="store_true",
-                   help=f"the demo's size: lengths {SHORT_LENGTHS}, 1 repeat, no notes after the table")
-    p.add_argument("--lengths", type=int, nargs="+", metavar="N",
-                   help=f"sequence lengths (default {' '.join(map(str, FULL_LENGTHS))})")
-    p.add_argument("--names", nargs="+", metavar="NAME",
-                   help="attentions to run (default: all registered; softmax, the baseline, is always added)")
-    p.add_argument("--batch", type=int, default=2, help="examples per call (default %(default)s)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads; keys and values have as many "
-                   "(default %(default)s)")
-    p.add_argument("--dim", type=int, default=64, help="d_k = d_v, per head (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed runs per measurement after one warm-up run; the minimum is kept "
-                   "(default 3, or 1 with --short)")
-    p.add_argument("--causal", action="store_true",
-                   help="causal attention (ratios to causal softmax); attentions that cannot be causal are "
-                   "left out and named under the table (naming one in --names is an error)")
     p.add_argument(
-        "--linear-forms", type=int, nargs="*", metavar="N",
+        "--short",
+        action="store_true",
+        help=f"the demo's size: lengths {SHORT_LENGTHS}, 1 repeat, no notes after the table",
+    )
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help=f"sequence lengths (default {' '.join(map(str, FULL_LENGTHS))})",
+    )
+    p.add_argument(
+        "--names",
+        nargs="+",
+        metavar="NAME",
+        help="attentions to run (default: all registered; softmax, the baseline, is always added)",
+    )
+    p.add_argument("--batch", type=int, default=2, help="examples per call (default %(default)s)")
+    p.add_argument(
+        "--heads", type=int, default=4, help="attention heads; keys and values have as many (default %(default)s)"
+    )
+    p.add_argument("--dim", type=int, default=64, help="d_k = d_v, per head (default %(default)s)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed runs per measurement after one warm-up run; the minimum is kept (default 3, or 1 with --short)",
+    )
+    p.add_argument(
+        "--causal",
+        action="store_true",
+        help="causal attention (ratios to causal softmax); attentions that cannot be causal are "
+        "left out and named under the table (naming one in --names is an error)",
+    )
+    p.add_argument(
+        "--linear-forms",
+        type=int,
+        nargs="*",
+        metavar="N",
         help="also compare the causal forms of linear attention (chunked, scan, quadratic) at these lengths "
         "(default 256 1024 4096)",
     )
@@ -280,8 +302,10 @@ def causal_names(names: list[str], *, named: bool) -> tuple[list[str], list[str]
     (`named`) that cannot be causal are an error rather than left out silently."""
     cannot = [n for n in names if not registry.get(n).supports_causal]
     if cannot and named:
-        raise ValueError(f"--causal: {', '.join(cannot)} cannot be causal; attentions that can: "
-                         f"{', '.join(registry.names(supports_causal=True))}")
+        raise ValueError(
+            f"--causal: {', '.join(cannot)} cannot be causal; attentions that can: "
+            f"{', '.join(registry.names(supports_causal=True))}"
+        )
     return [n for n in names if n not in cannot], cannot
 
 

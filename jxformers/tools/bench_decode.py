@@ -59,8 +59,14 @@ class Row:
 
 def _model(method: Method, length: int, d_model: int, layers: int):
     config = ModelConfig(
-        task="lm", vocab_size=256, num_layers=layers, d_model=d_model, num_heads=4, max_len=length,
-        attention={"name": method.attention, **dict(method.attention_kwargs)}, embedding={"position": "rope"},
+        task="lm",
+        vocab_size=256,
+        num_layers=layers,
+        d_model=d_model,
+        num_heads=4,
+        max_len=length,
+        attention={"name": method.attention, **dict(method.attention_kwargs)},
+        embedding={"position": "rope"},
     )
     return build_model(config, key=jax.random.key(0))
 
@@ -68,6 +74,7 @@ def _model(method: Method, length: int, d_model: int, layers: int):
 def _steps_fn(method: Method, steps: int):
     """`steps` decoding steps from (model, state or token buffer, first token)."""
     if method.cache:
+
         def run(model, state, token):
             def step(carry, _):
                 state, token = carry
@@ -76,6 +83,7 @@ def _steps_fn(method: Method, steps: int):
 
             return jax.lax.scan(step, (state, token), None, length=steps)[0]
     else:
+
         def run(model, buffer, token):
             def step(carry, i):
                 buffer, token = carry
@@ -84,6 +92,7 @@ def _steps_fn(method: Method, steps: int):
                 return (buffer, jnp.argmax(model(buffer)[pos]).astype(jnp.int32)), None
 
             return jax.lax.scan(step, (buffer, token), jnp.arange(steps))[0]
+
     return run
 
 
@@ -173,15 +182,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--lengths must be >= 2 and --steps, --no-cache-steps >= 1")
     rows = []
     for length in tqdm(args.lengths, desc="decode", file=sys.stderr):
-        rows += measure(length, steps=args.steps, no_cache_steps=args.no_cache_steps, d_model=args.d_model,
-                        layers=args.layers, repeats=args.repeats)
+        rows += measure(
+            length,
+            steps=args.steps,
+            no_cache_steps=args.no_cache_steps,
+            d_model=args.d_model,
+            layers=args.layers,
+            repeats=args.repeats,
+        )
     command = " ".join(["python scripts/bench_decode.py", *(argv if argv is not None else sys.argv[1:])])
     text = (
         "# Decoding benchmark\n\n"
         f"Command: `{command}`  \nMachine: {machine()}  \nDate: {datetime.date.today().isoformat()}  \n"
         f"Model: decoder-only LM, {args.layers} layers, d_model {args.d_model}, 4 heads, vocab 256, rotary "
-        "positions, float32, batch 1, greedy. Performer: 64 features.\n\n"
-        + table(rows) + "\n" + NOTES
+        "positions, float32, batch 1, greedy. Performer: 64 features.\n\n" + table(rows) + "\n" + NOTES
     )
     print_report(text, args.out)
     return 0

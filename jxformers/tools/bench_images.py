@@ -36,8 +36,11 @@ from jxformers.tools.bench import machine
 from jxformers.tools.bench_decode import _num
 
 PIXELS, START = 784, 256  # fashion_mnist's generate mode: a start token, then 784 pixels (vocabulary 257)
-MODES = (("softmax, recompute", "softmax", False), ("softmax, cache", "softmax", True),
-         ("linear, recurrent", "linear", True))
+MODES = (
+    ("softmax, recompute", "softmax", False),
+    ("softmax, cache", "softmax", True),
+    ("linear, recurrent", "linear", True),
+)
 
 
 @dataclasses.dataclass
@@ -51,10 +54,30 @@ class Row:
         return self.seconds * PIXELS / self.steps
 
 
-def measure(label: str, attention: str, use_cache: bool, *, steps: int, batch: int, layers: int, heads: int,
-            d_model: int, head: str, repeats: int) -> Row:
-    config = dict(task="lm", vocab_size=START + 1, num_layers=layers, num_heads=heads, d_model=d_model,
-                  max_len=PIXELS + 1, attention=attention, embedding={"position": "learned"}, head=head)
+def measure(
+    label: str,
+    attention: str,
+    use_cache: bool,
+    *,
+    steps: int,
+    batch: int,
+    layers: int,
+    heads: int,
+    d_model: int,
+    head: str,
+    repeats: int,
+) -> Row:
+    config = dict(
+        task="lm",
+        vocab_size=START + 1,
+        num_layers=layers,
+        num_heads=heads,
+        d_model=d_model,
+        max_len=PIXELS + 1,
+        attention=attention,
+        embedding={"position": "learned"},
+        head=head,
+    )
     model = build_model(config, key=jax.random.key(0))
     prompt = jnp.zeros((PIXELS + 1 - steps,), jnp.int32).at[0].set(START)  # the last `steps` pixels are generated
 
@@ -75,19 +98,27 @@ def measure(label: str, attention: str, use_cache: bool, *, steps: int, batch: i
 
 def table(rows: list[Row], batch: int) -> str:
     base = rows[0].image_seconds()
-    lines = ["| method | steps timed per image | images/s | ms per step (batch) | x recompute |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| method | steps timed per image | images/s | ms per step (batch) | x recompute |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         estimated = " (estimate: 784 x step)" if r.steps < PIXELS else ""
-        lines.append(f"| {r.label} | {r.steps} | {_num(batch / r.image_seconds())}{estimated} "
-                     f"| {_num(1e3 * r.seconds / r.steps)} | {_num(base / r.image_seconds())} |")
+        lines.append(
+            f"| {r.label} | {r.steps} | {_num(batch / r.image_seconds())}{estimated} "
+            f"| {_num(1e3 * r.seconds / r.steps)} | {_num(base / r.image_seconds())} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_image_generation", description=__doc__.split("\n\n")[0])
-    p.add_argument("--recompute-steps", type=int, default=4, help="steps timed for the recompute baseline "
-                   f"(the full image: {PIXELS})")
+    p.add_argument(
+        "--recompute-steps",
+        type=int,
+        default=4,
+        help=f"steps timed for the recompute baseline (the full image: {PIXELS})",
+    )
     p.add_argument("--batch", type=int, default=10)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
@@ -100,12 +131,26 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, attention, use_cache in MODES:
         steps = PIXELS if use_cache else args.recompute_steps
-        rows.append(measure(label, attention, use_cache, steps=steps, batch=args.batch, layers=args.layers,
-                            heads=args.heads, d_model=args.d_model, head=args.head, repeats=args.repeats))
+        rows.append(
+            measure(
+                label,
+                attention,
+                use_cache,
+                steps=steps,
+                batch=args.batch,
+                layers=args.layers,
+                heads=args.heads,
+                d_model=args.d_model,
+                head=args.head,
+                repeats=args.repeats,
+            )
+        )
         print(f"{label}: {rows[-1]}", file=sys.stderr)
     command = " ".join(["python scripts/bench_image_generation.py", *(argv if argv is not None else sys.argv[1:])])
-    print(f"Command: `{command}`  \nMachine: {machine()}  \nDate: {datetime.date.today().isoformat()}  \n"
-          f"Model: {args.layers} layers, {args.heads} heads, d_model {args.d_model}, FFN 4x, learned positions, "
-          f"output head {args.head}, float32; batch {args.batch}, 784 pixels sampled at temperature 1.\n")
+    print(
+        f"Command: `{command}`  \nMachine: {machine()}  \nDate: {datetime.date.today().isoformat()}  \n"
+        f"Model: {args.layers} layers, {args.heads} heads, d_model {args.d_model}, FFN 4x, learned positions, "
+        f"output head {args.head}, float32; batch {args.batch}, 784 pixels sampled at temperature 1.\n"
+    )
     print(table(rows, args.batch))
     return 0

@@ -43,8 +43,18 @@ LENGTHS = (1024, 2048, 3072, 4096)
 # The paper's batch per length (He et al. 2023, section 5.1.2: 32, and 16 at 4K for vanilla's memory).
 PAPER_BATCH = {4096: 16}
 DEFAULT_BATCH = 32
-TEXT_MODEL: dict[str, Any] = dict(task="classify", vocab_size=256, num_classes=2, num_layers=4, d_model=256, num_heads=4,
-                  ffn={"kind": "gelu", "d_ff": 1024}, embedding={"position": "sinusoidal"}, head="mean", dropout=0.1)
+TEXT_MODEL: dict[str, Any] = dict(
+    task="classify",
+    vocab_size=256,
+    num_classes=2,
+    num_layers=4,
+    d_model=256,
+    num_heads=4,
+    ffn={"kind": "gelu", "d_ff": 1024},
+    embedding={"position": "sinusoidal"},
+    head="mean",
+    dropout=0.1,
+)
 BASELINE = "vanilla"
 MODELS = {BASELINE: {}, "fourier_transformer": {"stack": {"filters": {0: 0.2}}}}
 # He et al. 2023, Table 2: steps/s and peak memory as ratios to vanilla at 1K, 2K, 3K, 4K.
@@ -81,16 +91,26 @@ def _build(fields: dict, length: int, batch: int, model_size: dict):
     experiment = dataclasses.replace(base, model=config, train=dataclasses.replace(base.train, batch_size=batch))
     state, static, optimizer, _ = init_train_state(experiment)
     k_tokens, k_label = jax.random.split(jax.random.key(length))
-    data = {"tokens": jax.random.randint(k_tokens, (batch, length), 0, config.vocab_size),
-            "mask": jnp.ones((batch, length), bool),
-            "label": jax.random.randint(k_label, (batch,), 0, config.num_classes)}
+    data = {
+        "tokens": jax.random.randint(k_tokens, (batch, length), 0, config.vocab_size),
+        "mask": jnp.ones((batch, length), bool),
+        "label": jax.random.randint(k_label, (batch,), 0, config.num_classes),
+    }
     step = make_train_step(static, optimizer, grad_accum=1)
     compiled, cost = compile_with_cost(step, state, data)
     return compiled, state, data, cost
 
 
-def run(labels: dict[str, dict], lengths, *, batch: int | None = None, steps: int = 2, repeats: int = 2,
-        model_size: dict | None = None, progress=True) -> list[Row]:
+def run(
+    labels: dict[str, dict],
+    lengths,
+    *,
+    batch: int | None = None,
+    steps: int = 2,
+    repeats: int = 2,
+    model_size: dict | None = None,
+    progress=True,
+) -> list[Row]:
     """Measure every model at every length (batch: the paper's unless given)."""
     rows = []
     for length in lengths:
@@ -121,9 +141,11 @@ def run(labels: dict[str, dict], lengths, *, batch: int | None = None, steps: in
 def table(rows: list[Row]) -> str:
     base = {r.length: r for r in rows if r.model == BASELINE}
     paper = {n: i for i, n in enumerate(LENGTHS)}
-    lines = ["| N | batch | model | step s | steps/s / vanilla | paper | memory MiB | memory / vanilla | paper "
-             "| GFLOP a step (XLA) | FLOP / vanilla |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| N | batch | model | step s | steps/s / vanilla | paper | memory MiB | memory / vanilla | paper "
+        "| GFLOP a step (XLA) | FLOP / vanilla |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         b = base.get(r.length)
         i = paper.get(r.length)
@@ -134,24 +156,50 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.length} | {r.batch} | {r.model} | {r.step_s:.3f} | {speed} "
             f"| {PAPER['steps_per_s'][i] if is_fourier else ''} | {r.memory_bytes / 2**20:.0f} | {memory} "
-            f"| {PAPER['memory'][i] if is_fourier else ''} | {r.flops / 1e9:.1f} | {flops} |")
+            f"| {PAPER['memory'][i] if is_fourier else ''} | {r.flops / 1e9:.1f} | {flops} |"
+        )
     return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_models", description=description(__doc__))
-    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), metavar="N",
-                   help="sequence lengths (default %(default)s)")
-    p.add_argument("--batch", type=int, default=None,
-                   help="examples a step at every length (default: the paper's, 32 and 16 at 4096)")
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=list(LENGTHS),
+        metavar="N",
+        help="sequence lengths (default %(default)s)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="examples a step at every length (default: the paper's, 32 and 16 at 4096)",
+    )
     p.add_argument("--steps", type=int, default=2, help="train steps timed per repeat (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="timed repeats after one warm-up round; the minimum is kept (default %(default)s)")
-    p.add_argument("--attentions", nargs="*", default=[], metavar="NAME",
-                   help="also measure the Text model with these registered attentions")
-    p.add_argument("--set", dest="model_size", action="append", default=[], metavar="KEY=INT",
-                   help="change the model's integer sizes (ModelConfig keys, dotted into components), e.g. "
-                        "--set num_layers=2 --set ffn.d_ff=128")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed repeats after one warm-up round; the minimum is kept (default %(default)s)",
+    )
+    p.add_argument(
+        "--attentions",
+        nargs="*",
+        default=[],
+        metavar="NAME",
+        help="also measure the Text model with these registered attentions",
+    )
+    p.add_argument(
+        "--set",
+        dest="model_size",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
+        help="change the model's integer sizes (ModelConfig keys, dotted into components), e.g. "
+        "--set num_layers=2 --set ffn.d_ff=128",
+    )
     p.add_argument("--out", metavar="FILE", help="also write the markdown report to this file")
     return p
 
@@ -176,10 +224,13 @@ def main(argv=None) -> int:
     rows = run(labels, args.lengths, batch=args.batch, steps=args.steps, repeats=args.repeats, model_size=size)
     command = " ".join(["python scripts/bench_models.py", *(argv if argv is not None else sys.argv[1:])])
     model = deep_merge(TEXT_MODEL, size)
-    text = (provenance(command) + f"Model: {model}; Fourier Transformer: filters {MODELS['fourier_transformer']['stack']['filters']}. "
-            f"Step times are the minimum over {args.repeats} interleaved repeats of {args.steps} steps after a "
-            "warm-up; memory is XLA's compiled temporaries + arguments of the train step; ratios are to "
-            "vanilla at the same N and batch, measured in this run. 'paper': He et al. 2023 "
-            "(arXiv 2305.15099), Table 2 (A100-80G, batch 32, 16 at 4K).\n\n" + table(rows) + "\n")
+    text = (
+        provenance(command)
+        + f"Model: {model}; Fourier Transformer: filters {MODELS['fourier_transformer']['stack']['filters']}. "
+        f"Step times are the minimum over {args.repeats} interleaved repeats of {args.steps} steps after a "
+        "warm-up; memory is XLA's compiled temporaries + arguments of the train step; ratios are to "
+        "vanilla at the same N and batch, measured in this run. 'paper': He et al. 2023 "
+        "(arXiv 2305.15099), Table 2 (A100-80G, batch 32, 16 at 4K).\n\n" + table(rows) + "\n"
+    )
     print_report(text, args.out)
     return 0

@@ -34,15 +34,25 @@ def _experiment_parser(prog: str, description: str, *, run_config: bool = False)
     """`run_config`: eval / generate, whose config defaults to the run's WORKDIR/config.yaml."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     if run_config:
-        p.add_argument("config", nargs="?", default=None,
-                       help="optional: the run's WORKDIR/config.yaml is used; if given, it is only checked "
-                            "against it (needed for work directories without config.yaml)")
+        p.add_argument(
+            "config",
+            nargs="?",
+            default=None,
+            help="optional: the run's WORKDIR/config.yaml is used; if given, it is only checked "
+            "against it (needed for work directories without config.yaml)",
+        )
     else:
         p.add_argument("config", help="an experiment name in experiments/ (e.g. copy) or a YAML path")
     p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and config.yaml go here")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.steps=100 --set preset=tiny"
-                        + ("; for eval / generate only settings outside the model" if run_config else ""))
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.steps=100 --set preset=tiny"
+        + ("; for eval / generate only settings outside the model" if run_config else ""),
+    )
     return p
 
 
@@ -95,8 +105,10 @@ def _load_run(p, args):
         if args.config is not None:
             given = load_experiment(args.config, args.overrides)
             if given.name != experiment.name:
-                p.error(f"{workdir} holds a run of {experiment.name!r}, not {given.name!r}; drop the config "
-                        f"argument to use the run's")
+                p.error(
+                    f"{workdir} holds a run of {experiment.name!r}, not {given.name!r}; drop the config "
+                    f"argument to use the run's"
+                )
             note = model_disagreement(experiment, given)
             if note:
                 print(f"{p.prog}: note: {note}", file=sys.stderr)
@@ -107,13 +119,20 @@ def _load_run(p, args):
 
 def _train(rest: list[str]) -> int:
     p = _experiment_parser("jxformers train", "train (or resume) an experiment in a work directory")
-    p.add_argument("--no-progress", action="store_true",
-                   help="print only errors and the final summary (default: a bar on a terminal, "
-                        "periodic plain lines elsewhere, e.g. in a log file)")
-    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="one of several processes (jax.distributed): process 0's address and a free port; "
-                        "with --num-processes and --process-id. Without them a cluster JAX detects "
-                        "(Cloud TPU, SLURM, Open MPI) is joined by itself; see docs/distributed.md")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="print only errors and the final summary (default: a bar on a terminal, "
+        "periodic plain lines elsewhere, e.g. in a log file)",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="one of several processes (jax.distributed): process 0's address and a free port; "
+        "with --num-processes and --process-id. Without them a cluster JAX detects "
+        "(Cloud TPU, SLURM, Open MPI) is joined by itself; see docs/distributed.md",
+    )
     p.add_argument("--num-processes", type=int, default=None, help="the number of processes (with --coordinator)")
     p.add_argument("--process-id", type=int, default=None, help="this process's index (with --coordinator)")
     args = p.parse_args(rest)
@@ -146,12 +165,17 @@ def _batches(text: str) -> int | str:
 
 def _eval(rest: list[str]) -> int:
     p = _experiment_parser("jxformers eval", "evaluate the newest checkpoint on the eval split", run_config=True)
-    p.add_argument("--batches", type=_batches, default=None,
-                   help="eval batches: an int, or 'all' for the whole split (default: train.eval_batches, the "
-                        "batches training evaluated, so the numbers agree with its log; --set "
-                        "train.eval_batches=N changes it)")
-    p.add_argument("--best", action="store_true", help="the best checkpoint by checkpoint.best_metric "
-                   "instead of the newest")
+    p.add_argument(
+        "--batches",
+        type=_batches,
+        default=None,
+        help="eval batches: an int, or 'all' for the whole split (default: train.eval_batches, the "
+        "batches training evaluated, so the numbers agree with its log; --set "
+        "train.eval_batches=N changes it)",
+    )
+    p.add_argument(
+        "--best", action="store_true", help="the best checkpoint by checkpoint.best_metric instead of the newest"
+    )
     args = p.parse_args(rest)
     experiment = _load_run(p, args)
     from jxformers.train import evaluate_checkpoint
@@ -163,8 +187,11 @@ def _eval(rest: list[str]) -> int:
     print(json.dumps(result))
     if "baselines" in result:
         shown = ", ".join(f"{name.replace('_', ' ')} {value:.3f}" for name, value in result["baselines"].items())
-        print(f"eval accuracy {result['eval_accuracy']:.3f} on {result['eval_examples']} examples; "
-              f"baselines on the same examples: {shown}", file=sys.stderr)
+        print(
+            f"eval accuracy {result['eval_accuracy']:.3f} on {result['eval_examples']} examples; "
+            f"baselines on the same examples: {shown}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -187,8 +214,9 @@ def _prompt_ids(p, experiment, prompt: str) -> list[int]:
         p.error("--prompt is empty; give at least one token")
     outside = [i for i in ids if not 0 <= i < vocab]
     if outside:
-        p.error(f"--prompt: token id {outside[0]} is outside the vocabulary of {experiment.name} "
-                f"(ids 0 to {vocab - 1})")
+        p.error(
+            f"--prompt: token id {outside[0]} is outside the vocabulary of {experiment.name} (ids 0 to {vocab - 1})"
+        )
     return ids
 
 
@@ -204,21 +232,32 @@ def _print_generated(experiment, rows) -> None:
 
 
 def _generate(rest: list[str]) -> int:
-    p = _experiment_parser("jxformers generate", "continue a prompt with a trained language model",
-                           run_config=True)
-    p.add_argument("--prompt", required=True, help="space-separated token ids, e.g. '1 5 7'; text for a "
-                   f"byte-level text model ({', '.join(TEXT_TASKS)}), e.g. 'ROMEO:'")
+    p = _experiment_parser("jxformers generate", "continue a prompt with a trained language model", run_config=True)
+    p.add_argument(
+        "--prompt",
+        required=True,
+        help="space-separated token ids, e.g. '1 5 7'; text for a "
+        f"byte-level text model ({', '.join(TEXT_TASKS)}), e.g. 'ROMEO:'",
+    )
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--best", action="store_true", help="the best checkpoint instead of the newest")
-    p.add_argument("--count", type=int, default=1, help="sequences generated in parallel (one per line); "
-                   "the throughput (sequences/s, e.g. images/s for fmnist_generate) goes to stderr")
-    p.add_argument("--recompute", action="store_true",
-                   help="rerun the whole forward at every step instead of decoding incrementally (a key/value "
-                        "cache for softmax, the recurrent state for linear attention): the baseline of Table 1 of "
-                        "Katharopoulos et al. 2020 (\"Transformers are RNNs\", arXiv 2006.16236)")
+    p.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        help="sequences generated in parallel (one per line); "
+        "the throughput (sequences/s, e.g. images/s for fmnist_generate) goes to stderr",
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="rerun the whole forward at every step instead of decoding incrementally (a key/value "
+        "cache for softmax, the recurrent state for linear attention): the baseline of Table 1 of "
+        'Katharopoulos et al. 2020 ("Transformers are RNNs", arXiv 2006.16236)',
+    )
     args = p.parse_args(rest)
     if args.count < 1 or args.steps < 0:
         p.error("--count must be >= 1 and --steps >= 0")
@@ -239,8 +278,17 @@ def _generate(rest: list[str]) -> int:
         prompt_ids = jnp.asarray(prompt, jnp.int32)
 
         def many(keys):
-            return jax.vmap(lambda k: generate(model, prompt_ids, args.steps, key=k, temperature=args.temperature,
-                                               top_k=args.top_k, use_cache=not args.recompute))(keys)
+            return jax.vmap(
+                lambda k: generate(
+                    model,
+                    prompt_ids,
+                    args.steps,
+                    key=k,
+                    temperature=args.temperature,
+                    top_k=args.top_k,
+                    use_cache=not args.recompute,
+                )
+            )(keys)
 
         keys = jax.random.split(jax.random.key(args.seed), args.count)
         compiled = jax.jit(many).lower(keys).compile()
@@ -250,9 +298,12 @@ def _generate(rest: list[str]) -> int:
     out = jax.block_until_ready(compiled(keys))
     seconds = time.perf_counter() - start
     _print_generated(experiment, out)
-    print(f"generated {args.count} sequences of {args.steps} new tokens in {seconds:.3f} s: "
-          f"{args.count / seconds:.2f} sequences/s, {args.count * args.steps / seconds:.0f} tokens/s "
-          f"(after compilation)", file=sys.stderr)
+    print(
+        f"generated {args.count} sequences of {args.steps} new tokens in {seconds:.3f} s: "
+        f"{args.count / seconds:.2f} sequences/s, {args.count * args.steps / seconds:.0f} tokens/s "
+        f"(after compilation)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -277,15 +328,27 @@ def _data(rest: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="jxformers data build",
         description="generate an experiment's splits once and write them to DIR/train and DIR/eval in grain's "
-                    "ArrayRecord format (resumable; the same bytes for the same config); train with "
-                    "--set data.path=DIR to read them instead of generating")
+        "ArrayRecord format (resumable; the same bytes for the same config); train with "
+        "--set data.path=DIR to read them instead of generating",
+    )
     p.add_argument("action", choices=["build"])
     p.add_argument("config", help="an experiment name in experiments/ (e.g. lra_listops) or a YAML path")
     p.add_argument("--out", required=True, help="the directory of the built splits")
-    p.add_argument("--split", choices=SPLITS, action="append", default=None,
-                   help="build only this split (repeatable; default: all)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set preset=paper")
+    p.add_argument(
+        "--split",
+        choices=SPLITS,
+        action="append",
+        default=None,
+        help="build only this split (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set preset=paper",
+    )
     p.add_argument("--processes", type=int, default=None, help="processes generating records (default: CPUs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(rest)
@@ -297,8 +360,9 @@ def _data(rest: list[str]) -> int:
     specs = dict(zip(SPLITS, experiment.sources(generated=True), strict=True))
     try:
         for split in args.split or SPLITS:
-            out = build_split(specs[split], pathlib.Path(args.out) / split, processes=args.processes,
-                              progress=not args.no_progress)
+            out = build_split(
+                specs[split], pathlib.Path(args.out) / split, processes=args.processes, progress=not args.no_progress
+            )
             print(f"{split}: {len(specs[split])} records in {out}")
     except ValueError as e:
         p.error(str(e))
@@ -310,14 +374,15 @@ def _convert(rest: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="jxformers convert",
         description="convert a BERT checkpoint (config.json + model.safetensors, e.g. MiniLM from "
-                    "scripts/fetch_minilm.sh) into DIR/config.yaml + DIR/model.eqx (jxformers.pretrained."
-                    "load_converted reads them); the tokenizer files are copied along")
+        "scripts/fetch_minilm.sh) into DIR/config.yaml + DIR/model.eqx (jxformers.pretrained."
+        "load_converted reads them); the tokenizer files are copied along",
+    )
     p.add_argument("bert", help="directory holding config.json and model.safetensors")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--num-classes", type=int, default=2, help="classes of the new classification head")
     p.add_argument("--max-len", type=int, default=None, help="cut the position table to this length")
     p.add_argument("--attention", default=None, help="swap in this registered attention (keeps the weights)")
-    p.add_argument("--attention-kwargs", default="{}", help='its hyper-parameters as JSON, e.g. \'{"window": 16}\'')
+    p.add_argument("--attention-kwargs", default="{}", help="its hyper-parameters as JSON, e.g. '{\"window\": 16}'")
     args = p.parse_args(rest)
     import pathlib
     import shutil
@@ -363,12 +428,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "list":
-        parser = argparse.ArgumentParser(prog="jxformers list",
-                                         description="print the attention registry and the model architectures")
-        parser.add_argument("name", nargs="?", help="one attention: its hyper-parameters (type, default, allowed "
-                            "values, doc) and what it can do")
-        parser.add_argument("--markdown", action="store_true", help="the README's op table (Markdown), rendered "
-                            "from the registrations")
+        parser = argparse.ArgumentParser(
+            prog="jxformers list", description="print the attention registry and the model architectures"
+        )
+        parser.add_argument(
+            "name",
+            nargs="?",
+            help="one attention: its hyper-parameters (type, default, allowed values, doc) and what it can do",
+        )
+        parser.add_argument(
+            "--markdown", action="store_true", help="the README's op table (Markdown), rendered from the registrations"
+        )
         args = parser.parse_args(rest)
         from jxformers import registry
         from jxformers.nn.config import architectures_table
@@ -393,8 +463,16 @@ def main(argv: list[str] | None = None) -> int:
         from jxformers.tools import bench
 
         return bench.main(rest)
-    commands = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "demo": _demo, "data": _data,
-                "convert": _convert, "compare": _compare}
+    commands = {
+        "train": _train,
+        "eval": _eval,
+        "generate": _generate,
+        "plot": _plot,
+        "demo": _demo,
+        "data": _data,
+        "convert": _convert,
+        "compare": _compare,
+    }
     if command in commands:
         return commands[command](rest)
     print(f"jxformers: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

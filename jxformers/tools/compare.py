@@ -81,8 +81,10 @@ def table(rows: dict[str, dict], scores: dict[str, float]) -> str:
     nan = float("nan")
     for name in sorted(ran, key=lambda k: -ran[k].get("eval_accuracy", -1.0)):
         r = ran[name]
-        lines.append(f"| {name} | {r.get('eval_accuracy', nan):.3f} | {r.get('eval_loss', nan):.3f} "
-                     f"| {r.get('steps_per_s', nan):.2f} | {r.get('step_temp_mib', nan):.1f} |")
+        lines.append(
+            f"| {name} | {r.get('eval_accuracy', nan):.3f} | {r.get('eval_loss', nan):.3f} "
+            f"| {r.get('steps_per_s', nan):.2f} | {r.get('step_temp_mib', nan):.1f} |"
+        )
     lines += [f"| baseline: {name.replace('_', ' ')} | {value:.3f} | | | |" for name, value in scores.items()]
     skipped = {k: r["skipped"] for k, r in rows.items() if "skipped" in r}
     if skipped:
@@ -93,14 +95,32 @@ def table(rows: dict[str, dict], scores: dict[str, float]) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jxformers compare", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="an experiment name in experiments/ (e.g. lra_listops) or a YAML path")
-    p.add_argument("--attentions", nargs="+", default=["all"], metavar="NAME",
-                   help="registered attentions to train, or 'all' (default)")
-    p.add_argument("--no-fourier", action="store_true",
-                   help="leave out the Fourier Transformer (softmax + model.stack.filters={0: 0.2})")
-    p.add_argument("--workdir", default="runs/compare", help="one sub-directory per model; compare.md, "
-                   "compare.png (accuracy against steps/s) and curves.png go here (default %(default)s)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="overrides for every run, e.g. --set preset=tiny --set train.steps=100")
+    p.add_argument(
+        "--attentions",
+        nargs="+",
+        default=["all"],
+        metavar="NAME",
+        help="registered attentions to train, or 'all' (default)",
+    )
+    p.add_argument(
+        "--no-fourier",
+        action="store_true",
+        help="leave out the Fourier Transformer (softmax + model.stack.filters={0: 0.2})",
+    )
+    p.add_argument(
+        "--workdir",
+        default="runs/compare",
+        help="one sub-directory per model; compare.md, "
+        "compare.png (accuracy against steps/s) and curves.png go here (default %(default)s)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides for every run, e.g. --set preset=tiny --set train.steps=100",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -118,24 +138,31 @@ def main(argv: list[str] | None = None) -> int:
     examples = eval_examples(experiment)
     scores = baselines(train_source, eval_source, records=examples, workers=experiment.data.workers)
     t = experiment.train
-    intro = (f"{experiment.name}: {t.steps} steps of batch {t.batch_size}, seed {t.seed}, the same data for every "
-             f"model; accuracy on {examples} eval examples (baselines on the same examples). Steps/s: median "
-             "after compilation. Memory: XLA's compiled temporary allocation of the train step.\n\n")
+    intro = (
+        f"{experiment.name}: {t.steps} steps of batch {t.batch_size}, seed {t.seed}, the same data for every "
+        f"model; accuracy on {examples} eval examples (baselines on the same examples). Steps/s: median "
+        "after compilation. Memory: XLA's compiled temporary allocation of the train step.\n\n"
+    )
     rows = {}
     for i, (name, overrides) in enumerate(runs.items()):
         print(f"== [{i + 1}/{len(runs)}] {name}: {t.steps} steps in {root / name}", file=sys.stderr)
         rows[name] = run_one(args.config, [*args.overrides, *overrides], root / name, progress=not args.no_progress)
-        waiting = list(runs)[i + 1:]  # the table so far, so that a stopped comparison still has one
+        waiting = list(runs)[i + 1 :]  # the table so far, so that a stopped comparison still has one
         note = f"\nNot run yet: {', '.join(waiting)}.\n" if waiting else ""
         (root / "compare.md").write_text(intro + table(rows, scores) + "\n" + note)
     text = (root / "compare.md").read_text()
     print(text)
     ran = {name: r for name, r in rows.items() if "skipped" not in r}
-    points = {name: (r["steps_per_s"], r["eval_accuracy"], r.get("step_temp_mib", 0.0))
-              for name, r in ran.items() if "steps_per_s" in r and "eval_accuracy" in r}
+    points = {
+        name: (r["steps_per_s"], r["eval_accuracy"], r.get("step_temp_mib", 0.0))
+        for name, r in ran.items()
+        if "steps_per_s" in r and "eval_accuracy" in r
+    }
     if points:
-        print(f"plot: {plot_tradeoff(points, root / 'compare.png', baselines=scores, title=experiment.name)}",
-              file=sys.stderr)
+        print(
+            f"plot: {plot_tradeoff(points, root / 'compare.png', baselines=scores, title=experiment.name)}",
+            file=sys.stderr,
+        )
     if ran:
         print(f"curves: {plot_runs([root / n for n in ran], root / 'curves.png', labels=list(ran))}", file=sys.stderr)
     print(f"table: {root / 'compare.md'}", file=sys.stderr)

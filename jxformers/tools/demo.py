@@ -9,7 +9,8 @@ The Fourier Transformer here is softmax attention with the spectral filter befor
 first block's attention keeping 20% of the sequence (`model.stack.filters={0: 0.2}`), as He et
 al. 2023 ("Fourier Transformer: Fast Long Range Modeling by Removing Sequence Redundancy
 with FFT Operator", arXiv 2305.15099) section 5.1.1 does ("80% of the input removed at
-the first layer") and its official code (the filter inside layer 0, before its attention): every block runs at 20% length.
+the first layer") and its official code (the filter inside layer 0, before its
+attention): every block runs at 20% length.
 
 `--attention NAME` (repeatable) adds a classifier with that registered attention at the
 same settings, e.g. the learnable patterns: `jxformers demo --attention lsh --attention
@@ -51,8 +52,11 @@ def _step_stats(workdir: pathlib.Path) -> dict[str, float]:
     if not timed:
         return {}
     median = sorted(r["step_ms"] for r in timed)[len(timed) // 2]
-    return {"step_ms": median, "tokens_per_s": sorted(r["tokens_per_s"] for r in timed)[len(timed) // 2],
-            "step_temp_mib": (timed[-1].get("step_temp_bytes") or 0) / 2**20}
+    return {
+        "step_ms": median,
+        "tokens_per_s": sorted(r["tokens_per_s"] for r in timed)[len(timed) // 2],
+        "step_temp_mib": (timed[-1].get("step_temp_bytes") or 0) / 2**20,
+    }
 
 
 @contextlib.contextmanager
@@ -101,8 +105,10 @@ def noise_verdict(accuracies: dict[str, list[float]], examples: int) -> str:
     for a, b in itertools.combinations(sorted(mean, key=mean.get, reverse=True), 2):
         gap, gap_se = mean[a] - mean[b], math.hypot(se[a], se[b])
         (clear if gap > CLEAR_GAP_SE * gap_se else noise).append(f"{a} - {b} = {gap:+.3f} ({gap / gap_se:.1f} SE)")
-    how = (f"mean eval accuracy over {len(next(iter(accuracies.values())))} seeds; a gap is clear above "
-           f"{CLEAR_GAP_SE:g} standard errors (seed spread and the sampling error of {examples} eval examples)")
+    how = (
+        f"mean eval accuracy over {len(next(iter(accuracies.values())))} seeds; a gap is clear above "
+        f"{CLEAR_GAP_SE:g} standard errors (seed spread and the sampling error of {examples} eval examples)"
+    )
     if not clear:
         return f"Every gap is within noise, so this run does not rank the models: {'; '.join(noise)} ({how})."
     text = f"Clear: {'; '.join(clear)}."
@@ -135,23 +141,44 @@ def _row(name, summaries, stats) -> str:
     loss = statistics.fmean(s.get("eval_loss", float("nan")) for s in summaries)
     spread = statistics.stdev(acc) if len(acc) > 1 else 0.0
     t = stats[0]
-    return (f"| {name} | {statistics.fmean(acc):.3f} ± {spread:.3f} | {' '.join(f'{a:.3f}' for a in acc)} "
-            f"| {loss:.3f} | {t.get('step_ms', float('nan')):.1f} | {t.get('tokens_per_s', float('nan')):,.0f} "
-            f"| {t.get('step_temp_mib', float('nan')):.1f} |")
+    return (
+        f"| {name} | {statistics.fmean(acc):.3f} ± {spread:.3f} | {' '.join(f'{a:.3f}' for a in acc)} "
+        f"| {loss:.3f} | {t.get('step_ms', float('nan')):.1f} | {t.get('tokens_per_s', float('nan')):,.0f} "
+        f"| {t.get('step_temp_mib', float('nan')):.1f} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jxformers demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", default="runs/demo",
-                   help="one sub-directory per model and seed (NAME, NAME_seed1, ...), and demo.png")
-    p.add_argument("--seeds", type=int, default=SEEDS,
-                   help="training seeds per model (train.seed 0, 1, ...); the table shows mean ± standard "
-                   "deviation over them (default %(default)s)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra overrides for every run, e.g. train.steps=50")
-    p.add_argument("--attention", dest="attentions", action="append", default=[], metavar="NAME",
-                   help="also train a classifier with this registered attention (repeatable), e.g. lsh, routing, "
-                   "sinkhorn, clusterformer")
+    p.add_argument(
+        "--workdir",
+        default="runs/demo",
+        help="one sub-directory per model and seed (NAME, NAME_seed1, ...), and demo.png",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=SEEDS,
+        help="training seeds per model (train.seed 0, 1, ...); the table shows mean ± standard "
+        "deviation over them (default %(default)s)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra overrides for every run, e.g. train.steps=50",
+    )
+    p.add_argument(
+        "--attention",
+        dest="attentions",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also train a classifier with this registered attention (repeatable), e.g. lsh, routing, "
+        "sinkhorn, clusterformer",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     for name in args.attentions:
@@ -164,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     root = pathlib.Path(args.workdir)
     with shared_compilation(root / "compile_cache"):
         results = _train_all(root, args)
-    lines = [f"| model | eval accuracy (mean ± sd, {args.seeds} seeds) | per seed | eval loss | step ms | tokens/s "
-             "| step temp MiB |", "|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        f"| model | eval accuracy (mean ± sd, {args.seeds} seeds) | per seed | eval loss | step ms | tokens/s "
+        "| step temp MiB |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     lines += [_row(name, summaries, stats) for name, (summaries, stats) in results.items()]
     experiment = load_experiment("lra_listops", ["preset=tiny", *args.overrides])
     train_source, eval_source = experiment.sources()
@@ -173,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     scores = baselines(train_source, eval_source, records=examples, workers=experiment.data.workers)
     lines += [f"| baseline: {name.replace('_', ' ')} | {value:.3f} | | | | | |" for name, value in scores.items()]
     shown = ", ".join(f"{name.replace('_', ' ')} {value:.3f}" for name, value in scores.items())
-    print(f"\nListOps, tiny preset (expressions of {eval_source.min_length + 1}-{eval_source.max_length - 1} tokens); "
-          f"accuracy on {examples} eval examples; what cheap predictors score on them (baselines): {shown}\n")
+    print(
+        f"\nListOps, tiny preset (expressions of {eval_source.min_length + 1}-{eval_source.max_length - 1} tokens); "
+        f"accuracy on {examples} eval examples; what cheap predictors score on them (baselines): {shown}\n"
+    )
     print("\n".join(lines))
-    accuracies = {name: [s.get("eval_accuracy", float("nan")) for s in summaries]
-                  for name, (summaries, _) in results.items()}
+    accuracies = {
+        name: [s.get("eval_accuracy", float("nan")) for s in summaries] for name, (summaries, _) in results.items()
+    }
     print("\n" + noise_verdict(accuracies, examples))
     out = plot_runs([root / name for name in _models(args.attentions)], root / "demo.png")
     print(f"\ncurves (first seed): {out}")

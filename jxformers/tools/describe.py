@@ -41,7 +41,9 @@ def _options(annotation: Any) -> tuple[Any, ...]:
 
 
 def _components(annotation: Any) -> list[type]:
-    return [o for o in _options(annotation) if isinstance(o, type) and dataclasses.is_dataclass(o) and o is not LayerConfig]
+    return [
+        o for o in _options(annotation) if isinstance(o, type) and dataclasses.is_dataclass(o) and o is not LayerConfig
+    ]
 
 
 def _type_name(annotation: Any) -> str:
@@ -75,16 +77,35 @@ def keys(cls: type, prefix: str, variant: str = "") -> list[Key]:
             continue
         path = f"{prefix}.{field.name}"
         annotation = hints[field.name]
-        out.append(Key(path, _type_name(annotation), _default(field), field.metadata.get("choices"),
-                       field.metadata.get("doc", ""), variant))
+        out.append(
+            Key(
+                path,
+                _type_name(annotation),
+                _default(field),
+                field.metadata.get("choices"),
+                field.metadata.get("doc", ""),
+                variant,
+            )
+        )
         for component in _components(annotation):
             kinds = _kinds(component)
-            label = f"{field.name} kind {'|'.join(map(str, kinds))}" if kinds and len(_components(annotation)) > 1 \
+            label = (
+                f"{field.name} kind {'|'.join(map(str, kinds))}"
+                if kinds and len(_components(annotation)) > 1
                 else variant
+            )
             out.extend(keys(component, path, label))
     if cls is AttentionConfig:
-        out.append(Key(f"{prefix}.<hyper-parameter>", "per attention", "(component)", None,
-                       "the named attention's hyper-parameters, beside name (`jxformers list NAME` lists them)", variant))
+        out.append(
+            Key(
+                f"{prefix}.<hyper-parameter>",
+                "per attention",
+                "(component)",
+                None,
+                "the named attention's hyper-parameters, beside name (`jxformers list NAME` lists them)",
+                variant,
+            )
+        )
     return out
 
 
@@ -102,8 +123,11 @@ def describe(key: str | None = None) -> str:
     for k in found:
         where = f"  [{k.variant}]" if k.variant else ""
         choices = f", one of {list(k.choices)}" if k.choices else ""
-        default = {"(component)": "", "(required)": " (required)"}.get(k.default, f" = {k.default!r}") \
-            if isinstance(k.default, str) else f" = {k.default!r}"
+        default = (
+            {"(component)": "", "(required)": " (required)"}.get(k.default, f" = {k.default!r}")
+            if isinstance(k.default, str)
+            else f" = {k.default!r}"
+        )
         lines.append(f"{k.path}: {k.type}{default}{choices}{where}")
         if k.doc:
             lines.append(f"    {k.doc}")
@@ -112,8 +136,15 @@ def describe(key: str | None = None) -> str:
 
 # ------------------------------------------------------------------ JSON Schema
 
-_JSON = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "object", list: "array",
-         type(None): "null"}
+_JSON = {
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    str: "string",
+    dict: "object",
+    list: "array",
+    type(None): "null",
+}
 
 
 def _field_schema(annotation: Any, field: dataclasses.Field | None) -> dict[str, Any]:
@@ -145,7 +176,8 @@ def schema_of(cls: type) -> dict[str, Any]:
     hints = _hints(cls)
     fields = dataclasses.fields(cls)
     out: dict[str, Any] = {
-        "type": "object", "description": " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()),
+        "type": "object",
+        "description": " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()),
         "properties": {f.name: _field_schema(hints[f.name], f) for f in fields},
         "additionalProperties": cls is AttentionConfig,  # an attention's hyper-parameters sit beside its name
     }
@@ -162,17 +194,28 @@ def schema() -> dict[str, Any]:
     properties: dict[str, Any] = {
         "name": {"type": "string", "description": "the run's name (logs, plots)"},
         "preset": {"type": ["string", "null"], "description": "one of this file's presets, merged over it"},
-        "presets": {"type": "object", "description": "named partial configs (sections merged over the file)",
-                    "additionalProperties": {"type": "object"}},
+        "presets": {
+            "type": "object",
+            "description": "named partial configs (sections merged over the file)",
+            "additionalProperties": {"type": "object"},
+        },
     }
     properties |= {name: schema_of(cls) for name, cls in sections().items()}
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "jxformers experiment",
-            "type": "object", "properties": properties, "additionalProperties": False}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "jxformers experiment",
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+    }
 
 
 def describe_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="jxformers describe", description="print what experiment keys mean: type, "
-                                "default, allowed values and doc (a section or component: all its keys)")
+    p = argparse.ArgumentParser(
+        prog="jxformers describe",
+        description="print what experiment keys mean: type, "
+        "default, allowed values and doc (a section or component: all its keys)",
+    )
     p.add_argument("key", nargs="?", default=None, help="e.g. train.learning_rate, model.ffn, model.stack.mem_len")
     args = p.parse_args(argv)
     try:

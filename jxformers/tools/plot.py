@@ -46,8 +46,13 @@ def plot_runs(workdirs, out: str | pathlib.Path, *, metrics=DEFAULT_METRICS, lab
     return _save(fig, out)
 
 
-def plot_tradeoff(points: dict[str, tuple[float, float, float]], out: str | pathlib.Path, *,
-                  baselines: dict[str, float] | None = None, title: str = "") -> pathlib.Path:
+def plot_tradeoff(
+    points: dict[str, tuple[float, float, float]],
+    out: str | pathlib.Path,
+    *,
+    baselines: dict[str, float] | None = None,
+    title: str = "",
+) -> pathlib.Path:
     """Long Range Arena's figure: accuracy (y) against training steps per second (x, log
     scale), one labelled point per model with its area proportional to its memory, the
     baselines as dashed lines. `points`: label -> (steps/s, accuracy, memory bytes)."""
@@ -63,8 +68,15 @@ def plot_tradeoff(points: dict[str, tuple[float, float, float]], out: str | path
         ax.annotate(label, (speed, accuracy), fontsize=7, xytext=(3, 3), textcoords="offset points")
     for name, value in (baselines or {}).items():
         ax.axhline(value, linestyle="--", color="grey", linewidth=0.8)
-        ax.annotate(name.replace("_", " "), (0, value), xycoords=("axes fraction", "data"), fontsize=7,
-                    color="grey", xytext=(3, 2), textcoords="offset points")
+        ax.annotate(
+            name.replace("_", " "),
+            (0, value),
+            xycoords=("axes fraction", "data"),
+            fontsize=7,
+            color="grey",
+            xytext=(3, 2),
+            textcoords="offset points",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("training steps / s (log scale)")
     ax.set_ylabel("eval accuracy")

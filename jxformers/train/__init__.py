@@ -20,23 +20,36 @@ tensorboard.py TensorBoard scalars without TensorFlow
 """
 
 from jxformers.train.experiment import (
-           CheckpointConfig,
-           DataConfig,
-           Experiment,
-           MeshConfig,
-           TrainConfig,
-           load_experiment,
+    CheckpointConfig,
+    DataConfig,
+    Experiment,
+    MeshConfig,
+    TrainConfig,
+    load_experiment,
 )
 from jxformers.train.loop import (
-           NonFiniteError,
-           evaluate_checkpoint,
-           restore_model,
-           restore_train_state,
-           train,
+    NonFiniteError,
+    evaluate_checkpoint,
+    restore_model,
+    restore_train_state,
+    train,
 )
 from jxformers.train.optim import make_optimizer
 from jxformers.train.state import TrainState, init_train_state
 
-__all__ = ["CheckpointConfig", "DataConfig", "Experiment", "MeshConfig", "NonFiniteError", "TrainConfig", "TrainState",
-           "evaluate_checkpoint", "init_train_state", "load_experiment", "make_optimizer", "restore_model",
-           "restore_train_state", "train"]
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "Experiment",
+    "MeshConfig",
+    "NonFiniteError",
+    "TrainConfig",
+    "TrainState",
+    "evaluate_checkpoint",
+    "init_train_state",
+    "load_experiment",
+    "make_optimizer",
+    "restore_model",
+    "restore_train_state",
+    "train",
+]

@@ -56,8 +56,9 @@ class CheckpointMismatch(ValueError):
 
 def _names(tree) -> dict[str, Any]:
     """{name: leaf}: a flat dict's own keys in its own order, else each leaf's `keystr` path."""
-    if isinstance(tree, dict) and all(isinstance(k, str) and not isinstance(v, (dict, list, tuple))
-                                      for k, v in tree.items()):
+    if isinstance(tree, dict) and all(
+        isinstance(k, str) and not isinstance(v, (dict, list, tuple)) for k, v in tree.items()
+    ):
         return dict(tree)
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -84,8 +85,9 @@ def compare_trees(saved, template) -> None:
         problems.append(f"{_what(unexpected[0])} {unexpected[0]} is unexpected (the model has no such path)")
     if reshaped:
         n = reshaped[0]
-        problems.append(f"{_what(n)} {n} has shape {tuple(saved[n].shape)}; the model expects "
-                        f"{tuple(template[n].shape)}")
+        problems.append(
+            f"{_what(n)} {n} has shape {tuple(saved[n].shape)}; the model expects {tuple(template[n].shape)}"
+        )
     if problems:
         more = len(missing) + len(unexpected) + len(reshaped) - len(problems)
         raise CheckpointMismatch("; ".join(problems) + (f" (and {more} more differences)" if more else ""))
@@ -109,22 +111,33 @@ def _legacy(tree) -> bool:
 class Checkpointer:
     """Save and restore {"state": pytree of arrays, "data": grain iterator}."""
 
-    def __init__(self, directory: str | pathlib.Path, *, keep: int, best_metric: str, best_mode: str,
-                 async_save: bool = True):
+    def __init__(
+        self, directory: str | pathlib.Path, *, keep: int, best_metric: str, best_mode: str, async_save: bool = True
+    ):
         self.best_metric = best_metric
-        preservation = policies.AnyPreservationPolicy([
-            policies.LatestN(n=keep),
-            policies.BestN(get_metric_fn=lambda m: m[best_metric], reverse=best_mode == "min", n=1,
-                           keep_checkpoints_without_metrics=False),
-        ])
+        preservation = policies.AnyPreservationPolicy(
+            [
+                policies.LatestN(n=keep),
+                policies.BestN(
+                    get_metric_fn=lambda m: m[best_metric],
+                    reverse=best_mode == "min",
+                    n=1,
+                    keep_checkpoints_without_metrics=False,
+                ),
+            ]
+        )
         # best_fn makes orbax write each checkpoint's metrics and answer best_step().
         options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save, preservation_policy=preservation, create=True,
-            best_fn=lambda m: m[best_metric], best_mode=best_mode,
+            enable_async_checkpointing=async_save,
+            preservation_policy=preservation,
+            create=True,
+            best_fn=lambda m: m[best_metric],
+            best_mode=best_mode,
         )
         self.directory = pathlib.Path(directory).resolve()
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
+            self.directory,
+            options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()},
         )
 
@@ -143,8 +156,9 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore_latest(self, template: dict[str, Any], iterator, *, training: bool = True
-                       ) -> tuple[int, dict[str, Any]] | None:
+    def restore_latest(
+        self, template: dict[str, Any], iterator, *, training: bool = True
+    ) -> tuple[int, dict[str, Any]] | None:
         """The newest checkpoint that restores cleanly, as (step, state); the iterator is
         moved to its saved position. None when there are no checkpoints.
 
@@ -164,9 +178,12 @@ class Checkpointer:
                 continue
             for bad, reason in failed:
                 where = f"; moved to {self._set_aside(bad)}" if training else ""
-                warnings.warn(f"checkpoint at step {bad} could not be restored ({reason}){where}; "
-                              f"{'resuming from' if training else 'using'} step {step}", CheckpointWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"checkpoint at step {bad} could not be restored ({reason}){where}; "
+                    f"{'resuming from' if training else 'using'} step {step}",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
             return step, state
         if failed:
             reasons = "; ".join(f"checkpoint at step {s}: {r}" for s, r in failed)
@@ -176,8 +193,9 @@ class Checkpointer:
             )
         return None
 
-    def restore_best(self, template: dict[str, Any], iterator, *, training: bool = False
-                     ) -> tuple[int, dict[str, Any]] | None:
+    def restore_best(
+        self, template: dict[str, Any], iterator, *, training: bool = False
+    ) -> tuple[int, dict[str, Any]] | None:
         """The best checkpoint by `best_metric`, as (step, state); None when there are no
         checkpoints, a ValueError when none has the metric or the best does not restore
         (no silent fallback: another step is not the best)."""
@@ -186,8 +204,10 @@ class Checkpointer:
             return None
         best = self.manager.best_step()
         if best is None or self.manager.metrics(best) is None:
-            raise ValueError(f"no checkpoint in {self.directory} records {self.best_metric} (a checkpoint records "
-                             f"the last evaluation before it; none had run): evaluate the latest (drop --best)")
+            raise ValueError(
+                f"no checkpoint in {self.directory} records {self.best_metric} (a checkpoint records "
+                f"the last evaluation before it; none had run): evaluate the latest (drop --best)"
+            )
         try:
             return best, self._restore_step(best, template, iterator)
         except LegacyCheckpointError:
@@ -202,7 +222,8 @@ class Checkpointer:
                 f"checkpoint at step {step} in {self.directory} was written by jxformers before "
                 f"checkpoints stored arrays by tree path (its parameters are a list by position) and "
                 f"cannot be restored safely. Retrain in a new work directory, or check out the older "
-                f"jxformers version to use or export it.")
+                f"jxformers version to use or export it."
+            )
         compare_trees(saved, template)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         restored = self.manager.restore(

@@ -49,8 +49,7 @@ def cluster_environment() -> str | None:
     return None
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
-               ) -> bool:
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
     """Start jax.distributed (see the module docstring); True when this is one of several
     processes. ValueError when only some of the explicit arguments are given."""
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}

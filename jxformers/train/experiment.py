@@ -110,16 +110,18 @@ class TrainConfig(_Section):
 
     def __post_init__(self):
         check_fields(self, "train.")
-        check_at_least(self, "train.", 1, "steps", "batch_size", "grad_accum", "eval_every", "eval_batches",
-                       "log_every")
+        check_at_least(
+            self, "train.", 1, "steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "log_every"
+        )
         check_at_least(self, "train.", 0, "warmup_steps", "redraw_every", "weight_decay")
         if not self.learning_rate > 0:  # a negative rate would ascend the loss; `not >` catches NaN
             raise ValueError(f"train.learning_rate must be > 0; got {self.learning_rate}")
         if self.clip_norm is not None and not self.clip_norm >= 0:
             raise ValueError(f"train.clip_norm must be > 0, or 0 or null for no clipping; got {self.clip_norm}")
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
-                             f"({self.grad_accum})")
+            raise ValueError(
+                f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum ({self.grad_accum})"
+            )
 
 
 @typing.no_type_check
@@ -130,8 +132,9 @@ class CheckpointConfig(_Section):
 
     every: int = setting(500, "save every this many steps")
     keep: int = setting(3, "the latest checkpoints kept (the best is kept too)")
-    best_metric: str = setting("eval_accuracy", "the metric that picks the best checkpoint",
-                               choices=("eval_accuracy", "eval_loss"))
+    best_metric: str = setting(
+        "eval_accuracy", "the metric that picks the best checkpoint", choices=("eval_accuracy", "eval_loss")
+    )
     best_mode: str = setting("max", "whether the best is the highest or the lowest", choices=("max", "min"))
     async_save: bool = setting(True, "save in the background while training goes on")
 
@@ -192,8 +195,10 @@ class Experiment:
         `data.path`, the built splits there (checked to hold these records), unless
         `generated`."""
         d = self.data
-        specs = (make_source(d.task, seed=d.seed, size=d.train_size, **d.settings),
-                 make_source(d.task, seed=d.seed + 1, size=d.eval_size, split="valid", **d.settings))
+        specs = (
+            make_source(d.task, seed=d.seed, size=d.train_size, **d.settings),
+            make_source(d.task, seed=d.seed + 1, size=d.eval_size, split="valid", **d.settings),
+        )
         if d.path is None or generated:
             return specs
         from jxformers.data.cache import read_split
@@ -252,8 +257,10 @@ def _check_flow_mapping(value: Any, text: str) -> None:
         for key, item in value.items():
             if isinstance(key, str) and ":" in key and item is None:
                 fixed = key.replace(":", ": ", 1)
-                raise ValueError(f"--set {text}: YAML reads {{{key}}} as a key {key!r} without a value; "
-                                 f"put a space after the colon: {{{fixed}}}")
+                raise ValueError(
+                    f"--set {text}: YAML reads {{{key}}} as a key {key!r} without a value; "
+                    f"put a space after the colon: {{{fixed}}}"
+                )
             _check_flow_mapping(item, text)
 
 
@@ -311,15 +318,21 @@ def _check_stream_source(model_config: ModelConfig, source, *, batch_size: int) 
     if arch not in MEMORY_ARCHITECTURES:
         return
     if not getattr(source, "stream", False):
-        raise ValueError(f"stack {arch!r} carries a memory from batch to batch and needs a stream of consecutive "
-                         f"segments (data task 'shakespeare_stream'); got data task {type(source).__name__}")
+        raise ValueError(
+            f"stack {arch!r} carries a memory from batch to batch and needs a stream of consecutive "
+            f"segments (data task 'shakespeare_stream'); got data task {type(source).__name__}"
+        )
     if source.rows != batch_size:
-        raise ValueError(f"stack {arch!r}: each batch row is one stream, so data.settings.rows ({source.rows}) "
-                         f"must equal train.batch_size ({batch_size})")
+        raise ValueError(
+            f"stack {arch!r}: each batch row is one stream, so data.settings.rows ({source.rows}) "
+            f"must equal train.batch_size ({batch_size})"
+        )
     segment, stack = source.max_len - 1, model_config.stack
     if isinstance(stack, CompressiveStack) and segment % stack.compression_rate:
-        raise ValueError(f"stack 'compressive': segments of data max_len - 1 = {segment} tokens must be a multiple "
-                         f"of compression_rate ({stack.compression_rate})")
+        raise ValueError(
+            f"stack 'compressive': segments of data max_len - 1 = {segment} tokens must be a multiple "
+            f"of compression_rate ({stack.compression_rate})"
+        )
 
 
 def _warn_if_grid_is_not_the_image(model: ModelConfig, source) -> None:
@@ -332,8 +345,11 @@ def _warn_if_grid_is_not_the_image(model: ModelConfig, source) -> None:
         return
     width = bound.hyper_parameters[role]  # defaults filled in
     if width != image_size:
-        warnings.warn(f"{bound.name} attention's {role} {width} is not the images' width {image_size}: its rows "
-                      f"are not the image's rows (set model.attention.{role}={image_size})", stacklevel=3)
+        warnings.warn(
+            f"{bound.name} attention's {role} {width} is not the images' width {image_size}: its rows "
+            f"are not the image's rows (set model.attention.{role}={image_size})",
+            stacklevel=3,
+        )
 
 
 def _drop_other_attention_kwargs(config: dict, parsed: list[tuple[list[str], Any]]) -> None:
@@ -342,8 +358,11 @@ def _drop_other_attention_kwargs(config: dict, parsed: list[tuple[list[str], Any
     paths = [path for path, _ in parsed]
     model = config.get("model") or {}
     for path, value in parsed:
-        if path == ["model", "attention"] and value != model.get("attention") and \
-                ["model", "attention_kwargs"] not in paths:
+        if (
+            path == ["model", "attention"]
+            and value != model.get("attention")
+            and ["model", "attention_kwargs"] not in paths
+        ):
             model.pop("attention_kwargs", None)
 
 
@@ -380,14 +399,24 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
     if train_source.model_task == "classify":
         model_values["num_classes"] = train_source.num_classes
     head = _head_kind(model_values)
-    model_values.setdefault("max_len", train_source.max_len + (1 if head in (None, "cls")
-                                                               and train_source.model_task == "classify" else 0))
+    model_values.setdefault(
+        "max_len", train_source.max_len + (1 if head in (None, "cls") and train_source.model_task == "classify" else 0)
+    )
     if head == "mixture_of_logistics" and not getattr(train_source, "pixel_values", False):
-        raise ValueError(f"model.head 'mixture_of_logistics' models pixel intensities; the tokens of data task "
-                         f"{data.task!r} ({data.settings}) are not pixels (fashion_mnist with mode: generate is)")
+        raise ValueError(
+            f"model.head 'mixture_of_logistics' models pixel intensities; the tokens of data task "
+            f"{data.task!r} ({data.settings}) are not pixels (fashion_mnist with mode: generate is)"
+        )
     model = ModelConfig.from_dict(model_values)
     _warn_if_grid_is_not_the_image(model, train_source)
     _check_stream_source(model, train_source, batch_size=train.batch_size)
-    raw = {"name": config.get("name", "experiment"), "preset": preset, "data": data.to_dict(),
-           "model": model.to_dict(), "train": train.to_dict(), "checkpoint": ckpt.to_dict(), "mesh": sections["mesh"].to_dict()}
+    raw = {
+        "name": config.get("name", "experiment"),
+        "preset": preset,
+        "data": data.to_dict(),
+        "model": model.to_dict(),
+        "train": train.to_dict(),
+        "checkpoint": ckpt.to_dict(),
+        "mesh": sections["mesh"].to_dict(),
+    }
     return Experiment(raw["name"], data, model, train, ckpt, raw, sections["mesh"])

@@ -67,12 +67,14 @@ class NonFiniteError(RuntimeError):
 
 def _open_checkpointer(experiment: Experiment, workdir: pathlib.Path, *, async_save: bool) -> Checkpointer:
     c = experiment.checkpoint
-    return Checkpointer(workdir / "checkpoints", keep=c.keep, best_metric=c.best_metric, best_mode=c.best_mode,
-                        async_save=async_save)
+    return Checkpointer(
+        workdir / "checkpoints", keep=c.keep, best_metric=c.best_metric, best_mode=c.best_mode, async_save=async_save
+    )
 
 
-def _restore(checkpointer: Checkpointer, template: TrainState, iterator, *, training: bool, best: bool = False
-             ) -> TrainState | None:
+def _restore(
+    checkpointer: Checkpointer, template: TrainState, iterator, *, training: bool, best: bool = False
+) -> TrainState | None:
     """The newest good (or the `best`) checkpoint's state, the iterator moved to its
     position; None when there is none."""
     restore = checkpointer.restore_best if best else checkpointer.restore_latest
@@ -80,15 +82,22 @@ def _restore(checkpointer: Checkpointer, template: TrainState, iterator, *, trai
     return None if restored is None else load_state_dict(restored[1], template)
 
 
-def restore_train_state(experiment: Experiment, workdir: str | pathlib.Path, *, best: bool = False
-                        ) -> tuple[TrainState, Any]:
+def restore_train_state(
+    experiment: Experiment, workdir: str | pathlib.Path, *, best: bool = False
+) -> tuple[TrainState, Any]:
     """(state, static) of the newest good checkpoint in `workdir`, or of the best by
     `checkpoint.best_metric` (ValueError if none)."""
     workdir = check_workdir(workdir, exists=True)
     state, static, _, _ = init_train_state(experiment)
     train_source, _ = experiment.sources()
-    iterator = iter(make_loader(train_source, batch_size=experiment.train.batch_size, seed=0,
-                                shuffle=not getattr(train_source, "stream", False)))
+    iterator = iter(
+        make_loader(
+            train_source,
+            batch_size=experiment.train.batch_size,
+            seed=0,
+            shuffle=not getattr(train_source, "stream", False),
+        )
+    )
     if not has_checkpoints(workdir):  # checked first: opening the manager would create the directory
         raise ValueError(f"no checkpoint in {workdir / 'checkpoints'}: train first (jxformers train ...)")
     with contextlib.closing(_open_checkpointer(experiment, workdir, async_save=False)) as checkpointer:
@@ -102,8 +111,9 @@ def restore_model(experiment: Experiment, workdir: str | pathlib.Path, *, best: 
     return state.model(static), int(state.step)
 
 
-def evaluate_checkpoint(experiment: Experiment, workdir: str | pathlib.Path, *, batches: int | str | None = None,
-                        best: bool = False):
+def evaluate_checkpoint(
+    experiment: Experiment, workdir: str | pathlib.Path, *, batches: int | str | None = None, best: bool = False
+):
     """Eval metrics of the newest (or the best) checkpoint on the eval split; for a
     classification task also `eval_examples` and `baselines` ({name: accuracy} of the
     task's cheap predictors on the same examples, see `jxformers.data.baselines`).
@@ -120,12 +130,16 @@ def evaluate_checkpoint(experiment: Experiment, workdir: str | pathlib.Path, *, 
     loader = make_loader(eval_source, batch_size=batch, seed=0, shuffle=False, num_epochs=1, workers=workers)
     wanted = {None: experiment.train.eval_batches, "all": math.ceil(len(eval_source) / batch)}.get(batches, batches)
     n = min(wanted, len(eval_source) // batch)
-    metrics = {"step": int(state.step), **evaluate(make_eval_step(static), state, loader, n,
-                                                   language_model=experiment.model.task == "lm")}
+    metrics = {
+        "step": int(state.step),
+        **evaluate(make_eval_step(static), state, loader, n, language_model=experiment.model.task == "lm"),
+    }
     if experiment.model.task != "classify":
         return metrics
-    return metrics | {"eval_examples": n * batch,
-                      "baselines": baselines(train_source, eval_source, records=n * batch, workers=workers)}
+    return metrics | {
+        "eval_examples": n * batch,
+        "baselines": baselines(train_source, eval_source, records=n * batch, workers=workers),
+    }
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -182,6 +196,7 @@ class _CompiledStep:
 def to_json(record: dict[str, Any]) -> str:
     """`record` as one line of strict JSON: a non-finite float becomes the string float()
     reads back ("NaN", "Infinity", "-Infinity"), since a bare NaN is not JSON."""
+
     def number(value):
         return json.dumps(value) if isinstance(value, float) and not math.isfinite(value) else value
 
@@ -219,8 +234,10 @@ def _per_process(rows: int, what: str) -> int:
     """`rows` of a global batch split evenly over the processes (each reads its own)."""
     count = jax.process_count()
     if rows % count:
-        raise ValueError(f"{what} ({rows}) must be divisible by the number of processes ({count}): each process "
-                         f"reads its own rows of every batch")
+        raise ValueError(
+            f"{what} ({rows}) must be divisible by the number of processes ({count}): each process "
+            f"reads its own rows of every batch"
+        )
     return rows // count
 
 
@@ -255,10 +272,18 @@ class _StepReport:
                     f"skip such steps; {self._kept()}."
                 )
         elif _due(step, t.log_every, t.steps) or step == self.start + 1:
-            self.log({"step": step, **m, "lr": float(self.schedule(step - 1)), "step_ms": 1e3 * elapsed,
-                      "tokens_per_s": tokens / elapsed, "padded_tokens_per_s": self.padded_tokens_per_batch / elapsed,
-                      "step_temp_bytes": self.step_temp_bytes,
-                      "peak_memory_bytes": _peak_memory_bytes()})
+            self.log(
+                {
+                    "step": step,
+                    **m,
+                    "lr": float(self.schedule(step - 1)),
+                    "step_ms": 1e3 * elapsed,
+                    "tokens_per_s": tokens / elapsed,
+                    "padded_tokens_per_s": self.padded_tokens_per_batch / elapsed,
+                    "step_temp_bytes": self.step_temp_bytes,
+                    "peak_memory_bytes": _peak_memory_bytes(),
+                }
+            )
 
 
 class _Evaluator:
@@ -275,8 +300,9 @@ class _Evaluator:
 
     def __call__(self, state: TrainState) -> dict[str, float]:
         if self.kept is None:
-            loader = make_loader(self.source, batch_size=self.batch, seed=0, shuffle=False, num_epochs=1,
-                                 workers=self.workers)
+            loader = make_loader(
+                self.source, batch_size=self.batch, seed=0, shuffle=False, num_epochs=1, workers=self.workers
+            )
             self.kept = list(itertools.islice(loader, self.batches))
             if self.plan is not None:
                 self.kept = [self.plan.place_batch(b) for b in self.kept]
@@ -330,8 +356,11 @@ class _Signals:
             os._exit(128 + signum)
         self.received = signum
         everyone = "every process saves after the same step" if self.coordinated else "saving after the current step"
-        print(f"\njxformers train: {name} received: {everyone}, then exiting "
-              f"(again to stop at once, without saving)", file=sys.stderr, flush=True)
+        print(
+            f"\njxformers train: {name} received: {everyone}, then exiting (again to stop at once, without saving)",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.coordinated:
             os.kill(os.getpid(), signal.SIGTERM)  # to JAX's handler, which tells the other processes
 
@@ -344,8 +373,12 @@ class _Signals:
             return False
         if self.received is None:
             self.received = signal.SIGTERM
-            print(f"\njxformers train: preemption notice (SIGTERM to one of the processes): every process "
-                  f"saves after step {step}, then exits", file=sys.stderr, flush=True)
+            print(
+                f"\njxformers train: preemption notice (SIGTERM to one of the processes): every process "
+                f"saves after step {step}, then exits",
+                file=sys.stderr,
+                flush=True,
+            )
         return True
 
     def __exit__(self, *exc):
@@ -387,11 +420,16 @@ class _Progress:
         self.bar = tqdm(total=self.total, initial=start, desc=self.name, file=sys.stderr, disable=not self.terminal)
         self.last_line = None
 
-    def __call__(self, step: int, m: dict[str, float], last_eval: dict[str, float], *, elapsed: float,
-                 tokens: int) -> None:
-        shown = {"loss": f"{m['loss']:.4f}", "acc": f"{m['accuracy']:.3f}",
-                 **({"eval_acc": f"{last_eval['eval_accuracy']:.3f}"} if last_eval else {}),
-                 "step_ms": f"{1e3 * elapsed:.1f}", "tokens/s": f"{tokens / max(elapsed, 1e-9):.0f}"}
+    def __call__(
+        self, step: int, m: dict[str, float], last_eval: dict[str, float], *, elapsed: float, tokens: int
+    ) -> None:
+        shown = {
+            "loss": f"{m['loss']:.4f}",
+            "acc": f"{m['accuracy']:.3f}",
+            **({"eval_acc": f"{last_eval['eval_accuracy']:.3f}"} if last_eval else {}),
+            "step_ms": f"{1e3 * elapsed:.1f}",
+            "tokens/s": f"{tokens / max(elapsed, 1e-9):.0f}",
+        }
         if self.terminal:
             self.bar.update(1)
             self.bar.set_postfix(**shown)
@@ -400,8 +438,11 @@ class _Progress:
         due = self.last_line is None or now - self.last_line >= PLAIN_PROGRESS_EVERY_S or step == self.total
         if self.enabled and due:
             self.last_line = now
-            print(f"{self.name}: step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in shown.items()),
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.name}: step {step}/{self.total} " + " ".join(f"{k} {v}" for k, v in shown.items()),
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         self.bar.close()
@@ -450,11 +491,22 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         plan = sharding_plan(experiment, state, static)
         changes = _prepare_workdir(experiment, workdir, stack)
         train_source, eval_source = experiment.sources()
-        iterator = stack.enter_context(contextlib.closing(iter(make_loader(
-            train_source, batch_size=_per_process(t.batch_size, "train.batch_size"), seed=t.seed, workers=experiment.data.workers,
-            shuffle=not getattr(train_source, "stream", False)))))  # a stream's rows continue from batch to batch
-        checkpointer = stack.enter_context(contextlib.closing(
-            _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save)))
+        iterator = stack.enter_context(
+            contextlib.closing(
+                iter(
+                    make_loader(
+                        train_source,
+                        batch_size=_per_process(t.batch_size, "train.batch_size"),
+                        seed=t.seed,
+                        workers=experiment.data.workers,
+                        shuffle=not getattr(train_source, "stream", False),
+                    )
+                )
+            )
+        )  # a stream's rows continue from batch to batch
+        checkpointer = stack.enter_context(
+            contextlib.closing(_open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save))
+        )
         if plan is not None:  # the template on the mesh: a checkpoint restores onto it, whatever mesh saved it
             state = plan.place_state(state)
         state = _restore(checkpointer, state, iterator, training=True) or state
@@ -469,9 +521,13 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         report = _StepReport(log, experiment, schedule, start, t.batch_size * train_source.max_len, checkpointer.steps)
         show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress and distributed.is_main())))
         if start >= t.steps:  # a rerun of a finished run: say so rather than summarise nothing
-            return {"step": start, "complete": True, **_last_eval(workdir),
-                    "note": f"already complete: step {start} of train.steps = {t.steps}; nothing was run "
-                            "(raise train.steps to train further, or use `jxformers eval`)"}
+            return {
+                "step": start,
+                "complete": True,
+                **_last_eval(workdir),
+                "note": f"already complete: step {start} of train.steps = {t.steps}; nothing was run "
+                "(raise train.steps to train further, or use `jxformers eval`)",
+            }
         if start:  # steps logged after this checkpoint by the interrupted run are logged again below
             log({"step": start, "resumed_from_step": start})
         summary, last_eval = {"step": start}, {}
@@ -498,5 +554,8 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
                 log({"step": step, "checkpoint_save_ms": 1e3 * (time.perf_counter() - began)})
         if stop:
             signals.exit_after_saving(checkpointer, log, int(state.step), start)
-        return summary | {"peak_memory_bytes": _peak_memory_bytes(), "train_step_temp_bytes": run_step.temp_bytes,
-                          "compile_seconds": run_step.compile_seconds}
+        return summary | {
+            "peak_memory_bytes": _peak_memory_bytes(),
+            "train_step_temp_bytes": run_step.temp_bytes,
+            "compile_seconds": run_step.compile_seconds,
+        }

@@ -32,8 +32,15 @@ def decay_mask(params):
 
 
 def make_optimizer(
-    *, optimizer: str = "adamw", learning_rate: float = 1e-3, warmup_steps: int = 0, total_steps: int = 1,
-    schedule: str = "cosine", weight_decay: float = 0.0, clip_norm: float | None = 1.0, b1: float = 0.9,
+    *,
+    optimizer: str = "adamw",
+    learning_rate: float = 1e-3,
+    warmup_steps: int = 0,
+    total_steps: int = 1,
+    schedule: str = "cosine",
+    weight_decay: float = 0.0,
+    clip_norm: float | None = 1.0,
+    b1: float = 0.9,
     b2: float = 0.999,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer and its learning-rate schedule (for logging)."""

@@ -72,8 +72,10 @@ BATCH_AXES = ("data", "fsdp")
 def mesh_shape(config: MeshConfig | Mapping[str, int], devices: int) -> dict[str, int]:
     """{axis: size} for `devices` devices, the -1 axis resolved; a ValueError showing the
     sizes when their product is not the device count."""
-    sizes = {a: (config.get(a, 1 if a != "data" else -1) if isinstance(config, Mapping) else getattr(config, a))
-             for a in MESH_AXES}
+    sizes = {
+        a: (config.get(a, 1 if a != "data" else -1) if isinstance(config, Mapping) else getattr(config, a))
+        for a in MESH_AXES
+    }
     if isinstance(config, Mapping):
         unknown = sorted(set(config) - set(MESH_AXES))
         if unknown:
@@ -83,12 +85,16 @@ def mesh_shape(config: MeshConfig | Mapping[str, int], devices: int) -> dict[str
     rest = [a for a, v in sizes.items() if v == -1]
     if rest:
         if fixed == 0 or devices % fixed:
-            raise ValueError(f"mesh {sizes}: the fixed axes' product {fixed} does not divide the {devices} devices, "
-                             f"so mesh.{rest[0]}=-1 cannot take the rest")
+            raise ValueError(
+                f"mesh {sizes}: the fixed axes' product {fixed} does not divide the {devices} devices, "
+                f"so mesh.{rest[0]}=-1 cannot take the rest"
+            )
         sizes[rest[0]] = devices // fixed
     if math.prod(sizes.values()) != devices:
-        raise ValueError(f"mesh {sizes} has {math.prod(sizes.values())} devices "
-                         f"({' x '.join(str(v) for v in sizes.values())}); there are {devices} devices")
+        raise ValueError(
+            f"mesh {sizes} has {math.prod(sizes.values())} devices "
+            f"({' x '.join(str(v) for v in sizes.values())}); there are {devices} devices"
+        )
     return sizes
 
 
@@ -98,8 +104,9 @@ def make_mesh(config: MeshConfig | Mapping[str, int] | None = None, devices: Seq
     for the hardware's topology) and automatic axes (see the module docstring)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(MeshConfig() if config is None else config, len(devices))
-    return jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    return jax.make_mesh(
+        tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
 
 
 def _sizes(mesh: Mesh) -> dict[str, int]:
@@ -133,6 +140,7 @@ LOGICAL_AXES = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "exper
 def head_counts(model) -> dict[str, dict[str, int]]:
     """{tree path of a module with heads: {"heads": query heads, "kv_heads": key/value
     heads}} for the model's attention modules (`num_heads`/`kv_heads`, or `heads`)."""
+
     def has_heads(x):
         return isinstance(x, eqx.Module) and (hasattr(x, "num_heads") or hasattr(x, "heads"))
 
@@ -155,9 +163,13 @@ def _owner_heads(owner: str, heads: Mapping[str, Mapping[str, int]]) -> Mapping[
     return None if best is None else heads[best]
 
 
-def leaf_spec(path: str, shape: tuple[int, ...], sizes: Mapping[str, int],
-              heads: Mapping[str, Mapping[str, int]] | None = None, fallbacks: list[str] | None = None
-              ) -> PartitionSpec:
+def leaf_spec(
+    path: str,
+    shape: tuple[int, ...],
+    sizes: Mapping[str, int],
+    heads: Mapping[str, Mapping[str, int]] | None = None,
+    fallbacks: list[str] | None = None,
+) -> PartitionSpec:
     """The PartitionSpec of an array at tree path `path` (a `keystr`) of `shape` on a mesh
     of axis `sizes` (see the module docstring); each case where a rule could not apply
     is appended to `fallbacks`."""
@@ -277,8 +289,10 @@ def plan_sharding(state, static, mesh: Mesh, *, batch_size: int) -> ShardingPlan
     sizes = _sizes(mesh)
     split = sizes["data"] * sizes["fsdp"]
     if batch_size % split:
-        raise ValueError(f"train.batch_size ({batch_size}) must be divisible by mesh.data x mesh.fsdp "
-                         f"({sizes['data']} x {sizes['fsdp']} = {split}) to split the batch over them")
+        raise ValueError(
+            f"train.batch_size ({batch_size}) must be divisible by mesh.data x mesh.fsdp "
+            f"({sizes['data']} x {sizes['fsdp']} = {split}) to split the batch over them"
+        )
     heads = head_counts(state.model(static))
     fallbacks: list[str] = []
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -292,10 +306,14 @@ def plan_sharding(state, static, mesh: Mesh, *, batch_size: int) -> ShardingPlan
 
     shardings = jax.tree_util.tree_map_with_path(spec, state)
     if fallbacks:
-        log.info("sharding: %d rule(s) could not apply and those dimensions are replicated: %s",
-                 len(fallbacks), "; ".join(fallbacks[:8]) + (" ..." if len(fallbacks) > 8 else ""))
-    return ShardingPlan(mesh, shardings, NamedSharding(mesh, batch_spec(sizes, batch_size)), replicated,
-                        tuple(fallbacks))
+        log.info(
+            "sharding: %d rule(s) could not apply and those dimensions are replicated: %s",
+            len(fallbacks),
+            "; ".join(fallbacks[:8]) + (" ..." if len(fallbacks) > 8 else ""),
+        )
+    return ShardingPlan(
+        mesh, shardings, NamedSharding(mesh, batch_spec(sizes, batch_size)), replicated, tuple(fallbacks)
+    )
 
 
 def jit_train_step(step, plan: ShardingPlan | None):
@@ -304,5 +322,6 @@ def jit_train_step(step, plan: ShardingPlan | None):
     split, metrics replicated)."""
     if plan is None:
         return jax.jit(step, donate_argnums=(0,))
-    return jax.jit(step, donate_argnums=(0,), in_shardings=(plan.state, plan.batch),
-                   out_shardings=(plan.state, plan.replicated))
+    return jax.jit(
+        step, donate_argnums=(0,), in_shardings=(plan.state, plan.batch), out_shardings=(plan.state, plan.replicated)
+    )

@@ -59,8 +59,13 @@ def make_experiment_optimizer(experiment) -> tuple[optax.GradientTransformation,
     """The optimizer and learning-rate schedule of `experiment.train`."""
     t = experiment.train
     return make_optimizer(
-        optimizer=t.optimizer, learning_rate=t.learning_rate, warmup_steps=t.warmup_steps, total_steps=t.steps,
-        schedule=t.schedule, weight_decay=t.weight_decay, clip_norm=t.clip_norm,
+        optimizer=t.optimizer,
+        learning_rate=t.learning_rate,
+        warmup_steps=t.warmup_steps,
+        total_steps=t.steps,
+        schedule=t.schedule,
+        weight_decay=t.weight_decay,
+        clip_norm=t.clip_norm,
     )
 
 
@@ -72,8 +77,14 @@ def init_train_state(experiment) -> tuple[TrainState, PyTree, optax.GradientTran
     model = build_model(experiment.model, key=jax.random.fold_in(rng, 0))
     params, drawn, static = split_model(model)
     optimizer, schedule = make_experiment_optimizer(experiment)
-    state = TrainState(params=params, drawn=drawn, opt_state=optimizer.init(params),
-                       step=jnp.zeros((), jnp.int32), rng=rng, memory=init_train_memory(model, experiment.train.batch_size))
+    state = TrainState(
+        params=params,
+        drawn=drawn,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=rng,
+        memory=init_train_memory(model, experiment.train.batch_size),
+    )
     return state, static, optimizer, schedule
 
 
@@ -85,8 +96,14 @@ def _is_key(x) -> bool:
 
 
 def _tree(state: TrainState) -> dict[str, Any]:
-    return {"params": state.params, "drawn": state.drawn, "opt_state": state.opt_state, "step": state.step,
-            "rng": state.rng, "memory": state.memory}
+    return {
+        "params": state.params,
+        "drawn": state.drawn,
+        "opt_state": state.opt_state,
+        "step": state.step,
+        "rng": state.rng,
+        "memory": state.memory,
+    }
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:
@@ -95,13 +112,15 @@ def state_dict(state: TrainState) -> dict[str, Any]:
     for group, tree in _tree(state).items():  # params first (jax would sort the groups' names)
         for path, x in jax.tree_util.tree_leaves_with_path(tree):
             out[jax.tree_util.keystr((jax.tree_util.DictKey(group), *path))] = (
-                jax.random.key_data(x) if _is_key(x) else x)
+                jax.random.key_data(x) if _is_key(x) else x
+            )
     return out
 
 
 def load_state_dict(values: dict[str, Any], template: TrainState) -> TrainState:
     """`template` with each leaf replaced by `values[its tree path]` (key data re-wrapped as
     PRNG keys). A ValueError names the first path `values` lacks or a shape mismatch."""
+
     def put(path, old):
         name = jax.tree_util.keystr(path)
         if name not in values:
@@ -114,5 +133,11 @@ def load_state_dict(values: dict[str, Any], template: TrainState) -> TrainState:
         return new.astype(old.dtype) if not _is_key(old) and new.dtype != old.dtype else new
 
     tree = jax.tree_util.tree_map_with_path(put, _tree(template))
-    return TrainState(params=tree["params"], drawn=tree["drawn"], opt_state=tree["opt_state"],
-                      step=jnp.asarray(np.asarray(tree["step"]), jnp.int32), rng=tree["rng"], memory=tree["memory"])
+    return TrainState(
+        params=tree["params"],
+        drawn=tree["drawn"],
+        opt_state=tree["opt_state"],
+        step=jnp.asarray(np.asarray(tree["step"]), jnp.int32),
+        rng=tree["rng"],
+        memory=tree["memory"],
+    )

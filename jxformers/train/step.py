@@ -48,8 +48,11 @@ def _forward(model, batch, key, inference, owners=None):
     keys = None if key is None else jax.random.split(key, batch["tokens"].shape[0])  # None vmaps as an empty tree
     moe = has_moe(model)
     if owners is None and not moe:
-        return jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(
-            batch["tokens"], batch["mask"], keys), [], []
+        return (
+            jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(batch["tokens"], batch["mask"], keys),
+            [],
+            [],
+        )
 
     def one(t, m, k):
         sink: list = []  # the MoE layers' aux dicts, collected within this trace
@@ -65,8 +68,9 @@ def _forward(model, batch, key, inference, owners=None):
     return out, [reduce_aux(a) for a in layers], records
 
 
-def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool = False, owners=None
-                     ) -> tuple[jax.Array, LossAux]:
+def loss_and_metrics(
+    model, batch: dict[str, jax.Array], key, *, inference: bool = False, owners=None
+) -> tuple[jax.Array, LossAux]:
     """Mean cross-entropy (plus the MoE layers' weighted auxiliary losses, averaged over
     the batch, when the model has any) and its `LossAux`, for a classification batch
     (`label`) or a language-modelling batch (`loss_mask`). With `owners` (a list to
@@ -85,8 +89,9 @@ def loss_and_metrics(model, batch: dict[str, jax.Array], key, *, inference: bool
     return objective, LossAux((total, correct, weights.sum()), records, layers)
 
 
-def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_accum: int,
-                    sharding: ShardingPlan | None = None):
+def make_train_step(
+    static, optimizer: optax.GradientTransformation, *, grad_accum: int, sharding: ShardingPlan | None = None
+):
     """A jitted (state, batch) -> (state, metrics) with the state donated; metrics: loss,
     accuracy, grad_norm, finite (the update was applied), and per MoE layer its
     `layer_metrics` (means over micro-batches; counts summed). With a `sharding` plan
@@ -120,7 +125,8 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
 
             zero = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), jax.tree.map(jnp.zeros_like, params))
             (loss, stats, grads), (records, layers) = jax.lax.scan(
-                body, zero, (micro, jax.random.split(key, grad_accum)))
+                body, zero, (micro, jax.random.split(key, grad_accum))
+            )
             records = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), records)  # micro-batches back to one batch
             layers = [reduce_aux(a) for a in layers]
             loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
@@ -129,14 +135,24 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        metrics = {"loss": loss, "accuracy": stats[1] / jnp.maximum(stats[2], 1.0), "grad_norm": grad_norm,
-                   "finite": finite, **layer_metrics(layers)}
+        metrics = {
+            "loss": loss,
+            "accuracy": stats[1] / jnp.maximum(stats[2], 1.0),
+            "grad_norm": grad_norm,
+            "finite": finite,
+            **layer_metrics(layers),
+        }
         drawn = state.drawn
         if updating:  # state moved outside the gradient (k-means centroids)
             _, drawn, _ = split_model(update_arrays(eqx.combine(params, drawn, static), owners, records))
             drawn = keep(drawn, state.drawn)
-        new_state = TrainState(params=keep(new_params, params), drawn=drawn,
-                               opt_state=keep(new_opt_state, state.opt_state), step=state.step + 1, rng=state.rng)
+        new_state = TrainState(
+            params=keep(new_params, params),
+            drawn=drawn,
+            opt_state=keep(new_opt_state, state.opt_state),
+            step=state.step + 1,
+            rng=state.rng,
+        )
         return new_state, metrics
 
     return jit_train_step(step, sharding)
@@ -156,8 +172,7 @@ def make_eval_step(static):
     return step
 
 
-def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_model: bool = False
-             ) -> dict[str, float]:
+def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_model: bool = False) -> dict[str, float]:
     """Mean loss and accuracy over `batches` batches; for language models also the loss
     in bits per predicted token (bits per dimension for pixels, per byte for text)."""
     total = correct = count = 0.0

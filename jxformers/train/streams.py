@@ -83,8 +83,12 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
                 out, memory = micro(params, state.drawn, b, m, k)
                 return jax.tree.map(jnp.add, acc, out), memory
 
-            zero = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), jnp.zeros(()),
-                    jax.tree.map(jnp.zeros_like, params))
+            zero = (
+                jnp.zeros(()),
+                (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())),
+                jnp.zeros(()),
+                jax.tree.map(jnp.zeros_like, params),
+            )
             xs = (jax.tree.map(split, batch), jax.tree.map(split, state.memory), jax.random.split(key, grad_accum))
             (loss, stats, recon, grads), memory = jax.lax.scan(body, zero, xs)
             memory = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), memory)  # micro-batches back to the rows
@@ -96,12 +100,19 @@ def make_train_step(static, optimizer: optax.GradientTransformation, *, grad_acc
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         memory = keep(memory, jax.tree.map(jnp.zeros_like, state.memory))
-        metrics = {"loss": loss, "accuracy": stats[1] / jnp.maximum(stats[2], 1.0), "grad_norm": grad_norm,
-                   "finite": finite}
+        metrics = {
+            "loss": loss,
+            "accuracy": stats[1] / jnp.maximum(stats[2], 1.0),
+            "grad_norm": grad_norm,
+            "finite": finite,
+        }
         if compressive:
             metrics["reconstruction_loss"] = recon
-        new_state = eqx.tree_at(lambda s: (s.params, s.opt_state, s.step, s.memory), state,
-                                (keep(new_params, params), keep(new_opt_state, state.opt_state), state.step + 1, memory))
+        new_state = eqx.tree_at(
+            lambda s: (s.params, s.opt_state, s.step, s.memory),
+            state,
+            (keep(new_params, params), keep(new_opt_state, state.opt_state), state.step + 1, memory),
+        )
         return new_state, metrics
 
     return jit_train_step(step, sharding)

@@ -54,8 +54,9 @@ def _bytes_field(number: int, data: bytes) -> bytes:
     return _field(number, 2, _varint(len(data)) + data)
 
 
-def encode_event(*, wall_time: float, step: int = 0, scalars: dict[str, float] | None = None,
-                 file_version: str | None = None) -> bytes:
+def encode_event(
+    *, wall_time: float, step: int = 0, scalars: dict[str, float] | None = None, file_version: str | None = None
+) -> bytes:
     """An `Event` message: wall_time (1, double), step (2, int64), file_version (3) or a
     Summary (5) of Value{tag (1), simple_value (2, float)}."""
     out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))

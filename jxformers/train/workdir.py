@@ -38,13 +38,32 @@ CHECKPOINTS = "checkpoints"
 # tree, the data order or the meaning of the steps already taken (workers and a built
 # split give the same records; the iterator state is rewritten for the worker count;
 # model.attention.impl picks a kernel for the same function and the same parameters).
-RESUMABLE = frozenset({
-    "data.workers", "data.path", "model.attention.impl", "model.decoder.cross_attention.impl",
-    "train.steps", "train.learning_rate", "train.warmup_steps", "train.schedule", "train.weight_decay",
-    "train.eval_every", "train.eval_batches", "train.log_every", "train.on_nonfinite",
-    "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.best_metric", "checkpoint.best_mode",
-    "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.expert",  # checkpoints restore onto another mesh
-})
+RESUMABLE = frozenset(
+    {
+        "data.workers",
+        "data.path",
+        "model.attention.impl",
+        "model.decoder.cross_attention.impl",
+        "train.steps",
+        "train.learning_rate",
+        "train.warmup_steps",
+        "train.schedule",
+        "train.weight_decay",
+        "train.eval_every",
+        "train.eval_batches",
+        "train.log_every",
+        "train.on_nonfinite",
+        "checkpoint.every",
+        "checkpoint.keep",
+        "checkpoint.async_save",
+        "checkpoint.best_metric",
+        "checkpoint.best_mode",
+        "mesh.data",
+        "mesh.fsdp",
+        "mesh.tensor",
+        "mesh.expert",  # checkpoints restore onto another mesh
+    }
+)
 # Labels, not settings: the resolved sections are what is compared.
 _LABELS = ("name", "preset")
 # Model fields that come from the data: the saved config holds them, load_experiment refuses them.
@@ -62,8 +81,9 @@ def check_workdir(path: str | os.PathLike, *, exists: bool) -> pathlib.Path:
     if path.exists() and not path.is_dir():
         raise ValueError(f"work directory {str(path)!r} is a file, not a directory")
     if exists and not path.exists():
-        raise ValueError(f"work directory {str(path)!r} does not exist: train first "
-                         f"(jxformers train CONFIG --workdir {path})")
+        raise ValueError(
+            f"work directory {str(path)!r} does not exist: train first (jxformers train CONFIG --workdir {path})"
+        )
     return path
 
 
@@ -106,8 +126,10 @@ def differences(saved: Mapping, new: Mapping, *, section: str | None = None) -> 
     """{dotted key: (saved value, new value)} for every resolved value that differs (in one
     `section` only, when given)."""
     # Both as they read back from config.yaml (tuples become lists).
-    a, b = ({k: v for k, v in _flat(yaml.safe_load(yaml.safe_dump(dict(tree)))).items()
-             if k.split(".")[0] not in _LABELS} for tree in (saved, new))
+    a, b = (
+        {k: v for k, v in _flat(yaml.safe_load(yaml.safe_dump(dict(tree)))).items() if k.split(".")[0] not in _LABELS}
+        for tree in (saved, new)
+    )
     # A setting added after the run was saved reads as its default there, so that old runs
     # resume under a newer version unless the rerun asks for something else.
     defaults = _field_defaults()
@@ -142,7 +164,8 @@ def check_rerun(workdir: pathlib.Path, experiment: Experiment) -> dict[str, tupl
         raise ValueError(
             f"the config changed since the checkpoints in {workdir} were written: {describe(refused)}. "
             f"Rerun with the run's config ({workdir / CONFIG}) or use a new work directory; a rerun may change "
-            f"only {sorted(RESUMABLE)}.")
+            f"only {sorted(RESUMABLE)}."
+        )
     return changes
 
 
@@ -163,8 +186,10 @@ def _overrides_for_saved(saved: dict[str, Any], overrides: Sequence[str]) -> lis
         if path != ["preset"]:
             kept.append(text)
         elif value != saved.get("preset"):
-            raise ValueError(f"--set {text}: the run was trained with preset {saved.get('preset')!r}; a preset "
-                             f"cannot change after training (its model is in the checkpoints)")
+            raise ValueError(
+                f"--set {text}: the run was trained with preset {saved.get('preset')!r}; a preset "
+                f"cannot change after training (its model is in the checkpoints)"
+            )
     return kept
 
 
@@ -173,13 +198,17 @@ def load_run_experiment(workdir: pathlib.Path, overrides: Sequence[str] = ()) ->
     leave the model alone (eval sizes, batch size); one that changes the model is refused."""
     saved = saved_config(workdir)
     if saved is None:
-        raise ValueError(f"{workdir} holds no {CONFIG} (is it a work directory of jxformers train?); for a run "
-                         f"from before config.yaml was saved, name its experiment: CONFIG --workdir {workdir}")
+        raise ValueError(
+            f"{workdir} holds no {CONFIG} (is it a work directory of jxformers train?); for a run "
+            f"from before config.yaml was saved, name its experiment: CONFIG --workdir {workdir}"
+        )
     experiment = load_experiment(_base_config(saved), _overrides_for_saved(saved, overrides))
     changed = differences(saved, experiment.raw, section="model")
     if changed:
-        raise ValueError(f"--set would change the model the checkpoints in {workdir} were trained with "
-                         f"({describe(changed)}); only settings outside the model can change after training")
+        raise ValueError(
+            f"--set would change the model the checkpoints in {workdir} were trained with "
+            f"({describe(changed)}); only settings outside the model can change after training"
+        )
     return experiment
 
 
@@ -188,8 +217,10 @@ def model_disagreement(run: Experiment, given: Experiment) -> str | None:
     changed = differences(run.raw, given.raw, section="model")
     if not changed:
         return None
-    return (f"the config given on the command line builds another model than the run's ({describe(changed)}); "
-            f"using the run's config")
+    return (
+        f"the config given on the command line builds another model than the run's ({describe(changed)}); "
+        f"using the run's config"
+    )
 
 
 def _holder(path: pathlib.Path) -> str:
@@ -210,14 +241,21 @@ def workdir_lock(workdir: pathlib.Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise WorkdirLocked(f"{workdir} is in use by another jxformers train ({_holder(path)}); wait for "
-                                f"it to finish or stop it, or use another work directory") from None
+            raise WorkdirLocked(
+                f"{workdir} is in use by another jxformers train ({_holder(path)}); wait for "
+                f"it to finish or stop it, or use another work directory"
+            ) from None
         except OSError as error:  # a file system without locks (some network mounts): run, but say so
-            warnings.warn(f"cannot lock {path} ({error.strerror}); a second train on {workdir} would not be "
-                          f"stopped", stacklevel=3)
+            warnings.warn(
+                f"cannot lock {path} ({error.strerror}); a second train on {workdir} would not be stopped", stacklevel=3
+            )
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            ).encode(),
+        )
         yield
     finally:
         os.close(fd)  # closing releases the flock

@@ -1,9 +1,8 @@
 """`ModelConfig` and `build_model`: a model from its components.
 
-    >>> config = ModelConfig(task="lm", vocab_size=256,
-    ...                      attention={"name": "performer", "num_features": 64})
+    >>> config = ModelConfig(task="lm", vocab_size=256, attention={"name": "performer", "num_features": 64})
     >>> model = build_model(config, key=jax.random.key(0))
-    >>> logits = model(tokens)              # [seq, 256]
+    >>> logits = model(tokens)  # [seq, 256]
 
 A config can also be a plain dict or YAML (text or a path). Everything is checked before
 any array is made: unknown keys, ill-typed or out-of-range values, an unknown attention
@@ -54,15 +53,43 @@ ARCHITECTURES = tuple(STACKS)  # the stack kinds
 def architectures_table() -> str:
     """The stacks and heads a ModelConfig can name (printed by `jxformers list`)."""
     rows = [f"  {name:<14} {', '.join(tasks):<32} {what}" for name, (_, tasks, what) in STACKS.items()]
-    return "\n".join(["stacks (ModelConfig stack kind):", *rows,
-                      f"heads (ModelConfig head kind): {', '.join(HEAD_COMPONENTS)}"])
+    return "\n".join(
+        ["stacks (ModelConfig stack kind):", *rows, f"heads (ModelConfig head kind): {', '.join(HEAD_COMPONENTS)}"]
+    )
 
 
 __all__ = [
-    "ARCHITECTURES", "DTYPES", "FFN_COMPONENTS", "HEAD_COMPONENTS", "OUTPUT_HEADS", "STACKS", "STACK_COMPONENTS",
-    "TASKS", "AttentionConfig", "CompressiveStack", "DecoderConfig", "EmbeddingConfig", "FeedForwardConfig",
-    "FlatConfigWarning", "ISABStack", "LayerConfig", "LunaStack", "MixtureHead", "MoEConfig", "ModelConfig",
-    "NormConfig", "PKMConfig", "PerceiverStack", "PooledHead", "ShortSequenceWarning", "SoftmaxHead",
-    "TokenLearnerConfig", "TransformerStack", "TransformerXLStack", "architectures_table", "bind_attention",
-    "build_model", "warn_if_dense",
+    "ARCHITECTURES",
+    "DTYPES",
+    "FFN_COMPONENTS",
+    "HEAD_COMPONENTS",
+    "OUTPUT_HEADS",
+    "STACKS",
+    "STACK_COMPONENTS",
+    "TASKS",
+    "AttentionConfig",
+    "CompressiveStack",
+    "DecoderConfig",
+    "EmbeddingConfig",
+    "FeedForwardConfig",
+    "FlatConfigWarning",
+    "ISABStack",
+    "LayerConfig",
+    "LunaStack",
+    "MixtureHead",
+    "MoEConfig",
+    "ModelConfig",
+    "NormConfig",
+    "PKMConfig",
+    "PerceiverStack",
+    "PooledHead",
+    "ShortSequenceWarning",
+    "SoftmaxHead",
+    "TokenLearnerConfig",
+    "TransformerStack",
+    "TransformerXLStack",
+    "architectures_table",
+    "bind_attention",
+    "build_model",
+    "warn_if_dense",
 ]

@@ -29,7 +29,8 @@ def warn_if_dense(bound: registry.BoundAttention, max_len: int) -> None:
             f"{name} attention at max_len {max_len}: {what} spans {width} >= {max_len}, so it is dense at this "
             f"length and costs at least softmax's time and memory; use softmax, or smaller hyper-parameters "
             f"(now {dict(bound.hyper_parameters)})",
-            ShortSequenceWarning, stacklevel=3,
+            ShortSequenceWarning,
+            stacklevel=3,
         )
 
 
@@ -46,8 +47,10 @@ def bind_attention(attention: AttentionConfig | str, max_len: int) -> registry.B
         hyper_parameters["impl"] = impl
     elif impl not in ("auto", "xla"):
         with_kernels = [n for n in registry.names() if any(p.name == "impl" for p in registry.get(n).hyper_parameters)]
-        raise ValueError(f"impl {impl!r}: {name} attention has no Pallas kernel; attentions with one: {with_kernels} "
-                         "(set impl per layer with stack.layer_overrides)")
+        raise ValueError(
+            f"impl {impl!r}: {name} attention has no Pallas kernel; attentions with one: {with_kernels} "
+            "(set impl per layer with stack.layer_overrides)"
+        )
     role = spec.covers_length
     if role is not None:
         hyper_parameters.setdefault(role, max_len)

@@ -51,42 +51,74 @@ def as_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike) -> Mo
 def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
     """A block's FFN: a FeedForward, an MoE or a product-key memory."""
     if isinstance(ffn, MoEConfig):
-        return MoE(config.d_model, d_ff(ffn, config.d_model), **ffn.settings(), causal=config.causal,
-                   dropout=config.dropout, key=key)
+        return MoE(
+            config.d_model,
+            d_ff(ffn, config.d_model),
+            **ffn.settings(),
+            causal=config.causal,
+            dropout=config.dropout,
+            key=key,
+        )
     if isinstance(ffn, PKMConfig):
         return ProductKeyMemory(config.d_model, **ffn.settings(), dropout=config.dropout, key=key)
-    return FeedForward(config.d_model, d_ff(ffn, config.d_model), ffn.kind, dropout=config.dropout,
-                       chunk_size=ffn.chunk_size, key=key)
+    return FeedForward(
+        config.d_model, d_ff(ffn, config.d_model), ffn.kind, dropout=config.dropout, chunk_size=ffn.chunk_size, key=key
+    )
 
 
 def _dense(config: ModelConfig) -> dict[str, Any]:
     """The FeedForward settings of the stacks that build their own blocks (and PMA)."""
     ffn = config.ffn
     assert isinstance(ffn, FeedForwardConfig), ffn  # ModelConfig refuses moe / pkm there
-    return dict(d_ff=d_ff(ffn, config.d_model), ffn=ffn.kind, norm=config.norm.kind,
-                pre_norm=config.norm.placement == "pre", dropout=config.dropout)
+    return dict(
+        d_ff=d_ff(ffn, config.d_model),
+        ffn=ffn.kind,
+        norm=config.norm.kind,
+        pre_norm=config.norm.placement == "pre",
+        dropout=config.dropout,
+    )
 
 
-def _blocks(config: ModelConfig, count: int, *, causal: bool, cross: bool, key,
-            pooled: frozenset[int] = frozenset()) -> list[Block]:
+def _blocks(
+    config: ModelConfig, count: int, *, causal: bool, cross: bool, key, pooled: frozenset[int] = frozenset()
+) -> list[Block]:
     """`count` transformer blocks; those in `pooled` (Funnel's pooling layers) get a
     self-attention that takes its keys and values from a separate sequence."""
     blocks = []
     for i, k in enumerate(jax.random.split(key, count)):
         ka, kc, kf = jax.random.split(k, 3)
         attention = Attention(
-            config.bound_attention(i), config.d_model, config.num_heads, kv_heads=config.kv_heads, causal=causal,
-            cross=i in pooled, rope=config.embedding.position == "rope", key=ka,
+            config.bound_attention(i),
+            config.d_model,
+            config.num_heads,
+            kv_heads=config.kv_heads,
+            causal=causal,
+            cross=i in pooled,
+            rope=config.embedding.position == "rope",
+            key=ka,
         )
         cross_attention = None
         if cross:
-            cross_attention = Attention(config.bound_cross_attention(), config.d_model, config.num_heads,
-                                        kv_heads=config.kv_heads, cross=True, key=kc)
-        blocks.append(Block(
-            attention, _ffn(config, config.layer(i).ffn, key=kf), d_model=config.d_model, norm=config.norm.kind,
-            pre_norm=config.norm.placement == "pre", cross_attention=cross_attention, dropout=config.dropout,
-            norm_eps=config.norm.eps,
-        ))
+            cross_attention = Attention(
+                config.bound_cross_attention(),
+                config.d_model,
+                config.num_heads,
+                kv_heads=config.kv_heads,
+                cross=True,
+                key=kc,
+            )
+        blocks.append(
+            Block(
+                attention,
+                _ffn(config, config.layer(i).ffn, key=kf),
+                d_model=config.d_model,
+                norm=config.norm.kind,
+                pre_norm=config.norm.placement == "pre",
+                cross_attention=cross_attention,
+                dropout=config.dropout,
+                norm_eps=config.norm.eps,
+            )
+        )
     return blocks
 
 
@@ -95,11 +127,22 @@ def _stack(config: ModelConfig, *, causal: bool, key, pooled: frozenset[int] = f
     Funnel's pooling layers (transformer blocks only)."""
     stack = config.stack
     if isinstance(stack, ISABStack):
-        return [ISAB(config.d_model, config.num_heads, num_inducing=stack.num_inducing, **_dense(config), key=k)
-                for k in jax.random.split(key, config.num_layers)]
+        return [
+            ISAB(config.d_model, config.num_heads, num_inducing=stack.num_inducing, **_dense(config), key=k)
+            for k in jax.random.split(key, config.num_layers)
+        ]
     if isinstance(stack, LunaStack):
-        return [LunaModule(config.d_model, config.num_heads, num_layers=config.num_layers,
-                           packed_len=stack.packed_len, causal=causal, **_dense(config), key=key)]
+        return [
+            LunaModule(
+                config.d_model,
+                config.num_heads,
+                num_layers=config.num_layers,
+                packed_len=stack.packed_len,
+                causal=causal,
+                **_dense(config),
+                key=key,
+            )
+        ]
     return _blocks(config, config.num_layers, causal=causal, cross=False, key=key, pooled=pooled)
 
 
@@ -107,8 +150,17 @@ def _pma(config: ModelConfig, key) -> PMA | None:
     if not isinstance(config.head, PooledHead) or config.head.kind != "pma":
         return None
     dense = _dense(config)
-    return PMA(config.d_model, config.num_heads, num_seeds=config.head.pma_seeds, d_ff=dense["d_ff"],
-               ffn=dense["ffn"], norm=dense["norm"], pre_norm=dense["pre_norm"], dropout=config.dropout, key=key)
+    return PMA(
+        config.d_model,
+        config.num_heads,
+        num_seeds=config.head.pma_seeds,
+        d_ff=dense["d_ff"],
+        ffn=dense["ffn"],
+        norm=dense["norm"],
+        pre_norm=dense["pre_norm"],
+        dropout=config.dropout,
+        key=key,
+    )
 
 
 def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array):
@@ -126,60 +178,108 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
 
     def embedding(k, causal):
         assert embed.position is not None  # ModelConfig resolves it from the stack
-        positions = Positions(embed.position, dim=config.d_model, heads=config.num_heads, max_len=config.max_len,
-                              causal=causal, key=k)
+        positions = Positions(
+            embed.position, dim=config.d_model, heads=config.num_heads, max_len=config.max_len, causal=causal, key=k
+        )
         kt, _ = jax.random.split(k)
         embed_norm = make_norm(norm.kind, config.d_model, norm.eps) if embed.norm else None
-        return Embedding(config.vocab_size, config.d_model, positions, dtype=config.dtype, scale=embed.scale,
-                         type_vocab_size=embed.type_vocab_size, norm=embed_norm, key=kt)
+        return Embedding(
+            config.vocab_size,
+            config.d_model,
+            positions,
+            dtype=config.dtype,
+            scale=embed.scale,
+            type_vocab_size=embed.type_vocab_size,
+            norm=embed_norm,
+            key=kt,
+        )
 
     def token_learner():
         tl = getattr(stack, "token_learner", None)
         if tl is None:
             return None
-        return TokenLearnerStage(config.d_model, num_layers=config.num_layers, after_layer=tl.after_layer,
-                                 num_tokens=tl.num_tokens, fuse=tl.fuse, maps=tl.maps, bottleneck=tl.bottleneck,
-                                 key=jax.random.fold_in(keys[2], 7))
+        return TokenLearnerStage(
+            config.d_model,
+            num_layers=config.num_layers,
+            after_layer=tl.after_layer,
+            num_tokens=tl.num_tokens,
+            fuse=tl.fuse,
+            maps=tl.maps,
+            bottleneck=tl.bottleneck,
+            key=jax.random.fold_in(keys[2], 7),
+        )
 
     def encoder(use_cls):
         if isinstance(stack, PerceiverStack):
             dense = _dense(config)
             return PerceiverEncoder(
-                embedding(keys[0], False), _blocks(config, config.num_layers, causal=False, cross=False, key=keys[1]),
-                make_norm(norm.kind, config.d_model), num_latents=stack.num_latents,
-                cross_attends=stack.cross_attends, d_ff=dense["d_ff"], ffn=dense["ffn"], norm_kind=norm.kind,
-                pre_norm=dense["pre_norm"], dropout=config.dropout, max_len=config.max_len, key=keys[2],
+                embedding(keys[0], False),
+                _blocks(config, config.num_layers, causal=False, cross=False, key=keys[1]),
+                make_norm(norm.kind, config.d_model),
+                num_latents=stack.num_latents,
+                cross_attends=stack.cross_attends,
+                d_ff=dense["d_ff"],
+                ffn=dense["ffn"],
+                norm_kind=norm.kind,
+                pre_norm=dense["pre_norm"],
+                dropout=config.dropout,
+                max_len=config.max_len,
+                key=keys[2],
             )
         transformer = stack if isinstance(stack, TransformerStack) else TransformerStack()  # isab, luna: none
         pooled = frozenset(transformer.filters) if transformer.downsample == "funnel" else frozenset()
         return Encoder(
-            embedding(keys[0], False), _stack(config, causal=False, key=keys[1], pooled=pooled),
+            embedding(keys[0], False),
+            _stack(config, causal=False, key=keys[1], pooled=pooled),
             make_norm(norm.kind, config.d_model, norm.eps) if norm.final else None,
-            max_len=config.max_len, use_cls=use_cls, filters=transformer.filters, downsample=transformer.downsample,
-            reversible=transformer.reversible, token_learner=token_learner(), key=keys[2],
+            max_len=config.max_len,
+            use_cls=use_cls,
+            filters=transformer.filters,
+            downsample=transformer.downsample,
+            reversible=transformer.reversible,
+            token_learner=token_learner(),
+            key=keys[2],
         )
 
     def decoder(layers, cross):
         head = None
         if isinstance(config.head, MixtureHead) and not cross:
-            head = MixtureOfLogistics(config.d_model, config.vocab_size, config.head.components,
-                                      key=jax.random.fold_in(keys[5], 1))
-        blocks: list[Any] = _blocks(config, layers, causal=True, cross=True, key=keys[4]) if cross else \
-            _stack(config, causal=True, key=keys[4])
+            head = MixtureOfLogistics(
+                config.d_model, config.vocab_size, config.head.components, key=jax.random.fold_in(keys[5], 1)
+            )
+        blocks: list[Any] = (
+            _blocks(config, layers, causal=True, cross=True, key=keys[4])
+            if cross
+            else _stack(config, causal=True, key=keys[4])
+        )
         return LanguageModel(
-            embedding(keys[3], True), blocks, make_norm(norm.kind, config.d_model, norm.eps), max_len=config.max_len,
-            tie=getattr(config.head, "tie_embeddings", True), reversible=getattr(stack, "reversible", False),
-            head=head, key=keys[5],
+            embedding(keys[3], True),
+            blocks,
+            make_norm(norm.kind, config.d_model, norm.eps),
+            max_len=config.max_len,
+            tie=getattr(config.head, "tie_embeddings", True),
+            reversible=getattr(stack, "reversible", False),
+            head=head,
+            key=keys[5],
         )
 
     if isinstance(stack, (TransformerXLStack, CompressiveStack)):
         compressive = stack if isinstance(stack, CompressiveStack) else None
         return RecurrentLM(
-            config.vocab_size, config.d_model, config.num_heads, config.num_layers, **_dense(config),
-            mem_len=stack.mem_len, eval_mem_len=stack.eval_mem_len, cmem_len=compressive.cmem_len if compressive else 0,
+            config.vocab_size,
+            config.d_model,
+            config.num_heads,
+            config.num_layers,
+            **_dense(config),
+            mem_len=stack.mem_len,
+            eval_mem_len=stack.eval_mem_len,
+            cmem_len=compressive.cmem_len if compressive else 0,
             compression=compressive.compression if compressive else "conv",
-            rate=compressive.compression_rate if compressive else 1, max_len=config.max_len,
-            tie=getattr(config.head, "tie_embeddings", True), dtype=config.dtype, key=keys[4],
+            rate=compressive.compression_rate if compressive else 1,
+            max_len=config.max_len,
+            tie=getattr(config.head, "tie_embeddings", True),
+            dtype=config.dtype,
+            key=keys[4],
         )
     if config.task == "lm":
         return decoder(config.num_layers, cross=False)
@@ -188,8 +288,13 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         assert isinstance(source, Encoder)  # seq2seq: a transformer stack (STACKS)
         return EncoderDecoder(source, decoder(config.decoder_layers, cross=True))
     assert isinstance(config.head, PooledHead)  # ModelConfig gives encoder tasks a pooled head
-    tower = Classifier(encoder(config.head.kind == "cls"), config.num_classes, pooling=config.head.kind,
-                       pma=_pma(config, jax.random.fold_in(keys[6], 1)), key=keys[6])
+    tower = Classifier(
+        encoder(config.head.kind == "cls"),
+        config.num_classes,
+        pooling=config.head.kind,
+        pma=_pma(config, jax.random.fold_in(keys[6], 1)),
+        key=keys[6],
+    )
     if config.task == "classify":
         return tower
     return DualClassifier(tower, config.num_classes, key=keys[7])

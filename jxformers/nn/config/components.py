@@ -70,8 +70,9 @@ class AttentionConfig:
         if isinstance(value, str):
             return cls(name=value)
         if not isinstance(value, Mapping):
-            raise ValueError(f"{where} must be an attention name or a mapping {{name: ..., <hyper-parameter>: ...}}; "
-                             f"got {value!r}")
+            raise ValueError(
+                f"{where} must be an attention name or a mapping {{name: ..., <hyper-parameter>: ...}}; got {value!r}"
+            )
         values = dict(value)
         if "hyper_parameters" in values:  # the dataclass's own spelling (dataclasses.asdict)
             values |= values.pop("hyper_parameters") or {}
@@ -91,9 +92,13 @@ class AttentionConfig:
 class EmbeddingConfig:
     """Token embeddings and positions."""
 
-    position: str | None = setting(None, "positions: added to the embeddings, rotary, or a logit bias (None: "
-                                         "none for the recurrent stacks, whose own are relative; sinusoidal "
-                                         "otherwise)", choices=(*POSITION_KINDS, None))
+    position: str | None = setting(
+        None,
+        "positions: added to the embeddings, rotary, or a logit bias (None: "
+        "none for the recurrent stacks, whose own are relative; sinusoidal "
+        "otherwise)",
+        choices=(*POSITION_KINDS, None),
+    )
     scale: bool = setting(True, "multiply token embeddings by sqrt(d_model) (Vaswani et al.); BERT does not")
     norm: bool = setting(False, "a norm on the summed embeddings (BERT's embedding LayerNorm)")
     type_vocab_size: int = setting(0, "token-type (segment) embeddings added to the tokens (0: none; BERT: 2)")
@@ -109,9 +114,12 @@ class NormConfig:
     """Every norm of the model."""
 
     kind: str = setting("layernorm", "layernorm or rmsnorm", choices=NORM_KINDS)
-    placement: str | None = setting(None, "pre or post the residual branch (None: the stack's paper; pre for the "
-                                          "transformer, the stable choice of Xiong et al. 2020)",
-                                    choices=(*NORM_PLACEMENTS, None))
+    placement: str | None = setting(
+        None,
+        "pre or post the residual branch (None: the stack's paper; pre for the "
+        "transformer, the stable choice of Xiong et al. 2020)",
+        choices=(*NORM_PLACEMENTS, None),
+    )
     eps: float | None = setting(None, "epsilon (None: LayerNorm 1e-5, RMSNorm 1e-6; BERT 1e-12)")
     final: bool = setting(True, "a norm after the last block; BERT's post-norm encoder has none")
 
@@ -138,8 +146,7 @@ class FeedForwardConfig:
         _at_least(self, "ffn.", 1, "d_ff", "chunk_size")
 
 
-FFN_COMPONENTS: dict[str, type] = {kind: FeedForwardConfig for kind in FFN_KINDS} | {"moe": MoEConfig,
-                                                                                      "pkm": PKMConfig}
+FFN_COMPONENTS: dict[str, type] = {kind: FeedForwardConfig for kind in FFN_KINDS} | {"moe": MoEConfig, "pkm": PKMConfig}
 FFNConfig = FeedForwardConfig | MoEConfig | PKMConfig
 
 
@@ -179,10 +186,14 @@ class TransformerStack:
     kind: str = setting("transformer", "blocks of the named attention", choices=("transformer",))
     layer_overrides: dict = setting(factory=dict, doc="block index -> {attention, ffn} of that block")
     reversible: bool = setting(False, "Reformer's reversible residual wiring (pre-norm; no filters)")
-    filters: dict = setting(factory=dict, doc="block index -> keep ratio of the downsampling right before it "
-                                              "(the Fourier Transformer's LRA setting: {0: 0.2})")
-    downsample: str = setting("fourier", "fourier (DCT), fourier_rescaled or funnel (Dai et al.'s pooled queries)",
-                              choices=DOWNSAMPLE_KINDS)
+    filters: dict = setting(
+        factory=dict,
+        doc="block index -> keep ratio of the downsampling right before it "
+        "(the Fourier Transformer's LRA setting: {0: 0.2})",
+    )
+    downsample: str = setting(
+        "fourier", "fourier (DCT), fourier_rescaled or funnel (Dai et al.'s pooled queries)", choices=DOWNSAMPLE_KINDS
+    )
     token_learner: TokenLearnerConfig | None = setting(None, "TokenLearner (Ryoo et al. 2021) after a block")
 
     def __post_init__(self):
@@ -194,15 +205,18 @@ class TransformerStack:
                     raise ValueError(f"stack.layer_overrides[{index}] may set attention and ffn; got {unknown}")
                 where = f"stack.layer_overrides[{index}]"
                 layer = LayerConfig(
-                    attention=None if layer.get("attention") is None else AttentionConfig.from_value(
-                        layer["attention"], f"{where}.attention"),
-                    ffn=None if layer.get("ffn") is None else component(layer["ffn"], FFN_COMPONENTS, f"{where}.ffn"))
+                    attention=None
+                    if layer.get("attention") is None
+                    else AttentionConfig.from_value(layer["attention"], f"{where}.attention"),
+                    ffn=None if layer.get("ffn") is None else component(layer["ffn"], FFN_COMPONENTS, f"{where}.ffn"),
+                )
             overrides[index] = layer
         object.__setattr__(self, "layer_overrides", overrides)
         object.__setattr__(self, "filters", _int_keys("stack.filters", self.filters))
         if isinstance(self.token_learner, Mapping):
-            object.__setattr__(self, "token_learner", component(self.token_learner, {None: TokenLearnerConfig},
-                                                                "stack.token_learner"))
+            object.__setattr__(
+                self, "token_learner", component(self.token_learner, {None: TokenLearnerConfig}, "stack.token_learner")
+            )
         check_fields(self, "stack.")
         for index, ratio in self.filters.items():
             if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1):
@@ -283,16 +297,30 @@ class CompressiveStack:
         check_fields(self, "stack.")
         _at_least(self, "stack.", 1, "mem_len", "cmem_len", "compression_rate")
         _at_least(self, "stack.", 0, "eval_mem_len")
-        bad = {n: v for n, v in (("mem_len", self.mem_len), ("eval_mem_len", self.eval_mem_len))
-               if v is not None and v % self.compression_rate}
+        bad = {
+            n: v
+            for n, v in (("mem_len", self.mem_len), ("eval_mem_len", self.eval_mem_len))
+            if v is not None and v % self.compression_rate
+        }
         if bad:
-            raise ValueError(f"stack 'compressive' compresses whole windows of compression_rate "
-                             f"({self.compression_rate}) states (segments must be too): {sorted(bad)} must be "
-                             f"multiples of it; got {bad}")
+            raise ValueError(
+                f"stack 'compressive' compresses whole windows of compression_rate "
+                f"({self.compression_rate}) states (segments must be too): {sorted(bad)} must be "
+                f"multiples of it; got {bad}"
+            )
 
 
-STACK_COMPONENTS: dict[str, type] = {cls.kind: cls for cls in (  # type: ignore[attr-defined]
-    TransformerStack, ISABStack, LunaStack, PerceiverStack, TransformerXLStack, CompressiveStack)}
+STACK_COMPONENTS: dict[str, type] = {
+    cls.kind: cls
+    for cls in (  # type: ignore[attr-defined]
+        TransformerStack,
+        ISABStack,
+        LunaStack,
+        PerceiverStack,
+        TransformerXLStack,
+        CompressiveStack,
+    )
+}
 StackConfig = TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack
 RECURRENT_STACKS = ("transformer_xl", "compressive")
 # stack kind -> (the norm placement its paper uses, the tasks it serves, what it is)
@@ -318,8 +346,9 @@ class DecoderConfig:
     cross_attention: AttentionConfig = setting(factory=AttentionConfig, doc="the decoder's cross-attention")
 
     def __post_init__(self):
-        object.__setattr__(self, "cross_attention", AttentionConfig.from_value(self.cross_attention,
-                                                                               "decoder.cross_attention"))
+        object.__setattr__(
+            self, "cross_attention", AttentionConfig.from_value(self.cross_attention, "decoder.cross_attention")
+        )
         check_fields(self, "decoder.")
         _at_least(self, "decoder.", 1, "num_layers")
 
@@ -332,8 +361,9 @@ class DecoderConfig:
 class PooledHead:
     """A classifier's pooling and linear head (tasks classify, retrieval)."""
 
-    kind: str = setting("cls", "cls (a prepended token), mean, or pma (Set Transformer's pooling by attention)",
-                        choices=POOLING_KINDS)
+    kind: str = setting(
+        "cls", "cls (a prepended token), mean, or pma (Set Transformer's pooling by attention)", choices=POOLING_KINDS
+    )
     pma_seeds: int = setting(1, "PMA's learned seeds (kind pma)")
 
     def __post_init__(self):
@@ -361,8 +391,9 @@ class MixtureHead:
     """PixelCNN++'s discretized mixture of logistics over the pixel values 0..255
     (Salimans et al. 2017; `jxformers.nn.mixture`): task lm, transformer stack."""
 
-    kind: str = setting("mixture_of_logistics", "a mixture of logistics over pixel values",
-                        choices=("mixture_of_logistics",))
+    kind: str = setting(
+        "mixture_of_logistics", "a mixture of logistics over pixel values", choices=("mixture_of_logistics",)
+    )
     components: int = setting(10, "logistics in the mixture")
 
     def __post_init__(self):
@@ -371,7 +402,9 @@ class MixtureHead:
 
 
 HEAD_COMPONENTS: dict[str, type] = {kind: PooledHead for kind in POOLING_KINDS} | {
-    "softmax": SoftmaxHead, "mixture_of_logistics": MixtureHead}
+    "softmax": SoftmaxHead,
+    "mixture_of_logistics": MixtureHead,
+}
 HeadConfig = PooledHead | SoftmaxHead | MixtureHead
 
 
@@ -389,8 +422,9 @@ def component(value: Any, table: Mapping[Any, type], where: str, *, default_kind
     if isinstance(value, str):
         value = {"kind": value}
     if not isinstance(value, Mapping):
-        raise ValueError(f"{where} must be a kind ({sorted(k for k in table if k)}) or a mapping of settings; "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{where} must be a kind ({sorted(k for k in table if k)}) or a mapping of settings; got {value!r}"
+        )
     values = dict(value)
     kind = values.get("kind", default_kind)
     if kind not in table:
@@ -401,8 +435,11 @@ def component(value: Any, table: Mapping[Any, type], where: str, *, default_kind
     if unknown:
         label = f" {kind!r}" if kind else ""
         raise ValueError(f"{where}{label}: unknown setting(s) {unknown}; known: {sorted(fields)}")
-    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         docs = "; ".join(f"{n}: {fields[n].metadata.get('doc', '')}" for n in missing)
         raise ValueError(f"{where}{' ' + repr(kind) if kind else ''} needs {missing} ({docs}); got {dict(value)}")

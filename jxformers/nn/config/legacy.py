@@ -10,32 +10,69 @@ from typing import Any
 
 # flat key -> where it lives now
 MOVED = {
-    "attention_kwargs": "attention.<hyper-parameter>", "impl": "attention.impl",
-    "cross_attention": "decoder.cross_attention", "cross_attention_kwargs": "decoder.cross_attention.<hyper-parameter>",
+    "attention_kwargs": "attention.<hyper-parameter>",
+    "impl": "attention.impl",
+    "cross_attention": "decoder.cross_attention",
+    "cross_attention_kwargs": "decoder.cross_attention.<hyper-parameter>",
     "decoder_layers": "decoder.num_layers",
-    "d_ff": "ffn.d_ff", "ffn_chunk_size": "ffn.chunk_size", "moe": "ffn: {kind: moe, ...}",
+    "d_ff": "ffn.d_ff",
+    "ffn_chunk_size": "ffn.chunk_size",
+    "moe": "ffn: {kind: moe, ...}",
     "pkm": "ffn: {kind: pkm, ...}",
-    "position": "embedding.position", "embed_scale": "embedding.scale", "embed_norm": "embedding.norm",
+    "position": "embedding.position",
+    "embed_scale": "embedding.scale",
+    "embed_norm": "embedding.norm",
     "type_vocab_size": "embedding.type_vocab_size",
-    "norm_placement": "norm.placement", "norm_eps": "norm.eps", "final_norm": "norm.final",
-    "pooling": "head.kind", "pma_seeds": "head.pma_seeds", "tie_embeddings": "head.tie_embeddings",
-    "output_head": "head.kind", "mixture_components": "head.components",
-    "architecture": "stack.kind", "memory_size": "stack.num_inducing / packed_len / num_latents",
-    "cross_attends": "stack.cross_attends", "filters": "stack.filters", "downsample": "stack.downsample",
-    "layer_overrides": "stack.layer_overrides", "reversible": "stack.reversible",
-    "token_learner": "stack.token_learner", "mem_len": "stack.mem_len", "eval_mem_len": "stack.eval_mem_len",
-    "cmem_len": "stack.cmem_len", "compression": "stack.compression", "compression_rate": "stack.compression_rate",
+    "norm_placement": "norm.placement",
+    "norm_eps": "norm.eps",
+    "final_norm": "norm.final",
+    "pooling": "head.kind",
+    "pma_seeds": "head.pma_seeds",
+    "tie_embeddings": "head.tie_embeddings",
+    "output_head": "head.kind",
+    "mixture_components": "head.components",
+    "architecture": "stack.kind",
+    "memory_size": "stack.num_inducing / packed_len / num_latents",
+    "cross_attends": "stack.cross_attends",
+    "filters": "stack.filters",
+    "downsample": "stack.downsample",
+    "layer_overrides": "stack.layer_overrides",
+    "reversible": "stack.reversible",
+    "token_learner": "stack.token_learner",
+    "mem_len": "stack.mem_len",
+    "eval_mem_len": "stack.eval_mem_len",
+    "cmem_len": "stack.cmem_len",
+    "compression": "stack.compression",
+    "compression_rate": "stack.compression_rate",
 }
 _MEMORY_SIZE = {"isab": "num_inducing", "luna": "packed_len", "perceiver": "num_latents"}
 # The flat stack keys with their old defaults, and the stacks each applies to.
-_STACK_DEFAULTS = {"memory_size": 16, "cross_attends": 1, "filters": {}, "downsample": "fourier", "reversible": False,
-                   "token_learner": {}, "mem_len": 0, "eval_mem_len": None, "cmem_len": 0, "compression": "conv",
-                   "compression_rate": 3}
-_STACK_KEYS = {"memory_size": ("isab", "luna", "perceiver"), "cross_attends": ("perceiver",),
-               "filters": ("transformer",), "downsample": ("transformer",), "reversible": ("transformer",),
-               "token_learner": ("transformer",), "mem_len": ("transformer_xl", "compressive"),
-               "eval_mem_len": ("transformer_xl", "compressive"), "cmem_len": ("compressive",),
-               "compression": ("compressive",), "compression_rate": ("compressive",)}
+_STACK_DEFAULTS = {
+    "memory_size": 16,
+    "cross_attends": 1,
+    "filters": {},
+    "downsample": "fourier",
+    "reversible": False,
+    "token_learner": {},
+    "mem_len": 0,
+    "eval_mem_len": None,
+    "cmem_len": 0,
+    "compression": "conv",
+    "compression_rate": 3,
+}
+_STACK_KEYS = {
+    "memory_size": ("isab", "luna", "perceiver"),
+    "cross_attends": ("perceiver",),
+    "filters": ("transformer",),
+    "downsample": ("transformer",),
+    "reversible": ("transformer",),
+    "token_learner": ("transformer",),
+    "mem_len": ("transformer_xl", "compressive"),
+    "eval_mem_len": ("transformer_xl", "compressive"),
+    "cmem_len": ("compressive",),
+    "compression": ("compressive",),
+    "compression_rate": ("compressive",),
+}
 
 
 class FlatConfigWarning(FutureWarning):
@@ -79,20 +116,28 @@ def convert(values: Mapping[str, Any]) -> dict[str, Any]:
             return {"kind": "moe", **moe, **({"d_ff": d_ff} if d_ff is not None else {})}
         if kind_ == "pkm":
             return {"kind": "pkm", **pkm}
-        return {"kind": kind_, **({"d_ff": d_ff} if d_ff is not None else {}),
-                **({"chunk_size": chunk} if chunk is not None else {})}
+        return {
+            "kind": kind_,
+            **({"d_ff": d_ff} if d_ff is not None else {}),
+            **({"chunk_size": chunk} if chunk is not None else {}),
+        }
 
     out["ffn"] = ffn(kind, model_d_ff)
     overrides, kinds = {}, {kind}
     for index, layer in (v.pop("layer_overrides", {}) or {}).items():
         layer = dict(layer) if isinstance(layer, Mapping) else layer
         if not isinstance(layer, dict) or set(layer) - {"attention", "attention_kwargs", "impl", "ffn", "d_ff"}:
-            raise ValueError(f"layer_overrides[{index}] may set only ['attention', 'attention_kwargs', 'impl', "
-                             f"'ffn', 'd_ff']; got {layer!r}")
+            raise ValueError(
+                f"layer_overrides[{index}] may set only ['attention', 'attention_kwargs', 'impl', "
+                f"'ffn', 'd_ff']; got {layer!r}"
+            )
         new = {}
         if {"attention", "attention_kwargs", "impl"} & set(layer):
-            new["attention"] = attention(layer.get("attention", model_attention),
-                                         layer.get("attention_kwargs", model_kwargs), layer.get("impl", impl))
+            new["attention"] = attention(
+                layer.get("attention", model_attention),
+                layer.get("attention_kwargs", model_kwargs),
+                layer.get("impl", impl),
+            )
         if {"ffn", "d_ff"} & set(layer):
             kinds.add(layer.get("ffn", kind))
             new["ffn"] = ffn(layer.get("ffn", kind), layer.get("d_ff", model_d_ff))
@@ -120,9 +165,16 @@ def convert(values: Mapping[str, Any]) -> dict[str, Any]:
         if old in v:
             norm[new] = v.pop(old)
     out["norm"] = norm
-    embedding = {new: v.pop(old) for old, new in (("position", "position"), ("embed_scale", "scale"),
-                                                  ("embed_norm", "norm"), ("type_vocab_size", "type_vocab_size"))
-                 if old in v}
+    embedding = {
+        new: v.pop(old)
+        for old, new in (
+            ("position", "position"),
+            ("embed_scale", "scale"),
+            ("embed_norm", "norm"),
+            ("type_vocab_size", "type_vocab_size"),
+        )
+        if old in v
+    }
     if embedding:
         out["embedding"] = embedding
 
@@ -161,8 +213,9 @@ def convert(values: Mapping[str, Any]) -> dict[str, Any]:
     if v.get("decoder_layers") is not None or task == "seq2seq":
         decoder["num_layers"] = v.pop("decoder_layers", None)
     if v.get("cross_attention", "softmax") != "softmax" or v.get("cross_attention_kwargs") or task == "seq2seq":
-        decoder["cross_attention"] = attention(v.pop("cross_attention", "softmax"),
-                                               v.pop("cross_attention_kwargs", {}), impl)
+        decoder["cross_attention"] = attention(
+            v.pop("cross_attention", "softmax"), v.pop("cross_attention_kwargs", {}), impl
+        )
     for name in ("decoder_layers", "cross_attention", "cross_attention_kwargs"):  # at their defaults: nothing
         v.pop(name, None)
     if decoder:
@@ -175,21 +228,54 @@ def convert(values: Mapping[str, Any]) -> dict[str, Any]:
 # (`--set model.d_ff=128` is `--set model.ffn.d_ff=128`). The hyper-parameter mappings
 # (attention_kwargs, cross_attention_kwargs) merge into their attention.
 PATHS = {
-    "attention_kwargs": ("attention",), "impl": ("attention", "impl"),
-    "cross_attention": ("decoder", "cross_attention", "name"), "cross_attention_kwargs": ("decoder", "cross_attention"),
-    "decoder_layers": ("decoder", "num_layers"), "d_ff": ("ffn", "d_ff"), "ffn_chunk_size": ("ffn", "chunk_size"),
-    "position": ("embedding", "position"), "embed_scale": ("embedding", "scale"), "embed_norm": ("embedding", "norm"),
-    "type_vocab_size": ("embedding", "type_vocab_size"), "norm_placement": ("norm", "placement"),
-    "norm_eps": ("norm", "eps"), "final_norm": ("norm", "final"), "pooling": ("head", "kind"),
-    "pma_seeds": ("head", "pma_seeds"), "tie_embeddings": ("head", "tie_embeddings"), "output_head": ("head", "kind"),
-    "mixture_components": ("head", "components"), "architecture": ("stack", "kind"),
-    **{name: ("stack", name) for name in ("cross_attends", "filters", "downsample", "reversible", "token_learner",
-                                          "mem_len", "eval_mem_len", "cmem_len", "compression", "compression_rate")},
+    "attention_kwargs": ("attention",),
+    "impl": ("attention", "impl"),
+    "cross_attention": ("decoder", "cross_attention", "name"),
+    "cross_attention_kwargs": ("decoder", "cross_attention"),
+    "decoder_layers": ("decoder", "num_layers"),
+    "d_ff": ("ffn", "d_ff"),
+    "ffn_chunk_size": ("ffn", "chunk_size"),
+    "position": ("embedding", "position"),
+    "embed_scale": ("embedding", "scale"),
+    "embed_norm": ("embedding", "norm"),
+    "type_vocab_size": ("embedding", "type_vocab_size"),
+    "norm_placement": ("norm", "placement"),
+    "norm_eps": ("norm", "eps"),
+    "final_norm": ("norm", "final"),
+    "pooling": ("head", "kind"),
+    "pma_seeds": ("head", "pma_seeds"),
+    "tie_embeddings": ("head", "tie_embeddings"),
+    "output_head": ("head", "kind"),
+    "mixture_components": ("head", "components"),
+    "architecture": ("stack", "kind"),
+    **{
+        name: ("stack", name)
+        for name in (
+            "cross_attends",
+            "filters",
+            "downsample",
+            "reversible",
+            "token_learner",
+            "mem_len",
+            "eval_mem_len",
+            "cmem_len",
+            "compression",
+            "compression_rate",
+        )
+    },
 }
 _MERGED = ("attention_kwargs", "cross_attention_kwargs")
 # component keys whose string value is a shorthand for {NAME: value}
-SHORTHAND = {"attention": "name", "cross_attention": "name", "embedding": None, "norm": "kind", "ffn": "kind",
-             "stack": "kind", "head": "kind", "decoder": None}
+SHORTHAND = {
+    "attention": "name",
+    "cross_attention": "name",
+    "embedding": None,
+    "norm": "kind",
+    "ffn": "kind",
+    "stack": "kind",
+    "head": "kind",
+    "decoder": None,
+}
 
 
 def nested_paths(path: list[str], value: Any) -> list[tuple[list[str], Any]]:
@@ -217,8 +303,10 @@ def _by_paths(values: Mapping[str, Any]) -> dict[str, Any]:
             for part in path[:-1]:
                 child = expand(node.get(part), part)
                 if dataclasses.is_dataclass(child):
-                    raise ValueError(f"model.{key}: model.{part} is given as a {type(child).__name__}; set "
-                                     f"{'.'.join(path)} in it instead of the flat key")
+                    raise ValueError(
+                        f"model.{key}: model.{part} is given as a {type(child).__name__}; set "
+                        f"{'.'.join(path)} in it instead of the flat key"
+                    )
                 node[part] = child = {} if child is None else dict(child)  # a copy: the caller's is kept
                 node = child
             node[path[-1]] = value

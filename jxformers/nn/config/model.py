@@ -76,8 +76,12 @@ class ModelConfig:
     `FlatConfigWarning` naming the new keys.
     """
 
-    task: str = setting("classify", "classify (tokens -> class logits), retrieval (two sequences -> class "
-                                    "logits, dual tower), lm (causal language model) or seq2seq", choices=TASKS)
+    task: str = setting(
+        "classify",
+        "classify (tokens -> class logits), retrieval (two sequences -> class "
+        "logits, dual tower), lm (causal language model) or seq2seq",
+        choices=TASKS,
+    )
     vocab_size: int = setting(256, "token ids are in [0, vocab_size)")
     num_classes: int = setting(2, "classes of classify and retrieval")
     num_layers: int = setting(2, "blocks of the stack (the encoder's in seq2seq; a Perceiver's latent tower)")
@@ -186,8 +190,9 @@ class ModelConfig:
     def layer(self, index: int) -> BlockConfig:
         """Block `index`'s attention and FFN, overrides applied."""
         override = self.stack.layer_overrides.get(index) if isinstance(self.stack, TransformerStack) else None
-        return BlockConfig(attention=(override and override.attention) or self.attention,
-                           ffn=(override and override.ffn) or self.ffn)
+        return BlockConfig(
+            attention=(override and override.attention) or self.attention, ffn=(override and override.ffn) or self.ffn
+        )
 
     def bound_attention(self, index: int) -> registry.BoundAttention:
         """Block `index`'s self-attention, bound (once, when the config was made)."""
@@ -216,20 +221,25 @@ class ModelConfig:
         if self.num_heads % (self.kv_heads or self.num_heads):
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.embedding.position == "rope" and (self.d_model // self.num_heads) % 2:
-            raise ValueError(f"position 'rope' needs an even head size; d_model / num_heads = "
-                             f"{self.d_model // self.num_heads}")
+            raise ValueError(
+                f"position 'rope' needs an even head size; d_model / num_heads = {self.d_model // self.num_heads}"
+            )
         if self.decoder is not None and self.task != "seq2seq":
             raise ValueError(f"model.decoder configures the decoder of task seq2seq; got task {self.task!r}")
 
     def _check_attention(self, bound: registry.BoundAttention) -> None:
         spec = bound.spec
         if self.causal and not spec.supports_causal:
-            raise ValueError(f"task {self.task!r} needs causal attention; {spec.name!r} is not causal. "
-                             f"Causal attentions: {registry.names(supports_causal=True)}")
+            raise ValueError(
+                f"task {self.task!r} needs causal attention; {spec.name!r} is not causal. "
+                f"Causal attentions: {registry.names(supports_causal=True)}"
+            )
         if self.embedding.position in BIAS_KINDS and not spec.takes_bias:
-            raise ValueError(f"position {self.embedding.position!r} adds a logit bias, which {spec.name!r} attention "
-                             f"does not take; use rope, sinusoidal, learned or none, or one of "
-                             f"{registry.names(takes_bias=True)}")
+            raise ValueError(
+                f"position {self.embedding.position!r} adds a logit bias, which {spec.name!r} attention "
+                f"does not take; use rope, sinusoidal, learned or none, or one of "
+                f"{registry.names(takes_bias=True)}"
+            )
 
     def _check_stack(self):
         kind, stack = self.stack.kind, self.stack
@@ -240,51 +250,70 @@ class ModelConfig:
             self._check_transformer_stack(stack)
             return
         if self.attention != AttentionConfig():
-            raise ValueError(f"stack {kind!r} builds its own softmax attentions; leave model.attention at its "
-                             f"default (got {self.attention.to_value()!r})")
+            raise ValueError(
+                f"stack {kind!r} builds its own softmax attentions; leave model.attention at its "
+                f"default (got {self.attention.to_value()!r})"
+            )
         if self.kv_heads not in (None, self.num_heads):
-            raise ValueError(f"stack {kind!r} has no grouped-query attention; kv_heads ({self.kv_heads}) must equal "
-                             f"num_heads ({self.num_heads}) or be left unset")
+            raise ValueError(
+                f"stack {kind!r} has no grouped-query attention; kv_heads ({self.kv_heads}) must equal "
+                f"num_heads ({self.num_heads}) or be left unset"
+            )
         position = self.embedding.position
         if kind in RECURRENT_STACKS:
             if position != "none":
-                raise ValueError(f"stack {kind!r} has its own relative positions (R, u, v): set embedding.position "
-                                 f"'none'; got {position!r}")
+                raise ValueError(
+                    f"stack {kind!r} has its own relative positions (R, u, v): set embedding.position "
+                    f"'none'; got {position!r}"
+                )
             if self.dtype != "float32":
                 raise ValueError(f"stack {kind!r} runs in float32 only; got dtype {self.dtype!r}")
         elif position in BIAS_KINDS or position == "rope":
-            raise ValueError(f"stack {kind!r} takes positions added to the embeddings (sinusoidal, learned) or none; "
-                             f"got {position!r}")
+            raise ValueError(
+                f"stack {kind!r} takes positions added to the embeddings (sinusoidal, learned) or none; "
+                f"got {position!r}"
+            )
         if kind == "perceiver" and getattr(self.head, "kind", None) == "cls":
-            raise ValueError("a perceiver has no CLS token: pool its latents with head 'mean' (the paper's average) "
-                             "or 'pma'")
+            raise ValueError(
+                "a perceiver has no CLS token: pool its latents with head 'mean' (the paper's average) or 'pma'"
+            )
 
     def _check_transformer_stack(self, stack: TransformerStack):
         for index in stack.layer_overrides:
             if not 0 <= index < self._blocks():
-                raise ValueError(f"stack.layer_overrides: block {index} does not exist (num_layers = "
-                                 f"{self.num_layers})")
+                raise ValueError(
+                    f"stack.layer_overrides: block {index} does not exist (num_layers = {self.num_layers})"
+                )
         if stack.reversible and (self.task == "seq2seq" or self.norm.placement != "pre" or stack.filters):
-            raise ValueError("stack.reversible needs norm placement 'pre', no filters, and task classify, retrieval "
-                             "or lm")
+            raise ValueError(
+                "stack.reversible needs norm placement 'pre', no filters, and task classify, retrieval or lm"
+            )
         if stack.filters and self.task == "lm":
             raise ValueError("stack.filters (downsampling) apply to encoders: tasks classify, retrieval, seq2seq")
         for index in stack.filters:
             if not 0 <= index < self.num_layers:
-                raise ValueError(f"stack.filters maps an encoder block index in [0, {self.num_layers}) to a keep "
-                                 f"ratio; got block {index}")
+                raise ValueError(
+                    f"stack.filters maps an encoder block index in [0, {self.num_layers}) to a keep "
+                    f"ratio; got block {index}"
+                )
         tl = stack.token_learner
         if tl is not None:
             tl.check_layers(self.num_layers)
             if self.task not in ENCODER_TASKS:
-                raise ValueError(f"stack.token_learner pools tokens across the whole sequence, so it serves encoders "
-                                 f"(tasks classify, retrieval); a causal {self.task!r} model cannot use it")
+                raise ValueError(
+                    f"stack.token_learner pools tokens across the whole sequence, so it serves encoders "
+                    f"(tasks classify, retrieval); a causal {self.task!r} model cannot use it"
+                )
             if stack.reversible or stack.filters:
-                raise ValueError(f"stack.token_learner needs no filters and no reversible wiring; got filters "
-                                 f"{stack.filters}, reversible {stack.reversible}")
+                raise ValueError(
+                    f"stack.token_learner needs no filters and no reversible wiring; got filters "
+                    f"{stack.filters}, reversible {stack.reversible}"
+                )
             if self.embedding.position not in ("sinusoidal", "learned", "none"):
-                raise ValueError(f"stack.token_learner: learned tokens have no positions, so position must be added "
-                                 f"to the embeddings (sinusoidal, learned) or none; got {self.embedding.position!r}")
+                raise ValueError(
+                    f"stack.token_learner: learned tokens have no positions, so position must be added "
+                    f"to the embeddings (sinusoidal, learned) or none; got {self.embedding.position!r}"
+                )
 
     def _check_head(self):
         head = self.head
@@ -294,29 +323,39 @@ class ModelConfig:
             raise ValueError(f"head {head.kind!r} serves tasks {serves}; got task {self.task!r}")
         if isinstance(head, MixtureHead):
             if self.task != "lm" or not isinstance(self.stack, TransformerStack):
-                raise ValueError(f"head {head.kind!r} needs task 'lm' and stack 'transformer'; got task "
-                                 f"{self.task!r}, stack {self.stack.kind!r}")
+                raise ValueError(
+                    f"head {head.kind!r} needs task 'lm' and stack 'transformer'; got task "
+                    f"{self.task!r}, stack {self.stack.kind!r}"
+                )
             if self.vocab_size not in (PIXEL_VALUES, PIXEL_VALUES + 1):
-                raise ValueError(f"head {head.kind!r} models pixel values 0..255: vocab_size must be {PIXEL_VALUES} "
-                                 f"(pixels) or {PIXEL_VALUES + 1} (pixels and a start token); got {self.vocab_size}")
+                raise ValueError(
+                    f"head {head.kind!r} models pixel values 0..255: vocab_size must be {PIXEL_VALUES} "
+                    f"(pixels) or {PIXEL_VALUES + 1} (pixels and a start token); got {self.vocab_size}"
+                )
 
     def _check_ffns(self):
         """Dense FFNs go anywhere; moe and pkm in transformer blocks of classify and lm."""
         ffns = [self.layer(i).ffn for i in range(self._blocks())]
         sparse = [f for f in ffns if not isinstance(f, FeedForwardConfig)]
         if not isinstance(self.ffn, FeedForwardConfig) and not isinstance(self.stack, TransformerStack):
-            raise ValueError(f"stack {self.stack.kind!r} takes a dense ffn ({sorted(set(FFN_COMPONENTS) - {'moe', 'pkm'})});"
-                             f" got {self.ffn.kind!r}")
+            raise ValueError(
+                f"stack {self.stack.kind!r} takes a dense ffn ({sorted(set(FFN_COMPONENTS) - {'moe', 'pkm'})});"
+                f" got {self.ffn.kind!r}"
+            )
         if not sparse:
             return
         kind, reversible = sparse[0].kind, getattr(self.stack, "reversible", False)
         if reversible or self.task not in ("classify", "lm"):
-            raise ValueError(f"ffn {kind!r} needs stack 'transformer', task classify or lm, and no reversible "
-                             f"wiring; got task {self.task!r}, reversible {reversible}")
+            raise ValueError(
+                f"ffn {kind!r} needs stack 'transformer', task classify or lm, and no reversible "
+                f"wiring; got task {self.task!r}, reversible {reversible}"
+            )
         if not isinstance(self.ffn, FeedForwardConfig) and getattr(self.head, "kind", None) == "pma":
-            raise ValueError(f"head 'pma' builds its own FeedForward of the model's ffn: with ffn {self.ffn.kind!r} "
-                             f"make the model's ffn dense and put {self.ffn.kind!r} in blocks through "
-                             f"stack.layer_overrides")
+            raise ValueError(
+                f"head 'pma' builds its own FeedForward of the model's ffn: with ffn {self.ffn.kind!r} "
+                f"make the model's ffn dense and put {self.ffn.kind!r} in blocks through "
+                f"stack.layer_overrides"
+            )
         for ffn in sparse:
             if isinstance(ffn, MoEConfig):
                 ffn.check_causal(self.causal)
@@ -326,17 +365,26 @@ class ModelConfig:
     def _check_embedding(self):
         """BERT's options (embedding scale, norm and token types; norm epsilon; no final
         norm) are built by the transformer stack only."""
-        given = {f"embedding.{k}": v for k, v in dataclasses.asdict(self.embedding).items()
-                 if k != "position" and v != getattr(EmbeddingConfig(), k)}
-        given |= {f"norm.{k}": getattr(self.norm, k) for k in ("eps", "final")
-                  if getattr(self.norm, k) != getattr(NormConfig(), k)}
+        given = {
+            f"embedding.{k}": v
+            for k, v in dataclasses.asdict(self.embedding).items()
+            if k != "position" and v != getattr(EmbeddingConfig(), k)
+        }
+        given |= {
+            f"norm.{k}": getattr(self.norm, k)
+            for k in ("eps", "final")
+            if getattr(self.norm, k) != getattr(NormConfig(), k)
+        }
         if given and not isinstance(self.stack, TransformerStack):
-            raise ValueError(f"{sorted(given)} apply to stack 'transformer'; got stack {self.stack.kind!r} with "
-                             f"{given}")
+            raise ValueError(
+                f"{sorted(given)} apply to stack 'transformer'; got stack {self.stack.kind!r} with {given}"
+            )
         if not self.norm.final and (self.norm.placement != "post" or self.task not in ENCODER_TASKS):
-            raise ValueError(f"norm.final False (BERT's encoder) needs norm placement 'post', whose blocks end "
-                             f"normalised, and an encoder task (classify, retrieval); got placement "
-                             f"{self.norm.placement!r}, task {self.task!r}")
+            raise ValueError(
+                f"norm.final False (BERT's encoder) needs norm placement 'post', whose blocks end "
+                f"normalised, and an encoder task (classify, retrieval); got placement "
+                f"{self.norm.placement!r}, task {self.task!r}"
+            )
 
     def _check_attentions(self):
         """The capability contracts of every bound attention."""
@@ -345,13 +393,17 @@ class ModelConfig:
         if self.decoder is not None:
             spec = self._bound[-1].spec
             if not spec.supports_cross:
-                raise ValueError(f"decoder.cross_attention {spec.name!r} cannot cross-attend; ones that can: "
-                                 f"{registry.names(supports_cross=True)}")
+                raise ValueError(
+                    f"decoder.cross_attention {spec.name!r} cannot cross-attend; ones that can: "
+                    f"{registry.names(supports_cross=True)}"
+                )
         stack = self.stack
         if isinstance(stack, TransformerStack) and stack.downsample == "funnel":
             for index in stack.filters:
                 spec = self._bound[index].spec
                 if not spec.supports_cross:
-                    raise ValueError(f"stack.downsample 'funnel' at block {index}: its attention takes pooled "
-                                     f"queries and unpooled keys, which {spec.name!r} cannot; use one of "
-                                     f"{registry.names(supports_cross=True)} there (stack.layer_overrides)")
+                    raise ValueError(
+                        f"stack.downsample 'funnel' at block {index}: its attention takes pooled "
+                        f"queries and unpooled keys, which {spec.name!r} cannot; use one of "
+                        f"{registry.names(supports_cross=True)} there (stack.layer_overrides)"
+                    )
