@@ -460,7 +460,7 @@ def test_model_impl_reaches_every_layer_and_matches_xla():
         attention_kwargs={"window": 6},
     )
     config = ModelConfig(**base, impl="interpret", layer_overrides={1: {"impl": "xla"}})
-    assert [config.layer(i)["attention"].hyper_parameters["impl"] for i in range(2)] == ["interpret", "xla"]
+    assert [config.bound_attention(i).hyper_parameters["impl"] for i in range(2)] == ["interpret", "xla"]
     key = jax.random.key(0)
     got = build_model(config, key=key)(tokens)
     want = build_model(ModelConfig(**base, impl="xla"), key=key)(tokens)

@@ -302,3 +302,12 @@ def test_a_run_saved_in_the_flat_form_resumes_without_differences(tmp_path):
     )
     assert workdir.differences(saved, {"name": "old", "model": new.to_dict()}) == {}
     assert legacy.flat_keys(saved["model"]) == []
+
+
+def test_replace_with_a_flat_key_reaches_the_component():
+    import dataclasses
+
+    config = ModelConfig(**(SMALL | dict(task="lm", ffn={"kind": "swiglu", "d_ff": 24, "chunk_size": 5})))
+    with pytest.warns(FlatConfigWarning, match="ffn_chunk_size -> ffn.chunk_size"):
+        plain = dataclasses.replace(config, ffn_chunk_size=None)
+    assert plain.ffn == dataclasses.replace(config.ffn, chunk_size=None)

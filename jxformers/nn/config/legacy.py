@@ -299,18 +299,24 @@ def _by_paths(values: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in values.items() if k not in MOVED}
     for key in flat_keys(values):
         for path, value in nested_paths([key], values[key]):
-            node = out
+            node: dict[str, Any] = out
             for part in path[:-1]:
-                child = expand(node.get(part), part)
-                if dataclasses.is_dataclass(child):
-                    raise ValueError(
-                        f"model.{key}: model.{part} is given as a {type(child).__name__}; set "
-                        f"{'.'.join(path)} in it instead of the flat key"
-                    )
-                node[part] = child = {} if child is None else dict(child)  # a copy: the caller's is kept
-                node = child
+                node[part] = node = _mapping(expand(node.get(part), part))
             node[path[-1]] = value
     return out
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """A component's settings as a new mapping (the caller's is kept): from a mapping, from
+    its dataclass (`dataclasses.replace(config, d_ff=...)` passes the components so), or
+    empty."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    from jxformers.nn.config.components import to_value
+
+    return to_value(value)
 
 
 def expand(value: Any, key: str) -> Any:
