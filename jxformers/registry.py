@@ -53,6 +53,8 @@ TOKEN_SHAPE_ARGUMENTS = (*SHAPE_ARGUMENTS, "d_model", "causal")
 UPDATE_ARGUMENTS = ("arrays", "q", "k", "kv_mask")
 _REQUIRED = inspect.Parameter.empty
 
+INT32_MAX = 2**31 - 1  # the largest hyper-parameter a size or offset may be
+
 
 # ----------------------------------------------------------------------------- hyper-parameters
 
@@ -131,13 +133,13 @@ class HyperParameter:
         """The value, normalised (lists become tuples, ints for a float become floats);
         ValueError naming the attention, the hyper-parameter, the value and what is
         allowed when it does not fit (`jxformers.validate.check_value`, the one validator)."""
-        return check_value(
-            f"{attention}: hyper-parameter {self.name}",
-            value,
-            self.static_annotation,
-            choices=self.choices,
-            limits=self.limits,
-        )
+        name = f"{attention}: hyper-parameter {self.name}"
+        value = check_value(name, value, self.static_annotation, choices=self.choices, limits=self.limits)
+        for number in value if isinstance(value, tuple) else (value,):
+            # sizes and offsets become int32 index arithmetic inside JAX, which would overflow
+            if isinstance(number, int) and not isinstance(number, bool) and abs(number) > INT32_MAX:
+                raise ValueError(f"{name} must be at most {INT32_MAX} in size (JAX indexes with int32); got {value!r}")
+        return value
 
 
 def _signature_parameters(fn: Callable, skip: tuple[str, ...]) -> dict[str, HyperParameter]:

@@ -39,6 +39,7 @@ import collections.abc
 import dataclasses
 import functools
 import inspect
+import numbers
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -136,7 +137,7 @@ def check_value(
     checked against them) and `limits` (numbers: `Limits`), converted where that is
     lossless and meant (an int or a numeric string for a float, a list of ints for a
     tuple); otherwise a ValueError naming `name`, the value and what is allowed."""
-    value = _check_type(name, value, annotation)
+    value = _check_type(name, _python_scalar(value), annotation)
     if choices is not None and (isinstance(value, str) or not callable(value)) and value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}; got {value!r}")
     if limits is not None:
@@ -145,6 +146,21 @@ def check_value(
             if isinstance(number, (int, float)) and not isinstance(number, bool) and not limits.allows(number):
                 each = " (each)" if isinstance(value, tuple) else ""
                 raise ValueError(f"{name} must be {limits}{each}; got {value!r}")
+    return value
+
+
+def _python_scalar(value: Any) -> Any:
+    """A NumPy scalar as the Python number it holds (np.int64(8) -> 8, np.float32 -> float,
+    np.bool_ -> bool), so that a value a user computed with NumPy is taken where the Python
+    one is; anything else unchanged."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if type(value).__name__ == "bool_":
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
     return value
 
 

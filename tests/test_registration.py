@@ -149,3 +149,21 @@ def test_ops_exports_each_family_files_names_and_every_registered_op():
         op = registry.get(name).op
         if op.__module__.startswith("jxformers."):
             assert getattr(ops, op.__name__) is op, f"{name}'s op is not exported from jxformers.ops"
+
+
+def test_numpy_scalars_are_taken_as_the_python_numbers_they_hold():
+    import numpy as np
+
+    bound = registry.bind("local", window=np.int64(8))
+    assert bound.hyper_parameters["window"] == 8 and type(bound.hyper_parameters["window"]) is int
+    config = ModelConfig(
+        d_model=np.int64(64), dropout=np.float32(0.25), attention={"name": "local", "window": np.int32(3)}
+    )
+    assert type(config.d_model) is int and type(config.dropout) is float and config.dropout == 0.25
+    assert config.bound_attention(0).hyper_parameters["window"] == 3
+
+
+@pytest.mark.parametrize("value", [10**12, 2**31])
+def test_a_hyper_parameter_past_int32_is_refused_at_bind(value):
+    with pytest.raises(ValueError, match=r"local: hyper-parameter window must be at most 2147483647 in size"):
+        registry.bind("local", window=value)
