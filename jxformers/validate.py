@@ -252,10 +252,10 @@ def check_fields(instance: Any, prefix: str, choices: Mapping[str, tuple] | None
 @typing.no_type_check
 def check_at_least(instance: Any, prefix: str, minimum: int | float, *names: str) -> None:
     """ValueError "{prefix}{name} must be >= {minimum}; got {value}" for the first field
-    of `names` below `minimum`."""
+    of `names` below `minimum` (a None field, an unset optional one, passes)."""
     for name in names:
         value = getattr(instance, name)
-        if value < minimum:
+        if value is not None and value < minimum:
             raise ValueError(f"{prefix}{name} must be >= {minimum}; got {value}")
 
 

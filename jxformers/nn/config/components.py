@@ -31,17 +31,10 @@ from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import POSITION_KINDS
 from jxformers.nn.tokenlearner import TokenLearnerConfig
 from jxformers.nn.transformer_xl import COMPRESSIONS
-from jxformers.validate import check_fields, setting
+from jxformers.validate import check_at_least, check_fields, setting
 
 # The output heads of a language model (the pooled heads of an encoder are POOLING_KINDS).
 OUTPUT_HEADS = ("softmax", "mixture_of_logistics")
-
-
-def _at_least(instance, prefix: str, minimum: int, *names: str) -> None:
-    for name in names:
-        value = getattr(instance, name)
-        if value is not None and value < minimum:
-            raise ValueError(f"{prefix}{name} must be >= {minimum}; got {value}")
 
 
 # ------------------------------------------------------------------ attention
@@ -105,7 +98,7 @@ class EmbeddingConfig:
 
     def __post_init__(self):
         check_fields(self, "embedding.")
-        _at_least(self, "embedding.", 0, "type_vocab_size")
+        check_at_least(self, "embedding.", 0, "type_vocab_size")
 
 
 @typing.no_type_check
@@ -143,7 +136,7 @@ class FeedForwardConfig:
 
     def __post_init__(self):
         check_fields(self, "ffn.")
-        _at_least(self, "ffn.", 1, "d_ff", "chunk_size")
+        check_at_least(self, "ffn.", 1, "d_ff", "chunk_size")
 
 
 FFN_COMPONENTS: dict[str, type] = {kind: FeedForwardConfig for kind in FFN_KINDS} | {"moe": MoEConfig, "pkm": PKMConfig}
@@ -233,7 +226,7 @@ class ISABStack:
 
     def __post_init__(self):
         check_fields(self, "stack.")
-        _at_least(self, "stack.", 1, "num_inducing")
+        check_at_least(self, "stack.", 1, "num_inducing")
 
 
 @typing.no_type_check
@@ -246,7 +239,7 @@ class LunaStack:
 
     def __post_init__(self):
         check_fields(self, "stack.")
-        _at_least(self, "stack.", 1, "packed_len")
+        check_at_least(self, "stack.", 1, "packed_len")
 
 
 @typing.no_type_check
@@ -261,7 +254,7 @@ class PerceiverStack:
 
     def __post_init__(self):
         check_fields(self, "stack.")
-        _at_least(self, "stack.", 1, "num_latents", "cross_attends")
+        check_at_least(self, "stack.", 1, "num_latents", "cross_attends")
 
 
 @typing.no_type_check
@@ -276,8 +269,8 @@ class TransformerXLStack:
 
     def __post_init__(self):
         check_fields(self, "stack.")
-        _at_least(self, "stack.", 1, "mem_len")
-        _at_least(self, "stack.", 0, "eval_mem_len")
+        check_at_least(self, "stack.", 1, "mem_len")
+        check_at_least(self, "stack.", 0, "eval_mem_len")
 
 
 @typing.no_type_check
@@ -295,8 +288,8 @@ class CompressiveStack:
 
     def __post_init__(self):
         check_fields(self, "stack.")
-        _at_least(self, "stack.", 1, "mem_len", "cmem_len", "compression_rate")
-        _at_least(self, "stack.", 0, "eval_mem_len")
+        check_at_least(self, "stack.", 1, "mem_len", "cmem_len", "compression_rate")
+        check_at_least(self, "stack.", 0, "eval_mem_len")
         bad = {
             n: v
             for n, v in (("mem_len", self.mem_len), ("eval_mem_len", self.eval_mem_len))
@@ -350,7 +343,7 @@ class DecoderConfig:
             self, "cross_attention", AttentionConfig.from_value(self.cross_attention, "decoder.cross_attention")
         )
         check_fields(self, "decoder.")
-        _at_least(self, "decoder.", 1, "num_layers")
+        check_at_least(self, "decoder.", 1, "num_layers")
 
 
 # ------------------------------------------------------------------ heads
@@ -368,7 +361,7 @@ class PooledHead:
 
     def __post_init__(self):
         check_fields(self, "head.")
-        _at_least(self, "head.", 1, "pma_seeds")
+        check_at_least(self, "head.", 1, "pma_seeds")
         if self.pma_seeds != 1 and self.kind != "pma":
             raise ValueError(f"head.pma_seeds ({self.pma_seeds}) is PMA's number of seeds: set head kind 'pma'")
 
@@ -398,7 +391,7 @@ class MixtureHead:
 
     def __post_init__(self):
         check_fields(self, "head.")
-        _at_least(self, "head.", 1, "components")
+        check_at_least(self, "head.", 1, "components")
 
 
 HEAD_COMPONENTS: dict[str, type] = {kind: PooledHead for kind in POOLING_KINDS} | {

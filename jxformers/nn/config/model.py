@@ -47,7 +47,7 @@ from jxformers.nn.mixture import PIXEL_VALUES
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import BIAS_KINDS
-from jxformers.validate import check_fields, setting
+from jxformers.validate import check_at_least, check_fields, setting
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
 ENCODER_TASKS = ("classify", "retrieval")
@@ -210,10 +210,9 @@ class ModelConfig:
     # ------------------------------------------------------------------ contracts
 
     def _check_sizes(self):
-        for name in ("vocab_size", "num_classes", "num_layers", "d_model", "num_heads", "kv_heads", "max_len"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"model.{name} must be >= 1; got {value}")
+        check_at_least(
+            self, "model.", 1, "vocab_size", "num_classes", "num_layers", "d_model", "num_heads", "kv_heads", "max_len"
+        )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1); got {self.dropout}")
         if self.d_model % self.num_heads:
