@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import importlib
 import inspect
 import sys
@@ -42,8 +43,10 @@ import jaxtyping
 from jxformers.validate import Limits, check_value, type_name
 
 # Arguments every attention is called with, never hyper-parameters (`scale` keeps the
-# op's 1/sqrt(d_k): an attention's temperature belongs to its query projection).
-CALL_ARGUMENTS = ("causal", "kv_mask", "mask", "bias", "scale")
+# op's 1/sqrt(d_k): an attention's temperature belongs to its query projection;
+# `warn_unused_k`: a shared-QK op's warning about its unused `k`, which the binding
+# silences because the registration declares it, see `AttentionSpec.shared_qk`).
+CALL_ARGUMENTS = ("causal", "kv_mask", "mask", "bias", "scale", "warn_unused_k")
 # Arguments of an array initialiser that come from the module's shapes.
 SHAPE_ARGUMENTS = ("heads", "kv_heads", "d_k", "d_v")
 # ... and of a token-input initialiser, which also sees the model width and whether the
@@ -142,6 +145,12 @@ class HyperParameter:
         return value
 
 
+@functools.cache
+def _takes(fn: Callable, argument: str) -> bool:
+    """Whether `fn` has a parameter named `argument`."""
+    return argument in inspect.signature(fn).parameters
+
+
 def _signature_parameters(fn: Callable, skip: tuple[str, ...]) -> dict[str, HyperParameter]:
     """The static keyword-only parameters of `fn`, as hyper-parameters."""
     hints = typing.get_type_hints(fn)
@@ -228,7 +237,10 @@ class AttentionSpec:
             indexed weights: Linformer's, Synthesizer's `max_len`); models fill it with
             their own max_len and refuse a smaller one.
         shared_qk: the op takes its keys from the queries (Reformer's shared-QK
-            attention): its `k` argument is unused (only its shape is checked).
+            attention): its `k` argument is unused (only its shape is checked). An op
+            that warns about a `k` that is not `q` when called by hand takes
+            `warn_unused_k`, which the binding sets to False: the registration already
+            says so, and a module passes its projected keys.
         noise_key: the op argument that takes a fresh PRNG key on every training call
             (Sinkhorn's Gumbel noise); modules pass one when called with a key and not
             in inference, and none at inference.
@@ -367,6 +379,8 @@ class BoundAttention:
             kwargs["kv_mask"] = kv_mask
         if bias is not None:
             kwargs["bias"] = bias
+        if self.spec.shared_qk and _takes(self.spec.op, "warn_unused_k"):
+            kwargs["warn_unused_k"] = False  # declared by the registration (shared_qk): no warning per call
         return self.spec.op(q, k, v, **kwargs)
 
     def init_arrays(self, key, *, heads: int, kv_heads: int, d_k: int, d_v: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ Small shapes throughout (one or two compilations per test)."""
 import dataclasses
 import functools
 import math
+import warnings
 
 import equinox as eqx
 import jax
@@ -16,9 +17,13 @@ import pytest
 from conftest import assert_close, qkv
 
 from jxformers import ModelConfig, build_model, nn, ops, registry
-from jxformers.ops import softmax_attention
+from jxformers.ops import _common, softmax_attention
 
 HEADS, KV_HEADS, D_K, D_V = 4, 2, 8, 6
+
+# The LSH tests below call the op by hand with a separate k on purpose (it must be unused):
+# its SharedQKWarning is tested once, in test_lsh_warns_once_per_call_site_when_k_is_not_q.
+pytestmark = pytest.mark.filterwarnings("ignore::jxformers.ops.SharedQKWarning")
 
 
 @functools.cache
@@ -152,6 +157,50 @@ def test_lsh_errors_name_the_value():
         ops.lsh_attention(q, k, v, n_buckets=3, rotations=jnp.zeros((HEADS, 2, D_K, 1)))
     with pytest.raises(ValueError, match="rotations"):
         ops.lsh_attention(q, k, v, n_buckets=4)
+
+
+def test_lsh_warns_once_per_call_site_when_k_is_not_q(monkeypatch):
+    # The op reads no k (shared QK); a hand-written model passing its own keys is told so,
+    # once per line that calls it, and not when k is q or the caller says it knows.
+    monkeypatch.setattr(_common, "_WARNED", set())  # the call sites already warned about, in this process
+    q, k, v = qkv(0, 8, heads=2, kv_heads=2)
+    hp = dict(n_buckets=2, n_hashes=1, chunk_size=4)
+    arrays = registry.bind("lsh", **hp).init_arrays(jax.random.key(0), heads=2, kv_heads=2, d_k=D_K, d_v=D_V)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the op itself says it once per call site
+        for _ in range(3):
+            ops.lsh_attention(q, k, v, **hp, **arrays)
+        assert len(caught) == 1
+        (first,) = caught
+        assert first.category is ops.SharedQKWarning and first.filename == __file__
+        message = str(first.message)
+        assert "SharedQKWarning" in message and "Kitaev et al. 2020" in message and "Reformer" in message
+        assert "k=q" in message and "warn_unused_k=False" in message
+        ops.lsh_attention(q, q, v, **hp, **arrays)
+        ops.lsh_attention(q, k, v, **hp, **arrays, warn_unused_k=False)
+        assert len(caught) == 1
+        jax.jit(functools.partial(ops.lsh_attention, **hp))(q, k, v, **arrays)  # named at this line, not jax's
+        assert len(caught) == 2 and caught[1].filename == __file__ and caught[1].lineno != first.lineno
+
+
+def test_models_and_the_registry_never_warn_about_lsh_keys(monkeypatch):
+    # The Attention module passes its projected k to the bound op; the registration says
+    # the op is shared-QK, so the binding silences the warning meant for hand-written calls.
+    monkeypatch.setattr(_common, "_WARNED", set())  # an earlier test's warning must not hide one here
+    attention = {"name": "lsh", "n_buckets": 2, "chunk_size": 4}
+    config = ModelConfig(
+        task="lm", vocab_size=11, num_layers=1, d_model=8, num_heads=2, max_len=16, attention=attention
+    )
+    model = build_model(config, key=jax.random.key(0))
+    q, k, v = qkv(0, 8, heads=2, kv_heads=2)
+    bound = registry.bind("lsh", n_buckets=2, chunk_size=4)
+    arrays = bound.init_arrays(jax.random.key(0), heads=2, kv_heads=2, d_k=D_K, d_v=D_V)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ops.SharedQKWarning)
+        model(jnp.arange(10) % 11)
+        bound(q, k, v, arrays=arrays)
+        registry.get("lsh")(q, k, v, arrays=arrays, n_buckets=2, chunk_size=4)
+    assert "warn_unused_k" not in registry.get("lsh").defaults()  # a call argument, not a hyper-parameter
 
 
 def test_reformer_model_lsh_in_a_reversible_stack_with_chunked_ffn():

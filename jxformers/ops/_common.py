@@ -13,7 +13,9 @@ keys per group, `h` kv heads, `g` query heads per kv head, `d` features.
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -25,6 +27,39 @@ from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
 
 # ----------------------------------------------------------------------------- checks
+
+# Packages whose frames stand between a user's call and an op: transformations and
+# wrappers (jit, vmap, partial, Equinox's filters, the runtime type checkers of the tests).
+_WRAPPER_PACKAGES = frozenset({"jax", "jaxlib", "equinox", "jaxtyping", "beartype", "functools", "contextlib"})
+
+
+def _wraps(frame) -> bool:
+    """Whether `frame` runs a transformation's or a wrapper's code (`_WRAPPER_PACKAGES`,
+    or a function beartype generated)."""
+    package = str(frame.f_globals.get("__name__", "")).split(".")[0]
+    return package in _WRAPPER_PACKAGES or frame.f_code.co_filename.startswith("<@beartype")
+
+
+_WARNED: set[tuple[type[Warning], str, int]] = set()
+
+
+def warn_once_per_call_site(message: str, category: type[Warning]) -> None:
+    """`warnings.warn(message, category)` from the op that calls this, attributed to the
+    user's line that called the op (the first frame above it that is not a
+    transformation's or a wrapper's) and said once per such line. Python's own "once per
+    location" cannot be relied on: its memory of shown warnings is cleared whenever the
+    warning filters change, by any `warnings.catch_warnings` anywhere (beartype, the
+    tests' type checker, enters one for every call it checks)."""
+    frame, level = inspect.currentframe(), 1  # this function's frame: warnings.warn's stacklevel 1
+    for _ in range(2):  # past the wrappers around this function to the op, then past the op's to its caller
+        frame, level = (frame.f_back if frame is not None else None), level + 1
+        while frame is not None and _wraps(frame):
+            frame, level = frame.f_back, level + 1
+    site = (category, frame.f_code.co_filename, frame.f_lineno) if frame is not None else (category, "", 0)
+    if site in _WARNED:
+        return
+    _WARNED.add(site)
+    warnings.warn(message, category, stacklevel=level)
 
 
 def check_positive(name: str, value: int, *, minimum: int = 1) -> None:

@@ -41,6 +41,7 @@ from jxformers.ops._common import (
     softmax_parts,
     to_blocks,
     valid_keys,
+    warn_once_per_call_site,
     zero_padded,
 )
 from jxformers.ops.local import local_attention
@@ -50,6 +51,7 @@ from jxformers.validate import Limits
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
+    "SharedQKWarning",
     "clusterformer_attention",
     "kmeans_centroids",
     "kmeans_update",
@@ -237,6 +239,15 @@ def _flat(q, k, kv_mask):
 # ----------------------------------------------------------------------------- Reformer
 
 
+class SharedQKWarning(UserWarning):
+    """`lsh_attention` was called by hand with a `k` that is not `q`: Reformer's LSH
+    attention is shared-QK (Kitaev et al. 2020, "Reformer: The Efficient Transformer",
+    section 2), its keys are the queries normalised to unit length, so that `k` is never
+    read. Said once per call site. Pass `k=q`, or `warn_unused_k=False` where the keys
+    are known to be unused (grouped kv heads; the registry's binding, and so every model,
+    passes it)."""
+
+
 def lsh_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, n_buckets: int = 8, n_hashes: int = 2) -> dict[str, Array]:
     """LSH's drawn random rotations `[heads, n_hashes, d_k, max(n_buckets // 2, 1)]`
     (Kitaev et al. section 2: R with i.i.d. N(0, 1) entries), redrawn with the module."""
@@ -267,11 +278,15 @@ def lsh_attention(
     causal: bool = False,
     kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
+    warn_unused_k: bool = True,
 ) -> Float[Array, "seq heads d_v"]:
     """Reformer's LSH attention (Kitaev et al., 2020, section 2), shared-QK.
 
-    Keys are the queries normalised to unit length, k_j = q_j / |q_j| (the `k` argument
-    is unused; its shape is checked). Each of `n_hashes` rounds hashes every position with
+    Keys are the queries normalised to unit length, k_j = q_j / |q_j|: the `k` argument
+    is unused (its shape is checked, and its kv heads group the values), and a call whose
+    `k` is not `q` warns (`SharedQKWarning`, once per call site) unless `warn_unused_k`
+    is False. The registry's binding passes False (`register(..., shared_qk=True)` says
+    it), so models never warn; their key projection is unused. Each of `n_hashes` rounds hashes every position with
     h(x) = argmax([xR; -xR]) for its random rotation R, sorts the positions by (bucket,
     position), cuts the order into chunks of `chunk_size`, and lets each query attend to
     its own chunk and the chunk before, never to itself unless it has nothing else. The
@@ -294,6 +309,8 @@ def lsh_attention(
         kv_mask: optional `[seq]`, True for real tokens; padded ones are hashed to a
             bucket after every real one and never attended.
         scale: default `1 / sqrt(d_k)`.
+        warn_unused_k: False silences the `SharedQKWarning` of a `k` that is not `q`
+            (the caller knows the keys come from `q`).
 
     Returns:
         `[seq, heads, d_v]`.
@@ -301,6 +318,13 @@ def lsh_attention(
     Time and memory O(n_hashes * seq * chunk_size * d) plus the sort. Decodes its causal
     form one token at a time against a cache of every key and its buckets.
     """
+    if warn_unused_k and k is not q:  # a hand-written model may expect its key projection to be used
+        warn_once_per_call_site(
+            "lsh_attention ignores its `k` argument (SharedQKWarning): Reformer's LSH attention is shared-QK "
+            '(Kitaev et al. 2020, "Reformer: The Efficient Transformer", section 2), its keys are the queries '
+            "normalised to unit length, k_j = q_j / |q_j|; pass k=q, or warn_unused_k=False to silence this",
+            SharedQKWarning,
+        )
     k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("n_buckets", n_buckets)
     if n_buckets != 1 and n_buckets % 2:
