@@ -13,6 +13,7 @@ TINY = [
     "model.d_model=16",
     "model.d_ff=32",
     "train.steps=2",
+    "train.warmup_steps=1",  # the tiny preset's 30 would outlast the run
     "train.batch_size=8",
     "train.eval_every=2",
     "train.eval_batches=1",

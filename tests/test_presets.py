@@ -98,6 +98,8 @@ def test_demo_reports_mean_and_spread_over_seeds(tmp_path, capsys, monkeypatch):
         "--set",
         "train.steps=2",
         "--set",
+        "train.warmup_steps=1",  # the tiny preset's 30 would outlast the run
+        "--set",
         "train.eval_batches=1",
         "--set",
         "data.eval_size=16",

@@ -132,6 +132,8 @@ def _real_data_fixtures(tmp_path):
         (["train.learning_rate=nan"], r"train.learning_rate must be > 0; got nan"),
         (["train.weight_decay=-0.1"], r"train.weight_decay must be >= 0; got -0.1"),
         (["train.clip_norm=-1"], r"train.clip_norm must be > 0, or 0 or null"),
+        (["train.warmup_steps=13"], r"train.warmup_steps=13 exceeds train.steps=12: .* at most 12"),
+        (["train.steps=1"], r"train.warmup_steps=2 exceeds train.steps=1"),  # the file's warm-up is set too
         (["colour=red"], "unknown section"),
         (["train.steps"], "key=value"),
     ],
@@ -148,7 +150,14 @@ def test_missing_config_lists_the_shipped_ones():
 
 def test_overrides_and_presets():
     e = load_experiment(
-        "copy", ["preset=tiny", "train.steps=7", "model.embedding.position=rope", "train.clip_norm=0.5"]
+        "copy",
+        [
+            "preset=tiny",
+            "train.steps=7",
+            "train.warmup_steps=3",
+            "model.embedding.position=rope",
+            "train.clip_norm=0.5",
+        ],
     )
     assert e.train.steps == 7 and e.model.embedding.position == "rope" and e.train.clip_norm == 0.5
     assert e.model.num_layers == 2 and e.model.ffn.d_ff == 128  # from the preset
@@ -189,6 +198,22 @@ def test_a_2d_attention_whose_width_is_not_the_images_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_experiment("lra_pathfinder", ["preset=tiny"])
+
+
+def test_an_unset_warmup_is_the_default_cut_to_a_short_run(tmp_path):
+    # Only a warm-up that is set is refused beyond the run; the default (100) is cut to it.
+    from jxformers.train.state import make_experiment_optimizer
+
+    unset = {k: v for k, v in TINY["train"].items() if k != "warmup_steps"}
+    (tmp_path / "unset.yaml").write_text(yaml.safe_dump(TINY | {"train": unset}))
+    short = load_experiment(tmp_path / "unset.yaml")
+    assert short.train.steps == 12 and short.train.warmup_steps is None and short.raw["train"]["warmup_steps"] is None
+    _, schedule = make_experiment_optimizer(short)
+    assert float(schedule(6)) == pytest.approx(0.003 / 2) and float(schedule(12)) == pytest.approx(0.003)
+    _, schedule = make_experiment_optimizer(load_experiment(tmp_path / "unset.yaml", ["train.steps=1000"]))
+    assert float(schedule(50)) == pytest.approx(0.003 / 2) and float(schedule(100)) == pytest.approx(0.003)
+    assert load_experiment(write_config(tmp_path), ["train.warmup_steps=12"]).train.warmup_steps == 12  # the whole run
+    assert load_experiment(write_config(tmp_path), ["train.steps=1", "train.warmup_steps=null"]).train.steps == 1
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -491,6 +516,8 @@ def test_demo_trains_three_models_and_prints_the_table(tmp_path, capsys):
         "--set",
         "train.steps=3",
         "--set",
+        "train.warmup_steps=1",  # the tiny preset's 30 would outlast the run
+        "--set",
         "train.eval_batches=1",
         "--set",
         "data.eval_size=32",
@@ -588,7 +615,7 @@ def test_config_sections_are_typed_frozen_dataclasses_with_defaults():
     with pytest.raises(ValueError, match=r"config ffn must be one of \['gelu', 'relu'\]"):
         Model(ffn="tanh")
 
-    e = load_experiment("copy", ["preset=tiny", "train.steps=7"])
+    e = load_experiment("copy", ["preset=tiny", "train.steps=7", "train.warmup_steps=null"])  # tiny's warm-up: 20
     assert e.train.steps == 7
     assert e.raw["train"] == dataclasses.asdict(e.train)
 

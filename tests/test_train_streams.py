@@ -51,6 +51,7 @@ def experiment(texts, *extra):
             "model.num_heads=2",
             "model.d_ff=32",
             "train.steps=8",
+            "train.warmup_steps=4",  # at most the shortest run here (the tiny preset's 20 would outlast them)
             "train.eval_every=4",
             "train.eval_batches=2",
             "train.log_every=1",

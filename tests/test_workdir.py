@@ -183,6 +183,22 @@ def test_a_run_saved_before_a_setting_existed_resumes_with_its_default(trained, 
     assert "model.stack.kind: 'transformer' in the run, 'luna' now" in capsys.readouterr().err
 
 
+def test_a_run_saved_with_a_warmup_longer_than_the_run_still_evaluates(trained, tmp_path, capsys):
+    # Before a warm-up beyond the run was refused (issue 36 item 5), the default 100 was saved for
+    # shorter runs too: such a run's eval and generate read it as the default (cut to the run).
+    _, run = trained
+    run = _copy(run, tmp_path)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["train"]["warmup_steps"] = 100  # as an older version wrote it, for this 12-step run
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", str(run)]) == 0
+    assert _last_json(capsys.readouterr().out)["step"] == 12
+    with pytest.raises(SystemExit):  # set anew on the command line, it is refused as ever
+        cli.main(["eval", "--workdir", str(run), "--set", "train.warmup_steps=13"])
+    assert "train.warmup_steps=13 exceeds train.steps=12" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- item 4
 
 
@@ -237,7 +253,9 @@ def test_a_second_train_on_a_locked_workdir_says_who_holds_it(tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoints").exists()
     # A lock left by a dead process (its file says so, but nobody holds it) does not block.
     (tmp_path / "run" / "lock").write_text(json.dumps({"pid": 999999, "host": "gone", "since": "yesterday"}))
-    summary = train(load_experiment(config, ["train.steps=1"]), tmp_path / "run", progress=False)
+    summary = train(
+        load_experiment(config, ["train.steps=1", "train.warmup_steps=1"]), tmp_path / "run", progress=False
+    )
     assert summary["step"] == 1
 
 

@@ -37,7 +37,7 @@ from jxformers.nn import ModelConfig
 from jxformers.nn.config import legacy
 from jxformers.nn.config.components import CompressiveStack
 from jxformers.nn.transformer_xl import MEMORY_ARCHITECTURES
-from jxformers.train.optim import OPTIMIZERS, SCHEDULES
+from jxformers.train.optim import OPTIMIZERS, SCHEDULES, default_warmup_steps
 from jxformers.validate import check_at_least, check_fields, from_mapping, setting
 
 # Shipped with the package (package data), so an installed wheel has them too.
@@ -90,13 +90,21 @@ class TrainConfig(_Section):
     0 never redraws. The default, 1000, is performer-pytorch's `feature_redraw_interval`
     (the Performer paper redraws but fixes no interval; its JAX code redraws at every
     call). BigBird's random pattern is drawn once and never redrawn (its paper's code
-    seeds it per layer)."""
+    seeds it per layer).
+
+    `warmup_steps`: a warm-up longer than the run (`warmup_steps > steps`) is refused when
+    it is set (in the experiment file, its preset or `--set`): the learning rate would
+    never reach its peak. Unset (null, the default) it is derived from the run: 100
+    steps, or all of `steps` when the run is shorter (`optim.default_warmup_steps`), so a
+    short run needs no warm-up setting; the saved config keeps it null."""
 
     steps: int = setting(1000, "optimizer steps")
     batch_size: int = setting(32, "examples per step (all devices)")
     optimizer: str = setting("adamw", "the optimizer", choices=OPTIMIZERS)
     learning_rate: float = setting(1e-3, "peak learning rate, > 0")
-    warmup_steps: int = setting(100, "linear warm-up steps from 0")
+    warmup_steps: int | None = setting(
+        None, "linear warm-up steps from 0, at most train.steps; null: 100, or train.steps when the run is shorter"
+    )
     schedule: str = setting("cosine", "the decay after warm-up", choices=SCHEDULES)
     weight_decay: float = setting(0.01, "decoupled weight decay (not on norms, biases, embeddings)")
     clip_norm: float | None = setting(1.0, "global gradient norm clipping (0 or null: none)")
@@ -114,6 +122,13 @@ class TrainConfig(_Section):
             self, "train.", 1, "steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "log_every"
         )
         check_at_least(self, "train.", 0, "warmup_steps", "redraw_every", "weight_decay")
+        if self.warmup_steps is not None and self.warmup_steps > self.steps:  # the peak rate would never be reached
+            warmup_steps, steps = self.warmup_steps, self.steps
+            raise ValueError(
+                f"train.{warmup_steps=} exceeds train.{steps=}: the learning rate would never reach its peak; "
+                f"set train.warmup_steps to at most {steps}, or to null for the default (100 steps, cut to "
+                f"{default_warmup_steps(steps)} for this run)"
+            )
         if not self.learning_rate > 0:  # a negative rate would ascend the loss; `not >` catches NaN
             raise ValueError(f"train.learning_rate must be > 0; got {self.learning_rate}")
         if self.clip_norm is not None and not self.clip_norm >= 0:

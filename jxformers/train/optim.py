@@ -9,14 +9,23 @@ import optax
 
 OPTIMIZERS = ("adamw", "radam")
 SCHEDULES = ("cosine", "inverse_sqrt", "constant")
+# The warm-up of a run that sets none: this many steps, or the whole run when it is shorter.
+DEFAULT_WARMUP_STEPS = 100
 
 
-def learning_rate_schedule(*, peak: float, warmup_steps: int, total_steps: int, kind: str) -> optax.Schedule:
-    """Linear warmup from 0 to `peak` over `warmup_steps`, then cosine decay to 0 at
-    `total_steps`, inverse-sqrt decay (peak * sqrt(warmup / step)), or constant."""
+def default_warmup_steps(total_steps: int) -> int:
+    """The warm-up when none is set: DEFAULT_WARMUP_STEPS, cut to a shorter run (a set
+    warm-up longer than the run is refused instead: `TrainConfig`)."""
+    return min(DEFAULT_WARMUP_STEPS, total_steps)
+
+
+def learning_rate_schedule(*, peak: float, warmup_steps: int | None, total_steps: int, kind: str) -> optax.Schedule:
+    """Linear warmup from 0 to `peak` over `warmup_steps` (None: `default_warmup_steps`),
+    then cosine decay to 0 at `total_steps`, inverse-sqrt decay (peak * sqrt(warmup /
+    step)), or constant."""
     if kind not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {kind!r}")
-    warmup = max(warmup_steps, 0)
+    warmup = default_warmup_steps(total_steps) if warmup_steps is None else max(warmup_steps, 0)
     if kind == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1))
     ramp = optax.linear_schedule(0.0, peak, max(warmup, 1))
@@ -35,7 +44,7 @@ def make_optimizer(
     *,
     optimizer: str = "adamw",
     learning_rate: float = 1e-3,
-    warmup_steps: int = 0,
+    warmup_steps: int | None = 0,
     total_steps: int = 1,
     schedule: str = "cosine",
     weight_decay: float = 0.0,
@@ -43,7 +52,8 @@ def make_optimizer(
     b1: float = 0.9,
     b2: float = 0.999,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer and its learning-rate schedule (for logging)."""
+    """The optimizer and its learning-rate schedule (for logging); `warmup_steps` None:
+    `default_warmup_steps(total_steps)`."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {optimizer!r}")
     lr = learning_rate_schedule(peak=learning_rate, warmup_steps=warmup_steps, total_steps=total_steps, kind=schedule)

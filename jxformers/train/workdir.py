@@ -174,7 +174,17 @@ def _base_config(saved: dict[str, Any]) -> dict[str, Any]:
     data-given model fields."""
     base = {k: copy.deepcopy(v) for k, v in saved.items() if k != "preset"}
     base["model"] = {k: v for k, v in (base.get("model") or {}).items() if k not in _FROM_DATA}
+    train = base.get("train")
+    if isinstance(train, dict) and _exceeds(train.get("warmup_steps"), train.get("steps")):
+        # Versions before the warm-up was checked saved their default, 100, for shorter runs
+        # too; it is the default now (null, cut to the run), and evaluation does not use it.
+        train["warmup_steps"] = None
     return base
+
+
+def _exceeds(warmup: Any, steps: Any) -> bool:
+    numbers = all(isinstance(x, int) and not isinstance(x, bool) for x in (warmup, steps))
+    return numbers and warmup > steps
 
 
 def _overrides_for_saved(saved: dict[str, Any], overrides: Sequence[str]) -> list[str]:
