@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import sys
+import textwrap
 import time
 
 import jax
@@ -44,9 +45,10 @@ _WHILE = re.compile(r"\swhile\(")
 LOOP_MARK = "†"
 LOOP_FOOTNOTE = (
     f"{LOOP_MARK} This forward compiles to a loop (an XLA while: a scan or a map over chunks). XLA's cost "
-    "analysis counts a loop body once, not once per iteration, so its GFLOP is undercounted; "
-    "`chunked` really does softmax's FLOPs (its point is memory)."
+    "analysis counts a loop body once, not once per iteration, so its GFLOP is undercounted"
 )
+# Said after the footnote only when a `chunked` row is marked (the footnote speaks of what ran).
+CHUNKED_FOOTNOTE = "; `chunked` really does softmax's FLOPs (its point is memory)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +176,10 @@ def table(rows: list[Row], base_label: str = "softmax") -> str:
             f"| {ratio(r.fwd_bwd_temp_bytes, b.fwd_bwd_temp_bytes if b else 0)} |"
         )
     if any(r.loops for r in rows):
-        lines += ["", LOOP_FOOTNOTE]
+        lines += [
+            "",
+            LOOP_FOOTNOTE + (CHUNKED_FOOTNOTE if any(r.loops and r.name == "chunked" for r in rows) else "") + ".",
+        ]
     return "\n".join(lines)
 
 
@@ -203,49 +208,186 @@ def header(command: str, *, batch: int, heads: int, d: int) -> str:
     )
 
 
-NOTES = """\
-### Reading the table
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """One sentence of the notes under the table, said only when the run measured what it
+    speaks of: every attention of `names` (or, with `any_name`, at least one; a `{names}`
+    field in its text then names those that ran), every N of `lengths` it quotes, and, with
+    `forms`, the causal linear forms (`--linear-forms`, whose lengths `lengths` then
+    are). The text may quote `{longest}` (the longest N run) and `{dense_gflop}` (dense
+    attention's forward FLOPs there, in GFLOP, at the run's shapes)."""
 
-* **FLOP floors.** Dense attention's forward is two matmuls, 4 * B * H * N^2 * d FLOPs
-  (137 GFLOP at N = 8192 with these shapes); XLA's count sits on that floor. A pattern
-  that lets each query see K keys has the floor 4 * B * H * N * K * d. The blocked ops
-  compute a little more than their pattern: `local` with window w computes blocks of
-  max(w, 16) against 3 neighbouring blocks (3 * 128 = 384 keys per query for w = 128,
-  where 2w + 1 = 257 are needed), `bigbird` computes (3 window + 2 global + 3 random)
-  blocks of 64 = 512 keys per query. Both stay linear in N.
-* **Loops are counted once.** XLA's cost analysis counts a loop body once, so the
-  GFLOP of `chunked` (a scan over key chunks inside a map over query chunks) is one
-  chunk's; its true count equals softmax's. Its point is memory, not FLOPs: the
-  forward+backward temporary memory falls to a few percent of softmax's at 8192.
-* **Where the efficient ones lose.** At N <= 512 with the default windows (128) and
-  blocks (64) the fixed patterns cover most of the matrix, and `local`, `longformer`,
-  `bigbird` and `chunked` are as slow as or slower than dense softmax (gathering blocks
-  and masking cost more than the FLOPs they save); they pull ahead from N = 1024 on this
-  CPU. `memory_compressed` saves only its stride (3x) and pays for a d_model x d_model
-  convolution, so it stays at about 0.2-0.5x of softmax. `synthesizer` is as costly as
-  softmax at every length (its point is no query-key interaction, not speed).
-* **Kernelized and low-rank.** Linear attention costs O(N d^2): with d = 64 its FLOPs are
-  below softmax's O(N^2 d) from N of about d, so on this FLOP-bound CPU it is faster
-  from the smallest N in the table (128). Performer (m = 256 features), Linformer
-  (k = 256) and Nystrom (64 landmarks) lose at N = 128 and win from N = 512; RFA's
-  forward wins from N = 1024. On a GPU, where the dense matmul runs near peak and the
-  linear forms are memory-bound, the published crossover is around 2K tokens; we have
-  not measured one.
-* **Causal linear attention, chunked against scan.** Per token, the scan does one outer
-  product and one read-out, 4 * m * d FLOPs; the chunked form does the same inter-chunk
-  work plus 2 * C * (m + d) inside its chunk of C tokens, so it never does fewer FLOPs
-  than the scan (2x at C = m = d = 64). It can only win by running its FLOPs faster. On
-  this 2-core CPU the scan already runs at about 18 GFLOP/s, while batched 64 x 64 x 64
-  matmuls top out near 63 GFLOP/s (a 2048^2 matmul: 169), so even a perfect chunked
-  forward could be at most about 3x faster; measured, the *forward* scan is about 1.4x
-  faster than the chunked form (a head-major layout, a fully parallel cumsum-over-chunks
-  form and chunk sizes 16-256 were tried; none was faster than the scan forward).
-  For training (forward+backward) the chunked form is about 3-4x faster and holds about
-  8x less memory, because the scan's backward keeps a d x d state per token. The target
-  "chunked 5x faster than scan at N = 4096 on a CPU" is therefore not met, and by the
-  FLOP count above cannot be met by the forward pass on this machine. The chunked form
-  is the default because its work is matmuls, which is what accelerators are fast at.
-"""
+    text: str
+    names: tuple[str, ...] = ()
+    lengths: tuple[int, ...] = ()
+    forms: bool = False
+    any_name: bool = False
+
+
+_BLOCKED = ("local", "longformer", "bigbird", "chunked")
+_KERNELIZED = ("linear", "performer", "rfa")
+
+# The notes' bullets: (title, claims). The measured claims are this project's CPU runs
+# (docs/benchmarks.md), at the default shapes.
+NOTES: tuple[tuple[str, tuple[Claim, ...]], ...] = (
+    (
+        "FLOP floors",
+        (
+            Claim(
+                "Dense attention's forward is two matmuls, 4 * B * H * N^2 * d FLOPs ({dense_gflop} GFLOP at "
+                "N = {longest} with these shapes); XLA's count sits on that floor. A pattern that lets each "
+                "query see K keys has the floor 4 * B * H * N * K * d."
+            ),
+            Claim(
+                "`local` with window w computes blocks of max(w, 16) against 3 neighbouring blocks "
+                "(3 * 128 = 384 keys per query for w = 128, where 2w + 1 = 257 are needed), a little more "
+                "than its pattern, and stays linear in N.",
+                names=("local",),
+            ),
+            Claim(
+                "`bigbird` computes (3 window + 2 global + 3 random) blocks of 64 = 512 keys per query, a "
+                "little more than its pattern, and stays linear in N.",
+                names=("bigbird",),
+            ),
+        ),
+    ),
+    (
+        "Loops are counted once",
+        (
+            Claim(
+                "XLA's cost analysis counts a loop body once, so the GFLOP of `chunked` (a scan over key "
+                "chunks inside a map over query chunks) is one chunk's; its true count equals softmax's. Its "
+                "point is memory, not FLOPs.",
+                names=("chunked",),
+            ),
+            Claim(
+                "Its forward+backward temporary memory falls to a few percent of softmax's at 8192.",
+                names=("chunked",),
+                lengths=(8192,),
+            ),
+        ),
+    ),
+    (
+        "Where the efficient ones lose",
+        (
+            Claim(
+                "At N <= 512 with the default windows (128) and blocks (64) the fixed patterns cover most of "
+                "the matrix, and {names} are as slow as or slower than dense softmax (gathering blocks and "
+                "masking cost more than the FLOPs they save); they pull ahead from N = 1024 on this CPU.",
+                names=_BLOCKED,
+                lengths=(512, 1024),
+                any_name=True,
+            ),
+            Claim(
+                "`memory_compressed` saves only its stride (3x) and pays for a d_model x d_model "
+                "convolution, so it stays at about 0.2-0.5x of softmax.",
+                names=("memory_compressed",),
+            ),
+            Claim(
+                "`synthesizer` is as costly as softmax at every length (its point is no query-key "
+                "interaction, not speed).",
+                names=("synthesizer",),
+            ),
+        ),
+    ),
+    (
+        "Kernelized and low-rank",
+        (
+            Claim(
+                "Linear attention costs O(N d^2): with d = 64 its FLOPs are below softmax's O(N^2 d) from N "
+                "of about d, so on this FLOP-bound CPU it is faster from the smallest N in the table (128).",
+                names=("linear",),
+                lengths=(128,),
+            ),
+            Claim("Performer (m = 256 features) loses at N = 128 and wins from N = 512.", ("performer",), (128, 512)),
+            Claim("Linformer (k = 256) loses at N = 128 and wins from N = 512.", ("linformer",), (128, 512)),
+            Claim("Nystrom (64 landmarks) loses at N = 128 and wins from N = 512.", ("nystrom",), (128, 512)),
+            Claim("RFA's forward wins from N = 1024.", ("rfa",), (1024,)),
+            Claim(
+                "On a GPU, where the dense matmul runs near peak and the linear forms are memory-bound, the "
+                "published crossover is around 2K tokens; we have not measured one.",
+                names=_KERNELIZED,
+                any_name=True,
+            ),
+        ),
+    ),
+    (
+        "Causal linear attention, chunked against scan",
+        (
+            Claim(
+                "Per token, the scan does one outer product and one read-out, 4 * m * d FLOPs; the chunked "
+                "form does the same inter-chunk work plus 2 * C * (m + d) inside its chunk of C tokens, so "
+                "it never does fewer FLOPs than the scan (2x at C = m = d = 64). It can only win by running "
+                "its FLOPs faster. On this 2-core CPU the scan already runs at about 18 GFLOP/s, while "
+                "batched 64 x 64 x 64 matmuls top out near 63 GFLOP/s (a 2048^2 matmul: 169), so even a "
+                "perfect chunked forward could be at most about 3x faster; measured, the *forward* scan is "
+                "about 1.4x faster than the chunked form (a head-major layout, a fully parallel "
+                "cumsum-over-chunks form and chunk sizes 16-256 were tried; none was faster than the scan "
+                "forward). For training (forward+backward) the chunked form is about 3-4x faster and holds "
+                "about 8x less memory, because the scan's backward keeps a d x d state per token.",
+                forms=True,
+            ),
+            Claim(
+                'The target "chunked 5x faster than scan at N = 4096 on a CPU" is therefore not met, and by '
+                "the FLOP count above cannot be met by the forward pass on this machine.",
+                lengths=(4096,),
+                forms=True,
+            ),
+            Claim(
+                "The chunked form is the default because its work is matmuls, which is what accelerators are fast at.",
+                forms=True,
+            ),
+        ),
+    ),
+)
+
+
+def _listed(names: list[str]) -> str:
+    quoted = [f"`{n}`" for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
+def _said(claim: Claim, ran: set[str], lengths: set[int], form_lengths: set[int] | None) -> str | None:
+    """The claim's text for this run, or None when the run did not measure what it speaks of."""
+    measured = form_lengths if claim.forms else lengths  # None: the forms were not run
+    if measured is None or not set(claim.lengths) <= measured:
+        return None
+    if claim.any_name:
+        present = [n for n in claim.names if n in ran]
+        return claim.text.replace("{names}", _listed(present)) if present else None
+    return claim.text if set(claim.names) <= ran else None
+
+
+def render_notes(
+    bullets: tuple[tuple[str, tuple[Claim, ...]], ...],
+    ran: list[str],
+    lengths,
+    *,
+    form_lengths=None,
+    fields: dict[str, str] | None = None,
+) -> str:
+    """A "Reading the table" section of `bullets` ((title, claims)) for a run of the
+    attentions `ran` at `lengths` (and the causal linear forms at `form_lengths`; None:
+    not run): a bullet holds the claims about what was run, and is left out with none;
+    `{field}`s of `fields` are filled in. Empty when no claim applies."""
+    forms = None if form_lengths is None else set(form_lengths)
+    out = []
+    for title, claims in bullets:
+        text = " ".join(t for t in (_said(c, set(ran), set(lengths), forms) for c in claims) if t is not None)
+        if text:
+            for name, value in (fields or {}).items():
+                text = text.replace(f"{{{name}}}", value)
+            out.append(textwrap.fill(f"* **{title}.** {text}", width=90, subsequent_indent="  "))
+    return "### Reading the table\n\n" + "\n".join(out) + "\n" if out else ""
+
+
+def notes(ran: list[str], lengths, *, batch: int, heads: int, d: int, form_lengths=None) -> str:
+    """The notes under `jxformers bench`'s table for a run of the attentions `ran` at
+    `lengths` (and of the causal linear forms at `form_lengths`, None when not run): only
+    the claims about what was run (`Claim`); empty when none applies."""
+    longest = max(lengths)
+    fields = {"longest": str(longest), "dense_gflop": f"{4 * batch * heads * longest**2 * d / 1e9:.3g}"}
+    return render_notes(NOTES, ran, lengths, form_lengths=form_lengths, fields=fields)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -339,6 +481,7 @@ def main(argv=None) -> int:
     text = header(command, **shapes) + f"\n### Every attention against softmax ({mode})\n\n" + table(rows) + "\n"
     if left_out:
         text += f"\nLeft out (they cannot be causal): {', '.join(left_out)}.\n"
+    form_lengths = None
     if args.linear_forms is not None:
         form_lengths = tuple(args.linear_forms or (256, 1024, 4096))
         form_rows = run(linear_forms_entries(), form_lengths, repeats=repeats, **shapes)
@@ -347,7 +490,8 @@ def main(argv=None) -> int:
             + table(form_rows, base_label="linear chunked")
             + "\n"
         )
-    if not args.short:
-        text += "\n" + NOTES
+    if not args.short:  # the notes speak only of the attentions and lengths this run measured
+        said = notes(names, lengths, form_lengths=form_lengths, **shapes)
+        text += "\n" + said if said else ""
     print_report(text, args.out)
     return 0

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from jxformers.nn import ModelConfig, build_model
-from jxformers.tools.bench import machine, print_report
+from jxformers.tools.bench import Claim, machine, print_report, render_notes
 from jxformers.xla_cost import compile_with_cost
 
 FULL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
@@ -145,27 +145,58 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-NOTES = """
-### Reading the table
-
-* **Per-step cost.** With the cache a step is O(N d) per layer (the new query against
-  all N cache slots); without it, O(N^2 d) (the whole causal forward again); the
-  recurrent forms are O(m d) per layer whatever N. Their state is a constant m x d matrix
-  per head (0.03 MiB for linear attention here at every N, against 16 MiB of cache at
-  N = 8192), and their step time stays flat in N: the spread of their ms/token across
-  rows (about 0.13 to 0.4 ms on this shared 2-core machine) is noise, not a trend,
-  while the cache's step time grows about 14x from N = 256 to 8192.
-* **Where each wins.** At N = 256 to 2048 the cache's step costs about the same as a
-  recurrent step (a few small matmuls; fixed per-step overheads dominate on a CPU);
-  from N = 4096 the recurrent forms are several times faster (about 12x at 8192). The
-  recompute baseline loses everywhere and by a factor that grows with N (tens of
-  thousands of times slower than the recurrent forms at N = 8192): this is Table 1 of
-  Katharopoulos et al. 2020 ("Transformers are RNNs", arXiv 2006.16236), the RNN view
-  of linear attention against a softmax transformer without a cache.
-* **Memory.** "state" is the decoding state (the cache holds 2 * layers * N * d floats;
-  zero for the recompute baseline, which instead needs the N x N logits: see its step
-  temp); "step temp" is XLA's temporary allocation for the compiled steps.
-"""
+# Said only where the run measured the lengths a claim quotes (`bench.Claim`); every method
+# runs at every length. The numbers are this project's CPU run (docs/decode.md).
+NOTES = (
+    (
+        "Per-step cost",
+        (
+            Claim(
+                "With the cache a step is O(N d) per layer (the new query against all N cache slots); "
+                "without it, O(N^2 d) (the whole causal forward again); the recurrent forms are O(m d) per "
+                "layer whatever N. Their state is a constant m x d matrix per head, and their step time "
+                "stays flat in N."
+            ),
+            Claim(
+                "Linear attention's state is 0.03 MiB here at every N, against 16 MiB of cache at N = 8192; "
+                "the spread of the recurrent forms' ms/token across rows (about 0.13 to 0.4 ms on this "
+                "shared 2-core machine) is noise, not a trend, while the cache's step time grows about 14x "
+                "from N = 256 to 8192.",
+                lengths=(256, 8192),
+            ),
+        ),
+    ),
+    (
+        "Where each wins",
+        (
+            Claim(
+                "At N = 256 to 2048 the cache's step costs about the same as a recurrent step (a few small "
+                "matmuls; fixed per-step overheads dominate on a CPU).",
+                lengths=(256, 2048),
+            ),
+            Claim(
+                "From N = 4096 the recurrent forms are several times faster (about 12x at 8192).",
+                lengths=(4096, 8192),
+            ),
+            Claim(
+                "The recompute baseline loses everywhere, by a factor that grows with N: this is Table 1 of "
+                'Katharopoulos et al. 2020 ("Transformers are RNNs", arXiv 2006.16236), the RNN view of '
+                "linear attention against a softmax transformer without a cache."
+            ),
+            Claim("At N = 8192 it is tens of thousands of times slower than the recurrent forms.", lengths=(8192,)),
+        ),
+    ),
+    (
+        "Memory",
+        (
+            Claim(
+                '"state" is the decoding state (the cache holds 2 * layers * N * d floats; zero for the '
+                "recompute baseline, which instead needs the N x N logits: see its step temp); "
+                '"step temp" is XLA\'s temporary allocation for the compiled steps.'
+            ),
+        ),
+    ),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         "# Decoding benchmark\n\n"
         f"Command: `{command}`  \nMachine: {machine()}  \nDate: {datetime.date.today().isoformat()}  \n"
         f"Model: decoder-only LM, {args.layers} layers, d_model {args.d_model}, 4 heads, vocab 256, rotary "
-        "positions, float32, batch 1, greedy. Performer: 64 features.\n\n" + table(rows) + "\n" + NOTES
+        "positions, float32, batch 1, greedy. Performer: 64 features.\n\n"
+        + table(rows)
+        + "\n\n"
+        + render_notes(NOTES, [], args.lengths)
     )
     print_report(text, args.out)
     return 0
