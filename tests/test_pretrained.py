@@ -251,6 +251,94 @@ def test_convert_command_round_trips(tiny_bert, tmp_path, capsys):
     np.testing.assert_array_equal(_hidden(model, ids, types, mask), _hidden(direct, ids, types, mask))
 
 
+# ListOps' vocabulary (16 tokens) and 10 classes: a BERT of that vocabulary runs on the
+# generated task offline (a real checkpoint runs on shakespeare_genre with its tokenizer).
+LISTOPS_RUN = {
+    "name": "tiny_listops",
+    "data": {
+        "task": "listops",
+        "train_size": 64,
+        "eval_size": 16,
+        "settings": {"max_len": 20, "min_length": 5, "max_length": 21},
+    },
+    "train": {"steps": 2, "batch_size": 8, "eval_every": 2, "eval_batches": 2, "log_every": 1},
+    "checkpoint": {"every": 2, "async_save": False},
+}
+
+
+def test_convert_with_an_experiment_makes_a_run_that_eval_and_train_take(tiny_bert, tmp_path, capsys):
+    # `jxformers eval` refused what `convert` wrote ("unknown experiment keys"): with
+    # --experiment the directory is a run at step 0 with the converted weights.
+    import yaml
+    from safetensors.numpy import save_file
+
+    from jxformers.tools.cli import main
+    from jxformers.train import restore_model
+    from jxformers.train.workdir import load_run_experiment
+
+    _, tensors = tiny_bert
+    bert = tmp_path / "bert16"
+    bert.mkdir()
+    small = dict(tensors, **{"embeddings.word_embeddings.weight": tensors["embeddings.word_embeddings.weight"][:16]})
+    save_file(small, str(bert / "model.safetensors"))
+    (bert / "config.json").write_text(json.dumps(HF_CONFIG | {"vocab_size": 16}))
+    (tmp_path / "listops.yaml").write_text(yaml.safe_dump(LISTOPS_RUN))
+    run = tmp_path / "run"
+    assert main(["convert", str(bert), "--out", str(run)]) == 0  # a model only; then, as eval advises:
+    assert main(["convert", str(bert), "--out", str(run), "--experiment", str(tmp_path / "listops.yaml")]) == 0
+    assert f"jxformers eval --workdir {run}" in capsys.readouterr().err
+    assert main(["eval", "--workdir", str(run)]) == 0
+    evaluated = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert evaluated["step"] == 0 and evaluated["eval_examples"] == 16 and np.isfinite(evaluated["eval_loss"])
+    experiment = load_run_experiment(run)
+    model, step = restore_model(experiment, run)
+    assert step == 0 and experiment.model.num_classes == 10 and experiment.model.max_len == 24
+    np.testing.assert_array_equal(model.encoder.embedding.table, small["embeddings.word_embeddings.weight"])
+    converted, config = load_converted(run)  # the converted weights, as without --experiment
+    assert config == experiment.model
+    np.testing.assert_array_equal(converted.encoder.blocks[1].ffn.w_in.weight, model.encoder.blocks[1].ffn.w_in.weight)
+    # Fine-tuning resumes the run from step 0, with its own config.yaml.
+    assert main(["train", "--workdir", str(run), "--no-progress", "--set", "train.log_every=2"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 2
+    assert main(["eval", "--workdir", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["step"] == 2
+
+
+def test_a_converted_model_without_an_experiment_says_how_to_run_it(tiny_bert, tmp_path, capsys):
+    import yaml
+
+    from jxformers.tools.cli import main
+
+    assert main(["convert", str(tiny_bert[0]), "--out", str(tmp_path / "out")]) == 0
+    assert "convert with --experiment CONFIG" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "--workdir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "holds a model converted by `jxformers convert`" in err and "--experiment CONFIG" in err
+    assert "unknown experiment key" not in err
+    # A data task whose vocabulary is not the checkpoint's (40 tokens) is refused before anything is written.
+    (tmp_path / "listops.yaml").write_text(yaml.safe_dump(LISTOPS_RUN))
+    for extra, message in [
+        ([], "the model's vocab_size is 40, but data task 'listops' gives 16"),
+        (["--num-classes", "3"], "--num-classes 3, but the experiment's data has 10"),
+        (["--set", "model.dropout=0.1"], "the model is given (a converted checkpoint's)"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(
+                [
+                    "convert",
+                    str(tiny_bert[0]),
+                    "--out",
+                    str(tmp_path / "x"),
+                    "--experiment",
+                    str(tmp_path / "listops.yaml"),
+                    *extra,
+                ]
+            )
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_encode_with_a_bert_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 

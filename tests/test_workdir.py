@@ -183,6 +183,21 @@ def test_a_run_saved_before_a_setting_existed_resumes_with_its_default(trained, 
     assert "model.stack.kind: 'transformer' in the run, 'luna' now" in capsys.readouterr().err
 
 
+def test_train_without_a_config_goes_on_with_the_runs_own(trained, tmp_path, capsys):
+    _, run = trained
+    run = _copy(run, tmp_path)
+    assert cli.main(["train", "--workdir", str(run), "--no-progress", "--set", "train.steps=13"]) == 0
+    assert _last_json(capsys.readouterr().out)["step"] == 13
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["num_layers"] == 2  # the run's model
+    for args, message in [
+        (["--set", "model.d_model=32"], "would change the model"),
+        (["--workdir", str(tmp_path)], "holds no config.yaml to resume: name the experiment"),
+    ]:
+        with pytest.raises(SystemExit):
+            cli.main(["train", "--workdir", str(run), "--no-progress", *args])
+        assert message in capsys.readouterr().err
+
+
 def test_a_run_saved_with_a_warmup_longer_than_the_run_still_evaluates(trained, tmp_path, capsys):
     # Before a warm-up beyond the run was refused (issue 36 item 5), the default 100 was saved for
     # shorter runs too: such a run's eval and generate read it as the default (cut to the run).

@@ -1,7 +1,9 @@
 """BERT checkpoints (Hugging Face layout: config.json + model.safetensors) as jxformers
 models: `load_bert` builds a `Classifier` whose encoder computes BertModel's
 `last_hidden_state` from the same weights and tokens, and `save_converted` /
-`load_converted` store a converted model as config.yaml + model.eqx.
+`load_converted` store a converted model as config.yaml + model.eqx;
+`save_converted_run` writes it as a work directory of an experiment at step 0 instead
+(config.yaml is then the experiment), which the command line evaluates and fine-tunes.
 
 How BERT maps onto ModelConfig (`bert_config`): post-norm blocks (norm placement
 "post", no final norm: norm.final False), learned absolute positions from 0 (the
@@ -19,13 +21,16 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
 import numpy as np
 
 from jxformers.nn.config import ModelConfig, build_model, legacy
+
+if TYPE_CHECKING:
+    from jxformers.train import Experiment
 
 # BERT's hidden_act -> our FFN kind (jax.nn.gelu(approximate=True) is gelu_new's tanh form)
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
@@ -209,14 +214,34 @@ def save_converted(model, config: ModelConfig, out: str | pathlib.Path) -> pathl
     return out
 
 
+def save_converted_run(model, experiment: Experiment, out: str | pathlib.Path) -> pathlib.Path:
+    """Write directory `out` as a work directory of `experiment` at step 0 whose model
+    is `model` (a converted checkpoint; `experiment` from `load_experiment(...,
+    model=config)`): config.yaml (the experiment) and checkpoints/ (`train.loop.start_run`),
+    so that `jxformers eval --workdir OUT` evaluates it and `jxformers train --workdir
+    OUT` fine-tunes it; and model.eqx, which `load_converted`
+    reads (the converted weights, not a fine-tuned state)."""
+    from jxformers.train.loop import start_run  # the training machinery (orbax, grain) only when asked
+
+    out = start_run(experiment, out, model)
+    eqx.tree_serialise_leaves(out / CONVERTED_WEIGHTS, model)
+    return out
+
+
 def load_converted(path: str | pathlib.Path):
-    """`(model, config)` from a directory `save_converted` (or `jxformers convert`) wrote."""
+    """`(model, config)` from a directory `save_converted`, `save_converted_run` (or
+    `jxformers convert`, with or without `--experiment`) wrote: the converted weights."""
+    import yaml
+
     path = pathlib.Path(path)
     if not (path / CONVERTED_CONFIG).is_file() or not (path / CONVERTED_WEIGHTS).is_file():
         raise ValueError(
             f"{path} holds no {CONVERTED_CONFIG} and {CONVERTED_WEIGHTS}; write them with "
             "`jxformers convert BERT_DIR --out DIR`"
         )
-    config = ModelConfig.from_yaml(path / CONVERTED_CONFIG)
+    values = yaml.safe_load((path / CONVERTED_CONFIG).read_text())
+    if isinstance(values, dict) and isinstance(values.get("model"), dict) and "data" in values:
+        values = values["model"]  # a run's config (convert --experiment): the model is its model section
+    config = ModelConfig.from_dict(values)
     like = build_model(config, key=jax.random.key(0))
     return eqx.tree_deserialise_leaves(path / CONVERTED_WEIGHTS, like), config

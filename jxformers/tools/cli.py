@@ -17,21 +17,26 @@ commands:
   list      print the attention registry (names, capabilities, hyper-parameters) and the model architectures;
             `list NAME`: one attention's hyper-parameters and allowed values; `list --markdown`: the README's op table
   bench     time and measure every attention against softmax (--help for options)
-  train     train an experiment: jxformers train CONFIG --workdir DIR [--set key=value ...]
+  train     train an experiment: jxformers train CONFIG --workdir DIR [--set key=value ...]; without CONFIG
+            the run in DIR goes on with its own config.yaml
   eval      evaluate the newest (--best: the best) checkpoint of a work directory: eval --workdir DIR
   generate  sample from a trained language model: generate --workdir DIR --prompt ...
   plot      draw the curves of several work directories into one PNG
   data      build an experiment's generated splits on disk: data build CONFIG --out DIR [--split train|eval]
   demo      train softmax, linear and Fourier-Transformer models on tiny ListOps and compare
   convert   a BERT checkpoint (config.json + model.safetensors) to a jxformers model: convert BERT_DIR --out DIR
+            [--experiment CONFIG: DIR is then a run at step 0, for eval and train]
   compare   train an experiment once per registered attention; one table and one plot (--help)
   describe  what an experiment key means: type, default, allowed values, doc: describe [KEY]
   schema    the JSON Schema of an experiment file, for editors
 """
 
 
-def _experiment_parser(prog: str, description: str, *, run_config: bool = False) -> argparse.ArgumentParser:
-    """`run_config`: eval / generate, whose config defaults to the run's WORKDIR/config.yaml."""
+def _experiment_parser(
+    prog: str, description: str, *, run_config: bool = False, resume: bool = False
+) -> argparse.ArgumentParser:
+    """`run_config`: eval / generate, whose config defaults to the run's WORKDIR/config.yaml;
+    `resume`: train, whose config may be left out to resume the run in WORKDIR as saved."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     if run_config:
         p.add_argument(
@@ -40,6 +45,15 @@ def _experiment_parser(prog: str, description: str, *, run_config: bool = False)
             default=None,
             help="optional: the run's WORKDIR/config.yaml is used; if given, it is only checked "
             "against it (needed for work directories without config.yaml)",
+        )
+    elif resume:
+        p.add_argument(
+            "config",
+            nargs="?",
+            default=None,
+            help="an experiment name in experiments/ (e.g. copy) or a YAML path; left out, the run in "
+            "--workdir goes on with its own config.yaml (e.g. to fine-tune a model `jxformers convert "
+            "--experiment` wrote there), --set changing only settings outside the model",
         )
     else:
         p.add_argument("config", help="an experiment name in experiments/ (e.g. copy) or a YAML path")
@@ -117,8 +131,25 @@ def _load_run(p, args):
         p.error(str(e))
 
 
+def _resume_run(p, args):
+    """The experiment of the run in --workdir (its config.yaml, --set applied), for a
+    `train` without a config."""
+    from jxformers.train.workdir import CONFIG, check_workdir, load_run_experiment
+
+    _one_line_warnings()
+    try:
+        workdir = check_workdir(args.workdir, exists=True)
+        if not (workdir / CONFIG).exists():
+            p.error(
+                f"{workdir} holds no {CONFIG} to resume: name the experiment (jxformers train CONFIG --workdir DIR)"
+            )
+        return load_run_experiment(workdir, args.overrides)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def _train(rest: list[str]) -> int:
-    p = _experiment_parser("jxformers train", "train (or resume) an experiment in a work directory")
+    p = _experiment_parser("jxformers train", "train (or resume) an experiment in a work directory", resume=True)
     p.add_argument(
         "--no-progress",
         action="store_true",
@@ -142,7 +173,7 @@ def _train(rest: list[str]) -> int:
         initialize(args.coordinator, args.num_processes, args.process_id)
     except ValueError as e:
         p.error(str(e))
-    experiment = _load(p, args)
+    experiment = _load(p, args) if args.config is not None else _resume_run(p, args)
     from jxformers.train import NonFiniteError, train
     from jxformers.train.loop import to_json
 
@@ -375,32 +406,90 @@ def _convert(rest: list[str]) -> int:
         prog="jxformers convert",
         description="convert a BERT checkpoint (config.json + model.safetensors, e.g. MiniLM from "
         "scripts/fetch_minilm.sh) into DIR/config.yaml + DIR/model.eqx (jxformers.pretrained."
-        "load_converted reads them); the tokenizer files are copied along",
+        "load_converted reads them); the tokenizer files are copied along. With --experiment, DIR is "
+        "also a work directory of that experiment at step 0, with the converted model as its model: "
+        "`jxformers eval --workdir DIR` evaluates it and `jxformers train --workdir DIR` fine-tunes it",
     )
     p.add_argument("bert", help="directory holding config.json and model.safetensors")
     p.add_argument("--out", required=True, help="directory to write")
-    p.add_argument("--num-classes", type=int, default=2, help="classes of the new classification head")
+    p.add_argument(
+        "--num-classes",
+        type=int,
+        default=None,
+        help="classes of the new classification head (default 2; with --experiment, its data's)",
+    )
     p.add_argument("--max-len", type=int, default=None, help="cut the position table to this length")
     p.add_argument("--attention", default=None, help="swap in this registered attention (keeps the weights)")
     p.add_argument("--attention-kwargs", default="{}", help="its hyper-parameters as JSON, e.g. '{\"window\": 16}'")
+    p.add_argument(
+        "--experiment",
+        default=None,
+        metavar="CONFIG",
+        help="an experiment (a name in experiments/ or a YAML path) whose data, train and checkpoint "
+        "sections the converted model runs with; its model section is not read. Its data must be a "
+        "classification task in the checkpoint's vocabulary (e.g. shakespeare_genre with "
+        "data.settings.tokenizer=BERT_DIR)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --experiment, override one of its values, e.g. --set train.steps=150 (not the model's)",
+    )
     args = p.parse_args(rest)
+    if args.overrides and args.experiment is None:
+        p.error("--set overrides an experiment's values: give --experiment CONFIG")
     import pathlib
     import shutil
 
-    from jxformers.pretrained import load_bert, save_converted, swap_attention
+    from jxformers.pretrained import load_bert, save_converted, save_converted_run, swap_attention
+    from jxformers.train import load_experiment
+    from jxformers.train.experiment import training_source
 
+    _one_line_warnings()
     try:
+        num_classes = 2 if args.num_classes is None else args.num_classes
+        if args.experiment is not None:  # the head is sized for the experiment's data
+            source = training_source(args.experiment, args.overrides)
+            if source.model_task != "classify":
+                raise ValueError(
+                    f"a converted BERT is a classifier; the data of {args.experiment} is a {source.model_task!r} task"
+                )
+            if args.num_classes not in (None, source.num_classes):
+                raise ValueError(
+                    f"--num-classes {args.num_classes}, but the experiment's data has {source.num_classes}"
+                )
+            num_classes = source.num_classes
         extra = {} if args.max_len is None else {"max_len": args.max_len}
-        model, config = load_bert(args.bert, num_classes=args.num_classes, **extra)
+        model, config = load_bert(args.bert, num_classes=num_classes, **extra)
         if args.attention is not None:
             model, config = swap_attention(model, config, args.attention, json.loads(args.attention_kwargs))
+        experiment = None
+        if args.experiment is not None:
+            experiment = load_experiment(args.experiment, args.overrides, model=config)
+            out = save_converted_run(model, experiment, args.out)
+        else:
+            out = save_converted(model, config, args.out)
     except (ValueError, json.JSONDecodeError) as e:
         p.error(str(e))
-    out = save_converted(model, config, args.out)
     for name in ("tokenizer.json", "vocab.txt"):
         if (pathlib.Path(args.bert) / name).is_file():
             shutil.copy(pathlib.Path(args.bert) / name, out / name)
     print(f"{config.num_layers} layers, d_model {config.d_model}, attention {config.attention.name}: {out}")
+    if experiment is None:
+        print(
+            "to evaluate or fine-tune it from the command line, convert with --experiment CONFIG (the data "
+            "and training settings it runs with)",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"a run of {experiment.name!r} at step 0: evaluate with `jxformers eval --workdir {out}`, "
+            f"fine-tune with `jxformers train --workdir {out}`",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -381,8 +381,12 @@ def _drop_other_attention_kwargs(config: dict, parsed: list[tuple[list[str], Any
             model.pop("attention_kwargs", None)
 
 
-def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str] = ()) -> Experiment:
-    """Read, apply the preset and the overrides, validate."""
+def _merged(
+    source: str | os.PathLike | Mapping, overrides: Sequence[str], *, fixed_model: bool
+) -> tuple[dict[str, Any], str | None]:
+    """The experiment's config with its preset and the overrides applied, and the preset's
+    name. `fixed_model`: the model is given otherwise (a converted checkpoint's): the
+    file's model section and its presets' are dropped, and a `model.` override refused."""
     config = _read(source)
     parsed = [parse_override(o) for o in overrides]
     for path, value in parsed:
@@ -393,6 +397,16 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
         raise ValueError(f"unknown experiment key(s) {unknown}; known: {list(TOP)}")
     presets = config.pop("presets", {}) or {}
     preset = config.get("preset")
+    if fixed_model:
+        config.pop("model", None)
+        presets = {name: {k: v for k, v in (p or {}).items() if k != "model"} for name, p in presets.items()}
+        for path, _ in parsed:
+            if path[0] == "model":
+                raise ValueError(
+                    f"override {'.'.join(path)}: the model is given (a converted checkpoint's), not the "
+                    f"experiment's; jxformers convert sets its attention (--attention, --attention-kwargs) and "
+                    f"its length (--max-len)"
+                )
     if preset is not None:
         if preset not in presets:
             raise ValueError(f"unknown preset {preset!r}; this experiment has {sorted(presets)}")
@@ -403,16 +417,28 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
             raise ValueError(f"override {'.'.join(path)}: unknown section {path[0]!r}; known: {list(TOP)}")
         if path != ["preset"]:
             _set(config, path, value)
-    sections = {name: from_mapping(cls, config.get(name), name) for name, cls in SECTIONS.items()}
-    data, train, ckpt = sections["data"], sections["train"], sections["checkpoint"]
-    train_source = make_source(data.task, seed=data.seed, size=data.train_size, **data.settings)
-    model_values = dict(config.get("model", {}) or {})  # flat keys are converted by ModelConfig
+    return config, preset
+
+
+def training_source(source: str | os.PathLike | Mapping, overrides: Sequence[str] = ()):
+    """The training split's source of experiment `source` (preset and overrides applied;
+    its model section is not read): what the data gives a model before one is built
+    (`model_task`, `vocab_size`, `num_classes` for classification, `max_len`)."""
+    config, _ = _merged(source, overrides, fixed_model=True)
+    data = from_mapping(DataConfig, config.get("data"), "data")
+    return make_source(data.task, seed=data.seed, size=data.train_size, **data.settings)
+
+
+def _model_values(model_values: dict[str, Any], train_source, data: DataConfig) -> dict[str, Any]:
+    """The model section with what the data gives it (task, vocab_size, num_classes, and
+    max_len unless set)."""
     for fixed in ("task", "vocab_size", "num_classes"):
         if fixed in model_values:
             raise ValueError(f"model.{fixed} comes from the data task; do not set it")
-    model_values |= {"task": train_source.model_task, "vocab_size": train_source.vocab_size}
+    given = {"task": train_source.model_task, "vocab_size": train_source.vocab_size}
     if train_source.model_task == "classify":
-        model_values["num_classes"] = train_source.num_classes
+        given["num_classes"] = train_source.num_classes
+    model_values |= given
     head = _head_kind(model_values)
     model_values.setdefault(
         "max_len", train_source.max_len + (1 if head in (None, "cls") and train_source.model_task == "classify" else 0)
@@ -422,7 +448,45 @@ def load_experiment(source: str | os.PathLike | Mapping, overrides: Sequence[str
             f"model.head 'mixture_of_logistics' models pixel intensities; the tokens of data task "
             f"{data.task!r} ({data.settings}) are not pixels (fashion_mnist with mode: generate is)"
         )
-    model = ModelConfig.from_dict(model_values)
+    return model_values
+
+
+def _check_given_model(model: ModelConfig, train_source, task: str) -> None:
+    """A model given to `load_experiment` must be the one the data needs: its task,
+    vocabulary and classes, and a max_len that holds the data's records."""
+    given = {"task": train_source.model_task, "vocab_size": train_source.vocab_size}
+    if train_source.model_task == "classify":
+        given["num_classes"] = train_source.num_classes
+    for name, value in given.items():
+        if getattr(model, name) != value:
+            hint = " (a tokenized task: is data.settings.tokenizer the checkpoint's?)" if name == "vocab_size" else ""
+            raise ValueError(
+                f"the model's {name} is {getattr(model, name)!r}, but data task {task!r} gives {value!r}{hint}"
+            )
+    if train_source.max_len > model.max_len:
+        raise ValueError(
+            f"data task {task!r} makes records of {train_source.max_len} tokens (data.settings.max_len), more "
+            f"than the model's max_len {model.max_len}"
+        )
+
+
+def load_experiment(
+    source: str | os.PathLike | Mapping, overrides: Sequence[str] = (), *, model: ModelConfig | None = None
+) -> Experiment:
+    """Read, apply the preset and the overrides, validate.
+
+    `model`: a model fixed beforehand (a converted checkpoint's: `jxformers convert
+    --experiment`) instead of the file's model section, which is not read (nor its
+    presets'; a `model.` override is refused); the data must give its task, vocab_size
+    and num_classes, and its max_len must hold the data's records."""
+    config, preset = _merged(source, overrides, fixed_model=model is not None)
+    sections = {name: from_mapping(cls, config.get(name), name) for name, cls in SECTIONS.items()}
+    data, train, ckpt = sections["data"], sections["train"], sections["checkpoint"]
+    train_source = make_source(data.task, seed=data.seed, size=data.train_size, **data.settings)
+    if model is None:  # flat keys are converted by ModelConfig
+        model = ModelConfig.from_dict(_model_values(dict(config.get("model", {}) or {}), train_source, data))
+    else:
+        _check_given_model(model, train_source, data.task)
     _warn_if_grid_is_not_the_image(model, train_source)
     _check_stream_source(model, train_source, batch_size=train.batch_size)
     raw = {

@@ -48,7 +48,7 @@ from jxformers.data import make_loader
 from jxformers.data.baselines import baselines
 from jxformers.nn import redraw
 from jxformers.train import distributed
-from jxformers.train.checkpoint import Checkpointer
+from jxformers.train.checkpoint import Checkpointer, CheckpointMismatch, compare_trees
 from jxformers.train.experiment import Experiment
 from jxformers.train.sharding import ShardingPlan, make_mesh, plan_sharding
 from jxformers.train.state import TrainState, init_train_state, load_state_dict, split_model, state_dict
@@ -473,6 +473,53 @@ def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: conte
     return changes
 
 
+def _train_iterator(experiment: Experiment, train_source):
+    """The iterator over this process's rows of the training batches (its position is
+    part of every checkpoint); a stream's rows continue from batch to batch, unshuffled."""
+    t = experiment.train
+    return iter(
+        make_loader(
+            train_source,
+            batch_size=_per_process(t.batch_size, "train.batch_size"),
+            seed=t.seed,
+            workers=experiment.data.workers,
+            shuffle=not getattr(train_source, "stream", False),
+        )
+    )
+
+
+def start_run(experiment: Experiment, workdir: str | pathlib.Path, model) -> pathlib.Path:
+    """Write `workdir` as a run of `experiment` at step 0 whose model is `model` (a model
+    of `experiment.model`, e.g. a converted checkpoint: its parameters and drawn arrays,
+    with a fresh optimizer state): its config.yaml and a checkpoint of step 0, which
+    `jxformers eval` evaluates and `jxformers train` resumes, i.e. fine-tunes. A work
+    directory that holds checkpoints already is refused."""
+    workdir = check_workdir(workdir, exists=False)
+    if has_checkpoints(workdir):
+        raise ValueError(f"{workdir} holds checkpoints of a run already; start from the model in a new directory")
+    state, static, optimizer, _ = init_train_state(experiment)
+    params, drawn, _ = split_model(model)
+    given = dataclasses.replace(state, params=params, drawn=drawn, opt_state=optimizer.init(params))
+    try:  # the arrays by tree path and shape, as a checkpoint's are checked
+        compare_trees(state_dict(given), state_dict(state))
+    except CheckpointMismatch as error:
+        raise ValueError(f"the model is not a model of the experiment's config: {error}") from None
+    if jax.tree.structure((params, drawn)) != jax.tree.structure((state.params, state.drawn)):
+        raise ValueError("the model is not a model of the experiment's config: its modules differ")
+    state = given
+    with contextlib.ExitStack() as stack:
+        workdir.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(workdir_lock(workdir))
+        write_config(workdir, experiment)  # no checkpoints: nothing a config.yaml there must agree with
+        train_source, _ = experiment.sources()
+        iterator = stack.enter_context(contextlib.closing(_train_iterator(experiment, train_source)))
+        checkpointer = stack.enter_context(
+            contextlib.closing(_open_checkpointer(experiment, workdir, async_save=False))
+        )
+        checkpointer.save(0, state_dict(state), iterator)
+    return workdir
+
+
 def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool = True) -> dict[str, Any]:
     """Train (or resume) `experiment` in `workdir`; returns the final metrics.
 
@@ -491,19 +538,7 @@ def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool
         plan = sharding_plan(experiment, state, static)
         changes = _prepare_workdir(experiment, workdir, stack)
         train_source, eval_source = experiment.sources()
-        iterator = stack.enter_context(
-            contextlib.closing(
-                iter(
-                    make_loader(
-                        train_source,
-                        batch_size=_per_process(t.batch_size, "train.batch_size"),
-                        seed=t.seed,
-                        workers=experiment.data.workers,
-                        shuffle=not getattr(train_source, "stream", False),
-                    )
-                )
-            )
-        )  # a stream's rows continue from batch to batch
+        iterator = stack.enter_context(contextlib.closing(_train_iterator(experiment, train_source)))
         checkpointer = stack.enter_context(
             contextlib.closing(_open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save))
         )

@@ -32,6 +32,8 @@ from jxformers.nn.config import legacy
 from jxformers.train.experiment import SECTIONS, Experiment, load_experiment, parse_override, read_yaml
 
 CONFIG = "config.yaml"
+CONVERTED_WEIGHTS = "model.eqx"  # jxformers.pretrained.bert.CONVERTED_WEIGHTS (a higher layer), beside
+# the bare model config.yaml that `jxformers convert` writes without --experiment
 LOCK = "lock"
 CHECKPOINTS = "checkpoints"
 # What a rerun may change once checkpoints exist: none of these changes the saved state's
@@ -100,6 +102,12 @@ def saved_config(workdir: pathlib.Path) -> dict[str, Any] | None:
     values = read_yaml(path.read_text(), str(path))
     if not isinstance(values, dict):
         raise ValueError(f"{path}: not a YAML mapping; it should hold the run's resolved config")
+    if "model" not in values and "vocab_size" in values and (workdir / CONVERTED_WEIGHTS).is_file():
+        raise ValueError(
+            f"{workdir} holds a model converted by `jxformers convert` ({CONFIG} is its model config, not a "
+            f"run's): to evaluate or fine-tune it from the command line, convert it again with --experiment "
+            f"CONFIG (the data and training settings it runs with), which makes the directory a run at step 0"
+        )
     model = values.get("model")
     if isinstance(model, Mapping):  # resolved anew: an older version's flat keys or missing settings filled in
         with warnings.catch_warnings():
