@@ -391,10 +391,10 @@ def test_each_residual_branch_drops_once():
     block = model.encoder.blocks[0]
     x = jax.random.normal(jax.random.key(1), (128, 64))
     for branch in (block.attention_branch, block.ffn_branch):
-        out = branch(x, key=jax.random.key(2))
+        out, _ = branch(x, key=jax.random.key(2))
         zeroed = float(jnp.mean(out == 0))
         assert abs(zeroed - 0.5) < 0.02, zeroed
-        assert float(jnp.mean(branch(x, inference=True) == 0)) < 0.01
+        assert float(jnp.mean(branch(x, inference=True)[0] == 0)) < 0.01
     assert not any(
         isinstance(leaf, eqx.nn.Dropout)
         for leaf in jax.tree.leaves(block.attention, is_leaf=lambda m: isinstance(m, eqx.nn.Dropout))
@@ -412,8 +412,8 @@ def test_reversible_stack_uses_the_blocks_branches_with_dropout():
         x1 = x2 = x
         for b, k in zip(blocks, jax.random.split(key, len(blocks)), strict=True):
             kf, kg = jax.random.split(k)
-            x1 = x1 + b.attention_branch(x2, key=kf)
-            x2 = x2 + b.ffn_branch(x1, key=kg)
+            x1 = x1 + b.attention_branch(x2, key=kf)[0]
+            x2 = x2 + b.ffn_branch(x1, key=kg)[0]
         return (x1 + x2) / 2
 
     ours = lambda blocks, x: reversible_stack(blocks, x, key=key)  # noqa: E731

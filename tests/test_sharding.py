@@ -264,8 +264,8 @@ def test_rules_fall_back_to_replication_when_a_dimension_does_not_divide():
 
 
 def test_transformer_xl_memory_split_over_the_batch_axes_trains_like_one_device(tmp_path):
-    """A model carrying a memory between steps (its own step, `train/streams.py`): the
-    memory's rows split like the batch, the losses those of one device."""
+    """A model carrying a memory between steps (a part of the state the one train step
+    threads): the memory's rows split like the batch, the losses those of one device."""
     root = tmp_path / "texts"
     root.mkdir()
     rng = __import__("numpy").random.default_rng(0)

@@ -20,8 +20,7 @@ from jxformers.train import (
     restore_train_state,
     train,
 )
-from jxformers.train.step import evaluate, make_eval_step
-from jxformers.train.streams import stream_loss
+from jxformers.train.step import evaluate, loss_and_metrics, make_eval_step
 
 
 @pytest.fixture
@@ -105,8 +104,8 @@ def test_memory_is_carried_checkpointed_and_resumed(texts, tmp_path):
     # and the memory matters: a resume that dropped it would log other losses
     batch = next(iter(make_loader(e.sources()[0], batch_size=4, seed=0, shuffle=False)))
     model = state.model(init_train_state(e)[1])
-    with_memory = stream_loss(model, batch, memory, None, inference=True)[0]
-    empty = stream_loss(model, batch, jax.tree.map(jnp.zeros_like, memory), None, inference=True)[0]
+    with_memory = loss_and_metrics(model, batch, None, inference=True, memory=memory)[0]
+    empty = loss_and_metrics(model, batch, None, inference=True, memory=jax.tree.map(jnp.zeros_like, memory))[0]
     assert abs(float(with_memory) - float(empty)) > 1e-4
     # evaluation carries its own memory of eval_mem_len slots across the batches, emptied by each evaluate()
     static = init_train_state(e)[1]

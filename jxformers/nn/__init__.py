@@ -19,11 +19,13 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     moe_sharded.py  expert parallelism for MoE with `jax.shard_map`
     generation.py  generate: sampling a continuation with `lax.scan`
     trainable.py  which leaves an optimizer updates; redrawing or updating the drawn arrays
+    produced.py   Produced: what a forward makes beside its output (MoE aux, k-means inputs,
+                  a recurrent memory), returned by every module's `apply`
     config/       ModelConfig and its components (attention, embedding, norm, ffn, stack,
                   decoder, head), build_model; the flat keys of earlier versions converted
 """
 
-from jxformers.nn.attention import Attention, attention_modules, record_attention_inputs
+from jxformers.nn.attention import Attention, attention_modules
 from jxformers.nn.blocks import Block
 from jxformers.nn.config import ModelConfig, build_model
 from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm
@@ -47,6 +49,7 @@ from jxformers.nn.positions import (
     sinusoidal,
     t5_buckets,
 )
+from jxformers.nn.produced import AttentionInputs, Produced
 from jxformers.nn.set_transformer import ISAB, MAB, PMA
 from jxformers.nn.tokenlearner import TokenFuser, TokenLearner, TokenLearnerStage
 from jxformers.nn.trainable import redraw, trainable, update_arrays, updates_arrays
@@ -54,6 +57,7 @@ from jxformers.nn.transformer_xl import RecurrentLM
 
 __all__ = [
     "Attention",
+    "AttentionInputs",
     "Block",
     "Classifier",
     "ConditionedDecoder",
@@ -73,6 +77,7 @@ __all__ = [
     "ModelConfig",
     "PMA",
     "PerceiverEncoder",
+    "Produced",
     "Positions",
     "ProductKeyMemory",
     "RMSNorm",
@@ -83,7 +88,6 @@ __all__ = [
     "alibi_slopes",
     "attention_modules",
     "build_model",
-    "record_attention_inputs",
     "redraw",
     "rotary",
     "sinusoidal",

@@ -14,15 +14,13 @@ arXiv 2006.16236).
 Two more hooks serve the learnable patterns: a core that draws noise in training
 (`spec.noise_key`: Sinkhorn's Gumbel noise) gets a fresh key on every call made with a
 key and not in inference; a core whose drawn arrays are state updated in training
-(`spec.updates_arrays`: Routing's k-means centroids) has its inputs recorded while
-`record_attention_inputs(model)` is active, so the train step can compute the update
-outside the gradient (`nn.update_arrays`).
+(`spec.updates_arrays`: Routing's k-means centroids) returns its inputs from `apply` in
+training (`Produced.attention_inputs`), so the train step can compute the update outside
+the gradient (`nn.update_arrays`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any
 
 import equinox as eqx
@@ -34,46 +32,7 @@ from jxformers import decoding, registry
 from jxformers.kernels.alibi import Alibi
 from jxformers.nn.layers import Linear
 from jxformers.nn.positions import rotary
-
-
-class AttentionInputs:
-    """The inputs of the attention modules of one model whose cores update arrays in
-    training, in call order: `owners[i]` is the module's index in
-    `attention_modules(model)`, `values[i]` its `(q, k, kv_mask)` (kv_mask None when
-    unpadded)."""
-
-    def __init__(self, model):
-        self._index = {id(a): i for i, a in enumerate(attention_modules(model))}
-        self.owners: list[int] = []
-        self.values: list[tuple[Array, Array, Array | None]] = []
-
-    def add(self, module: Attention, q, k, kv_mask) -> None:
-        i = self._index.get(id(module))
-        if i is not None:  # a module outside the recorded model (a copy) is not updated
-            self.owners.append(i)
-            self.values.append((jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), kv_mask))
-
-
-_RECORDING: contextvars.ContextVar[AttentionInputs | None] = contextvars.ContextVar("attention_inputs", default=None)
-
-
-@contextlib.contextmanager
-def record_attention_inputs(model):
-    """While active, every attention module of `model` whose core updates arrays in
-    training records its core's q, k and kv_mask (`AttentionInputs`). Use it inside
-    the function that is vmapped over the batch and return `values` from there."""
-    recorder = AttentionInputs(model)
-    token = _RECORDING.set(recorder)
-    try:
-        yield recorder
-    finally:
-        _RECORDING.reset(token)
-
-
-def recording() -> bool:
-    """True while `record_attention_inputs` is active (the reversible stack then runs
-    its plain forward, so the recorded values are not trapped in its custom backward)."""
-    return _RECORDING.get() is not None
+from jxformers.nn.produced import AttentionInputs, Produced
 
 
 def attention_modules(model) -> list[Attention]:
@@ -99,8 +58,10 @@ class Attention(eqx.Module):
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
     inference=False)` maps `x: [seq, d_model]` to `[seq, d_model]` under
     `jax.named_scope(<attention name>)`; `key` only feeds a core that draws noise in
-    training (Sinkhorn's Gumbel noise). Dropout belongs to the residual branch around this module (`Block`), not here.
-    Complexity, causal and decoding support are the core's (`jxformers list`).
+    training (Sinkhorn's Gumbel noise). `apply` takes the same arguments and returns
+    `(output, Produced)` (the k-means inputs of a core that updates arrays). Dropout
+    belongs to the residual branch around this module (`Block`), not here. Complexity,
+    causal and decoding support are the core's (`jxformers list`).
     """
 
     core: registry.BoundAttention = eqx.field(static=True)
@@ -186,7 +147,11 @@ class Attention(eqx.Module):
     def _out(self, out, x):
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype))
 
-    def __call__(
+    def __call__(self, x, context=None, **kwargs) -> Float[Array, "seq d_model"]:
+        """`apply(...)`'s output alone (the arguments are `apply`'s)."""
+        return self.apply(x, context, **kwargs)[0]
+
+    def apply(
         self,
         x: Float[Array, "seq d_model"],
         context: Float[Array, "ctx d_model"] | None = None,
@@ -197,7 +162,7 @@ class Attention(eqx.Module):
         context_positions: Real[Array, " kv"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-    ) -> Float[Array, "seq d_model"]:
+    ) -> tuple[Float[Array, "seq d_model"], Produced]:
         """Arguments:
             x: `[seq, d_model]` queries (and keys/values for self-attention).
             context: `[ctx, d_model]` keys/values for cross-attention.
@@ -209,7 +174,9 @@ class Attention(eqx.Module):
                 (`spec.noise_key`); none without a key or at inference.
 
         Returns:
-            `[seq, d_model]`.
+            `([seq, d_model], Produced)`: in training (not `inference`), a core that
+            updates arrays (`spec.updates_arrays`) adds its q, k and kv_mask
+            (`Produced.attention_inputs`); otherwise the `Produced` is empty.
         """
         if (context is None) == self.cross:
             raise ValueError("cross-attention needs a context" if self.cross else "self-attention takes no context")
@@ -227,11 +194,11 @@ class Attention(eqx.Module):
             noise = self.core.spec.noise_key
             if noise is not None and key is not None and not inference:
                 arrays = arrays | {noise: key}
-            recorder = _RECORDING.get()
-            if recorder is not None and self.core.spec.updates_arrays:
-                recorder.add(self, q, k, kv_mask)
             out = self.core(q, k, v, arrays=arrays, causal=self.causal, kv_mask=kv_mask, bias=bias)
-            return self._out(out, x)
+            produced = Produced()
+            if self.core.spec.updates_arrays and not inference:
+                produced = Produced(attention_inputs=(AttentionInputs(q, k, kv_mask),))
+            return self._out(out, x), produced
 
     # ------------------------------------------------------------------ decoding
 

@@ -17,6 +17,7 @@ from jxformers.nn.attention import Attention
 from jxformers.nn.layers import FeedForward, LayerNorm, RMSNorm, make_norm
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
+from jxformers.nn.produced import Produced
 
 NORM_PLACEMENTS = ("pre", "post")
 
@@ -28,10 +29,11 @@ class Block(eqx.Module):
     Arguments (constructor): `attention` and `cross_attention` (Attention modules, the
     latter None unless the block reads a context), `ffn`, `norm` ("layernorm" or
     "rmsnorm"), `d_model`, `pre_norm`, `dropout` (once on each residual branch's
-    output; the attention modules hold none), `norm_eps` (None: the norm's default). The FFN may be a FeedForward, a
-    mixture of experts (`MoE`) or a `ProductKeyMemory`; the latter two see the token
-    mask, and an MoE's auxiliary losses are appended to the `aux` list the caller
-    passes (a trace-time collector, filled and read within one forward).
+    output; the attention modules hold none), `norm_eps` (None: the norm's default).
+    The FFN may be a FeedForward, a mixture of experts (`MoE`) or a `ProductKeyMemory`;
+    the latter two see the token mask. `apply` returns `(output, Produced)`: an MoE's
+    aux dict and the k-means inputs of an attention that updates arrays
+    (`jxformers.nn.produced`); `__call__` returns the output alone.
     """
 
     attention: Attention
@@ -58,10 +60,11 @@ class Block(eqx.Module):
         self.dropout = eqx.nn.Dropout(dropout)
         self.pre_norm = pre_norm
 
-    def _branch(self, f: Callable[[Array], Array], norm, x, key, inference) -> Array:
-        """dropout(f(norm(x))) with pre-norm, dropout(f(x)) with post-norm: the one dropout
-        of a residual branch."""
-        return self.dropout(f(norm(x) if self.pre_norm else x), key=key, inference=inference)
+    def _branch(self, f: Callable[[Array], tuple[Array, Produced]], norm, x, key, inference):
+        """(dropout(f(norm(x))), what f produced) with pre-norm, f(x) with post-norm: the
+        one dropout of a residual branch."""
+        y, produced = f(norm(x) if self.pre_norm else x)
+        return self.dropout(y, key=key, inference=inference), produced
 
     def _residual(self, x, branch_out, norm):
         return x + branch_out if self.pre_norm else norm(x + branch_out)
@@ -77,9 +80,10 @@ class Block(eqx.Module):
         source_positions: Real[Array, " kv"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-    ) -> Float[Array, "seq d_model"]:
+    ) -> tuple[Float[Array, "seq d_model"], Produced]:
         """The self-attention branch without its residual: dropout(attention(norm(x)))
-        (pre-norm). The reversible stack calls this and `ffn_branch`.
+        (pre-norm), and what the attention produced (under the path "attention"). The
+        reversible stack calls this and `ffn_branch`.
 
         With `source` (Funnel's pooling layer: x pooled, source the unpooled stream), the
         keys and values come from norm(source) instead of norm(x) (source itself with
@@ -88,12 +92,12 @@ class Block(eqx.Module):
         # The core's own training noise (Sinkhorn's Gumbel); the dropout key stays as it was.
         noise = None if key is None or inference else jax.random.fold_in(key, 1)
         if source is None:
-            attend = lambda h: self.attention(  # noqa: E731
+            attend = lambda h: self.attention.apply(  # noqa: E731
                 h, kv_mask=kv_mask, bias=bias, positions=positions, key=noise, inference=inference
             )
         else:
             kv = norm(source) if self.pre_norm else source
-            attend = lambda h: self.attention(  # noqa: E731
+            attend = lambda h: self.attention.apply(  # noqa: E731
                 h,
                 kv,
                 kv_mask=kv_mask,
@@ -103,35 +107,37 @@ class Block(eqx.Module):
                 key=noise,
                 inference=inference,
             )
-        return self._branch(attend, norm, x, key, inference)
+        y, produced = self._branch(attend, norm, x, key, inference)
+        return y, produced.under("attention")
 
     def ffn_branch(
         self,
         x: Float[Array, "seq d_model"],
         *,
         mask: Bool[Array, " seq"] | None = None,
-        aux: list | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-    ) -> Float[Array, "seq d_model"]:
+    ) -> tuple[Float[Array, "seq d_model"], Produced]:
         """The feed-forward branch without its residual: dropout(ffn(norm(x))) (pre-norm);
         the FFN's own dropout acts on its hidden units. `mask` (True for real tokens)
-        reaches an MoE or product-key memory; an MoE's aux dict is appended to `aux`."""
+        reaches an MoE or product-key memory; an MoE's aux dict is in the `Produced`."""
         k_hidden, k_out = (None, None) if key is None else jax.random.split(key)
 
         def feed(h):
             if isinstance(self.ffn, FeedForward):
-                return self.ffn(h, key=k_hidden, inference=inference)
+                return self.ffn(h, key=k_hidden, inference=inference), Produced()
             if isinstance(self.ffn, ProductKeyMemory):
-                return self.ffn(h, mask=mask, key=k_hidden, inference=inference)
-            y, extra = self.ffn(h, mask=mask, key=k_hidden, inference=inference)
-            if aux is not None:
-                aux.append(extra)
-            return y
+                return self.ffn(h, mask=mask, key=k_hidden, inference=inference), Produced()
+            y, aux = self.ffn(h, mask=mask, key=k_hidden, inference=inference)
+            return y, Produced(moe=(aux,))
 
         return self._branch(feed, self.norms[-1], x, k_out, inference)
 
-    def __call__(
+    def __call__(self, x: Float[Array, "seq d_model"], **kwargs) -> Float[Array, "seq d_model"]:
+        """`apply(...)`'s output alone (the arguments are `apply`'s)."""
+        return self.apply(x, **kwargs)[0]
+
+    def apply(
         self,
         x: Float[Array, "seq d_model"],
         *,
@@ -142,10 +148,9 @@ class Block(eqx.Module):
         context_mask: Bool[Array, " ctx"] | None = None,
         source: Float[Array, "kv d_model"] | None = None,
         source_positions: Real[Array, " kv"] | None = None,
-        aux: list | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-    ) -> Float[Array, "seq d_model"]:
+    ) -> tuple[Float[Array, "seq d_model"], Produced]:
         """Arguments:
             x: `[seq, d_model]`; kv_mask: `[kv]` True for real keys (kv = seq unless
                 `source` is given); bias: `[heads, seq, kv]` logit bias; positions:
@@ -154,13 +159,13 @@ class Block(eqx.Module):
             source: `[kv, d_model]` the sequence self-attention takes its keys and
                 values from when it is not x (Funnel's pooling layer); the block's
                 attention must then be built with `cross=True`.
-            aux: a list an MoE FFN appends its aux dict to (see the class docstring).
 
         Returns:
-            `[seq, d_model]`.
+            `([seq, d_model], Produced)`: what the attentions and an MoE FFN made
+            besides their outputs (see the class docstring).
         """
         k_attn, k_cross, k_ffn = (None, None, None) if key is None else jax.random.split(key, 3)
-        out = self.attention_branch(
+        out, produced = self.attention_branch(
             x,
             kv_mask=kv_mask,
             bias=bias,
@@ -175,11 +180,13 @@ class Block(eqx.Module):
             if context is None:
                 raise ValueError("this block cross-attends: pass a context")
             cross = self.cross_attention
-            out = self._branch(lambda h: cross(h, context, kv_mask=context_mask), self.norms[1], x, k_cross, inference)
+            attend = lambda h: cross.apply(h, context, kv_mask=context_mask, inference=inference)  # noqa: E731
+            out, more = self._branch(attend, self.norms[1], x, k_cross, inference)
             x = self._residual(x, out, self.norms[1])
+            produced = produced + more.under("cross_attention")
         ffn_mask = kv_mask if source is None else None  # with a source, kv_mask is not x's
-        out = self.ffn_branch(x, mask=ffn_mask, aux=aux, key=k_ffn, inference=inference)
-        return self._residual(x, out, self.norms[-1])
+        out, more = self.ffn_branch(x, mask=ffn_mask, key=k_ffn, inference=inference)
+        return self._residual(x, out, self.norms[-1]), produced + more
 
     def init_decode_state(self, max_len: int, dtype) -> decoding.State:
         """The self-attention's empty decoding state (fixed shape)."""
@@ -200,13 +207,13 @@ class Block(eqx.Module):
 
         def attend(h):
             y, out["state"] = self.attention.decode_step(h, state, bias_fn=bias_fn)
-            return y
+            return y, Produced()
 
-        x = self._residual(x, self._branch(attend, self.norms[0], x, None, True), self.norms[0])
+        x = self._residual(x, self._branch(attend, self.norms[0], x, None, True)[0], self.norms[0])
         if self.cross_attention is not None:
             assert context_kv is not None
             cross = self.cross_attention
-            step = lambda h: cross.cross_step(h, *context_kv, kv_mask=context_mask)  # noqa: E731
-            x = self._residual(x, self._branch(step, self.norms[1], x, None, True), self.norms[1])
-        x = self._residual(x, self.ffn_branch(x[None], inference=True)[0], self.norms[-1])
+            step = lambda h: (cross.cross_step(h, *context_kv, kv_mask=context_mask), Produced())  # noqa: E731
+            x = self._residual(x, self._branch(step, self.norms[1], x, None, True)[0], self.norms[1])
+        x = self._residual(x, self.ffn_branch(x[None], inference=True)[0][0], self.norms[-1])
         return x, out["state"]

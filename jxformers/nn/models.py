@@ -25,7 +25,7 @@ softmax and attention normalisers work in float32; logits come back in float32.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -37,7 +37,8 @@ from jxformers.nn.layers import LayerNorm, Linear, RMSNorm, check_tokens, lookup
 from jxformers.nn.luna import LunaStack
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.positions import BIAS_KINDS, Positions
-from jxformers.nn.reversible import reversible_decode_step, reversible_stack
+from jxformers.nn.produced import Produced
+from jxformers.nn.reversible import reversible_apply, reversible_decode_step
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
 from jxformers.ops import fourier_downsample, fourier_downsample_padded, funnel_pool
@@ -243,22 +244,21 @@ class Encoder(eqx.Module):
     def _learn_tokens(self, learner, x, mask):
         return _learned(self, learner, x, mask)
 
-    def _fused_block(self, block, i, x, mask, *, key, inference, aux):
+    def _fused_block(self, block, i, x, mask, *, key, inference):
         """TokenLearner -> block -> TokenFuser, plus the residual (Ryoo et al. 2021, section
         3.2); the CLS token (if any) passes through the block beside the learned tokens."""
         start = 0 if self.cls is None else 1
         small, small_mask = _learned(self, self.token_learner.learner(i), x, mask)
-        y = block(
+        y, produced = block.apply(
             small,
             kv_mask=small_mask,
             bias=None,
             positions=self._positions(small.shape[0], 1.0),
             key=key,
             inference=inference,
-            aux=aux,
         )
         body = x[start:]
-        return jnp.concatenate([y[:start], body + self.token_learner.fuser(i)(y[start:], body)])
+        return jnp.concatenate([y[:start], body + self.token_learner.fuser(i)(y[start:], body)]), produced
 
     def _positions(self, n: int, spacing) -> Float[Array, " n"]:
         """Positions of a sequence of n (CLS at 0, token j at 1 + j * spacing with CLS)."""
@@ -267,6 +267,12 @@ class Encoder(eqx.Module):
         return jnp.concatenate([jnp.zeros((start,), jnp.float32), body])
 
     def __call__(
+        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, **kwargs
+    ) -> tuple[Float[Array, "out d_model"], Bool[Array, " out"]]:
+        """`apply(...)`'s output alone (the arguments are `apply`'s)."""
+        return self.apply(tokens, mask, **kwargs)[0]
+
+    def apply(
         self,
         tokens: Int[Array, " seq"],
         mask: Bool[Array, " seq"] | None = None,
@@ -274,9 +280,8 @@ class Encoder(eqx.Module):
         key: PRNGKeyArray | None = None,
         inference: bool = False,
         upsample_sum: bool = False,
-        aux: list | None = None,
         token_types: Int[Array, " seq"] | None = None,
-    ) -> tuple[Float[Array, "out d_model"], Bool[Array, " out"]]:
+    ) -> tuple[tuple[Float[Array, "out d_model"], Bool[Array, " out"]], Produced]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens (padding at the end
                 when downsampling, which keeps the real prefix). Without a mask the
@@ -289,13 +294,13 @@ class Encoder(eqx.Module):
                 block is a run of layers between two filters (a filter before layer 0
                 leaves no run before it), so filters {2: r} on 12 layers sum two terms:
                 the output of layers 0-1 at full length and that of layers 2-11.
-            aux: a list the MoE layers append their aux dicts to (`Block`).
             token_types: `[seq]` segment ids (BERT's token types; default 0), for an
                 embedding with a token-type table.
 
         Returns:
-            `(hidden [out, d_model], mask [out])`; `out` = seq (+1 for the CLS token) unless
-            filters shorten it (upsample_sum: always seq, with the input's mask).
+            `((hidden [out, d_model], mask [out]), Produced)`; `out` = seq (+1 for the CLS
+            token) unless filters shorten it (upsample_sum: always seq, with the input's
+            mask); the `Produced` holds what the blocks made (MoE aux, k-means inputs).
         """
         n = check_tokens(tokens, mask)
         start = 0 if self.cls is None else 1
@@ -308,9 +313,10 @@ class Encoder(eqx.Module):
             mask = jnp.concatenate([jnp.ones((1,), bool), mask])
         if self.reversible:
             bias = self.embedding.positions.grid_bias(x.shape[0])
-            x = reversible_stack(self.blocks, x, kv_mask=mask, bias=bias, key=key, inference=inference)
-            return self._final(x), mask
-        input_mask, filters, outputs = mask, dict(self.filters), []
+            blocks = cast(tuple[Block, ...], self.blocks)  # _check_reversible: all Blocks
+            x, produced = reversible_apply(blocks, x, kv_mask=mask, bias=bias, key=key, inference=inference)
+            return (self._final(x), mask), produced.under("blocks")
+        input_mask, filters, outputs, produced = mask, dict(self.filters), [], Produced()
         spacing = jnp.ones((), jnp.float32)
         pos = self._positions(x.shape[0], spacing)
         on_grid = True  # positions 0..n-1 until a filter resamples them
@@ -331,22 +337,31 @@ class Encoder(eqx.Module):
             else:
                 bias = self.embedding.positions.bias(pos, kv_pos)
             learn = self.token_learner
+            made = Produced()
             if learn is not None and learn.fuse and i > learn.after_layer:
-                x = self._fused_block(block, i, x, mask, key=k, inference=inference, aux=aux)
+                x, made = self._fused_block(block, i, x, mask, key=k, inference=inference)
             elif isinstance(block, Block):
-                x = block(x, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, aux=aux, **source)
+                x, made = block.apply(
+                    x, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, **source
+                )
             else:  # ISAB, LunaStack: no filters and no bias positions (ModelConfig refuses them)
                 x = block(x, kv_mask=kv_mask, key=k, inference=inference)
+            produced = produced + made.under("blocks", i)
             if learn is not None and not learn.fuse and i == learn.after_layer:
                 x, mask = self._learn_tokens(learn.learner(i), x, mask)
                 pos = self._positions(x.shape[0], spacing)
         if upsample_sum:
             outputs.append(_upsample(x, mask, input_mask))
-            return self._final(sum(outputs[1:], outputs[0])), input_mask
-        return self._final(x), mask
+            return (self._final(sum(outputs[1:], outputs[0])), input_mask), produced
+        return (self._final(x), mask), produced
 
     def _final(self, x):
         return x if self.norm is None else self.norm(x)
+
+
+def _encode(encoder, tokens, mask, *, key, inference):
+    """((hidden, mask), Produced) of an `Encoder` or a `PerceiverEncoder`."""
+    return encoder.apply(tokens, mask, key=key, inference=inference)
 
 
 def _learned(encoder, learner, x, mask):
@@ -391,29 +406,36 @@ class Classifier(eqx.Module):
         width = encoder.embedding.table.shape[1] * (1 if pma is None else pma.seeds.shape[0])
         self.head = Linear(width, num_classes, key=key)
 
-    def pool(self, tokens, mask=None, *, key=None, inference=False, aux=None) -> Float[Array, " width"]:
-        moe_sink = {"aux": aux} if aux is not None else {}  # a PerceiverEncoder holds no MoE layer
-        h, m = self.encoder(tokens, mask, key=key, inference=inference, **moe_sink)
+    def pool(self, tokens, mask=None, *, key=None, inference=False) -> tuple[Float[Array, " width"], Produced]:
+        """(The pooled vector the head reads, what the encoder produced.)"""
+        (h, m), produced = _encode(self.encoder, tokens, mask, key=key, inference=inference)
+        produced = produced.under("encoder")
         if self.pooling == "cls":
-            return h[0]
+            return h[0], produced
         if self.pma is not None:
             k_pool = None if key is None else jax.random.fold_in(key, 1)
-            return self.pma(h, m, key=k_pool, inference=inference).reshape(-1)
+            return self.pma(h, m, key=k_pool, inference=inference).reshape(-1), produced
         w = m.astype(jnp.float32)[:, None]
-        return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype)
+        return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype), produced
 
     def __call__(
+        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, **kwargs
+    ) -> Float[Array, " num_classes"]:
+        """`apply(...)`'s output alone (the arguments are `apply`'s)."""
+        return self.apply(tokens, mask, **kwargs)[0]
+
+    def apply(
         self,
         tokens: Int[Array, " seq"],
         mask: Bool[Array, " seq"] | None = None,
         *,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-        aux: list | None = None,
-    ) -> Float[Array, " num_classes"]:
-        """`tokens [seq]` (and a padding mask) -> class logits `[num_classes]` (float32);
-        MoE layers append their aux dicts to `aux`."""
-        return self.head(self.pool(tokens, mask, key=key, inference=inference, aux=aux)).astype(jnp.float32)
+    ) -> tuple[Float[Array, " num_classes"], Produced]:
+        """`tokens [seq]` (and a padding mask) -> (class logits `[num_classes]` (float32),
+        what the encoder produced: MoE aux, k-means inputs)."""
+        pooled, produced = self.pool(tokens, mask, key=key, inference=inference)
+        return self.head(pooled).astype(jnp.float32), produced
 
 
 class DualClassifier(eqx.Module):
@@ -429,7 +451,11 @@ class DualClassifier(eqx.Module):
         k1, k2 = jax.random.split(key)
         self.tower, self.hidden, self.out = tower, Linear(4 * d, d, key=k1), Linear(d, num_classes, key=k2)
 
-    def __call__(
+    def __call__(self, tokens: Int[Array, " seq"], other: Int[Array, " seq2"], *args, **kwargs):
+        """`apply(...)`'s output alone (the arguments are `apply`'s)."""
+        return self.apply(tokens, other, *args, **kwargs)[0]
+
+    def apply(
         self,
         tokens: Int[Array, " seq"],
         other: Int[Array, " seq2"],
@@ -438,12 +464,14 @@ class DualClassifier(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-    ) -> Float[Array, " num_classes"]:
+    ) -> tuple[Float[Array, " num_classes"], Produced]:
+        """(Match logits `[num_classes]`, what the tower produced on both inputs: a
+        module's k-means inputs from the two calls share its path.)"""
         k1, k2 = _split(key, 2)
-        x1 = self.tower.pool(tokens, mask, key=k1, inference=inference)
-        x2 = self.tower.pool(other, other_mask, key=k2, inference=inference)
+        x1, made1 = self.tower.pool(tokens, mask, key=k1, inference=inference)
+        x2, made2 = self.tower.pool(other, other_mask, key=k2, inference=inference)
         h = jax.nn.gelu(self.hidden(jnp.concatenate([x1, x2, x1 * x2, x1 - x2])))
-        return self.out(h).astype(jnp.float32)
+        return self.out(h).astype(jnp.float32), (made1 + made2).under("tower")
 
 
 def _quiet_readout(norm: LayerNorm | RMSNorm, d_model: int) -> LayerNorm | RMSNorm:
@@ -518,6 +546,12 @@ class LanguageModel(eqx.Module):
         return self.embedding.logits(x) if self.unembed is None else self.unembed(x).astype(jnp.float32)
 
     def __call__(
+        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, **kwargs
+    ) -> Float[Array, "seq vocab"]:
+        """`apply(...)`'s output alone (the arguments are `apply`'s)."""
+        return self.apply(tokens, mask, **kwargs)[0]
+
+    def apply(
         self,
         tokens: Int[Array, " seq"],
         mask: Bool[Array, " seq"] | None = None,
@@ -526,17 +560,14 @@ class LanguageModel(eqx.Module):
         context_mask: Bool[Array, " ctx"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-        aux: list | None = None,
-    ) -> Float[Array, "seq vocab"]:
+    ) -> tuple[Float[Array, "seq vocab"], Produced]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens.
             context, context_mask: encoder output for cross-attention blocks.
-            aux: a list the MoE layers append their aux dicts to (`Block`).
-            token_types: `[seq]` segment ids (BERT's token types; default 0), for an
-                embedding with a token-type table.
 
         Returns:
-            `[seq, vocab]` float32 logits; row i predicts token i + 1.
+            `([seq, vocab] float32 logits, Produced)`; row i predicts token i + 1; the
+            `Produced` holds what the blocks made (MoE aux, k-means inputs).
         """
         n = check_tokens(tokens, mask)
         _check_length(n, self.max_len)
@@ -544,25 +575,33 @@ class LanguageModel(eqx.Module):
         x = self.embedding(tokens, positions)
         bias = self.embedding.positions.grid_bias(n)
         if self.reversible:
-            x = reversible_stack(
-                self.blocks, x, kv_mask=mask, bias=bias, positions=positions, key=key, inference=inference
-            )
-            return self._logits(x)
-        # Only transformer blocks hold MoE layers (ModelConfig refuses them elsewhere).
-        moe_sink = {"aux": aux} if aux is not None else {}
-        for block, k in zip(self.blocks, _split(key, len(self.blocks)), strict=True):
-            x = block(
+            x, produced = reversible_apply(
+                cast(tuple[Block, ...], self.blocks),  # _check_reversible: all Blocks
                 x,
                 kv_mask=mask,
                 bias=bias,
                 positions=positions,
-                context=context,
-                context_mask=context_mask,
-                key=k,
+                key=key,
                 inference=inference,
-                **moe_sink,
             )
-        return self._logits(x)
+            return self._logits(x), produced.under("blocks")
+        produced = Produced()
+        for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)), strict=True)):
+            if isinstance(block, Block):
+                x, made = block.apply(
+                    x,
+                    kv_mask=mask,
+                    bias=bias,
+                    positions=positions,
+                    context=context,
+                    context_mask=context_mask,
+                    key=k,
+                    inference=inference,
+                )
+                produced = produced + made.under("blocks", i)
+            else:  # a LunaStack (causal Luna): no bias, positions or cross-attention to pass
+                x = block(x, kv_mask=mask, key=k, inference=inference)
+        return self._logits(x), produced
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         """Empty per-layer decoding states for up to `max_len` tokens (fixed shapes)."""
@@ -615,9 +654,17 @@ class EncoderDecoder(eqx.Module):
         return self.decoder.max_len
 
     def encode(self, source, source_mask=None, *, key=None, inference=False):
-        return self.encoder(source, source_mask, key=key, inference=inference, upsample_sum=self.upsample_sum)
+        """The encoder's (output, mask) that the decoder reads."""
+        return self._encode(source, source_mask, key=key, inference=inference)[0]
 
-    def __call__(
+    def _encode(self, source, source_mask=None, *, key=None, inference=False):
+        return self.encoder.apply(source, source_mask, key=key, inference=inference, upsample_sum=self.upsample_sum)
+
+    def __call__(self, source: Int[Array, " src"], target: Int[Array, " tgt"], *args, **kwargs):
+        """`apply(...)`'s output alone (the arguments are `apply`'s)."""
+        return self.apply(source, target, *args, **kwargs)[0]
+
+    def apply(
         self,
         source: Int[Array, " src"],
         target: Int[Array, " tgt"],
@@ -626,10 +673,14 @@ class EncoderDecoder(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-    ) -> Float[Array, "tgt vocab"]:
+    ) -> tuple[Float[Array, "tgt vocab"], Produced]:
+        """(`[tgt, vocab]` logits of the target given the source, what both made.)"""
         k1, k2 = _split(key, 2)
-        memory, memory_mask = self.encode(source, source_mask, key=k1, inference=inference)
-        return self.decoder(target, target_mask, context=memory, context_mask=memory_mask, key=k2, inference=inference)
+        (memory, memory_mask), made_enc = self._encode(source, source_mask, key=k1, inference=inference)
+        logits, made_dec = self.decoder.apply(
+            target, target_mask, context=memory, context_mask=memory_mask, key=k2, inference=inference
+        )
+        return logits, made_enc.under("encoder") + made_dec.under("decoder")
 
     def conditioned(
         self, source: Int[Array, " src"], source_mask: Bool[Array, " src"] | None = None

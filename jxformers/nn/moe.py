@@ -60,8 +60,8 @@ expert processed), loss (balance_weight * balance_loss + z_loss_weight * z_loss:
 a model adds to its training loss). Expert choice is balanced by construction: its
 balance_loss is 0.
 
-Elsewhere: `Block` takes an MoE as its FFN and appends the aux dict to a list the model's
-caller passes (`aux=`); `ModelConfig(ffn={"kind": "moe", ...})` (a `MoEConfig`) builds them (per block with
+Elsewhere: `Block` takes an MoE as its FFN and returns its aux dict from `apply`
+(`Produced.moe`, in call order); `ModelConfig(ffn={"kind": "moe", ...})` (a `MoEConfig`) builds them (per block with
 `stack.layer_overrides`) and the train step adds the losses; `moe_sharded.py` runs the layer
 with its experts split over devices (shard_map, all_to_all).
 """
@@ -71,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
@@ -466,7 +466,7 @@ def has_moe(tree) -> bool:
     return any(isinstance(leaf, MoE) for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, MoE)))
 
 
-def aux_loss(aux: list[dict[str, Array]]) -> Float[Array, ""]:
+def aux_loss(aux: Sequence[dict[str, Array]]) -> Float[Array, ""]:
     """The sum of the MoE layers' weighted auxiliary losses (aux["loss"] each)."""
     return sum((a["loss"] for a in aux), jnp.zeros((), jnp.float32))
 
@@ -477,7 +477,7 @@ def reduce_aux(aux: dict[str, Array], axis: int = 0) -> dict[str, Array]:
     return {name: v.sum(axis) if name in SUMMED else v.mean(axis) for name, v in aux.items()}
 
 
-def layer_metrics(layers: list[dict[str, Array]]) -> dict[str, Array]:
+def layer_metrics(layers: Sequence[dict[str, Array]]) -> dict[str, Array]:
     """Per-layer metrics to log, named "moe{j}/{name}" for the j-th MoE layer in call
     order: the aux entries (expert_load is a vector [E]) and load_imbalance, the
     busiest expert's load over the mean load (1 = perfectly balanced)."""

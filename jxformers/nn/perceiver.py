@@ -28,6 +28,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from jxformers.nn.blocks import Block
 from jxformers.nn.layers import LayerNorm, RMSNorm, check_tokens, make_norm, split_key
 from jxformers.nn.models import Embedding
+from jxformers.nn.produced import Produced
 from jxformers.nn.set_transformer import MAB
 
 
@@ -93,22 +94,31 @@ class PerceiverEncoder(eqx.Module):
         return None
 
     def __call__(
+        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, **kwargs
+    ) -> tuple[Float[Array, "num_latents d_model"], Bool[Array, " num_latents"]]:
+        """`apply(...)`'s output alone (the arguments are `apply`'s)."""
+        return self.apply(tokens, mask, **kwargs)[0]
+
+    def apply(
         self,
         tokens: Int[Array, " seq"],
         mask: Bool[Array, " seq"] | None = None,
         *,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-    ) -> tuple[Float[Array, "num_latents d_model"], Bool[Array, " num_latents"]]:
+    ) -> tuple[tuple[Float[Array, "num_latents d_model"], Bool[Array, " num_latents"]], Produced]:
+        """((latents [M, d_model], mask [M] all True), what the latent tower's blocks made:
+        every repeat of a shared block adds its k-means inputs under that block's path)."""
         n = check_tokens(tokens, mask)
         if n > self.max_len:
             raise ValueError(f"sequence length {n} exceeds the model's max_len {self.max_len}")
         x = self.embedding(tokens, jnp.arange(n))
-        z = self.latents.astype(x.dtype)
+        z, produced = self.latents.astype(x.dtype), Produced()
         for r, k in enumerate(split_key(key, self.cross_attends)):
             kc, kt = split_key(k, 2)
             which = min(r, 1)
             z = self.cross[which](z, self.input_norms[which](x), y_mask=mask, key=kc, inference=inference)
-            for block, kb in zip(self.tower, split_key(kt, len(self.tower)), strict=True):
-                z = block(z, key=kb, inference=inference)
-        return self.norm(z), jnp.ones((z.shape[0],), bool)
+            for j, (block, kb) in enumerate(zip(self.tower, split_key(kt, len(self.tower)), strict=True)):
+                z, made = block.apply(z, key=kb, inference=inference)
+                produced = produced + made.under("tower", j)
+        return (self.norm(z), jnp.ones((z.shape[0],), bool)), produced

@@ -26,17 +26,20 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.kernels.alibi import Alibi
-from jxformers.nn.attention import recording
 from jxformers.nn.blocks import Block
+from jxformers.nn.produced import Produced
 
 
-def _attention_branch(block: Block, x, aux, key):
-    bias, mask, positions = aux
-    return block.attention_branch(x, kv_mask=mask, bias=bias, positions=positions, key=key, inference=key is None)
+def _attention_branch(block: Block, x, inputs, key, inference=None) -> tuple[Array, Produced]:
+    """The block's attention branch; `inference` None: inference exactly when no key
+    (the custom backward replays dropout from the keys alone)."""
+    bias, mask, positions = inputs
+    inference = key is None if inference is None else inference
+    return block.attention_branch(x, kv_mask=mask, bias=bias, positions=positions, key=key, inference=inference)
 
 
-def _ffn_branch(block: Block, x, key):
-    return block.ffn_branch(x, key=key, inference=key is None)
+def _ffn_branch(block: Block, x, key, inference=None) -> tuple[Array, Produced]:
+    return block.ffn_branch(x, key=key, inference=key is None if inference is None else inference)
 
 
 def _keys(key_data, i):
@@ -46,17 +49,23 @@ def _keys(key_data, i):
     return tuple(jax.random.split(k))
 
 
-def _run(blocks, x1, x2, bias, rest):
+def _run(blocks, x1, x2, bias, rest, inference=None):
+    """The plain forward: (y1, y2, what the blocks produced, under their indices)."""
     mask, positions, key_data = rest
+    produced = Produced()
     for i, block in enumerate(blocks):
         kf, kg = _keys(key_data, i)
-        x1 = x1 + _attention_branch(block, x2, (bias, mask, positions), kf)
-        x2 = x2 + _ffn_branch(block, x1, kg)
-    return x1, x2
+        f, made_f = _attention_branch(block, x2, (bias, mask, positions), kf, inference)
+        x1 = x1 + f
+        g, made_g = _ffn_branch(block, x1, kg, inference)
+        x2 = x2 + g
+        produced = produced + (made_f + made_g).under(i)
+    return x1, x2, produced
 
 
 def _forward(static, params, x1, x2, bias, rest):
-    return _run([eqx.combine(p, s) for s, p in zip(static, params, strict=True)], x1, x2, bias, rest)
+    blocks = [eqx.combine(p, s) for s, p in zip(static, params, strict=True)]
+    return _run(blocks, x1, x2, bias, rest)[:2]
 
 
 def _zero_cotangent(x):
@@ -87,13 +96,13 @@ def _stack_bwd(static, residuals, cotangents):
         s, p = static[i], params[i]
         kf, kg = _keys(key_data, i)
         # y2 = x2 + G(y1): recover x2, and push g2 into G's parameters and into y1.
-        g_out, g_vjp = jax.vjp(lambda p, y: _ffn_branch(eqx.combine(p, s), y, kg), p, y1)  # noqa: B023 - called within this iteration
+        g_out, g_vjp = jax.vjp(lambda p, y: _ffn_branch(eqx.combine(p, s), y, kg)[0], p, y1)  # noqa: B023 - called within this iteration
         x2 = y2 - g_out
         dp_g, dy1 = g_vjp(g2)
         g1 = g1 + dy1
         # y1 = x1 + F(x2): recover x1, and push g1 into F's parameters, x2 and the bias.
         f_out, f_vjp = jax.vjp(
-            lambda p, x, b: _attention_branch(eqx.combine(p, s), x, (b, mask, positions), kf),  # noqa: B023
+            lambda p, x, b: _attention_branch(eqx.combine(p, s), x, (b, mask, positions), kf)[0],  # noqa: B023
             p,
             x2,
             bias,
@@ -111,6 +120,13 @@ _stack.defvjp(_stack_fwd, _stack_bwd)
 
 
 def reversible_stack(
+    blocks: tuple[Block, ...], x: Float[Array, "seq d_model"], **kwargs
+) -> Float[Array, "seq d_model"]:
+    """`reversible_apply(...)`'s output alone (the arguments are its)."""
+    return reversible_apply(blocks, x, **kwargs)[0]
+
+
+def reversible_apply(
     blocks: tuple[Block, ...],
     x: Float[Array, "seq d_model"],
     *,
@@ -119,7 +135,7 @@ def reversible_stack(
     positions: Int[Array, " seq"] | None = None,
     key: PRNGKeyArray | None = None,
     inference: bool = False,
-) -> Float[Array, "seq d_model"]:
+) -> tuple[Float[Array, "seq d_model"], Produced]:
     """Run pre-norm self-attention blocks as a reversible stack (see the module
     docstring): the same parameters as ordinary blocks, a different residual wiring,
     and activation memory independent of depth in the backward pass.
@@ -130,7 +146,13 @@ def reversible_stack(
         key, inference: dropout (the backward pass replays the same dropout masks).
 
     Returns:
-        `[seq, d_model]`, the mean of the two output streams.
+        `([seq, d_model], Produced)`: the mean of the two output streams, and what the
+        blocks produced under their indices (k-means inputs; see below).
+
+    In training, a stack whose attentions update arrays (k-means centroids) runs its
+    blocks with plain autodiff instead, so that their inputs come out as values and not
+    through the custom backward pass: the same outputs and gradients, with activation
+    memory that grows with depth.
     """
     for block in blocks:
         if not block.pre_norm or block.cross_attention is not None:
@@ -140,13 +162,11 @@ def reversible_stack(
     if key is not None and not inference:
         key_data = jax.random.key_data(jax.random.split(key, len(blocks)))
     rest = (kv_mask, positions, key_data)
-    if recording():
-        # The train step is recording attention inputs (k-means state): run the blocks
-        # themselves with plain autodiff, so the records escape no custom backward.
-        y1, y2 = _run(blocks, x, x, bias, rest)
-        return (y1 + y2) / 2
+    if not inference and any(b.attention.core.spec.updates_arrays for b in blocks):
+        y1, y2, produced = _run(blocks, x, x, bias, rest, inference)
+        return (y1 + y2) / 2, produced
     y1, y2 = _stack(tuple(static), tuple(params), x, x, bias, rest)
-    return (y1 + y2) / 2
+    return (y1 + y2) / 2, Produced()
 
 
 def reversible_decode_step(blocks, x, states, *, bias_fn=None):
@@ -156,6 +176,6 @@ def reversible_decode_step(blocks, x, states, *, bias_fn=None):
     for block, state in zip(blocks, states, strict=True):
         h, state = block.attention.decode_step(block.norms[0](x2), state, bias_fn=bias_fn)
         x1 = x1 + h
-        x2 = x2 + block.ffn_branch(x1[None], inference=True)[0]
+        x2 = x2 + block.ffn_branch(x1[None], inference=True)[0][0]
         new.append(state)
     return (x1 + x2) / 2, tuple(new)

@@ -1,12 +1,15 @@
 """Which leaves of a model an optimizer should update, and resampling or updating the
 ones it should not (the drawn arrays of attention modules)."""
 
+from collections.abc import Sequence
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
 from jxformers.nn.attention import Attention, attention_modules
+from jxformers.nn.produced import AttentionInputs, follow
 
 
 def trainable(model) -> object:
@@ -47,31 +50,33 @@ def updates_arrays(model) -> bool:
     return any(a.core.spec.updates_arrays for a in _attentions(model))
 
 
-def update_arrays(model, owners: list[int], values: list[tuple]):
+def update_arrays(model, inputs: Sequence[AttentionInputs]):
     """`model` with the drawn arrays of its updating attention modules replaced by their
-    update (`BoundAttention.update_arrays`) from the recorded batch inputs.
+    update (`BoundAttention.update_arrays`) from the batch's inputs.
 
     Arguments:
-        owners: each record's module index in tree order (`AttentionInputs.owners`).
-        values: each record's `(q [batch, q_len, heads, d], k [batch, kv_len, kv_heads,
-            d], kv_mask [batch, kv_len] or None)`; a module called several times (a
-            dual-tower model) is updated once from all its calls' inputs together.
+        inputs: `Produced.attention_inputs` of a batch (vmapped: q `[batch, q_len, heads,
+            d]`, k `[batch, kv_len, kv_heads, d]`, kv_mask `[batch, kv_len]` or None),
+            each naming its module by path; a module called several times (a dual-tower
+            model, a Perceiver's repeated tower) is updated once from all its calls'
+            inputs together.
     """
-    attentions = _attentions(model)
-    grouped: dict[int, list[tuple]] = {}
-    for i, value in zip(owners, values, strict=True):
-        grouped.setdefault(i, []).append(value)
+    grouped: dict[tuple, list[AttentionInputs]] = {}
+    for record in inputs:
+        grouped.setdefault(record.path, []).append(record)
     if not grouped:
         return model
     new = []
-    for i, records in grouped.items():
-        a = attentions[i]
-        if len({r[0].shape[1:] for r in records}) > 1:
-            raise ValueError(f"attention module {i} was called on different lengths; update it per length")
-        q = jnp.concatenate([r[0] for r in records])
-        k = jnp.concatenate([r[1] for r in records])
-        masks = [jnp.ones(r[1].shape[:2], bool) if r[2] is None else r[2] for r in records]
+    for path, records in grouped.items():
+        a = follow(model, path)
+        if not isinstance(a, Attention):
+            raise ValueError(f"attention inputs name {path}, which holds a {type(a).__name__}, not an Attention")
+        if len({r.q.shape[1:] for r in records}) > 1:
+            raise ValueError(f"the attention module at {path} was called on different lengths; update it per length")
+        q = jnp.concatenate([r.q for r in records])
+        k = jnp.concatenate([r.k for r in records])
+        masks = [jnp.ones(r.k.shape[:2], bool) if r.kv_mask is None else r.kv_mask for r in records]
         made = a.core.update_arrays(a.drawn, q, k, kv_mask=jnp.concatenate(masks))
         new.append(eqx.tree_at(lambda m: m.drawn, a, a.drawn | made))
-    chosen = list(grouped)
-    return eqx.tree_at(lambda m: [_attentions(m)[i] for i in chosen], model, new)
+    paths = list(grouped)
+    return eqx.tree_at(lambda m: [follow(m, p) for p in paths], model, new)

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm, check_tokens, lookup, make_norm, split_key
+from jxformers.nn.produced import Produced
 
 MEMORY_ARCHITECTURES = ("transformer_xl", "compressive")
 COMPRESSIONS = ("conv", "mean", "max")
@@ -460,20 +461,33 @@ class RecurrentLM(eqx.Module):
         return new, jnp.mean(jnp.stack(losses))
 
     def __call__(
+        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, **kwargs
+    ) -> Float[Array, "seq vocab"]:
+        """`apply(...)`'s output alone (the arguments are `apply`'s): from no memory, the
+        next-token logits of one segment (`[seq, vocab]`, row i predicts token i + 1)."""
+        return self.apply(tokens, mask, **kwargs)[0]
+
+    def apply(
         self,
         tokens: Int[Array, " seq"],
         mask: Bool[Array, " seq"] | None = None,
         *,
+        memory: dict[str, Array] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-        aux: list | None = None,
-    ) -> Float[Array, "seq vocab"]:
-        """Next-token logits of one segment read from an empty memory (`[seq, vocab]`,
-        row i predicts token i + 1)."""
-        logits, _, _ = self.forward(
-            tokens, self.init_memory(0, 0), mask=mask, update=False, key=key, inference=inference
-        )
-        return logits
+    ) -> tuple[Float[Array, "seq vocab"], Produced]:
+        """One segment after `memory` (None: an empty one, and no memory comes out), as
+        the train step calls every model: (logits `[seq, vocab]`, Produced) with the
+        memory after the segment (`Produced.memory`) and, for a compressive model, its
+        attention-reconstruction loss (`Produced.losses["reconstruction_loss"]`)."""
+        if memory is None:
+            logits, _, _ = self.forward(
+                tokens, self.init_memory(0, 0), mask=mask, update=False, key=key, inference=inference
+            )
+            return logits, Produced()
+        logits, new, recon = self.forward(tokens, memory, mask=mask, key=key, inference=inference)
+        losses = {"reconstruction_loss": recon} if self.compressive else {}
+        return logits, Produced(losses=losses, memory=new)
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         """Decoding state for up to `max_len` tokens: a memory of max_len slots (no

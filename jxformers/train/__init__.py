@@ -1,21 +1,21 @@
 """Training: experiment configs, the train state, the steps, orbax checkpointing, the loop.
 
-    experiment.py  load_experiment; Experiment with typed sections DataConfig,
-                   TrainConfig, CheckpointConfig, MeshConfig (validated by jxformers.validate)
-    optim.py       make_optimizer (AdamW / RAdam, warmup + cosine / inverse-sqrt, clipping)
-    state.py       TrainState (params, drawn, opt_state, step, rng) and its one constructor
-                   init_train_state; state_dict / load_state_dict (leaves by tree path)
-    step.py        losses, the jitted train step (state -> state) and eval step, evaluate
-    streams.py     training on streams of consecutive segments with a memory carried between
-                   steps (Transformer-XL): its train and eval steps
-    sharding.py    the device mesh (MeshConfig) and the rules sharding the state and the
-                   batch over data / fsdp / tensor / expert (docs/distributed.md)
-    distributed.py several processes: jax.distributed from flags or a detected cluster
-    checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape check
-                   before restore, damaged fallback, old list-layout checkpoints refused)
-    workdir.py     the work directory: its saved config (read by eval / generate, checked
-                   on a rerun), its lock, checks for missing or odd directories
-    loop.py        train (setup, step, periodic hooks), evaluate_checkpoint, restore_model
+experiment.py  load_experiment; Experiment with typed sections DataConfig,
+               TrainConfig, CheckpointConfig, MeshConfig (validated by jxformers.validate)
+optim.py       make_optimizer (AdamW / RAdam, warmup + cosine / inverse-sqrt, clipping)
+state.py       TrainState (params, drawn, opt_state, step, rng, and a recurrent model's
+               memory) and its one constructor init_train_state; state_dict /
+               load_state_dict (leaves by tree path)
+step.py        losses, the one jitted train step (state -> state) for every model, the
+               eval step, evaluate
+sharding.py    the device mesh (MeshConfig) and the rules sharding the state and the
+               batch over data / fsdp / tensor / expert (docs/distributed.md)
+distributed.py several processes: jax.distributed from flags or a detected cluster
+checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape check
+               before restore, damaged fallback, old list-layout checkpoints refused)
+workdir.py     the work directory: its saved config (read by eval / generate, checked
+               on a rerun), its lock, checks for missing or odd directories
+loop.py        train (setup, step, periodic hooks), evaluate_checkpoint, restore_model
 tensorboard.py TensorBoard scalars without TensorFlow
 """
 

@@ -7,8 +7,8 @@
 arrays (attention's drawn features / random blocks / rotations and PRNG keys inside the
 model: non-trainable, replaced by `redraw`), the optimizer state, the step (an int32
 array), the run's PRNG key, and, for a model with a memory carried from step to step
-(Transformer-XL, the Compressive Transformer), that `memory` (one per batch row;
-`jxformers.train.streams`; None otherwise). The static rest of the model (activation functions,
+(Transformer-XL, the Compressive Transformer), that `memory` (one per batch row, which
+the train step threads; None otherwise). The static rest of the model (activation functions,
 shapes, bound attentions) is kept outside, as `static`.
 
 For checkpoints, `state_dict(state)` flattens the state to one dict keyed by each leaf's
@@ -28,9 +28,8 @@ import numpy as np
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from jxformers.nn import build_model, trainable
+from jxformers.nn import RecurrentLM, build_model, trainable
 from jxformers.train.optim import make_optimizer
-from jxformers.train.streams import init_train_memory
 
 
 class TrainState(eqx.Module):
@@ -46,6 +45,19 @@ class TrainState(eqx.Module):
     def model(self, static: PyTree) -> Any:
         """The model these parameters and drawn arrays belong to."""
         return eqx.combine(self.params, self.drawn, static)
+
+
+def carries_memory(model) -> bool:
+    """True for a model (or its static part) with a memory carried between segments."""
+    return isinstance(model, RecurrentLM)
+
+
+def empty_memories(model, rows: int, mem_len: int | None = None) -> PyTree:
+    """`rows` empty memories of `mem_len` slots (default: the model's train mem_len)
+    stacked, one per batch row; None for a model without memory."""
+    if not carries_memory(model):
+        return None
+    return jax.tree.map(lambda x: jnp.repeat(x[None], rows, 0), model.init_memory(mem_len))
 
 
 def split_model(model) -> tuple[PyTree, PyTree, PyTree]:
@@ -83,7 +95,7 @@ def init_train_state(experiment) -> tuple[TrainState, PyTree, optax.GradientTran
         opt_state=optimizer.init(params),
         step=jnp.zeros((), jnp.int32),
         rng=rng,
-        memory=init_train_memory(model, experiment.train.batch_size),
+        memory=empty_memories(model, experiment.train.batch_size),
     )
     return state, static, optimizer, schedule
 

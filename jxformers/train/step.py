@@ -1,111 +1,121 @@
-"""Losses and the jitted steps over a `TrainState`.
+"""Losses and the jitted steps over a `TrainState`: one train step for every model.
 
     train_step = make_train_step(static, optimizer, grad_accum=2)
     state, metrics = train_step(state, batch)        # state donated; metrics are arrays
     stats = make_eval_step(static)(state, batch)     # (loss sum, correct, count)
 
+The forward is the model's `apply`, which returns what the model made besides its
+logits as a value (`jxformers.nn.Produced`); the step threads each part explicitly:
+
+- the MoE layers' auxiliary losses are added to the objective and their load, drops and
+  entropy logged (`moe{j}/...` metrics);
+- named losses (the Compressive Transformer's attention reconstruction) are added to the
+  objective and logged under their names;
+- the k-means inputs of Routing and Cluster-Former attention (`spec.update_arrays`)
+  move those modules' drawn centroids outside the gradient (`nn.update_arrays`, not
+  when the step is skipped);
+- a model that carries a memory between segments (Transformer-XL, the Compressive
+  Transformer; `state.memory` is not None) reads each record's first max_len - 1 tokens
+  after its row's memory, predicts the next max_len - 1, and leaves the new memory in
+  the state (an empty one when the step is skipped, as its states would not be finite).
+
 The train step draws its dropout key as `fold_in(state.rng, 2 * state.step)` (redraws use
 the odd numbers), so randomness is a function of (seed, step) alone; micro-batches are
 accumulated with `lax.scan`; the update is applied only when the loss and the gradient
 norm are finite (`metrics["finite"]`), and the step counter advances either way.
-
-State updated outside the gradient (the k-means centroids of Routing and Cluster-Former
-attention, `spec.update_arrays`) is updated by the same step: the forward records those
-attention modules' inputs (`nn.record_attention_inputs`) and the step replaces their
-drawn arrays with `nn.update_arrays` of the batch (not when the step is skipped).
+Evaluation is in inference mode; a model with a memory starts each evaluation from an
+empty one of `eval_mem_len` slots and carries it across the evaluated batches in order.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jxformers.nn import record_attention_inputs, update_arrays, updates_arrays
-from jxformers.nn.moe import aux_loss, has_moe, layer_metrics, reduce_aux
-from jxformers.train import streams
+from jxformers.nn import Produced, update_arrays, updates_arrays
+from jxformers.nn.moe import aux_loss, layer_metrics, reduce_aux
 from jxformers.train.sharding import ShardingPlan, jit_train_step
-from jxformers.train.state import TrainState, split_model
+from jxformers.train.state import TrainState, carries_memory, empty_memories, split_model
 
 
 class LossAux(NamedTuple):
     """What `loss_and_metrics` returns beside the objective."""
 
     stats: tuple  # (loss sum, correct, count) of the cross-entropy alone
-    records: list  # recorded inputs of the attention modules that update arrays (with `owners`)
-    moe: list  # per MoE layer in call order, its aux dict reduced over the batch (`reduce_aux`)
+    produced: Produced  # over the batch: MoE aux and named losses reduced, k-means inputs and memories per row
 
 
-def _forward(model, batch, key, inference, owners=None):
-    """(batched logits, the MoE layers' aux dicts reduced over the batch ([] when the
-    model has none), recorded attention inputs). With `owners` (a list), the inputs of
-    the attention modules that update arrays are recorded (their indices appended to
-    `owners`); otherwise the records are []."""
-    keys = None if key is None else jax.random.split(key, batch["tokens"].shape[0])  # None vmaps as an empty tree
-    moe = has_moe(model)
-    if owners is None and not moe:
-        return (
-            jax.vmap(lambda t, m, k: model(t, m, key=k, inference=inference))(batch["tokens"], batch["mask"], keys),
-            [],
-            [],
-        )
+def _over_batch(produced: Produced, axis: int = 0) -> Produced:
+    """`produced` stacked over examples (or micro-batches) on `axis`, its statistics
+    reduced: each MoE layer's aux by `reduce_aux`, the named losses by their mean; the
+    k-means inputs and the memories stay per example."""
+    return Produced(
+        moe=tuple(reduce_aux(a, axis) for a in produced.moe),
+        attention_inputs=produced.attention_inputs,
+        losses={name: v.mean(axis) for name, v in produced.losses.items()},
+        memory=produced.memory,
+    )
 
-    def one(t, m, k):
-        sink: list = []  # the MoE layers' aux dicts, collected within this trace
-        extra = {"aux": sink} if moe else {}
-        if owners is None:
-            return model(t, m, key=k, inference=inference, **extra), sink, []
-        with record_attention_inputs(model) as recorder:
-            out = model(t, m, key=k, inference=inference, **extra)
-        owners[:] = recorder.owners  # traced once: the same modules for every example
-        return out, sink, recorder.values
 
-    out, layers, records = jax.vmap(one)(batch["tokens"], batch["mask"], keys)
-    return out, [reduce_aux(a) for a in layers], records
+def _forward(model, batch, memory, key, inference) -> tuple[jax.Array, Produced]:
+    """(Batched logits, what the model produced over the batch). With `memory` (one per
+    row), the model reads all but each record's last token after its row's memory."""
+    tokens, mask = batch["tokens"], batch["mask"]
+    if memory is not None:
+        tokens, mask = tokens[:, :-1], mask[:, :-1]
+    keys = None if key is None else jax.random.split(key, tokens.shape[0])  # None vmaps as an empty tree
+
+    def one(t, m, mem, k):
+        carried = {} if mem is None else {"memory": mem}
+        return model.apply(t, m, key=k, inference=inference, **carried)
+
+    logits, produced = jax.vmap(one)(tokens, mask, memory, keys)
+    return logits, _over_batch(produced)
 
 
 def loss_and_metrics(
-    model, batch: dict[str, jax.Array], key, *, inference: bool = False, owners=None
+    model, batch: dict[str, jax.Array | np.ndarray], key, *, inference: bool = False, memory: Any = None
 ) -> tuple[jax.Array, LossAux]:
-    """Mean cross-entropy (plus the MoE layers' weighted auxiliary losses, averaged over
-    the batch, when the model has any) and its `LossAux`, for a classification batch
-    (`label`) or a language-modelling batch (`loss_mask`). With `owners` (a list to
-    fill), the attention inputs are recorded (see `_forward`)."""
-    logits, layers, records = _forward(model, batch, key, inference, owners)
+    """Mean cross-entropy, plus the auxiliary losses the model produced (its MoE layers'
+    weighted losses and its named losses, each a batch mean), and its `LossAux`, for a
+    classification batch (`label`) or a language-modelling batch (`loss_mask`); with
+    `memory` (a model carrying one), each row's segment is read after its memory."""
+    logits, produced = _forward(model, batch, memory, key, inference)
     if "label" in batch:
         labels, weights = batch["label"], jnp.ones(batch["label"].shape, jnp.float32)
-    else:  # position i predicts token i + 1
-        logits = logits[:, :-1]
+    else:  # position i predicts token i + 1 (with a memory, the last token was not read)
+        logits = logits if memory is not None else logits[:, :-1]
         labels, weights = batch["tokens"][:, 1:], batch["loss_mask"][:, :-1].astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     count = jnp.maximum(weights.sum(), 1.0)
     correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
     total = (losses * weights).sum()
-    objective = total / count + aux_loss(layers)  # the layers' losses are already batch means
-    return objective, LossAux((total, correct, weights.sum()), records, layers)
+    objective = total / count + aux_loss(produced.moe) + sum(produced.losses.values(), jnp.zeros((), jnp.float32))
+    return objective, LossAux((total, correct, weights.sum()), produced)
 
 
 def make_train_step(
     static, optimizer: optax.GradientTransformation, *, grad_accum: int, sharding: ShardingPlan | None = None
 ):
     """A jitted (state, batch) -> (state, metrics) with the state donated; metrics: loss,
-    accuracy, grad_norm, finite (the update was applied), and per MoE layer its
-    `layer_metrics` (means over micro-batches; counts summed). With a `sharding` plan
-    (`jxformers.train.sharding`) the state comes in and goes out on the plan's
-    shardings, the batch split over (data, fsdp), the metrics replicated."""
-    if streams.carries_memory(static):  # memory carried between steps: its own step
-        return streams.make_train_step(static, optimizer, grad_accum=grad_accum, sharding=sharding)
-
+    accuracy, grad_norm, finite (the update was applied), per MoE layer its
+    `layer_metrics` (means over micro-batches; counts summed), and each named loss the
+    model produced (`reconstruction_loss`). With `grad_accum` > 1 the batch rows (and
+    their memories) are split into that many micro-batches, accumulated with `lax.scan`
+    and averaged. With a `sharding` plan (`jxformers.train.sharding`) the state comes in
+    and goes out on the plan's shardings, the batch split over (data, fsdp), the metrics
+    replicated."""
     updating = updates_arrays(static)
-    owners: list[int] = []
 
-    def micro_grads(params, drawn, batch, key):
+    def micro_grads(params, drawn, batch, memory, key):
         def loss_fn(p):
-            return loss_and_metrics(eqx.combine(p, drawn, static), batch, key, owners=owners if updating else None)
+            return loss_and_metrics(eqx.combine(p, drawn, static), batch, key, memory=memory)
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, aux, grads
@@ -113,22 +123,26 @@ def make_train_step(
     def step(state: TrainState, batch):
         params, key = state.params, jax.random.fold_in(state.rng, 2 * state.step)
         if grad_accum == 1:
-            loss, aux, grads = micro_grads(params, state.drawn, batch, key)
-            stats, records, layers = aux
+            loss, (stats, produced), grads = micro_grads(params, state.drawn, batch, state.memory, key)
         else:
-            micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
+            split = lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:])  # noqa: E731
+            rows = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731 - micro-batches back to one batch
 
             def body(acc, xs):
-                b, k = xs
-                loss, aux, grads = micro_grads(params, state.drawn, b, k)
-                return jax.tree.map(jnp.add, acc, (loss, aux.stats, grads)), (aux.records, aux.moe)
+                b, m, k = xs
+                loss, aux, grads = micro_grads(params, state.drawn, b, m, k)
+                return jax.tree.map(jnp.add, acc, (loss, aux.stats, grads)), aux.produced
 
             zero = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), jax.tree.map(jnp.zeros_like, params))
-            (loss, stats, grads), (records, layers) = jax.lax.scan(
-                body, zero, (micro, jax.random.split(key, grad_accum))
+            xs = (jax.tree.map(split, batch), jax.tree.map(split, state.memory), jax.random.split(key, grad_accum))
+            (loss, stats, grads), produced = jax.lax.scan(body, zero, xs)
+            produced = _over_batch(produced)
+            produced = Produced(
+                moe=produced.moe,
+                attention_inputs=jax.tree.map(rows, produced.attention_inputs),
+                losses=produced.losses,
+                memory=jax.tree.map(rows, produced.memory),
             )
-            records = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), records)  # micro-batches back to one batch
-            layers = [reduce_aux(a) for a in layers]
             loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -140,36 +154,62 @@ def make_train_step(
             "accuracy": stats[1] / jnp.maximum(stats[2], 1.0),
             "grad_norm": grad_norm,
             "finite": finite,
-            **layer_metrics(layers),
+            **layer_metrics(produced.moe),
+            **produced.losses,
         }
         drawn = state.drawn
         if updating:  # state moved outside the gradient (k-means centroids)
-            _, drawn, _ = split_model(update_arrays(eqx.combine(params, drawn, static), owners, records))
+            _, drawn, _ = split_model(update_arrays(eqx.combine(params, drawn, static), produced.attention_inputs))
             drawn = keep(drawn, state.drawn)
+        memory = state.memory
+        if memory is not None:  # a skipped step's states are not finite: start its rows afresh
+            memory = keep(produced.memory, jax.tree.map(jnp.zeros_like, memory))
         new_state = TrainState(
             params=keep(new_params, params),
             drawn=drawn,
             opt_state=keep(new_opt_state, state.opt_state),
             step=state.step + 1,
             rng=state.rng,
+            memory=memory,
         )
         return new_state, metrics
 
     return jit_train_step(step, sharding)
 
 
-def make_eval_step(static):
-    """A jitted (state, batch) -> (loss sum, correct, count) in inference mode (on a
-    sharded state and batch, it runs where they are)."""
-    if streams.carries_memory(static):  # carries its memory across the evaluated batches
-        return streams.make_eval_step(static)
+class EvalStep:
+    """(state, batch) -> (loss sum, correct, count) in inference mode (on a sharded state
+    and batch, it runs where they are). A model carrying a memory starts from an empty
+    one of `eval_mem_len` slots per row and carries it from batch to batch; `reset()`
+    empties it (`evaluate` does, before every evaluation)."""
 
-    @jax.jit
-    def step(state: TrainState, batch):
-        _, aux = loss_and_metrics(state.model(static), batch, None, inference=True)
-        return aux.stats
+    def __init__(self, static):
+        self.static, self.memory = static, None
+        self.carries = carries_memory(static)
 
-    return step
+        @jax.jit
+        def run(state, batch, memory):
+            _, aux = loss_and_metrics(state.model(static), batch, None, inference=True, memory=memory)
+            return aux.stats, aux.produced.memory
+
+        self.run = run
+
+    def reset(self) -> None:
+        self.memory = None
+
+    def __call__(self, state, batch):
+        if self.carries and self.memory is None:
+            model = state.model(self.static)
+            self.memory = empty_memories(model, batch["tokens"].shape[0], model.eval_mem_len)
+        stats, memory = self.run(state, batch, self.memory)
+        if self.carries:
+            self.memory = memory
+        return stats
+
+
+def make_eval_step(static) -> EvalStep:
+    """The `EvalStep` of a model (its static part)."""
+    return EvalStep(static)
 
 
 def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_model: bool = False) -> dict[str, float]:
