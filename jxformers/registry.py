@@ -307,7 +307,13 @@ class AttentionSpec:
         known = {p.name: p for p in self.hyper_parameters}
         unknown = sorted(set(hyper_parameters) - set(known))
         if unknown:
-            raise ValueError(f"{self.name}: unknown hyper-parameter(s) {unknown}; known: {sorted(known) or 'none'}")
+            elsewhere = {
+                n: [s.name for s in _REGISTRY.values() if n in {p.name for p in s.hyper_parameters}] for n in unknown
+            }
+            hints = "".join(f"; {n} is taken by {', '.join(found)}" for n, found in elsewhere.items() if found)
+            raise ValueError(
+                f"{self.name}: unknown hyper-parameter(s) {unknown}; known: {sorted(known) or 'none'}{hints}"
+            )
         missing = sorted(n for n, p in known.items() if p.required and n not in hyper_parameters)
         if missing:
             raise ValueError(f"{self.name}: hyper-parameter(s) {missing} have no default; give them")

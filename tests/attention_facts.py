@@ -60,9 +60,13 @@ class Facts:
 
 
 FACTS: dict[str, Facts] = {
-    "softmax": Facts(mask=masks.softmax, growth=Growth("quadratic")),
+    # The score options ride along (tests/test_score_options.py checks their formulas; top-k
+    # there too: its selection flips between bf16 and float32 at near-ties).
+    "softmax": Facts(
+        variants=({}, {"softcap": 2.0, "sinks": "learned"}), mask=masks.softmax, growth=Growth("quadratic")
+    ),
     "chunked": Facts(
-        variants=({"chunk_size": 8},),
+        variants=({"chunk_size": 8}, {"chunk_size": 8, "softcap": 2.0, "sinks": "zero"}),
         mask=masks.softmax,
         errors=(({"chunk_size": 0}, "chunk_size"),),
     ),  # a scan over chunks: no FLOP count (see Growth); tests/test_complexity.py checks its memory

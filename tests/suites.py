@@ -72,6 +72,13 @@ def causal_modes(name):
     return [False, True] if registry.get(name).supports_causal else [False]
 
 
+def score_options(hyper_parameters, arrays) -> dict:
+    """The score options (`jxformers.ops.scores`) an exact attention's variant uses,
+    for its softmax reference."""
+    names = ("softcap", "top_k", "sinks", "sink_logits")
+    return {n: x for n, x in (*hyper_parameters.items(), *arrays.items()) if n in names}
+
+
 def first_variant(name):
     return dict(facts(name).variants[0])
 
@@ -177,7 +184,8 @@ class AttentionSuite(_Parametrized):
             expected = v
             for m in facts(name).mask(n, bound.hyper_parameters, arrays, causal):
                 keys = jnp.repeat(k, expected.shape[1] // k.shape[1], axis=1)  # values may be per query head
-                expected = softmax_attention(q, keys, expected, mask=jnp.asarray(m), kv_mask=kv_mask)
+                options = score_options(bound.hyper_parameters, arrays)  # the same options on the reference
+                expected = softmax_attention(q, keys, expected, mask=jnp.asarray(m), kv_mask=kv_mask, **options)
             assert_close(out, expected, atol=2e-5)
 
     def test_bf16_close_to_float32(self, name, hp):

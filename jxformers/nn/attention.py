@@ -21,6 +21,7 @@ the gradient (`nn.update_arrays`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import equinox as eqx
@@ -30,9 +31,26 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 
 from jxformers import decoding, registry
 from jxformers.kernels.alibi import Alibi
-from jxformers.nn.layers import Linear
+from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import rotary
 from jxformers.nn.produced import AttentionInputs, Produced
+
+# How queries and keys are normalised before the core (see `Attention`).
+QK_NORMS = ("none", "l2", "layernorm")
+
+
+def check_qk_norm(qk_norm: str, spec: registry.AttentionSpec, length: int | None) -> None:
+    """ValueError unless `qk_norm` is one of QK_NORMS and fits the attention: its
+    weights must depend on q and k, and QKNorm's g needs a length L >= 2."""
+    if qk_norm not in QK_NORMS:
+        raise ValueError(f"qk_norm must be one of {QK_NORMS}; got {qk_norm!r}")
+    if qk_norm != "none" and not spec.content_based:
+        raise ValueError(
+            f"qk_norm={qk_norm!r} normalises queries and keys, which {spec.name!r} never compares "
+            "(its weights do not depend on q and k)"
+        )
+    if qk_norm == "l2" and (length is None or length < 2):
+        raise ValueError(f"qk_norm='l2' starts its scale at log2(L^2 - L): give qk_norm_length >= 2; got {length}")
 
 
 def attention_modules(model) -> list[Attention]:
@@ -53,6 +71,16 @@ class Attention(eqx.Module):
         cross: keys and values come from a `context` sequence (encoder-decoder).
         rope: rotate q and k by position (rotary embeddings) before the core.
         attention_kwargs: the core's hyper-parameters when `attention` is a name.
+        qk_norm: how each head's queries and keys are normalised before rotary
+            embeddings and the core (one of QK_NORMS). "l2": QKNorm (Henry et al. 2020,
+            "Query-Key Normalization for Transformers", arXiv 2010.04245, eq. 3): q and k
+            scaled to unit length, the logits g * q^T k with a learned scalar g started
+            at log2(L^2 - L), L = `qk_norm_length` (the core receives g sqrt(d_head) q̂
+            and k̂, so an op scaling by 1/sqrt(d_k) computes exactly that). "layernorm":
+            LayerNorm over d_head on q and on k, each with its own learned gain and bias
+            shared by the heads (Dehghani et al. 2023, "Scaling Vision Transformers to 22
+            Billion Parameters", arXiv 2302.05442, section 2.1).
+        qk_norm_length: L of QKNorm's initial g (the model's max_len).
         key: PRNG key for the projections and the core's arrays.
 
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
@@ -71,6 +99,7 @@ class Attention(eqx.Module):
     causal: bool = eqx.field(static=True)
     cross: bool = eqx.field(static=True)
     rope: bool = eqx.field(static=True)
+    qk_norm: str = eqx.field(static=True)
     q_proj: Linear
     k_proj: Linear
     v_proj: Linear
@@ -78,6 +107,9 @@ class Attention(eqx.Module):
     arrays: dict[str, Array]
     drawn: dict[str, Array]
     token_params: dict[str, Array]
+    q_norm: LayerNorm | None
+    k_norm: LayerNorm | None
+    qk_scale: Float[Array, ""] | None
 
     def __init__(
         self,
@@ -91,6 +123,8 @@ class Attention(eqx.Module):
         cross: bool = False,
         rope: bool = False,
         attention_kwargs: dict[str, Any] | None = None,
+        qk_norm: str = "none",
+        qk_norm_length: int | None = None,
         key: PRNGKeyArray,
     ):
         if isinstance(attention, str):
@@ -104,6 +138,7 @@ class Attention(eqx.Module):
         if d_head < 1:
             raise ValueError(f"d_head must be >= 1 (d_model {d_model} // num_heads {num_heads}); got {d_head}")
         attention.check_call(causal=causal, cross=cross)
+        check_qk_norm(qk_norm, attention.spec, qk_norm_length)
         kq, kk, kv, ko, ka, kt = jax.random.split(key, 6)
         self.core = attention
         self.num_heads, self.kv_heads, self.d_head = num_heads, kv_heads, d_head
@@ -119,6 +154,14 @@ class Attention(eqx.Module):
         self.token_params = attention.init_token_params(
             kt, d_model=d_model, heads=num_heads, kv_heads=kv_heads, d_k=d_head, d_v=d_head, causal=causal
         )
+        self.qk_norm = qk_norm
+        layer_norms = qk_norm == "layernorm"
+        self.q_norm = LayerNorm(d_head, eps=1e-6) if layer_norms else None
+        self.k_norm = LayerNorm(d_head, eps=1e-6) if layer_norms else None
+        self.qk_scale = None
+        if qk_norm == "l2":
+            assert qk_norm_length is not None  # check_qk_norm said so
+            self.qk_scale = jnp.asarray(math.log2(qk_norm_length**2 - qk_norm_length), jnp.float32)
 
     @property
     def name(self) -> str:
@@ -140,6 +183,21 @@ class Attention(eqx.Module):
         if queries is None:
             return arrays
         return arrays | self.core.token_arrays(self.token_params, queries, keys)
+
+    def _normed(self, x: Float[Array, "n heads d"], which: str) -> Float[Array, "n heads d"]:
+        """Queries (`which` "q") or keys ("k") after the module's qk_norm."""
+        if self.qk_norm == "none":
+            return x
+        if self.qk_norm == "layernorm":
+            norm = self.q_norm if which == "q" else self.k_norm
+            assert norm is not None
+            return norm(x)
+        assert self.qk_scale is not None
+        xf = x.astype(jnp.float32)
+        unit = xf * jax.lax.rsqrt(jnp.maximum(jnp.sum(xf * xf, -1, keepdims=True), 1e-12))
+        if which == "q":  # g sqrt(d) q̂: the core's 1/sqrt(d_k) leaves g q̂^T k̂
+            unit = unit * (self.qk_scale * math.sqrt(self.d_head))
+        return unit.astype(x.dtype)
 
     def _heads(self, x, proj, heads):
         return proj(x).reshape(x.shape[0], heads, self.d_head)
@@ -182,8 +240,8 @@ class Attention(eqx.Module):
             raise ValueError("cross-attention needs a context" if self.cross else "self-attention takes no context")
         with jax.named_scope(self.name):
             source = x if context is None else context
-            q = self._heads(x, self.q_proj, self.num_heads)
-            k = self._heads(source, self.k_proj, self.kv_heads)
+            q = self._normed(self._heads(x, self.q_proj, self.num_heads), "q")
+            k = self._normed(self._heads(source, self.k_proj, self.kv_heads), "k")
             v = self._heads(source, self.v_proj, self.kv_heads)
             if self.rope:
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
@@ -221,8 +279,8 @@ class Attention(eqx.Module):
         """One token through causal self-attention: `x [d_model]` at position
         `state.length`; returns the output `[d_model]` and the new state."""
         with jax.named_scope(self.name):
-            q = self._heads(x[None], self.q_proj, self.num_heads)
-            k = self._heads(x[None], self.k_proj, self.kv_heads)
+            q = self._normed(self._heads(x[None], self.q_proj, self.num_heads), "q")
+            k = self._normed(self._heads(x[None], self.k_proj, self.kv_heads), "k")
             v = self._heads(x[None], self.v_proj, self.kv_heads)
             if self.rope:
                 pos = state.length[None]
@@ -242,10 +300,11 @@ class Attention(eqx.Module):
         """One query through cross-attention against keys/values projected once
         (`project_context`)."""
         with jax.named_scope(self.name):
-            q = self._heads(x[None], self.q_proj, self.num_heads)
+            q = self._normed(self._heads(x[None], self.q_proj, self.num_heads), "q")
             out = self.core(q, k, v, arrays=self._core_arrays(x[None], None), kv_mask=kv_mask)
             return self._out(out, x[None])[0]
 
     def project_context(self, context: Float[Array, "ctx d_model"]) -> tuple[Array, Array]:
         """The keys and values of a cross-attention context, computed once for decoding."""
-        return self._heads(context, self.k_proj, self.kv_heads), self._heads(context, self.v_proj, self.kv_heads)
+        k = self._normed(self._heads(context, self.k_proj, self.kv_heads), "k")
+        return k, self._heads(context, self.v_proj, self.kv_heads)

@@ -4,6 +4,10 @@
 `chunked_attention` computes the same function with O(N * chunk) memory by an online
 softmax over key chunks inside query chunks (Rabe & Staats, "Self-attention does not
 need O(n^2) memory", 2021), rematerialising each chunk in the backward pass.
+
+Both take the score options (`jxformers.ops.scores`): logit soft-capping (Gemma 2) and
+attention sinks (a zero key or a learned logit per head); the dense form also takes
+Explicit Sparse Transformer's top-k.
 """
 
 from __future__ import annotations
@@ -36,6 +40,16 @@ from jxformers.ops._common import (
     valid_keys,
     weighted_values,
     zero_padded,
+)
+from jxformers.ops.scores import (
+    SCORE_OPTION_DOCS,
+    SCORE_OPTION_LIMITS,
+    SINKS,
+    capped,
+    check_score_options,
+    init_sink_logits,
+    sink_part,
+    top_k_mask,
 )
 from jxformers.registry import register
 
@@ -70,6 +84,10 @@ def softmax_attention(
     bias: Float[ArrayLike, "_q_len _kv_len"] | Float[ArrayLike, "_heads _q_len _kv_len"] | Alibi | None = None,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
+    top_k: int | None = None,
+    sinks: str = "none",
+    sink_logits: Float[ArrayLike, " heads"] | None = None,
     impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Dense scaled dot-product attention (Vaswani et al., 2017), the reference op.
@@ -86,9 +104,17 @@ def softmax_attention(
             flash kernel computes on each tile instead of reading an N x N array).
         causal: if True, query i attends keys j <= i + kv_len - q_len (bottom-right).
         scale: logits multiplier; default `1 / sqrt(d_k)`.
+        softcap: c: the logits (scaled, bias added) become c * tanh(s / c) (Gemma 2).
+        top_k: each query keeps its k highest logits among the keys it may attend, the
+            rest masked (Zhao et al. 2019, Explicit Sparse Transformer; ties at the k-th
+            value are all kept).
+        sinks: "none"; "zero": a key of logit 0 and value 0 joins every softmax (the "+1"
+            in the denominator); "learned": a logit per head, `sink_logits [heads]`
+            (gpt-oss). The sink takes probability and gives nothing back.
         impl: one of `jxformers.kernels.IMPLS` (`jxformers.kernels.impl`):
-            the flash-attention kernel (O(N) memory) takes calls without `mask` and
-            with no bias or an `Alibi` one; cuDNN bf16/fp16 calls without any mask or bias.
+            the flash-attention kernel (O(N) memory) takes calls without `mask`, score
+            options and with no bias or an `Alibi` one; cuDNN bf16/fp16 calls without any
+            mask, bias or score option.
 
     Returns:
         `[q_len, heads, d_v]`. A query with every key masked returns zeros.
@@ -103,13 +129,16 @@ def softmax_attention(
     kv_len = k.shape[0]
     check_mask_shape("mask", mask, (q_len, kv_len))
     check_mask_shape("kv_mask", kv_mask, (kv_len,))
+    options = check_score_options(heads, softcap=softcap, top_k=top_k, sinks=sinks, sink_logits=sink_logits)
     alibi = bias if isinstance(bias, Alibi) else None
     if alibi is not None:
         check_alibi(alibi, heads)
     unsupported = None
     if mask is not None or (bias is not None and alibi is None):
         unsupported = "a dense mask or a dense bias (use kv_mask, causal and an Alibi bias)"
-    cudnn = cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask, mask=mask, bias=bias) or True
+    if options:
+        unsupported = f"score options {options} (the kernels compute plain softmax)"
+    cudnn = unsupported or cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask, mask=mask, bias=bias) or True
     choice = choose_kernel(impl, unsupported=unsupported, what="softmax attention", q_len=q_len, cudnn=cudnn)
     if choice is not None and choice.backend == "cudnn":
         return cudnn_attention(q, k, v, causal=causal, scale=scale)
@@ -138,7 +167,11 @@ def softmax_attention(
         b = bias.astype(jnp.float32)
         b = b.reshape(1, 1, q_len, kv_len) if b.ndim == 2 else b.reshape(kv_heads, heads // kv_heads, q_len, kv_len)
         s = s + b
-    (p,) = softmax_parts([(s, head_mask(full))])
+    s = capped(s, softcap)
+    allowed = head_mask(full)
+    if top_k is not None:
+        allowed = allowed & top_k_mask(s, allowed, top_k)
+    p = softmax_parts([(s, allowed), *sink_part(sinks, sink_logits, s.shape)])[0]
     out = weighted_values(p, v)
     return out.reshape(q_len, heads, v.shape[2]).astype(out_dtype(q, k, v))
 
@@ -150,9 +183,11 @@ register(
     paper="Vaswani et al. 2017",
     complexity="O(N^2)",
     supports_cross=True,
-    decoder=kv_cache(softmax_attention),
-    choices={"impl": IMPLS},
-    docs={"impl": "one of jxformers.kernels.IMPLS (flash-attention kernel or cuDNN)"},
+    decoder=kv_cache(softmax_attention, forward=("softcap", "top_k", "sinks", "sink_logits")),
+    init_arrays=init_sink_logits,
+    choices={"impl": IMPLS, "sinks": SINKS},
+    docs={"impl": "one of jxformers.kernels.IMPLS (flash-attention kernel or cuDNN)", **SCORE_OPTION_DOCS},
+    limits={n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "top_k")},
     summary="`mask`, `kv_mask`, `bias`, causal (bottom-right) — the reference",
 )
 
@@ -166,6 +201,9 @@ def chunked_attention(
     causal: bool = False,
     chunk_size: int = 512,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: str = "none",
+    sink_logits: Float[ArrayLike, " heads"] | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Exact attention in O(N * chunk) memory (Rabe & Staats, 2021).
 
@@ -182,6 +220,8 @@ def chunked_attention(
         causal: bottom-right causal mask, as `softmax_attention`.
         chunk_size: keys and queries per chunk (>= 1).
         scale: default `1 / sqrt(d_k)`.
+        softcap, sinks, sink_logits: as `softmax_attention` (a sink starts each row's
+            running sum; top-k needs the whole row and is the dense form's alone).
 
     Returns:
         `[q_len, heads, d_v]`; rows with no visible key are zero.
@@ -195,6 +235,7 @@ def chunked_attention(
     q_len, heads, d_k = q.shape
     kv_len, kv_heads, d_v = v.shape
     check_mask_shape("kv_mask", kv_mask, (kv_len,))
+    check_score_options(heads, softcap=softcap, sinks=sinks, sink_logits=sink_logits)
     scale = default_scale(d_k, scale)
 
     qc = min(chunk_size, q_len)
@@ -209,7 +250,7 @@ def chunked_attention(
     def key_step(carry, xs):
         acc, row_max, row_sum, qb, q_pos = carry
         kb, vb, real, k_pos = xs
-        s = logits(group_heads(qb, kv_heads), kb, scale)  # [h, g, qc, kc]
+        s = capped(logits(group_heads(qb, kv_heads), kb, scale), softcap)  # [h, g, qc, kc]
         m = real[None, :]
         if causal:
             m = m & (q_pos[:, None] + offset >= k_pos[None, :])
@@ -230,10 +271,13 @@ def chunked_attention(
     def query_chunk(args):
         qb, q_pos = args
         g = heads // kv_heads
+        sink = sink_part(sinks, sink_logits, (kv_heads, g, qc, 1))
+        # A sink (value 0) starts every row: running max its logit, running sum exp(0) = 1.
+        start = sink[0][0][..., 0] if sink else jnp.full((kv_heads, g, qc), -jnp.inf, jnp.float32)
         init = (
             jnp.zeros((qc, kv_heads, g, d_v), jnp.float32),
-            jnp.full((kv_heads, g, qc), -jnp.inf, jnp.float32),
-            jnp.zeros((kv_heads, g, qc), jnp.float32),
+            start,
+            jnp.ones((kv_heads, g, qc), jnp.float32) if sink else jnp.zeros((kv_heads, g, qc), jnp.float32),
             qb,
             q_pos,
         )
@@ -255,8 +299,10 @@ register(
     paper="Rabe & Staats 2021",
     complexity="O(N^2) time, O(N chunk) memory",
     supports_cross=True,
-    decoder=kv_cache(softmax_attention),
-    docs={"chunk_size": "queries and keys per chunk"},
+    decoder=kv_cache(softmax_attention, forward=("softcap", "sinks", "sink_logits")),
+    init_arrays=init_sink_logits,
+    choices={"sinks": SINKS},
+    docs={"chunk_size": "queries and keys per chunk", **{n: SCORE_OPTION_DOCS[n] for n in ("softcap", "sinks")}},
     summary="same as softmax, online softmax over chunks (Rabe & Staats)",
-    limits={"chunk_size": 1},
+    limits={"chunk_size": 1, "softcap": SCORE_OPTION_LIMITS["softcap"]},
 )

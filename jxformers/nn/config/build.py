@@ -95,16 +95,21 @@ def _blocks(
             causal=causal,
             cross=i in pooled,
             rope=config.embedding.position == "rope",
+            qk_norm=config.layer(i).attention.qk_norm,
+            qk_norm_length=config.max_len,
             key=ka,
         )
         cross_attention = None
         if cross:
+            assert config.decoder is not None  # cross-attending blocks are a seq2seq decoder's
             cross_attention = Attention(
                 config.bound_cross_attention(),
                 config.d_model,
                 config.num_heads,
                 kv_heads=config.kv_heads,
                 cross=True,
+                qk_norm=config.decoder.cross_attention.qk_norm,
+                qk_norm_length=config.max_len,
                 key=kc,
             )
         blocks.append(

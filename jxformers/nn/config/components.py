@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jxformers.kernels import IMPLS
+from jxformers.nn.attention import QK_NORMS
 from jxformers.nn.blocks import NORM_PLACEMENTS
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.models import DOWNSAMPLE_KINDS, POOLING_KINDS
@@ -50,11 +51,15 @@ class AttentionConfig:
     name: str = setting("softmax", "a registered attention (`jxformers list`)")
     hyper_parameters: dict = setting(factory=dict, doc="the op's keyword hyper-parameters (`jxformers list NAME`)")
     impl: str = setting("auto", "how it runs where it has a Pallas kernel (jxformers.kernels.impl)", choices=IMPLS)
+    qk_norm: str = setting(
+        "none", "queries and keys normalised before the core: l2 (QKNorm) or layernorm (ViT-22B)", choices=QK_NORMS
+    )
 
     def __post_init__(self):
         check_fields(self, "attention.")
-        if "impl" in self.hyper_parameters:
-            raise ValueError("attention: give impl as the component's impl, not among its hyper-parameters")
+        for name in _MODULE:
+            if name in self.hyper_parameters:
+                raise ValueError(f"attention: give {name} as the component's {name}, not among its hyper-parameters")
 
     @classmethod
     def from_value(cls, value: Any, where: str = "attention") -> AttentionConfig:
@@ -69,12 +74,17 @@ class AttentionConfig:
         values = dict(value)
         if "hyper_parameters" in values:  # the dataclass's own spelling (dataclasses.asdict)
             values |= values.pop("hyper_parameters") or {}
-        name, impl = values.pop("name", "softmax"), values.pop("impl", "auto")
-        return cls(name=name, hyper_parameters=values, impl=impl)
+        # The module's own settings (impl, qk_norm) sit beside the op's hyper-parameters.
+        module = {n: values.pop(n) for n in _MODULE if n in values}
+        return cls(name=values.pop("name", "softmax"), hyper_parameters=values, **module)
 
     def to_value(self) -> dict[str, Any]:
-        """The YAML form: the name, the hyper-parameters beside it, and impl."""
-        return {"name": self.name, **self.hyper_parameters, "impl": self.impl}
+        """The YAML form: the name, the hyper-parameters beside it, and the module's settings."""
+        return {"name": self.name, **self.hyper_parameters, **{n: getattr(self, n) for n in _MODULE}}
+
+
+# The settings of the module around the op: every field but the op's name and hyper-parameters.
+_MODULE = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ("name", "hyper_parameters"))
 
 
 # ------------------------------------------------------------------ embedding, norm

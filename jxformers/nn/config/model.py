@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from jxformers import registry
+from jxformers.nn.attention import check_qk_norm
 from jxformers.nn.config import legacy
 from jxformers.nn.config.binding import bind_attention
 from jxformers.nn.config.components import (
@@ -389,8 +390,10 @@ class ModelConfig:
         """The capability contracts of every bound attention."""
         for index in range(self._blocks()):
             self._check_attention(self._bound[index])
+            check_qk_norm(self.layer(index).attention.qk_norm, self._bound[index].spec, self.max_len)
         if self.decoder is not None:
             spec = self._bound[-1].spec
+            check_qk_norm(self.decoder.cross_attention.qk_norm, spec, self.max_len)
             if not spec.supports_cross:
                 raise ValueError(
                     f"decoder.cross_attention {spec.name!r} cannot cross-attend; ones that can: "

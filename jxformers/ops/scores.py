@@ -1,0 +1,110 @@
+"""Score options: changes to the attention logits or the softmax that an op which forms
+the logits can take as keywords (`softmax_attention` and `chunked_attention` today).
+
+    softcap   c * tanh(s / c) of the logits (Gemma Team 2024, "Gemma 2: Improving Open
+              Language Models at a Practical Size", arXiv 2408.00118, section 2: 50 in
+              attention there); bounded logits, smooth gradients.
+    top_k     each query keeps its k largest logits among the keys it may attend and
+              masks the rest (Zhao et al. 2019, "Explicit Sparse Transformer:
+              Concentrated Attention Through Explicit Selection", arXiv 1912.11637, eq. 4-5;
+              all keys tied with the k-th value are kept, as a threshold at it does).
+    sinks     "zero": one more key of logit 0 and value 0 in every softmax, so a query may
+              attend to nothing (the "+1" in the denominator: Miller 2023, "Attention Is
+              Off By One"; Xiao et al. 2023, "Efficient Streaming Language Models with
+              Attention Sinks", arXiv 2309.17453, section 3.3, Zero Sink); "learned": that
+              key's logit is a parameter per head (OpenAI 2025, gpt-oss model card,
+              arXiv 2508.10925: "a learned bias in the denominator").
+
+Each option is a static hyper-parameter of the op (the learned sink logits an array
+from its `init_arrays`), so a model config names it beside the attention
+(`attention: {name: softmax, softcap: 30, sinks: learned}`), and decoding passes it on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from jxformers._typing import ArrayLike
+from jxformers.validate import Limits
+
+SINKS = ("none", "zero", "learned")
+
+# Written once, read by each op's registration.
+SCORE_OPTION_DOCS = {
+    "softcap": "c: logits become c * tanh(s / c) (Gemma 2); None: uncapped",
+    "top_k": "each query keeps its k largest logits (Explicit Sparse Transformer); None: all",
+    "sinks": "none, zero (a key of logit 0, value 0: the +1 in the denominator) or learned (a logit per head)",
+}
+SCORE_OPTION_LIMITS = {"softcap": Limits(above=0), "top_k": Limits(minimum=1)}
+
+
+def check_score_options(
+    heads: int,
+    *,
+    softcap: float | None = None,
+    top_k: int | None = None,
+    sinks: str = "none",
+    sink_logits: ArrayLike | None = None,
+) -> list[str]:
+    """The names of the options in use; ValueError naming a bad one."""
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be a number > 0 or None; got {softcap!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 or None; got {top_k!r}")
+    if sinks not in SINKS:
+        raise ValueError(f"sinks must be one of {SINKS}; got {sinks!r}")
+    if sinks == "learned":
+        if sink_logits is None or jnp.shape(sink_logits) != (heads,):
+            raise ValueError(
+                f"sinks='learned' needs sink_logits of shape ({heads},) (one per query head); got "
+                f"{None if sink_logits is None else jnp.shape(sink_logits)}"
+            )
+    elif sink_logits is not None:
+        raise ValueError(f"sink_logits are read only with sinks='learned'; got {sinks=}")
+    used = {"softcap": softcap is not None, "top_k": top_k is not None, "sinks": sinks != "none"}
+    return [name for name, on in used.items() if on]
+
+
+def capped(s: Float[Array, "*n"], softcap: float | None) -> Float[Array, "*n"]:
+    """c * tanh(s / c), or s itself without a cap."""
+    if softcap is None:
+        return s
+    return jnp.float32(softcap) * jnp.tanh(s / jnp.float32(softcap))
+
+
+def top_k_mask(s: Float[Array, "*n q k"], allowed: Bool[ArrayLike, "*#n #q k"], top_k: int) -> Bool[Array, "*n q k"]:
+    """True where a logit is among its row's `top_k` largest allowed ones (a row with
+    fewer allowed keys keeps them all; ties with the k-th value are kept)."""
+    k = min(top_k, s.shape[-1])
+    candidates = jnp.where(allowed, s, -jnp.inf)
+    kth = jax.lax.top_k(candidates, k)[0][..., -1:]
+    return candidates >= kth
+
+
+def sink_part(
+    sinks: str, sink_logits: ArrayLike | None, shape: tuple[int, ...]
+) -> list[tuple[Float[Array, "h g q 1"], Bool[Array, "h g q 1"]]]:
+    """The sink as one more part of a joint softmax (`softmax_parts`) for logits of
+    `shape` `[kv_heads, group, q_len, ...]` (query head = kv head * group + index in the
+    group, as `group_heads`): a column of its logit, always attended; [] without one."""
+    if sinks == "none":
+        return []
+    h, g, q_len = shape[:3]
+    if sinks == "zero":
+        logit = jnp.zeros((h, g, q_len, 1), jnp.float32)
+    else:
+        assert sink_logits is not None  # check_score_options said so
+        per_head = jnp.asarray(sink_logits, jnp.float32).reshape(h, g, 1, 1)
+        logit = jnp.broadcast_to(per_head, (h, g, q_len, 1))
+    return [(logit, jnp.ones((h, g, q_len, 1), bool))]
+
+
+def init_sink_logits(
+    key: PRNGKeyArray, *, heads: int, kv_heads: int, d_k: int, d_v: int, sinks: str = "none"
+) -> dict[str, Array]:
+    """The learned sink logits (zeros: the zero sink to start with) when `sinks` is
+    "learned"; nothing otherwise."""
+    del key, kv_heads, d_k, d_v
+    return {"sink_logits": jnp.zeros((heads,), jnp.float32)} if sinks == "learned" else {}

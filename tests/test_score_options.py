@@ -1,0 +1,199 @@
+"""The score options of the logit-forming ops (`jxformers.ops.scores`) against their
+papers' formulas, written in numpy: logit soft-capping (Gemma 2), Explicit Sparse
+Transformer's top-k, and attention sinks (the zero key, a learned logit per head); in
+the dense and the chunked op, causal and padded, decoding token by token, and reached
+from a model config."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jxformers import ops, registry
+from jxformers.nn import ModelConfig, build_model
+
+HEADS, KV_HEADS, D = 4, 2, 8
+
+
+def qkv(seed, n, m=None):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    m = n if m is None else m
+    q = jax.random.normal(keys[0], (n, HEADS, D)) * 2.0  # spread logits: the options matter
+    k = jax.random.normal(keys[1], (m, KV_HEADS, D)) * 2.0
+    v = jax.random.normal(keys[2], (m, KV_HEADS, D))
+    return q, k, v
+
+
+def reference(q, k, v, *, causal=False, kv_mask=None, softcap=None, top_k=None, sink=None):
+    """The formulas, one query row at a time, in float64 numpy. `sink`: None, or per
+    query head the sink's logit (0 for the zero sink)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    n, m = q.shape[0], k.shape[0]
+    group = HEADS // KV_HEADS
+    out = np.zeros((n, HEADS, v.shape[2]))
+    for h in range(HEADS):
+        kh, vh = k[:, h // group], v[:, h // group]
+        for i in range(n):
+            s = kh @ q[i, h] / np.sqrt(D)
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)  # Gemma 2: cap the logits
+            allowed = np.ones(m, bool)
+            if causal:
+                allowed &= np.arange(m) <= i + m - n
+            if kv_mask is not None:
+                allowed &= np.asarray(kv_mask)
+            if top_k is not None and allowed.sum() > top_k:  # Zhao et al. eq. 4: keep s >= t_i, the k-th largest
+                t = np.sort(s[allowed])[-top_k]
+                allowed &= s >= t
+            e = np.where(allowed, np.exp(s - s[allowed].max(initial=0.0)), 0.0)
+            denom = e.sum()
+            if sink is not None:  # one more key: logit sink[h], value 0
+                denom += np.exp(sink[h] - s[allowed].max(initial=0.0))
+            out[i, h] = e @ vh / denom if denom > 0 else 0.0
+    return out
+
+
+def close(a, b, atol=2e-5):
+    np.testing.assert_allclose(np.asarray(a, np.float64), b, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_softcap_is_c_tanh_of_the_logits(causal, padded):
+    q, k, v = qkv(0, 13)
+    kv_mask = jnp.arange(13) < 10 if padded else None
+    expected = reference(q, k, v, causal=causal, kv_mask=kv_mask, softcap=1.5)
+    close(ops.softmax_attention(q, k, v, causal=causal, kv_mask=kv_mask, softcap=1.5), expected)
+    close(ops.chunked_attention(q, k, v, causal=causal, kv_mask=kv_mask, softcap=1.5, chunk_size=4), expected)
+    # and the cap changes the answer at these logits (the test could fail)
+    assert not np.allclose(reference(q, k, v, causal=causal, kv_mask=kv_mask), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_top_k_keeps_each_rows_k_largest_allowed_logits(causal, padded):
+    q, k, v = qkv(1, 11)
+    kv_mask = jnp.arange(11) < 8 if padded else None
+    expected = reference(q, k, v, causal=causal, kv_mask=kv_mask, top_k=3)
+    close(ops.softmax_attention(q, k, v, causal=causal, kv_mask=kv_mask, top_k=3), expected)
+    assert not np.allclose(reference(q, k, v, causal=causal, kv_mask=kv_mask), expected, atol=1e-3)
+    # k at least the row length is plain softmax
+    close(
+        ops.softmax_attention(q, k, v, causal=causal, kv_mask=kv_mask, top_k=11),
+        reference(q, k, v, causal=causal, kv_mask=kv_mask),
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_sinks_add_one_key_of_zero_value_to_every_softmax(causal, padded):
+    q, k, v = qkv(2, 12)
+    kv_mask = jnp.arange(12) < 9 if padded else None
+    logits = jnp.array([-1.0, 0.5, 2.0, 0.0])
+    for sinks, sink_logits, sink in (("zero", None, np.zeros(HEADS)), ("learned", logits, np.asarray(logits))):
+        expected = reference(q, k, v, causal=causal, kv_mask=kv_mask, sink=sink)
+        got = ops.softmax_attention(q, k, v, causal=causal, kv_mask=kv_mask, sinks=sinks, sink_logits=sink_logits)
+        close(got, expected)
+        chunked = ops.chunked_attention(
+            q, k, v, causal=causal, kv_mask=kv_mask, sinks=sinks, sink_logits=sink_logits, chunk_size=5
+        )
+        close(chunked, expected)
+    # the sink takes weight: outputs shrink towards 0 where its logit is large
+    plain = np.abs(reference(q, k, v, causal=causal, kv_mask=kv_mask)[:, 2]).mean()
+    assert np.abs(expected[:, 2]).mean() < plain
+
+
+def test_options_compose_and_rows_with_no_key_are_zero():
+    q, k, v = qkv(3, 10)
+    kv_mask = jnp.zeros((10,), bool)
+    out = ops.softmax_attention(q, k, v, kv_mask=kv_mask, softcap=2.0, top_k=2, sinks="zero")
+    assert np.all(np.asarray(out) == 0)
+    kv_mask = jnp.arange(10) < 7
+    got = ops.softmax_attention(q, k, v, causal=True, kv_mask=kv_mask, softcap=2.0, top_k=2, sinks="zero")
+    close(got, reference(q, k, v, causal=True, kv_mask=kv_mask, softcap=2.0, top_k=2, sink=np.zeros(HEADS)))
+
+
+def test_cross_lengths_bf16_and_gradients():
+    q, k, v = qkv(4, 5, 9)
+    close(ops.softmax_attention(q, k, v, softcap=3.0, sinks="zero"), reference(q, k, v, softcap=3.0, sink=np.zeros(4)))
+    half = ops.softmax_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), softcap=3.0, sinks="zero")
+    assert half.dtype == jnp.bfloat16
+    close(half, reference(q, k, v, softcap=3.0, sink=np.zeros(4)), atol=6e-2)
+    logits = jnp.zeros((HEADS,))
+    grads = jax.grad(
+        lambda s, q: ops.softmax_attention(q, k, v, top_k=3, sinks="learned", sink_logits=s).sum(), argnums=(0, 1)
+    )(logits, q)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+    assert float(jnp.abs(grads[0]).sum()) > 0  # the sink logits learn
+
+
+@pytest.mark.parametrize(
+    "name, hp",
+    [
+        ("softmax", {"softcap": 2.0, "top_k": 3, "sinks": "learned"}),
+        ("chunked", {"chunk_size": 4, "softcap": 2.0, "sinks": "learned"}),
+    ],
+)
+def test_decoding_with_options_equals_the_causal_forward(name, hp):
+    n = 12
+    q, k, v = qkv(5, n)
+    bound = registry.bind(name, **hp)
+    arrays = bound.init_arrays(jax.random.key(0), heads=HEADS, kv_heads=KV_HEADS, d_k=D, d_v=D)
+    arrays = {"sink_logits": jnp.array([-1.0, 0.5, 2.0, 0.0])} if "sink_logits" in arrays else arrays
+    parallel = bound(q, k, v, arrays=arrays, causal=True)
+    state = bound.init_state(max_len=n, kv_heads=KV_HEADS, d_k=D, d_v=D, arrays=arrays)
+    rows = []
+    for t in range(n):
+        out, state = bound.decode_step(q[t], k[t], v[t], state, arrays=arrays)
+        rows.append(out)
+    close(jnp.stack(rows), np.asarray(parallel), atol=2e-5)
+    top_k = hp.get("top_k")
+    sink = np.asarray(arrays["sink_logits"])
+    close(parallel, reference(q, k, v, causal=True, softcap=2.0, top_k=top_k, sink=sink))
+
+
+def test_bad_options_are_refused_with_their_values():
+    q, k, v = qkv(6, 4)
+    with pytest.raises(ValueError, match="softcap must be a number > 0"):
+        ops.softmax_attention(q, k, v, softcap=0.0)
+    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+        ops.softmax_attention(q, k, v, top_k=0)
+    with pytest.raises(ValueError, match=r"sinks must be one of \('none', 'zero', 'learned'\)"):
+        ops.softmax_attention(q, k, v, sinks="one")
+    with pytest.raises(ValueError, match=r"needs sink_logits of shape \(4,\)"):
+        ops.softmax_attention(q, k, v, sinks="learned")
+    with pytest.raises(ValueError, match="read only with sinks='learned'"):
+        ops.softmax_attention(q, k, v, sink_logits=jnp.zeros(4))
+    with pytest.raises(ValueError, match="softcap"):
+        registry.bind("softmax", softcap=-1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        registry.bind("chunked", top_k=2)  # needs whole rows: the dense op's alone
+    with pytest.raises(ValueError, match="score options"):
+        ops.softmax_attention(q, k, v, softcap=2.0, impl="interpret")  # the kernel computes plain softmax
+
+
+def test_a_model_config_names_the_options_and_learns_the_sinks():
+    config = ModelConfig(
+        task="lm",
+        vocab_size=17,
+        num_layers=2,
+        d_model=16,
+        num_heads=4,
+        max_len=16,
+        attention={"name": "softmax", "softcap": 30.0, "sinks": "learned"},
+    )
+    model = build_model(config, key=jax.random.key(0))
+    attention = model.blocks[0].attention
+    assert attention.core.hyper_parameters["softcap"] == 30.0
+    assert attention.arrays["sink_logits"].shape == (4,)  # a parameter: the optimizer sees it
+    from jxformers.nn import trainable
+
+    assert trainable(model).blocks[0].attention.arrays["sink_logits"] is True
+    tokens = jnp.arange(12) % 17
+    logits = model(tokens)
+    state = model.init_decode_state(12)
+    rows = []
+    for t in range(12):
+        row, state = model.decode_step(tokens[t], state)
+        rows.append(row)
+    np.testing.assert_allclose(np.asarray(jnp.stack(rows)), np.asarray(logits), atol=2e-4)
