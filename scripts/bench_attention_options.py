@@ -40,6 +40,7 @@ OPTIONS = (
     ("top_k 32", {"top_k": 32}, {}),
     ("sinks zero", {"sinks": "zero"}, {}),
     ("sinks learned", {"sinks": "learned"}, {}),
+    ("talking_heads", {"talking_heads": True}, {}),
     ("qk_norm l2", {}, {"qk_norm": "l2"}),
     ("qk_norm layernorm", {}, {"qk_norm": "layernorm"}),
 )

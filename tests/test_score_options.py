@@ -197,3 +197,79 @@ def test_a_model_config_names_the_options_and_learns_the_sinks():
         row, state = model.decode_step(tokens[t], state)
         rows.append(row)
     np.testing.assert_allclose(np.asarray(jnp.stack(rows)), np.asarray(logits), atol=2e-4)
+
+
+def talking_reference(q, k, v, p_l, p_w, *, causal=False, kv_mask=None):
+    """Shazeer et al. 2020, section 4: J = Q K^T / sqrt(d) per head, L = J P_l across the
+    heads, W = softmax(L) over the keys (masked), U = W P_w, O = U V per head."""
+    q, k, v, p_l, p_w = (np.asarray(x, np.float64) for x in (q, k, v, p_l, p_w))
+    n, m = q.shape[0], k.shape[0]
+    group = HEADS // KV_HEADS
+    kh = np.stack([k[:, h // group] for h in range(HEADS)])  # [heads, m, d]
+    vh = np.stack([v[:, h // group] for h in range(HEADS)])
+    j = np.einsum("nhd,hmd->hnm", q, kh) / np.sqrt(D)
+    logits = np.einsum("hnm,hH->Hnm", j, p_l)
+    allowed = np.ones((n, m), bool)
+    if causal:
+        allowed &= np.tril(np.ones((n, m), bool), m - n)
+    if kv_mask is not None:
+        allowed &= np.asarray(kv_mask)[None, :]
+    e = np.where(allowed, np.exp(logits - np.where(allowed, logits, -np.inf).max(-1, keepdims=True)), 0.0)
+    w = e / e.sum(-1, keepdims=True)
+    u = np.einsum("hnm,hH->Hnm", w, p_w)
+    return np.einsum("hnm,hmd->nhd", u, vh)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_talking_heads_mix_the_logits_and_the_weights_across_heads(causal, padded):
+    q, k, v = qkv(7, 10)
+    kv_mask = jnp.arange(10) < 8 if padded else None
+    p_l = jax.random.normal(jax.random.key(8), (HEADS, HEADS))
+    p_w = jax.random.normal(jax.random.key(9), (HEADS, HEADS))
+    got = ops.softmax_attention(
+        q, k, v, causal=causal, kv_mask=kv_mask, talking_heads=True, talking_logits=p_l, talking_weights=p_w
+    )
+    close(got, talking_reference(q, k, v, p_l, p_w, causal=causal, kv_mask=kv_mask), atol=5e-5)
+    # identity matrices (the initialisation) are plain multi-head attention
+    eye = jnp.eye(HEADS)
+    plain = ops.softmax_attention(
+        q, k, v, causal=causal, kv_mask=kv_mask, talking_heads=True, talking_logits=eye, talking_weights=eye
+    )
+    close(plain, reference(q, k, v, causal=causal, kv_mask=kv_mask))
+    assert not np.allclose(np.asarray(got), np.asarray(plain), atol=1e-3)
+
+
+def test_talking_heads_decode_learn_and_are_refused_where_they_cannot_apply():
+    bound = registry.bind("softmax", talking_heads=True)
+    arrays = bound.init_arrays(jax.random.key(0), heads=HEADS, kv_heads=KV_HEADS, d_k=D, d_v=D)
+    assert set(arrays) == {"talking_logits", "talking_weights"}
+    np.testing.assert_array_equal(np.asarray(arrays["talking_logits"]), np.eye(HEADS))
+    arrays = {n: jax.random.normal(jax.random.key(i), (HEADS, HEADS)) for i, n in enumerate(arrays)}
+    n = 9
+    q, k, v = qkv(10, n)
+    parallel = bound(q, k, v, arrays=arrays, causal=True)
+    state = bound.init_state(max_len=n, kv_heads=KV_HEADS, d_k=D, d_v=D, arrays=arrays)
+    rows = []
+    for t in range(n):
+        out, state = bound.decode_step(q[t], k[t], v[t], state, arrays=arrays)
+        rows.append(out)
+    close(jnp.stack(rows), np.asarray(parallel), atol=5e-5)
+    grads = jax.grad(lambda a: bound(q, k, v, arrays=a, causal=True).sum())(arrays)
+    assert all(float(jnp.abs(g).sum()) > 0 for g in grads.values())
+    with pytest.raises(ValueError, match="talking_heads is taken by softmax"):
+        registry.bind("chunked", talking_heads=True)  # online softmax never holds every head's weights
+    with pytest.raises(ValueError, match=r"talking_heads needs talking_logits of shape \(4, 4\)"):
+        ops.softmax_attention(q, k, v, talking_heads=True)
+    model = build_model(
+        ModelConfig(
+            task="classify",
+            vocab_size=11,
+            max_len=8,
+            num_heads=4,
+            d_model=16,
+            attention={"name": "softmax", "talking_heads": True},
+        ),
+        key=jax.random.key(0),
+    )
+    assert model.encoder.blocks[0].attention.arrays["talking_weights"].shape == (4, 4)

@@ -14,6 +14,10 @@ the logits can take as keywords (`softmax_attention` and `chunked_attention` tod
               Attention Sinks", arXiv 2309.17453, section 3.3, Zero Sink); "learned": that
               key's logit is a parameter per head (OpenAI 2025, gpt-oss model card,
               arXiv 2508.10925: "a learned bias in the denominator").
+    talking_heads
+              the heads' logits mixed by a learned [heads, heads] matrix before the
+              softmax and their probabilities by another after it (Shazeer et al. 2020,
+              "Talking-Heads Attention", arXiv 2003.02436, section 4: P_l, P_w).
 
 Each option is a static hyper-parameter of the op (the learned sink logits an array
 from its `init_arrays`), so a model config names it beside the attention
@@ -30,12 +34,23 @@ from jxformers._typing import ArrayLike
 from jxformers.validate import Limits
 
 SINKS = ("none", "zero", "learned")
+# Every score option's hyper-parameters and arrays: what a kv-cache decoder passes on.
+SCORE_OPTIONS = (
+    "softcap",
+    "top_k",
+    "sinks",
+    "sink_logits",
+    "talking_heads",
+    "talking_logits",
+    "talking_weights",
+)
 
 # Written once, read by each op's registration.
 SCORE_OPTION_DOCS = {
     "softcap": "c: logits become c * tanh(s / c) (Gemma 2); None: uncapped",
     "top_k": "each query keeps its k largest logits (Explicit Sparse Transformer); None: all",
     "sinks": "none, zero (a key of logit 0, value 0: the +1 in the denominator) or learned (a logit per head)",
+    "talking_heads": "mix the heads' logits before the softmax and their weights after it (learned matrices)",
 }
 SCORE_OPTION_LIMITS = {"softcap": Limits(above=0), "top_k": Limits(minimum=1)}
 
@@ -47,6 +62,9 @@ def check_score_options(
     top_k: int | None = None,
     sinks: str = "none",
     sink_logits: ArrayLike | None = None,
+    talking_heads: bool = False,
+    talking_logits: ArrayLike | None = None,
+    talking_weights: ArrayLike | None = None,
 ) -> list[str]:
     """The names of the options in use; ValueError naming a bad one."""
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
@@ -63,7 +81,20 @@ def check_score_options(
             )
     elif sink_logits is not None:
         raise ValueError(f"sink_logits are read only with sinks='learned'; got {sinks=}")
-    used = {"softcap": softcap is not None, "top_k": top_k is not None, "sinks": sinks != "none"}
+    mixers = {"talking_logits": talking_logits, "talking_weights": talking_weights}
+    if talking_heads:
+        for name, mixer in mixers.items():
+            if mixer is None or jnp.shape(mixer) != (heads, heads):
+                shape = None if mixer is None else jnp.shape(mixer)
+                raise ValueError(f"talking_heads needs {name} of shape ({heads}, {heads}); got {shape}")
+    elif any(m is not None for m in mixers.values()):
+        raise ValueError("talking_logits and talking_weights are read only with talking_heads=True")
+    used = {
+        "softcap": softcap is not None,
+        "top_k": top_k is not None,
+        "sinks": sinks != "none",
+        "talking_heads": bool(talking_heads),
+    }
     return [name for name, on in used.items() if on]
 
 
@@ -101,10 +132,33 @@ def sink_part(
     return [(logit, jnp.ones((h, g, q_len, 1), bool))]
 
 
-def init_sink_logits(
-    key: PRNGKeyArray, *, heads: int, kv_heads: int, d_k: int, d_v: int, sinks: str = "none"
+def mix_heads(x: Float[Array, "h g q k"], mixer: ArrayLike) -> Float[Array, "h g q k"]:
+    """Talking heads: head j of the result is sum_i x_i mixer[i, j], over the query
+    heads (`[kv_heads, group, ...]` flattened in `group_heads`' order)."""
+    h, g = x.shape[:2]
+    flat = x.reshape(h * g, *x.shape[2:])
+    mixed = jnp.einsum("iqk,ij->jqk", flat, jnp.asarray(mixer, jnp.float32))
+    return mixed.reshape(x.shape)
+
+
+def init_score_arrays(
+    key: PRNGKeyArray,
+    *,
+    heads: int,
+    kv_heads: int,
+    d_k: int,
+    d_v: int,
+    sinks: str = "none",
+    talking_heads: bool = False,
 ) -> dict[str, Array]:
-    """The learned sink logits (zeros: the zero sink to start with) when `sinks` is
-    "learned"; nothing otherwise."""
+    """The learned arrays of the score options: the sink logits (zeros: the zero sink to
+    start with) when `sinks` is "learned"; the talking-heads matrices P_l and P_w (the
+    identity: plain multi-head attention to start with) when `talking_heads`."""
     del key, kv_heads, d_k, d_v
-    return {"sink_logits": jnp.zeros((heads,), jnp.float32)} if sinks == "learned" else {}
+    out = {}
+    if sinks == "learned":
+        out["sink_logits"] = jnp.zeros((heads,), jnp.float32)
+    if talking_heads:
+        out["talking_logits"] = jnp.eye(heads, dtype=jnp.float32)
+        out["talking_weights"] = jnp.eye(heads, dtype=jnp.float32)
+    return out

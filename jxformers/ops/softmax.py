@@ -44,10 +44,12 @@ from jxformers.ops._common import (
 from jxformers.ops.scores import (
     SCORE_OPTION_DOCS,
     SCORE_OPTION_LIMITS,
+    SCORE_OPTIONS,
     SINKS,
     capped,
     check_score_options,
-    init_sink_logits,
+    init_score_arrays,
+    mix_heads,
     sink_part,
     top_k_mask,
 )
@@ -88,6 +90,9 @@ def softmax_attention(
     top_k: int | None = None,
     sinks: str = "none",
     sink_logits: Float[ArrayLike, " heads"] | None = None,
+    talking_heads: bool = False,
+    talking_logits: Float[ArrayLike, "heads heads"] | None = None,
+    talking_weights: Float[ArrayLike, "heads heads"] | None = None,
     impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Dense scaled dot-product attention (Vaswani et al., 2017), the reference op.
@@ -111,6 +116,9 @@ def softmax_attention(
         sinks: "none"; "zero": a key of logit 0 and value 0 joins every softmax (the "+1"
             in the denominator); "learned": a logit per head, `sink_logits [heads]`
             (gpt-oss). The sink takes probability and gives nothing back.
+        talking_heads: mix the heads' logits by `talking_logits [heads, heads]` before
+            the softmax (after the cap, before masks and top-k) and their weights by
+            `talking_weights [heads, heads]` after it (Shazeer et al. 2020).
         impl: one of `jxformers.kernels.IMPLS` (`jxformers.kernels.impl`):
             the flash-attention kernel (O(N) memory) takes calls without `mask`, score
             options and with no bias or an `Alibi` one; cuDNN bf16/fp16 calls without any
@@ -129,7 +137,16 @@ def softmax_attention(
     kv_len = k.shape[0]
     check_mask_shape("mask", mask, (q_len, kv_len))
     check_mask_shape("kv_mask", kv_mask, (kv_len,))
-    options = check_score_options(heads, softcap=softcap, top_k=top_k, sinks=sinks, sink_logits=sink_logits)
+    options = check_score_options(
+        heads,
+        softcap=softcap,
+        top_k=top_k,
+        sinks=sinks,
+        sink_logits=sink_logits,
+        talking_heads=talking_heads,
+        talking_logits=talking_logits,
+        talking_weights=talking_weights,
+    )
     alibi = bias if isinstance(bias, Alibi) else None
     if alibi is not None:
         check_alibi(alibi, heads)
@@ -167,11 +184,15 @@ def softmax_attention(
         b = bias.astype(jnp.float32)
         b = b.reshape(1, 1, q_len, kv_len) if b.ndim == 2 else b.reshape(kv_heads, heads // kv_heads, q_len, kv_len)
         s = s + b
+    if talking_heads:  # Shazeer et al.: L = J P_l before the softmax
+        s = mix_heads(s, talking_logits)
     s = capped(s, softcap)
     allowed = head_mask(full)
     if top_k is not None:
         allowed = allowed & top_k_mask(s, allowed, top_k)
     p = softmax_parts([(s, allowed), *sink_part(sinks, sink_logits, s.shape)])[0]
+    if talking_heads:  # ... and U = W P_w after it; masked weights are 0 in every head
+        p = mix_heads(p, talking_weights)
     out = weighted_values(p, v)
     return out.reshape(q_len, heads, v.shape[2]).astype(out_dtype(q, k, v))
 
@@ -183,8 +204,8 @@ register(
     paper="Vaswani et al. 2017",
     complexity="O(N^2)",
     supports_cross=True,
-    decoder=kv_cache(softmax_attention, forward=("softcap", "top_k", "sinks", "sink_logits")),
-    init_arrays=init_sink_logits,
+    decoder=kv_cache(softmax_attention, forward=SCORE_OPTIONS),
+    init_arrays=init_score_arrays,
     choices={"impl": IMPLS, "sinks": SINKS},
     docs={"impl": "one of jxformers.kernels.IMPLS (flash-attention kernel or cuDNN)", **SCORE_OPTION_DOCS},
     limits={n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "top_k")},
@@ -292,6 +313,11 @@ def chunked_attention(
     return out.astype(out_dtype(q, k, v))
 
 
+def _chunked_arrays(key, *, heads: int, kv_heads: int, d_k: int, d_v: int, sinks: str = "none"):
+    """The chunked op's score arrays: a learned sink (it has no talking heads)."""
+    return init_score_arrays(key, heads=heads, kv_heads=kv_heads, d_k=d_k, d_v=d_v, sinks=sinks)
+
+
 register(
     "chunked",
     chunked_attention,
@@ -299,8 +325,8 @@ register(
     paper="Rabe & Staats 2021",
     complexity="O(N^2) time, O(N chunk) memory",
     supports_cross=True,
-    decoder=kv_cache(softmax_attention, forward=("softcap", "sinks", "sink_logits")),
-    init_arrays=init_sink_logits,
+    decoder=kv_cache(softmax_attention, forward=SCORE_OPTIONS),
+    init_arrays=_chunked_arrays,
     choices={"sinks": SINKS},
     docs={"chunk_size": "queries and keys per chunk", **{n: SCORE_OPTION_DOCS[n] for n in ("softcap", "sinks")}},
     summary="same as softmax, online softmax over chunks (Rabe & Staats)",
