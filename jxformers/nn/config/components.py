@@ -54,9 +54,13 @@ class AttentionConfig:
     qk_norm: str = setting(
         "none", "queries and keys normalised before the core: l2 (QKNorm) or layernorm (ViT-22B)", choices=QK_NORMS
     )
+    d_head: int | None = setting(
+        None, "each head's query/key/value size, decoupled from d_model / num_heads (Bhojanapalli et al. 2020)"
+    )
 
     def __post_init__(self):
         check_fields(self, "attention.")
+        check_at_least(self, "attention.", 1, "d_head")
         for name in _MODULE:
             if name in self.hyper_parameters:
                 raise ValueError(f"attention: give {name} as the component's {name}, not among its hyper-parameters")

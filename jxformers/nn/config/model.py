@@ -195,6 +195,17 @@ class ModelConfig:
             attention=(override and override.attention) or self.attention, ffn=(override and override.ffn) or self.ffn
         )
 
+    def head_size(self, attention: AttentionConfig) -> int:
+        """The head size of an attention: its `d_head`, or d_model / num_heads."""
+        return attention.d_head if attention.d_head is not None else self.d_model // self.num_heads
+
+    def _attention_configs(self) -> list[tuple[str, AttentionConfig]]:
+        """(where, config) of every attention component: the blocks' and the decoder's cross-attention."""
+        found = [(f"block {i}'s attention", self.layer(i).attention) for i in range(self._blocks())]
+        if self.decoder is not None:
+            found.append(("decoder.cross_attention", self.decoder.cross_attention))
+        return found
+
     def bound_attention(self, index: int) -> registry.BoundAttention:
         """Block `index`'s self-attention, bound (once, when the config was made)."""
         return self._bound[index]
@@ -220,10 +231,13 @@ class ModelConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
         if self.num_heads % (self.kv_heads or self.num_heads):
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.embedding.position == "rope" and (self.d_model // self.num_heads) % 2:
-            raise ValueError(
-                f"position 'rope' needs an even head size; d_model / num_heads = {self.d_model // self.num_heads}"
-            )
+        if self.embedding.position == "rope":
+            for where, attention in self._attention_configs():
+                if self.head_size(attention) % 2:
+                    raise ValueError(
+                        f"position 'rope' needs an even head size; {where}'s is {self.head_size(attention)} "
+                        f"(d_model / num_heads = {self.d_model // self.num_heads} unless its d_head is set)"
+                    )
         if self.decoder is not None and self.task != "seq2seq":
             raise ValueError(f"model.decoder configures the decoder of task seq2seq; got task {self.task!r}")
 
