@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import jxformers
 from jxformers import ModelConfig, build_model, registry
 from jxformers.ops import softmax_attention
-from jxformers.ops.scores import SCORE_OPTIONS
+from jxformers.ops._scores import SCORE_OPTIONS
 from jxformers.xla_cost import compile_with_cost
 
 # One odd length (tails of blocks and chunks) for most properties; the dense-mask
@@ -74,7 +74,7 @@ def causal_modes(name):
 
 
 def score_options(hyper_parameters, arrays) -> dict:
-    """The score options (`jxformers.ops.scores`) an exact attention's variant uses,
+    """The score options (`jxformers.ops._scores`) an exact attention's variant uses,
     for its softmax reference."""
     return {n: x for n, x in (*hyper_parameters.items(), *arrays.items()) if n in SCORE_OPTIONS}
 

@@ -1,4 +1,4 @@
-"""The score options of the logit-forming ops (`jxformers.ops.scores`) against their
+"""The score options of the logit-forming ops (`jxformers.ops._scores`) against their
 papers' formulas, written in numpy: logit soft-capping (Gemma 2), Explicit Sparse
 Transformer's top-k, and attention sinks (the zero key, a learned logit per head); in
 the dense and the chunked op, causal and padded, decoding token by token, and reached

@@ -5,9 +5,9 @@
 softmax over key chunks inside query chunks (Rabe & Staats, "Self-attention does not
 need O(n^2) memory", 2021), rematerialising each chunk in the backward pass.
 
-Both take the score options (`jxformers.ops.scores`): logit soft-capping (Gemma 2) and
+Both take the score options (`jxformers.ops._scores`): logit soft-capping (Gemma 2) and
 attention sinks (a zero key or a learned logit per head); the dense form also takes
-Explicit Sparse Transformer's top-k.
+Explicit Sparse Transformer's top-k and talking heads.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from jxformers.ops._common import (
     weighted_values,
     zero_padded,
 )
-from jxformers.ops.scores import (
+from jxformers.ops._scores import (
     SCORE_OPTION_DOCS,
     SCORE_OPTION_LIMITS,
     SCORE_OPTIONS,
