@@ -9,7 +9,8 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
 `k [kv_len, kv_heads, d_k]`, `v [kv_len, kv_heads, d_v]` -> `[q_len, heads, d_v]`.
 
     softmax.py     exact: softmax_attention (the reference), chunked_attention
-    _scores.py     the score options those take: softcap, top_k, sinks, talking_heads
+                   and the score options they take (softcap, top_k, sinks, talking_heads;
+                   their helpers in the private jxformers.ops._scores)
     local.py       fixed windows: local_attention, block_local_attention, dilated_attention,
                    image_local_2d_attention (Image Transformer's 2-D blocks, block_raster_order)
     sparse.py      fixed patterns: sparse_transformer_attention, longformer_attention, bigbird_attention
