@@ -41,6 +41,7 @@ OPTIONS = (
     ("sinks zero", {"sinks": "zero"}, {}),
     ("sinks learned", {"sinks": "learned"}, {}),
     ("talking_heads", {"talking_heads": True}, {}),
+    ("persistent_kv 16", {"persistent_kv": 16}, {}),
     ("qk_norm l2", {}, {"qk_norm": "l2"}),
     ("qk_norm layernorm", {}, {"qk_norm": "layernorm"}),
 )

@@ -273,3 +273,75 @@ def test_talking_heads_decode_learn_and_are_refused_where_they_cannot_apply():
         key=jax.random.key(0),
     )
     assert model.encoder.blocks[0].attention.arrays["talking_weights"].shape == (4, 4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_persistent_vectors_join_every_softmax_at_no_position(causal, padded):
+    """Sukhbaatar et al. 2019: each head attends over [M_k; K] with values [M_v; V]; the
+    persistent vectors are visible to every query (causal or not) and never padding."""
+    n, m = 9, 3
+    q, k, v = qkv(11, n)
+    kv_mask = jnp.arange(n) < 7 if padded else None
+    mk = jax.random.normal(jax.random.key(12), (m, KV_HEADS, D)) * 2.0
+    mv = jax.random.normal(jax.random.key(13), (m, KV_HEADS, D))
+    # the formula: keys [M_k; K], query i sees all of M_k and, causal, the keys j <= i
+    keys, values = jnp.concatenate([mk, k]), jnp.concatenate([mv, v])
+    allowed = np.ones((n, m + n), bool)
+    if causal:
+        allowed[:, m:] &= np.tril(np.ones((n, n), bool))
+    if padded:
+        allowed[:, m:] &= np.asarray(kv_mask)[None, :]
+    expected = np.zeros((n, HEADS, D))
+    group = HEADS // KV_HEADS
+    for h in range(HEADS):
+        s = np.asarray(q[:, h], np.float64) @ np.asarray(keys[:, h // group], np.float64).T / np.sqrt(D)
+        e = np.where(allowed, np.exp(s - np.where(allowed, s, -np.inf).max(-1, keepdims=True)), 0.0)
+        expected[:, h] = e / e.sum(-1, keepdims=True) @ np.asarray(values[:, h // group], np.float64)
+    options = {"persistent_kv": m, "persistent_k": mk, "persistent_v": mv}
+    close(ops.softmax_attention(q, k, v, causal=causal, kv_mask=kv_mask, **options), expected)
+    close(ops.chunked_attention(q, k, v, causal=causal, kv_mask=kv_mask, chunk_size=4, **options), expected)
+    # with every real key padded, a query still reads the persistent memory
+    empty = ops.softmax_attention(q, k, v, kv_mask=jnp.zeros((n,), bool), **options)
+    assert float(jnp.abs(empty).min()) > 0
+
+
+def test_persistent_memory_decodes_learns_and_reaches_a_model():
+    bound = registry.bind("softmax", persistent_kv=4)
+    arrays = bound.init_arrays(jax.random.key(0), heads=HEADS, kv_heads=KV_HEADS, d_k=D, d_v=D)
+    assert arrays["persistent_k"].shape == (4, KV_HEADS, D) and arrays["persistent_v"].shape == (4, KV_HEADS, D)
+    n = 8
+    q, k, v = qkv(14, n)
+    parallel = bound(q, k, v, arrays=arrays, causal=True)
+    state = bound.init_state(max_len=n, kv_heads=KV_HEADS, d_k=D, d_v=D, arrays=arrays)
+    rows = []
+    for t in range(n):
+        out, state = bound.decode_step(q[t], k[t], v[t], state, arrays=arrays)
+        rows.append(out)
+    close(jnp.stack(rows), np.asarray(parallel), atol=5e-5)
+    grads = jax.grad(lambda a: bound(q, k, v, arrays=a, causal=True).sum())(arrays)
+    assert all(float(jnp.abs(g).sum()) > 0 for g in grads.values())
+    with pytest.raises(ValueError, match=r"persistent_kv=2 needs persistent_k of shape \(2, 2, d\)"):
+        ops.softmax_attention(q, k, v, persistent_kv=2)
+    with pytest.raises(ValueError, match="persistent_kv is taken by softmax, chunked"):
+        registry.bind("performer", persistent_kv=2)
+    model = build_model(
+        ModelConfig(
+            task="lm",
+            vocab_size=11,
+            max_len=8,
+            num_heads=4,
+            d_model=16,
+            embedding={"position": "alibi"},
+            attention={"name": "softmax", "persistent_kv": 2},
+        ),
+        key=jax.random.key(1),
+    )
+    tokens = jnp.arange(8) % 11
+    logits = model(tokens)
+    state = model.init_decode_state(8)
+    rows = []
+    for t in range(8):
+        row, state = model.decode_step(tokens[t], state)
+        rows.append(row)
+    np.testing.assert_allclose(np.asarray(jnp.stack(rows)), np.asarray(logits), atol=2e-4)

@@ -18,6 +18,11 @@ the logits can take as keywords (`softmax_attention` and `chunked_attention` tod
               the heads' logits mixed by a learned [heads, heads] matrix before the
               softmax and their probabilities by another after it (Shazeer et al. 2020,
               "Talking-Heads Attention", arXiv 2003.02436, section 4: P_l, P_w).
+    persistent_kv
+              m learned key and value vectors per key head joined in front of the keys of
+              every call, attended by every query, causal or not, at no position
+              (Sukhbaatar et al. 2019, "Augmenting Self-attention with Persistent Memory",
+              arXiv 1907.01470, section 4: the all-attention layer's persistent vectors).
 
 Each option is a static hyper-parameter of the op (the learned sink logits an array
 from its `init_arrays`), so a model config names it beside the attention
@@ -43,6 +48,9 @@ SCORE_OPTIONS = (
     "talking_heads",
     "talking_logits",
     "talking_weights",
+    "persistent_kv",
+    "persistent_k",
+    "persistent_v",
 )
 
 # Written once, read by each op's registration.
@@ -51,8 +59,9 @@ SCORE_OPTION_DOCS = {
     "top_k": "each query keeps its k largest logits (Explicit Sparse Transformer); None: all",
     "sinks": "none, zero (a key of logit 0, value 0: the +1 in the denominator) or learned (a logit per head)",
     "talking_heads": "mix the heads' logits before the softmax and their weights after it (learned matrices)",
+    "persistent_kv": "m learned key/value vectors per key head joined to every call's keys (all-attention)",
 }
-SCORE_OPTION_LIMITS = {"softcap": Limits(above=0), "top_k": Limits(minimum=1)}
+SCORE_OPTION_LIMITS = {"softcap": Limits(above=0), "top_k": Limits(minimum=1), "persistent_kv": Limits(minimum=0)}
 
 
 def check_score_options(
@@ -65,6 +74,10 @@ def check_score_options(
     talking_heads: bool = False,
     talking_logits: ArrayLike | None = None,
     talking_weights: ArrayLike | None = None,
+    persistent_kv: int = 0,
+    persistent_k: ArrayLike | None = None,
+    persistent_v: ArrayLike | None = None,
+    kv_heads: int | None = None,
 ) -> list[str]:
     """The names of the options in use; ValueError naming a bad one."""
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
@@ -89,11 +102,24 @@ def check_score_options(
                 raise ValueError(f"talking_heads needs {name} of shape ({heads}, {heads}); got {shape}")
     elif any(m is not None for m in mixers.values()):
         raise ValueError("talking_logits and talking_weights are read only with talking_heads=True")
+    if isinstance(persistent_kv, bool) or not isinstance(persistent_kv, int) or persistent_kv < 0:
+        raise ValueError(f"persistent_kv must be an int >= 0; got {persistent_kv!r}")
+    stores = {"persistent_k": persistent_k, "persistent_v": persistent_v}
+    if persistent_kv:
+        for name, store in stores.items():
+            shape = None if store is None else jnp.shape(store)
+            if shape is None or len(shape) != 3 or shape[0] != persistent_kv or shape[1] != kv_heads:
+                raise ValueError(
+                    f"persistent_kv={persistent_kv} needs {name} of shape ({persistent_kv}, {kv_heads}, d); got {shape}"
+                )
+    elif any(x is not None for x in stores.values()):
+        raise ValueError("persistent_k and persistent_v are read only with persistent_kv > 0")
     used = {
         "softcap": softcap is not None,
         "top_k": top_k is not None,
         "sinks": sinks != "none",
         "talking_heads": bool(talking_heads),
+        "persistent_kv": persistent_kv > 0,
     }
     return [name for name, on in used.items() if on]
 
@@ -141,6 +167,32 @@ def mix_heads(x: Float[Array, "h g q k"], mixer: ArrayLike) -> Float[Array, "h g
     return mixed.reshape(x.shape)
 
 
+def prepend_persistent(
+    persistent_k: ArrayLike,
+    persistent_v: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    kv_mask: ArrayLike | None,
+    mask: ArrayLike | None,
+    bias: ArrayLike | None,
+) -> tuple[Array, Array, Array | None, Array | None, Array | None]:
+    """(k, v, kv_mask, mask, bias) with the persistent vectors in front of the keys:
+    real (kv_mask True), allowed to every query (mask True) and unbiased (bias 0). With
+    the bottom-right causal alignment of the ops, they sit before every query."""
+    m = jnp.shape(persistent_k)[0]
+    k = jnp.concatenate([jnp.asarray(persistent_k, jnp.result_type(k)), jnp.asarray(k)])
+    v = jnp.concatenate([jnp.asarray(persistent_v, jnp.result_type(v)), jnp.asarray(v)])
+    if kv_mask is not None:
+        kv_mask = jnp.concatenate([jnp.ones((m,), bool), jnp.asarray(kv_mask)])
+    if mask is not None:
+        mask = jnp.concatenate([jnp.ones((jnp.shape(mask)[0], m), bool), jnp.asarray(mask)], -1)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        bias = jnp.concatenate([jnp.zeros((*bias.shape[:-1], m), bias.dtype), bias], -1)
+    return k, v, kv_mask, mask, bias
+
+
 def init_score_arrays(
     key: PRNGKeyArray,
     *,
@@ -150,15 +202,21 @@ def init_score_arrays(
     d_v: int,
     sinks: str = "none",
     talking_heads: bool = False,
+    persistent_kv: int = 0,
 ) -> dict[str, Array]:
     """The learned arrays of the score options: the sink logits (zeros: the zero sink to
     start with) when `sinks` is "learned"; the talking-heads matrices P_l and P_w (the
-    identity: plain multi-head attention to start with) when `talking_heads`."""
-    del key, kv_heads, d_k, d_v
+    identity: plain multi-head attention to start with) when `talking_heads`; the
+    persistent keys ~ N(0, 1/d_k) and values ~ N(0, 1/m) (Sukhbaatar et al. 2019, section
+    4.1, as we read it) when `persistent_kv` = m > 0."""
     out = {}
     if sinks == "learned":
         out["sink_logits"] = jnp.zeros((heads,), jnp.float32)
     if talking_heads:
         out["talking_logits"] = jnp.eye(heads, dtype=jnp.float32)
         out["talking_weights"] = jnp.eye(heads, dtype=jnp.float32)
+    if persistent_kv:
+        kk, kv = jax.random.split(key)
+        out["persistent_k"] = jax.random.normal(kk, (persistent_kv, kv_heads, d_k)) / jnp.sqrt(d_k)
+        out["persistent_v"] = jax.random.normal(kv, (persistent_kv, kv_heads, d_v)) / jnp.sqrt(persistent_kv)
     return out

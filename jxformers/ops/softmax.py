@@ -50,6 +50,7 @@ from jxformers.ops._scores import (
     check_score_options,
     init_score_arrays,
     mix_heads,
+    prepend_persistent,
     sink_part,
     top_k_mask,
 )
@@ -93,6 +94,9 @@ def softmax_attention(
     talking_heads: bool = False,
     talking_logits: Float[ArrayLike, "heads heads"] | None = None,
     talking_weights: Float[ArrayLike, "heads heads"] | None = None,
+    persistent_kv: int = 0,
+    persistent_k: Float[ArrayLike, "m kv_heads d_k"] | None = None,
+    persistent_v: Float[ArrayLike, "m kv_heads d_v"] | None = None,
     impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Dense scaled dot-product attention (Vaswani et al., 2017), the reference op.
@@ -119,6 +123,9 @@ def softmax_attention(
         talking_heads: mix the heads' logits by `talking_logits [heads, heads]` before
             the softmax (after the cap, before masks and top-k) and their weights by
             `talking_weights [heads, heads]` after it (Shazeer et al. 2020).
+        persistent_kv: m > 0 joins `persistent_k [m, kv_heads, d_k]` and `persistent_v
+            [m, kv_heads, d_v]` in front of the keys and values, attended by every query
+            (unmasked, unbiased; Sukhbaatar et al. 2019's persistent memory).
         impl: one of `jxformers.kernels.IMPLS` (`jxformers.kernels.impl`):
             the flash-attention kernel (O(N) memory) takes calls without `mask`, score
             options and with no bias or an `Alibi` one; cuDNN bf16/fp16 calls without any
@@ -146,7 +153,19 @@ def softmax_attention(
         talking_heads=talking_heads,
         talking_logits=talking_logits,
         talking_weights=talking_weights,
+        persistent_kv=persistent_kv,
+        persistent_k=persistent_k,
+        persistent_v=persistent_v,
+        kv_heads=k.shape[1],
     )
+    if persistent_kv:
+        if isinstance(bias, Alibi):
+            check_alibi(bias, heads)
+            bias = bias.dense(q_len, kv_len)
+        k, v, kv_mask, mask, bias = prepend_persistent(
+            persistent_k, persistent_v, k, v, kv_mask=kv_mask, mask=mask, bias=bias
+        )
+        kv_len = k.shape[0]
     alibi = bias if isinstance(bias, Alibi) else None
     if alibi is not None:
         check_alibi(alibi, heads)
@@ -208,7 +227,7 @@ register(
     init_arrays=init_score_arrays,
     choices={"impl": IMPLS, "sinks": SINKS},
     docs={"impl": "one of jxformers.kernels.IMPLS (flash-attention kernel or cuDNN)", **SCORE_OPTION_DOCS},
-    limits={n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "top_k")},
+    limits={n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "top_k", "persistent_kv")},
     summary="`mask`, `kv_mask`, `bias`, causal (bottom-right) — the reference",
 )
 
@@ -225,6 +244,9 @@ def chunked_attention(
     softcap: float | None = None,
     sinks: str = "none",
     sink_logits: Float[ArrayLike, " heads"] | None = None,
+    persistent_kv: int = 0,
+    persistent_k: Float[ArrayLike, "m kv_heads d_k"] | None = None,
+    persistent_v: Float[ArrayLike, "m kv_heads d_v"] | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Exact attention in O(N * chunk) memory (Rabe & Staats, 2021).
 
@@ -241,8 +263,9 @@ def chunked_attention(
         causal: bottom-right causal mask, as `softmax_attention`.
         chunk_size: keys and queries per chunk (>= 1).
         scale: default `1 / sqrt(d_k)`.
-        softcap, sinks, sink_logits: as `softmax_attention` (a sink starts each row's
-            running sum; top-k needs the whole row and is the dense form's alone).
+        softcap, sinks, sink_logits, persistent_kv, persistent_k, persistent_v: as
+            `softmax_attention` (a sink starts each row's running sum; top-k and talking
+            heads need whole rows and every head, the dense form's alone).
 
     Returns:
         `[q_len, heads, d_v]`; rows with no visible key are zero.
@@ -256,7 +279,21 @@ def chunked_attention(
     q_len, heads, d_k = q.shape
     kv_len, kv_heads, d_v = v.shape
     check_mask_shape("kv_mask", kv_mask, (kv_len,))
-    check_score_options(heads, softcap=softcap, sinks=sinks, sink_logits=sink_logits)
+    check_score_options(
+        heads,
+        softcap=softcap,
+        sinks=sinks,
+        sink_logits=sink_logits,
+        persistent_kv=persistent_kv,
+        persistent_k=persistent_k,
+        persistent_v=persistent_v,
+        kv_heads=kv_heads,
+    )
+    if persistent_kv:
+        k, v, kv_mask, _, _ = prepend_persistent(
+            persistent_k, persistent_v, k, v, kv_mask=kv_mask, mask=None, bias=None
+        )
+        kv_len = k.shape[0]
     scale = default_scale(d_k, scale)
 
     qc = min(chunk_size, q_len)
@@ -313,9 +350,11 @@ def chunked_attention(
     return out.astype(out_dtype(q, k, v))
 
 
-def _chunked_arrays(key, *, heads: int, kv_heads: int, d_k: int, d_v: int, sinks: str = "none"):
-    """The chunked op's score arrays: a learned sink (it has no talking heads)."""
-    return init_score_arrays(key, heads=heads, kv_heads=kv_heads, d_k=d_k, d_v=d_v, sinks=sinks)
+def _chunked_arrays(key, *, heads: int, kv_heads: int, d_k: int, d_v: int, sinks: str = "none", persistent_kv: int = 0):
+    """The chunked op's option arrays: a learned sink, persistent memory (no talking heads)."""
+    return init_score_arrays(
+        key, heads=heads, kv_heads=kv_heads, d_k=d_k, d_v=d_v, sinks=sinks, persistent_kv=persistent_kv
+    )
 
 
 register(
@@ -328,7 +367,10 @@ register(
     decoder=kv_cache(softmax_attention, forward=SCORE_OPTIONS),
     init_arrays=_chunked_arrays,
     choices={"sinks": SINKS},
-    docs={"chunk_size": "queries and keys per chunk", **{n: SCORE_OPTION_DOCS[n] for n in ("softcap", "sinks")}},
+    docs={
+        "chunk_size": "queries and keys per chunk",
+        **{n: SCORE_OPTION_DOCS[n] for n in ("softcap", "sinks", "persistent_kv")},
+    },
     summary="same as softmax, online softmax over chunks (Rabe & Staats)",
-    limits={"chunk_size": 1, "softcap": SCORE_OPTION_LIMITS["softcap"]},
+    limits={"chunk_size": 1, **{n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "persistent_kv")}},
 )
