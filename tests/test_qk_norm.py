@@ -135,7 +135,13 @@ def test_the_config_round_trips_and_the_cross_attention_has_its_own():
         attention={"name": "softmax", "qk_norm": "layernorm", "softcap": 30.0},
         decoder={"num_layers": 1, "cross_attention": {"name": "softmax", "qk_norm": "l2"}},
     )
-    assert config.attention.to_value() == {"name": "softmax", "softcap": 30.0, "impl": "auto", "qk_norm": "layernorm"}
+    assert config.attention.to_value() == {
+        "name": "softmax",
+        "softcap": 30.0,
+        "impl": "auto",
+        "qk_norm": "layernorm",
+        "d_head": None,
+    }
     assert ModelConfig.from_dict(config.to_dict()) == config  # the YAML form keeps both
     model = build_model(config, key=jax.random.key(5))
     assert model.encoder.blocks[0].attention.qk_norm == "layernorm"
