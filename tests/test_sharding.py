@@ -165,7 +165,16 @@ def test_sharded_checkpoint_saved_as_4x2_on_8_devices_resumes_as_2x2_on_4_device
         "name": "ckpt",
         "data": {"task": "copy", "train_size": 64, "eval_size": 8, "settings": {"max_len": 12, "symbols": 4}},
         "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
-        "train": {"steps": 2, "batch_size": 8, "grad_accum": 2, "eval_every": 2, "eval_batches": 1, "log_every": 1},
+        # A set warm-up: the default one is cut to the run's steps, which this run raises from 2 to 4.
+        "train": {
+            "steps": 2,
+            "warmup_steps": 2,
+            "batch_size": 8,
+            "grad_accum": 2,
+            "eval_every": 2,
+            "eval_batches": 1,
+            "log_every": 1,
+        },
         "checkpoint": {"every": 2, "async_save": False},
     }
     run_script(
