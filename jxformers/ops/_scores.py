@@ -158,9 +158,10 @@ def sink_part(
     return [(logit, jnp.ones((h, g, q_len, 1), bool))]
 
 
-def mix_heads(x: Float[Array, "h g q k"], mixer: ArrayLike) -> Float[Array, "h g q k"]:
+def mix_heads(x: Float[Array, "h g q k"], mixer: ArrayLike | None) -> Float[Array, "h g q k"]:
     """Talking heads: head j of the result is sum_i x_i mixer[i, j], over the query
     heads (`[kv_heads, group, ...]` flattened in `group_heads`' order)."""
+    assert mixer is not None  # check_score_options said so
     h, g = x.shape[:2]
     flat = x.reshape(h * g, *x.shape[2:])
     mixed = jnp.einsum("iqk,ij->jqk", flat, jnp.asarray(mixer, jnp.float32))
@@ -168,8 +169,8 @@ def mix_heads(x: Float[Array, "h g q k"], mixer: ArrayLike) -> Float[Array, "h g
 
 
 def prepend_persistent(
-    persistent_k: ArrayLike,
-    persistent_v: ArrayLike,
+    persistent_k: ArrayLike | None,
+    persistent_v: ArrayLike | None,
     k: ArrayLike,
     v: ArrayLike,
     *,
@@ -180,6 +181,7 @@ def prepend_persistent(
     """(k, v, kv_mask, mask, bias) with the persistent vectors in front of the keys:
     real (kv_mask True), allowed to every query (mask True) and unbiased (bias 0). With
     the bottom-right causal alignment of the ops, they sit before every query."""
+    assert persistent_k is not None and persistent_v is not None  # check_score_options said so
     m = jnp.shape(persistent_k)[0]
     k = jnp.concatenate([jnp.asarray(persistent_k, jnp.result_type(k)), jnp.asarray(k)])
     v = jnp.concatenate([jnp.asarray(persistent_v, jnp.result_type(v)), jnp.asarray(v)])
