@@ -121,14 +121,21 @@ def table(rows, command) -> str:
         lines.append(
             f"| {n} | {label} | {ms:.2f} | {ratio:.2f} | {gflops:.2f} | {fratio:.3f} | {mib:.1f} | {mratio:.2f} |"
         )
+    longest = max(r[0] for r in rows)
+    last = [r for r in rows if r[0] == longest and r[1] != "plain"]
+    slow = max(last, key=lambda r: r[3])
+    big = max(last, key=lambda r: r[7])
+    flops = max(last, key=lambda r: r[5])
     lines += [
         "",
-        "What the table says: the score options add elementwise work over the N^2 logits "
-        "(FLOPs within a few percent of plain); top-k also sorts each row (`lax.top_k`), "
-        "the costliest of them on a CPU; the sinks add one softmax column; QK-norm works on "
-        "the N d queries and keys only. Each runs through the XLA softmax, never the flash "
-        "kernel (which computes plain softmax), so on a GPU an option also gives up the "
-        "kernel's O(N) memory: that loss is the temp column's.",
+        f"At N = {longest}: the slowest option is {slow[1]} ({slow[3]:.2f}x plain's step), the most "
+        f"memory {big[1]} ({big[7]:.2f}x plain's temporaries), the most FLOPs {flops[1]} "
+        f"({flops[5]:.3f}x). Every option adds O(N^2) elementwise work to the 4 N^2 d matmul FLOPs "
+        "per head (QK-norm only O(N d)), so the FLOP ratios stay near 1 and what an option costs is "
+        "time and memory over the N^2 logits: a row sort for top-k (`lax.top_k`), the tanh kept for "
+        "the backward pass for the cap, a second [heads, N, N] mixing each way for talking heads. "
+        "Each runs through the XLA softmax, never the flash kernel (which computes plain softmax): "
+        "on a GPU an option also gives up the kernel's O(N) memory.",
     ]
     return "\n".join(lines) + "\n"
 
