@@ -377,6 +377,21 @@ def decode_all(model, x):
     return run_all(model, x)
 
 
+def decode_op(bound, q, k, v, arrays):
+    """A bound attention's causal decoding, token by token (jitted scan): `[n, heads, d_v]`."""
+
+    @jax.jit
+    def run_all(q, k, v, arrays):
+        def step(state, qkv):
+            out, state = bound.decode_step(*qkv, state, arrays=arrays)
+            return state, out
+
+        state = bound.init_state(max_len=q.shape[0], kv_heads=k.shape[1], d_k=k.shape[2], d_v=v.shape[2], arrays=arrays)
+        return jax.lax.scan(step, state, (q, k, v))[1]
+
+    return run_all(q, k, v, arrays)
+
+
 class ModelSuite(_Parametrized):
     """Each attention inside tiny models: an encoder classifier (forward, grad, padding)
     and, when causal, a language model (causality, training gradients, decoding)."""

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from suites import decode_all
 
 from jxformers.nn import Attention, ModelConfig, build_model
 
@@ -52,12 +53,7 @@ def test_a_config_sets_the_head_size_and_the_model_decodes():
     assert [b.attention.d_head for b in model.blocks] == [12, 8]  # the override has its own (default) size
     tokens = jnp.arange(12) % 13
     logits = model(tokens)
-    state = model.init_decode_state(12)
-    rows = []
-    for t in range(12):
-        row, state = model.decode_step(tokens[t], state)
-        rows.append(row)
-    np.testing.assert_allclose(np.asarray(jnp.stack(rows)), np.asarray(logits), atol=2e-4)
+    np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(logits), atol=2e-4)
 
 
 def test_bad_head_sizes_are_refused_at_config_time():

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from suites import decode_all
 
 from jxformers.nn import Attention, ModelConfig, build_model, trainable
 
@@ -98,12 +99,7 @@ def test_a_language_model_with_qk_norm_decodes_like_its_parallel_forward(qk_norm
     tokens = jnp.arange(12) % 19
     logits = model(tokens)
     assert bool(jnp.all(jnp.isfinite(logits)))
-    state = model.init_decode_state(12)
-    rows = []
-    for t in range(12):
-        row, state = model.decode_step(tokens[t], state)
-        rows.append(row)
-    np.testing.assert_allclose(np.asarray(jnp.stack(rows)), np.asarray(logits), atol=2e-4)
+    np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(logits), atol=2e-4)
     grads = eqx.filter_grad(lambda m: m(tokens).sum())(model)
     learned = grads.blocks[0].attention.qk_scale if qk_norm == "l2" else grads.blocks[0].attention.q_norm.weight
     assert float(jnp.abs(learned).sum()) > 0

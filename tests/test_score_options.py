@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from suites import decode_all, decode_op
 
 from jxformers import ops, registry
 from jxformers.nn import ModelConfig, build_model
@@ -141,12 +142,7 @@ def test_decoding_with_options_equals_the_causal_forward(name, hp):
     arrays = bound.init_arrays(jax.random.key(0), heads=HEADS, kv_heads=KV_HEADS, d_k=D, d_v=D)
     arrays = {"sink_logits": jnp.array([-1.0, 0.5, 2.0, 0.0])} if "sink_logits" in arrays else arrays
     parallel = bound(q, k, v, arrays=arrays, causal=True)
-    state = bound.init_state(max_len=n, kv_heads=KV_HEADS, d_k=D, d_v=D, arrays=arrays)
-    rows = []
-    for t in range(n):
-        out, state = bound.decode_step(q[t], k[t], v[t], state, arrays=arrays)
-        rows.append(out)
-    close(jnp.stack(rows), np.asarray(parallel), atol=2e-5)
+    close(decode_op(bound, q, k, v, arrays), np.asarray(parallel), atol=2e-5)
     top_k = hp.get("top_k")
     sink = np.asarray(arrays["sink_logits"])
     close(parallel, reference(q, k, v, causal=True, softcap=2.0, top_k=top_k, sink=sink))
@@ -191,12 +187,7 @@ def test_a_model_config_names_the_options_and_learns_the_sinks():
     assert trainable(model).blocks[0].attention.arrays["sink_logits"] is True
     tokens = jnp.arange(12) % 17
     logits = model(tokens)
-    state = model.init_decode_state(12)
-    rows = []
-    for t in range(12):
-        row, state = model.decode_step(tokens[t], state)
-        rows.append(row)
-    np.testing.assert_allclose(np.asarray(jnp.stack(rows)), np.asarray(logits), atol=2e-4)
+    np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(logits), atol=2e-4)
 
 
 def talking_reference(q, k, v, p_l, p_w, *, causal=False, kv_mask=None):
@@ -249,12 +240,7 @@ def test_talking_heads_decode_learn_and_are_refused_where_they_cannot_apply():
     n = 9
     q, k, v = qkv(10, n)
     parallel = bound(q, k, v, arrays=arrays, causal=True)
-    state = bound.init_state(max_len=n, kv_heads=KV_HEADS, d_k=D, d_v=D, arrays=arrays)
-    rows = []
-    for t in range(n):
-        out, state = bound.decode_step(q[t], k[t], v[t], state, arrays=arrays)
-        rows.append(out)
-    close(jnp.stack(rows), np.asarray(parallel), atol=5e-5)
+    close(decode_op(bound, q, k, v, arrays), np.asarray(parallel), atol=5e-5)
     grads = jax.grad(lambda a: bound(q, k, v, arrays=a, causal=True).sum())(arrays)
     assert all(float(jnp.abs(g).sum()) > 0 for g in grads.values())
     with pytest.raises(ValueError, match="talking_heads is taken by softmax"):
@@ -313,12 +299,7 @@ def test_persistent_memory_decodes_learns_and_reaches_a_model():
     n = 8
     q, k, v = qkv(14, n)
     parallel = bound(q, k, v, arrays=arrays, causal=True)
-    state = bound.init_state(max_len=n, kv_heads=KV_HEADS, d_k=D, d_v=D, arrays=arrays)
-    rows = []
-    for t in range(n):
-        out, state = bound.decode_step(q[t], k[t], v[t], state, arrays=arrays)
-        rows.append(out)
-    close(jnp.stack(rows), np.asarray(parallel), atol=5e-5)
+    close(decode_op(bound, q, k, v, arrays), np.asarray(parallel), atol=5e-5)
     grads = jax.grad(lambda a: bound(q, k, v, arrays=a, causal=True).sum())(arrays)
     assert all(float(jnp.abs(g).sum()) > 0 for g in grads.values())
     with pytest.raises(ValueError, match=r"persistent_kv=2 needs persistent_k of shape \(2, 2, d\)"):
@@ -339,9 +320,4 @@ def test_persistent_memory_decodes_learns_and_reaches_a_model():
     )
     tokens = jnp.arange(8) % 11
     logits = model(tokens)
-    state = model.init_decode_state(8)
-    rows = []
-    for t in range(8):
-        row, state = model.decode_step(tokens[t], state)
-        rows.append(row)
-    np.testing.assert_allclose(np.asarray(jnp.stack(rows)), np.asarray(logits), atol=2e-4)
+    np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(logits), atol=2e-4)
