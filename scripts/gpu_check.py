@@ -209,9 +209,7 @@ def check_training(steps: int = 8) -> int:
                 d_model=128,
                 num_heads=4,
                 max_len=512,
-                attention=name,
-                attention_kwargs=hp,
-                impl=impl,
+                attention={"name": name, "impl": impl, **hp},
                 dtype="bfloat16",
             )
             model = build_model(config, key=jax.random.PRNGKey(1))
