@@ -24,6 +24,24 @@ def test_produced_adds_in_call_order_and_prefixes_paths():
     assert nn.produced.total([a, b]).moe == (a + b).moe
 
 
+def test_layer_losses_are_named_by_their_layer_and_summed_only_at_one_layer():
+    """A module makes its loss under the loss name; each caller's `under` adds where it
+    sits, so two layers' losses stay apart and one layer called twice sums its own."""
+    from jxformers.nn.produced import layer_path, loss_name
+
+    made = Produced(layer_losses={"span_loss": jnp.ones(())})
+    block = made.under("attention")
+    assert set(block.layer_losses) == {"span_loss/attention"}
+    two = block.under("blocks", 0) + block.under("blocks", 1) + block.under("blocks", 1)
+    assert {k: float(v) for k, v in two.layer_losses.items()} == {
+        "span_loss/blocks.0.attention": 1.0,
+        "span_loss/blocks.1.attention": 2.0,
+    }
+    assert loss_name("span_loss/blocks.0.attention") == "span_loss"
+    assert layer_path("span_loss/blocks.0.attention") == "blocks.0.attention"
+    assert layer_path("span_loss") == ""
+
+
 def test_a_module_called_twice_is_updated_once_from_both_calls():
     """A dual-tower model runs one encoder on both inputs: each routing module returns
     two sets of inputs with the same path, and its centroids move once, from both."""

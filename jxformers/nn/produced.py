@@ -9,12 +9,17 @@ children's `Produced` together (in call order) and the train step reads the tota
     produced.moe                # per MoE layer call: its aux dict (`jxformers.nn.moe`)
     produced.attention_inputs   # per call of an attention whose core updates arrays
     produced.losses             # named auxiliary losses (the Compressive Transformer's)
+    produced.layer_losses       # a layer's auxiliary losses, named by loss and the layer's path
     produced.memory             # a recurrent model's memory after the segment
 
 The attention inputs carry the path of the module that made them (attribute names and
 tuple indices from the model's root), so the step updates that very module's arrays
 (`jxformers.nn.update_arrays`), once from all its calls when a module is called more
-than once (a dual-tower model).
+than once (a dual-tower model). A layer's own auxiliary losses (adaptive span's, the
+heads' disagreement) are named the same way: a module makes `{"span_loss": x}` and each
+caller's `under` adds where it sits, so a model's forward returns
+`{"span_loss/blocks.0.attention": x0, "span_loss/blocks.1.attention": x1, ...}` and the
+train step adds them all to the objective and logs each (`loss_name`, `layer_path`).
 """
 
 from __future__ import annotations
@@ -51,33 +56,61 @@ class Produced(eqx.Module):
         moe: per MoE layer call, in call order, its aux dict (losses, load, drops).
         attention_inputs: per call of an attention that updates arrays (`AttentionInputs`).
         losses: named auxiliary losses the objective adds (already weighted).
+        layer_losses: a layer's auxiliary losses the objective adds (already weighted),
+            keyed "<loss>/<path of the layer>" ("span_loss/blocks.0.attention"); a module
+            makes them under the loss name alone and its callers' `under` add the path.
         memory: the memory a recurrent model carries to its next segment (None without).
     """
 
     moe: tuple[dict[str, Array], ...] = ()
     attention_inputs: tuple[AttentionInputs, ...] = ()
     losses: dict[str, Array] = eqx.field(default_factory=dict)
+    layer_losses: dict[str, Array] = eqx.field(default_factory=dict)
     memory: Any = None
 
     def __add__(self, other: Produced) -> Produced:
         """Both, in call order (self's first); a loss made by both is summed, and the
         later memory is kept."""
-        losses = dict(self.losses)
-        for name, value in other.losses.items():
-            losses[name] = losses[name] + value if name in losses else value
         return Produced(
             moe=self.moe + other.moe,
             attention_inputs=self.attention_inputs + other.attention_inputs,
-            losses=losses,
+            losses=_summed(self.losses, other.losses),
+            layer_losses=_summed(self.layer_losses, other.layer_losses),
             memory=self.memory if other.memory is None else other.memory,
         )
 
     def under(self, *path: str | int) -> Produced:
         """The same, made by a child that sits at `path` in its caller."""
-        if not self.attention_inputs:
+        if not self.attention_inputs and not self.layer_losses:
             return self
         moved = tuple(AttentionInputs(a.q, a.k, a.kv_mask, (*path, *a.path)) for a in self.attention_inputs)
-        return Produced(moe=self.moe, attention_inputs=moved, losses=self.losses, memory=self.memory)
+        layer_losses = {_moved(name, path): v for name, v in self.layer_losses.items()}
+        return Produced(
+            moe=self.moe, attention_inputs=moved, losses=self.losses, layer_losses=layer_losses, memory=self.memory
+        )
+
+
+def loss_name(key: str) -> str:
+    """The loss of a `layer_losses` key ("span_loss/blocks.0.attention" -> "span_loss")."""
+    return key.split("/", 1)[0]
+
+
+def layer_path(key: str) -> str:
+    """The layer's path of a `layer_losses` key ("blocks.0.attention"; "" at the module)."""
+    return key.split("/", 1)[1] if "/" in key else ""
+
+
+def _moved(key: str, path: Path) -> str:
+    inner = layer_path(key)
+    return f"{loss_name(key)}/{'.'.join(map(str, (*path, *([inner] if inner else []))))}"
+
+
+def _summed(a: dict[str, Array], b: dict[str, Array]) -> dict[str, Array]:
+    """Both dicts' entries, a name in both summed."""
+    out = dict(a)
+    for name, value in b.items():
+        out[name] = out[name] + value if name in out else value
+    return out
 
 
 def total(parts) -> Produced:

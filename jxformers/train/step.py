@@ -9,7 +9,8 @@ logits as a value (`jxformers.nn.Produced`); the step threads each part explicit
 
 - the MoE layers' auxiliary losses are added to the objective and their load, drops and
   entropy logged (`moe{j}/...` metrics);
-- named losses (the Compressive Transformer's attention reconstruction) are added to the
+- named losses (the Compressive Transformer's attention reconstruction) and per-layer
+  losses (adaptive span's) are added to the
   objective and logged under their names;
 - the k-means inputs of Routing and Cluster-Former attention (`spec.update_arrays`)
   move those modules' drawn centroids outside the gradient (`nn.update_arrays`, not
@@ -59,6 +60,7 @@ def _over_batch(produced: Produced, axis: int = 0) -> Produced:
         moe=tuple(reduce_aux(a, axis) for a in produced.moe),
         attention_inputs=produced.attention_inputs,
         losses={name: v.mean(axis) for name, v in produced.losses.items()},
+        layer_losses={name: v.mean(axis) for name, v in produced.layer_losses.items()},
         memory=produced.memory,
     )
 
@@ -96,7 +98,8 @@ def loss_and_metrics(
     count = jnp.maximum(weights.sum(), 1.0)
     correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
     total = (losses * weights).sum()
-    objective = total / count + aux_loss(produced.moe) + sum(produced.losses.values(), jnp.zeros((), jnp.float32))
+    named = (*produced.losses.values(), *produced.layer_losses.values())
+    objective = total / count + aux_loss(produced.moe) + sum(named, jnp.zeros((), jnp.float32))
     return objective, LossAux((total, correct, weights.sum()), produced)
 
 
@@ -141,6 +144,7 @@ def make_train_step(
                 moe=produced.moe,
                 attention_inputs=jax.tree.map(rows, produced.attention_inputs),
                 losses=produced.losses,
+                layer_losses=produced.layer_losses,
                 memory=jax.tree.map(rows, produced.memory),
             )
             loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
@@ -156,6 +160,7 @@ def make_train_step(
             "finite": finite,
             **layer_metrics(produced.moe),
             **produced.losses,
+            **produced.layer_losses,
         }
         drawn = state.drawn
         if updating:  # state moved outside the gradient (k-means centroids)
