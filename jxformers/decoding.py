@@ -116,7 +116,11 @@ def full_cache_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dt
 
 
 def _cache(
-    kind: str, attend: Attend, slots: Callable[[HyperParameters, int], int], forward: tuple[str, ...] = ()
+    kind: str,
+    attend: Attend,
+    slots: Callable[[HyperParameters, int], int],
+    forward: tuple[str, ...] = (),
+    positions: bool = False,
 ) -> Decoder:
     def init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -> KVCache:
         return _empty_cache(slots(hyper_parameters, max_len), kv_heads, d_k, d_v, dtype)
@@ -125,17 +129,21 @@ def _cache(
         state = cache_append(state, k, v)
         bias = None if bias_fn is None else bias_fn(state.length[None] - 1, jnp.maximum(state.slot_pos, 0))
         passed = {n: x for n, x in (*hyper_parameters.items(), *arrays.items()) if n in forward}
+        if positions:  # the step's position and the slots' (a slot not yet written: masked)
+            passed |= {"query_positions": state.length[None] - 1, "key_positions": jnp.maximum(state.slot_pos, 0)}
         out = attend(q[None], state.k, state.v, kv_mask=state.slot_pos >= 0, bias=bias, **passed)[0]
         return out.astype(q.dtype), state
 
     return Decoder(kind, init, step)
 
 
-def kv_cache(attend: Attend, forward: tuple[str, ...] = ()) -> Decoder:
+def kv_cache(attend: Attend, forward: tuple[str, ...] = (), positions: bool = False) -> Decoder:
     """Cache every key and value (`max_len` slots); each step runs `attend` (an exact
     softmax attention taking `kv_mask` and `bias`) over the cache, passing it the op's
-    hyper-parameters and arrays named in `forward` (the score options: softcap, sinks)."""
-    return _cache("cache", attend, lambda hp, max_len: max_len, forward)
+    hyper-parameters and arrays named in `forward` (the score options: softcap, sinks)
+    and, with `positions`, the step's `query_positions` and the slots' `key_positions`
+    (for an op whose weights depend on distance: the attention priors)."""
+    return _cache("cache", attend, lambda hp, max_len: max_len, forward, positions)
 
 
 def ring_buffer(attend: Attend, slots: Callable[[HyperParameters], int]) -> Decoder:

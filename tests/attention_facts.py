@@ -66,7 +66,13 @@ FACTS: dict[str, Facts] = {
         variants=({}, {"softcap": 2.0, "sinks": "learned"}), mask=masks.softmax, growth=Growth("quadratic")
     ),
     "chunked": Facts(
-        variants=({"chunk_size": 8}, {"chunk_size": 8, "softcap": 2.0, "sinks": "zero"}),
+        # The priors ride along too (tests/test_priors.py checks their formulas): at 37
+        # tokens the span's reach (6 + 2) lets each query chunk skip key chunks.
+        variants=(
+            {"chunk_size": 8},
+            {"chunk_size": 8, "softcap": 2.0, "sinks": "zero"},
+            {"chunk_size": 8, "localness": True, "gaussian_prior": True, "adaptive_span": 6, "span_ramp": 2},
+        ),
         mask=masks.softmax,
         errors=(({"chunk_size": 0}, "chunk_size"),),
     ),  # a scan over chunks: no FLOP count (see Growth); tests/test_complexity.py checks its memory
@@ -222,6 +228,11 @@ FACTS: dict[str, Facts] = {
             ({"pooling": "conv"}, "pooling"),
         ),
         growth=Growth("linear", lambda n: {"window": 16, "pool_window": 64, "pool_size": 5, "pool_stride": 4}),
+    ),
+    "hard_gaussian": Facts(
+        variants=({}, {"offsets": (-1, 0, 2), "std": 2.0}),
+        errors=(({"std": 0.0}, "std"), ({"offsets": ()}, "offsets")),
+        growth=Growth("quadratic"),
     ),
     "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
     "image_local_2d": Facts(

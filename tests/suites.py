@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import jxformers
 from jxformers import ModelConfig, build_model, registry
 from jxformers.ops import softmax_attention
+from jxformers.ops._priors import PRIOR_OPTIONS
 from jxformers.ops._scores import SCORE_OPTIONS
 from jxformers.xla_cost import compile_with_cost
 
@@ -74,9 +75,9 @@ def causal_modes(name):
 
 
 def score_options(hyper_parameters, arrays) -> dict:
-    """The score options (`jxformers.ops._scores`) an exact attention's variant uses,
-    for its softmax reference."""
-    return {n: x for n, x in (*hyper_parameters.items(), *arrays.items()) if n in SCORE_OPTIONS}
+    """The score options and priors (`jxformers.ops._scores`, `_priors`) an exact
+    attention's variant uses, for its softmax reference."""
+    return {n: x for n, x in (*hyper_parameters.items(), *arrays.items()) if n in SCORE_OPTIONS + PRIOR_OPTIONS}
 
 
 def first_variant(name):

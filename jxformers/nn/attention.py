@@ -34,6 +34,7 @@ from jxformers.kernels.alibi import Alibi
 from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import rotary
 from jxformers.nn.produced import AttentionInputs, Produced
+from jxformers.ops._priors import SPAN_LOSS_WEIGHT, span_loss
 
 # How queries and keys are normalised before the core (see `Attention`).
 QK_NORMS = ("none", "l2", "layernorm")
@@ -234,7 +235,8 @@ class Attention(eqx.Module):
         Returns:
             `([seq, d_model], Produced)`: in training (not `inference`), a core that
             updates arrays (`spec.updates_arrays`) adds its q, k and kv_mask
-            (`Produced.attention_inputs`); otherwise the `Produced` is empty.
+            (`Produced.attention_inputs`) and a core with an adaptive span its span loss
+            (`Produced.layer_losses["span_loss"]`); otherwise the `Produced` is empty.
         """
         if (context is None) == self.cross:
             raise ValueError("cross-attention needs a context" if self.cross else "self-attention takes no context")
@@ -256,7 +258,19 @@ class Attention(eqx.Module):
             produced = Produced()
             if self.core.spec.updates_arrays and not inference:
                 produced = Produced(attention_inputs=(AttentionInputs(q, k, kv_mask),))
+            if not inference:
+                produced = produced + self._span_loss()
             return self._out(out, x), produced
+
+    def _span_loss(self) -> Produced:
+        """Adaptive span's L1 loss on this layer's spans (Sukhbaatar et al. 2019), when its
+        core has one: `{"span_loss": lambda * mean_h z_h}` in `Produced.layer_losses`."""
+        hp = self.core.hyper_parameters
+        span = hp.get("adaptive_span")
+        if span is None:
+            return Produced()
+        weight = hp.get("span_loss_weight", SPAN_LOSS_WEIGHT)
+        return Produced(layer_losses={"span_loss": span_loss(self.arrays["span_z"], span, weight)})
 
     # ------------------------------------------------------------------ decoding
 

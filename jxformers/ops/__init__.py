@@ -27,6 +27,8 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     entmax.py      adaptive_sparse_attention and its normalisers (entmax, sparsemax)
     local_lowrank.py  long_short_attention (Long-Short Transformer: window + dynamic projection)
     local_pooling.py  poolingformer_attention (window, then pooled keys of a larger window)
+    prior_only.py  hard_gaussian_attention (weights by position alone; the logit priors
+                   are score options of softmax.py, helpers in jxformers.ops._priors)
 """
 
 # The order below is the registry's order (and `jxformers list`'s, and the README table's).
@@ -46,6 +48,7 @@ from jxformers.ops import global_local as _global_local
 from jxformers.ops import entmax as _entmax
 from jxformers.ops import local_lowrank as _local_lowrank
 from jxformers.ops import local_pooling as _local_pooling
+from jxformers.ops import prior_only as _prior_only
 from jxformers.ops.softmax import *  # noqa: F403
 from jxformers.ops.local import *  # noqa: F403
 from jxformers.ops.sparse import *  # noqa: F403
@@ -60,6 +63,7 @@ from jxformers.ops.global_local import *  # noqa: F403
 from jxformers.ops.entmax import *  # noqa: F403
 from jxformers.ops.local_lowrank import *  # noqa: F403
 from jxformers.ops.local_pooling import *  # noqa: F403
+from jxformers.ops.prior_only import *  # noqa: F403
 # isort: on
 
 __all__ = []
@@ -77,3 +81,4 @@ __all__ += _global_local.__all__
 __all__ += _entmax.__all__
 __all__ += _local_lowrank.__all__
 __all__ += _local_pooling.__all__
+__all__ += _prior_only.__all__

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
@@ -40,6 +40,18 @@ from jxformers.ops._common import (
     valid_keys,
     weighted_values,
     zero_padded,
+)
+from jxformers.ops._priors import (
+    PRIOR_DOCS,
+    PRIOR_LIMITS,
+    PRIOR_OPTIONS,
+    SPAN_LOSS_WEIGHT,
+    Priors,
+    check_priors,
+    default_positions,
+    init_prior_arrays,
+    prior_terms,
+    reach,
 )
 from jxformers.ops._scores import (
     SCORE_OPTION_DOCS,
@@ -97,6 +109,20 @@ def softmax_attention(
     persistent_kv: int = 0,
     persistent_k: Float[ArrayLike, "m kv_heads d_k"] | None = None,
     persistent_v: Float[ArrayLike, "m kv_heads d_v"] | None = None,
+    localness: bool = False,
+    localness_w: Float[ArrayLike, "d_k d_k"] | None = None,
+    localness_up: Float[ArrayLike, " d_k"] | None = None,
+    localness_ud: Float[ArrayLike, " d_k"] | None = None,
+    gaussian_prior: bool = False,
+    gaussian_w: Float[Array, ""] | None = None,
+    gaussian_b: Float[Array, ""] | None = None,
+    adaptive_span: int | None = None,
+    span_ramp: int = 32,
+    span_z: Float[ArrayLike, " heads"] | None = None,
+    span_loss_weight: float = SPAN_LOSS_WEIGHT,
+    head_windows: tuple[int, ...] | None = None,
+    query_positions: Int[ArrayLike, " _q_len"] | None = None,
+    key_positions: Int[ArrayLike, " _kv_len"] | None = None,
     impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Dense scaled dot-product attention (Vaswani et al., 2017), the reference op.
@@ -126,6 +152,14 @@ def softmax_attention(
         persistent_kv: m > 0 joins `persistent_k [m, kv_heads, d_k]` and `persistent_v
             [m, kv_heads, d_v]` in front of the keys and values, attended by every query
             (unmasked, unbiased; Sukhbaatar et al. 2019's persistent memory).
+        localness, gaussian_prior, adaptive_span, span_ramp, head_windows (and their
+            arrays): the attention priors of `jxformers.ops._priors` (Yang et al. 2018's
+            predicted local window, Guo et al. 2019's Gaussian, Sukhbaatar et al. 2019's
+            adaptive span, Guo et al. 2020's per-head windows). `span_loss_weight` is
+            read by the module around the op (`nn.Attention` adds the span loss).
+        query_positions, key_positions: the positions the priors measure distance by
+            (default: bottom-right aligned indices; the kv-cache decoder passes the
+            step's and the slots').
         impl: one of `jxformers.kernels.IMPLS` (`jxformers.kernels.impl`):
             the flash-attention kernel (O(N) memory) takes calls without `mask`, score
             options and with no bias or an `Alibi` one; cuDNN bf16/fp16 calls without any
@@ -158,6 +192,28 @@ def softmax_attention(
         persistent_v=persistent_v,
         kv_heads=k.shape[1],
     )
+    priors = Priors(
+        localness=localness,
+        localness_w=localness_w,
+        localness_up=localness_up,
+        localness_ud=localness_ud,
+        gaussian_prior=gaussian_prior,
+        gaussian_w=gaussian_w,
+        gaussian_b=gaussian_b,
+        adaptive_span=adaptive_span,
+        span_ramp=span_ramp,
+        span_z=span_z,
+        head_windows=head_windows,
+    )
+    prior_names = check_priors(heads, d_k, priors)
+    options = options + prior_names
+    prior = None
+    if prior_names:  # measured on the keys before any persistent ones join them
+        q_pos, k_pos = default_positions(q_len, kv_len)
+        q_pos = q_pos if query_positions is None else jnp.asarray(query_positions)
+        k_pos = k_pos if key_positions is None else jnp.asarray(key_positions)
+        visible = _allowed(q_len, kv_len, mask, kv_mask, causal).sum(-1)
+        prior = prior_terms(group_heads(q, k.shape[1]), q_pos, k_pos, visible, causal=causal, p=priors)
     if persistent_kv:
         if isinstance(bias, Alibi):
             check_alibi(bias, heads)
@@ -166,6 +222,8 @@ def softmax_attention(
             persistent_k, persistent_v, k, v, kv_mask=kv_mask, mask=mask, bias=bias
         )
         kv_len = k.shape[0]
+        if prior is not None:  # the persistent keys: unbiased, unmasked
+            prior = _persistent_free(prior, persistent_kv)
     alibi = bias if isinstance(bias, Alibi) else None
     if alibi is not None:
         check_alibi(alibi, heads)
@@ -188,14 +246,7 @@ def softmax_attention(
         raise ValueError(f"bias must have shape {(q_len, kv_len)} or {(heads, q_len, kv_len)}; got {tuple(bias.shape)}")
     scale = default_scale(d_k, scale)
 
-    full = jnp.ones((q_len, kv_len), bool)
-    if mask is not None:
-        full = full & mask
-    if kv_mask is not None:
-        full = full & kv_mask[None, :]
-    if causal:
-        full = full & causal_mask(q_len, kv_len)
-
+    full = _allowed(q_len, kv_len, mask, kv_mask, causal)
     kv_heads = k.shape[1]
     qg = group_heads(q, kv_heads)
     s = logits(qg, k, scale)  # [h, g, q, k]
@@ -203,10 +254,17 @@ def softmax_attention(
         b = bias.astype(jnp.float32)
         b = b.reshape(1, 1, q_len, kv_len) if b.ndim == 2 else b.reshape(kv_heads, heads // kv_heads, q_len, kv_len)
         s = s + b
+    if prior is not None and prior.bias is not None:
+        s = s + prior.bias
     if talking_heads:  # Shazeer et al.: L = J P_l before the softmax
         s = mix_heads(s, talking_logits)
     s = capped(s, softcap)
     allowed = head_mask(full)
+    if prior is not None:  # adaptive span's m multiplies exp(s): log m joins after the cap
+        if prior.log_mask is not None:
+            s = s + prior.log_mask
+        if prior.allowed is not None:
+            allowed = allowed & prior.allowed
     if top_k is not None:
         allowed = allowed & top_k_mask(s, allowed, top_k)
     p = softmax_parts([(s, allowed), *sink_part(sinks, sink_logits, s.shape)])[0]
@@ -216,6 +274,61 @@ def softmax_attention(
     return out.reshape(q_len, heads, v.shape[2]).astype(out_dtype(q, k, v))
 
 
+def _allowed(q_len: int, kv_len: int, mask, kv_mask, causal: bool) -> Bool[Array, "q_len kv_len"]:
+    """Where query i may attend key j: `mask`, `kv_mask` and the causal band together."""
+    full = jnp.ones((q_len, kv_len), bool)
+    if mask is not None:
+        full = full & mask
+    if kv_mask is not None:
+        full = full & kv_mask[None, :]
+    if causal:
+        full = full & causal_mask(q_len, kv_len)
+    return full
+
+
+def _persistent_free(prior, m: int):
+    """The prior's terms with m persistent keys in front: no bias, no mask there."""
+
+    def pad(x, value):
+        return None if x is None else jnp.pad(x, [(0, 0)] * 3 + [(m, 0)], constant_values=value)
+
+    return prior._replace(
+        bias=pad(prior.bias, 0.0), log_mask=pad(prior.log_mask, 0.0), allowed=pad(prior.allowed, True)
+    )
+
+
+def _softmax_arrays(
+    key,
+    *,
+    heads: int,
+    kv_heads: int,
+    d_k: int,
+    d_v: int,
+    sinks: str = "none",
+    talking_heads: bool = False,
+    persistent_kv: int = 0,
+    localness: bool = False,
+    gaussian_prior: bool = False,
+    adaptive_span: int | None = None,
+):
+    """The dense op's option arrays: the score options' and the priors'."""
+    ks, kp = jax.random.split(key)
+    score = init_score_arrays(
+        ks,
+        heads=heads,
+        kv_heads=kv_heads,
+        d_k=d_k,
+        d_v=d_v,
+        sinks=sinks,
+        talking_heads=talking_heads,
+        persistent_kv=persistent_kv,
+    )
+    prior = init_prior_arrays(
+        kp, heads=heads, d_k=d_k, localness=localness, gaussian_prior=gaussian_prior, adaptive_span=adaptive_span
+    )
+    return score | prior
+
+
 register(
     "softmax",
     softmax_attention,
@@ -223,11 +336,15 @@ register(
     paper="Vaswani et al. 2017",
     complexity="O(N^2)",
     supports_cross=True,
-    decoder=kv_cache(softmax_attention, forward=SCORE_OPTIONS),
-    init_arrays=init_score_arrays,
+    decoder=kv_cache(softmax_attention, forward=SCORE_OPTIONS + PRIOR_OPTIONS, positions=True),
+    init_arrays=_softmax_arrays,
     choices={"impl": IMPLS, "sinks": SINKS},
-    docs={"impl": "one of jxformers.kernels.IMPLS (flash-attention kernel or cuDNN)", **SCORE_OPTION_DOCS},
-    limits={n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "top_k", "persistent_kv")},
+    docs={
+        "impl": "one of jxformers.kernels.IMPLS (flash-attention kernel or cuDNN)",
+        **SCORE_OPTION_DOCS,
+        **PRIOR_DOCS,
+    },
+    limits={**{n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "top_k", "persistent_kv")}, **PRIOR_LIMITS},
     summary="`mask`, `kv_mask`, `bias`, causal (bottom-right) — the reference",
 )
 
@@ -247,6 +364,18 @@ def chunked_attention(
     persistent_kv: int = 0,
     persistent_k: Float[ArrayLike, "m kv_heads d_k"] | None = None,
     persistent_v: Float[ArrayLike, "m kv_heads d_v"] | None = None,
+    localness: bool = False,
+    localness_w: Float[ArrayLike, "d_k d_k"] | None = None,
+    localness_up: Float[ArrayLike, " d_k"] | None = None,
+    localness_ud: Float[ArrayLike, " d_k"] | None = None,
+    gaussian_prior: bool = False,
+    gaussian_w: Float[Array, ""] | None = None,
+    gaussian_b: Float[Array, ""] | None = None,
+    adaptive_span: int | None = None,
+    span_ramp: int = 32,
+    span_z: Float[ArrayLike, " heads"] | None = None,
+    span_loss_weight: float = SPAN_LOSS_WEIGHT,
+    head_windows: tuple[int, ...] | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Exact attention in O(N * chunk) memory (Rabe & Staats, 2021).
 
@@ -266,6 +395,11 @@ def chunked_attention(
         softcap, sinks, sink_logits, persistent_kv, persistent_k, persistent_v: as
             `softmax_attention` (a sink starts each row's running sum; top-k and talking
             heads need whole rows and every head, the dense form's alone).
+        localness, gaussian_prior, adaptive_span, span_ramp, span_loss_weight,
+            head_windows (and their arrays): the priors, as `softmax_attention` (not with
+            persistent_kv here). With adaptive span, or windows on every head, each query
+            chunk visits only the key chunks within reach (S + R, or the widest window):
+            the compute shrinks with the span.
 
     Returns:
         `[q_len, heads, d_v]`; rows with no visible key are zero.
@@ -289,6 +423,25 @@ def chunked_attention(
         persistent_v=persistent_v,
         kv_heads=kv_heads,
     )
+    priors = Priors(
+        localness=localness,
+        localness_w=localness_w,
+        localness_up=localness_up,
+        localness_ud=localness_ud,
+        gaussian_prior=gaussian_prior,
+        gaussian_w=gaussian_w,
+        gaussian_b=gaussian_b,
+        adaptive_span=adaptive_span,
+        span_ramp=span_ramp,
+        span_z=span_z,
+        head_windows=head_windows,
+    )
+    prior_names = check_priors(heads, d_k, priors)
+    if prior_names and persistent_kv:
+        raise ValueError(
+            f"chunked attention takes the priors {prior_names} or persistent_kv, not both "
+            "(the persistent keys have no position; softmax attention takes both)"
+        )
     if persistent_kv:
         k, v, kv_mask, _, _ = prepend_persistent(
             persistent_k, persistent_v, k, v, kv_mask=kv_mask, mask=None, bias=None
@@ -304,15 +457,32 @@ def chunked_attention(
     v_blocks = to_blocks(pad_to(v, nk * kc), kc)
     real_blocks = to_blocks(valid_keys(kv_mask, kv_len, nk * kc), kc)
     offset = kv_len - q_len  # bottom-right causal alignment, as softmax_attention
+    # I of the localness prior: the real keys each query may attend (causal: up to it).
+    real_keys = valid_keys(kv_mask, kv_len, kv_len)
+    visible_at = jnp.cumsum(real_keys) if causal else jnp.full((kv_len,), real_keys.sum())
+    distance = reach(adaptive_span, span_ramp, head_windows)
+    # Key chunks each query chunk visits: all, or those within the priors' reach.
+    visits = nk if distance is None else min(nk, ceil_div(qc + 2 * distance, kc) + 1)
 
     def key_step(carry, xs):
         acc, row_max, row_sum, qb, q_pos = carry
         kb, vb, real, k_pos = xs
-        s = capped(logits(group_heads(qb, kv_heads), kb, scale), softcap)  # [h, g, qc, kc]
+        qg = group_heads(qb, kv_heads)
+        s = logits(qg, kb, scale)  # [h, g, qc, kc]
         m = real[None, :]
         if causal:
             m = m & (q_pos[:, None] + offset >= k_pos[None, :])
         m = head_mask(m)
+        if prior_names:
+            at = q_pos + offset
+            visible = visible_at[jnp.clip(at, 0, kv_len - 1)] if causal else visible_at[0]
+            terms = prior_terms(qg, at, k_pos, jnp.broadcast_to(visible, at.shape), causal=causal, p=priors)
+            s = s if terms.bias is None else s + terms.bias
+            s = capped(s, softcap)
+            s = s if terms.log_mask is None else s + terms.log_mask
+            m = m if terms.allowed is None else m & terms.allowed
+        else:
+            s = capped(s, softcap)
         s = jnp.where(m, s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -340,7 +510,11 @@ def chunked_attention(
             q_pos,
         )
         k_pos = to_blocks(positions(nk * kc), kc)
-        (acc, _, row_sum, _, _), _ = jax.lax.scan(key_step, init, (k_blocks, v_blocks, real_blocks, k_pos))
+        xs = (k_blocks, v_blocks, real_blocks, k_pos)
+        if visits < nk:  # the chunks around the query chunk's diagonal, clamped to the keys
+            first = jnp.clip((q_pos[0] + offset - distance) // kc, 0, nk - visits)
+            xs = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, visits), xs)
+        (acc, _, row_sum, _, _), _ = jax.lax.scan(key_step, init, xs)
         denom = jnp.moveaxis(row_sum, -1, 0)[..., None]
         return jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
 
@@ -350,10 +524,32 @@ def chunked_attention(
     return out.astype(out_dtype(q, k, v))
 
 
-def _chunked_arrays(key, *, heads: int, kv_heads: int, d_k: int, d_v: int, sinks: str = "none", persistent_kv: int = 0):
-    """The chunked op's option arrays: a learned sink, persistent memory (no talking heads)."""
-    return init_score_arrays(
-        key, heads=heads, kv_heads=kv_heads, d_k=d_k, d_v=d_v, sinks=sinks, persistent_kv=persistent_kv
+def _chunked_arrays(
+    key,
+    *,
+    heads: int,
+    kv_heads: int,
+    d_k: int,
+    d_v: int,
+    sinks: str = "none",
+    persistent_kv: int = 0,
+    localness: bool = False,
+    gaussian_prior: bool = False,
+    adaptive_span: int | None = None,
+):
+    """The chunked op's option arrays: a learned sink, persistent memory, the priors' (no
+    talking heads)."""
+    return _softmax_arrays(
+        key,
+        heads=heads,
+        kv_heads=kv_heads,
+        d_k=d_k,
+        d_v=d_v,
+        sinks=sinks,
+        persistent_kv=persistent_kv,
+        localness=localness,
+        gaussian_prior=gaussian_prior,
+        adaptive_span=adaptive_span,
     )
 
 
@@ -364,13 +560,14 @@ register(
     paper="Rabe & Staats 2021",
     complexity="O(N^2) time, O(N chunk) memory",
     supports_cross=True,
-    decoder=kv_cache(softmax_attention, forward=SCORE_OPTIONS),
+    decoder=kv_cache(softmax_attention, forward=SCORE_OPTIONS + PRIOR_OPTIONS, positions=True),
     init_arrays=_chunked_arrays,
     choices={"sinks": SINKS},
     docs={
         "chunk_size": "queries and keys per chunk",
         **{n: SCORE_OPTION_DOCS[n] for n in ("softcap", "sinks", "persistent_kv")},
+        **PRIOR_DOCS,
     },
     summary="same as softmax, online softmax over chunks (Rabe & Staats)",
-    limits={"chunk_size": 1, **{n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "persistent_kv")}},
+    limits={"chunk_size": 1, **{n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "persistent_kv")}, **PRIOR_LIMITS},
 )

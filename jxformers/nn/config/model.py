@@ -254,6 +254,12 @@ class ModelConfig:
                 f"does not take; use rope, sinusoidal, learned or none, or one of "
                 f"{registry.names(takes_bias=True)}"
             )
+        windows = bound.hyper_parameters.get("head_windows")
+        if windows is not None and len(windows) != self.num_heads:
+            raise ValueError(
+                f"attention {spec.name!r}: head_windows gives {len(windows)} windows ({list(windows)}); "
+                f"one per head is needed, num_heads = {self.num_heads}"
+            )
 
     def _check_stack(self):
         kind, stack = self.stack.kind, self.stack
