@@ -13,7 +13,7 @@ import pytest
 from suites import decode_all
 
 from jxformers.nn import Attention, ModelConfig, build_model
-from jxformers.nn.heads import HeadRouting, concatenated_mixing
+from jxformers.nn.heads import HeadRouting, attention_weights, concatenated_mixing
 
 D_MODEL, HEADS, D_HEAD = 16, 4, 4
 
@@ -128,6 +128,23 @@ def test_disagreement_losses_are_minus_lambda_times_the_papers_terms(causal):
     for name, value in produced.layer_losses.items():
         np.testing.assert_allclose(float(produced2.layer_losses[name]), float(value), rtol=1e-6)
     assert not attention.apply(x, kv_mask=kv_mask, inference=True)[1].layer_losses  # training only
+
+
+@pytest.mark.parametrize("options", [{"top_k": 2, "softcap": 5.0}, {"talking_heads": True}], ids=str)
+def test_the_position_term_reads_the_softmax_cores_own_matrix(options):
+    """With score options the matrix is still the core's: A V is the core's output."""
+    attention = Attention(
+        "softmax", D_MODEL, HEADS, kv_heads=2, causal=True, attention_kwargs=options, key=jax.random.key(17)
+    )
+    x = jax.random.normal(jax.random.key(18), (6, D_MODEL))
+    q, k, v = attention._queries(x), attention._keys(x), attention._heads(x, attention.v_proj, 2)
+    arrays = attention._core_arrays(x, x)
+    a = attention_weights(attention.core, q, k, arrays=arrays, causal=True, kv_mask=None, bias=None)
+    out = attention.core(q, k, v, arrays=arrays, causal=True)
+    np.testing.assert_allclose(
+        np.asarray(jnp.einsum("qhk,khd->qhd", a, jnp.repeat(v, 2, 1))), np.asarray(out), atol=1e-5
+    )
+    assert float(jnp.max(jnp.triu(jnp.moveaxis(a, 1, 0), 1))) == 0.0  # causal: no weight on the future
 
 
 def test_minimising_the_losses_makes_the_heads_disagree():
