@@ -353,7 +353,10 @@ def test_the_settings_are_reached_from_yaml_and_set():
         ({"name": "fnet", "collaborative": 8}, "'fnet' cannot use: its weights do not depend on q and k"),
         ({"name": "lsh", "collaborative": 8}, "'lsh' cannot use: it takes its keys from q"),
         ({"collaborative": 8, "qk_norm": "l2"}, "qk_norm='l2' would normalise"),
-        ({"name": "performer", "disagreement": ["position"]}, "'performer' never forms; attentions that do"),
+        (
+            {"name": "performer", "disagreement": ["position"]},
+            r"'performer' has no such matrix to read \(allowed: \['softmax'\]\)",
+        ),
     ],
 )
 def test_bad_settings_are_refused_at_config_time(attention, match):

@@ -81,8 +81,8 @@ def check_head_options(
         raise ValueError(f"{where}.disagreement takes distinct terms among {DISAGREEMENTS}; got {disagreement=}")
     if "position" in disagreement and spec.name not in WEIGHTS_FROM:
         raise ValueError(
-            f"{where}.disagreement 'position' compares the heads' attention matrices, which {spec.name!r} "
-            f"never forms; attentions that do: {list(WEIGHTS_FROM)}"
+            f"{where}.disagreement 'position' compares the heads' full attention matrices, read from the "
+            f"dense softmax attention; {spec.name!r} has no such matrix to read (allowed: {list(WEIGHTS_FROM)})"
         )
     if not (isinstance(disagreement_weight, (int, float)) and disagreement_weight > 0):
         raise ValueError(f"{where}.disagreement_weight is λ, a number > 0; got {disagreement_weight=}")
