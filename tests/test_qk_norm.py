@@ -137,6 +137,11 @@ def test_the_config_round_trips_and_the_cross_attention_has_its_own():
         "impl": "auto",
         "qk_norm": "layernorm",
         "d_head": None,
+        "collaborative": None,
+        "disagreement": [],
+        "disagreement_weight": 1.0,
+        "head_aggregation": "concat",
+        "routing_iterations": 3,
     }
     assert ModelConfig.from_dict(config.to_dict()) == config  # the YAML form keeps both
     model = build_model(config, key=jax.random.key(5))

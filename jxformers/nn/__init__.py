@@ -2,6 +2,7 @@
 any registered attention, the transformer block, models, and `ModelConfig`/`build_model`.
 
     attention.py  Attention (projections + a registered core; redraw, decoding)
+    heads.py      improved multi-heads: collaborative heads, disagreement losses, routing-by-agreement
     layers.py     Linear, LayerNorm, RMSNorm, FeedForward
     moe.py        MoE (token-choice / expert-choice routers, capacity and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)

@@ -31,6 +31,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 
 from jxformers import decoding, registry
 from jxformers.kernels.alibi import Alibi
+from jxformers.nn import heads
 from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import rotary
 from jxformers.nn.produced import AttentionInputs, Produced
@@ -82,6 +83,11 @@ class Attention(eqx.Module):
             shared by the heads (Dehghani et al. 2023, "Scaling Vision Transformers to 22
             Billion Parameters", arXiv 2302.05442, section 2.1).
         qk_norm_length: L of QKNorm's initial g (the model's max_len).
+        collaborative, disagreement, disagreement_weight, head_aggregation,
+            routing_iterations: the improved multi-heads of `jxformers.nn.heads`:
+            collaborative heads sharing a query/key projection of this size D̃_k, the
+            disagreement terms returned (times λ) as layer losses in training, and the
+            heads aggregated by routing-by-agreement instead of concatenated.
         key: PRNG key for the projections and the core's arrays.
 
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
@@ -111,6 +117,10 @@ class Attention(eqx.Module):
     q_norm: LayerNorm | None
     k_norm: LayerNorm | None
     qk_scale: Float[Array, ""] | None
+    mixing: Float[Array, "heads d_key"] | None
+    routing: heads.HeadRouting | None
+    disagreement: tuple[str, ...] = eqx.field(static=True)
+    disagreement_weight: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -126,6 +136,11 @@ class Attention(eqx.Module):
         attention_kwargs: dict[str, Any] | None = None,
         qk_norm: str = "none",
         qk_norm_length: int | None = None,
+        collaborative: int | None = None,
+        disagreement: tuple[str, ...] = (),
+        disagreement_weight: float = 1.0,
+        head_aggregation: str = "concat",
+        routing_iterations: int = 3,
         key: PRNGKeyArray,
     ):
         if isinstance(attention, str):
@@ -140,20 +155,31 @@ class Attention(eqx.Module):
             raise ValueError(f"d_head must be >= 1 (d_model {d_model} // num_heads {num_heads}); got {d_head}")
         attention.check_call(causal=causal, cross=cross)
         check_qk_norm(qk_norm, attention.spec, qk_norm_length)
+        self.disagreement, self.disagreement_weight = tuple(disagreement), disagreement_weight
+        heads.check_head_options(
+            attention.spec, collaborative=collaborative, disagreement=self.disagreement,
+            disagreement_weight=disagreement_weight, head_aggregation=head_aggregation,
+            routing_iterations=routing_iterations, qk_norm=qk_norm, rope=rope,
+        )  # fmt: skip
         kq, kk, kv, ko, ka, kt = jax.random.split(key, 6)
+        self.mixing = None if collaborative is None else heads.concatenated_mixing(num_heads, collaborative)
+        self.routing = None
+        if head_aggregation == "routing":
+            self.routing = heads.HeadRouting(num_heads, d_head, routing_iterations, key=jax.random.fold_in(ko, 1))
+        d_key = d_head if collaborative is None else collaborative
         self.core = attention
         self.num_heads, self.kv_heads, self.d_head = num_heads, kv_heads, d_head
         self.causal, self.cross, self.rope = causal, cross, rope
-        self.q_proj = Linear(d_model, num_heads * d_head, key=kq)
-        self.k_proj = Linear(d_model, kv_heads * d_head, key=kk)
+        self.q_proj = Linear(d_model, num_heads * d_head if collaborative is None else d_key, key=kq)
+        self.k_proj = Linear(d_model, kv_heads * d_head if collaborative is None else d_key, key=kk)
         self.v_proj = Linear(d_model, kv_heads * d_head, key=kv)
         self.o_proj = Linear(num_heads * d_head, d_model, key=ko)
-        made = attention.init_arrays(ka, heads=num_heads, kv_heads=kv_heads, d_k=d_head, d_v=d_head)
+        made = attention.init_arrays(ka, heads=num_heads, kv_heads=kv_heads, d_k=d_key, d_v=d_head)
         drawn = attention.spec.drawn
         self.arrays = {n: a for n, a in made.items() if n not in drawn}
         self.drawn = {n: a for n, a in made.items() if n in drawn}
         self.token_params = attention.init_token_params(
-            kt, d_model=d_model, heads=num_heads, kv_heads=kv_heads, d_k=d_head, d_v=d_head, causal=causal
+            kt, d_model=d_model, heads=num_heads, kv_heads=kv_heads, d_k=d_key, d_v=d_head, causal=causal
         )
         self.qk_norm = qk_norm
         layer_norms = qk_norm == "layernorm"
@@ -168,13 +194,16 @@ class Attention(eqx.Module):
     def name(self) -> str:
         return self.core.name
 
+    @property
+    def d_key(self) -> int:
+        """The size of the core's queries and keys: d_head, or collaborative heads' D̃_k."""
+        return self.d_head if self.mixing is None else self.mixing.shape[1]
+
     def redraw(self, key: PRNGKeyArray) -> Attention:
         """A copy with the drawn arrays (Performer features, BigBird pattern) resampled."""
         if not self.drawn:
             return self
-        made = self.core.init_arrays(
-            key, heads=self.num_heads, kv_heads=self.kv_heads, d_k=self.d_head, d_v=self.d_head
-        )
+        made = self.core.init_arrays(key, heads=self.num_heads, kv_heads=self.kv_heads, d_k=self.d_key, d_v=self.d_head)
         return eqx.tree_at(lambda m: m.drawn, self, {n: made[n] for n in self.drawn})
 
     def _core_arrays(self, queries=None, keys=None) -> dict[str, Any]:
@@ -203,7 +232,19 @@ class Attention(eqx.Module):
     def _heads(self, x, proj, heads):
         return proj(x).reshape(x.shape[0], heads, self.d_head)
 
+    def _queries(self, x):
+        if self.mixing is not None:  # collaborative: each head mixes the shared query
+            return heads.mixed_queries(self.q_proj(x), self.mixing, self.d_head)
+        return self._normed(self._heads(x, self.q_proj, self.num_heads), "q")
+
+    def _keys(self, source):
+        if self.mixing is not None:
+            return heads.shared_keys(self.k_proj(source), self.kv_heads)
+        return self._normed(self._heads(source, self.k_proj, self.kv_heads), "k")
+
     def _out(self, out, x):
+        if self.routing is not None:  # output capsules in place of the heads
+            out = self.routing(out)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype))
 
     def __call__(self, x, context=None, **kwargs) -> Float[Array, "seq d_model"]:
@@ -235,15 +276,15 @@ class Attention(eqx.Module):
         Returns:
             `([seq, d_model], Produced)`: in training (not `inference`), a core that
             updates arrays (`spec.updates_arrays`) adds its q, k and kv_mask
-            (`Produced.attention_inputs`) and a core with an adaptive span its span loss
-            (`Produced.layer_losses["span_loss"]`); otherwise the `Produced` is empty.
+            (`Produced.attention_inputs`), a core with an adaptive span its span loss
+            (`Produced.layer_losses["span_loss"]`) and a `disagreement` its terms
+            (`Produced.layer_losses`); otherwise the `Produced` is empty.
         """
         if (context is None) == self.cross:
             raise ValueError("cross-attention needs a context" if self.cross else "self-attention takes no context")
         with jax.named_scope(self.name):
             source = x if context is None else context
-            q = self._normed(self._heads(x, self.q_proj, self.num_heads), "q")
-            k = self._normed(self._heads(source, self.k_proj, self.kv_heads), "k")
+            q, k = self._queries(x), self._keys(source)
             v = self._heads(source, self.v_proj, self.kv_heads)
             if self.rope:
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
@@ -260,6 +301,8 @@ class Attention(eqx.Module):
                 produced = Produced(attention_inputs=(AttentionInputs(q, k, kv_mask),))
             if not inference:
                 produced = produced + self._span_loss()
+            if self.disagreement and not inference:
+                produced = produced + self._disagreement(q, k, v, out, arrays, kv_mask, bias, context is None)
             return self._out(out, x), produced
 
     def _span_loss(self) -> Produced:
@@ -272,6 +315,20 @@ class Attention(eqx.Module):
         weight = hp.get("span_loss_weight", SPAN_LOSS_WEIGHT)
         return Produced(layer_losses={"span_loss": span_loss(self.arrays["span_z"], span, weight)})
 
+    def _disagreement(self, q, k, v, out, arrays, kv_mask, bias, self_attention: bool) -> Produced:
+        """The disagreement terms as layer losses (`heads.disagreement_losses`); the query
+        rows' padding is kv_mask's in self-attention, unknown (all rows) otherwise."""
+        weights = None
+        if "position" in self.disagreement:
+            weights = heads.attention_weights(
+                self.core, q, k, arrays=arrays, causal=self.causal, kv_mask=kv_mask, bias=bias
+            )
+        losses = heads.disagreement_losses(
+            self.disagreement, self.disagreement_weight, values=v, outputs=out, weights=weights,
+            query_mask=kv_mask if self_attention else None, kv_mask=kv_mask,
+        )  # fmt: skip
+        return Produced(layer_losses=losses)
+
     # ------------------------------------------------------------------ decoding
 
     def init_decode_state(self, max_len: int, dtype=jnp.float32) -> decoding.State:
@@ -281,7 +338,7 @@ class Attention(eqx.Module):
         return self.core.init_state(
             max_len=max_len,
             kv_heads=self.kv_heads,
-            d_k=self.d_head,
+            d_k=self.d_key,
             d_v=self.d_head,
             arrays=self._core_arrays(),
             dtype=dtype,
@@ -293,8 +350,7 @@ class Attention(eqx.Module):
         """One token through causal self-attention: `x [d_model]` at position
         `state.length`; returns the output `[d_model]` and the new state."""
         with jax.named_scope(self.name):
-            q = self._normed(self._heads(x[None], self.q_proj, self.num_heads), "q")
-            k = self._normed(self._heads(x[None], self.k_proj, self.kv_heads), "k")
+            q, k = self._queries(x[None]), self._keys(x[None])
             v = self._heads(x[None], self.v_proj, self.kv_heads)
             if self.rope:
                 pos = state.length[None]
@@ -306,7 +362,7 @@ class Attention(eqx.Module):
     def cross_step(
         self,
         x: Float[Array, " d_model"],
-        k: Float[Array, "ctx kv_heads d_head"],
+        k: Float[Array, "ctx kv_heads d_key"],
         v: Float[Array, "ctx kv_heads d_head"],
         *,
         kv_mask: Bool[Array, " ctx"] | None = None,
@@ -314,11 +370,11 @@ class Attention(eqx.Module):
         """One query through cross-attention against keys/values projected once
         (`project_context`)."""
         with jax.named_scope(self.name):
-            q = self._normed(self._heads(x[None], self.q_proj, self.num_heads), "q")
+            q = self._queries(x[None])
             out = self.core(q, k, v, arrays=self._core_arrays(x[None], None), kv_mask=kv_mask)
             return self._out(out, x[None])[0]
 
     def project_context(self, context: Float[Array, "ctx d_model"]) -> tuple[Array, Array]:
         """The keys and values of a cross-attention context, computed once for decoding."""
-        k = self._normed(self._heads(context, self.k_proj, self.kv_heads), "k")
+        k = self._keys(context)
         return k, self._heads(context, self.v_proj, self.kv_heads)

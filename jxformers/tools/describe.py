@@ -143,6 +143,7 @@ _JSON = {
     str: "string",
     dict: "object",
     list: "array",
+    tuple: "array",
     type(None): "null",
 }
 

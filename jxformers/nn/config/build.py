@@ -12,6 +12,7 @@ import jax
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import Block
 from jxformers.nn.config.components import (
+    HEAD_OPTIONS,
     CompressiveStack,
     FeedForwardConfig,
     FFNConfig,
@@ -98,6 +99,7 @@ def _blocks(
             d_head=config.layer(i).attention.d_head,
             qk_norm=config.layer(i).attention.qk_norm,
             qk_norm_length=config.max_len,
+            **{n: getattr(config.layer(i).attention, n) for n in HEAD_OPTIONS},
             key=ka,
         )
         cross_attention = None
@@ -112,6 +114,7 @@ def _blocks(
                 d_head=config.decoder.cross_attention.d_head,
                 qk_norm=config.decoder.cross_attention.qk_norm,
                 qk_norm_length=config.max_len,
+                **{n: getattr(config.decoder.cross_attention, n) for n in HEAD_OPTIONS},
                 key=kc,
             )
         blocks.append(

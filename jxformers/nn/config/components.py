@@ -25,6 +25,7 @@ from typing import Any
 from jxformers.kernels import IMPLS
 from jxformers.nn.attention import QK_NORMS
 from jxformers.nn.blocks import NORM_PLACEMENTS
+from jxformers.nn.heads import DISAGREEMENTS, HEAD_AGGREGATIONS
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.models import DOWNSAMPLE_KINDS, POOLING_KINDS
 from jxformers.nn.moe import MoEConfig
@@ -32,7 +33,7 @@ from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import POSITION_KINDS
 from jxformers.nn.tokenlearner import TokenLearnerConfig
 from jxformers.nn.transformer_xl import COMPRESSIONS
-from jxformers.validate import check_at_least, check_fields, setting
+from jxformers.validate import Limits, check_at_least, check_fields, setting
 
 # The output heads of a language model (the pooled heads of an encoder are POOLING_KINDS).
 OUTPUT_HEADS = ("softmax", "mixture_of_logistics")
@@ -57,10 +58,30 @@ class AttentionConfig:
     d_head: int | None = setting(
         None, "each head's query/key/value size, decoupled from d_model / num_heads (Bhojanapalli et al. 2020)"
     )
+    collaborative: int | None = setting(
+        None, "collaborative heads: a query/key projection of this size shared by the heads (Cordonnier et al. 2020)"
+    )
+    disagreement: tuple[str, ...] = setting(
+        (), f"disagreement terms added to the loss in training, any of {DISAGREEMENTS} (Li et al. 2018)"
+    )
+    disagreement_weight: float = setting(1.0, "λ, the weight of each disagreement term", limits=Limits(above=0))
+    head_aggregation: str = setting(
+        "concat",
+        "concat: heads concatenated; routing: routing-by-agreement (Li et al. 2019)",
+        choices=HEAD_AGGREGATIONS,
+    )
+    routing_iterations: int = setting(3, "dynamic routing iterations of head_aggregation routing", limits=1)
 
     def __post_init__(self):
+        if isinstance(self.disagreement, str):  # one term: `--set model.attention.disagreement=position`
+            object.__setattr__(self, "disagreement", (self.disagreement,))
         check_fields(self, "attention.")
-        check_at_least(self, "attention.", 1, "d_head")
+        check_at_least(self, "attention.", 1, "d_head", "collaborative")
+        bad = [t for t in self.disagreement if t not in DISAGREEMENTS]
+        if bad or len(set(self.disagreement)) != len(self.disagreement):
+            raise ValueError(
+                f"attention.disagreement takes distinct terms among {DISAGREEMENTS}; got {self.disagreement}"
+            )
         for name in _MODULE:
             if name in self.hyper_parameters:
                 raise ValueError(f"attention: give {name} as the component's {name}, not among its hyper-parameters")
@@ -84,11 +105,14 @@ class AttentionConfig:
 
     def to_value(self) -> dict[str, Any]:
         """The YAML form: the name, the hyper-parameters beside it, and the module's settings."""
-        return {"name": self.name, **self.hyper_parameters, **{n: getattr(self, n) for n in _MODULE}}
+        module = {n: getattr(self, n) for n in _MODULE}
+        return {"name": self.name, **self.hyper_parameters, **module, "disagreement": list(self.disagreement)}
 
 
 # The settings of the module around the op: every field but the op's name and hyper-parameters.
 _MODULE = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ("name", "hyper_parameters"))
+# Those of the improved multi-heads (`jxformers.nn.heads`), passed to the module as they are.
+HEAD_OPTIONS = ("collaborative", "disagreement", "disagreement_weight", "head_aggregation", "routing_iterations")
 
 
 # ------------------------------------------------------------------ embedding, norm

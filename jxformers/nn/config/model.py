@@ -25,6 +25,7 @@ from jxformers.nn.config.binding import bind_attention
 from jxformers.nn.config.components import (
     FFN_COMPONENTS,
     HEAD_COMPONENTS,
+    HEAD_OPTIONS,
     RECURRENT_STACKS,
     STACK_COMPONENTS,
     STACKS,
@@ -43,6 +44,7 @@ from jxformers.nn.config.components import (
     component,
     to_value,
 )
+from jxformers.nn.heads import check_head_options
 from jxformers.nn.layers import NORM_KINDS
 from jxformers.nn.mixture import PIXEL_VALUES
 from jxformers.nn.moe import MoEConfig
@@ -406,14 +408,22 @@ class ModelConfig:
                 f"{self.norm.placement!r}, task {self.task!r}"
             )
 
+    def _check_heads(self, attention: AttentionConfig, spec: registry.AttentionSpec, where: str) -> None:
+        """The improved multi-heads (`jxformers.nn.heads`) fit the attention they are set on."""
+        options = {n: getattr(attention, n) for n in HEAD_OPTIONS}
+        rope = self.embedding.position == "rope"
+        check_head_options(spec, qk_norm=attention.qk_norm, rope=rope, where=where, **options)
+
     def _check_attentions(self):
         """The capability contracts of every bound attention."""
         for index in range(self._blocks()):
             self._check_attention(self._bound[index])
             check_qk_norm(self.layer(index).attention.qk_norm, self._bound[index].spec, self.max_len)
+            self._check_heads(self.layer(index).attention, self._bound[index].spec, f"block {index}'s attention")
         if self.decoder is not None:
             spec = self._bound[-1].spec
             check_qk_norm(self.decoder.cross_attention.qk_norm, spec, self.max_len)
+            self._check_heads(self.decoder.cross_attention, spec, "decoder.cross_attention")
             if not spec.supports_cross:
                 raise ValueError(
                     f"decoder.cross_attention {spec.name!r} cannot cross-attend; ones that can: "
