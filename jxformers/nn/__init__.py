@@ -8,6 +8,9 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
     positions.py  sinusoidal, learned, rotary, ALiBi, T5 relative buckets
     blocks.py     Block (pre/post-norm residual branches)
+    cross_layer.py  attention maps carried between blocks (RealFormer's residual scores,
+                  LazyFormer's shared probabilities, Evolving Attention's convolved logits;
+                  ModelConfig stack.attention_maps)
     set_transformer.py  MAB, ISAB, PMA (Set Transformer)
     luna.py       LunaBlock, LunaStack (Luna, with its causal form)
     perceiver.py  PerceiverEncoder (Perceiver)

@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 
 from jxformers import decoding, registry
 from jxformers.kernels.alibi import Alibi
-from jxformers.nn import heads
+from jxformers.nn import cross_layer, heads
 from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import rotary
 from jxformers.nn.produced import AttentionInputs, Produced
@@ -107,8 +107,8 @@ class Attention(eqx.Module):
     cross: bool = eqx.field(static=True)
     rope: bool = eqx.field(static=True)
     qk_norm: str = eqx.field(static=True)
-    q_proj: Linear
-    k_proj: Linear
+    q_proj: Linear | None  # None: a layer that reuses another's maps (nn.cross_layer)
+    k_proj: Linear | None
     v_proj: Linear
     o_proj: Linear
     arrays: dict[str, Array]
@@ -233,11 +233,13 @@ class Attention(eqx.Module):
         return proj(x).reshape(x.shape[0], heads, self.d_head)
 
     def _queries(self, x):
+        assert self.q_proj is not None, "a layer reusing the maps (stack.attention_maps: lazy) forms no queries"
         if self.mixing is not None:  # collaborative: each head mixes the shared query
             return heads.mixed_queries(self.q_proj(x), self.mixing, self.d_head)
         return self._normed(self._heads(x, self.q_proj, self.num_heads), "q")
 
     def _keys(self, source):
+        assert self.k_proj is not None, "a layer reusing the maps (stack.attention_maps: lazy) forms no keys"
         if self.mixing is not None:
             return heads.shared_keys(self.k_proj(source), self.kv_heads)
         return self._normed(self._heads(source, self.k_proj, self.kv_heads), "k")
@@ -378,3 +380,73 @@ class Attention(eqx.Module):
         """The keys and values of a cross-attention context, computed once for decoding."""
         k = self._keys(context)
         return k, self._heads(context, self.v_proj, self.kv_heads)
+
+    # ------------------------------------------------------------------ cross-layer maps
+
+    def apply_maps(
+        self,
+        x: Float[Array, "seq d_model"],
+        maps: cross_layer.Maps | None,
+        *,
+        role: str,
+        kv_mask: Bool[Array, " kv"] | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
+        positions: Real[Array, " seq"] | None = None,
+        combine: Any = None,
+    ) -> tuple[Float[Array, "seq d_model"], cross_layer.Maps]:
+        """Self-attention that reads and hands on cross-layer attention maps
+        (`jxformers.nn.cross_layer`; dense softmax, `check_maps`). `role` "residual":
+        `maps` are the previous layer's scores (None in the first layer), this layer's
+        come back; "lazy": this layer's probabilities come back; "reuse": `maps` are
+        those probabilities, used with this layer's values, and come back unchanged;
+        "predictive": `combine(own, maps)` (`cross_layer.Evolve`) makes this layer's
+        logits from its own scores and the previous layer's, and they come back."""
+        with jax.named_scope(self.name):
+            v = self._heads(x, self.v_proj, self.kv_heads)
+            if role == "reuse":
+                if maps is None:
+                    raise ValueError("a layer that reuses attention maps needs them (LazyFormer); got maps=None")
+                return self._out(cross_layer.reused_attention(maps, v, kv_mask=kv_mask), x), maps
+            q = self._normed(self._heads(x, self.q_proj, self.num_heads), "q")
+            k = self._normed(self._heads(x, self.k_proj, self.kv_heads), "k")
+            if self.rope:
+                positions = jnp.arange(x.shape[0]) if positions is None else positions
+                q, k = rotary(q, positions), rotary(k, positions)
+            prev = None if role == "lazy" else maps
+            out, scores, probs = cross_layer.map_attention(
+                q, k, v, prev=prev, kv_mask=kv_mask, bias=bias, causal=self.causal, combine=combine
+            )
+            return self._out(out, x), probs if role == "lazy" else scores
+
+    def decode_step_maps(
+        self,
+        x: Float[Array, " d_model"],
+        state: decoding.KVCache,
+        maps: cross_layer.Maps | None,
+        *,
+        role: str,
+        bias_fn: decoding.BiasFn | None = None,
+    ) -> tuple[Float[Array, " d_model"], decoding.KVCache, cross_layer.Maps]:
+        """`apply_maps` for one token at position `state.length` against a key/value
+        cache of every position; `maps` and the result are that token's row
+        `[heads, 1, slots]`."""
+        with jax.named_scope(self.name):
+            v = self._heads(x[None], self.v_proj, self.kv_heads)
+            if role == "reuse":
+                if maps is None:
+                    raise ValueError("a layer that reuses attention maps needs them (LazyFormer); got maps=None")
+                state = decoding.cache_append(state, state.k[0], v[0])
+                out = cross_layer.reused_attention(maps, state.v, kv_mask=state.slot_pos >= 0)
+                return self._out(out, x[None])[0], state, maps
+            q = self._normed(self._heads(x[None], self.q_proj, self.num_heads), "q")
+            k = self._normed(self._heads(x[None], self.k_proj, self.kv_heads), "k")
+            if self.rope:
+                pos = state.length[None]
+                q, k = rotary(q, pos), rotary(k, pos)
+            state = decoding.cache_append(state, k[0], v[0])
+            bias = None if bias_fn is None else bias_fn(state.length[None] - 1, jnp.maximum(state.slot_pos, 0))
+            prev = maps if role == "residual" else None
+            out, scores, probs = cross_layer.map_attention(
+                q, state.k, state.v, prev=prev, kv_mask=state.slot_pos >= 0, bias=bias
+            )
+            return self._out(out, x[None])[0], state, scores if role == "residual" else probs

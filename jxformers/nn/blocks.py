@@ -4,6 +4,7 @@ of Transformers", arXiv 2106.04554, section 5.2)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 
 from jxformers import decoding
 from jxformers.kernels.alibi import Alibi
+from jxformers.nn import cross_layer
 from jxformers.nn.attention import Attention
 from jxformers.nn.layers import FeedForward, LayerNorm, RMSNorm, make_norm
 from jxformers.nn.moe import MoE
@@ -34,6 +36,13 @@ class Block(eqx.Module):
     the latter two see the token mask. `apply` returns `(output, Produced)`: an MoE's
     aux dict and the k-means inputs of an attention that updates arrays
     (`jxformers.nn.produced`); `__call__` returns the output alone.
+
+    `maps` (one of `cross_layer.MAP_ROLES`, default "none"): the block's part in a stack
+    that carries attention maps from layer to layer (RealFormer's residual scores,
+    LazyFormer's shared probabilities, the Evolving Attention Transformer's convolved
+    logits with `evolve`, its convolution; `jxformers.nn.cross_layer`); such a block runs
+    through `apply_maps` and `decode_step_maps`, which take the previous block's maps
+    and return its own.
     """
 
     attention: Attention
@@ -41,7 +50,9 @@ class Block(eqx.Module):
     ffn: FeedForward | MoE | ProductKeyMemory
     norms: tuple[LayerNorm | RMSNorm, ...]
     dropout: eqx.nn.Dropout
+    evolve: cross_layer.Evolve | None
     pre_norm: bool = eqx.field(static=True)
+    maps: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -54,7 +65,27 @@ class Block(eqx.Module):
         cross_attention: Attention | None = None,
         dropout: float = 0.0,
         norm_eps: float | None = None,
+        maps: str = "none",
+        evolve: cross_layer.Evolve | None = None,
     ):
+        if maps not in cross_layer.MAP_ROLES:
+            raise ValueError(f"maps must be one of {cross_layer.MAP_ROLES}; got {maps=}")
+        cross_layer.check_maps(maps, attention.core)
+        if maps != "none" and attention.cross:
+            raise ValueError(f"maps={maps!r} passes self-attention maps on; this block's attention cross-attends")
+        if maps != "none" and (attention.mixing is not None or attention.routing is not None or attention.disagreement):
+            raise ValueError(
+                f"maps={maps!r} forms the maps from plain heads; this block's attention has collaborative heads, "
+                "routing or disagreement terms (improved multi-heads), which the carried maps do not take"
+            )
+        if maps == "predictive" and attention.causal:
+            raise ValueError(
+                "maps='predictive' convolves the previous layer's maps over the query axis, which would read "
+                "later queries' rows: it serves non-causal attention only"
+            )
+        if evolve is not None and maps != "predictive":
+            raise ValueError(f"evolve is the predictive maps' convolution; got it with {maps=}")
+        self.maps, self.evolve = maps, evolve
         self.attention, self.cross_attention, self.ffn = attention, cross_attention, ffn
         self.norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(3 if cross_attention is not None else 2))
         self.dropout = eqx.nn.Dropout(dropout)
@@ -137,9 +168,31 @@ class Block(eqx.Module):
         """`apply(...)`'s output alone (the arguments are `apply`'s)."""
         return self.apply(x, **kwargs)[0]
 
-    def apply(
+    def apply(self, x: Float[Array, "seq d_model"], **kwargs) -> tuple[Float[Array, "seq d_model"], Produced]:
+        """`apply_maps(x, None, ...)` without the maps: a block of a stack that carries
+        none (`maps` "none"), or the first of one (the arguments are `apply_maps`'s)."""
+        y, produced, _ = self.apply_maps(x, None, **kwargs)
+        return y, produced
+
+    def _maps_branch(self, x, maps, *, kv_mask, bias, positions, key, inference):
+        """The self-attention branch of a block that carries maps: (output, its maps)."""
+        if self.maps == "predictive" and maps is not None and self.evolve is None:
+            raise ValueError("a predictive block after the first needs its convolution (evolve); got None")
+        made = {}
+        combine = None if self.evolve is None else functools.partial(self.evolve, query_mask=kv_mask)
+
+        def attend(h):
+            y, made["maps"] = self.attention.apply_maps(
+                h, maps, role=self.maps, kv_mask=kv_mask, bias=bias, positions=positions, combine=combine
+            )
+            return y, Produced()
+
+        return self._branch(attend, self.norms[0], x, key, inference)[0], made["maps"]
+
+    def apply_maps(
         self,
         x: Float[Array, "seq d_model"],
+        maps: cross_layer.Maps | None,
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
         bias: Float[Array, "heads seq kv"] | Alibi | None = None,
@@ -150,9 +203,11 @@ class Block(eqx.Module):
         source_positions: Real[Array, " kv"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-    ) -> tuple[Float[Array, "seq d_model"], Produced]:
+    ) -> tuple[Float[Array, "seq d_model"], Produced, cross_layer.Maps | None]:
         """Arguments:
-            x: `[seq, d_model]`; kv_mask: `[kv]` True for real keys (kv = seq unless
+            x: `[seq, d_model]`; maps: the previous block's attention maps
+                `[heads, seq, seq]` (None: the first block, or a stack that carries
+                none; `jxformers.nn.cross_layer`); kv_mask: `[kv]` True for real keys (kv = seq unless
                 `source` is given); bias: `[heads, seq, kv]` logit bias; positions:
                 `[seq]` (and source_positions `[kv]`) for rotary embeddings.
             context, context_mask: the encoder output a cross-attention block reads.
@@ -161,20 +216,29 @@ class Block(eqx.Module):
                 attention must then be built with `cross=True`.
 
         Returns:
-            `([seq, d_model], Produced)`: what the attentions and an MoE FFN made
-            besides their outputs (see the class docstring).
+            `([seq, d_model], Produced, maps)`: what the attentions and an MoE FFN made
+            besides their outputs (see the class docstring), and this block's maps for
+            the next (`maps` itself when the block carries none).
         """
         k_attn, k_cross, k_ffn = (None, None, None) if key is None else jax.random.split(key, 3)
-        out, produced = self.attention_branch(
-            x,
-            kv_mask=kv_mask,
-            bias=bias,
-            positions=positions,
-            source=source,
-            source_positions=source_positions,
-            key=k_attn,
-            inference=inference,
-        )
+        if self.maps == "none":
+            out, produced = self.attention_branch(
+                x,
+                kv_mask=kv_mask,
+                bias=bias,
+                positions=positions,
+                source=source,
+                source_positions=source_positions,
+                key=k_attn,
+                inference=inference,
+            )
+        else:
+            if source is not None:
+                raise ValueError(f"a block carrying attention maps ({self.maps!r}) takes no source (Funnel pooling)")
+            out, maps = self._maps_branch(
+                x, maps, kv_mask=kv_mask, bias=bias, positions=positions, key=k_attn, inference=inference
+            )
+            produced = Produced()
         x = self._residual(x, out, self.norms[0])
         if self.cross_attention is not None:
             if context is None:
@@ -186,10 +250,14 @@ class Block(eqx.Module):
             produced = produced + more.under("cross_attention")
         ffn_mask = kv_mask if source is None else None  # with a source, kv_mask is not x's
         out, more = self.ffn_branch(x, mask=ffn_mask, key=k_ffn, inference=inference)
-        return self._residual(x, out, self.norms[-1]), produced + more
+        return self._residual(x, out, self.norms[-1]), produced + more, maps
 
     def init_decode_state(self, max_len: int, dtype) -> decoding.State:
-        """The self-attention's empty decoding state (fixed shape)."""
+        """The self-attention's empty decoding state (fixed shape); a layer that reuses
+        the maps caches its values alone."""
+        if self.maps == "reuse":
+            a = self.attention
+            return cross_layer.values_cache(max_len, a.kv_heads, a.d_head, dtype)
         return self.attention.init_decode_state(max_len, dtype)
 
     def decode_step(
@@ -203,10 +271,33 @@ class Block(eqx.Module):
     ) -> tuple[Float[Array, " d_model"], Any]:
         """One token (inference mode): self-attention against the decoding state, then
         cross-attention to the context's precomputed keys/values, then the FFN."""
-        out: dict[str, Any] = {}
+        x, state, _ = self.decode_step_maps(
+            x, state, None, bias_fn=bias_fn, context_kv=context_kv, context_mask=context_mask
+        )
+        return x, state
+
+    def decode_step_maps(
+        self,
+        x: Float[Array, " d_model"],
+        state: decoding.State,
+        maps: cross_layer.Maps | None,
+        *,
+        bias_fn: decoding.BiasFn | None = None,
+        context_kv: tuple[Array, Array] | None = None,
+        context_mask: Bool[Array, " ctx"] | None = None,
+    ) -> tuple[Float[Array, " d_model"], Any, cross_layer.Maps | None]:
+        """`decode_step` taking the previous block's maps for this token (its row,
+        `[heads, 1, slots]`) and returning this block's (`maps` when it carries none)."""
+        out: dict[str, Any] = {"maps": maps}
 
         def attend(h):
-            y, out["state"] = self.attention.decode_step(h, state, bias_fn=bias_fn)
+            if self.maps == "none":
+                y, out["state"] = self.attention.decode_step(h, state, bias_fn=bias_fn)
+            else:
+                assert isinstance(state, decoding.KVCache)  # softmax's cache (check_maps)
+                y, out["state"], out["maps"] = self.attention.decode_step_maps(
+                    h, state, maps, role=self.maps, bias_fn=bias_fn
+                )
             return y, Produced()
 
         x = self._residual(x, self._branch(attend, self.norms[0], x, None, True)[0], self.norms[0])
@@ -216,4 +307,4 @@ class Block(eqx.Module):
             step = lambda h: (cross.cross_step(h, *context_kv, kv_mask=context_mask), Produced())  # noqa: E731
             x = self._residual(x, self._branch(step, self.norms[1], x, None, True)[0], self.norms[1])
         x = self._residual(x, self.ffn_branch(x[None], inference=True)[0][0], self.norms[-1])
-        return x, out["state"]
+        return x, out["state"], out["maps"]

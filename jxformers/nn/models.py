@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from jxformers.decoding import BiasFn
 from jxformers.nn.blocks import Block
 from jxformers.nn.layers import LayerNorm, Linear, RMSNorm, check_tokens, lookup
 from jxformers.nn.luna import LunaStack
@@ -64,6 +65,13 @@ def _check_reversible(blocks, reversible):
         raise ValueError(
             f"reversible wiring needs transformer Blocks; got {sorted({type(b).__name__ for b in blocks})}"
         )
+    if reversible and _carries_maps(blocks):
+        raise ValueError("reversible wiring runs each block's branches alone: it cannot carry attention maps")
+
+
+def _carries_maps(blocks) -> bool:
+    """Whether the blocks pass attention maps from one to the next (`jxformers.nn.cross_layer`)."""
+    return any(isinstance(b, Block) and b.maps != "none" for b in blocks)
 
 
 class Embedding(eqx.Module):
@@ -116,8 +124,9 @@ class Embedding(eqx.Module):
         return (x @ self.table.T.astype(x.dtype)).astype(jnp.float32)
 
 
-def _bias_fn(positions: Positions):
-    return positions.bias if positions.kind in BIAS_KINDS else None
+def _bias_fn(positions: Positions) -> BiasFn | None:
+    # a bias kind's `bias` returns an array (None only for the kinds without one)
+    return cast(BiasFn, positions.bias) if positions.kind in BIAS_KINDS else None
 
 
 class Encoder(eqx.Module):
@@ -215,6 +224,11 @@ class Encoder(eqx.Module):
             raise ValueError(
                 f"a token learner needs transformer Blocks after its after_layer "
                 f"({token_learner.after_layer}, {len(blocks)} blocks), no filters and no reversible wiring"
+            )
+        if _carries_maps(blocks) and (filters or token_learner is not None):
+            raise ValueError(
+                f"blocks that carry attention maps need one sequence length throughout: no filters and no "
+                f"token learner; got {filters=}, token_learner={token_learner is not None}"
             )
         self.reversible, self.token_learner = reversible, token_learner
         self.embedding, self.blocks, self.norm = embedding, tuple(blocks), norm
@@ -320,6 +334,7 @@ class Encoder(eqx.Module):
         spacing = jnp.ones((), jnp.float32)
         pos = self._positions(x.shape[0], spacing)
         on_grid = True  # positions 0..n-1 until a filter resamples them
+        maps = None  # the attention maps one block hands the next (jxformers.nn.cross_layer)
         for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)), strict=True)):
             source = {}
             if i in filters:
@@ -341,8 +356,8 @@ class Encoder(eqx.Module):
             if learn is not None and learn.fuse and i > learn.after_layer:
                 x, made = self._fused_block(block, i, x, mask, key=k, inference=inference)
             elif isinstance(block, Block):
-                x, made = block.apply(
-                    x, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, **source
+                x, made, maps = block.apply_maps(
+                    x, maps, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, **source
                 )
             else:  # ISAB, LunaStack: no filters and no bias positions (ModelConfig refuses them)
                 x = block(x, kv_mask=kv_mask, key=k, inference=inference)
@@ -585,11 +600,12 @@ class LanguageModel(eqx.Module):
                 inference=inference,
             )
             return self._logits(x), produced.under("blocks")
-        produced = Produced()
+        produced, maps = Produced(), None  # maps: what one block hands the next (nn.cross_layer)
         for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)), strict=True)):
             if isinstance(block, Block):
-                x, made = block.apply(
+                x, made, maps = block.apply_maps(
                     x,
+                    maps,
                     kv_mask=mask,
                     bias=bias,
                     positions=positions,
@@ -627,11 +643,16 @@ class LanguageModel(eqx.Module):
         if self.reversible:
             x, states = reversible_decode_step(self.blocks, x, state["layers"], bias_fn=bias_fn)
             return self._logits(x), {"layers": states, "length": state["length"] + 1}
+        maps = None  # this token's row of the maps one block hands the next (nn.cross_layer)
         for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"], strict=True)):
             kv = None if context_kv is None else context_kv[i]
-            x, layer_state = block.decode_step(
-                x, layer_state, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask
-            )
+            if isinstance(block, Block):
+                x, layer_state, maps = block.decode_step_maps(
+                    x, layer_state, maps, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask
+                )
+            else:  # a LunaStack (ISABs serve encoders): no bias or cross-attention
+                assert isinstance(block, LunaStack), type(block)
+                x, layer_state = block.decode_step(x, layer_state)
             layers.append(layer_state)
         return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1}
 

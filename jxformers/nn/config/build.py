@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import equinox as eqx
 import jax
 
 from jxformers.nn.attention import Attention
@@ -26,6 +27,7 @@ from jxformers.nn.config.components import (
     d_ff,
 )
 from jxformers.nn.config.model import ModelConfig
+from jxformers.nn.cross_layer import Evolve, map_role
 from jxformers.nn.layers import FeedForward, make_norm
 from jxformers.nn.luna import LunaStack as LunaModule
 from jxformers.nn.mixture import MixtureOfLogistics
@@ -86,6 +88,10 @@ def _blocks(
     """`count` transformer blocks; those in `pooled` (Funnel's pooling layers) get a
     self-attention that takes its keys and values from a separate sequence."""
     blocks = []
+    stack = config.stack
+    maps_kind, lazy_block = "none", 2
+    if isinstance(stack, TransformerStack):
+        maps_kind, lazy_block = stack.attention_maps, stack.lazy_block
     for i, k in enumerate(jax.random.split(key, count)):
         ka, kc, kf = jax.random.split(k, 3)
         attention = Attention(
@@ -102,6 +108,14 @@ def _blocks(
             **{n: getattr(config.layer(i).attention, n) for n in HEAD_OPTIONS},
             key=ka,
         )
+        role = map_role(maps_kind, i, lazy_block)
+        if role == "reuse":  # LazyFormer's upper layers have no queries or keys of their own
+            attention = eqx.tree_at(
+                lambda a: (a.q_proj, a.k_proj, a.q_norm, a.k_norm, a.qk_scale),
+                attention,
+                (None,) * 5,
+                is_leaf=lambda x: x is None,
+            )
         cross_attention = None
         if cross:
             assert config.decoder is not None  # cross-attending blocks are a seq2seq decoder's
@@ -127,9 +141,19 @@ def _blocks(
                 cross_attention=cross_attention,
                 dropout=config.dropout,
                 norm_eps=config.norm.eps,
+                maps=role,
+                evolve=_evolve(config, i, key=jax.random.fold_in(k, 3)),
             )
         )
     return blocks
+
+
+def _evolve(config: ModelConfig, index: int, *, key) -> Evolve | None:
+    """Block `index`'s convolution of the predictive maps (none in the first block)."""
+    stack = config.stack
+    if not isinstance(stack, TransformerStack) or stack.attention_maps != "predictive" or index == 0:
+        return None
+    return Evolve(config.num_heads, alpha=stack.map_alpha, beta=stack.map_beta, key=key)
 
 
 def _stack(config: ModelConfig, *, causal: bool, key, pooled: frozenset[int] = frozenset()) -> list:

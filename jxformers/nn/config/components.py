@@ -25,6 +25,7 @@ from typing import Any
 from jxformers.kernels import IMPLS
 from jxformers.nn.attention import QK_NORMS
 from jxformers.nn.blocks import NORM_PLACEMENTS
+from jxformers.nn.cross_layer import MAP_KINDS
 from jxformers.nn.heads import DISAGREEMENTS, HEAD_AGGREGATIONS
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.models import DOWNSAMPLE_KINDS, POOLING_KINDS
@@ -226,6 +227,24 @@ class TransformerStack:
         "fourier", "fourier (DCT), fourier_rescaled or funnel (Dai et al.'s pooled queries)", choices=DOWNSAMPLE_KINDS
     )
     token_learner: TokenLearnerConfig | None = setting(None, "TokenLearner (Ryoo et al. 2021) after a block")
+    # Cross-layer attention maps (jxformers.nn.cross_layer): a setting of the stack, since they
+    # pass between its blocks; every block's attention must be the dense softmax.
+    attention_maps: str = setting(
+        "none",
+        "attention maps carried from layer to layer: residual (RealFormer, He et al. 2020: each layer's "
+        "pre-softmax scores plus the previous layer's) or lazy (LazyFormer, Ying et al. 2021: the first "
+        "layer of each lazy block computes the probabilities, the others reuse them) or predictive "
+        "(Evolving Attention, Wang et al. 2021: the previous layer's logits mixed in and convolved; "
+        "non-causal tasks); softmax attention only",
+        choices=MAP_KINDS,
+    )
+    lazy_block: int = setting(2, "layers per LazyFormer lazy block, the first computing the maps (attention_maps lazy)")
+    map_alpha: float = setting(
+        1.0, "predictive maps: the convolution's weight, A = alpha CNN(A_in) + (1 - alpha) A_in, in [0, 1]"
+    )
+    map_beta: float = setting(
+        0.5, "predictive maps: the previous layer's weight, A_in = (1 - beta) S + beta A_prev, in [0, 1]"
+    )
 
     def __post_init__(self):
         overrides = {}
@@ -249,6 +268,21 @@ class TransformerStack:
                 self, "token_learner", component(self.token_learner, {None: TokenLearnerConfig}, "stack.token_learner")
             )
         check_fields(self, "stack.")
+        check_at_least(self, "stack.", 1, "lazy_block")
+        if self.lazy_block != 2 and self.attention_maps != "lazy":
+            raise ValueError(
+                f"stack.lazy_block sizes LazyFormer's lazy blocks: set attention_maps 'lazy'; got "
+                f"attention_maps={self.attention_maps!r}, lazy_block={self.lazy_block}"
+            )
+        for name in ("map_alpha", "map_beta"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1):
+                raise ValueError(f"stack.{name} must be a number in [0, 1]; got {value!r}")
+        if (self.map_alpha, self.map_beta) != (1.0, 0.5) and self.attention_maps != "predictive":
+            raise ValueError(
+                f"stack.map_alpha and map_beta mix the predictive maps: set attention_maps 'predictive'; got "
+                f"attention_maps={self.attention_maps!r}, map_alpha={self.map_alpha}, map_beta={self.map_beta}"
+            )
         for index, ratio in self.filters.items():
             if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1):
                 raise ValueError(f"stack.filters maps a block index to a keep ratio in (0, 1]; got {index}: {ratio!r}")

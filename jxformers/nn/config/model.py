@@ -44,6 +44,7 @@ from jxformers.nn.config.components import (
     component,
     to_value,
 )
+from jxformers.nn.cross_layer import check_maps
 from jxformers.nn.heads import check_head_options
 from jxformers.nn.layers import NORM_KINDS
 from jxformers.nn.mixture import PIXEL_VALUES
@@ -430,6 +431,34 @@ class ModelConfig:
                     f"{registry.names(supports_cross=True)}"
                 )
         stack = self.stack
+        if isinstance(stack, TransformerStack) and stack.attention_maps != "none":
+            kind = stack.attention_maps
+            if stack.reversible or stack.filters or stack.token_learner is not None:
+                raise ValueError(
+                    f"stack.attention_maps={kind!r} passes a [heads, n, n] map from block to block: it needs "
+                    f"plain wiring and one length throughout; got reversible={stack.reversible}, "
+                    f"filters={stack.filters}, token_learner={stack.token_learner}"
+                )
+            if kind == "predictive" and self.causal:
+                raise ValueError(
+                    f"stack.attention_maps='predictive' convolves the previous layer's maps over the query axis, "
+                    f"so a query would read later queries' rows: tasks classify and retrieval only; got "
+                    f"task {self.task!r}"
+                )
+            for index in range(self._blocks()):
+                check_maps(kind, self._bound[index], f"block {index}'s attention")
+                attention = self.layer(index).attention
+                heads = {
+                    "collaborative": attention.collaborative is not None,
+                    "disagreement": bool(attention.disagreement),
+                    "head_aggregation": attention.head_aggregation != "concat",
+                }
+                if any(heads.values()):
+                    raise ValueError(
+                        f"stack.attention_maps={kind!r} forms each layer's maps from plain heads; block {index}'s "
+                        f"attention sets {[n for n, on in heads.items() if on]} (improved multi-heads), "
+                        "which the carried maps do not take"
+                    )
         if isinstance(stack, TransformerStack) and stack.downsample == "funnel":
             for index in stack.filters:
                 spec = self._bound[index].spec
