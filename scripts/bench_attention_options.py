@@ -44,14 +44,25 @@ OPTIONS = (
     ("persistent_kv 16", {"persistent_kv": 16}, {}),
     ("qk_norm l2", {}, {"qk_norm": "l2"}),
     ("qk_norm layernorm", {}, {"qk_norm": "layernorm"}),
+    # Priors (Lin et al. section 4.5): biases and masks over the N^2 logits.
+    ("localness", {"localness": True}, {}),
+    ("gaussian_prior", {"gaussian_prior": True}, {}),
+    ("adaptive_span 128", {"adaptive_span": 128}, {}),
+    ("head_windows 8/32/128/all", {"head_windows": (8, 32, 128, -1)}, {}),
+    # Improved multi-heads (section 4.6): module settings.
+    ("collaborative 128", {}, {"collaborative": 128}),
+    ("disagreement all three", {}, {"disagreement": ("subspace", "position", "output")}),
+    ("routing 3 iterations", {}, {"head_aggregation": "routing"}),
 )
 
 
 def step_fn(module: Attention):
-    """Forward and backward of the layer over a batch: grads of a scalar of its output."""
+    """Forward and backward of the layer over a batch: grads of a scalar of its output
+    plus the layer's own losses (adaptive span's, the disagreement terms), in training."""
 
     def loss(m, x):
-        return jnp.sum(jax.vmap(m)(x) ** 2)
+        out, produced = jax.vmap(m.apply)(x)
+        return jnp.sum(out**2) + sum(v.sum() for v in produced.layer_losses.values())
 
     return lambda m, x: eqx.filter_grad(loss)(m, x)
 
@@ -135,7 +146,11 @@ def table(rows, command) -> str:
         "time and memory over the N^2 logits: a row sort for top-k (`lax.top_k`), the tanh kept for "
         "the backward pass for the cap, a second [heads, N, N] mixing each way for talking heads. "
         "Each runs through the XLA softmax, never the flash kernel (which computes plain softmax): "
-        "on a GPU an option also gives up the kernel's O(N) memory.",
+        "on a GPU an option also gives up the kernel's O(N) memory. The priors add a bias or mask "
+        "over the logits (localness also a d x d projection of each query); collaborative heads change "
+        "the projections' sizes; the disagreement's position term forms every head's weights a second "
+        "time; routing adds d x d votes per pair of heads and its iterations, O(N h^2 d^2). The "
+        "cross-layer maps (stack.attention_maps) and memory tokens act across layers, outside one layer.",
     ]
     return "\n".join(lines) + "\n"
 
