@@ -131,3 +131,15 @@ def test_demo_adds_a_model_per_named_attention_and_refuses_unknown_ones(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--attention", "no_such_attention"])
     assert "unknown attention 'no_such_attention'" in capsys.readouterr().err
+
+
+def test_demo_adds_a_model_per_variant_and_refuses_a_malformed_or_bad_one(capsys):
+    from jxformers.tools import demo
+
+    models = demo._models([], ["span:model.attention.adaptive_span=8; model.attention.span_ramp=4"])
+    assert models["span"] == ["model.attention.adaptive_span=8", "model.attention.span_ramp=4"]
+    with pytest.raises(ValueError, match="LABEL:KEY=VALUE"):
+        demo.parse_variant("no overrides")
+    with pytest.raises(SystemExit):
+        demo.main(["--variant", "bad:model.attention.adaptive_span=0"])  # refused before any training
+    assert "adaptive_span" in capsys.readouterr().err

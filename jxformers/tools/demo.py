@@ -14,7 +14,9 @@ attention): every block runs at 20% length.
 
 `--attention NAME` (repeatable) adds a classifier with that registered attention at the
 same settings, e.g. the learnable patterns: `jxformers demo --attention lsh --attention
-routing --attention sinkhorn --attention clusterformer`.
+routing --attention sinkhorn --attention clusterformer`. `--variant LABEL:KEY=VALUE;...`
+(repeatable) adds one with those overrides, e.g. an attention option:
+`--variant "adaptive span:model.attention.adaptive_span=32"`.
 """
 
 from __future__ import annotations
@@ -115,16 +117,25 @@ def noise_verdict(accuracies: dict[str, list[float]], examples: int) -> str:
     return text + (f" Within noise: {'; '.join(noise)}." if noise else "") + f" ({how})"
 
 
-def _models(attentions: list[str]) -> dict[str, list[str]]:
-    """MODELS plus one model per attention named with --attention."""
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """`LABEL:KEY=VALUE;KEY=VALUE` -> (label, overrides); ValueError showing the text."""
+    label, sep, rest = text.partition(":")
+    overrides = [o.strip() for o in rest.split(";") if o.strip()]
+    if not sep or not label.strip() or not overrides or any("=" not in o for o in overrides):
+        raise ValueError(f"--variant wants LABEL:KEY=VALUE[;KEY=VALUE...]; got {text!r}")
+    return label.strip(), overrides
+
+
+def _models(attentions: list[str], variants: list[str] = ()) -> dict[str, list[str]]:
+    """MODELS plus one model per attention named with --attention and per --variant."""
     extra = {name: [f"model.attention={name}"] for name in attentions if name not in MODELS}
-    return MODELS | extra
+    return MODELS | extra | dict(parse_variant(v) for v in variants)
 
 
 def _train_all(root: pathlib.Path, args) -> dict[str, tuple[list[dict], list[dict]]]:
     """(summaries, step stats) per seed, for each model."""
     results = {}
-    for name, overrides in _models(args.attentions).items():
+    for name, overrides in _models(args.attentions, args.variants).items():
         summaries, stats = [], []
         for s in range(args.seeds):
             experiment = load_experiment("lra_listops", ["preset=tiny", *overrides, *args.overrides, f"train.seed={s}"])
@@ -179,8 +190,23 @@ def main(argv: list[str] | None = None) -> int:
         help="also train a classifier with this registered attention (repeatable), e.g. lsh, routing, "
         "sinkhorn, clusterformer",
     )
+    p.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="LABEL:KEY=VALUE;...",
+        help="also train a classifier with these overrides (repeatable), e.g. "
+        '"adaptive span:model.attention.adaptive_span=32"',
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    for text in args.variants:
+        try:
+            label, overrides = parse_variant(text)
+            load_experiment("lra_listops", ["preset=tiny", *overrides, *args.overrides])
+        except ValueError as e:
+            p.error(str(e))
     for name in args.attentions:
         try:
             registry.get(name)
