@@ -234,6 +234,7 @@ FACTS: dict[str, Facts] = {
         errors=(({"std": 0.0}, "std"), ({"offsets": ()}, "offsets")),
         growth=Growth("quadratic"),
     ),
+    "average": Facts(growth=Growth("linear")),  # tests/test_average_attention.py checks eq. 1-4
     "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
     "image_local_2d": Facts(
         variants=(

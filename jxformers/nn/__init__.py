@@ -3,6 +3,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
 
     attention.py  Attention (projections + a registered core; redraw, decoding)
     heads.py      improved multi-heads: collaborative heads, disagreement losses, routing-by-agreement
+    average.py    AverageNetwork: the FFN and gating layer of the average attention network
+                  (Zhang et al. 2018; the Attention setting aan around the attention `average`)
     layers.py     Linear, LayerNorm, RMSNorm, FeedForward
     moe.py        MoE (token-choice / expert-choice routers, capacity and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)

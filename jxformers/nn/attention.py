@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 from jxformers import decoding, registry
 from jxformers.kernels.alibi import Alibi
 from jxformers.nn import cross_layer, heads
+from jxformers.nn.average import AverageNetwork, check_aan
 from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import rotary
 from jxformers.nn.produced import AttentionInputs, Produced
@@ -88,6 +89,10 @@ class Attention(eqx.Module):
             collaborative heads sharing a query/key projection of this size D̃_k, the
             disagreement terms returned (times λ) as layer losses in training, and the
             heads aggregated by routing-by-agreement instead of concatenated.
+        aan_d_ff: the average attention network of Zhang et al. 2018 (`jxformers.nn.average`)
+            with an FFN of this hidden width, for the attention `average`: the layer input
+            itself is averaged (one head of width d_model, no projections), then the FFN
+            and the gating layer; None: the plain attention.
         key: PRNG key for the projections and the core's arrays.
 
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
@@ -107,10 +112,10 @@ class Attention(eqx.Module):
     cross: bool = eqx.field(static=True)
     rope: bool = eqx.field(static=True)
     qk_norm: str = eqx.field(static=True)
-    q_proj: Linear | None  # None: a layer that reuses another's maps (nn.cross_layer)
+    q_proj: Linear | None  # None: a layer that reuses another's maps (nn.cross_layer), or aan
     k_proj: Linear | None
-    v_proj: Linear
-    o_proj: Linear
+    v_proj: Linear | None  # None: the average attention network (aan), which averages x itself
+    o_proj: Linear | None
     arrays: dict[str, Array]
     drawn: dict[str, Array]
     token_params: dict[str, Array]
@@ -119,6 +124,7 @@ class Attention(eqx.Module):
     qk_scale: Float[Array, ""] | None
     mixing: Float[Array, "heads d_key"] | None
     routing: heads.HeadRouting | None
+    aan: AverageNetwork | None
     disagreement: tuple[str, ...] = eqx.field(static=True)
     disagreement_weight: float = eqx.field(static=True)
 
@@ -141,12 +147,17 @@ class Attention(eqx.Module):
         disagreement_weight: float = 1.0,
         head_aggregation: str = "concat",
         routing_iterations: int = 3,
+        aan_d_ff: int | None = None,
         key: PRNGKeyArray,
     ):
         if isinstance(attention, str):
             attention = registry.get(attention).bind(**(attention_kwargs or {}))
         elif attention_kwargs:
             raise ValueError("attention_kwargs go with an attention name; a bound attention already has them")
+        if aan_d_ff is not None:
+            check_aan(attention.name, cross=cross, d_head=d_head, collaborative=collaborative,
+                      disagreement=tuple(disagreement), head_aggregation=head_aggregation)  # fmt: skip
+            num_heads, kv_heads, d_head = 1, 1, d_model  # the average of x itself: one head of width d_model
         kv_heads = num_heads if kv_heads is None else kv_heads
         d_head = d_model // num_heads if d_head is None else d_head
         if num_heads < 1 or kv_heads < 1 or num_heads % kv_heads:
@@ -178,6 +189,10 @@ class Attention(eqx.Module):
         drawn = attention.spec.drawn
         self.arrays = {n: a for n, a in made.items() if n not in drawn}
         self.drawn = {n: a for n, a in made.items() if n in drawn}
+        self.aan = None
+        if aan_d_ff is not None:
+            self.aan = AverageNetwork(d_model, aan_d_ff, key=jax.random.fold_in(ko, 2))
+            self.q_proj = self.k_proj = self.v_proj = self.o_proj = None
         self.token_params = attention.init_token_params(
             kt, d_model=d_model, heads=num_heads, kv_heads=kv_heads, d_k=d_key, d_v=d_head, causal=causal
         )
@@ -245,6 +260,7 @@ class Attention(eqx.Module):
         return self._normed(self._heads(source, self.k_proj, self.kv_heads), "k")
 
     def _out(self, out, x):
+        assert self.o_proj is not None, "the average attention network (aan) has no output projection"
         if self.routing is not None:  # output capsules in place of the heads
             out = self.routing(out)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype))
@@ -285,6 +301,10 @@ class Attention(eqx.Module):
         if (context is None) == self.cross:
             raise ValueError("cross-attention needs a context" if self.cross else "self-attention takes no context")
         with jax.named_scope(self.name):
+            if self.aan is not None:  # eq. 1-3 of Zhang et al.: the average of x itself, FFN, gate
+                y = x[:, None, :]
+                average = self.core(y, y, y, causal=self.causal, kv_mask=kv_mask, bias=bias)[:, 0]  # bias: refused
+                return self.aan(x, average), Produced()
             source = x if context is None else context
             q, k = self._queries(x), self._keys(source)
             v = self._heads(source, self.v_proj, self.kv_heads)
@@ -352,6 +372,9 @@ class Attention(eqx.Module):
         """One token through causal self-attention: `x [d_model]` at position
         `state.length`; returns the output `[d_model]` and the new state."""
         with jax.named_scope(self.name):
+            if self.aan is not None:  # the running sum of x (eq. 6 of Zhang et al.), FFN, gate
+                out, state = self.core.decode_step(x[None], x[None], x[None], state)
+                return self.aan(x[None], out.astype(x.dtype))[0], state  # out: [1 head, d_model]
             q, k = self._queries(x[None]), self._keys(x[None])
             v = self._heads(x[None], self.v_proj, self.kv_heads)
             if self.rope:

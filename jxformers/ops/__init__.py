@@ -27,7 +27,7 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     entmax.py      adaptive_sparse_attention and its normalisers (entmax, sparsemax)
     local_lowrank.py  long_short_attention (Long-Short Transformer: window + dynamic projection)
     local_pooling.py  poolingformer_attention (window, then pooled keys of a larger window)
-    prior_only.py  hard_gaussian_attention (weights by position alone; the logit priors
+    prior_only.py  hard_gaussian_attention, average_attention (weights by position alone; the logit priors
                    are score options of softmax.py, helpers in jxformers.ops._priors)
 """
 

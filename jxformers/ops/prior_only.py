@@ -7,6 +7,15 @@ the keys j are a Gaussian N(i + o_h, sigma^2) of the query's position i, normali
 over the keys it may attend; its output is those weights times the values (the
 paper's heads centred at i - 1 and i + 1 in the encoder, i - 1 and i in the decoder,
 sigma = 1). Queries and keys are not read: only the value and output projections learn.
+
+`average_attention` is the average layer of Zhang, Xiong & Su 2018, "Accelerating Neural
+Transformer via an Average Attention Network" (ACL, arXiv 1805.00631), eq. 1 before its
+FFN: query j's weights are 1/j on the keys k <= j, the cumulative average of the values
+(non-causal: the plain average of every real key, which the paper, replacing only the
+decoder's self-attention, never uses). It decodes in O(1) memory: the running sum of the
+values and their count (the recurrent state of linear attention with the feature map
+phi = 1). The paper's whole network (the average of the layer input itself, its FFN and
+the gating layer) is the attention module's setting `aan` (`jxformers.nn.average`).
 """
 
 from __future__ import annotations
@@ -14,14 +23,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jxformers._arrays import guarded_divide
 from jxformers._typing import ArrayLike
-from jxformers.decoding import kv_cache
+from jxformers.decoding import kv_cache, recurrent
 from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype, softmax_parts, weighted_values, zero_padded
 from jxformers.ops._priors import default_positions
 from jxformers.registry import register
 from jxformers.validate import Limits
 
-__all__ = ["hard_gaussian_attention"]
+__all__ = ["average_attention", "hard_gaussian_attention"]
 
 
 def hard_gaussian_attention(
@@ -109,4 +119,64 @@ register(
     },
     limits={"std": Limits(above=0), "offsets": Limits()},
     summary="fixed Gaussian weights around i + offset per head; no q k^T (You et al.)",
+)
+
+
+def average_attention(
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
+    *,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
+    causal: bool = False,
+) -> Float[Array, "q_len heads d_v"]:
+    """Average attention (Zhang et al. 2018, eq. 1 without its FFN).
+
+    Arguments:
+        q: `[q_len, heads, d_k]`, read for its shape only.
+        k: `[kv_len, kv_heads, d_k]`, read for its shape only.
+        v: `[kv_len, kv_heads, d_v]`.
+        kv_mask: optional `[kv_len]`, True for real keys (padding leaves the sums and counts).
+        causal: query j averages the values k <= j (the paper's cumulative average);
+            otherwise every query gets the average of all real values.
+
+    Returns:
+        `[q_len, heads, d_v]`: (1/|K_j|) sum_{k in K_j} v_k, K_j the real keys query j may
+        attend (zeros when it may attend none); query head h reads kv head h // (heads // kv_heads).
+
+    Time O(N d) (a prefix sum, in float32), memory O(N d); decoding O(d) per token.
+    """
+    k, v = zero_padded(k, v, kv_mask)
+    check_qkv(q, k, v)
+    q_len, heads, _ = q.shape
+    kv_len, kv_heads, _ = v.shape
+    check_mask_shape("kv_mask", kv_mask, (kv_len,))
+    if q_len != kv_len:
+        raise ValueError(f"average attention is self-attention: {q_len=} must equal {kv_len=}")
+    real = jnp.ones((kv_len,), jnp.float32) if kv_mask is None else jnp.asarray(kv_mask, jnp.float32)
+    values = jnp.asarray(v, jnp.float32)  # padded values are zeros (zero_padded)
+    if causal:
+        total, count = jnp.cumsum(values, axis=0), jnp.cumsum(real)
+    else:
+        total = jnp.broadcast_to(values.sum(0), values.shape)
+        count = jnp.broadcast_to(real.sum(), real.shape)
+    out = guarded_divide(total, count[:, None])  # [n, kv_heads, d_v]
+    return jnp.repeat(out, heads // kv_heads, axis=1).astype(out_dtype(q, k, v))
+
+
+def _ones(x, arrays, hyper_parameters):
+    """phi = 1: linear attention's state becomes (sum of the values, their count)."""
+    return jnp.ones((x.shape[0], 1), jnp.float32), None
+
+
+register(
+    "average",
+    average_attention,
+    family="prior",
+    paper="Zhang et al. 2018",
+    complexity="O(N)",
+    content_based=False,
+    exact=False,  # uniform weights are not softmax(q k^T) under any mask
+    decoder=recurrent(_ones),
+    summary="j <= i, each with weight 1/i: the cumulative average of the values; no q k^T (Zhang et al.)",
 )

@@ -106,6 +106,7 @@ def _blocks(
             qk_norm=config.layer(i).attention.qk_norm,
             qk_norm_length=config.max_len,
             **{n: getattr(config.layer(i).attention, n) for n in HEAD_OPTIONS},
+            aan_d_ff=d_ff(config.layer(i).ffn, config.d_model) if config.layer(i).attention.aan else None,
             key=ka,
         )
         role = map_role(maps_kind, i, lazy_block)

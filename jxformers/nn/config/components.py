@@ -24,6 +24,7 @@ from typing import Any
 
 from jxformers.kernels import IMPLS
 from jxformers.nn.attention import QK_NORMS
+from jxformers.nn.average import check_aan
 from jxformers.nn.blocks import NORM_PLACEMENTS
 from jxformers.nn.cross_layer import MAP_KINDS
 from jxformers.nn.heads import DISAGREEMENTS, HEAD_AGGREGATIONS
@@ -72,6 +73,11 @@ class AttentionConfig:
         choices=HEAD_AGGREGATIONS,
     )
     routing_iterations: int = setting(3, "dynamic routing iterations of head_aggregation routing", limits=1)
+    aan: bool = setting(
+        False,
+        "attention 'average' as the average attention network (Zhang et al. 2018): the average of the "
+        "layer input itself, an FFN of the block's d_ff and the gating layer, in place of the projections",
+    )
 
     def __post_init__(self):
         if isinstance(self.disagreement, str):  # one term: `--set model.attention.disagreement=position`
@@ -83,6 +89,9 @@ class AttentionConfig:
             raise ValueError(
                 f"attention.disagreement takes distinct terms among {DISAGREEMENTS}; got {self.disagreement}"
             )
+        if self.aan:
+            check_aan(self.name, d_head=self.d_head, collaborative=self.collaborative,
+                      disagreement=self.disagreement, head_aggregation=self.head_aggregation)  # fmt: skip
         for name in _MODULE:
             if name in self.hyper_parameters:
                 raise ValueError(f"attention: give {name} as the component's {name}, not among its hyper-parameters")
