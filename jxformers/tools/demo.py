@@ -126,7 +126,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return label.strip(), overrides
 
 
-def _models(attentions: list[str], variants: list[str] = ()) -> dict[str, list[str]]:
+def _models(attentions: list[str], variants: tuple[str, ...] | list[str] = ()) -> dict[str, list[str]]:
     """MODELS plus one model per attention named with --attention and per --variant."""
     extra = {name: [f"model.attention={name}"] for name in attentions if name not in MODELS}
     return MODELS | extra | dict(parse_variant(v) for v in variants)
