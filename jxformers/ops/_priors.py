@@ -168,10 +168,13 @@ def prior_terms(
     *,
     causal: bool,
     p: Priors,
+    centres: tuple[Array, Array] | None = None,
 ) -> PriorTerms:
     """The priors' terms for grouped queries `qg` (`group_heads`' layout) at `q_pos`
     against keys at `k_pos`; `visible` is I, the number of keys each query may attend
-    (the localness prior's length). `p` as `check_priors` checked it."""
+    (the localness prior's length). `p` as `check_priors` checked it; `centres`, the
+    localness centres and windows of these queries when already computed (a chunked
+    caller computes them once per query chunk, not once per key chunk)."""
     h, g = qg.shape[1], qg.shape[2]
     q_pos = jnp.asarray(q_pos, jnp.float32)
     k_pos = jnp.asarray(k_pos, jnp.float32)
@@ -182,11 +185,7 @@ def prior_terms(
         return term if total is None else total + term
 
     if p.localness:
-        assert p.localness_w is not None and p.localness_up is not None and p.localness_ud is not None
-        hidden = jnp.tanh(jnp.einsum("qhgd,de->qhge", jnp.asarray(qg, jnp.float32), p.localness_w))
-        length = jnp.asarray(visible, jnp.float32)[:, None, None]
-        centre = length * jax.nn.sigmoid(hidden @ jnp.asarray(p.localness_up, jnp.float32))  # P_i [q, h, g]
-        window = length * jax.nn.sigmoid(hidden @ jnp.asarray(p.localness_ud, jnp.float32))  # D_i
+        centre, window = localness_centres(qg, visible, p) if centres is None else centres
         # Key at position p is Yang et al.'s j = p + 1 of 1..I (P_i in [0, I]).
         gap = (k_pos + 1.0)[None, None, None, :] - centre[..., None]  # [q, h, g, k]
         term = -2.0 * gap**2 / jnp.maximum(window[..., None] ** 2, 1e-6)
@@ -212,6 +211,19 @@ def prior_terms(
         inside = jnp.abs(signed)[None, None] <= windows
         allowed = inside if allowed is None else allowed & inside
     return PriorTerms(bias, log_mask, allowed)
+
+
+def localness_centres(
+    qg: Float[ArrayLike, "q h g d"], visible: Real[ArrayLike, " q"], p: Priors
+) -> tuple[Float[Array, "q h g"], Float[Array, "q h g"]]:
+    """Yang et al.'s centre P_i = I sigmoid(U_p^T tanh(W_p q_i)) and window D_i = I
+    sigmoid(U_d^T tanh(W_p q_i)) of each grouped query (I = `visible`)."""
+    assert p.localness_w is not None and p.localness_up is not None and p.localness_ud is not None
+    hidden = jnp.tanh(jnp.einsum("qhgd,de->qhge", jnp.asarray(qg, jnp.float32), p.localness_w))
+    length = jnp.asarray(visible, jnp.float32)[:, None, None]
+    centre = length * jax.nn.sigmoid(hidden @ jnp.asarray(p.localness_up, jnp.float32))
+    window = length * jax.nn.sigmoid(hidden @ jnp.asarray(p.localness_ud, jnp.float32))
+    return centre, window
 
 
 def init_prior_arrays(

@@ -50,6 +50,7 @@ from jxformers.ops._priors import (
     check_priors,
     default_positions,
     init_prior_arrays,
+    localness_centres,
     prior_terms,
     reach,
 )
@@ -464,8 +465,11 @@ def chunked_attention(
     # Key chunks each query chunk visits: all, or those within the priors' reach.
     visits = nk if distance is None else min(nk, ceil_div(qc + 2 * distance, kc) + 1)
 
+    def visible_of(at):  # I of the localness prior for queries at positions `at`
+        return visible_at[jnp.clip(at, 0, kv_len - 1)] if causal else jnp.broadcast_to(visible_at[0], at.shape)
+
     def key_step(carry, xs):
-        acc, row_max, row_sum, qb, q_pos = carry
+        acc, row_max, row_sum, qb, q_pos, centres = carry
         kb, vb, real, k_pos = xs
         qg = group_heads(qb, kv_heads)
         s = logits(qg, kb, scale)  # [h, g, qc, kc]
@@ -475,8 +479,7 @@ def chunked_attention(
         m = head_mask(m)
         if prior_names:
             at = q_pos + offset
-            visible = visible_at[jnp.clip(at, 0, kv_len - 1)] if causal else visible_at[0]
-            terms = prior_terms(qg, at, k_pos, jnp.broadcast_to(visible, at.shape), causal=causal, p=priors)
+            terms = prior_terms(qg, at, k_pos, visible_of(at), causal=causal, p=priors, centres=centres)
             s = s if terms.bias is None else s + terms.bias
             s = capped(s, softcap)
             s = s if terms.log_mask is None else s + terms.log_mask
@@ -491,7 +494,7 @@ def chunked_attention(
         row_sum = row_sum * correction + p.sum(axis=-1)
         pv = weighted_values(p, vb)  # [qc, h, g, dv]
         acc = acc * jnp.moveaxis(correction, -1, 0)[..., None] + pv
-        return (acc, new_max, row_sum, qb, q_pos), None
+        return (acc, new_max, row_sum, qb, q_pos, centres), None
 
     # Rematerialise per key chunk: the scan then saves only its O(chunk * d) carries.
     key_step = jax.checkpoint(key_step)
@@ -508,13 +511,15 @@ def chunked_attention(
             jnp.ones((kv_heads, g, qc), jnp.float32) if sink else jnp.zeros((kv_heads, g, qc), jnp.float32),
             qb,
             q_pos,
+            # localness's centres and windows: once per query chunk, read by every key chunk
+            localness_centres(group_heads(qb, kv_heads), visible_of(q_pos + offset), priors) if localness else None,
         )
         k_pos = to_blocks(positions(nk * kc), kc)
         xs = (k_blocks, v_blocks, real_blocks, k_pos)
         if visits < nk:  # the chunks around the query chunk's diagonal, clamped to the keys
             first = jnp.clip((q_pos[0] + offset - distance) // kc, 0, nk - visits)
             xs = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, visits), xs)
-        (acc, _, row_sum, _, _), _ = jax.lax.scan(key_step, init, xs)
+        (acc, _, row_sum, _, _, _), _ = jax.lax.scan(key_step, init, xs)
         denom = jnp.moveaxis(row_sum, -1, 0)[..., None]
         return jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
 
