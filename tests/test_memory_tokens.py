@@ -109,6 +109,16 @@ def test_causal_lm_memory_by_hand_decoding_and_grad():
     assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
 
 
+def test_length_sized_attentions_hold_the_extra_tokens_within_max_len():
+    """Linformer's projections are sized by max_len, which counts the extra tokens: no refusal."""
+    linformer = {"name": "linformer", "proj_len": 4}
+    cfg = config("classify", attention=linformer, embedding={"extra_tokens": M, "position": "learned"})
+    model = build_model(cfg, key=jax.random.key(6))
+    np.testing.assert_allclose(model(TOKENS.at[4:].set(2), MASK), model(TOKENS, MASK), atol=1e-6)
+    with pytest.raises(ValueError, match="exceeds the model's max_len 16"):
+        model(jnp.zeros(16 - M, jnp.int32))  # CLS + 13 tokens + 3 extra = 17
+
+
 def np_all_attention(block, x):
     """LN(x + A(x)): A causal multi-head softmax over [persistent; keys] (persistent keys
     at no position, seen by every query), in float64 numpy; no FFN term."""
