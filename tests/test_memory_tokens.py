@@ -220,6 +220,7 @@ def test_yaml_and_set_reach_the_options():
         ],
     )
     model = experiment.model
+    assert model.max_len == 16 + 2  # the data's records (tiny copy: 16) and the memory
     assert (model.embedding.extra_tokens, model.ffn.kind, model.attention.hyper_parameters["persistent_kv"]) == (
         2,
         "none",

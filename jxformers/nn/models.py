@@ -59,9 +59,10 @@ def _split(key, n):
     return [None] * n if key is None else list(jax.random.split(key, n))
 
 
-def _check_length(n: int, max_len: int, what: str = "sequence"):
+def _check_length(n: int, max_len: int, what: str = "sequence", extra: int = 0):
     if n > max_len:
-        raise ValueError(f"{what} length {n} exceeds the model's max_len {max_len}")
+        held = f" ({extra} extra tokens included: embedding.extra_tokens)" if extra else ""
+        raise ValueError(f"{what} length {n}{held} exceeds the model's max_len {max_len}")
 
 
 def _check_reversible(blocks, reversible):
@@ -369,7 +370,7 @@ class Encoder(eqx.Module):
         """
         n = check_tokens(tokens, mask)
         start = 0 if self.cls is None else 1
-        _check_length(n + start + self.embedding.num_extra, self.max_len)
+        _check_length(n + start + self.embedding.num_extra, self.max_len, extra=self.embedding.num_extra)
         padded = mask is not None
         mask = jnp.ones((n,), bool) if mask is None else mask
         first = start + self.embedding.num_extra  # the tokens' first position: after the extra tokens and CLS
@@ -662,7 +663,7 @@ class LanguageModel(eqx.Module):
             `Produced` holds what the blocks made (MoE aux, k-means inputs).
         """
         n, m = check_tokens(tokens, mask), self.embedding.num_extra
-        _check_length(n + m, self.max_len)
+        _check_length(n + m, self.max_len, extra=m)
         x = self.embedding(tokens, jnp.arange(m, m + n))
         x, mask = self.embedding.with_extra(x, mask)  # [mem; x]: the memory first
         positions = jnp.arange(n + m)
@@ -701,7 +702,7 @@ class LanguageModel(eqx.Module):
         """Per-layer decoding states for up to `max_len` tokens (fixed shapes): empty, or
         holding the m memory tokens (prefilled; `length` starts at m)."""
         m = self.embedding.num_extra
-        _check_length(max_len + m, self.max_len, "decoding (memory tokens included)")
+        _check_length(max_len + m, self.max_len, "decoding", extra=m)
         dtype = jnp.dtype(self.embedding.dtype)
         state = {
             "layers": tuple(b.init_decode_state(max_len + m, dtype) for b in self.blocks),
