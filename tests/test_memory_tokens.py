@@ -109,6 +109,18 @@ def test_causal_lm_memory_by_hand_decoding_and_grad():
     assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
 
 
+def test_seq2seq_decoder_cross_attends_the_encoders_memory():
+    """MemTransformer's translation model: memory in the encoder, whose output [mem; x]
+    the decoder cross-attends; the decoder has none."""
+    model = build_model(config("seq2seq", embedding={"extra_tokens": M}), key=jax.random.key(7))
+    memory, memory_mask = model.encode(TOKENS, MASK)
+    assert memory.shape == (M + TOKENS.shape[0], D) and bool(memory_mask[:M].all())
+    assert model.decoder.embedding.extra is None
+    target = jnp.array([2, 7, 1])
+    moved_model = eqx.tree_at(lambda m: m.encoder, model, moved(model.encoder))
+    assert float(jnp.abs(moved_model(TOKENS, target, MASK) - model(TOKENS, target, MASK)).max()) > 1e-4
+
+
 def test_length_sized_attentions_hold_the_extra_tokens_within_max_len():
     """Linformer's projections are sized by max_len, which counts the extra tokens: no refusal."""
     linformer = {"name": "linformer", "proj_len": 4}
