@@ -33,7 +33,10 @@ class Block(eqx.Module):
     "rmsnorm"), `d_model`, `pre_norm`, `dropout` (once on each residual branch's
     output; the attention modules hold none), `norm_eps` (None: the norm's default).
     The FFN may be a FeedForward, a mixture of experts (`MoE`) or a `ProductKeyMemory`;
-    the latter two see the token mask. `apply` returns `(output, Produced)`: an MoE's
+    the latter two see the token mask. `ffn` None drops the FFN sublayer (and its norm):
+    with persistent key/value vectors in the attention (`persistent_kv`) the block is the
+    all-attention layer of Sukhbaatar et al. 2019 ("Augmenting Self-attention with
+    Persistent Memory", section 4), LN(x + A(x)) with post-norm. `apply` returns `(output, Produced)`: an MoE's
     aux dict and the k-means inputs of an attention that updates arrays
     (`jxformers.nn.produced`); `__call__` returns the output alone.
 
@@ -47,7 +50,7 @@ class Block(eqx.Module):
 
     attention: Attention
     cross_attention: Attention | None
-    ffn: FeedForward | MoE | ProductKeyMemory
+    ffn: FeedForward | MoE | ProductKeyMemory | None
     norms: tuple[LayerNorm | RMSNorm, ...]
     dropout: eqx.nn.Dropout
     evolve: cross_layer.Evolve | None
@@ -57,7 +60,7 @@ class Block(eqx.Module):
     def __init__(
         self,
         attention: Attention,
-        ffn: FeedForward | MoE | ProductKeyMemory,
+        ffn: FeedForward | MoE | ProductKeyMemory | None,
         *,
         d_model: int,
         norm: str = "layernorm",
@@ -87,7 +90,8 @@ class Block(eqx.Module):
             raise ValueError(f"evolve is the predictive maps' convolution; got it with {maps=}")
         self.maps, self.evolve = maps, evolve
         self.attention, self.cross_attention, self.ffn = attention, cross_attention, ffn
-        self.norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(3 if cross_attention is not None else 2))
+        branches = 1 + (cross_attention is not None) + (ffn is not None)
+        self.norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(branches))
         self.dropout = eqx.nn.Dropout(dropout)
         self.pre_norm = pre_norm
 
@@ -154,12 +158,16 @@ class Block(eqx.Module):
         reaches an MoE or product-key memory; an MoE's aux dict is in the `Produced`."""
         k_hidden, k_out = (None, None) if key is None else jax.random.split(key)
 
+        ffn = self.ffn
+        if ffn is None:
+            raise ValueError("this block has no FFN sublayer (ffn none): it has no FFN branch")
+
         def feed(h):
-            if isinstance(self.ffn, FeedForward):
-                return self.ffn(h, key=k_hidden, inference=inference), Produced()
-            if isinstance(self.ffn, ProductKeyMemory):
-                return self.ffn(h, mask=mask, key=k_hidden, inference=inference), Produced()
-            y, aux = self.ffn(h, mask=mask, key=k_hidden, inference=inference)
+            if isinstance(ffn, FeedForward):
+                return ffn(h, key=k_hidden, inference=inference), Produced()
+            if isinstance(ffn, ProductKeyMemory):
+                return ffn(h, mask=mask, key=k_hidden, inference=inference), Produced()
+            y, aux = ffn(h, mask=mask, key=k_hidden, inference=inference)
             return y, Produced(moe=(aux,))
 
         return self._branch(feed, self.norms[-1], x, k_out, inference)
@@ -248,6 +256,8 @@ class Block(eqx.Module):
             out, more = self._branch(attend, self.norms[1], x, k_cross, inference)
             x = self._residual(x, out, self.norms[1])
             produced = produced + more.under("cross_attention")
+        if self.ffn is None:  # the all-attention layer: no FFN sublayer
+            return x, produced, maps
         ffn_mask = kv_mask if source is None else None  # with a source, kv_mask is not x's
         out, more = self.ffn_branch(x, mask=ffn_mask, key=k_ffn, inference=inference)
         return self._residual(x, out, self.norms[-1]), produced + more, maps
@@ -306,5 +316,6 @@ class Block(eqx.Module):
             cross = self.cross_attention
             step = lambda h: (cross.cross_step(h, *context_kv, kv_mask=context_mask), Produced())  # noqa: E731
             x = self._residual(x, self._branch(step, self.norms[1], x, None, True)[0], self.norms[1])
-        x = self._residual(x, self.ffn_branch(x[None], inference=True)[0][0], self.norms[-1])
+        if self.ffn is not None:
+            x = self._residual(x, self.ffn_branch(x[None], inference=True)[0][0], self.norms[-1])
         return x, out["state"], out["maps"]

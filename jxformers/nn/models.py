@@ -46,6 +46,10 @@ from jxformers.ops import fourier_downsample, fourier_downsample_padded, funnel_
 
 DOWNSAMPLE_KINDS = ("fourier", "fourier_rescaled", "funnel")
 POOLING_KINDS = ("cls", "mean", "pma")
+# Learned tokens beside the input (`Embedding.extra`): memory (Burtsev et al. 2020) is
+# prepended and kept at the output; registers (Darcet et al. 2023) follow the CLS token
+# (if any) and are dropped at the output.
+EXTRA_TOKEN_KINDS = ("memory", "registers")
 # What an Encoder or a LanguageModel stacks: transformer blocks, Set Transformer's ISABs,
 # or one LunaStack (which carries its packed sequence between its own layers).
 AnyBlock = Block | ISAB | LunaStack
@@ -55,9 +59,10 @@ def _split(key, n):
     return [None] * n if key is None else list(jax.random.split(key, n))
 
 
-def _check_length(n: int, max_len: int, what: str = "sequence"):
+def _check_length(n: int, max_len: int, what: str = "sequence", extra: int = 0):
     if n > max_len:
-        raise ValueError(f"{what} length {n} exceeds the model's max_len {max_len}")
+        held = f" ({extra} extra tokens included: embedding.extra_tokens)" if extra else ""
+        raise ValueError(f"{what} length {n}{held} exceeds the model's max_len {max_len}")
 
 
 def _check_reversible(blocks, reversible):
@@ -67,6 +72,8 @@ def _check_reversible(blocks, reversible):
         )
     if reversible and _carries_maps(blocks):
         raise ValueError("reversible wiring runs each block's branches alone: it cannot carry attention maps")
+    if reversible and any(isinstance(b, Block) and b.ffn is None for b in blocks):
+        raise ValueError("reversible wiring pairs each attention with an FFN (G); got blocks without one (ffn none)")
 
 
 def _carries_maps(blocks) -> bool:
@@ -78,14 +85,26 @@ class Embedding(eqx.Module):
     """Token embedding (scaled by sqrt(d_model) unless `scale` is False) plus absolute
     positions (if any) plus token-type embeddings (if `type_vocab_size` > 0; type 0
     when none are given), then an optional norm (BERT's embedding LayerNorm), cast to
-    the compute dtype; its table doubles as the tied output projection."""
+    the compute dtype; its table doubles as the tied output projection.
+
+    `extra_tokens` = m > 0 adds m learned vectors (`extra`, ~ N(0, 0.02^2)) that the
+    models put in the input stream (`with_extra`) and every layer processes: as
+    `extra_kind` "memory" (Burtsev et al. 2020, "Memory Transformer", arXiv 2006.11527:
+    [mem; CLS; x], kept in an encoder's output) or "registers" (Darcet et al. 2023,
+    "Vision Transformers Need Registers", arXiv 2309.16588: [CLS; reg; x], as the
+    authors' DINOv2 code inserts them, dropped at the output). Both sit in front of the
+    tokens, so padding at the end never moves them. They enter as they are (no scale,
+    no absolute position: a learned vector absorbs one) and occupy positions 0.. of the
+    sequence's grid (relative positions see them); the tokens follow them."""
 
     table: Float[Array, "vocab d_model"]
     positions: Positions
     types: Float[Array, "types d_model"] | None
     norm: LayerNorm | RMSNorm | None
+    extra: Float[Array, "extra d_model"] | None
     dtype: str = eqx.field(static=True)
     scale: bool = eqx.field(static=True)
+    extra_kind: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -97,12 +116,40 @@ class Embedding(eqx.Module):
         scale: bool = True,
         type_vocab_size: int = 0,
         norm: LayerNorm | RMSNorm | None = None,
+        extra_tokens: int = 0,
+        extra_kind: str = "memory",
         key: PRNGKeyArray,
     ):
+        if extra_kind not in EXTRA_TOKEN_KINDS or isinstance(extra_tokens, bool) or extra_tokens < 0:
+            raise ValueError(f"extra_tokens >= 0 of a kind in {EXTRA_TOKEN_KINDS}; got {extra_tokens=}, {extra_kind=}")
         kt, ky = jax.random.split(key)
         self.table = jax.random.normal(kt if type_vocab_size else key, (vocab_size, d_model)) / math.sqrt(d_model)
         self.types = 0.02 * jax.random.normal(ky, (type_vocab_size, d_model)) if type_vocab_size else None
         self.positions, self.dtype, self.scale, self.norm = positions, dtype, scale, norm
+        extra_key = jax.random.fold_in(key, 2)
+        self.extra = 0.02 * jax.random.normal(extra_key, (extra_tokens, d_model)) if extra_tokens else None
+        self.extra_kind = extra_kind
+
+    @property
+    def num_extra(self) -> int:
+        """m, the learned tokens beside the input (0: none)."""
+        return 0 if self.extra is None else self.extra.shape[0]
+
+    @property
+    def num_memory(self) -> int:
+        """How many rows the extra tokens take in front of the input (memory) or 0."""
+        return self.num_extra if self.extra_kind == "memory" else 0
+
+    def with_extra(self, x: Float[Array, "n d_model"], mask: Bool[Array, " n"] | None, *, cls: int = 0):
+        """(x, mask) with the extra tokens, real (mask True): memory in front of everything,
+        registers after the first `cls` rows (the CLS token)."""
+        if self.extra is None:
+            return x, mask
+        at = 0 if self.extra_kind == "memory" else cls
+        x = jnp.concatenate([x[:at], self.extra.astype(x.dtype), x[at:]])
+        if mask is not None:
+            mask = jnp.concatenate([mask[:at], jnp.ones((self.num_extra,), bool), mask[at:]])
+        return x, mask
 
     def __call__(
         self, tokens: Int[Array, " n"], positions: Int[Array, " n"], token_types: Int[Array, " n"] | None = None
@@ -225,6 +272,11 @@ class Encoder(eqx.Module):
                 f"a token learner needs transformer Blocks after its after_layer "
                 f"({token_learner.after_layer}, {len(blocks)} blocks), no filters and no reversible wiring"
             )
+        if embedding.extra is not None and (filters or token_learner is not None):
+            raise ValueError(
+                f"{embedding.extra_kind} tokens sit at fixed rows of one sequence length: no filters and no token "
+                f"learner; got {filters=}, token_learner={token_learner is not None}"
+            )
         if _carries_maps(blocks) and (filters or token_learner is not None):
             raise ValueError(
                 f"blocks that carry attention maps need one sequence length throughout: no filters and no "
@@ -318,18 +370,21 @@ class Encoder(eqx.Module):
         """
         n = check_tokens(tokens, mask)
         start = 0 if self.cls is None else 1
-        _check_length(n + start, self.max_len)
+        _check_length(n + start + self.embedding.num_extra, self.max_len, extra=self.embedding.num_extra)
         padded = mask is not None
         mask = jnp.ones((n,), bool) if mask is None else mask
-        x = self.embedding(tokens, jnp.arange(start, n + start), token_types)
+        first = start + self.embedding.num_extra  # the tokens' first position: after the extra tokens and CLS
+        x = self.embedding(tokens, jnp.arange(first, n + first), token_types)
         if self.cls is not None:
             x = jnp.concatenate([self.cls.astype(x.dtype)[None], x])
             mask = jnp.concatenate([jnp.ones((1,), bool), mask])
+        x, mask = self.embedding.with_extra(x, mask, cls=start)
+        assert mask is not None
         if self.reversible:
             bias = self.embedding.positions.grid_bias(x.shape[0])
             blocks = cast(tuple[Block, ...], self.blocks)  # _check_reversible: all Blocks
             x, produced = reversible_apply(blocks, x, kv_mask=mask, bias=bias, key=key, inference=inference)
-            return (self._final(x), mask), produced.under("blocks")
+            return self._drop_registers(self._final(x), mask), produced.under("blocks")
         input_mask, filters, outputs, produced = mask, dict(self.filters), [], Produced()
         spacing = jnp.ones((), jnp.float32)
         pos = self._positions(x.shape[0], spacing)
@@ -367,11 +422,19 @@ class Encoder(eqx.Module):
                 pos = self._positions(x.shape[0], spacing)
         if upsample_sum:
             outputs.append(_upsample(x, mask, input_mask))
-            return (self._final(sum(outputs[1:], outputs[0])), input_mask), produced
-        return (self._final(x), mask), produced
+            return self._drop_registers(self._final(sum(outputs[1:], outputs[0])), input_mask), produced
+        return self._drop_registers(self._final(x), mask), produced
 
     def _final(self, x):
         return x if self.norm is None else self.norm(x)
+
+    def _drop_registers(self, x, mask):
+        """(x, mask) without the registers, which are discarded at the output (Darcet et
+        al. 2023); memory tokens stay, as in the Memory Transformer's encoder output."""
+        if self.embedding.extra_kind != "registers" or self.embedding.extra is None:
+            return x, mask
+        start, m = 0 if self.cls is None else 1, self.embedding.num_extra
+        return jnp.concatenate([x[:start], x[start + m :]]), jnp.concatenate([mask[:start], mask[start + m :]])
 
 
 def _encode(encoder, tokens, mask, *, key, inference):
@@ -425,6 +488,8 @@ class Classifier(eqx.Module):
         """(The pooled vector the head reads, what the encoder produced.)"""
         (h, m), produced = _encode(self.encoder, tokens, mask, key=key, inference=inference)
         produced = produced.under("encoder")
+        skip = cast(Any, self.encoder).embedding.num_memory  # the head reads the real tokens only
+        h, m = h[skip:], m[skip:]
         if self.pooling == "cls":
             return h[0], produced
         if self.pma is not None:
@@ -516,6 +581,14 @@ class LanguageModel(eqx.Module):
     `model(tokens)` gives next-token logits `[seq, vocab]` in parallel;
     `init_decode_state(max_len)` and `decode_step(token, state)` run it one token at a
     time with a fixed-shape state per layer (see `jxformers.decoding`).
+
+    Memory tokens (`embedding.extra`, kind "memory"; Burtsev et al. 2020) come first:
+    the model runs on [mem; x] under the causal mask, so memory token i attends memory
+    tokens <= i and every real token attends all of them; real token j sits at position
+    m + j, and the logits are the real tokens' only. Decoding prefills them: the memory's
+    hidden states depend on the layers below, not on the input, so `init_decode_state`
+    feeds the m vectors through `decode_step`'s layers once (m steps), which gives every
+    later step exactly the parallel forward's keys and values.
     """
 
     embedding: Embedding
@@ -541,6 +614,11 @@ class LanguageModel(eqx.Module):
         """`head`: an output head whose "logits" are normalised log-probabilities (the
         pixel mixture of `jxformers.nn.mixture`); it replaces the (tied) readout."""
         _check_reversible(blocks, reversible)
+        if embedding.extra is not None and embedding.extra_kind != "memory":
+            raise ValueError(
+                f"a causal language model takes memory tokens (prepended); got {embedding.extra_kind=}: registers "
+                "follow the real tokens, which the causal mask keeps from ever attending them"
+            )
         vocab, d = embedding.table.shape
         self.embedding, self.blocks, self.max_len = embedding, tuple(blocks), max_len
         tie = tie and head is None
@@ -584,11 +662,12 @@ class LanguageModel(eqx.Module):
             `([seq, vocab] float32 logits, Produced)`; row i predicts token i + 1; the
             `Produced` holds what the blocks made (MoE aux, k-means inputs).
         """
-        n = check_tokens(tokens, mask)
-        _check_length(n, self.max_len)
-        positions = jnp.arange(n)
-        x = self.embedding(tokens, positions)
-        bias = self.embedding.positions.grid_bias(n)
+        n, m = check_tokens(tokens, mask), self.embedding.num_extra
+        _check_length(n + m, self.max_len, extra=m)
+        x = self.embedding(tokens, jnp.arange(m, m + n))
+        x, mask = self.embedding.with_extra(x, mask)  # [mem; x]: the memory first
+        positions = jnp.arange(n + m)
+        bias = self.embedding.positions.grid_bias(n + m)
         if self.reversible:
             x, produced = reversible_apply(
                 cast(tuple[Block, ...], self.blocks),  # _check_reversible: all Blocks
@@ -599,7 +678,7 @@ class LanguageModel(eqx.Module):
                 key=key,
                 inference=inference,
             )
-            return self._logits(x), produced.under("blocks")
+            return self._logits(x[m:]), produced.under("blocks")
         produced, maps = Produced(), None  # maps: what one block hands the next (nn.cross_layer)
         for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)), strict=True)):
             if isinstance(block, Block):
@@ -617,16 +696,22 @@ class LanguageModel(eqx.Module):
                 produced = produced + made.under("blocks", i)
             else:  # a LunaStack (causal Luna): no bias, positions or cross-attention to pass
                 x = block(x, kv_mask=mask, key=k, inference=inference)
-        return self._logits(x), produced
+        return self._logits(x[m:]), produced
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
-        """Empty per-layer decoding states for up to `max_len` tokens (fixed shapes)."""
-        _check_length(max_len, self.max_len, "decoding")
+        """Per-layer decoding states for up to `max_len` tokens (fixed shapes): empty, or
+        holding the m memory tokens (prefilled; `length` starts at m)."""
+        m = self.embedding.num_extra
+        _check_length(max_len + m, self.max_len, "decoding", extra=m)
         dtype = jnp.dtype(self.embedding.dtype)
-        return {
-            "layers": tuple(b.init_decode_state(max_len, dtype) for b in self.blocks),
+        state = {
+            "layers": tuple(b.init_decode_state(max_len + m, dtype) for b in self.blocks),
             "length": jnp.zeros((), jnp.int32),
         }
+        if self.embedding.extra is not None:
+            feed = lambda s, v: (self._step(v, s)[1], None)  # noqa: E731
+            state = jax.lax.scan(feed, state, self.embedding.extra.astype(dtype))[0]
+        return state
 
     def decode_step(
         self,
@@ -639,6 +724,10 @@ class LanguageModel(eqx.Module):
         """Feed one token at position `state["length"]`; returns the next-token logits
         `[vocab]` and the new state."""
         x = self.embedding(token[None], state["length"][None])[0]
+        return self._step(x, state, context_kv=context_kv, context_mask=context_mask)
+
+    def _step(self, x, state, *, context_kv=None, context_mask=None):
+        """`decode_step` from the input vector x `[d_model]` on (a token's embedding or a memory token)."""
         bias_fn, layers = _bias_fn(self.embedding.positions), []
         if self.reversible:
             x, states = reversible_decode_step(self.blocks, x, state["layers"], bias_fn=bias_fn)

@@ -440,8 +440,13 @@ def _model_values(model_values: dict[str, Any], train_source, data: DataConfig) 
         given["num_classes"] = train_source.num_classes
     model_values |= given
     head = _head_kind(model_values)
+    embedding = model_values.get("embedding")
+    extra = embedding.get("extra_tokens", 0) if isinstance(embedding, Mapping) else 0  # memory, registers
     model_values.setdefault(
-        "max_len", train_source.max_len + (1 if head in (None, "cls") and train_source.model_task == "classify" else 0)
+        "max_len",
+        train_source.max_len
+        + (1 if head in (None, "cls") and train_source.model_task == "classify" else 0)
+        + (extra if isinstance(extra, int) else 0),
     )
     if head == "mixture_of_logistics" and not getattr(train_source, "pixel_values", False):
         raise ValueError(

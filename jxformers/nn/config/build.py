@@ -20,6 +20,7 @@ from jxformers.nn.config.components import (
     ISABStack,
     LunaStack,
     MixtureHead,
+    NoFeedForward,
     PerceiverStack,
     PooledHead,
     TransformerStack,
@@ -52,7 +53,9 @@ def as_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike) -> Mo
 
 
 def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
-    """A block's FFN: a FeedForward, an MoE or a product-key memory."""
+    """A block's FFN: a FeedForward, an MoE, a product-key memory, or None (ffn none)."""
+    if isinstance(ffn, NoFeedForward):
+        return None
     if isinstance(ffn, MoEConfig):
         return MoE(
             config.d_model,
@@ -211,7 +214,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
     keys = jax.random.split(key, 8)
     stack, norm, embed = config.stack, config.norm, config.embedding
 
-    def embedding(k, causal):
+    def embedding(k, causal, extra=True):
         assert embed.position is not None  # ModelConfig resolves it from the stack
         positions = Positions(
             embed.position, dim=config.d_model, heads=config.num_heads, max_len=config.max_len, causal=causal, key=k
@@ -226,6 +229,8 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             scale=embed.scale,
             type_vocab_size=embed.type_vocab_size,
             norm=embed_norm,
+            extra_tokens=embed.extra_tokens if extra else 0,
+            extra_kind=embed.extra_kind,
             key=kt,
         )
 
@@ -288,7 +293,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             else _stack(config, causal=True, key=keys[4])
         )
         return LanguageModel(
-            embedding(keys[3], True),
+            embedding(keys[3], True, extra=not cross),  # seq2seq: the encoder holds them (the paper's MemTransformer)
             blocks,
             make_norm(norm.kind, config.d_model, norm.eps),
             max_len=config.max_len,

@@ -29,7 +29,7 @@ from jxformers.nn.blocks import NORM_PLACEMENTS
 from jxformers.nn.cross_layer import MAP_KINDS
 from jxformers.nn.heads import DISAGREEMENTS, HEAD_AGGREGATIONS
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
-from jxformers.nn.models import DOWNSAMPLE_KINDS, POOLING_KINDS
+from jxformers.nn.models import DOWNSAMPLE_KINDS, EXTRA_TOKEN_KINDS, POOLING_KINDS
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import POSITION_KINDS
@@ -143,10 +143,21 @@ class EmbeddingConfig:
     scale: bool = setting(True, "multiply token embeddings by sqrt(d_model) (Vaswani et al.); BERT does not")
     norm: bool = setting(False, "a norm on the summed embeddings (BERT's embedding LayerNorm)")
     type_vocab_size: int = setting(0, "token-type (segment) embeddings added to the tokens (0: none; BERT: 2)")
+    extra_tokens: int = setting(
+        0,
+        "m learned tokens every layer processes beside the input (0: none); they count against max_len",
+    )
+    extra_kind: str = setting(
+        "memory",
+        "memory: [mem; CLS; x], kept in the encoder's output (Burtsev et al. 2020, Memory Transformer; "
+        "a causal lm's real tokens all attend them); registers: [CLS; reg; x], discarded at the output "
+        "(Darcet et al. 2023, Vision Transformers Need Registers; encoders only)",
+        choices=EXTRA_TOKEN_KINDS,
+    )
 
     def __post_init__(self):
         check_fields(self, "embedding.")
-        check_at_least(self, "embedding.", 0, "type_vocab_size")
+        check_at_least(self, "embedding.", 0, "type_vocab_size", "extra_tokens")
 
 
 @typing.no_type_check
@@ -158,7 +169,7 @@ class NormConfig:
     placement: str | None = setting(
         None,
         "pre or post the residual branch (None: the stack's paper; pre for the "
-        "transformer, the stable choice of Xiong et al. 2020)",
+        "transformer, the stable choice of Xiong et al. 2020; post with ffn none, the all-attention layer's)",
         choices=(*NORM_PLACEMENTS, None),
     )
     eps: float | None = setting(None, "epsilon (None: LayerNorm 1e-5, RMSNorm 1e-6; BERT 1e-12)")
@@ -187,8 +198,25 @@ class FeedForwardConfig:
         check_at_least(self, "ffn.", 1, "d_ff", "chunk_size")
 
 
-FFN_COMPONENTS: dict[str, type] = {kind: FeedForwardConfig for kind in FFN_KINDS} | {"moe": MoEConfig, "pkm": PKMConfig}
-FFNConfig = FeedForwardConfig | MoEConfig | PKMConfig
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class NoFeedForward:
+    """No feed-forward sublayer: each block is the all-attention layer of Sukhbaatar et al.
+    2019 ("Augmenting Self-attention with Persistent Memory", section 4), whose attention's
+    persistent key/value vectors (`persistent_kv` > 0, required) stand in for the FFN."""
+
+    kind: str = setting("none", "no FFN sublayer (the all-attention layer)", choices=("none",))
+
+    def __post_init__(self):
+        check_fields(self, "ffn.")
+
+
+FFN_COMPONENTS: dict[str, type] = {kind: FeedForwardConfig for kind in FFN_KINDS} | {
+    "moe": MoEConfig,
+    "pkm": PKMConfig,
+    "none": NoFeedForward,
+}
+FFNConfig = FeedForwardConfig | MoEConfig | PKMConfig | NoFeedForward
 
 
 def d_ff(ffn: FFNConfig, d_model: int) -> int:

@@ -36,6 +36,7 @@ from jxformers.nn.config.components import (
     FFNConfig,
     HeadConfig,
     MixtureHead,
+    NoFeedForward,
     NormConfig,
     PooledHead,
     SoftmaxHead,
@@ -144,8 +145,9 @@ class ModelConfig:
         if self.embedding.position is None:
             position = "none" if self.stack.kind in RECURRENT_STACKS else "sinusoidal"
             set_("embedding", dataclasses.replace(self.embedding, position=position))
-        if self.norm.placement is None:
-            set_("norm", dataclasses.replace(self.norm, placement=STACKS[self.stack.kind][0]))
+        if self.norm.placement is None:  # the paper's: the all-attention layer (ffn none) is post-norm
+            placement = "post" if isinstance(self.ffn, NoFeedForward) else STACKS[self.stack.kind][0]
+            set_("norm", dataclasses.replace(self.norm, placement=placement))
         self._check_sizes()
         self._check_stack()
         self._check_head()
@@ -359,12 +361,13 @@ class ModelConfig:
     def _check_ffns(self):
         """Dense FFNs go anywhere; moe and pkm in transformer blocks of classify and lm."""
         ffns = [self.layer(i).ffn for i in range(self._blocks())]
-        sparse = [f for f in ffns if not isinstance(f, FeedForwardConfig)]
         if not isinstance(self.ffn, FeedForwardConfig) and not isinstance(self.stack, TransformerStack):
             raise ValueError(
-                f"stack {self.stack.kind!r} takes a dense ffn ({sorted(set(FFN_COMPONENTS) - {'moe', 'pkm'})});"
+                f"stack {self.stack.kind!r} takes a dense ffn ({sorted(set(FFN_COMPONENTS) - {'moe', 'pkm', 'none'})});"
                 f" got {self.ffn.kind!r}"
             )
+        self._check_all_attention(ffns)
+        sparse = [f for f in ffns if isinstance(f, (MoEConfig, PKMConfig))]
         if not sparse:
             return
         kind, reversible = sparse[0].kind, getattr(self.stack, "reversible", False)
@@ -385,6 +388,58 @@ class ModelConfig:
             elif isinstance(ffn, PKMConfig):
                 ffn.check_model(d_model=self.d_model, causal=self.causal)
 
+    def _check_all_attention(self, ffns: list[FFNConfig]):
+        """ffn none (the all-attention layer, Sukhbaatar et al. 2019 section 4) replaces the
+        FFN by the attention's persistent vectors: refused without them."""
+        for index, ffn in enumerate(ffns):
+            if not isinstance(ffn, NoFeedForward):
+                continue
+            persistent = self.layer(index).attention.hyper_parameters.get("persistent_kv", 0)
+            if not persistent:
+                raise ValueError(
+                    f"ffn 'none' at block {index} (the all-attention layer) replaces the FFN by persistent "
+                    f"key/value vectors: give that block's attention persistent_kv > 0 (softmax, chunked); got "
+                    f"attention {self.layer(index).attention.name!r} with persistent_kv={persistent}"
+                )
+            if getattr(self.stack, "reversible", False):
+                raise ValueError("ffn 'none': reversible wiring pairs each attention with an FFN; got reversible True")
+            if getattr(self.head, "kind", None) == "pma":
+                raise ValueError(
+                    "head 'pma' builds its own FeedForward of the model's ffn: with ffn 'none' make the model's ffn "
+                    "dense and put 'none' in blocks through stack.layer_overrides"
+                )
+
+    def _check_extra_tokens(self):
+        """Memory tokens and registers (`embedding.extra_tokens`) need one transformer
+        stack at one length that holds them."""
+        m, kind = self.embedding.extra_tokens, self.embedding.extra_kind
+        if not m:
+            if kind != "memory":
+                raise ValueError(f"embedding.extra_kind {kind!r} needs embedding.extra_tokens > 0; got {m}")
+            return
+        stack = self.stack
+        if not isinstance(stack, TransformerStack):
+            raise ValueError(
+                f"embedding.extra_tokens={m} ({kind}) run through every layer of stack 'transformer'; got stack "
+                f"{stack.kind!r} (its own latents, packed sequence or recurrent memory play that part)"
+            )
+        if stack.filters or stack.token_learner is not None:
+            raise ValueError(
+                f"embedding.extra_tokens={m} sit at fixed rows of one sequence length: no stack.filters and no "
+                f"stack.token_learner; got filters={stack.filters}, token_learner={stack.token_learner}"
+            )
+        if self.task == "lm" and kind != "memory":
+            raise ValueError(
+                f"embedding.extra_kind={kind!r} in a causal lm: registers follow the real tokens, so no real token "
+                "could attend them; use 'memory' (prepended, attended by every token)"
+            )
+        cls = int(self.task in ENCODER_TASKS and getattr(self.head, "kind", None) == "cls")
+        if m + cls >= self.max_len:
+            raise ValueError(
+                f"embedding.extra_tokens={m} (+{cls} CLS) leave no room for a token within max_len={self.max_len}: "
+                f"need extra_tokens + CLS < max_len"
+            )
+
     def _check_embedding(self):
         """BERT's options (embedding scale, norm and token types; norm epsilon; no final
         norm) are built by the transformer stack only."""
@@ -398,6 +453,7 @@ class ModelConfig:
             for k in ("eps", "final")
             if getattr(self.norm, k) != getattr(NormConfig(), k)
         }
+        self._check_extra_tokens()
         if given and not isinstance(self.stack, TransformerStack):
             raise ValueError(
                 f"{sorted(given)} apply to stack 'transformer'; got stack {self.stack.kind!r} with {given}"
