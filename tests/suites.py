@@ -167,10 +167,11 @@ class AttentionSuite(_Parametrized):
 
     @needs(supports_kv_mask=True)
     def test_all_keys_padded_gives_zeros_not_nan(self, name, hp):
-        q, k, v = qkv(1, 24)
-        out = run(name, hp, q, k, v, kv_mask=jnp.zeros((24,), bool))
+        n = 37  # test_padded_keys_never_change_real_outputs's length: the same compiled forward
+        q, k, v = qkv(1, n)
+        out = run(name, hp, q, k, v, kv_mask=jnp.zeros((n,), bool))
         assert_close(out, jnp.zeros_like(out), atol=0)
-        g = jax.grad(lambda q: run(name, hp, q, k, v, kv_mask=jnp.zeros((24,), bool)).sum())(q)
+        g = jax.grad(lambda q: run(name, hp, q, k, v, kv_mask=jnp.zeros((n,), bool)).sum())(q)
         chex.assert_tree_all_finite(g)
 
     @needs(exact=True)
@@ -203,7 +204,7 @@ class AttentionSuite(_Parametrized):
         q, k, v = qkv(3, n)
         bound = registry.bind(name, **hp)
         arrays = bound.init_arrays(jax.random.key(5), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
-        parallel = bound(q, k, v, arrays=arrays, causal=True)
+        parallel = run(name, hp, q, k, v, causal=True, seed=4)  # under jit (eagerly: seconds a case), same arrays
         state = bound.init_state(max_len=n, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V, arrays=arrays)
 
         @jax.jit
@@ -275,14 +276,19 @@ def _one_key_per_query(name, bound, arrays, causal) -> bool:
 
 
 def jit_variants(names) -> type[chex.TestCase]:
-    """A chex.TestCase checking each variant with and without jit: same outputs, vmap
-    over a batch, finite gradients that are non-zero where the op reads its input."""
+    """A chex.TestCase checking each variant under jit: vmap over a batch, finite
+    gradients that are non-zero where the op reads its input; and, for each attention's
+    first variant, that the op run eagerly (op by op, as in a notebook) equals its jit."""
     found = cases(names)
+    firsts = [(n, first_variant(n)) for n in dict.fromkeys(n for n, _ in found)]
 
     class JitVmapGrad(chex.TestCase):
-        @chex.variants(with_jit=True, without_jit=True)
-        @parameterized.named_parameters(*[(case_id(n, hp), n, hp) for n, hp in found])
-        def test_jit_vmap_grad(self, name, hp):
+        @chex.variants(without_jit=True)
+        @parameterized.named_parameters(*[(case_id(n, hp), n, hp) for n, hp in firsts])
+        def test_eager_equals_jit(self, name, hp):
+            # One variant per attention: eager execution compiles every primitive
+            # separately (seconds per op), and what it could break (Python control flow
+            # on values) does not depend on the hyper-parameters' values.
             q, k, v = qkv(0, 24)
             spec = registry.get(name)
             bound = spec.bind(**hp)
@@ -293,17 +299,25 @@ def jit_variants(names) -> type[chex.TestCase]:
                 return bound(q, k, v, arrays=arrays, causal=spec.supports_causal)
 
             reference = run(name, hp, q, k, v, causal=spec.supports_causal)
-            out = f(q, k, v)
-            chex.assert_trees_all_close(out, reference, atol=1e-5, rtol=1e-5)
-            if self.variant.type != chex.ChexVariantType.WITH_JIT:
-                return  # eager equals jit; vmap and grad op by op would only be slower
+            chex.assert_trees_all_close(f(q, k, v), reference, atol=1e-5, rtol=1e-5)
 
+        @parameterized.named_parameters(*[(case_id(n, hp), n, hp) for n, hp in found])
+        def test_jit_vmap_grad(self, name, hp):
+            q, k, v = qkv(0, 24)
+            spec = registry.get(name)
+            bound = spec.bind(**hp)
+            arrays = bound.init_arrays(jax.random.key(1), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
+
+            def f(q, k, v):
+                return bound(q, k, v, arrays=arrays, causal=spec.supports_causal)
+
+            out = run(name, hp, q, k, v, causal=spec.supports_causal)
             qb, kb, vb = (jnp.stack([x, 0.5 * x[::-1]]) for x in (q, k, v))
-            batched = jax.vmap(f)(qb, kb, vb)
+            batched = jax.jit(jax.vmap(f))(qb, kb, vb)
             chex.assert_shape(batched, (2, *out.shape))
             chex.assert_trees_all_close(batched[0], out, atol=1e-5, rtol=1e-5)
-            chex.assert_trees_all_close(batched[1], f(qb[1], kb[1], vb[1]), atol=1e-5, rtol=1e-5)
-
+            other = run(name, hp, qb[1], kb[1], vb[1], causal=spec.supports_causal)
+            chex.assert_trees_all_close(batched[1], other, atol=1e-5, rtol=1e-5)
             grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)))(q, k, v)
             chex.assert_trees_all_equal_shapes(grads, (q, k, v))
             chex.assert_tree_all_finite(grads)
@@ -332,6 +346,15 @@ TINY = dict(vocab_size=31, num_layers=2, d_model=16, num_heads=4, kv_heads=2, d_
 def model_config(name, task, **extra):
     """A tiny ModelConfig for `name` with its first test variant."""
     return ModelConfig(task=task, attention=name, attention_kwargs=first_variant(name), **TINY | extra)
+
+
+def suite_config(name, task, **extra):
+    """`model_config` with one layer, for the per-attention model suite: what it checks
+    (forward, gradients, padding, causality, decoding) lives in the attention, and the
+    stacking of layers is tested once, attention-agnostically, with two layers
+    (tests/test_models.py, tests/test_nn.py). Each layer is compiled separately, so one
+    layer halves the suite's compile time."""
+    return model_config(name, task, **{"num_layers": 1} | extra)
 
 
 def tokens(seed, n=SEQ):
@@ -398,9 +421,11 @@ class ModelSuite(_Parametrized):
     and, when causal, a language model (causality, training gradients, decoding)."""
 
     def test_classifier_forward_grad_and_padding(self, name):
-        model = build_model(model_config(name, "classify", **facts(name).model), key=jax.random.key(0))
+        model = build_model(suite_config(name, "classify", **facts(name).model), key=jax.random.key(0))
         x = tokens(1)
-        logits, grads = forward_and_grad(model, x)
+        # One compiled program (a mask is always given) for the three calls: an all-real
+        # mask, a padded one, and the padded one with other tokens in the padding.
+        logits, grads = forward_and_grad(model, x, jnp.ones((SEQ,), bool))
         chex.assert_shape(logits, (2,))
         chex.assert_type(logits, jnp.float32)
         chex.assert_tree_all_finite(logits)
@@ -414,7 +439,7 @@ class ModelSuite(_Parametrized):
 
     @needs(supports_causal=True)
     def test_language_model_is_causal_and_trains(self, name):
-        model = build_model(model_config(name, "lm"), key=jax.random.key(0))
+        model = build_model(suite_config(name, "lm"), key=jax.random.key(0))
         x = tokens(3)
         logits, grads = forward_and_grad(model, x)
         chex.assert_shape(logits, (SEQ, TINY["vocab_size"]))
@@ -430,6 +455,6 @@ class ModelSuite(_Parametrized):
 
     @needs(decodes=True)
     def test_decoding_parity_with_the_parallel_forward(self, name):
-        model = build_model(model_config(name, "lm", position="rope"), key=jax.random.key(0))
+        model = build_model(suite_config(name, "lm", position="rope"), key=jax.random.key(0))
         x = tokens(5)
         assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)
