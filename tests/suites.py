@@ -275,6 +275,19 @@ def _one_key_per_query(name, bound, arrays, causal) -> bool:
     return all(int(np.asarray(m).sum(-1).max()) <= 1 for m in mask(24, bound.hyper_parameters, arrays, causal))
 
 
+def _op_of(name, hp):
+    """(q, k, v -> output, spec, bound op, arrays): the op with the arrays `run` draws
+    for seed 0, causal when it can be."""
+    spec = registry.get(name)
+    bound = spec.bind(**hp)
+    arrays = bound.init_arrays(jax.random.key(1), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
+
+    def f(q, k, v):
+        return bound(q, k, v, arrays=arrays, causal=spec.supports_causal)
+
+    return f, spec, bound, arrays
+
+
 def jit_variants(names) -> type[chex.TestCase]:
     """A chex.TestCase checking each variant under jit: vmap over a batch, finite
     gradients that are non-zero where the op reads its input; and, for each attention's
@@ -290,26 +303,13 @@ def jit_variants(names) -> type[chex.TestCase]:
             # separately (seconds per op), and what it could break (Python control flow
             # on values) does not depend on the hyper-parameters' values.
             q, k, v = qkv(0, 24)
-            spec = registry.get(name)
-            bound = spec.bind(**hp)
-            arrays = bound.init_arrays(jax.random.key(1), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
-
-            @self.variant
-            def f(q, k, v):
-                return bound(q, k, v, arrays=arrays, causal=spec.supports_causal)
-
-            reference = run(name, hp, q, k, v, causal=spec.supports_causal)
-            chex.assert_trees_all_close(f(q, k, v), reference, atol=1e-5, rtol=1e-5)
+            reference = run(name, hp, q, k, v, causal=registry.get(name).supports_causal)
+            chex.assert_trees_all_close(self.variant(_op_of(name, hp)[0])(q, k, v), reference, atol=1e-5, rtol=1e-5)
 
         @parameterized.named_parameters(*[(case_id(n, hp), n, hp) for n, hp in found])
         def test_jit_vmap_grad(self, name, hp):
             q, k, v = qkv(0, 24)
-            spec = registry.get(name)
-            bound = spec.bind(**hp)
-            arrays = bound.init_arrays(jax.random.key(1), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
-
-            def f(q, k, v):
-                return bound(q, k, v, arrays=arrays, causal=spec.supports_causal)
+            f, spec, bound, arrays = _op_of(name, hp)
 
             out = run(name, hp, q, k, v, causal=spec.supports_causal)
             qb, kb, vb = (jnp.stack([x, 0.5 * x[::-1]]) for x in (q, k, v))
