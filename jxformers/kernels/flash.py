@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jxformers._arrays import zero_padded
 from jxformers.kernels import flash_gpu
 from jxformers.kernels.alibi import Alibi, check_alibi
 from jxformers.kernels.block_mask import add_full_blocks, block_kinds, ceil_div, visit_lists
@@ -135,6 +136,7 @@ def block_sparse_reference(
     lse [q_len, heads])`."""
     q_len, heads, d_k = q.shape
     kv_len, kv_heads, _ = k.shape
+    k, v = zero_padded(k, v, kv_mask)  # padding's values (NaN, inf) never reach real outputs
     scale = 1.0 / math.sqrt(d_k) if scale is None else scale
     mask = jnp.asarray(dense_mask(pattern, q_len, kv_len))
     if extra_blocks is not None:
@@ -306,6 +308,7 @@ def block_sparse_attention(
         `[q_len, heads, d_v]` in q's dtype (and the lse when asked).
     """
     check_inputs(q, k, v, kv_mask)
+    k, v = zero_padded(k, v, kv_mask)  # padding's values (NaN, inf) never reach real outputs
     q_len, heads, d_k = q.shape
     kv_len, _, d_v = v.shape
     if block_sizes is None:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jxformers._arrays import group_heads
+from jxformers._arrays import group_heads, zero_padded  # noqa: F401  (the ops import it from here)
 from jxformers._typing import ArrayLike
 
 # ----------------------------------------------------------------------------- checks
@@ -205,24 +205,6 @@ def pad_to(x: ArrayLike, length: int, axis: int = 0, value=0) -> Array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
     return jnp.pad(x, widths, constant_values=value)
-
-
-def zero_padded(k: ArrayLike, v: ArrayLike, kv_mask: Bool[ArrayLike, " kv_len"] | None) -> tuple[ArrayLike, ArrayLike]:
-    """`k` and `v` with zeros at padded key positions (kv_mask False). A masked key still
-    meets a zero weight in most forms (a masked softmax row, a block of a pattern, a
-    kernel feature sum), and 0 * NaN is NaN: zeroed first, whatever padding holds (NaN,
-    inf) cannot reach a real output. Every op does this first; the inputs come back
-    unchanged without a mask, or when shapes are wrong (the op's own checks say so)."""
-    if kv_mask is None or jnp.ndim(k) != 3 or jnp.ndim(v) != 3:
-        return k, v
-    n = jnp.shape(k)[0]
-    if jnp.shape(kv_mask) != (n,) or jnp.shape(v)[0] != n:
-        return k, v
-    keep = jnp.asarray(kv_mask)[:, None, None]
-    return (
-        jnp.where(keep, k, jnp.zeros((), jnp.result_type(k))),
-        jnp.where(keep, v, jnp.zeros((), jnp.result_type(v))),
-    )
 
 
 def valid_keys(kv_mask: Bool[ArrayLike, " kv_len"] | None, kv_len: int, padded_len: int) -> Bool[Array, " padded"]:
