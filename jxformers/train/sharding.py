@@ -243,6 +243,21 @@ class ShardingPlan:
                 return sharding.spec
         raise KeyError(f"no state leaf at {tree_path}")
 
+    def gathered(self, shardings):
+        """`shardings` (a tree of NamedShardings, e.g. the plan's `state.params`) without the
+        `fsdp` axis: where the forward computes with the parameters. FSDP keeps each
+        parameter split over `fsdp` between steps and gathers it whole for the forward (its
+        gradient is reduce-scattered back by the step's out_shardings); left to XLA's
+        propagation, a table split on d_model (the embedding's fsdp split) made the
+        batch-split activations meet a d_model-split gather output, which XLA could only
+        resolve by replicating them ("involuntary full rematerialization")."""
+
+        def drop_fsdp(sharding):
+            spec = [_without(dim, "fsdp") for dim in sharding.spec]
+            return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+        return jax.tree.map(drop_fsdp, shardings)
+
     def place_state(self, state):
         """`state` with every leaf on its sharding (a no-op for leaves already there). With
         several processes each process fills its own devices' shards from its copy of the
@@ -268,6 +283,16 @@ class ShardingPlan:
             global_shape = (rows, *value.shape[1:])
             out[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
         return out
+
+
+def _without(dim, axis: str):
+    """A PartitionSpec entry (None, an axis name, or a tuple of them) without `axis`."""
+    if dim == axis:
+        return None
+    if isinstance(dim, tuple):
+        rest = tuple(a for a in dim if a != axis)
+        return rest if len(rest) > 1 else (rest[0] if rest else None)
+    return dim
 
 
 def _put_global(x, sharding: NamedSharding):

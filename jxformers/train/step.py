@@ -116,8 +116,12 @@ def make_train_step(
     replicated."""
     updating = updates_arrays(static)
 
+    gathered = None if sharding is None else sharding.gathered(sharding.state.params)
+
     def micro_grads(params, drawn, batch, memory, key):
         def loss_fn(p):
+            if gathered is not None:  # FSDP: the forward reads whole parameters (ShardingPlan.gathered)
+                p = jax.lax.with_sharding_constraint(p, gathered)
             return loss_and_metrics(eqx.combine(p, drawn, static), batch, key, memory=memory)
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
