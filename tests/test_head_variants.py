@@ -139,7 +139,7 @@ def test_the_position_term_reads_the_softmax_cores_own_matrix(options):
     x = jax.random.normal(jax.random.key(18), (6, D_MODEL))
     q, k, v = attention._queries(x), attention._keys(x), attention._heads(x, attention.v_proj, 2)
     arrays = attention._core_arrays(x, x)
-    a = attention_weights(attention.core, q, k, arrays=arrays, causal=True, kv_mask=None, bias=None)
+    a = attention_weights(attention.core, q, k, v, arrays=arrays, causal=True, kv_mask=None, bias=None)
     out = attention.core(q, k, v, arrays=arrays, causal=True)
     np.testing.assert_allclose(
         np.asarray(jnp.einsum("qhk,khd->qhd", a, jnp.repeat(v, 2, 1))), np.asarray(out), atol=1e-5
