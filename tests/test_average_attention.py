@@ -60,7 +60,8 @@ def aan(causal=True, seed=0) -> Attention:
 
 
 def lm_config(**extra) -> ModelConfig:
-    fields = dict(task="lm", vocab_size=13, d_model=D, num_heads=2, num_layers=2, max_len=32, ffn={"d_ff": D_FF})
+    # one layer: decoding parity and the gradients are each layer's own
+    fields = dict(task="lm", vocab_size=13, d_model=D, num_heads=2, num_layers=1, max_len=32, ffn={"d_ff": D_FF})
     return ModelConfig(attention={"name": "average", "aan": True}, **fields | extra)
 
 

@@ -133,7 +133,9 @@ def run_against_numpy(model, tokens, mask, kind, lazy_block=2):
 
 @pytest.mark.parametrize("task", ["lm", "classify"])
 def test_realformer_adds_the_previous_layers_scores_before_the_softmax(task):
-    model = build_model(config(task, "residual"), key=jax.random.key(0))
+    # Two layers: every layer's carried scores are checked against S_l = own + S_{l-1}, so
+    # the second layer's check already fails on carrying its own scores alone.
+    model = build_model(config(task, "residual", layers=2), key=jax.random.key(0))
     tokens = jnp.array([3, 1, 4, 1, 5, 9, 2, 6])
     mask = None if task == "lm" else jnp.array([True] * 6 + [False] * 2)
     x, weights = run_against_numpy(model, tokens, mask, "residual")
@@ -148,8 +150,12 @@ def test_realformer_adds_the_previous_layers_scores_before_the_softmax(task):
     h = blocks[0].norms[0](x0)
     own = np_softmax(np_logits(blocks[0].attention, h), np.tril(np.ones((8, 8), bool)) if causal else mask[None])
     np.testing.assert_allclose(weights[0], own, atol=1e-6)  # the first layer adds nothing
-    plain = build_model(config(task, "none"), key=jax.random.key(0))
-    assert not np.allclose(np.asarray(plain(tokens, mask)), np.asarray(model(tokens, mask)), atol=1e-3)
+    plain = build_model(config(task, "none", layers=2), key=jax.random.key(0))
+    if task == "lm":
+        assert not np.allclose(np.asarray(plain(tokens, mask)), np.asarray(model(tokens, mask)), atol=1e-3)
+    else:  # the hidden states: a mean-pooled 2-class head can hide the difference
+        (plain_hidden, _), _ = plain.encoder.apply(tokens, mask)
+        assert not np.allclose(np.asarray(plain_hidden), np.asarray(model.encoder._final(x)), atol=1e-3)
 
 
 @pytest.mark.parametrize("task", ["lm", "classify"])
@@ -167,25 +173,25 @@ def test_lazyformer_upper_layers_reuse_the_first_layers_probabilities(task):
     assert not np.allclose(weights[2], weights[0], atol=1e-3)  # a new lazy block computes its own
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_predictive_maps_convolve_the_mix_of_own_and_previous_logits(padded):
+def test_predictive_maps_convolve_the_mix_of_own_and_previous_logits():
     cfg = ModelConfig.from_dict(
-        config("classify", "predictive").to_dict() | {"stack": {"attention_maps": "predictive", "map_alpha": 0.7}}
+        config("classify", "predictive", layers=2).to_dict()
+        | {"stack": {"attention_maps": "predictive", "map_alpha": 0.7}}
     )
     model = build_model(cfg, key=jax.random.key(7))
     blocks = model.encoder.blocks
     assert blocks[0].evolve is None and blocks[1].evolve is not None and blocks[1].evolve.weight.shape == (2, 2, 3, 3)
     assert (blocks[1].evolve.alpha, blocks[1].evolve.beta) == (0.7, 0.5)
     tokens = jnp.array([3, 1, 4, 1, 5, 9, 2, 6])
-    mask = jnp.array([True] * 6 + [False] * 2) if padded else None
-    x, _ = run_against_numpy(model, tokens, mask, "predictive")
-    (hidden, _), _ = model.encoder.apply(tokens, mask)
-    np.testing.assert_allclose(np.asarray(hidden), np.asarray(model.encoder._final(x)), atol=1e-5)
+    mask = jnp.array([True] * 6 + [False] * 2)
+    for m in (None, mask):  # unpadded, then padded
+        x, _ = run_against_numpy(model, tokens, m, "predictive")
+        (hidden, _), _ = model.encoder.apply(tokens, m)
+        np.testing.assert_allclose(np.asarray(hidden), np.asarray(model.encoder._final(x)), atol=1e-5)
     # padded queries' rows and keys reach no real output through the kernel
-    if padded:
-        other = tokens.at[6:].set(jnp.array([20, 21]))
-        (hidden2, _), _ = model.encoder.apply(other, mask)
-        np.testing.assert_allclose(np.asarray(hidden2[:6]), np.asarray(hidden[:6]), atol=1e-5)
+    other = tokens.at[6:].set(jnp.array([20, 21]))
+    (hidden2, _), _ = model.encoder.apply(other, mask)
+    np.testing.assert_allclose(np.asarray(hidden2[:6]), np.asarray(hidden[:6]), atol=1e-5)
     # the convolution is learned: its gradient reaches it
     g = eqx.filter_grad(lambda m: jnp.sum(m(tokens, mask) ** 2))(model)
     assert float(jnp.abs(g.encoder.blocks[1].evolve.weight).sum()) > 0
@@ -208,18 +214,18 @@ def test_predictive_maps_are_refused_where_the_kernel_would_read_the_future():
 
 def test_one_layer_lazy_blocks_are_the_plain_transformer():
     tokens = jnp.arange(10) % VOCAB
-    plain = build_model(config("lm", "none"), key=jax.random.key(2))
-    lazy = build_model(config("lm", "lazy", lazy_block=1), key=jax.random.key(2))
+    plain = build_model(config("lm", "none", layers=2), key=jax.random.key(2))
+    lazy = build_model(config("lm", "lazy", layers=2, lazy_block=1), key=jax.random.key(2))
     np.testing.assert_allclose(np.asarray(lazy(tokens)), np.asarray(plain(tokens)), atol=1e-5)
     fewer = lambda m: sum(x.size for x in jax.tree.leaves(eqx.filter(m, eqx.is_array)))  # noqa: E731
-    lazy2 = build_model(config("lm", "lazy", lazy_block=3), key=jax.random.key(2))
-    # two reusing layers drop their query and key projections (weights and biases)
-    assert fewer(plain) - fewer(lazy2) == 2 * 2 * (D_MODEL * D_MODEL + D_MODEL)
+    lazy2 = build_model(config("lm", "lazy", layers=2, lazy_block=2), key=jax.random.key(2))
+    # the reusing layer drops its query and key projections (weights and biases)
+    assert fewer(plain) - fewer(lazy2) == 2 * (D_MODEL * D_MODEL + D_MODEL)
 
 
 @pytest.mark.parametrize("kind", ["residual", "lazy"])
 def test_jit_grad_and_bf16_through_a_built_model(kind):
-    cfg = config("lm", kind)
+    cfg = config("lm", kind, layers=2)  # lazy: [lazy, reuse]
     model = build_model(cfg, key=jax.random.key(3))
     tokens = jnp.arange(9) % VOCAB
 
@@ -242,7 +248,7 @@ def test_jit_grad_and_bf16_through_a_built_model(kind):
 
 @pytest.mark.parametrize("kind", ["residual", "lazy", "predictive"])
 def test_padded_keys_do_not_change_real_outputs(kind):
-    model = build_model(config("classify", kind), key=jax.random.key(4))
+    model = build_model(config("classify", kind, layers=2), key=jax.random.key(4))
     mask = jnp.array([True] * 5 + [False] * 4)
     a = jnp.array([1, 2, 3, 4, 5, 0, 0, 0, 0])
     b = jnp.array([1, 2, 3, 4, 5, 7, 8, 9, 22])
@@ -252,11 +258,10 @@ def test_padded_keys_do_not_change_real_outputs(kind):
     np.testing.assert_allclose(np.asarray(model(a, mask)), np.asarray(model(b, mask)), atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("kind", "position"), [("residual", "sinusoidal"), ("residual", "alibi"), ("lazy", "rope"), ("lazy", "alibi")]
-)
+@pytest.mark.parametrize(("kind", "position"), [("residual", "alibi"), ("lazy", "rope"), ("lazy", "alibi")])
 def test_a_language_model_decodes_like_its_parallel_forward(kind, position):
-    cfg = ModelConfig.from_dict(config("lm", kind).to_dict() | {"embedding": {"position": position}})
+    # two layers: the second reads the first's maps (lazy: [lazy, reuse])
+    cfg = ModelConfig.from_dict(config("lm", kind, layers=2).to_dict() | {"embedding": {"position": position}})
     model = build_model(cfg, key=jax.random.key(5))
     tokens = jnp.array([5, 3, 9, 1, 1, 7, 2, 8, 4, 0, 6, 3])
     logits = model(tokens)

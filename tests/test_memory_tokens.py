@@ -21,8 +21,9 @@ from jxformers.train.experiment import load_experiment
 D, HEADS, VOCAB, M = 16, 2, 13, 3
 
 
-def config(task, **values):
-    return ModelConfig(task=task, vocab_size=VOCAB, num_layers=2, d_model=D, num_heads=HEADS, max_len=16, **values)
+def config(task, layers=1, **values):
+    """One layer unless a test needs more: the extra tokens' rows act within each layer."""
+    return ModelConfig(task=task, vocab_size=VOCAB, num_layers=layers, d_model=D, num_heads=HEADS, max_len=16, **values)
 
 
 def by_hand(blocks, x, mask, positions, bias=None):
@@ -158,7 +159,7 @@ def np_all_attention(block, x):
 
 
 def test_all_attention_layer_is_attention_over_persistent_and_keys_without_ffn():
-    cfg = config("lm", ffn="none", attention={"name": "softmax", "persistent_kv": 4})
+    cfg = config("lm", layers=2, ffn="none", attention={"name": "softmax", "persistent_kv": 4})
     assert cfg.norm.placement == "post"  # the paper's AddNorm, LN(x + sublayer(x)), by default
     model = build_model(cfg, key=jax.random.key(3))
     block = model.blocks[0]
@@ -172,6 +173,7 @@ def test_all_attention_layer_is_attention_over_persistent_and_keys_without_ffn()
     # Only the blocks named in layer_overrides drop their FFN; pre-norm also builds.
     mixed = config(
         "classify",
+        layers=2,
         head="mean",
         stack={"layer_overrides": {1: {"ffn": "none", "attention": {"name": "chunked", "persistent_kv": 2}}}},
     )

@@ -343,7 +343,7 @@ class Attention(eqx.Module):
         weights = None
         if "position" in self.disagreement:
             weights = heads.attention_weights(
-                self.core, q, k, arrays=arrays, causal=self.causal, kv_mask=kv_mask, bias=bias
+                self.core, q, k, v, arrays=arrays, causal=self.causal, kv_mask=kv_mask, bias=bias
             )
         losses = heads.disagreement_losses(
             self.disagreement, self.disagreement_weight, values=v, outputs=out, weights=weights,

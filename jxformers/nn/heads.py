@@ -30,6 +30,7 @@ output projection in place of the concatenated heads (`HeadRouting`).
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import equinox as eqx
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from jxformers import registry
+from jxformers.ops.softmax import softmax_attention, softmax_weights
 
 HEAD_AGGREGATIONS = ("concat", "routing")
 DISAGREEMENTS = ("subspace", "position", "output")
@@ -115,7 +117,17 @@ def mixed_queries(
 
 
 def shared_keys(k: Float[Array, "n shared"], kv_heads: int) -> Float[Array, "n kv_heads shared"]:
-    """The one key X W̃_K, repeated for each key/value head (a broadcast)."""
+    """The one key X W̃_K, repeated for each key/value head (a broadcast).
+
+    Not the grouped-query form (one key head, kv_heads=1), though the key is one: every
+    op and every decoder takes k and v with the same kv_heads (`check_qkv`; a kv head is
+    a key *and its value*, and the kv-cache, ring-buffer and recurrent states hold them
+    as such), while collaborative heads share the key alone and keep one value per
+    kv head. One key head would need each op to take k_heads apart from v_heads (or the
+    values folded into one head of kv_heads * d_v, which multiplies the A V products by
+    kv_heads). So the repeat stays, and XLA materialises it (CPU, checked): n * kv_heads *
+    D̃_k floats beside the O(n^2) logits, and the decoding cache holds kv_heads copies of
+    D̃_k per token."""
     return jnp.broadcast_to(k[:, None, :], (k.shape[0], kv_heads, k.shape[-1]))
 
 
@@ -161,7 +173,8 @@ def disagreement_losses(
             a = weights.astype(jnp.float32)
             if query_mask is not None:
                 a = jnp.where(query_mask[:, None, None], a, 0.0)
-            similarity = jnp.einsum("qik,qjk->", a, a) / a.shape[1] ** 2
+            # sum_{i,j} <A^i, A^j> = |sum_i A^i|^2: one pass over the maps' sum, O(H n kv)
+            similarity = jnp.sum(jnp.square(a.sum(1))) / a.shape[1] ** 2
         losses[f"disagreement_{term}"] = weight * similarity  # -λ D: D is minus the similarity
     return losses
 
@@ -170,6 +183,7 @@ def attention_weights(
     core: registry.BoundAttention,
     q: Float[Array, "n heads d_k"],
     k: Float[Array, "kv kv_heads d_k"],
+    v: Float[Array, "kv kv_heads d_v"],
     *,
     arrays: dict,
     causal: bool,
@@ -177,14 +191,12 @@ def attention_weights(
     bias,
 ) -> Float[Array, "n heads kv"]:
     """The attention matrix of each head, as the softmax core computes it (its score
-    options, masks and bias included): the core itself, run on one-hot values (the
-    identity, so A V = A) through its reference path (no kernel)."""
-    kv_len, kv_heads = k.shape[0], k.shape[1]
-    eye = jnp.broadcast_to(jnp.eye(kv_len, dtype=jnp.float32)[:, None, :], (kv_len, kv_heads, kv_len))
-    reference = core.spec.bind(**(core.hyper_parameters | {"impl": "xla"}))
-    if "persistent_v" in arrays:  # the weights on the sequence's own keys only
-        arrays = arrays | {"persistent_v": jnp.zeros(arrays["persistent_v"].shape[:2] + (kv_len,), jnp.float32)}
-    return reference(q, k, eye, arrays=arrays, causal=causal, kv_mask=kv_mask, bias=bias)
+    options, priors, masks and bias included): the probabilities of its reference path
+    (`ops.softmax_weights`), read directly, O(n * kv * d) per head as the attention."""
+    assert core.name in WEIGHTS_FROM, core.name
+    wanted = inspect.signature(softmax_attention).parameters
+    options = {n: x for n, x in core.hyper_parameters.items() if n in wanted} | dict(arrays)
+    return softmax_weights(q, k, v, **options, causal=causal, kv_mask=kv_mask, bias=bias)
 
 
 # ------------------------------------------------------------------ routing-by-agreement

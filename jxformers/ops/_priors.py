@@ -33,7 +33,8 @@ kv-cache decoder: the step's position and the cache slots'). Persistent keys
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,14 @@ class Priors(NamedTuple):
     span_ramp: int = 32
     span_z: ArrayLike | None = None
     head_windows: tuple[int, ...] | None = None
+
+
+def gather_priors(options: Mapping[str, Any]) -> Priors:
+    """The prior keywords among an op's arguments `options` (by name: the op's `locals()`,
+    or the keywords a caller forwards) as one `Priors`, built once per call and passed on
+    to `check_priors`, `prior_terms` and `localness_centres`; a field absent from
+    `options` keeps its default."""
+    return Priors(**{name: options[name] for name in Priors._fields if name in options})
 
 
 class PriorTerms(NamedTuple):

@@ -12,6 +12,8 @@ Explicit Sparse Transformer's top-k and talking heads.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
@@ -49,6 +51,7 @@ from jxformers.ops._priors import (
     Priors,
     check_priors,
     default_positions,
+    gather_priors,
     init_prior_arrays,
     localness_centres,
     prior_terms,
@@ -74,6 +77,7 @@ __all__ = [
     "causal_mask",
     "chunked_attention",
     "softmax_attention",
+    "softmax_weights",
 ]
 
 
@@ -173,6 +177,58 @@ def softmax_attention(
     Causal, cross attention and decoding (q_len = 1 against a cache) are supported.
     Softmax runs in float32.
     """
+    arguments = locals()
+    return _softmax(gather_priors(arguments), weights=False, **_dense_arguments(arguments))
+
+
+def softmax_weights(
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
+    **options: Any,
+) -> Float[Array, "q_len heads kv_len"]:
+    """Each head's attention matrix A of `softmax_attention(q, k, v, **options)` (its
+    score options, priors, masks and bias included): the probabilities its reference path
+    multiplies v by, in float32, on the `kv_len` keys given (persistent keys' columns
+    left out). `v` is read for its shape alone. Time and memory O(q_len * kv_len * d)
+    per head, as the attention itself (no kernel: the matrix is the output)."""
+    arguments = options | {"q": q, "k": k, "v": v, "impl": "xla"}
+    return _softmax(gather_priors(arguments), weights=True, **_dense_arguments(arguments))
+
+
+def _dense_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The dense op's arguments other than the priors' (`gather_priors` takes those)."""
+    return {n: x for n, x in arguments.items() if n not in Priors._fields and n != "span_loss_weight"}
+
+
+def _softmax(
+    priors: Priors,
+    *,
+    weights: bool,
+    q,
+    k,
+    v,
+    mask=None,
+    kv_mask=None,
+    bias=None,
+    causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    top_k: int | None = None,
+    sinks: str = "none",
+    sink_logits=None,
+    talking_heads: bool = False,
+    talking_logits=None,
+    talking_weights=None,
+    persistent_kv: int = 0,
+    persistent_k=None,
+    persistent_v=None,
+    query_positions=None,
+    key_positions=None,
+    impl: str = "auto",
+):
+    """`softmax_attention` with its priors gathered once (`priors`): its output, or with
+    `weights` the probabilities `[q_len, heads, kv_len]` of its reference path."""
     k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v)
     q_len, heads, d_k = q.shape
@@ -192,19 +248,6 @@ def softmax_attention(
         persistent_k=persistent_k,
         persistent_v=persistent_v,
         kv_heads=k.shape[1],
-    )
-    priors = Priors(
-        localness=localness,
-        localness_w=localness_w,
-        localness_up=localness_up,
-        localness_ud=localness_ud,
-        gaussian_prior=gaussian_prior,
-        gaussian_w=gaussian_w,
-        gaussian_b=gaussian_b,
-        adaptive_span=adaptive_span,
-        span_ramp=span_ramp,
-        span_z=span_z,
-        head_windows=head_windows,
     )
     prior_names = check_priors(heads, d_k, priors)
     options = options + prior_names
@@ -271,6 +314,8 @@ def softmax_attention(
     p = softmax_parts([(s, allowed), *sink_part(sinks, sink_logits, s.shape)])[0]
     if talking_heads:  # ... and U = W P_w after it; masked weights are 0 in every head
         p = mix_heads(p, talking_weights)
+    if weights:  # [q, heads, kv] on the sequence's own keys (persistent ones in front)
+        return jnp.moveaxis(p.reshape(heads, q_len, kv_len), 1, 0)[:, :, persistent_kv:]
     out = weighted_values(p, v)
     return out.reshape(q_len, heads, v.shape[2]).astype(out_dtype(q, k, v))
 
@@ -424,19 +469,7 @@ def chunked_attention(
         persistent_v=persistent_v,
         kv_heads=kv_heads,
     )
-    priors = Priors(
-        localness=localness,
-        localness_w=localness_w,
-        localness_up=localness_up,
-        localness_ud=localness_ud,
-        gaussian_prior=gaussian_prior,
-        gaussian_w=gaussian_w,
-        gaussian_b=gaussian_b,
-        adaptive_span=adaptive_span,
-        span_ramp=span_ramp,
-        span_z=span_z,
-        head_windows=head_windows,
-    )
+    priors = gather_priors(locals())
     prior_names = check_priors(heads, d_k, priors)
     if prior_names and persistent_kv:
         raise ValueError(
