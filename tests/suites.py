@@ -145,6 +145,12 @@ class AttentionSuite(_Parametrized):
         b = run(name, hp, q, k2, v2, causal=True)
         assert_close(a[: i + 1], b[: i + 1], atol=1e-5)
         assert not np.allclose(a[i + 1 :], b[i + 1 :]), "the perturbation should change later outputs"
+        # Non-finite future too (a future NaN times a zero weight must not be 0 * NaN),
+        # in the queries as well (shared-QK attentions take their keys from them).
+        q3, k3, v3 = q.at[i + 1 :].set(jnp.nan), k.at[i + 1 :].set(jnp.inf), v.at[i + 1 :].set(jnp.nan)
+        c = run(name, hp, q3, k3, v3, causal=True)
+        chex.assert_tree_all_finite(c[: i + 1])
+        assert_close(a[: i + 1], c[: i + 1], atol=1e-5)
 
     @needs(supports_kv_mask=True)
     @given(n=LENGTH, seed=SEEDS, data=st.data())

@@ -13,6 +13,7 @@ keys per group, `h` kv heads, `g` query heads per kv head, `d` features.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -367,3 +368,68 @@ def sliding_window_part(
 def rows_to_output(rows: Float[ArrayLike, "L h g dv"], n: int, dtype) -> Float[Array, "n heads dv"]:
     """[L, h, g, dv] -> [n, h * g, dv] in `dtype` (drops the padding rows)."""
     return rows.reshape(rows.shape[0], -1, rows.shape[-1])[:n].astype(dtype)
+
+
+def _non_finite_heads(x: Array, heads: int) -> Bool[Array, "n heads"]:
+    """[n, heads]: whether any feature of x [n, h, d] is non-finite, each of x's h heads
+    spread over the `heads // h` query heads it serves (all of them when h does not divide)."""
+    bad = ~jnp.all(jnp.isfinite(x), axis=-1)
+    h = x.shape[1]
+    if heads % h:
+        return jnp.broadcast_to(jnp.any(bad, axis=1, keepdims=True), (x.shape[0], heads))
+    return jnp.repeat(bad, heads // h, axis=1)
+
+
+def _finite_or_zero(x: Array) -> Array:
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def causal_never_reads_non_finite_future(*, keys_from_q: bool = False):
+    """Decorate a causal-capable op `op(q, k, v, *, causal=..., kv_mask=..., ...)` so that a
+    non-finite value (NaN, inf) at a later position never reaches an earlier row.
+
+    A masked-out future key still meets a zero weight inside a matmul (a masked softmax
+    row, a band of blocks, a kernel feature sum), and 0 * NaN is NaN, so without this a
+    NaN at position j made rows i < j NaN in every causal op. Under `causal=True` (self
+    attention, `q_len == kv_len`) the op runs on keys and values with non-finite entries
+    replaced by zeros (the queries too when they are the keys: `keys_from_q`, shared-QK),
+    and then each row (and head) i is NaN where a real key j <= i (kv_mask True) had a
+    non-finite k_j (q_j with `keys_from_q`) or v_j: the rows that may read it (a superset
+    for a sparse pattern). Costs a pass over k and v, their zeroed copies, and a
+    cumulative max over positions. Otherwise (not causal, other shapes: the op's own
+    checks speak) the op runs unchanged. The gradient reaching a replaced entry is zero."""
+
+    def decorate(op: Callable) -> Callable:
+        default_causal = inspect.signature(op).parameters["causal"].default
+
+        @functools.wraps(op)
+        def guarded(q, k, v, *args, **kwargs):
+            causal = kwargs.get("causal", default_causal)
+            shapes = [jnp.shape(x) for x in (q, k, v)]
+            if (
+                causal is not True
+                or any(len(s) != 3 for s in shapes)
+                or len({s[0] for s in shapes}) != 1
+                or not all(jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in (q, k, v))
+            ):
+                return op(q, k, v, *args, **kwargs)
+            q, k, v = (jnp.asarray(x) for x in (q, k, v))
+            n, heads = q.shape[:2]
+            bad_keys = _non_finite_heads(v, heads) | _non_finite_heads(q if keys_from_q else k, heads)
+            kv_mask = kwargs.get("kv_mask")
+            if kv_mask is not None and jnp.shape(kv_mask) == (n,):
+                bad_keys = bad_keys & jnp.asarray(kv_mask)[:, None]  # padding is never read
+            poisoned = jax.lax.cummax(bad_keys.astype(jnp.int32), axis=0) > 0
+            if keys_from_q:  # the queries are the keys: clean them too, and mark each one's own row
+                poisoned = poisoned | _non_finite_heads(q, heads)
+                q = _finite_or_zero(q)
+            # Other queries stay as given: a non-finite q_i reaches row i alone (its own
+            # scores), and a row of an op that never reads q values (reads_q=False) not at all.
+            out = op(q, _finite_or_zero(k), _finite_or_zero(v), *args, **kwargs)
+            if not isinstance(out, jax.Array) or out.ndim != 3 or out.shape[:2] != (n, heads):
+                return out
+            return jnp.where(poisoned[:, :, None], jnp.asarray(jnp.nan, out.dtype), out)
+
+        return guarded
+
+    return decorate

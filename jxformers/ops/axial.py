@@ -13,7 +13,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from jxformers._typing import ArrayLike
-from jxformers.ops._common import ceil_div, check_positive, check_self, zero_padded
+from jxformers.ops._common import (
+    causal_never_reads_non_finite_future,
+    ceil_div,
+    check_positive,
+    check_self,
+    zero_padded,
+)
 from jxformers.ops.local import block_local_attention, dilated_attention
 from jxformers.registry import register
 
@@ -23,6 +29,7 @@ __all__ = [
 ]
 
 
+@causal_never_reads_non_finite_future()
 def axial_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],

@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
+    causal_never_reads_non_finite_future,
     ceil_div,
     check_mask_shape,
     check_positive,
@@ -66,6 +67,7 @@ def compress_memory(
     return out.reshape(mem, heads, d_out // heads).astype(x.dtype), to_blocks(real, stride).any(axis=1)
 
 
+@causal_never_reads_non_finite_future()
 def memory_compressed_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],

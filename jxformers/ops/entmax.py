@@ -26,6 +26,7 @@ from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
 from jxformers.decoding import KVCache, cache_append, full_cache_init
 from jxformers.ops._common import (
+    causal_never_reads_non_finite_future,
     check_mask_shape,
     check_qkv,
     default_scale,
@@ -216,6 +217,7 @@ def head_alpha(alpha_logit: Float[ArrayLike, " heads"]) -> Float[Array, " heads"
     return 1.0 + jax.nn.sigmoid(jnp.asarray(alpha_logit).astype(jnp.float32))
 
 
+@causal_never_reads_non_finite_future()
 def adaptive_sparse_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],

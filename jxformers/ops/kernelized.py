@@ -34,6 +34,7 @@ from jxformers.kernels import linear as linear_kernels
 from jxformers.kernels.impl import IMPLS, choose_kernel
 from jxformers.kernels.linear import chunked_linear_attention
 from jxformers.ops._common import (
+    causal_never_reads_non_finite_future,
     ceil_div,
     check_mask_shape,
     check_positive,
@@ -283,6 +284,7 @@ FEATURE_MAPS: dict[str, Callable[[Array], Array]] = {
 }
 
 
+@causal_never_reads_non_finite_future()
 def linear_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],
@@ -448,6 +450,7 @@ def performer_query_features(
     return jnp.exp(log_q) / math.sqrt(projection.shape[0])
 
 
+@causal_never_reads_non_finite_future()
 def performer_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],
@@ -604,6 +607,7 @@ def rfa_features(
     return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1) / math.sqrt(projection.shape[0])
 
 
+@causal_never_reads_non_finite_future()
 def rfa_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],

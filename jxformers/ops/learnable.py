@@ -30,6 +30,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from jxformers._typing import ArrayLike
 from jxformers.decoding import TaggedCache
 from jxformers.ops._common import (
+    causal_never_reads_non_finite_future,
     ceil_div,
     check_positive,
     check_self,
@@ -266,6 +267,7 @@ def lsh_buckets(
     return jnp.argmax(jnp.concatenate([rotated, -rotated], axis=-1), axis=-1).astype(jnp.int32)
 
 
+@causal_never_reads_non_finite_future(keys_from_q=True)
 def lsh_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],
@@ -455,6 +457,7 @@ def _routing_heads(heads: int, kv_heads: int, local_heads: int | None) -> int:
     return local_heads
 
 
+@causal_never_reads_non_finite_future()
 def routing_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],
@@ -705,6 +708,7 @@ def sinkhorn_balance(
     return jnp.where(allowed, jnp.exp(x), 0.0)
 
 
+@causal_never_reads_non_finite_future()
 def sinkhorn_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],

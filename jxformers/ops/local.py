@@ -23,6 +23,7 @@ from jxformers.kernels.flash import pattern_attention
 from jxformers.ops._common import (
     attend_parts,
     block_part,
+    causal_never_reads_non_finite_future,
     ceil_div,
     check_positive,
     check_self,
@@ -64,6 +65,7 @@ def block_local_pattern(block_size: int, *, causal: bool, q_len: int, kv_len: in
     return kp.intersect(kp.Band(0, 0, unit=block_size), kp.causal(q_len, kv_len) if causal else None)
 
 
+@causal_never_reads_non_finite_future()
 def local_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],
@@ -125,6 +127,7 @@ register(
 )
 
 
+@causal_never_reads_non_finite_future()
 def block_local_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],
@@ -186,6 +189,7 @@ register(
 )
 
 
+@causal_never_reads_non_finite_future()
 def dilated_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],
@@ -322,6 +326,7 @@ def _in_memory_block(i, j, *, width, query_height, query_width, memory_height, m
     return inside & (j <= i) if causal else inside
 
 
+@causal_never_reads_non_finite_future()
 def image_local_2d_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],

@@ -27,6 +27,7 @@ from jxformers.ops._common import (
     Part,
     attend_parts,
     block_part,
+    causal_never_reads_non_finite_future,
     ceil_div,
     check_positive,
     check_self,
@@ -122,6 +123,7 @@ def _causal_compressed(k, v, real, proj_w, ln_k, ln_v, segment_size: int):
     return kbar, vbar, segment, seg_real
 
 
+@causal_never_reads_non_finite_future()
 def long_short_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],

@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from jxformers._arrays import group_heads
 from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
+    causal_never_reads_non_finite_future,
     ceil_div,
     check_mask_shape,
     check_positive,
@@ -192,6 +193,7 @@ def synthesizer_logits(
     raise ValueError(f"kind must be one of {SYNTHESIZER_KINDS}; got {kind!r}")
 
 
+@causal_never_reads_non_finite_future()
 def synthesizer_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],

@@ -26,7 +26,15 @@ from jaxtyping import Array, Bool, Float, Int
 from jxformers._arrays import guarded_divide
 from jxformers._typing import ArrayLike
 from jxformers.decoding import kv_cache, recurrent
-from jxformers.ops._common import check_mask_shape, check_qkv, out_dtype, softmax_parts, weighted_values, zero_padded
+from jxformers.ops._common import (
+    causal_never_reads_non_finite_future,
+    check_mask_shape,
+    check_qkv,
+    out_dtype,
+    softmax_parts,
+    weighted_values,
+    zero_padded,
+)
 from jxformers.ops._priors import default_positions
 from jxformers.registry import register
 from jxformers.validate import Limits
@@ -34,6 +42,7 @@ from jxformers.validate import Limits
 __all__ = ["average_attention", "hard_gaussian_attention"]
 
 
+@causal_never_reads_non_finite_future()
 def hard_gaussian_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],
@@ -122,6 +131,7 @@ register(
 )
 
 
+@causal_never_reads_non_finite_future()
 def average_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],

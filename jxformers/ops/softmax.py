@@ -27,6 +27,7 @@ from jxformers.kernels.alibi import Alibi, check_alibi
 from jxformers.kernels.cudnn import cudnn_attention, cudnn_unsupported
 from jxformers.kernels.flash import pattern_attention
 from jxformers.ops._common import (
+    causal_never_reads_non_finite_future,
     ceil_div,
     check_mask_shape,
     check_positive,
@@ -94,6 +95,7 @@ def softmax_pattern(q_len: int, kv_len: int, *, causal: bool) -> kp.Pattern:
     return kp.causal(q_len, kv_len) if causal else kp.DENSE
 
 
+@causal_never_reads_non_finite_future()
 def softmax_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],
@@ -395,6 +397,7 @@ register(
 )
 
 
+@causal_never_reads_non_finite_future()
 def chunked_attention(
     q: Float[ArrayLike, "q_len heads d_k"],
     k: Float[ArrayLike, "kv_len kv_heads _d_k"],

@@ -26,6 +26,7 @@ from jxformers.kernels.flash import BlockSizes, merge_attentions, pattern_attent
 from jxformers.ops._common import (
     attend_parts,
     block_part,
+    causal_never_reads_non_finite_future,
     ceil_div,
     check_positive,
     check_self,
@@ -61,6 +62,7 @@ __all__ = [
 # ----------------------------------------------------------------------------- Sparse Transformer
 
 
+@causal_never_reads_non_finite_future()
 def sparse_transformer_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],
@@ -310,6 +312,7 @@ def _global_projections(q, k, v, global_q, global_k, global_v):
     return global_q, global_k, global_v
 
 
+@causal_never_reads_non_finite_future()
 def longformer_attention(
     q: Float[ArrayLike, "seq heads d_k"],
     k: Float[ArrayLike, "_seq kv_heads _d_k"],
