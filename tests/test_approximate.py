@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import assert_close, jitted_call, qkv
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -67,13 +67,18 @@ def test_linear_accepts_a_callable_feature_map():
 
 def test_linear_gradients_agree_across_causal_forms():
     q, k, v = qkv(3, 40)
-    grads = [
-        jax.grad(
-            lambda q, k, v: jnp.sum(jnp.sin(ops.linear_attention(q, k, v, causal=True, form=f, chunk_size=8))),  # noqa: B023
-            (0, 1, 2),
-        )(q, k, v)
-        for f in ("quadratic", "scan", "chunked")
-    ]
+
+    @jax.jit  # the three forms' gradients in one compiled program
+    def all_grads(q, k, v):
+        return [
+            jax.grad(
+                lambda q, k, v: jnp.sum(jnp.sin(ops.linear_attention(q, k, v, causal=True, form=f, chunk_size=8))),  # noqa: B023
+                (0, 1, 2),
+            )(q, k, v)
+            for f in ("quadratic", "scan", "chunked")
+        ]
+
+    grads = all_grads(q, k, v)
     for other in grads[1:]:
         for a, b in zip(grads[0], other, strict=True):
             assert_close(a, b, atol=1e-5)
@@ -91,18 +96,20 @@ def test_gated_forms_agree():
     q, k, v = qkv(5, 37)
     gate = jax.nn.sigmoid(jax.random.normal(jax.random.key(9), (37, 2)))
     fq, fk = jax.nn.elu(q) + 1, jax.nn.elu(k) + 1
-    outs = [
-        ops.kernel_attention(fq, fk, v, causal=True, gate=gate, form=f, chunk_size=8)
-        for f in ("quadratic", "scan", "chunked")
-    ]
+
+    @jax.jit  # every output the test compares, in one compiled program
+    def outputs(fq, fk, v, gate):
+        forms = [
+            ops.kernel_attention(fq, fk, v, causal=True, gate=gate, form=f, chunk_size=8)
+            for f in ("quadratic", "scan", "chunked")
+        ]
+        ones = ops.kernel_attention(fq, fk, v, causal=True, gate=jnp.ones((37, 2)))
+        return forms, ones, ops.kernel_attention(fq, fk, v, causal=True)
+
+    outs, ones, plain = outputs(fq, fk, v, gate)
     assert_close(outs[1], outs[0], atol=1e-5)
     assert_close(outs[2], outs[0], atol=1e-5)
-    # An all-ones gate is plain causal linear attention.
-    assert_close(
-        ops.kernel_attention(fq, fk, v, causal=True, gate=jnp.ones((37, 2))),
-        ops.kernel_attention(fq, fk, v, causal=True),
-        atol=1e-5,
-    )
+    assert_close(ones, plain, atol=1e-5)  # an all-ones gate is plain causal linear attention
 
 
 # ----------------------------------------------------------------------------- Performer
@@ -134,14 +141,17 @@ def test_performer_features_estimate_the_softmax_kernel_without_bias(orthogonal)
 def test_performer_error_falls_as_features_grow():
     q, k, v = qkv(6, 64, heads=2, kv_heads=2, d=16)
     q, k = q * 0.5, k * 0.5
-    exact = ops.softmax_attention(q, k, v)
+    exact = jitted_call(ops.softmax_attention, q, k, v)
     errors = []
-    for m in (8, 64, 512):
+    for m in (8, 64, 512):  # one compilation per feature count
         errs = [
             float(
                 jnp.mean(
                     jnp.abs(
-                        ops.performer_attention(q, k, v, ops.performer_projection(jax.random.key(s), m, 16)) - exact
+                        jitted_call(
+                            ops.performer_attention, q, k, v, ops.performer_projection(jax.random.key(s), m, 16)
+                        )
+                        - exact
                     )
                 )
             )
@@ -156,8 +166,8 @@ def test_performer_causal_chunked_equals_quadratic_and_survives_large_logits():
     q, k, v = qkv(7, 50, d=16)
     w = ops.performer_projection(jax.random.key(3), 32, 16)
     big_q, big_k = q * 4, k * 4  # unstabilised features would overflow float32
-    a = ops.performer_attention(big_q, big_k, v, w, causal=True, form="quadratic")
-    b = ops.performer_attention(big_q, big_k, v, w, causal=True, chunk_size=8)
+    a = jitted_call(ops.performer_attention, big_q, big_k, v, w, causal=True, form="quadratic")
+    b = jitted_call(ops.performer_attention, big_q, big_k, v, w, causal=True, chunk_size=8)
     assert bool(jnp.all(jnp.isfinite(b)))
     assert_close(a, b, atol=1e-4, rtol=1e-3)
 
@@ -175,8 +185,8 @@ def test_rfa_gate_forms_agree_and_projection_shape_is_checked():
     q, k, v = qkv(9, 30)
     w = ops.performer_projection(jax.random.key(5), 16, 8)
     gate = jax.nn.sigmoid(jax.random.normal(jax.random.key(6), (30, 2)))
-    a = ops.rfa_attention(q, k, v, w, gate=gate, causal=True, form="scan")
-    b = ops.rfa_attention(q, k, v, w, gate=gate, causal=True, chunk_size=7)
+    a = jitted_call(ops.rfa_attention, q, k, v, w, gate=gate, causal=True, form="scan")
+    b = jitted_call(ops.rfa_attention, q, k, v, w, gate=gate, causal=True, chunk_size=7)
     assert_close(a, b, atol=1e-4)
     with pytest.raises(ValueError, match="projection"):
         ops.rfa_attention(q, k, v, w[:, :4])

@@ -6,12 +6,13 @@ lengths), bf16, cross attention, models, and the `impl` choice."""
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import masks
 import numpy as np
 import pytest
-from conftest import assert_close, cuda_target, qkv
+from conftest import assert_close, cuda_target, jitted_call, qkv
 
 from jxformers import ModelConfig, build_model, ops
 from jxformers.kernels import (
@@ -348,7 +349,10 @@ def test_alibi_models_run_the_kernel_without_an_n_by_n_bias():
     base = dict(task="lm", vocab_size=50, num_layers=1, d_model=16, num_heads=2, max_len=n, position="alibi")
     key = jax.random.key(0)
     kernel_model = build_model(ModelConfig(**base, impl="interpret"), key=key)
-    assert_close(kernel_model(tokens), build_model(ModelConfig(**base, impl="xla"), key=key)(tokens), atol=2e-5)
+    forward = eqx.filter_jit(lambda m, x: m(x))  # compiled: op by op, each operation compiles alone
+    assert_close(
+        forward(kernel_model, tokens), forward(build_model(ModelConfig(**base, impl="xla"), key=key), tokens), atol=2e-5
+    )
     jaxpr = jax.make_jaxpr(kernel_model)(tokens)
 
     def shapes(jaxpr):  # every intermediate, inside jit, scan and the kernels' bodies too
@@ -427,8 +431,8 @@ def test_impl_errors_name_what_is_allowed():
 
 def test_auto_falls_back_where_the_kernel_does_not_fit():
     q, k, v = qkv(9, N)
-    out = ops.longformer_attention(q, k, v, global_indices=jnp.array([0]), impl="auto")
-    assert_close(out, ops.longformer_attention(q, k, v, global_indices=(0,), impl="xla"), atol=1e-6)
+    out = jitted_call(ops.longformer_attention, q, k, v, global_indices=jnp.array([0]), impl="auto")
+    assert_close(out, jitted_call(ops.longformer_attention, q, k, v, global_indices=(0,), impl="xla"), atol=1e-6)
     jaxpr = str(jax.make_jaxpr(functools.partial(ops.local_attention, window=4))(q, k, v))
     assert "pallas_call" not in jaxpr  # auto on this backend (or this short) runs XLA
 
@@ -462,8 +466,9 @@ def test_model_impl_reaches_every_layer_and_matches_xla():
     config = ModelConfig(**base, impl="interpret", layer_overrides={1: {"impl": "xla"}})
     assert [config.bound_attention(i).hyper_parameters["impl"] for i in range(2)] == ["interpret", "xla"]
     key = jax.random.key(0)
-    got = build_model(config, key=key)(tokens)
-    want = build_model(ModelConfig(**base, impl="xla"), key=key)(tokens)
+    forward = eqx.filter_jit(lambda m, x: m(x))  # compiled: op by op, each operation compiles alone
+    got = forward(build_model(config, key=key), tokens)
+    want = forward(build_model(ModelConfig(**base, impl="xla"), key=key), tokens)
     assert_close(got, want, atol=2e-5)
     with pytest.raises(ValueError, match="has no Pallas kernel"):
         ModelConfig(**(base | {"attention": "axial", "attention_kwargs": {"width": 8}}), impl="pallas")
@@ -522,13 +527,21 @@ def test_auto_runs_sparse_transformer_through_the_kernel_on_hopper(monkeypatch, 
             ),
         )
     q, k, v = qkv(0, 256)
-    ops.sparse_transformer_attention(q, k, v, stride=16, pattern=pattern)
+
+    def attend(q, k, v):
+        """The op traced, not compiled or run (the choice is made while it traces); a new
+        function each time, so that no trace is reused from JAX's cache."""
+        return jax.eval_shape(
+            lambda q, k, v: ops.sparse_transformer_attention(q, k, v, stride=16, pattern=pattern), q, k, v
+        )
+
+    attend(q, k, v)
     assert taken == []  # on this CPU: the XLA op
     monkeypatch.setattr(impl, "device_backend", lambda: "gpu")
     monkeypatch.setattr(impl, "_gpu_capability", lambda: 9.0)
-    ops.sparse_transformer_attention(q[:100], k[:100], v[:100], stride=16, pattern=pattern)
+    attend(q[:100], k[:100], v[:100])
     assert taken == []  # too few queries for a kernel launch to pay
-    ops.sparse_transformer_attention(q, k, v, stride=16, pattern=pattern)
+    attend(q, k, v)
     assert [(name, choice.backend) for name, choice in taken] == [(f"_{pattern}_kernel", "gpu")]
 
 

@@ -195,11 +195,13 @@ def test_models_and_the_registry_never_warn_about_lsh_keys(monkeypatch):
     q, k, v = qkv(0, 8, heads=2, kv_heads=2)
     bound = registry.bind("lsh", n_buckets=2, chunk_size=4)
     arrays = bound.init_arrays(jax.random.key(0), heads=2, kv_heads=2, d_k=D_K, d_v=D_V)
+    # Compiled: the warning is Python's, raised (here as an error) while the calls trace;
+    # run op by op, the model and the two op calls would cost a compilation per operation.
     with warnings.catch_warnings():
         warnings.simplefilter("error", ops.SharedQKWarning)
-        model(jnp.arange(10) % 11)
-        bound(q, k, v, arrays=arrays)
-        registry.get("lsh")(q, k, v, arrays=arrays, n_buckets=2, chunk_size=4)
+        eqx.filter_jit(lambda m, x: m(x))(model, jnp.arange(10) % 11)
+        jax.jit(lambda q, k, v, a: bound(q, k, v, arrays=a))(q, k, v, arrays)
+        jax.jit(lambda q, k, v, a: registry.get("lsh")(q, k, v, arrays=a, n_buckets=2, chunk_size=4))(q, k, v, arrays)
     assert "warn_unused_k" not in registry.get("lsh").defaults()  # a call argument, not a hyper-parameter
 
 
@@ -343,14 +345,17 @@ def test_train_step_moves_the_centroids_outside_the_gradient(name, kwargs, rever
     for a, b in zip(before, after, strict=True):
         assert not bool(jnp.allclose(a, b))  # moved by the k-means update, not by the optimizer
 
-    # The update is a pure function of the batch's inputs the model returns, no gradient involved.
-    produced = jax.jit(jax.vmap(lambda t, m: model.apply(t, m)[1]))(tokens, batch["mask"])
+    # The update is a pure function of the batch's inputs the model returns, no gradient
+    # involved. (Compiled, like the inference call below: run op by op, a model with
+    # k-means routing costs hundreds of one-operation compilations.)
+    produced = eqx.filter_jit(jax.vmap(lambda t, m: model.apply(t, m)[1]))(tokens, batch["mask"])
     assert [a.path for a in produced.attention_inputs] == [("encoder", "blocks", 0, "attention")]
-    expected = nn.update_arrays(model, produced.attention_inputs)
+    expected = eqx.filter_jit(nn.update_arrays)(model, produced.attention_inputs)
     for a, b in zip(nn.attention_modules(expected), after, strict=True):  # the step's update, from both micro-batches
         np.testing.assert_allclose(np.asarray(a.drawn["centroids"]), np.asarray(b), atol=1e-5)
     # in inference nothing is returned, so evaluation moves nothing
-    assert not model.apply(tokens[0], batch["mask"][0], inference=True)[1].attention_inputs
+    inference = eqx.filter_jit(lambda m, t, mask: m.apply(t, mask, inference=True)[1].attention_inputs)
+    assert not inference(model, tokens[0], batch["mask"][0])
 
 
 # ----------------------------------------------------------------------------- Sinkhorn Transformer

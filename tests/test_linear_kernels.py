@@ -178,19 +178,29 @@ def test_ops_through_the_kernel_equal_their_xla_forms(name):
         )
 
     tol = dict(atol=1e-4, rtol=1e-4) if name == "rfa gated" else dict(atol=2e-5, rtol=2e-5)  # RFA's small normalisers
-    got = _op(name, q, k, v, causal=True, impl="interpret", kv_mask=kv_mask, gate=gate)
     forms = ("quadratic", "scan", "chunked") if name in ("elu", "rfa gated") else ("chunked",)  # the forms agree
-    for form in forms:
-        assert_close(got, _op(name, q, k, v, causal=True, impl="xla", form=form, kv_mask=kv_mask, gate=gate), **tol)
-    if name in ("elu", "performer softmax", "rfa gated"):  # the other maps differ only in XLA-differentiated features
-        grads = jax.jit(jax.grad(loss("interpret", "chunked"), argnums=(0, 1, 2)))(q, k, v)
-        for a, b in zip(grads, jax.grad(loss("xla", "chunked"), argnums=(0, 1, 2))(q, k, v), strict=True):
+    with_grads = name in (
+        "elu",
+        "performer softmax",
+        "rfa gated",
+    )  # the other maps differ only in XLA-differentiated features
+
+    @jax.jit  # every value the test compares, in one compiled program
+    def run(q, k, v):
+        got = _op(name, q, k, v, causal=True, impl="interpret", kv_mask=kv_mask, gate=gate)
+        want = [_op(name, q, k, v, causal=True, impl="xla", form=form, kv_mask=kv_mask, gate=gate) for form in forms]
+        impls = ("interpret", "xla")
+        grads = [jax.grad(loss(impl, "chunked"), argnums=(0, 1, 2))(q, k, v) for impl in impls] if with_grads else None
+        noncausal = [_op(name, q, k, v, causal=False, impl=impl, kv_mask=kv_mask) for impl in impls]
+        return got, want, grads, noncausal
+
+    got, want, grads, noncausal = run(q, k, v)
+    for w in want:
+        assert_close(got, w, **tol)
+    if grads is not None:
+        for a, b in zip(*grads, strict=True):
             assert_close(a, b, **tol)
-    assert_close(
-        _op(name, q, k, v, causal=False, impl="interpret", kv_mask=kv_mask),
-        _op(name, q, k, v, causal=False, impl="xla", kv_mask=kv_mask),
-        **tol,
-    )
+    assert_close(*noncausal, **tol)
 
 
 def test_bf16_and_fp16_inputs_through_the_kernel():

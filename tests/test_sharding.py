@@ -47,8 +47,9 @@ PRELUDE = f"""
 
 
 # The registry in PARTS interleaved parts, each its own process (about 8 s per attention
-# on this CPU: two compilations, one of them partitioned for 8 devices).
-PARTS = 4
+# on this CPU: two compilations, one of them partitioned for 8 devices). Two parts, not
+# more: each process pays again for starting jax and its first (eager) compilations.
+PARTS = 2
 
 
 @pytest.mark.parametrize("part", range(PARTS))
