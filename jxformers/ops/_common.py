@@ -38,7 +38,12 @@ def _wraps(frame) -> bool:
     """Whether `frame` runs a transformation's or a wrapper's code (`_WRAPPER_PACKAGES`,
     or a function beartype generated)."""
     package = str(frame.f_globals.get("__name__", "")).split(".")[0]
-    return package in _WRAPPER_PACKAGES or frame.f_code.co_filename.startswith("<@beartype")
+    return (
+        package in _WRAPPER_PACKAGES
+        or frame.f_code.co_filename.startswith("<@beartype")
+        # causal_never_reads_non_finite_future's wrapper (by name: import hooks recompile code)
+        or (frame.f_code.co_name == "guarded" and frame.f_code.co_filename == __file__)
+    )
 
 
 _WARNED: set[tuple[type[Warning], str, int]] = set()
@@ -413,6 +418,7 @@ def causal_never_reads_non_finite_future(*, keys_from_q: bool = False):
                 or not all(jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in (q, k, v))
             ):
                 return op(q, k, v, *args, **kwargs)
+            k_is_q = k is q
             q, k, v = (jnp.asarray(x) for x in (q, k, v))
             n, heads = q.shape[:2]
             bad_keys = _non_finite_heads(v, heads) | _non_finite_heads(q if keys_from_q else k, heads)
@@ -420,12 +426,15 @@ def causal_never_reads_non_finite_future(*, keys_from_q: bool = False):
             if kv_mask is not None and jnp.shape(kv_mask) == (n,):
                 bad_keys = bad_keys & jnp.asarray(kv_mask)[:, None]  # padding is never read
             poisoned = jax.lax.cummax(bad_keys.astype(jnp.int32), axis=0) > 0
-            if keys_from_q:  # the queries are the keys: clean them too, and mark each one's own row
+            if keys_from_q:  # the queries are the keys: clean them, mark each one's own row
                 poisoned = poisoned | _non_finite_heads(q, heads)
-                q = _finite_or_zero(q)
-            # Other queries stay as given: a non-finite q_i reaches row i alone (its own
-            # scores), and a row of an op that never reads q values (reads_q=False) not at all.
-            out = op(q, _finite_or_zero(k), _finite_or_zero(v), *args, **kwargs)
+                clean_q = _finite_or_zero(q)
+                # k is ignored; passed on as it came (`k is q` is what the op's warning reads)
+                out = op(clean_q, clean_q if k_is_q else k, _finite_or_zero(v), *args, **kwargs)
+            else:
+                # The queries stay as given: a non-finite q_i reaches row i alone (its own
+                # scores), or no row when the op never reads the queries' values.
+                out = op(q, _finite_or_zero(k), _finite_or_zero(v), *args, **kwargs)
             if not isinstance(out, jax.Array) or out.ndim != 3 or out.shape[:2] != (n, heads):
                 return out
             return jnp.where(poisoned[:, :, None], jnp.asarray(jnp.nan, out.dtype), out)
