@@ -18,7 +18,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -385,6 +385,9 @@ def _non_finite_heads(x: Array, heads: int) -> Bool[Array, "n heads"]:
     return jnp.repeat(bad, heads // h, axis=1)
 
 
+_Op = TypeVar("_Op", bound=Callable)
+
+
 def _finite_or_zero(x: Array) -> Array:
     return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
@@ -404,7 +407,7 @@ def causal_never_reads_non_finite_future(*, keys_from_q: bool = False):
     cumulative max over positions. Otherwise (not causal, other shapes: the op's own
     checks speak) the op runs unchanged. The gradient reaching a replaced entry is zero."""
 
-    def decorate(op: Callable) -> Callable:
+    def decorate(op: _Op) -> _Op:
         default_causal = inspect.signature(op).parameters["causal"].default
 
         @functools.wraps(op)
@@ -439,6 +442,6 @@ def causal_never_reads_non_finite_future(*, keys_from_q: bool = False):
                 return out
             return jnp.where(poisoned[:, :, None], jnp.asarray(jnp.nan, out.dtype), out)
 
-        return guarded
+        return cast(_Op, guarded)
 
     return decorate
