@@ -1,9 +1,12 @@
 """Array helpers shared by the attention ops (`jxformers.ops`) and the decoders
 (`jxformers.decoding`) and kernels (`jxformers.kernels`), which sit below the ops: grouped
 query heads, the division that gives an empty row (every key masked) zeros instead of NaN,
-and padded keys zeroed before any weight meets them."""
+padded keys zeroed before any weight meets them, and the weights-times-values product
+through which a non-finite value reaches only the rows that weigh it."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
@@ -20,8 +23,11 @@ def group_heads(q: Float[ArrayLike, "*lead heads d"], kv_heads: int) -> Float[Ar
 
 
 def guarded_divide(num: ArrayLike, den: ArrayLike) -> Array:
-    """num / den with empty rows (den == 0: every key masked) giving zeros, not NaN."""
-    ok = jnp.abs(den) > TINY
+    """num / den with empty rows (den == 0: every key masked) giving zeros, not NaN. A
+    non-finite den (a NaN or inf key or value reached the row) stays non-finite: written
+    as `not (|den| <= TINY)`, because `NaN > TINY` is False and turned such rows into a
+    silent zero."""
+    ok = ~(jnp.abs(den) <= TINY)
     return jnp.where(ok[..., None], num / jnp.where(ok, den, 1.0)[..., None], 0.0)
 
 
@@ -41,3 +47,26 @@ def zero_padded(k: ArrayLike, v: ArrayLike, kv_mask: Bool[ArrayLike, " kv_len"] 
         jnp.where(keep, k, jnp.zeros((), jnp.result_type(k))),
         jnp.where(keep, v, jnp.zeros((), jnp.result_type(v))),
     )
+
+
+def read_values(
+    spec: str, p: ArrayLike, v: ArrayLike, reads: ArrayLike | None = None, einsum: Callable[..., Array] = jnp.einsum
+) -> Array:
+    """`einsum(spec, p, v)` for attention weights p and values v (v's last axis, the
+    features, is the output's last), where a value that is not finite (NaN, inf) reaches
+    exactly the rows that read it: those rows are NaN, and a row whose pattern does not
+    connect it (a masked slot of a gathered block) stays finite. The plain product
+    multiplies the 0 in, and 0 * NaN is NaN. `reads` (bool, p's shape): which keys each
+    row reads; default: those of non-zero weight. Costs a pass over v and one product of
+    `reads` with a per-key flag; the gradient at a replaced entry is zero."""
+    ins, out = spec.split("->")
+    p_axes, v_axes = ins.split(",")
+    if v_axes[-1] != out[-1]:
+        raise ValueError(f"{spec=}: the values' last axis must be the output's last")
+    v = jnp.asarray(v)
+    finite = jnp.isfinite(v)
+    result = einsum(spec, p, jnp.where(finite, v, jnp.zeros((), v.dtype)))
+    bad = (~jnp.all(finite, axis=-1)).astype(jnp.float32)
+    reads = jnp.asarray(p) != 0 if reads is None else jnp.broadcast_to(reads, jnp.shape(p))
+    reached = jnp.einsum(f"{p_axes},{v_axes[:-1]}->{out[:-1]}", reads.astype(jnp.float32), bad) > 0
+    return jnp.where(reached[..., None], jnp.asarray(jnp.nan, result.dtype), result)

@@ -152,6 +152,23 @@ class AttentionSuite(_Parametrized):
         chex.assert_tree_all_finite(c[: i + 1])
         assert_close(a[: i + 1], c[: i + 1], atol=1e-5)
 
+    @given(seed=SEEDS, data=st.data())
+    def test_a_non_finite_key_or_value_reaches_exactly_the_rows_that_read_it(self, name, hp, seed, data):
+        # n = 37: test_shape_dtype_finite's compiled forward (no new compilation).
+        n = 37
+        j = data.draw(st.integers(0, n - 1), label="position")
+        q, k, v = qkv(seed, n)
+        a = run(name, hp, q, k, v)
+        # The rows that read v_j: those a huge change of it moves (a weight down to ~1e-37 shows).
+        reads_v = ~np.all(np.asarray(run(name, hp, q, k, v.at[j].add(1e30)) == a), axis=(1, 2))
+        nan_v = ~np.all(np.isfinite(np.asarray(run(name, hp, q, k, v.at[j].set(jnp.nan)))), axis=(1, 2))
+        # NaN rows beyond those: a pattern's masked slot met NaN (0 * NaN); fewer: a silent answer.
+        np.testing.assert_array_equal(nan_v, reads_v, err_msg=f"NaN rows vs rows reading v[{j}]")
+        reads_k = ~np.all(np.asarray(run(name, hp, q, k.at[j].add(3.0), v)) == np.asarray(a), axis=(1, 2))
+        nan_k = ~np.all(np.isfinite(np.asarray(run(name, hp, q, k.at[j].set(jnp.nan), v))), axis=(1, 2))
+        # Every row a change of k_j moves must be NaN (an empty-row guard read NaN as 0 before).
+        assert not np.any(reads_k & ~nan_k), f"rows {np.flatnonzero(reads_k & ~nan_k)} read k[{j}] = NaN silently"
+
     @needs(supports_kv_mask=True)
     @given(n=LENGTH, seed=SEEDS, data=st.data())
     def test_padded_keys_never_change_real_outputs(self, name, hp, n, seed, data):

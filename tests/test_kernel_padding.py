@@ -33,3 +33,26 @@ def test_non_finite_padding_never_reaches_real_outputs_or_gradients(kind):
         assert float(jnp.abs(dirty_g[real:]).max()) == 0  # padding gets no gradient
     reference, _ = block_sparse_reference(q, dirty_k, dirty_v, pattern, kv_mask=kv_mask)
     assert_close(reference, clean, atol=1e-5)
+
+
+def test_a_nan_key_reaches_the_rows_that_read_it_as_nan_never_as_zeros():
+    # The kernels' empty-row guard read a NaN row sum as "no key seen" and wrote zeros.
+    n, j = 40, 17
+    q, k, v = (jax.random.normal(jax.random.key(i), (n, 2, 16)) for i in range(3))
+    pattern = Band(-5, 5)
+    reads = np.abs(np.arange(n) - j) <= 5
+    for out in (
+        block_sparse_attention(q, k.at[j].set(jnp.nan), v, pattern, interpret=True),
+        block_sparse_reference(q, k.at[j].set(jnp.nan), v, pattern)[0],
+    ):
+        rows_nan = np.isnan(np.asarray(out)).any(axis=(1, 2))
+        np.testing.assert_array_equal(rows_nan, reads)
+
+
+def test_the_reference_keeps_a_nan_value_to_the_rows_that_read_it():
+    # A NaN value meets the zero weight of each row outside the band in the dense
+    # product; the reference (as every op) keeps it to the rows that weigh it.
+    n, j = 40, 17
+    q, k, v = (jax.random.normal(jax.random.key(i), (n, 2, 16)) for i in range(3))
+    out, _ = block_sparse_reference(q, k, v.at[j].set(jnp.nan), Band(-5, 5))
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(axis=(1, 2)), np.abs(np.arange(n) - j) <= 5)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jxformers._arrays import zero_padded
+from jxformers._arrays import read_values, zero_padded
 from jxformers.kernels import flash_gpu
 from jxformers.kernels.alibi import Alibi, check_alibi
 from jxformers.kernels.block_mask import add_full_blocks, block_kinds, ceil_div, visit_lists
@@ -154,9 +154,9 @@ def block_sparse_reference(
         s = s + alibi.dense(q_len, kv_len)
     s = jnp.where(mask[None], s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
-    seen = jnp.isfinite(lse)
+    seen = lse != -jnp.inf  # a NaN lse (a non-finite key the row reads) stays NaN
     p = jnp.where(seen[..., None], jnp.exp(s - jnp.where(seen, lse, 0.0)[..., None]), 0.0)
-    out = jnp.einsum("hqk,khd->qhd", p, jnp.repeat(v, g, axis=1).astype(jnp.float32))
+    out = read_values("hqk,khd->qhd", p, jnp.repeat(v, g, axis=1).astype(jnp.float32))
     return out.astype(q.dtype), jnp.where(seen, lse, jnp.inf).T
 
 
@@ -407,7 +407,8 @@ def merge_attentions(parts):
         jnp.where(s, jnp.exp(jnp.where(s, lse, top) - top), 0.0) for s, (_, lse) in zip(seen, parts, strict=True)
     ]
     total = sum(weights)
-    norm = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    empty = total <= 0  # a NaN total (a non-finite key this row reads) stays NaN, not a silent 0
+    norm = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
     return sum(out.astype(jnp.float32) * (w * norm)[..., None] for (out, _), w in zip(parts, weights, strict=True))
 
 

@@ -129,7 +129,7 @@ def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, 
         jnp.zeros((bq,), jnp.float32),
     )
     acc, m, l = _visit(index_ref, full_ref, count_ref, qb, body, init, contiguous=contiguous)
-    seen = l > 0
+    seen = jnp.logical_not(l <= 0)  # a NaN sum (a non-finite key the row reads) stays NaN, not a silent 0
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, jnp.inf)
 

@@ -289,7 +289,7 @@ def _body(
         acc, m, l = lax.fori_loop(full, count, functools.partial(step, partial=True), carry)
         if consumers == 2:
             pl.when(wg == 0)(take_turn)  # consumer 0's last turn, paired with 1's first
-        seen = l > 0
+        seen = jnp.logical_not(l <= 0)  # a NaN sum (a non-finite key the row reads) stays NaN, not a silent 0
         l_safe = jnp.where(seen, l, 1.0)
         # A row that saw no key has acc = 0 (every p was 0), so it stays 0.
         o_smem.at[wg][...] = (acc * rows_to(1.0 / l_safe, acc.shape)).astype(dtype)

@@ -269,7 +269,7 @@ def _forward_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
     @pl.when(t == pl.num_programs(2) - 1)
     def _finish():
         l, m = l_ref[...], m_ref[...]
-        seen = l > 0
+        seen = jnp.logical_not(l <= 0)  # a NaN sum (a non-finite key the row reads) stays NaN, not a silent 0
         l_safe = jnp.where(seen, l, 1.0)
         o_ref[...] = jnp.where(seen[:, :1], acc_ref[...] / l_safe[:, :1], 0.0).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)

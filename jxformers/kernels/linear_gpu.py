@@ -217,7 +217,7 @@ def _output_kernel(q_ref, k_ref, v_ref, s_ref, z_ref, *rest, static):
     else:
         num = _dot(q, s, dtype=static.mma)
         den = jnp.sum(q.astype(jnp.float32) * z[None, :], axis=1)
-    ok = jnp.abs(den) > TINY
+    ok = ~(jnp.abs(den) <= TINY)  # NaN stays NaN: `NaN > TINY` is False (a silent zero)
     o_ref[...] = jnp.where(ok[:, None], num / jnp.where(ok, den, 1.0)[:, None], 0.0).astype(o_ref.dtype)
     den_ref[...] = den
 

@@ -298,7 +298,7 @@ def _output_kernel(q_ref, k_ref, v_ref, s_ref, z_ref, *rest, static):
         num = num + _dot(w, v_ref[...], _NN, mma)
         den = den + jnp.sum(w, axis=1, keepdims=True)
         den_row = den_row + _dot(jnp.ones((1, c_len), jnp.float32), w, _NT)
-    ok = jnp.abs(den) > TINY
+    ok = ~(jnp.abs(den) <= TINY)  # NaN stays NaN: `NaN > TINY` is False (a silent zero)
     o_ref[...] = jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0).astype(o_ref.dtype)
     den_ref[...] = den_row
 

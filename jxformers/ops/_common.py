@@ -170,7 +170,9 @@ def _joint_softmax(logits_: tuple, masks: tuple) -> tuple:
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # empty rows shift by 0
     exps = [jnp.where(m, jnp.exp(s - row_max[..., None]), 0.0) for s, m in zip(logits_, masks, strict=True)]
     denom = sum(e.sum(axis=-1) for e in exps)
-    inv = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+    # `denom <= 0`, not `not denom > 0`: a NaN logit at a key the row reads keeps the row NaN
+    empty = denom <= 0
+    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, denom))
     return tuple(e * inv[..., None] for e in exps)
 
 
@@ -190,9 +192,32 @@ def _joint_softmax_jvp(primals, tangents):
     )
 
 
-def weighted_values(p: Float[ArrayLike, "*n h g q k"], v: Float[ArrayLike, "*n k h dv"]) -> Float[Array, "*n q h g dv"]:
-    """p @ v with float32 accumulation."""
-    return einsum_f32("...hgqk,...khd->...qhgd", p.astype(v.dtype), v)
+def weighted_values(
+    p: Float[ArrayLike, "*n h g q k"], v: Float[ArrayLike, "*n k h dv"], reads: Bool[ArrayLike, ...] | None = None
+) -> Float[Array, "*n q h g dv"]:
+    """p @ v with float32 accumulation.
+
+    `reads`: where p has structural zeros (a pattern, a mask, a sparse support), which
+    keys each row reads: `[*n, q, k]`, or `[*n, h or 1, g or 1, q, k]` as the logits'
+    masks. Then a value that is not finite (NaN, inf) reaches exactly those rows (and
+    heads), which are NaN, and a row that does not read it stays finite: a plain matmul
+    multiplies the 0 in, and 0 * NaN is NaN. Costs a pass over v and one product of
+    `reads` with a per-key flag (per row, without the head axes when `reads` has none).
+    None: every row reads every key (a dense product: NaN spreads as it should)."""
+    if reads is None:
+        return einsum_f32("...hgqk,...khd->...qhgd", p.astype(v.dtype), v)
+    v = jnp.asarray(v)
+    finite = jnp.isfinite(v)
+    out = einsum_f32("...hgqk,...khd->...qhgd", p.astype(v.dtype), jnp.where(finite, v, jnp.zeros((), v.dtype)))
+    bad = (~jnp.all(finite, axis=-1)).astype(jnp.float32)  # [*n, k, h]
+    reads = jnp.asarray(reads)
+    if reads.ndim == jnp.ndim(p) and reads.shape[-4:-2] == (1, 1):
+        reads = reads[..., 0, 0, :, :]
+    if reads.ndim == jnp.ndim(p):  # per head: [*n, h, g, q, k]
+        hit = jnp.einsum("...hgqk,...kh->...qhg", jnp.broadcast_to(reads, jnp.shape(p)).astype(jnp.float32), bad)
+    else:  # [*n, q, k], the same for every head
+        hit = jnp.einsum("...qk,...kh->...qh", reads.astype(jnp.float32), bad)[..., None]
+    return jnp.where(hit[..., None] > 0, jnp.asarray(jnp.nan, out.dtype), out)
 
 
 def head_mask(mask: Bool[ArrayLike, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:
@@ -266,7 +291,7 @@ def dense_part(
     scale: float,
 ) -> Part:
     """All query rows against one shared set of keys."""
-    return Part(logits(qg, k, scale), head_mask(mask), lambda p: weighted_values(p, v))
+    return Part(logits(qg, k, scale), head_mask(mask), lambda p: weighted_values(p, v, reads=mask))
 
 
 def block_part(
@@ -295,7 +320,7 @@ def block_part(
         return jnp.moveaxis(x, 2 if not interleaved else 3, 0)
 
     def apply(p):
-        out = weighted_values(from_rows(p), v)  # [n, b, h, g, dv]
+        out = weighted_values(from_rows(p), v, reads=mask)  # [n, b, h, g, dv]
         if interleaved:
             out = jnp.swapaxes(out, 0, 1)
         return out.reshape(n * b, *out.shape[2:])

@@ -275,7 +275,7 @@ def adaptive_sparse_attention(
         p = sparsemax(s, allowed)
     else:
         p = entmax(s, float(alpha), allowed)
-    out = weighted_values(p, v)  # [q, h, g, dv]
+    out = weighted_values(p, v, reads=p != 0)  # [q, h, g, dv]; the support is data-dependent
     return out.reshape(q.shape[0], heads, v.shape[-1]).astype(out_dtype(q, k, v))
 
 

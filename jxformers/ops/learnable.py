@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from jxformers._arrays import read_values
 from jxformers._typing import ArrayLike
 from jxformers.decoding import TaggedCache
 from jxformers.ops._common import (
@@ -102,7 +103,8 @@ def _softmax_lse(s: Array, m: Array) -> tuple[Array, Array]:
     top = jax.lax.stop_gradient(jnp.max(jnp.where(m, s, -jnp.inf), axis=-1))
     safe = jnp.where(jnp.isfinite(top), top, 0.0)
     total = jnp.sum(jnp.where(m, jnp.exp(s - safe[..., None]), 0.0), axis=-1)
-    lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + safe, -jnp.inf)
+    empty = total <= 0  # a NaN total stays NaN (`not total > 0` dropped the row silently)
+    lse = jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, 1.0, total)) + safe)
     return p, lse
 
 
@@ -127,7 +129,7 @@ def _sorted_chunks(q, k, v, bucket, real, *, chunk: int, before: int, self_mask:
     if self_mask:
         m = _unless_alone(m, qp[:, :, None] == kp[:, None, :])
     p, lse = _softmax_lse(s, m)
-    out = jnp.einsum("nck,nkd->ncd", p, vb).reshape(length, -1)
+    out = read_values("nck,nkd->ncd", p, vb, reads=m).reshape(length, -1)
     return jnp.zeros_like(out).at[order].set(out), jnp.zeros((length,), lse.dtype).at[order].set(lse.reshape(-1))
 
 
@@ -148,7 +150,7 @@ def _recent_in_bucket(q, k, v, q_bucket, k_bucket, real, *, window: int, self_ma
     if self_mask:
         m = _unless_alone(m, j == pos[:, None])
     p, lse = _softmax_lse(s, m)
-    return jnp.einsum("lw,lwd->ld", p, v[j]), lse
+    return read_values("lw,lwd->ld", p, v[j], reads=m), lse
 
 
 def _combine_rounds(outs: Float[Array, "r *L dv"], lses: Float[Array, " r *L"]) -> Float[Array, "*L dv"]:
@@ -697,7 +699,8 @@ def sinkhorn_balance(
         top = jnp.max(x, axis=axis, keepdims=True)
         top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
         total = jnp.sum(jnp.exp(x - top), axis=axis, keepdims=True)
-        lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + top, 0.0)
+        empty = total <= 0  # a NaN total stays NaN
+        lse = jnp.where(empty, 0.0, jnp.log(jnp.where(empty, 1.0, total)) + top)
         return jnp.where(allowed, x - lse, -jnp.inf)
 
     x = jnp.where(allowed, jnp.asarray(log_r, jnp.float32), -jnp.inf)

@@ -192,7 +192,7 @@ def long_short_attention(
         )
         kbar, vbar, segment, seg_real = _causal_compressed(k, v, real, proj_w, ln_proj_k, ln_proj_v, segment_size)
         earlier = (positions(length)[:, None] // segment_size > segment[None, :]) & seg_real[None, :]
-        far = Part(logits(qg, kbar, sc), head_mask(earlier), lambda p: weighted_values(p, vbar))
+        far = Part(logits(qg, kbar, sc), head_mask(earlier), lambda p: weighted_values(p, vbar, reads=earlier))
         return rows_to_output(attend_parts([near, far]), n, out_dtype(q, k, v))
     length = ceil_div(n, window) * window
     qg = group_heads(pad_to(q, length), k.shape[1])
@@ -210,7 +210,7 @@ def long_short_attention(
     kbar, vbar = dynamic_projection(k[None], v[None], real[None], proj_w)
     kbar, vbar = dual_layer_norm(kbar[0], ln_proj_k), dual_layer_norm(vbar[0], ln_proj_v)
     any_real = jnp.broadcast_to(jnp.any(real), (length, kbar.shape[0]))
-    far = Part(logits(qg, kbar, sc), head_mask(any_real), lambda p: weighted_values(p, vbar))
+    far = Part(logits(qg, kbar, sc), head_mask(any_real), lambda p: weighted_values(p, vbar, reads=any_real))
     return rows_to_output(attend_parts([near, far]), n, out_dtype(q, k, v))
 
 
@@ -243,12 +243,12 @@ def _long_short_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, bias_
     k_local = dual_layer_norm(state.k, arrays.get("ln_local_k"))
     v_local = dual_layer_norm(state.v, arrays.get("ln_local_v"))
     near_mask = (real & (state.slot_pos > t - window))[None, :]
-    near = Part(logits(qg, k_local, sc), head_mask(near_mask), lambda p: weighted_values(p, v_local))
+    near = Part(logits(qg, k_local, sc), head_mask(near_mask), lambda p: weighted_values(p, v_local, reads=near_mask))
     kbar, vbar, segment, seg_real = _causal_compressed(
         state.k, state.v, real, arrays["proj_w"], arrays.get("ln_proj_k"), arrays.get("ln_proj_v"), segment_size
     )
     earlier = ((t // segment_size > segment) & seg_real)[None, :]
-    far = Part(logits(qg, kbar, sc), head_mask(earlier), lambda p: weighted_values(p, vbar))
+    far = Part(logits(qg, kbar, sc), head_mask(earlier), lambda p: weighted_values(p, vbar, reads=earlier))
     out = attend_parts([near, far])
     return out.reshape(q.shape[0], v.shape[-1]).astype(q.dtype), state
 

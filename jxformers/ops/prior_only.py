@@ -109,7 +109,7 @@ def hard_gaussian_attention(
     g = heads // kv_heads
     s = s.reshape(kv_heads, g, q_len, kv_len)  # query head = kv head * g + index (group_heads)
     p = softmax_parts([(s, allowed[None, None])])[0]
-    out = weighted_values(p, v)
+    out = weighted_values(p, v, reads=p != 0)  # a far key's Gaussian weight may be exactly 0
     return out.reshape(q_len, heads, d_v).astype(out_dtype(q, k, v))
 
 

@@ -318,7 +318,9 @@ def _softmax(
         p = mix_heads(p, talking_weights)
     if weights:  # [q, heads, kv] on the sequence's own keys (persistent ones in front)
         return jnp.moveaxis(p.reshape(heads, q_len, kv_len), 1, 0)[:, :, persistent_kv:]
-    out = weighted_values(p, v)
+    # A pattern beyond padding (handled by zero_padded) leaves structural zeros in p.
+    sparse = mask is not None or causal or top_k is not None or (prior is not None and prior.allowed is not None)
+    out = weighted_values(p, v, reads=allowed if sparse else None)
     return out.reshape(q_len, heads, v.shape[2]).astype(out_dtype(q, k, v))
 
 
@@ -528,7 +530,7 @@ def chunked_attention(
         p = jnp.where(m, jnp.exp(s - safe_max[..., None]), 0.0)
         correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, safe_max) - safe_max)
         row_sum = row_sum * correction + p.sum(axis=-1)
-        pv = weighted_values(p, vb)  # [qc, h, g, dv]
+        pv = weighted_values(p, vb, reads=m)  # [qc, h, g, dv]
         acc = acc * jnp.moveaxis(correction, -1, 0)[..., None] + pv
         return (acc, new_max, row_sum, qb, q_pos, centres), None
 
@@ -557,7 +559,8 @@ def chunked_attention(
             xs = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, visits), xs)
         (acc, _, row_sum, _, _, _), _ = jax.lax.scan(key_step, init, xs)
         denom = jnp.moveaxis(row_sum, -1, 0)[..., None]
-        return jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
+        empty = denom <= 0  # a NaN sum (a non-finite key this row reads) stays NaN, not a silent 0
+        return jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, denom))
 
     q_pos = to_blocks(positions(nq * qc), qc)
     out = jax.lax.map(jax.checkpoint(query_chunk), (q_blocks, q_pos))  # [nq, qc, h, g, dv]
