@@ -103,6 +103,48 @@ def jitted_call(fn, *args, **kwargs):
     return _jitted(fn, static)(*args, **arrays)
 
 
+class JittedOps:
+    """`jxformers.ops` whose functions run through `jitted_call`: a test of an op's
+    math calls it as `ops.local_attention(...)` and gets one compiled program per
+    function and static keywords, where eager execution compiles every primitive on its
+    own (seconds per call). Eager execution itself is tested once per attention
+    (tests/suites.py, test_eager_equals_jit)."""
+
+    def __getattr__(self, name):
+        import jxformers.ops
+
+        attr = getattr(jxformers.ops, name)
+        if callable(attr) and not isinstance(attr, type) and getattr(attr, "__module__", "").startswith("jxformers."):
+            return functools.partial(_jitted_any, attr)
+        return attr
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+@functools.cache
+def _jitted_positions(fn, slots, static):
+    def call(*arrays, **array_kwargs):
+        it = iter(arrays)
+        args = [next(it) if slot is None else slot[0] for slot in slots]
+        return fn(*args, **array_kwargs, **dict(static))
+
+    return jax.jit(call)
+
+
+def _jitted_any(fn, *args, **kwargs):
+    """fn(*args, **kwargs) under jit: array arguments traced, every other one static
+    (positional too); eagerly when a static one is not hashable."""
+    slots = tuple(None if _is_array(a) else (a,) for a in args)
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if not _is_array(v)))
+    try:
+        compiled = _jitted_positions(fn, slots, static)
+    except TypeError:  # unhashable
+        return fn(*args, **kwargs)
+    return compiled(*(a for a in args if _is_array(a)), **{k: v for k, v in kwargs.items() if _is_array(v)})
+
+
 def qkv(seed, n, heads=4, kv_heads=2, d=8, dv=6, kv_len=None, dtype=jnp.float32):
     """Random q [n, heads, d], k [kv_len, kv_heads, d], v [kv_len, kv_heads, dv]."""
     kv_len = n if kv_len is None else kv_len

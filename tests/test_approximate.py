@@ -6,13 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, jitted_call, qkv
+from conftest import JittedOps, assert_close, jitted_call, qkv
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jxformers import ops
 from jxformers.ops import fourier
 from jxformers.xla_cost import compile_with_cost
+
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 # ----------------------------------------------------------------------------- linear attention
 

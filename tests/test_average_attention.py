@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import JittedOps, assert_close
 
-from jxformers import ModelConfig, build_model, nn, ops, registry
+from jxformers import ModelConfig, build_model, nn, registry
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import Block
 from jxformers.nn.layers import FeedForward
+
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 D, D_FF = 8, 12
 

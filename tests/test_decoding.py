@@ -4,10 +4,12 @@ op's causal parallel form (the registry-wide parity test covers every registered
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_close, qkv
+from conftest import JittedOps, assert_close, qkv
 
-from jxformers import decoding, ops, registry
+from jxformers import decoding, registry
 from jxformers.ops.kernelized import FEATURE_MAPS
+
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 
 def _decode_all(decoder, q, k, v, hyper_parameters=None, arrays=None):

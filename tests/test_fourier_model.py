@@ -7,10 +7,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_close
+from conftest import JittedOps, assert_close
 
-from jxformers import build_model, ops
+from jxformers import build_model
 from jxformers.xla_cost import compile_with_cost
+
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 TINY = dict(vocab_size=29, num_layers=2, d_model=16, num_heads=4, d_ff=24, max_len=64)
 

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import masks
 import numpy as np
 import pytest
-from conftest import assert_close, cuda_target, jitted_call, qkv
+from conftest import JittedOps, assert_close, cuda_target, jitted_call, qkv
 
-from jxformers import ModelConfig, build_model, ops
+import jxformers.ops
+from jxformers import ModelConfig, build_model
 from jxformers.kernels import (
     Alibi,
     Band,
@@ -43,6 +44,9 @@ from jxformers.ops.sparse import (
     strided_parts,
     summary_positions,
 )
+
+eager_ops = jxformers.ops  # where a test watches what happens at call time
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 N = 37  # an odd length: tails of every block size
 PRIMITIVES = [
@@ -532,7 +536,7 @@ def test_auto_runs_sparse_transformer_through_the_kernel_on_hopper(monkeypatch, 
         """The op traced, not compiled or run (the choice is made while it traces); a new
         function each time, so that no trace is reused from JAX's cache."""
         return jax.eval_shape(
-            lambda q, k, v: ops.sparse_transformer_attention(q, k, v, stride=16, pattern=pattern), q, k, v
+            lambda q, k, v: eager_ops.sparse_transformer_attention(q, k, v, stride=16, pattern=pattern), q, k, v
         )
 
     attend(q, k, v)

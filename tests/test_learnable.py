@@ -14,10 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import JittedOps, assert_close, qkv
 
-from jxformers import ModelConfig, build_model, nn, ops, registry
+import jxformers.ops
+from jxformers import ModelConfig, build_model, nn, registry
 from jxformers.ops import _common, softmax_attention
+
+eager_ops = jxformers.ops  # where a test watches what happens at call time
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 HEADS, KV_HEADS, D_K, D_V = 4, 2, 8, 6
 
@@ -169,17 +173,17 @@ def test_lsh_warns_once_per_call_site_when_k_is_not_q(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # the op itself says it once per call site
         for _ in range(3):
-            ops.lsh_attention(q, k, v, **hp, **arrays)
+            eager_ops.lsh_attention(q, k, v, **hp, **arrays)
         assert len(caught) == 1
         (first,) = caught
-        assert first.category is ops.SharedQKWarning and first.filename == __file__
+        assert first.category is eager_ops.SharedQKWarning and first.filename == __file__
         message = str(first.message)
         assert "SharedQKWarning" in message and "Kitaev et al. 2020" in message and "Reformer" in message
         assert "k=q" in message and "warn_unused_k=False" in message
-        ops.lsh_attention(q, q, v, **hp, **arrays)
-        ops.lsh_attention(q, k, v, **hp, **arrays, warn_unused_k=False)
+        eager_ops.lsh_attention(q, q, v, **hp, **arrays)
+        eager_ops.lsh_attention(q, k, v, **hp, **arrays, warn_unused_k=False)
         assert len(caught) == 1
-        jax.jit(functools.partial(ops.lsh_attention, **hp))(q, k, v, **arrays)  # named at this line, not jax's
+        jax.jit(functools.partial(eager_ops.lsh_attention, **hp))(q, k, v, **arrays)  # named at this line, not jax's
         assert len(caught) == 2 and caught[1].filename == __file__ and caught[1].lineno != first.lineno
 
 

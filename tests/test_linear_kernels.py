@@ -11,15 +11,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, cuda_target, qkv
+from conftest import JittedOps, assert_close, cuda_target, qkv
 
-from jxformers import ops, registry
+import jxformers.ops
+from jxformers import registry
 from jxformers.decoding import RecurrentState
 from jxformers.kernels import impl as kernel_impl
 from jxformers.kernels import linear as linear_kernels
 from jxformers.kernels.linear import chunked_linear_attention
 from jxformers.ops import kernelized
 from jxformers.ops.kernelized import FEATURE_MAPS, kernel_attention, performer_projection
+
+eager_ops = jxformers.ops  # where a test watches what happens at call time
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 N, CHUNK = 37, 16  # odd: the kernels pad to 48 (three chunks)
 
@@ -326,13 +330,13 @@ def test_bf16_stability_at_64k_tokens_against_float64(gated):
 def test_kernel_choices_and_errors(monkeypatch):
     q, k, v = qkv(1, 20, d=16, dv=16)
     with pytest.raises(ValueError, match="impl='pallas' has no kernel for the 'cpu' backend"):
-        ops.linear_attention(q, k, v, causal=True, impl="pallas")
+        eager_ops.linear_attention(q, k, v, causal=True, impl="pallas")
     with pytest.raises(ValueError, match="form='scan'"):
-        ops.linear_attention(q, k, v, causal=True, form="scan", impl="interpret")
+        eager_ops.linear_attention(q, k, v, causal=True, form="scan", impl="interpret")
     with pytest.raises(ValueError, match="chunk_size=8"):
-        ops.rfa_attention(q, k, v, jnp.ones((4, 16)), causal=True, chunk_size=8, impl="interpret")
+        eager_ops.rfa_attention(q, k, v, jnp.ones((4, 16)), causal=True, chunk_size=8, impl="interpret")
     with pytest.raises(ValueError, match="impl must be one of"):
-        ops.performer_attention(q, k, v, jnp.ones((4, 16)), impl="triton")
+        eager_ops.performer_attention(q, k, v, jnp.ones((4, 16)), impl="triton")
     # On an H100, "auto" picks the kernel when it is enabled there (AUTO_ON_GPU), else XLA.
     monkeypatch.setattr(kernel_impl, "device_backend", lambda: "gpu")
     monkeypatch.setattr(kernel_impl, "_gpu_capability", lambda: 9.0)
@@ -340,10 +344,10 @@ def test_kernel_choices_and_errors(monkeypatch):
     monkeypatch.setattr(kernelized, "chunked_linear_attention", lambda *a, **kw: calls.append(kw) or a[0])  # d_k == d_v
     long_q, long_k, long_v = qkv(2, 128, d=16, dv=16)
     monkeypatch.setattr(linear_kernels, "AUTO_ON_GPU", False)
-    ops.linear_attention(long_q, long_k, long_v, causal=True, impl="auto")
+    eager_ops.linear_attention(long_q, long_k, long_v, causal=True, impl="auto")
     assert not calls
     monkeypatch.setattr(linear_kernels, "AUTO_ON_GPU", True)
-    ops.linear_attention(long_q, long_k, long_v, causal=True, impl="auto")
+    eager_ops.linear_attention(long_q, long_k, long_v, causal=True, impl="auto")
     assert calls and calls[0]["interpret"] is False
     monkeypatch.undo()  # impl="pallas" on a TPU: tests/test_linear_kernels_tpu.py
     with pytest.raises(ValueError, match="chunk_size must be a power of two >= 16 for the kernel; got 24"):

@@ -6,9 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, jitted_call, qkv
+from conftest import JittedOps, assert_close, jitted_call, qkv
 
-from jxformers import ModelConfig, ops, registry
+from jxformers import ModelConfig, registry
+
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 HEADS, KV_HEADS, D_K, D_V = 4, 2, 8, 6
 

@@ -11,16 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close
+from conftest import JittedOps, assert_close
 from hypothesis import given
 from hypothesis import strategies as st
 from suites import decode_all, finite_grads, forward, loss_grad
 
-from jxformers import ModelConfig, build_model, ops, registry
+from jxformers import ModelConfig, build_model, registry
 from jxformers.nn import Encoder, LayerNorm
 from jxformers.nn.luna import LunaStack
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.tools import cli
+
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 D, HEADS, D_FF = 8, 2, 12
 N = 8  # set size in the property tests (one shape, one compilation)

@@ -8,9 +8,11 @@ import jaxtyping
 import numpy as np
 import pytest
 from attention_facts import FACTS
-from conftest import assert_close, qkv
+from conftest import JittedOps, assert_close, qkv
 
-from jxformers import ops, registry
+from jxformers import registry
+
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 # Every attention the package registers (a test may register a toy of its own).
 NAMES = [n for n in registry.names() if registry.get(n).op.__module__.startswith("jxformers.")]

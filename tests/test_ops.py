@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import JittedOps, assert_close, qkv
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jxformers import ops
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive on its own)
 
 
 def dense_reference(q, k, v, mask=None, bias=None):

@@ -8,10 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import JittedOps
 from suites import decode_all, decode_op
 
-from jxformers import ops, registry
+from jxformers import registry
 from jxformers.nn import ModelConfig, build_model
+
+ops = JittedOps()  # each op compiled whole (eagerly: every primitive compiles on its own)
 
 HEADS, KV_HEADS, D = 4, 2, 8
 
