@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from suites import decode_all
+from suites import decode_all, forward
 
 from jxformers.nn import Attention, ModelConfig, build_model
 from jxformers.nn.heads import HeadRouting, attention_weights, concatenated_mixing
@@ -226,12 +226,12 @@ def test_language_models_decode_like_their_parallel_forward(attention):
     config = lm_config(attention, num_layers=1, embedding={"position": "rope"})
     model = build_model(config, key=jax.random.key(13))
     tokens = jnp.arange(12) % 19
-    logits = model(tokens)
+    logits = forward(model, tokens)  # compiled: eagerly every primitive compiles on its own
     np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(logits), atol=2e-4)
     layer = model.blocks[0].attention
     if layer.drawn:  # the drawn features are sized by the shared key size
         assert jax.tree.map(jnp.shape, layer.redraw(jax.random.key(1)).drawn) == jax.tree.map(jnp.shape, layer.drawn)
-    grads = eqx.filter_grad(lambda m: m(tokens).sum())(model)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: m(tokens).sum()))(model)
     assert float(jnp.abs(grads.blocks[0].attention.mixing).sum()) > 0
     if attention.get("head_aggregation") == "routing":
         assert float(jnp.abs(grads.blocks[0].attention.routing.votes).sum()) > 0
@@ -252,10 +252,10 @@ def test_a_collaborative_cross_attention_decodes_against_a_padded_source():
     source, source_mask = jnp.arange(10) % 19, jnp.arange(10) < 7
     target = (jnp.arange(8) * 3) % 19
     conditioned = model.conditioned(source, source_mask)
-    logits = conditioned(target)
+    logits = forward(conditioned, target)
     np.testing.assert_allclose(np.asarray(decode_all(conditioned, target)), np.asarray(logits), atol=2e-4)
     moved = model.conditioned(source.at[7:].set(0), source_mask)  # the padded source tokens are not read
-    np.testing.assert_allclose(np.asarray(moved(target)), np.asarray(logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(forward(moved, target)), np.asarray(logits), atol=1e-5)
     made = model.apply(source, target, source_mask)[1].layer_losses
     assert {f"disagreement_{t}/decoder.blocks.0.cross_attention" for t in ALL["disagreement"]} == set(made)
 
