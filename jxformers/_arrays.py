@@ -63,10 +63,20 @@ def read_values(
     p_axes, v_axes = ins.split(",")
     if v_axes[-1] != out[-1]:
         raise ValueError(f"{spec=}: the values' last axis must be the output's last")
+    clean, bad = finite_values(v)
+    result = einsum(spec, p, clean)
+    reads = jnp.asarray(p) != 0 if reads is None else jnp.broadcast_to(reads, jnp.shape(p))
+    return nan_where(jnp.einsum(f"{p_axes},{v_axes[:-1]}->{out[:-1]}", reads.astype(jnp.float32), bad) > 0, result)
+
+
+def finite_values(v: ArrayLike) -> tuple[Array, Array]:
+    """(v with non-finite entries zeroed, float32 flag [..., k, h] of the value vectors
+    [..., k, h, d] that held one): the two halves of `read_values`."""
     v = jnp.asarray(v)
     finite = jnp.isfinite(v)
-    result = einsum(spec, p, jnp.where(finite, v, jnp.zeros((), v.dtype)))
-    bad = (~jnp.all(finite, axis=-1)).astype(jnp.float32)
-    reads = jnp.asarray(p) != 0 if reads is None else jnp.broadcast_to(reads, jnp.shape(p))
-    reached = jnp.einsum(f"{p_axes},{v_axes[:-1]}->{out[:-1]}", reads.astype(jnp.float32), bad) > 0
-    return jnp.where(reached[..., None], jnp.asarray(jnp.nan, result.dtype), result)
+    return jnp.where(finite, v, jnp.zeros((), v.dtype)), (~jnp.all(finite, axis=-1)).astype(jnp.float32)
+
+
+def nan_where(reached: ArrayLike, out: Array) -> Array:
+    """`out` with NaN in the rows `reached` marks (`reached` lacks out's feature axis)."""
+    return jnp.where(jnp.asarray(reached)[..., None], jnp.asarray(jnp.nan, out.dtype), out)

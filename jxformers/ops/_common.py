@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jxformers._arrays import group_heads, zero_padded  # noqa: F401  (the ops import it from here)
+from jxformers._arrays import finite_values, group_heads, nan_where, zero_padded  # noqa: F401  (the ops import it from here)
 from jxformers._typing import ArrayLike
 
 # ----------------------------------------------------------------------------- checks
@@ -206,10 +206,8 @@ def weighted_values(
     None: every row reads every key (a dense product: NaN spreads as it should)."""
     if reads is None:
         return einsum_f32("...hgqk,...khd->...qhgd", p.astype(v.dtype), v)
-    v = jnp.asarray(v)
-    finite = jnp.isfinite(v)
-    out = einsum_f32("...hgqk,...khd->...qhgd", p.astype(v.dtype), jnp.where(finite, v, jnp.zeros((), v.dtype)))
-    bad = (~jnp.all(finite, axis=-1)).astype(jnp.float32)  # [*n, k, h]
+    clean, bad = finite_values(v)  # bad: [*n, k, h]
+    out = einsum_f32("...hgqk,...khd->...qhgd", p.astype(clean.dtype), clean)
     reads = jnp.asarray(reads)
     if reads.ndim == jnp.ndim(p) and reads.shape[-4:-2] == (1, 1):
         reads = reads[..., 0, 0, :, :]
@@ -217,7 +215,7 @@ def weighted_values(
         hit = jnp.einsum("...hgqk,...kh->...qhg", jnp.broadcast_to(reads, jnp.shape(p)).astype(jnp.float32), bad)
     else:  # [*n, q, k], the same for every head
         hit = jnp.einsum("...qk,...kh->...qh", reads.astype(jnp.float32), bad)[..., None]
-    return jnp.where(hit[..., None] > 0, jnp.asarray(jnp.nan, out.dtype), out)
+    return nan_where(hit > 0, out)
 
 
 def head_mask(mask: Bool[ArrayLike, "*n q k"]) -> Bool[Array, "*n 1 1 q k"]:
