@@ -21,13 +21,12 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 from attention_facts import FACTS, GROWTH_CHECKS
-from conftest import assert_close, qkv
+from conftest import JittedOps, assert_close, qkv
 from hypothesis import given
 from hypothesis import strategies as st
 
 import jxformers
 from jxformers import ModelConfig, build_model, registry
-from jxformers.ops import softmax_attention
 from jxformers.ops._priors import PRIOR_OPTIONS
 from jxformers.ops._scores import SCORE_OPTIONS
 from jxformers.xla_cost import compile_with_cost
@@ -38,6 +37,7 @@ LENGTH = st.just(37)
 LENGTHS = st.sampled_from([24, 37])
 SEEDS = st.integers(0, 2**16)
 HEADS, KV_HEADS, D_K, D_V = 4, 2, 8, 6  # conftest.qkv's defaults
+ops = JittedOps()  # the references, compiled whole (eagerly every primitive compiles alone)
 
 
 def needs(**capabilities):
@@ -194,7 +194,7 @@ class AttentionSuite(_Parametrized):
         q, k, v = qkv(1, n)
         out = run(name, hp, q, k, v, kv_mask=jnp.zeros((n,), bool))
         assert_close(out, jnp.zeros_like(out), atol=0)
-        g = jax.grad(lambda q: run(name, hp, q, k, v, kv_mask=jnp.zeros((n,), bool)).sum())(q)
+        g = jax.jit(jax.grad(lambda q: run(name, hp, q, k, v, kv_mask=jnp.zeros((n,), bool)).sum()))(q)
         chex.assert_tree_all_finite(g)
 
     @needs(exact=True)
@@ -210,7 +210,7 @@ class AttentionSuite(_Parametrized):
             for m in facts(name).mask(n, bound.hyper_parameters, arrays, causal):
                 keys = jnp.repeat(k, expected.shape[1] // k.shape[1], axis=1)  # values may be per query head
                 options = score_options(bound.hyper_parameters, arrays)  # the same options on the reference
-                expected = softmax_attention(q, keys, expected, mask=jnp.asarray(m), kv_mask=kv_mask, **options)
+                expected = ops.softmax_attention(q, keys, expected, mask=jnp.asarray(m), kv_mask=kv_mask, **options)
             assert_close(out, expected, atol=2e-5)
 
     def test_bf16_close_to_float32(self, name, hp):

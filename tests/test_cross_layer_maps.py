@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from suites import decode_all
+from suites import decode_all, forward
 
 from jxformers.nn import ModelConfig, build_model
 from jxformers.nn.attention import Attention
@@ -34,6 +34,12 @@ def config(task="lm", maps="residual", layers=3, **stack):
         head="mean" if task == "classify" else None,
         stack={"attention_maps": maps, **stack},
     )
+
+
+@eqx.filter_jit
+def encoded(encoder, tokens, mask):
+    """The encoder's hidden rows, compiled whole."""
+    return encoder.apply(tokens, mask)[0][0]
 
 
 def np_heads(linear, h, heads):
@@ -141,9 +147,9 @@ def test_realformer_adds_the_previous_layers_scores_before_the_softmax(task):
     x, weights = run_against_numpy(model, tokens, mask, "residual")
     # the model's own loop threads the same maps: its output is that of the chain
     if task == "lm":
-        np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(model._logits(x)), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(forward(model, tokens)), np.asarray(model._logits(x)), atol=1e-5)
     else:
-        (hidden, _), _ = model.encoder.apply(tokens, mask)
+        hidden = encoded(model.encoder, tokens, mask)
         np.testing.assert_allclose(np.asarray(hidden), np.asarray(model.encoder._final(x)), atol=1e-5)
     # a test that can fail: the layers' own scores alone give other weights from layer 2 on
     blocks, x0, causal = blocks_and_input(model, tokens)
@@ -152,9 +158,11 @@ def test_realformer_adds_the_previous_layers_scores_before_the_softmax(task):
     np.testing.assert_allclose(weights[0], own, atol=1e-6)  # the first layer adds nothing
     plain = build_model(config(task, "none", layers=2), key=jax.random.key(0))
     if task == "lm":
-        assert not np.allclose(np.asarray(plain(tokens, mask)), np.asarray(model(tokens, mask)), atol=1e-3)
+        assert not np.allclose(
+            np.asarray(forward(plain, tokens, mask)), np.asarray(forward(model, tokens, mask)), atol=1e-3
+        )
     else:  # the hidden states: a mean-pooled 2-class head can hide the difference
-        (plain_hidden, _), _ = plain.encoder.apply(tokens, mask)
+        plain_hidden = encoded(plain.encoder, tokens, mask)
         assert not np.allclose(np.asarray(plain_hidden), np.asarray(model.encoder._final(x)), atol=1e-3)
 
 
@@ -186,14 +194,14 @@ def test_predictive_maps_convolve_the_mix_of_own_and_previous_logits():
     mask = jnp.array([True] * 6 + [False] * 2)
     for m in (None, mask):  # unpadded, then padded
         x, _ = run_against_numpy(model, tokens, m, "predictive")
-        (hidden, _), _ = model.encoder.apply(tokens, m)
+        hidden = encoded(model.encoder, tokens, m)
         np.testing.assert_allclose(np.asarray(hidden), np.asarray(model.encoder._final(x)), atol=1e-5)
     # padded queries' rows and keys reach no real output through the kernel
     other = tokens.at[6:].set(jnp.array([20, 21]))
-    (hidden2, _), _ = model.encoder.apply(other, mask)
+    hidden2 = encoded(model.encoder, other, mask)
     np.testing.assert_allclose(np.asarray(hidden2[:6]), np.asarray(hidden[:6]), atol=1e-5)
     # the convolution is learned: its gradient reaches it
-    g = eqx.filter_grad(lambda m: jnp.sum(m(tokens, mask) ** 2))(model)
+    g = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(tokens, mask) ** 2)))(model)
     assert float(jnp.abs(g.encoder.blocks[1].evolve.weight).sum()) > 0
 
 
@@ -216,7 +224,7 @@ def test_one_layer_lazy_blocks_are_the_plain_transformer():
     tokens = jnp.arange(10) % VOCAB
     plain = build_model(config("lm", "none", layers=2), key=jax.random.key(2))
     lazy = build_model(config("lm", "lazy", layers=2, lazy_block=1), key=jax.random.key(2))
-    np.testing.assert_allclose(np.asarray(lazy(tokens)), np.asarray(plain(tokens)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(forward(lazy, tokens)), np.asarray(forward(plain, tokens)), atol=1e-5)
     fewer = lambda m: sum(x.size for x in jax.tree.leaves(eqx.filter(m, eqx.is_array)))  # noqa: E731
     lazy2 = build_model(config("lm", "lazy", layers=2, lazy_block=2), key=jax.random.key(2))
     # the reusing layer drops its query and key projections (weights and biases)
@@ -241,7 +249,7 @@ def test_jit_grad_and_bf16_through_a_built_model(kind):
     assert float(jnp.abs(g.blocks[0].attention.q_proj.weight).sum()) > 0
     assert float(jnp.abs(g.blocks[1].attention.v_proj.weight).sum()) > 0
     low = build_model(ModelConfig.from_dict(cfg.to_dict() | {"dtype": "bfloat16"}), key=jax.random.key(3))
-    out, out_low = np.asarray(model(tokens)), np.asarray(eqx.filter_jit(lambda m, t: m(t))(low, tokens))
+    out, out_low = np.asarray(forward(model, tokens)), np.asarray(forward(low, tokens))
     assert np.all(np.isfinite(out_low))
     np.testing.assert_allclose(out_low, out, atol=0.15)
 
@@ -252,10 +260,10 @@ def test_padded_keys_do_not_change_real_outputs(kind):
     mask = jnp.array([True] * 5 + [False] * 4)
     a = jnp.array([1, 2, 3, 4, 5, 0, 0, 0, 0])
     b = jnp.array([1, 2, 3, 4, 5, 7, 8, 9, 22])
-    (ha, _), _ = model.encoder.apply(a, mask)
-    (hb, _), _ = model.encoder.apply(b, mask)
+    ha = encoded(model.encoder, a, mask)
+    hb = encoded(model.encoder, b, mask)
     np.testing.assert_allclose(np.asarray(ha[:5]), np.asarray(hb[:5]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(model(a, mask)), np.asarray(model(b, mask)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(forward(model, a, mask)), np.asarray(forward(model, b, mask)), atol=1e-5)
 
 
 @pytest.mark.parametrize(("kind", "position"), [("residual", "alibi"), ("lazy", "rope"), ("lazy", "alibi")])
@@ -264,10 +272,10 @@ def test_a_language_model_decodes_like_its_parallel_forward(kind, position):
     cfg = ModelConfig.from_dict(config("lm", kind, layers=2).to_dict() | {"embedding": {"position": position}})
     model = build_model(cfg, key=jax.random.key(5))
     tokens = jnp.array([5, 3, 9, 1, 1, 7, 2, 8, 4, 0, 6, 3])
-    logits = model(tokens)
+    logits = forward(model, tokens)
     np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(logits), atol=2e-4)
     # the maps never carry the future: a later token changes no earlier row
-    later = model(tokens.at[8].set(11))
+    later = forward(model, tokens.at[8].set(11))
     np.testing.assert_allclose(np.asarray(later[:8]), np.asarray(logits[:8]), atol=1e-5)
     assert not np.allclose(np.asarray(later[8:]), np.asarray(logits[8:]), atol=1e-4)
 
@@ -287,7 +295,9 @@ def test_an_encoder_decoder_carries_maps_in_both_stacks_and_decodes():
     source, target = jnp.arange(7) % VOCAB, jnp.array([1, 4, 2, 8, 5, 7])
     bound = model.conditioned(source)
     np.testing.assert_allclose(
-        np.asarray(decode_all(bound, target)), np.asarray(model(source, target, inference=True)), atol=2e-4
+        np.asarray(decode_all(bound, target)),
+        np.asarray(eqx.filter_jit(lambda m, s, t: m(s, t, inference=True))(model, source, target)),
+        atol=2e-4,
     )
 
 

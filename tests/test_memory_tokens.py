@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from suites import decode_all
+from suites import decode_all, forward, forward_and_grad
 
 from jxformers.nn import ModelConfig, build_model
 from jxformers.train.experiment import load_experiment
@@ -26,6 +26,7 @@ def config(task, layers=1, **values):
     return ModelConfig(task=task, vocab_size=VOCAB, num_layers=layers, d_model=D, num_heads=HEADS, max_len=16, **values)
 
 
+@eqx.filter_jit
 def by_hand(blocks, x, mask, positions, bias=None):
     for block in blocks:
         x = block(x, kv_mask=mask, positions=positions, bias=bias)
@@ -40,6 +41,12 @@ def moved(model_part, rows=slice(None)):
     return eqx.tree_at(lambda m: m.embedding.extra, model_part, extra.at[rows].add(noise))
 
 
+@eqx.filter_jit
+def encode(encoder, tokens, mask):
+    """The encoder's (hidden rows, mask), compiled whole."""
+    return encoder.apply(tokens, mask)[0]
+
+
 TOKENS = jnp.array([3, 1, 4, 1, 5, 9])
 MASK = jnp.array([True, True, True, True, False, False])
 
@@ -50,7 +57,7 @@ def test_memory_tokens_are_the_encoder_run_on_mem_then_x():
     )
     enc = model.encoder
     n = TOKENS.shape[0]
-    (h, mask), _ = enc.apply(TOKENS, MASK)
+    h, mask = encode(enc, TOKENS, MASK)
     assert h.shape == (M + n, D) and bool(mask[:M].all()) and bool((mask[M:] == MASK).all())  # kept, real
     # By hand: [mem; x], x at positions M.., every row of the grid a rotary position.
     x = jnp.concatenate([enc.embedding.extra, enc.embedding(TOKENS, jnp.arange(M, M + n))])
@@ -60,12 +67,12 @@ def test_memory_tokens_are_the_encoder_run_on_mem_then_x():
     # The mean head reads the real tokens only, not the memory rows.
     w = MASK[:, None].astype(jnp.float32)
     pooled = (ref[M:] * w).sum(0) / w.sum()
-    np.testing.assert_allclose(model(TOKENS, MASK), model.head(pooled), atol=1e-5)
+    np.testing.assert_allclose(forward(model, TOKENS, MASK), model.head(pooled), atol=1e-5)
     # Padding: what sits in padded slots changes nothing.
-    np.testing.assert_allclose(model(TOKENS.at[4:].set(7), MASK), model(TOKENS, MASK), atol=1e-6)
+    np.testing.assert_allclose(forward(model, TOKENS.at[4:].set(7), MASK), forward(model, TOKENS, MASK), atol=1e-6)
     # The memory acts: other memory vectors, other real outputs.
     other = moved(enc)
-    assert float(jnp.abs(other.apply(TOKENS, MASK)[0][0][M:] - h[M:]).max()) > 1e-3
+    assert float(jnp.abs(encode(other, TOKENS, MASK)[0][M:] - h[M:]).max()) > 1e-3
 
 
 def test_registers_are_discarded_at_the_output_and_change_the_real_tokens():
@@ -74,7 +81,7 @@ def test_registers_are_discarded_at_the_output_and_change_the_real_tokens():
     )
     enc = model.encoder
     n = TOKENS.shape[0]
-    h, mask = eqx.filter_jit(lambda e, t, k: e.apply(t, k)[0])(enc, TOKENS, MASK)
+    h, mask = encode(enc, TOKENS, MASK)
     assert h.shape == (1 + n, D) and bool((mask == jnp.concatenate([jnp.ones(1, bool), MASK])).all())
     # By hand: [CLS; reg; x] (tokens at positions 1 + M..), registers dropped afterwards.
     x = enc.embedding(TOKENS, jnp.arange(1 + M, 1 + M + n))
@@ -82,16 +89,16 @@ def test_registers_are_discarded_at_the_output_and_change_the_real_tokens():
     full = jnp.concatenate([jnp.ones(1 + M, bool), MASK])
     ref = enc.norm(by_hand(enc.blocks, x, full, jnp.arange(1 + M + n, dtype=jnp.float32)))
     np.testing.assert_allclose(h, jnp.concatenate([ref[:1], ref[1 + M :]]), atol=1e-5)
-    np.testing.assert_allclose(model(TOKENS, MASK), model.head(ref[0]), atol=1e-5)  # CLS is h[0]
+    np.testing.assert_allclose(forward(model, TOKENS, MASK), model.head(ref[0]), atol=1e-5)  # CLS is h[0]
     other = moved(enc)
-    assert float(jnp.abs(other.apply(TOKENS, MASK)[0][0] - h).max()) > 1e-3  # they act, yet never appear
-    np.testing.assert_allclose(model(TOKENS.at[4:].set(0), MASK), model(TOKENS, MASK), atol=1e-6)
+    assert float(jnp.abs(encode(other, TOKENS, MASK)[0] - h).max()) > 1e-3  # they act, yet never appear
+    np.testing.assert_allclose(forward(model, TOKENS.at[4:].set(0), MASK), forward(model, TOKENS, MASK), atol=1e-6)
 
 
 def test_causal_lm_memory_by_hand_decoding_and_grad():
     model = build_model(config("lm", embedding={"extra_tokens": M, "position": "alibi"}), key=jax.random.key(2))
     n = TOKENS.shape[0]
-    logits = eqx.filter_jit(lambda m, t: m(t))(model, TOKENS)
+    logits, grads = forward_and_grad(model, TOKENS)
     assert logits.shape == (n, VOCAB)
     # By hand: [mem; x] under the causal mask (memory i sees memory <= i; every token all memory).
     x = jnp.concatenate([model.embedding.extra, model.embedding(TOKENS, jnp.arange(M, M + n))])
@@ -100,12 +107,11 @@ def test_causal_lm_memory_by_hand_decoding_and_grad():
     np.testing.assert_allclose(logits, ref, atol=1e-5)
     # The first real token reads the last memory token.
     other = moved(model, slice(-1, None))
-    assert float(jnp.abs(other(TOKENS)[0] - logits[0]).max()) > 1e-4
+    assert float(jnp.abs(forward(other, TOKENS)[0] - logits[0]).max()) > 1e-4
     # Decoding: the memory prefilled in init_decode_state; the same logits as the parallel forward.
     np.testing.assert_allclose(decode_all(model, TOKENS), logits, atol=1e-5)
     assert int(model.init_decode_state(4)["length"]) == M
     # Gradients reach the memory vectors.
-    grads = eqx.filter_grad(lambda m: m(TOKENS).sum() ** 2)(model)
     g = grads.embedding.extra
     assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
 
@@ -119,7 +125,8 @@ def test_seq2seq_decoder_cross_attends_the_encoders_memory():
     assert model.decoder.embedding.extra is None
     target = jnp.array([2, 7, 1])
     moved_model = eqx.tree_at(lambda m: m.encoder, model, moved(model.encoder))
-    assert float(jnp.abs(moved_model(TOKENS, target, MASK) - model(TOKENS, target, MASK)).max()) > 1e-4
+    translate = eqx.filter_jit(lambda m: m(TOKENS, target, MASK))
+    assert float(jnp.abs(translate(moved_model) - translate(model)).max()) > 1e-4
 
 
 def test_length_sized_attentions_hold_the_extra_tokens_within_max_len():
@@ -127,7 +134,7 @@ def test_length_sized_attentions_hold_the_extra_tokens_within_max_len():
     linformer = {"name": "linformer", "proj_len": 4}
     cfg = config("classify", attention=linformer, embedding={"extra_tokens": M, "position": "learned"})
     model = build_model(cfg, key=jax.random.key(6))
-    np.testing.assert_allclose(model(TOKENS.at[4:].set(2), MASK), model(TOKENS, MASK), atol=1e-6)
+    np.testing.assert_allclose(forward(model, TOKENS.at[4:].set(2), MASK), forward(model, TOKENS, MASK), atol=1e-6)
     with pytest.raises(ValueError, match="exceeds the model's max_len 16"):
         model(jnp.zeros(16 - M, jnp.int32))  # CLS + 13 tokens + 3 extra = 17
 
@@ -166,9 +173,8 @@ def test_all_attention_layer_is_attention_over_persistent_and_keys_without_ffn()
     assert block.ffn is None and len(block.norms) == 1  # one sublayer, one LayerNorm
     x = jax.random.normal(jax.random.key(4), (5, D))
     np.testing.assert_allclose(block(x), np_all_attention(block, x), atol=1e-4)
-    logits = model(TOKENS)
+    logits, grads = forward_and_grad(model, TOKENS)
     np.testing.assert_allclose(decode_all(model, TOKENS), logits, atol=1e-5)
-    grads = eqx.filter_grad(lambda m: m(TOKENS).sum() ** 2)(model)
     assert float(jnp.abs(grads.blocks[1].attention.arrays["persistent_v"]).max()) > 0
     # Only the blocks named in layer_overrides drop their FFN; pre-norm also builds.
     mixed = config(
@@ -180,7 +186,7 @@ def test_all_attention_layer_is_attention_over_persistent_and_keys_without_ffn()
     assert mixed.norm.placement == "pre"  # the model's ffn is dense: the transformer stack's default
     classifier = build_model(mixed, key=jax.random.key(5))
     assert classifier.encoder.blocks[0].ffn is not None and classifier.encoder.blocks[1].ffn is None
-    assert classifier(TOKENS, MASK).shape == (2,)
+    assert forward(classifier, TOKENS, MASK).shape == (2,)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 its sum and paths, the k-means inputs of a module called twice grouped by its path, and
 the train step's metrics read from it."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +61,7 @@ def test_a_module_called_twice_is_updated_once_from_both_calls():
     model = build_model(config, key=jax.random.key(0))
     t1 = jax.random.randint(jax.random.key(1), (2, 12), 0, 11)
     t2 = jax.random.randint(jax.random.key(2), (2, 12), 0, 11)
-    produced = jax.vmap(lambda a, b: model.apply(a, b)[1])(t1, t2)
+    produced = eqx.filter_jit(lambda m, a, b: jax.vmap(lambda x, y: m.apply(x, y)[1])(a, b))(model, t1, t2)
     path = ("tower", "encoder", "blocks", 0, "attention")
     assert [x.path for x in produced.attention_inputs] == [path, path]
     moved = nn.update_arrays(model, produced.attention_inputs)
