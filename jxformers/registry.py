@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jaxtyping
 
 from jxformers.validate import Limits, check_value, type_name
@@ -149,6 +150,13 @@ class HyperParameter:
 def _takes(fn: Callable, argument: str) -> bool:
     """Whether `fn` has a parameter named `argument`."""
     return argument in inspect.signature(fn).parameters
+
+
+@functools.cache
+def _drawn_names(bound: BoundAttention, heads: int, kv_heads: int, d_k: int, d_v: int) -> tuple[str, ...]:
+    """The names of the arrays `bound.init_arrays` draws at these sizes (traced, not drawn)."""
+    sizes = {"heads": heads, "kv_heads": kv_heads, "d_k": d_k, "d_v": d_v}
+    return tuple(sorted(jax.eval_shape(lambda key: bound.init_arrays(key, **sizes), jax.random.key(0))))
 
 
 def _signature_parameters(fn: Callable, skip: tuple[str, ...]) -> dict[str, HyperParameter]:
@@ -379,6 +387,14 @@ class BoundAttention:
     ):
         self.check_call(causal=causal, kv_mask=kv_mask, bias=bias)
         kwargs = self._op_kwargs() | dict(arrays or {})
+        if not arrays and self.spec.init_arrays_fn is not None:
+            # Some ops fall back silently without them (adaptive_sparse to a fixed alpha).
+            drawn = _drawn_names(self, jnp.shape(q)[1], jnp.shape(k)[1], jnp.shape(q)[2], jnp.shape(v)[2])
+            if drawn:
+                raise ValueError(
+                    f"{self.name} was called without its drawn arrays {list(drawn)}: pass "
+                    "arrays=bound.init_arrays(key, heads=..., kv_heads=..., d_k=..., d_v=...)"
+                )
         if self.spec.supports_causal:
             kwargs["causal"] = causal
         if kv_mask is not None:

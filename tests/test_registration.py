@@ -7,6 +7,7 @@ file's `__all__`)."""
 import pathlib
 import re
 
+import jax
 import pytest
 
 from jxformers import ModelConfig, ops, registry
@@ -167,3 +168,40 @@ def test_numpy_scalars_are_taken_as_the_python_numbers_they_hold():
 def test_a_hyper_parameter_past_int32_is_refused_at_bind(value):
     with pytest.raises(ValueError, match=r"local: hyper-parameter window must be at most 2147483647 in size"):
         registry.bind("local", window=value)
+
+
+def test_an_op_called_by_hand_refuses_a_size_past_int32_with_a_value_error():
+    """Not an OverflowError from deep inside JAX: every int hyper-parameter of every op,
+    set to 10**12, is a ValueError naming it (or, for a ramp length, simply works)."""
+    from attention_facts import FACTS
+
+    q = jax.random.normal(jax.random.key(0), (16, 2, 8))
+    for name in registry.names():
+        bound = registry.bind(name, **dict(FACTS[name].variants[0]))
+        kwargs = bound._op_kwargs() | bound.init_arrays(jax.random.key(1), heads=2, kv_heads=2, d_k=8, d_v=8)
+        for p in bound.spec.hyper_parameters:
+            value = kwargs.get(p.name, p.default)
+            if p.arrays_only or isinstance(value, bool) or not isinstance(value, int):
+                continue
+            try:
+                bound.spec.op(q, q, q, **(kwargs | {p.name: 10**12}))
+            except ValueError as e:
+                assert p.name in str(e), (name, p.name, str(e))
+
+
+def test_a_bound_attention_called_without_its_drawn_arrays_is_refused():
+    """Not a TypeError from the op's signature, nor a silent fallback (adaptive_sparse
+    took a fixed alpha where its learned one was missing): a ValueError naming them."""
+    from attention_facts import FACTS
+
+    q = jax.numpy.ones((16, 2, 8))
+    refused = []
+    for name in registry.names():
+        bound = registry.bind(name, **dict(FACTS[name].variants[0]))
+        drawn = sorted(bound.init_arrays(jax.random.key(1), heads=2, kv_heads=2, d_k=8, d_v=8))
+        if drawn:
+            for arrays in (None, {}):
+                with pytest.raises(ValueError, match=rf"{name} was called without its drawn arrays \[.*'{drawn[0]}'"):
+                    bound(q, q, q, arrays=arrays)
+            refused.append(name)
+    assert {"performer", "adaptive_sparse", "linformer", "lsh"} <= set(refused)

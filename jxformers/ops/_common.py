@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar, cast
@@ -26,6 +27,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jxformers._arrays import finite_values, group_heads, nan_where, zero_padded  # noqa: F401  (the ops import it from here)
 from jxformers._typing import ArrayLike
+from jxformers.registry import INT32_MAX
 
 # ----------------------------------------------------------------------------- checks
 
@@ -69,11 +71,16 @@ def warn_once_per_call_site(message: str, category: type[Warning]) -> None:
 
 
 def check_positive(name: str, value: int, *, minimum: int = 1) -> None:
-    """Raise ValueError unless `value` is a Python int >= `minimum`."""
+    """Raise ValueError unless `value` is a Python int in [`minimum`, INT32_MAX]: a size or
+    offset past int32 would overflow JAX's index arithmetic deep inside the op. (The
+    registry and the configs convert NumPy integers; an op called by hand takes ints.)"""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be a Python int >= {minimum}; got {value!r}")
+        hint = f" (int({value!r}) is one)" if isinstance(value, numbers.Integral) else ""
+        raise ValueError(f"{name} must be a Python int >= {minimum}; got {value!r}{hint}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    if value > INT32_MAX:
+        raise ValueError(f"{name} must be at most {INT32_MAX} (JAX indexes with int32); got {value}")
 
 
 def check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, self_attention: bool = False) -> None:
