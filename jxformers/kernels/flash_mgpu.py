@@ -289,11 +289,13 @@ def _body(
         acc, m, l = lax.fori_loop(full, count, functools.partial(step, partial=True), carry)
         if consumers == 2:
             pl.when(wg == 0)(take_turn)  # consumer 0's last turn, paired with 1's first
-        seen = jnp.logical_not(l <= 0)  # a NaN sum (a non-finite key the row reads) stays NaN, not a silent 0
-        l_safe = jnp.where(seen, l, 1.0)
+        # A NaN sum (a non-finite key the row reads) is not empty: it stays NaN, not a
+        # silent 0. No logical_not: jax 0.12's Mosaic GPU cannot convert its i1 registers.
+        empty = l <= 0
+        l_safe = jnp.where(empty, 1.0, l)
         # A row that saw no key has acc = 0 (every p was 0), so it stays 0.
         o_smem.at[wg][...] = (acc * rows_to(1.0 / l_safe, acc.shape)).astype(dtype)
-        lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(l_safe), jnp.inf)
+        lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, m * LN2 + jnp.log(l_safe))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[pl.ds(q_start, WG_ROWS), head])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[head, pl.ds(q_start, WG_ROWS)])

@@ -354,13 +354,15 @@ class _Signals:
         if self.received is not None:
             print(f"\njxformers train: second {name}: stopping now, without saving", file=sys.stderr, flush=True)
             os._exit(128 + signum)
-        self.received = signum
         everyone = "every process saves after the same step" if self.coordinated else "saving after the current step"
         print(
             f"\njxformers train: {name} received: {everyone}, then exiting (again to stop at once, without saving)",
             file=sys.stderr,
             flush=True,
         )
+        # Only now: the main thread stops (and says what it saved) once it sees this, so
+        # set before the line above, its message could come first (seen under load).
+        self.received = signum
         if self.coordinated:
             os.kill(os.getpid(), signal.SIGTERM)  # to JAX's handler, which tells the other processes
 
