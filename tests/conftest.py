@@ -161,6 +161,8 @@ def assert_close(a, b, atol=1e-5, rtol=1e-5):
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["crash_rerun"]  # a test whose worker died under it runs once more (see there)
+
 _RSS_LIMIT = 3 * 2**30  # the first clearing
 _RSS_STEP = 2**30  # then again only after this much more growth ...
 _RSS_CAP = 6 * 2**30  # ... up to this, past which every test clears
