@@ -177,6 +177,8 @@ def test_an_op_called_by_hand_refuses_a_size_past_int32_with_a_value_error():
 
     q = jax.random.normal(jax.random.key(0), (16, 2, 8))
     for name in registry.names():
+        if not registry.get(name).op.__module__.startswith("jxformers."):
+            continue  # an attention registered by another test (test_toy_attention's)
         bound = registry.bind(name, **dict(FACTS[name].variants[0]))
         kwargs = bound._op_kwargs() | bound.init_arrays(jax.random.key(1), heads=2, kv_heads=2, d_k=8, d_v=8)
         for p in bound.spec.hyper_parameters:

@@ -422,3 +422,58 @@ def test_an_impossible_mesh_is_refused_before_any_file_is_written(tmp_path, caps
     assert not run.exists()
     assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", "--set", "mesh.fsdp=3"]) == 1
     assert "mesh" in capsys.readouterr().err and not run.exists()
+
+
+def test_a_metrics_line_cut_short_is_ended_skipped_and_named_not_fatal(tmp_path):
+    """A crash or a full disk mid-write leaves a partial last line: the next run's log
+    starts on a line of its own, and readers (eval's last evaluation, plot, demo) skip
+    the broken line with a warning naming file and line instead of refusing the log."""
+    from jxformers.tools.plot import read_metrics
+    from jxformers.train.workdir import METRICS, open_metrics_log, read_metrics_log, write_line
+
+    path = tmp_path / METRICS
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "lo')  # cut mid-record
+    fd = open_metrics_log(tmp_path)
+    write_line(fd, json.dumps({"step": 3, "loss": 1.5}))
+    os.close(fd)
+    assert path.read_text().splitlines()[-1] == '{"step": 3, "loss": 1.5}'
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(path))}:2 is not a metrics record"):
+        records = read_metrics_log(tmp_path)
+    assert [r["step"] for r in records] == [1, 3]
+    with pytest.warns(UserWarning, match=":2 is not"):
+        assert read_metrics(tmp_path)["loss"] == {1: 2.5, 3: 1.5}
+
+
+def test_the_metrics_log_is_never_written_through_a_symbolic_link(tmp_path):
+    from jxformers.train.workdir import METRICS, open_metrics_log
+
+    other = tmp_path / "someone_elses.txt"
+    other.write_text("theirs\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / METRICS).symlink_to(other)
+    with pytest.raises(ValueError, match="metrics.jsonl is a symbolic link"):
+        open_metrics_log(run)
+    assert other.read_text() == "theirs\n"
+
+
+def test_a_run_whose_checkpoints_are_gone_is_refused_unless_started_fresh(trained, tmp_path, capsys):
+    """Deleting checkpoints/ used to restart at step 0 silently, appending a second
+    history to metrics.jsonl; now the rerun names the logged step and --fresh, which
+    starts again with the old log set aside (and is refused where checkpoints exist)."""
+    _, run = trained
+    kept = _copy(run, tmp_path)
+    assert cli.main(["train", "--workdir", str(kept), "--no-progress", "--fresh"]) == 1
+    assert "holds checkpoints, which a fresh start would discard" in capsys.readouterr().err
+    shutil.rmtree(kept / "checkpoints")
+    log, config = (kept / "metrics.jsonl").read_text(), (kept / "config.yaml").read_text()
+    assert cli.main(["train", "--workdir", str(kept), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "logs a run to step 12 and a checkpoint was due at step 4" in err and "--fresh" in err, err
+    assert (kept / "metrics.jsonl").read_text() == log and (kept / "config.yaml").read_text() == config
+    assert cli.main(["train", "--workdir", str(kept), "--no-progress", "--fresh"]) == 0
+    assert "a fresh start; the old log is" in capsys.readouterr().err
+    [aside] = kept.glob("metrics.jsonl.*.old")
+    assert aside.read_text() == log
+    records = [json.loads(x) for x in (kept / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 13))  # one history, from step 1

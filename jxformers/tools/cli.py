@@ -166,6 +166,12 @@ def _train(rest: list[str]) -> int:
     )
     p.add_argument("--num-processes", type=int, default=None, help="the number of processes (with --coordinator)")
     p.add_argument("--process-id", type=int, default=None, help="this process's index (with --coordinator)")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start again at step 0 a run whose checkpoints are gone (refused otherwise; the old "
+        "metrics.jsonl is kept beside the new one as metrics.jsonl.<time>.old); refused where checkpoints exist",
+    )
     args = p.parse_args(rest)
     from jxformers.train.distributed import initialize
 
@@ -178,7 +184,7 @@ def _train(rest: list[str]) -> int:
     from jxformers.train.loop import to_json
 
     try:
-        summary = train(experiment, args.workdir, progress=not args.no_progress)
+        summary = train(experiment, args.workdir, progress=not args.no_progress, fresh=args.fresh)
     except (NonFiniteError, ValueError) as e:
         print(f"jxformers train: {e}", file=sys.stderr)
         return 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import math
 import pathlib
 import statistics
@@ -37,6 +36,7 @@ from jxformers import registry
 from jxformers.data.baselines import baselines
 from jxformers.tools.plot import plot_runs
 from jxformers.train import load_experiment, train
+from jxformers.train.workdir import read_metrics_log
 
 MODELS = {
     "softmax": [],
@@ -49,8 +49,7 @@ CLEAR_GAP_SE = 2.0
 
 
 def _step_stats(workdir: pathlib.Path) -> dict[str, float]:
-    records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if "step_ms" in r][1:]  # the first step includes compilation
+    timed = [r for r in read_metrics_log(workdir) if "step_ms" in r][1:]  # the first step includes compilation
     if not timed:
         return {}
     median = sorted(r["step_ms"] for r in timed)[len(timed) // 2]

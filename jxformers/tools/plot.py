@@ -4,20 +4,19 @@ resumed run, the last record of each step wins)."""
 
 from __future__ import annotations
 
-import json
 import pathlib
+
+from jxformers.train.workdir import METRICS, read_metrics_log
 
 DEFAULT_METRICS = ("loss", "eval_accuracy")
 
 
 def read_metrics(workdir: str | pathlib.Path) -> dict[str, dict[int, float]]:
     """metric -> {step: value} from `workdir/metrics.jsonl`."""
-    path = pathlib.Path(workdir) / "metrics.jsonl"
-    if not path.exists():
-        raise ValueError(f"{workdir}: no metrics.jsonl (is it a `jxformers train` work directory?)")
+    if not (pathlib.Path(workdir) / METRICS).exists():
+        raise ValueError(f"{workdir}: no {METRICS} (is it a `jxformers train` work directory?)")
     series: dict[str, dict[int, float]] = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics_log(workdir):
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 series.setdefault(key, {})[int(record["step"])] = float(value)

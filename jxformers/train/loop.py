@@ -54,7 +54,18 @@ from jxformers.train.sharding import ShardingPlan, make_mesh, plan_sharding
 from jxformers.train.state import TrainState, init_train_state, load_state_dict, split_model, state_dict
 from jxformers.train.step import evaluate, make_eval_step, make_train_step
 from jxformers.train.tensorboard import EventWriter
-from jxformers.train.workdir import check_rerun, check_workdir, has_checkpoints, workdir_lock, write_config
+from jxformers.train.workdir import (
+    check_history,
+    check_rerun,
+    check_workdir,
+    has_checkpoints,
+    open_metrics_log,
+    read_metrics_log,
+    set_history_aside,
+    workdir_lock,
+    write_config,
+    write_line,
+)
 from jxformers.xla_cost import cost_of
 
 
@@ -207,16 +218,15 @@ class _MetricsLog:
     """One JSON line per record in metrics.jsonl, mirrored as TensorBoard scalars."""
 
     def __init__(self, workdir: pathlib.Path):
-        self.file = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 - closed by close()
+        self.fd = open_metrics_log(workdir)
         self.events = EventWriter(workdir / "tensorboard")
 
     def __call__(self, record: dict[str, Any]) -> None:
-        self.file.write(to_json(record) + "\n")
-        self.file.flush()
+        write_line(self.fd, to_json(record))
         self.events.scalars(record["step"], {k: v for k, v in record.items() if k != "step"})
 
     def close(self) -> None:
-        self.file.close()
+        os.close(self.fd)
         self.events.close()
 
 
@@ -455,22 +465,23 @@ class _Progress:
 
 def _last_eval(workdir: pathlib.Path) -> dict[str, Any]:
     """The last evaluation logged in `workdir/metrics.jsonl` ({} if none)."""
-    path = workdir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    evals = [r for r in records if any(key.startswith("eval_") for key in r)]
+    evals = [r for r in read_metrics_log(workdir) if any(key.startswith("eval_") for key in r)]
     return {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}
 
 
-def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: contextlib.ExitStack):
-    """Lock the work directory, check a rerun against the saved config, then (only then)
-    write config.yaml. Returns the changes a rerun made (all resumable)."""
+def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: contextlib.ExitStack, fresh: bool):
+    """Lock the work directory, check a rerun against the saved config and the log, then
+    (only then) write config.yaml. Returns the changes a rerun made (all resumable)."""
     check_workdir(workdir, exists=False)
     workdir.mkdir(parents=True, exist_ok=True)
     if distributed.is_main():  # with several processes, process 0 holds the lock and writes
         stack.enter_context(workdir_lock(workdir))
     changes = check_rerun(workdir, experiment)
+    aside = check_history(workdir, experiment, fresh=fresh)
     distributed.barrier("jxformers: config checked")  # every process read the old config.yaml
     if distributed.is_main():
+        if aside:
+            print(f"jxformers train: a fresh start; the old log is {set_history_aside(workdir)}", file=sys.stderr)
         write_config(workdir, experiment)
     return changes
 
@@ -522,23 +533,29 @@ def start_run(experiment: Experiment, workdir: str | pathlib.Path, model) -> pat
     return workdir
 
 
-def train(experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool = True) -> dict[str, Any]:
+def train(
+    experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool = True, fresh: bool = False
+) -> dict[str, Any]:
     """Train (or resume) `experiment` in `workdir`; returns the final metrics.
 
     Holds `workdir/lock` while it runs; writes `workdir/config.yaml` (the resolved config,
     after checking a rerun against it), `workdir/metrics.jsonl` and `workdir/checkpoints/`.
     Exits with an exception on a non-finite step when `train.on_nonfinite` is "stop" (the
-    checkpoints stay). `progress`: a bar on a terminal, plain lines elsewhere.
+    checkpoints stay). `progress`: a bar on a terminal, plain lines elsewhere. A run whose
+    log shows checkpoints that are gone is refused; `fresh` starts it again at step 0
+    (the old metrics.jsonl moved aside), and is refused where checkpoints exist.
     """
     workdir = pathlib.Path(workdir)
     t, every = experiment.train, experiment.checkpoint.every
+    if workdir.is_dir():  # read-only, before anything is built: fails in a moment, not after compiling
+        check_history(workdir, experiment, fresh=fresh)
     with contextlib.ExitStack() as stack:
         signals = stack.enter_context(_Signals())  # first: a signal during setup is acknowledged too
         # What can still fail once the config is valid (the model's constructors, a mesh the
         # devices cannot form) fails here, before the work directory is touched.
         state, static, optimizer, schedule = init_train_state(experiment)
         plan = sharding_plan(experiment, state, static)
-        changes = _prepare_workdir(experiment, workdir, stack)
+        changes = _prepare_workdir(experiment, workdir, stack, fresh)
         train_source, eval_source = experiment.sources()
         iterator = stack.enter_context(contextlib.closing(_train_iterator(experiment, train_source)))
         checkpointer = stack.enter_context(

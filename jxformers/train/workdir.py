@@ -5,6 +5,8 @@
     WORKDIR/lock          held (flock) by the one `train` process using the directory;
                           it says who: pid, host, since when
     WORKDIR/checkpoints/  orbax checkpoints (checkpoint.py)
+    WORKDIR/metrics.jsonl one JSON object per logged record (`open_metrics_log`,
+                          `read_metrics_log`)
 
 A rerun of `train` may change only what leaves the saved state valid (`RESUMABLE`);
 anything else is refused, naming what differs, before config.yaml is rewritten.
@@ -36,6 +38,7 @@ CONVERTED_WEIGHTS = "model.eqx"  # jxformers.pretrained.bert.CONVERTED_WEIGHTS (
 # the bare model config.yaml that `jxformers convert` writes without --experiment
 LOCK = "lock"
 CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
 # What a rerun may change once checkpoints exist: none of these changes the saved state's
 # tree, the data order or the meaning of the steps already taken (workers and a built
 # split give the same records; the iterator state is rewritten for the worker count;
@@ -87,6 +90,84 @@ def check_workdir(path: str | os.PathLike, *, exists: bool) -> pathlib.Path:
             f"work directory {str(path)!r} does not exist: train first (jxformers train CONFIG --workdir {path})"
         )
     return path
+
+
+def read_metrics_log(workdir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of `workdir/metrics.jsonl` in order ([] when there is none). A line
+    that is not a JSON object (a write cut short by a crash or a full disk) is skipped
+    with a warning naming the file and the line, instead of refusing the whole log."""
+    path = pathlib.Path(workdir) / METRICS
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+        elif line.strip():
+            warnings.warn(f"{path}:{number} is not a metrics record (a write cut short?): skipped", stacklevel=2)
+    return records
+
+
+def open_metrics_log(workdir: pathlib.Path) -> int:
+    """A file descriptor appending to `workdir/metrics.jsonl`: never through a symlink
+    (a planted link would append to another file), and with a line a crash cut short
+    ended first, so the next record starts on a line of its own."""
+    path = workdir / METRICS
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            raise ValueError(f"{path} is a symbolic link: the run writes its own log, not through a link") from e
+        raise
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        cut = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
+    if cut:
+        write_line(fd, "")
+    return fd
+
+
+def write_line(fd: int, line: str) -> None:
+    """`line` and a newline, appended in one write where the system allows (a reader sees
+    whole records; `read_metrics_log` skips a line that a full disk cut)."""
+    data = (line + "\n").encode()
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def check_history(workdir: pathlib.Path, experiment: Experiment, *, fresh: bool) -> bool:
+    """Refuse to start a logged run again at step 0 because its checkpoints are gone
+    (deleted or moved: the run would silently retrain and append a second history to
+    metrics.jsonl), unless `fresh` asks for it; refuse `fresh` where checkpoints exist.
+    Returns whether `set_history_aside` must move the old log before the new run writes."""
+    if has_checkpoints(workdir):
+        if fresh:
+            raise ValueError(
+                f"{workdir / CHECKPOINTS} holds checkpoints, which a fresh start would discard: "
+                "resume without --fresh, or start in a new work directory"
+            )
+        return False
+    last = max((r["step"] for r in read_metrics_log(workdir) if isinstance(r["step"], int)), default=0)
+    due = min(experiment.checkpoint.every, experiment.train.steps)  # the first step saved (_due in loop.py)
+    if last >= due and not fresh:
+        raise ValueError(
+            f"{workdir / METRICS} logs a run to step {last} and a checkpoint was due at step {due}, but "
+            f"{workdir / CHECKPOINTS} holds none (deleted or moved?): put the checkpoints back to resume, or "
+            "start again at step 0 with --fresh (Python: train(..., fresh=True)), which keeps the old log "
+            f"as {METRICS}.<time>.old"
+        )
+    return fresh and (workdir / METRICS).exists()
+
+
+def set_history_aside(workdir: pathlib.Path) -> pathlib.Path:
+    """Move metrics.jsonl to metrics.jsonl.<UTC time>.old (a fresh start's log begins empty)."""
+    aside = workdir / f"{METRICS}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.old"
+    (workdir / METRICS).rename(aside)
+    return aside
 
 
 def has_checkpoints(workdir: pathlib.Path) -> bool:
