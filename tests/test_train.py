@@ -342,9 +342,16 @@ def test_non_finite_steps_stop_or_are_skipped(tmp_path):
         tmp_path / "skip",
         progress=False,
     )
-    assert summary["step"] == 4
+    assert summary["step"] == 4 and summary["skipped_steps"] == 3  # said in the summary
     records = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("skipped") for r in records)
+    assert [r["step"] for r in records if r.get("skipped")] == [2, 3, 4]
+    # Skipping has a limit: a run that never recovers stops instead of ending "successfully".
+    endless = ["train.learning_rate=1e38", "train.clip_norm=null", "train.warmup_steps=0", "train.schedule=constant"]
+    endless += ["train.on_nonfinite=skip", "train.steps=4", "train.max_consecutive_skips=2"]
+    with pytest.raises(
+        NonFiniteError, match=r"2 non-finite steps in a row \(steps 2-3, train.max_consecutive_skips = 2\)"
+    ):
+        train(load_experiment(config, endless), tmp_path / "endless", progress=False)
 
 
 def test_performer_features_are_redrawn_and_a_resumed_run_redraws_the_same_way(tmp_path):

@@ -114,12 +114,24 @@ class TrainConfig(_Section):
     log_every: int = setting(10, "log metrics every this many steps")
     seed: int = setting(0, "parameters, dropout and drawn arrays")
     on_nonfinite: str = setting("stop", "a NaN or inf loss: stop (raise) or skip the update", choices=("stop", "skip"))
+    max_consecutive_skips: int = setting(
+        10, "with on_nonfinite=skip: stop (raise) after this many non-finite steps in a row, a model not recovering"
+    )
     redraw_every: int = setting(1000, "redraw Performer's and RFA's features every this many steps (0: never)")
 
     def __post_init__(self):
         check_fields(self, "train.")
         check_at_least(
-            self, "train.", 1, "steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "log_every"
+            self,
+            "train.",
+            1,
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "eval_every",
+            "eval_batches",
+            "log_every",
+            "max_consecutive_skips",
         )
         check_at_least(self, "train.", 0, "warmup_steps", "redraw_every", "weight_decay")
         if self.warmup_steps is not None and self.warmup_steps > self.steps:  # the peak rate would never be reached

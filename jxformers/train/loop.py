@@ -263,6 +263,8 @@ class _StepReport:
     padded_tokens_per_batch: int
     saved_steps: Any  # () -> the steps checkpointed so far
     step_temp_bytes: Any = None
+    skipped: int = 0  # non-finite steps of this process's run
+    in_a_row: int = 0  # ... ending at the latest step
 
     def _kept(self) -> str:
         steps = self.saved_steps()
@@ -273,13 +275,22 @@ class _StepReport:
     def __call__(self, step: int, m: dict[str, float], elapsed: float, tokens: int) -> None:
         """`tokens`: the real (unpadded) tokens of the step's batch."""
         t = self.experiment.train
-        if not m.pop("finite"):
+        finite = m.pop("finite")
+        self.in_a_row = 0 if finite else self.in_a_row + 1
+        if not finite:
+            self.skipped += 1
             self.log({"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"], "skipped": True})
             if t.on_nonfinite == "stop":
                 raise NonFiniteError(
                     f"non-finite loss or gradients at step {step} (loss {m['loss']}, gradient norm "
                     f"{m['grad_norm']}); the update was not applied. Set train.on_nonfinite=skip to "
                     f"skip such steps; {self._kept()}."
+                )
+            if self.in_a_row >= t.max_consecutive_skips:  # skipping forever would end "successfully"
+                raise NonFiniteError(
+                    f"{self.in_a_row} non-finite steps in a row (steps {step - self.in_a_row + 1}-{step}, "
+                    f"train.max_consecutive_skips = {t.max_consecutive_skips}): the model is not recovering; "
+                    f"lower train.learning_rate or check the data; {self._kept()}."
                 )
         elif _due(step, t.log_every, t.steps) or step == self.start + 1:
             self.log(
@@ -609,6 +620,7 @@ def train(
         if stop:
             signals.exit_after_saving(checkpointer, log, int(state.step), start)
         return summary | {
+            "skipped_steps": report.skipped,
             "peak_memory_bytes": _peak_memory_bytes(),
             "train_step_temp_bytes": run_step.temp_bytes,
             "compile_seconds": run_step.compile_seconds,

@@ -58,6 +58,7 @@ RESUMABLE = frozenset(
         "train.eval_batches",
         "train.log_every",
         "train.on_nonfinite",
+        "train.max_consecutive_skips",
         "checkpoint.every",
         "checkpoint.keep",
         "checkpoint.async_save",
