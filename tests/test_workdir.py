@@ -477,3 +477,19 @@ def test_a_run_whose_checkpoints_are_gone_is_refused_unless_started_fresh(traine
     assert aside.read_text() == log
     records = [json.loads(x) for x in (kept / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 13))  # one history, from step 1
+
+
+def test_a_checkpoint_whose_name_is_not_its_step_is_treated_as_damaged(trained, tmp_path):
+    """Another step's checkpoint copied in as checkpoints/12 was restored as step 12, and a
+    resumed run would go on from another history; the name is now checked against the
+    step saved inside, and a mismatch falls back like other damage."""
+    from jxformers.train.loop import restore_model
+    from jxformers.train.workdir import load_run_experiment
+
+    _, run = trained
+    run = _copy(run, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "12")
+    shutil.copytree(run / "checkpoints" / "8", run / "checkpoints" / "12")
+    with pytest.warns(UserWarning, match=r"step 12 could not be restored \(.*the state inside is step 8, not 12\)"):
+        _, step = restore_model(load_run_experiment(run), run)
+    assert step == 8

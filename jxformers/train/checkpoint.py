@@ -30,6 +30,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jxformers.train.state import STEP_KEY
+
 
 class _NoMetricsWarningFilter(logging.Filter):
     """Orbax logs a warning for every save without metrics once best_fn is set; a save
@@ -233,6 +235,11 @@ class Checkpointer:
             ),
         )
         state = restored["state"]
+        inner = state.get(STEP_KEY)
+        if inner is not None and int(np.asarray(jax.device_get(inner))) != step:
+            # another run's (or another step's) checkpoint copied in under this name: restoring
+            # it would resume a different history and later overwrite real checkpoints with it
+            raise ValueError(f"the state inside is step {int(np.asarray(jax.device_get(inner)))}, not {step}")
         floats = [x for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)]
         # a jitted reduction: the arrays may be sharded over the devices of several processes
         if floats and not bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(floats)):

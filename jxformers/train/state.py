@@ -118,6 +118,9 @@ def _tree(state: TrainState) -> dict[str, Any]:
     }
 
 
+STEP_KEY = jax.tree_util.keystr((jax.tree_util.DictKey("step"),))  # the step's entry in a state_dict
+
+
 def state_dict(state: TrainState) -> dict[str, Any]:
     """The checkpointed form of `state`: {tree path: array}, PRNG keys as key data."""
     out = {}
