@@ -493,3 +493,20 @@ def test_a_checkpoint_whose_name_is_not_its_step_is_treated_as_damaged(trained, 
     with pytest.warns(UserWarning, match=r"step 12 could not be restored \(.*the state inside is step 8, not 12\)"):
         _, step = restore_model(load_run_experiment(run), run)
     assert step == 8
+
+
+def test_a_file_system_error_is_one_line_naming_the_path_and_what_to_do(tmp_path, capsys):
+    import errno
+
+    config = write_config(tmp_path)
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)  # a directory where the log goes
+    assert cli.main(["train", str(config), "--workdir", str(tmp_path / "run"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("jxformers train: Is a directory:") and "metrics.jsonl" in err and "move it away" in err
+    full = cli.os_error_line(OSError(errno.ENOSPC, "No space left on device", "/runs/a/metrics.jsonl"))
+    assert full == (
+        "No space left on device: '/runs/a/metrics.jsonl'; free some space (the last checkpoint is kept; "
+        "rerun to resume)"
+    )
+    assert "write access" in cli.os_error_line(PermissionError(errno.EACCES, "Permission denied", "/runs/a"))

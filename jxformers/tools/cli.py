@@ -7,6 +7,7 @@ experiment file's JSON Schema (see each `--help`)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import warnings
@@ -569,9 +570,28 @@ def main(argv: list[str] | None = None) -> int:
         "compare": _compare,
     }
     if command in commands:
-        return commands[command](rest)
+        try:
+            return commands[command](rest)
+        except OSError as e:  # a path the command cannot read or write: one line, not a traceback
+            print(f"jxformers {command}: {os_error_line(e)}", file=sys.stderr)
+            return 1
     print(f"jxformers: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def os_error_line(error: OSError) -> str:
+    """What failed, on which path, and what to do, for an OSError from the file system."""
+    what = error.strerror or type(error).__name__
+    path = f" {error.filename!r}" if error.filename is not None else ""
+    if isinstance(error, PermissionError):
+        todo = "give this user write access to it, or use another --workdir"
+    elif isinstance(error, (IsADirectoryError, NotADirectoryError, FileExistsError)):
+        todo = "something else holds that name in the work directory: move it away, or use another --workdir"
+    elif error.errno == errno.ENOSPC:
+        todo = "free some space (the last checkpoint is kept; rerun to resume)"
+    else:
+        todo = "check the path and rerun"
+    return f"{what}:{path}; {todo}"
 
 
 if __name__ == "__main__":
