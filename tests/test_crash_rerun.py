@@ -33,7 +33,7 @@ def test_a_crashed_test_reruns_once_and_a_failure_stays_a_failure(tmp_path):
     (tmp_path / "test_body.py").write_text(textwrap.dedent(BODY))
     env = {**os.environ, "PYTHONPATH": str(TESTS), "MARKER": str(tmp_path / "marker")}
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "-p", "crash_rerun", "-p", "no:randomly", "-q", "test_body.py"],
+        [sys.executable, "-m", "pytest", "-n", "1", "-p", "crash_rerun", "-p", "no:randomly", "-q", "test_body.py"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
