@@ -510,3 +510,27 @@ def test_a_file_system_error_is_one_line_naming_the_path_and_what_to_do(tmp_path
         "rerun to resume)"
     )
     assert "write access" in cli.os_error_line(PermissionError(errno.EACCES, "Permission denied", "/runs/a"))
+
+
+def test_a_deleted_config_yaml_is_read_back_from_the_checkpoints(trained, tmp_path, capsys):
+    """Deleting config.yaml switched the rerun check off (train.batch_size=32 was then
+    accepted on resume); every checkpoint now holds the run's config: the check uses it,
+    eval reads it, and train writes config.yaml again."""
+    from jxformers.train.workdir import load_run_experiment
+
+    _, run = trained
+    run = _copy(run, tmp_path)
+    original = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").unlink()
+    with pytest.warns(
+        UserWarning, match=r"config.yaml is missing: using the run's config stored in its checkpoint of step 12"
+    ):
+        assert load_run_experiment(run).raw == original
+    with pytest.warns(UserWarning, match="config.yaml is missing"):
+        code = cli.main(["train", "--workdir", str(run), "--no-progress", "--set", "train.batch_size=32"])
+    assert code == 1 and "train.batch_size: 8 in the run, 32 now" in capsys.readouterr().err
+    assert not (run / "config.yaml").exists()  # nothing written by a refused rerun
+    with pytest.warns(UserWarning, match="config.yaml is missing"):
+        assert cli.main(["train", "--workdir", str(run), "--no-progress"]) == 0  # complete already: runs nothing
+    assert '"complete": true' in capsys.readouterr().out
+    assert yaml.safe_load((run / "config.yaml").read_text()) == original

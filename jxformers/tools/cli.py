@@ -135,12 +135,12 @@ def _load_run(p, args):
 def _resume_run(p, args):
     """The experiment of the run in --workdir (its config.yaml, --set applied), for a
     `train` without a config."""
-    from jxformers.train.workdir import CONFIG, check_workdir, load_run_experiment
+    from jxformers.train.workdir import CONFIG, check_workdir, has_checkpoints, load_run_experiment
 
     _one_line_warnings()
     try:
         workdir = check_workdir(args.workdir, exists=True)
-        if not (workdir / CONFIG).exists():
+        if not (workdir / CONFIG).exists() and not has_checkpoints(workdir):  # else: the config its checkpoints hold
             p.error(
                 f"{workdir} holds no {CONFIG} to resume: name the experiment (jxformers train CONFIG --workdir DIR)"
             )

@@ -110,13 +110,28 @@ def _legacy(tree) -> bool:
     return isinstance(tree, dict) and isinstance(tree.get("params"), (list, tuple))
 
 
+# Each checkpoint also holds the run's resolved config (as config.yaml holds it), so a run
+# whose config.yaml was deleted is still checked on a rerun and its config.yaml restored:
+# CONFIG_ITEM/CONFIG_FILE inside a step's directory (orbax's JSON item layout).
+CONFIG_ITEM, CONFIG_FILE = "config", "metadata"
+
+
 class Checkpointer:
-    """Save and restore {"state": pytree of arrays, "data": grain iterator}."""
+    """Save and restore {"state": pytree of arrays, "data": grain iterator}, with the run's
+    `config` (a JSON-able dict) stored beside them when given."""
 
     def __init__(
-        self, directory: str | pathlib.Path, *, keep: int, best_metric: str, best_mode: str, async_save: bool = True
+        self,
+        directory: str | pathlib.Path,
+        *,
+        keep: int,
+        best_metric: str,
+        best_mode: str,
+        async_save: bool = True,
+        config: dict[str, Any] | None = None,
     ):
         self.best_metric = best_metric
+        self.config = config
         preservation = policies.AnyPreservationPolicy(
             [
                 policies.LatestN(n=keep),
@@ -140,17 +155,19 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()},
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": grain.checkpoint.CheckpointHandler(),
+                CONFIG_ITEM: ocp.JsonCheckpointHandler(filename=CONFIG_FILE),
+            },
         )
 
     def save(self, step: int, state: dict[str, Any], iterator, metrics: dict[str, float] | None = None) -> None:
         metrics = metrics if metrics and self.best_metric in metrics else None
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator)),
-            metrics=metrics,
-            force=True,
-        )
+        items = {"state": ocp.args.StandardSave(state), "data": grain.checkpoint.CheckpointSave(iterator)}
+        if self.config is not None:
+            items[CONFIG_ITEM] = ocp.args.JsonSave(self.config)
+        self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

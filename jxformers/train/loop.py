@@ -79,7 +79,12 @@ class NonFiniteError(RuntimeError):
 def _open_checkpointer(experiment: Experiment, workdir: pathlib.Path, *, async_save: bool) -> Checkpointer:
     c = experiment.checkpoint
     return Checkpointer(
-        workdir / "checkpoints", keep=c.keep, best_metric=c.best_metric, best_mode=c.best_mode, async_save=async_save
+        workdir / "checkpoints",
+        keep=c.keep,
+        best_metric=c.best_metric,
+        best_mode=c.best_mode,
+        async_save=async_save,
+        config=experiment.raw,
     )
 
 

@@ -31,6 +31,7 @@ import yaml
 
 from jxformers.nn import ModelConfig
 from jxformers.nn.config import legacy
+from jxformers.train.checkpoint import CONFIG_FILE, CONFIG_ITEM
 from jxformers.train.experiment import SECTIONS, Experiment, load_experiment, parse_override, read_yaml
 
 CONFIG = "config.yaml"
@@ -176,12 +177,39 @@ def has_checkpoints(workdir: pathlib.Path) -> bool:
     return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
+def config_in_checkpoints(workdir: pathlib.Path) -> tuple[int, dict[str, Any]] | None:
+    """(step, the run's resolved config) stored in its newest checkpoint that holds one
+    (checkpoint.CONFIG_ITEM), or None (no checkpoints, or all older than that)."""
+    directory = workdir / CHECKPOINTS
+    if not directory.is_dir():
+        return None
+    for step in sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()), reverse=True):
+        path = directory / str(step) / CONFIG_ITEM / CONFIG_FILE
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # older than stored configs, or damaged: the previous one
+        if isinstance(values, dict):
+            return step, values
+    return None
+
+
 def saved_config(workdir: pathlib.Path) -> dict[str, Any] | None:
-    """The run's config.yaml as a dict, or None when there is none."""
+    """The run's config.yaml as a dict; when that file is gone but a checkpoint holds the
+    run's config, that one (a warning says so; `train` writes config.yaml again); None
+    when there is neither."""
     path = workdir / CONFIG
     if not path.exists():
-        return None
-    values = read_yaml(path.read_text(), str(path))
+        stored = config_in_checkpoints(workdir) if has_checkpoints(workdir) else None
+        if stored is None:
+            return None
+        warnings.warn(
+            f"{path} is missing: using the run's config stored in its checkpoint of step {stored[0]}",
+            stacklevel=2,
+        )
+        values = stored[1]
+    else:
+        values = read_yaml(path.read_text(), str(path))
     if not isinstance(values, dict):
         raise ValueError(f"{path}: not a YAML mapping; it should hold the run's resolved config")
     if "model" not in values and "vocab_size" in values and (workdir / CONVERTED_WEIGHTS).is_file():
