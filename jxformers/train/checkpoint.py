@@ -152,14 +152,16 @@ class Checkpointer:
             best_mode=best_mode,
         )
         self.directory = pathlib.Path(directory).resolve()
+        # Any: grain's handler implements orbax's protocol without subclassing it
+        handlers: dict[str, Any] = {
+            "state": ocp.StandardCheckpointHandler(),
+            "data": grain.checkpoint.CheckpointHandler(),
+            CONFIG_ITEM: ocp.JsonCheckpointHandler(filename=CONFIG_FILE),
+        }
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=options,
-            item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
-                "data": grain.checkpoint.CheckpointHandler(),
-                CONFIG_ITEM: ocp.JsonCheckpointHandler(filename=CONFIG_FILE),
-            },
+            item_handlers=handlers,
         )
 
     def save(self, step: int, state: dict[str, Any], iterator, metrics: dict[str, float] | None = None) -> None:
