@@ -469,7 +469,7 @@ def test_a_run_whose_checkpoints_are_gone_is_refused_unless_started_fresh(traine
     log, config = (kept / "metrics.jsonl").read_text(), (kept / "config.yaml").read_text()
     assert cli.main(["train", "--workdir", str(kept), "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "logs a run to step 12 and a checkpoint was due at step 4" in err and "--fresh" in err, err
+    assert "logs a run to step 12 with a checkpoint saved at step 12" in err and "--fresh" in err, err
     assert (kept / "metrics.jsonl").read_text() == log and (kept / "config.yaml").read_text() == config
     assert cli.main(["train", "--workdir", str(kept), "--no-progress", "--fresh"]) == 0
     assert "a fresh start; the old log is" in capsys.readouterr().err
@@ -534,3 +534,20 @@ def test_a_deleted_config_yaml_is_read_back_from_the_checkpoints(trained, tmp_pa
         assert cli.main(["train", "--workdir", str(run), "--no-progress"]) == 0  # complete already: runs nothing
     assert '"complete": true' in capsys.readouterr().out
     assert yaml.safe_load((run / "config.yaml").read_text()) == original
+
+
+def test_a_run_killed_during_its_first_async_save_starts_again_without_a_word(tmp_path):
+    """Only a save the log proves finished counts: an async save is on disk once the next
+    one started; a run killed during its first one has no checkpoint to lose."""
+    from jxformers.train.workdir import check_history
+
+    experiment = load_experiment(write_config(tmp_path), ["checkpoint.async_save=true"])
+    run = tmp_path / "run"
+    run.mkdir()
+    log = [{"step": 4, "loss": 1.0}, {"step": 4, "checkpoint_save_ms": 3.0}, {"step": 5, "loss": 1.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    assert check_history(run, experiment, fresh=False) is False
+    log += [{"step": 8, "checkpoint_save_ms": 2.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    with pytest.raises(ValueError, match="with a checkpoint saved at step 4, but"):
+        check_history(run, experiment, fresh=False)

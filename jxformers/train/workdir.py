@@ -153,14 +153,18 @@ def check_history(workdir: pathlib.Path, experiment: Experiment, *, fresh: bool)
                 "resume without --fresh, or start in a new work directory"
             )
         return False
-    last = max((r["step"] for r in read_metrics_log(workdir) if isinstance(r["step"], int)), default=0)
-    due = min(experiment.checkpoint.every, experiment.train.steps)  # the first step saved (_due in loop.py)
-    if last >= due and not fresh:
+    records = read_metrics_log(workdir)
+    # A save is logged when it starts; an async one is surely on disk once the next save
+    # has started (orbax waits for the previous one), a synchronous one at once. A run
+    # killed during its first save has none to lose: it starts again without a word.
+    saves = [r["step"] for r in records if "checkpoint_save_ms" in r]
+    confirmed = saves[-2:-1] if experiment.checkpoint.async_save else saves[-1:]
+    if confirmed and not fresh:
         raise ValueError(
-            f"{workdir / METRICS} logs a run to step {last} and a checkpoint was due at step {due}, but "
-            f"{workdir / CHECKPOINTS} holds none (deleted or moved?): put the checkpoints back to resume, or "
-            "start again at step 0 with --fresh (Python: train(..., fresh=True)), which keeps the old log "
-            f"as {METRICS}.<time>.old"
+            f"{workdir / METRICS} logs a run to step {max(r['step'] for r in records)} with a checkpoint saved at "
+            f"step {confirmed[0]}, but {workdir / CHECKPOINTS} holds none (deleted or moved?): put the "
+            "checkpoints back to resume, or start again at step 0 with --fresh (Python: train(..., fresh=True)), "
+            f"which keeps the old log as {METRICS}.<time>.old"
         )
     return fresh and (workdir / METRICS).exists()
 
