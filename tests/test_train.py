@@ -759,3 +759,20 @@ def test_one_constructor_builds_the_state_for_train_restore_and_eval(tmp_path, m
         r"\(.*32\).*config changed",
     ):
         restore_model(wider, tmp_path / "run")
+
+
+def test_an_async_save_in_flight_too_long_is_waited_for(tmp_path, monkeypatch):
+    """What a SIGKILL can lose is bounded: a save still being written max_steps_in_flight
+    steps after it started is waited for (logged as checkpoint_wait_ms)."""
+    from jxformers.train.checkpoint import Checkpointer
+
+    monkeypatch.setattr(Checkpointer, "saving", lambda self: True)  # as if every save were slow
+    experiment = load_experiment(write_config(tmp_path), ["checkpoint.async_save=true"])
+    assert experiment.checkpoint.save_lag == 1  # every 4 // 4
+    train(
+        load_experiment(write_config(tmp_path), ["checkpoint.max_steps_in_flight=2"]), tmp_path / "run", progress=False
+    )
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "checkpoint_wait_ms" in r] == [6, 10]  # saves at 4, 8 (12: the end)
+    with pytest.raises(ValueError, match="max_steps_in_flight"):
+        load_experiment(write_config(tmp_path), ["checkpoint.max_steps_in_flight=0"])

@@ -174,6 +174,10 @@ class Checkpointer:
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
+    def saving(self) -> bool:
+        """Whether an async save is still being written."""
+        return self.manager.is_saving_in_progress()
+
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 

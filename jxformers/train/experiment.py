@@ -164,10 +164,20 @@ class CheckpointConfig(_Section):
     )
     best_mode: str = setting("max", "whether the best is the highest or the lowest", choices=("max", "min"))
     async_save: bool = setting(True, "save in the background while training goes on")
+    max_steps_in_flight: int | None = setting(
+        None,
+        "steps an async save may stay unfinished before training waits for it (a SIGKILL then loses at most "
+        "every + this - 1 steps); null: every // 4, at least 1",
+    )
 
     def __post_init__(self):
         check_fields(self, "checkpoint.")
-        check_at_least(self, "checkpoint.", 1, "every", "keep")
+        check_at_least(self, "checkpoint.", 1, "every", "keep", "max_steps_in_flight")
+
+    @property
+    def save_lag(self) -> int:
+        """`max_steps_in_flight`, its default filled in."""
+        return self.max_steps_in_flight if self.max_steps_in_flight is not None else max(1, self.every // 4)
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")

@@ -601,6 +601,7 @@ def train(
         if start:  # steps logged after this checkpoint by the interrupted run are logged again below
             log({"step": start, "resumed_from_step": start})
         summary, last_eval = {"step": start}, {}
+        in_flight = None  # the step of a save that may still be written (async)
         stop = signals.stop_after(start)  # a signal during setup: nothing to run
         while int(state.step) < t.steps and not stop:
             state = _redraw_if_due(state, static, t.redraw_every, plan)
@@ -622,6 +623,14 @@ def train(
                 checkpointer.save(step, state_dict(state), iterator, last_eval)
                 # the time the step path waits for the save (async: copying to host memory)
                 log({"step": step, "checkpoint_save_ms": 1e3 * (time.perf_counter() - began)})
+                in_flight = step
+            elif in_flight is not None and step - in_flight >= experiment.checkpoint.save_lag:
+                # an async save unfinished for this long is waited for: what a SIGKILL can lose stays bounded
+                if checkpointer.saving():
+                    began = time.perf_counter()
+                    checkpointer.wait()
+                    log({"step": step, "checkpoint_wait_ms": 1e3 * (time.perf_counter() - began)})
+                in_flight = None
         if stop:
             signals.exit_after_saving(checkpointer, log, int(state.step), start)
         return summary | {

@@ -63,6 +63,7 @@ RESUMABLE = frozenset(
         "checkpoint.every",
         "checkpoint.keep",
         "checkpoint.async_save",
+        "checkpoint.max_steps_in_flight",
         "checkpoint.best_metric",
         "checkpoint.best_mode",
         "mesh.data",
