@@ -121,15 +121,13 @@ def open_metrics_log(workdir: pathlib.Path) -> int:
     ended first, so the next record starts on a line of its own."""
     path = workdir / METRICS
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
         if path.is_symlink():
             raise ValueError(f"{path} is a symbolic link: the run writes its own log, not through a link") from e
         raise
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        cut = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
-    if cut:
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":  # the last line was cut short
         write_line(fd, "")
     return fd
 
