@@ -258,11 +258,11 @@ class Checkpointer:
             ),
         )
         state = restored["state"]
-        inner = state.get(STEP_KEY)
-        if inner is not None and int(np.asarray(jax.device_get(inner))) != step:
+        inner = int(np.asarray(jax.device_get(state[STEP_KEY]))) if STEP_KEY in state else step
+        if inner != step:
             # another run's (or another step's) checkpoint copied in under this name: restoring
             # it would resume a different history and later overwrite real checkpoints with it
-            raise ValueError(f"the state inside is step {int(np.asarray(jax.device_get(inner)))}, not {step}")
+            raise ValueError(f"the state inside is step {inner}, not {step}")
         floats = [x for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)]
         # a jitted reduction: the arrays may be sharded over the devices of several processes
         if floats and not bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(floats)):
