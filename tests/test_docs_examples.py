@@ -1,11 +1,13 @@
 """The documentation site (mkdocs.yml, docs/): the Python examples of its pages run as
-written, each on its own (a reader copies one block, imports included) and each page's
-in order in one namespace; every page is in the nav; the parts pages include from the
+written, each on its own in an empty namespace (a reader copies one block, imports
+included; one who runs a page top to bottom runs the same statements, since no block
+can read a name another defines and pass here, so the page is not run again in one
+namespace); every page is in the nav; the parts pages include from the
 README exist; the pages written for the site cite papers, not the project's source
 files. `mkdocs build --strict` itself runs in CI, not here.
 
 Blocks a page includes from README.md (`--8<-- "README.md:model"`) run in
-tests/test_readme.py, on their own and in the README's order, not again here."""
+tests/test_readme.py, not again here."""
 
 import pathlib
 import re
@@ -48,7 +50,6 @@ def own_blocks(page: str) -> list[str]:
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
 RUN = [page for page in PAGES if page not in EXCERPTS and own_blocks(page)]
 OWN = [(page, i) for page in RUN for i in range(len(own_blocks(page)))]
-IN_ORDER = [page for page in RUN if len(own_blocks(page)) > 1]
 
 
 def run(block: str, namespace: dict, where: str) -> None:
@@ -63,14 +64,6 @@ def run(block: str, namespace: dict, where: str) -> None:
 @pytest.mark.parametrize(("page", "index"), OWN, ids=[f"{page}-{i}" for page, i in OWN])
 def test_docs_python_block_runs_on_its_own(page, index):
     run(own_blocks(page)[index], {}, f"docs/{page} python block {index}")
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize("page", IN_ORDER)
-def test_docs_page_python_blocks_run_in_order(page):
-    namespace: dict = {}
-    for index, block in enumerate(own_blocks(page)):
-        run(block, namespace, f"docs/{page} python block {index}")
 
 
 def test_excerpt_pages_exist_and_hold_python():

@@ -5,12 +5,13 @@ loss, the chunks it lets the chunked op skip), Guo et al. 2020's per-head window
 You et al. 2020's hard-coded Gaussian attention; decoding token by token, and reached
 from a model config with the span loss in the train step's metrics."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import JittedOps
-from suites import decode_all, decode_op
+from suites import decode_all, decode_op, forward
 
 from jxformers import registry
 from jxformers.nn import ModelConfig, build_model
@@ -61,6 +62,13 @@ def close(a, b, atol=2e-5):
     np.testing.assert_allclose(np.asarray(a, np.float64), b, atol=atol, rtol=1e-4)
 
 
+def jitted(op):
+    """`op` compiled once per input shapes and static arguments: called eagerly, each of its
+    primitives compiles on its own (an op's eager path is tested once per attention, in
+    tests/suites.py's test_eager_equals_jit)."""
+    return eqx.filter_jit(op)
+
+
 def arrays_for(name, **hp):
     bound = registry.bind(name, **hp)
     return bound, bound.init_arrays(jax.random.key(3), heads=HEADS, kv_heads=KV_HEADS, d_k=D, d_v=D)
@@ -82,7 +90,7 @@ def test_localness_is_a_gaussian_around_a_centre_and_window_predicted_per_query(
         window = visible / (1 + np.exp(-(hidden @ ud)))
         return -2.0 * (np.arange(1, n + 1) - centre) ** 2 / window**2  # keys j = 1..I
 
-    out = bound(q, k, v, arrays=arrays, causal=causal, kv_mask=kv_mask)
+    out = jitted(bound)(q, k, v, arrays=arrays, causal=causal, kv_mask=kv_mask)
     close(out, reference(q, k, v, causal=causal, kv_mask=kv_mask, prior=prior), atol=1e-4)
     plain = ops.softmax_attention(q, k, v, causal=causal, kv_mask=kv_mask)
     assert float(jnp.abs(out - plain).max()) > 1e-2  # the prior changes the answer
@@ -93,6 +101,7 @@ def test_gaussian_prior_is_minus_abs_of_w_d2_plus_b_with_w_and_b_kept_in_range()
     n = 9
     q, k, v = qkv(1, n)
     bound, _ = arrays_for("softmax", gaussian_prior=True)
+    bound = jitted(bound)
     for w, b, w_used, b_used in [(0.3, -2.0, 0.3, -2.0), (-0.5, 1.0, 0.0, 0.0)]:
         arrays = {"gaussian_w": jnp.float32(w), "gaussian_b": jnp.float32(b)}
 
@@ -118,13 +127,14 @@ def test_adaptive_span_weights_are_the_soft_mask_times_exp_and_learn_z(causal):
     q, k, v = qkv(2, n)
     bound, _ = arrays_for("softmax", adaptive_span=span, span_ramp=ramp)
     span_z = jnp.array([0.0, 0.25, 0.5, 1.0])
-    out = bound(q, k, v, arrays={"span_z": span_z}, causal=causal)
+    op = jitted(bound)
+    out = op(q, k, v, arrays={"span_z": span_z}, causal=causal)
     weight = span_mask(span * np.asarray(span_z), ramp, causal, n)
     close(out, reference(q, k, v, causal=causal, weight=weight))
-    grad = jax.grad(lambda z: bound(q, k, v, arrays={"span_z": z}, causal=causal).sum())(span_z)
+    grad = jax.jit(jax.grad(lambda z: bound(q, k, v, arrays={"span_z": z}, causal=causal).sum()))(span_z)
     assert np.all(np.abs(np.asarray(grad)) > 0)  # every head's span learns through its ramp
     # Past the span the mask is 0: a key that far never matters.
-    far = bound(q, k, v.at[0].set(100.0), arrays={"span_z": span_z}, causal=causal)
+    far = op(q, k, v.at[0].set(100.0), arrays={"span_z": span_z}, causal=causal)
     np.testing.assert_array_equal(np.asarray(far[span + ramp :]), np.asarray(out[span + ramp :]))
 
 
@@ -133,6 +143,7 @@ def test_head_windows_give_each_head_its_own_window():
     n, windows = 10, (0, 1, 3, -1)
     q, k, v = qkv(3, n)
     bound, arrays = arrays_for("softmax", head_windows=windows)
+    bound = jitted(bound)
 
     def allowed(h, i):
         return np.ones(n, bool) if windows[h] < 0 else np.abs(i - np.arange(n)) <= windows[h]
@@ -154,6 +165,7 @@ def test_chunked_equals_dense_with_every_prior_and_skips_chunks_past_the_span(ca
     chunked = registry.bind("chunked", chunk_size=8, **hp)
     kv_mask = jnp.arange(n) < 60
 
+    @eqx.filter_jit
     def value_and_grad(op):  # the output and the gradient of its sum, one pass each op
         out, pullback = jax.vjp(lambda q: op(q, k, v, arrays=arrays, causal=causal, kv_mask=kv_mask), q)
         return out, pullback(jnp.ones_like(out))[0]
@@ -172,10 +184,10 @@ def test_priors_decode_token_by_token_as_the_causal_forward():
     hp = {"localness": True, "gaussian_prior": True, "adaptive_span": 4, "span_ramp": 2, "head_windows": (1, 2, 4, -1)}
     bound, arrays = arrays_for("softmax", **hp)
     arrays = arrays | {"span_z": jnp.array([0.1, 0.5, 0.9, 1.0])}
-    parallel = bound(q, k, v, arrays=arrays, causal=True)
+    parallel = jitted(bound)(q, k, v, arrays=arrays, causal=True)
     close(decode_op(bound, q, k, v, arrays), np.asarray(parallel))
     g = registry.bind("hard_gaussian", offsets=(-1, 0))
-    close(decode_op(g, q, k, v, {}), np.asarray(g(q, k, v, causal=True)))
+    close(decode_op(g, q, k, v, {}), np.asarray(jitted(g)(q, k, v, causal=True)))
 
 
 def test_hard_coded_gaussian_weights_are_a_normal_around_i_plus_the_head_offset():
@@ -236,10 +248,11 @@ def test_a_model_config_reaches_the_priors_and_the_train_step_logs_each_layers_s
     )
     model = build_model(config, key=jax.random.key(0))
     tokens = jnp.arange(8) % 11
-    np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(model(tokens)), atol=2e-4)
-    _, produced = model.apply(tokens, key=jax.random.key(1))
+    np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(forward(model, tokens)), atol=2e-4)
+    apply = eqx.filter_jit(lambda model, tokens, **kw: model.apply(tokens, **kw))
+    _, produced = apply(model, tokens, key=jax.random.key(1))
     assert set(produced.layer_losses) == {"span_loss/blocks.0.attention", "span_loss/blocks.1.attention"}
-    _, at_inference = model.apply(tokens, inference=True)
+    _, at_inference = apply(model, tokens, inference=True)
     assert not at_inference.layer_losses
 
     params, drawn, static = split_model(model)

@@ -1,5 +1,8 @@
-"""The README's Python examples run as written: each on its own (a reader copies one
-block, imports included) and all in order in one namespace. The README stays a front
+"""The README's Python examples run as written, each on its own in an empty namespace (a
+reader copies one block, imports included). A reader who runs them top to bottom runs
+the same statements: no block reads a name that another defines, or it would fail here
+(so an in-order run in one namespace, which ran every example a second time, is not
+repeated). The README stays a front
 page (the rest lives in docs/, the site's pages, whose examples tests/test_docs_examples.py
 runs) and its links lead somewhere."""
 
@@ -29,13 +32,6 @@ def test_readme_shows_python_usage():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_python_block_runs_on_its_own(index):
     run(BLOCKS[index], {}, index)
-
-
-@pytest.mark.heavy
-def test_readme_python_blocks_run_in_order():
-    namespace: dict = {}
-    for index, block in enumerate(BLOCKS):
-        run(block, namespace, index)
 
 
 def test_readme_is_a_front_page():
