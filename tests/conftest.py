@@ -153,6 +153,16 @@ def _jitted_any(fn, *args, **kwargs):
     return compiled(*(a for a in args if _is_array(a)), **{k: v for k, v in kwargs.items() if _is_array(v)})
 
 
+def jitted(op):
+    """`op` (an attention, a model, any callable of arrays) compiled once per input shapes
+    and static arguments (`causal=True`, None): called eagerly, each of its primitives
+    compiles on its own, and those compilations were a third of the suite's time. An
+    op's eager path is tested once per attention (tests/suites.py, test_eager_equals_jit)."""
+    import equinox as eqx
+
+    return eqx.filter_jit(op)
+
+
 def qkv(seed, n, heads=4, kv_heads=2, d=8, dv=6, kv_len=None, dtype=jnp.float32):
     """Random q [n, heads, d], k [kv_len, kv_heads, d], v [kv_len, kv_heads, dv]."""
     kv_len = n if kv_len is None else kv_len

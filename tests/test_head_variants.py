@@ -112,7 +112,8 @@ def test_disagreement_losses_are_minus_lambda_times_the_papers_terms(causal):
     )
     x = jax.random.normal(jax.random.key(6), (7, D_MODEL))
     kv_mask = jnp.arange(7) < 5
-    out, produced = attention.apply(x, kv_mask=kv_mask)
+    apply = eqx.filter_jit(lambda layer, x, **kw: layer.apply(x, **kw))  # compiled, not op by op
+    out, produced = apply(attention, x, kv_mask=kv_mask)
     a, o, v = reference_heads(attention, x, causal, kv_mask)
     expected = reference_disagreement(a, o, v, np.asarray(kv_mask), np.asarray(kv_mask))
     assert set(produced.layer_losses) == {f"disagreement_{t}" for t in terms}
@@ -123,11 +124,11 @@ def test_disagreement_losses_are_minus_lambda_times_the_papers_terms(causal):
     assert expected["position"] < 0 < float(produced.layer_losses["disagreement_position"])
     # padded rows (even NaN) change neither the real outputs nor the losses
     poisoned = x.at[5:].set(jnp.nan)
-    out2, produced2 = attention.apply(poisoned, kv_mask=kv_mask)
+    out2, produced2 = apply(attention, poisoned, kv_mask=kv_mask)
     np.testing.assert_allclose(np.asarray(out2[:5]), np.asarray(out[:5]), atol=1e-6)
     for name, value in produced.layer_losses.items():
         np.testing.assert_allclose(float(produced2.layer_losses[name]), float(value), rtol=1e-6)
-    assert not attention.apply(x, kv_mask=kv_mask, inference=True)[1].layer_losses  # training only
+    assert not apply(attention, x, kv_mask=kv_mask, inference=True)[1].layer_losses  # training only
 
 
 @pytest.mark.parametrize("options", [{"top_k": 2, "softcap": 5.0}, {"talking_heads": True}], ids=str)
@@ -251,12 +252,13 @@ def test_a_collaborative_cross_attention_decodes_against_a_padded_source():
     model = build_model(config, key=jax.random.key(16))
     source, source_mask = jnp.arange(10) % 19, jnp.arange(10) < 7
     target = (jnp.arange(8) * 3) % 19
-    conditioned = model.conditioned(source, source_mask)
+    condition = eqx.filter_jit(lambda model, source, mask: model.conditioned(source, mask))  # compiled
+    conditioned = condition(model, source, source_mask)
     logits = forward(conditioned, target)
     np.testing.assert_allclose(np.asarray(decode_all(conditioned, target)), np.asarray(logits), atol=2e-4)
-    moved = model.conditioned(source.at[7:].set(0), source_mask)  # the padded source tokens are not read
+    moved = condition(model, source.at[7:].set(0), source_mask)  # the padded source tokens are not read
     np.testing.assert_allclose(np.asarray(forward(moved, target)), np.asarray(logits), atol=1e-5)
-    made = model.apply(source, target, source_mask)[1].layer_losses
+    made = eqx.filter_jit(lambda m: m.apply(source, target, source_mask))(model)[1].layer_losses
     assert {f"disagreement_{t}/decoder.blocks.0.cross_attention" for t in ALL["disagreement"]} == set(made)
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import JittedOps
+from conftest import JittedOps, jitted
 from suites import decode_all, decode_op, forward
 
 from jxformers import registry
@@ -60,13 +60,6 @@ def reference(q, k, v, *, causal=False, kv_mask=None, prior=None, weight=None, a
 
 def close(a, b, atol=2e-5):
     np.testing.assert_allclose(np.asarray(a, np.float64), b, atol=atol, rtol=1e-4)
-
-
-def jitted(op):
-    """`op` compiled once per input shapes and static arguments: called eagerly, each of its
-    primitives compiles on its own (an op's eager path is tested once per attention, in
-    tests/suites.py's test_eager_equals_jit)."""
-    return eqx.filter_jit(op)
 
 
 def arrays_for(name, **hp):

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import JittedOps
-from suites import decode_all, decode_op
+from conftest import JittedOps, jitted
+from suites import decode_all, decode_op, forward
 
 from jxformers import registry
 from jxformers.nn import ModelConfig, build_model
@@ -124,8 +124,10 @@ def test_cross_lengths_bf16_and_gradients():
     assert half.dtype == jnp.bfloat16
     close(half, reference(q, k, v, softcap=3.0, sink=np.zeros(4)), atol=6e-2)
     logits = jnp.zeros((HEADS,))
-    grads = jax.grad(
-        lambda s, q: ops.softmax_attention(q, k, v, top_k=3, sinks="learned", sink_logits=s).sum(), argnums=(0, 1)
+    grads = jax.jit(
+        jax.grad(
+            lambda s, q: ops.softmax_attention(q, k, v, top_k=3, sinks="learned", sink_logits=s).sum(), argnums=(0, 1)
+        )
     )(logits, q)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
     assert float(jnp.abs(grads[0]).sum()) > 0  # the sink logits learn
@@ -144,7 +146,7 @@ def test_decoding_with_options_equals_the_causal_forward(name, hp):
     bound = registry.bind(name, **hp)
     arrays = bound.init_arrays(jax.random.key(0), heads=HEADS, kv_heads=KV_HEADS, d_k=D, d_v=D)
     arrays = {"sink_logits": jnp.array([-1.0, 0.5, 2.0, 0.0])} if "sink_logits" in arrays else arrays
-    parallel = bound(q, k, v, arrays=arrays, causal=True)
+    parallel = jitted(bound)(q, k, v, arrays=arrays, causal=True)
     close(decode_op(bound, q, k, v, arrays), np.asarray(parallel), atol=2e-5)
     top_k = hp.get("top_k")
     sink = np.asarray(arrays["sink_logits"])
@@ -189,7 +191,7 @@ def test_a_model_config_names_the_options_and_learns_the_sinks():
 
     assert trainable(model).blocks[0].attention.arrays["sink_logits"] is True
     tokens = jnp.arange(12) % 17
-    logits = model(tokens)
+    logits = forward(model, tokens)
     np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(logits), atol=2e-4)
 
 
@@ -242,9 +244,9 @@ def test_talking_heads_decode_learn_and_are_refused_where_they_cannot_apply():
     arrays = {n: jax.random.normal(jax.random.key(i), (HEADS, HEADS)) for i, n in enumerate(arrays)}
     n = 9
     q, k, v = qkv(10, n)
-    parallel = bound(q, k, v, arrays=arrays, causal=True)
+    parallel = jitted(bound)(q, k, v, arrays=arrays, causal=True)
     close(decode_op(bound, q, k, v, arrays), np.asarray(parallel), atol=5e-5)
-    grads = jax.grad(lambda a: bound(q, k, v, arrays=a, causal=True).sum())(arrays)
+    grads = jax.jit(jax.grad(lambda a: bound(q, k, v, arrays=a, causal=True).sum()))(arrays)
     assert all(float(jnp.abs(g).sum()) > 0 for g in grads.values())
     with pytest.raises(ValueError, match="talking_heads is taken by softmax"):
         registry.bind("chunked", talking_heads=True)  # online softmax never holds every head's weights
@@ -301,9 +303,9 @@ def test_persistent_memory_decodes_learns_and_reaches_a_model():
     assert arrays["persistent_k"].shape == (4, KV_HEADS, D) and arrays["persistent_v"].shape == (4, KV_HEADS, D)
     n = 8
     q, k, v = qkv(14, n)
-    parallel = bound(q, k, v, arrays=arrays, causal=True)
+    parallel = jitted(bound)(q, k, v, arrays=arrays, causal=True)
     close(decode_op(bound, q, k, v, arrays), np.asarray(parallel), atol=5e-5)
-    grads = jax.grad(lambda a: bound(q, k, v, arrays=a, causal=True).sum())(arrays)
+    grads = jax.jit(jax.grad(lambda a: bound(q, k, v, arrays=a, causal=True).sum()))(arrays)
     assert all(float(jnp.abs(g).sum()) > 0 for g in grads.values())
     with pytest.raises(ValueError, match=r"persistent_kv=2 needs persistent_k of shape \(2, 2, d\)"):
         ops.softmax_attention(q, k, v, persistent_kv=2)
@@ -322,5 +324,5 @@ def test_persistent_memory_decodes_learns_and_reaches_a_model():
         key=jax.random.key(1),
     )
     tokens = jnp.arange(8) % 11
-    logits = model(tokens)
+    logits = forward(model, tokens)
     np.testing.assert_allclose(np.asarray(decode_all(model, tokens)), np.asarray(logits), atol=2e-4)
