@@ -114,7 +114,7 @@ def test_drawn_arrays_are_not_trained_and_redraw_resamples_them():
     mask = trainable(attn)
     assert mask.drawn["projection"] is False and mask.q_proj.weight is True
     x = jax.random.normal(jax.random.key(1), (6, 16))
-    grads = eqx.filter_grad(lambda a: jnp.sum(a(x) ** 2))(attn)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda a: jnp.sum(a(x) ** 2)))(attn)
     assert float(jnp.abs(grads.drawn["projection"]).max()) == 0.0
     new = attn.redraw(jax.random.key(9))
     assert not bool(jnp.allclose(new.drawn["projection"], attn.drawn["projection"]))
@@ -229,7 +229,7 @@ def test_dual_classifier_reads_both_inputs():
 @pytest.mark.parametrize("placement,norm", [("post", "layernorm"), ("pre", "rmsnorm")])
 def test_norm_placements(placement, norm):
     model = build_model(dict(TINY, task="classify", norm_placement=placement, norm=norm), key=jax.random.key(0))
-    assert bool(jnp.all(jnp.isfinite(model(tokens(0)))))
+    assert bool(jnp.all(jnp.isfinite(eqx.filter_jit(model)(tokens(0)))))
 
 
 def test_mixed_precision_keeps_float32_parameters():
@@ -248,10 +248,11 @@ def test_mixed_precision_keeps_float32_parameters():
 def test_dropout_needs_a_key_in_training_and_is_off_in_inference():
     model = build_model(dict(TINY, task="classify", dropout=0.5), key=jax.random.key(0))
     x = tokens(0)
-    a = model(x, key=jax.random.key(1))
-    b = model(x, key=jax.random.key(2))
+    run = eqx.filter_jit(model)  # compiled, not op by op
+    a = run(x, key=jax.random.key(1))
+    b = run(x, key=jax.random.key(2))
     assert not bool(jnp.allclose(a, b))
-    assert_close(model(x, inference=True), model(x, inference=True))
+    assert_close(run(x, inference=True), run(x, inference=True))
 
 
 def test_per_layer_overrides():
