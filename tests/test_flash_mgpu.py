@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, qkv
+from conftest import assert_close, jitted, qkv
 
 from jxformers.kernels import (
     Band,
@@ -61,8 +61,8 @@ def _run(pattern, q, k, v, block_q, **kw):
 
 
 def _check(pattern, q, k, v, block_q, kv_mask=None):
-    out, lse = _run(pattern, q, k, v, block_q, kv_mask=kv_mask)
-    want_out, want_lse = block_sparse_reference(q, k, v, pattern, kv_mask=kv_mask)
+    out, lse = jitted(_run)(pattern, q, k, v, block_q, kv_mask=kv_mask)
+    want_out, want_lse = jitted(block_sparse_reference)(q, k, v, pattern, kv_mask=kv_mask)
     assert out.dtype == q.dtype and out.shape == want_out.shape and lse.shape == want_lse.shape
     # 16-bit outputs: one rounding of values of size ~1 (the statistics are float32).
     assert_close(out, want_out, atol=2e-2, rtol=2e-2)
@@ -85,11 +85,17 @@ def test_causal_full_then_partial_with_gradients():
     q, k, v = qkv(1, n, heads=1, kv_heads=1, d=64, dv=64, dtype=jnp.bfloat16)
     pattern = causal(n, n)
     w = jax.random.normal(jax.random.key(9), (n, 1, 64), jnp.bfloat16)
-    (out, lse), vjp = jax.vjp(lambda *x: _run(pattern, *x, 64), q, k, v)  # one forward for both checks
-    got = vjp((w, jnp.zeros_like(lse)))
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    (want_out, want_lse), want_vjp = jax.vjp(lambda *x: block_sparse_reference(*x, pattern), *f32)
-    want = want_vjp((w.astype(jnp.float32), jnp.zeros_like(want_lse)))
+
+    @jax.jit  # compiled whole: op by op, every primitive of the interpreted kernel compiles on its own
+    def outputs_and_gradients(q, k, v, w):
+        (out, lse), vjp = jax.vjp(lambda *x: _run(pattern, *x, 64), q, k, v)  # one forward for both checks
+        got = vjp((w, jnp.zeros_like(lse)))
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        (want_out, want_lse), want_vjp = jax.vjp(lambda *x: block_sparse_reference(*x, pattern), *f32)
+        want = want_vjp((w.astype(jnp.float32), jnp.zeros_like(want_lse)))
+        return out, lse, got, want_out, want_lse, want
+
+    out, lse, got, want_out, want_lse, want = outputs_and_gradients(q, k, v, w)
     assert_close(out, want_out, atol=2e-2, rtol=2e-2)
     assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
     for g, h in zip(got, want, strict=True):
@@ -118,8 +124,8 @@ def test_window_and_global_keys_under_vmap():
         jnp.stack(x)
         for x in zip(*(qkv(s, n, heads=1, kv_heads=1, d=32, dv=32, dtype=jnp.bfloat16) for s in (3, 4)), strict=True)
     )
-    out, lse = jax.vmap(lambda *x: _run(pattern, *x, 128))(q, k, v)
-    want_out, want_lse = jax.vmap(lambda *x: block_sparse_reference(*x, pattern))(q, k, v)
+    out, lse = jax.jit(jax.vmap(lambda *x: _run(pattern, *x, 128)))(q, k, v)
+    want_out, want_lse = jax.jit(jax.vmap(lambda *x: block_sparse_reference(*x, pattern)))(q, k, v)
     assert_close(out, want_out, atol=2e-2, rtol=2e-2)
     assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
 
