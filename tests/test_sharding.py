@@ -415,6 +415,22 @@ def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_l
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
             time.sleep(0.02)
 
+    # launched with different configs, both refuse at start-up (they used to hang at the
+    # shorter run's last step), before a file is written
+    started = time.monotonic()
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    unlike = [
+        launch(tmp_path / "unlike", 4, "--coordinator", f"localhost:{port}", "--num-processes", "2",
+               "--process-id", str(i), "--set", f"train.steps={steps // (i + 1)}")
+        for i in range(2)
+    ]  # fmt: skip
+    for err in finish(unlike, code=1):
+        assert "were not started alike" in err and "its config differs on processes [1]" in err, err[-2000:]
+        assert "Traceback" not in err, err[-2000:]
+    assert time.monotonic() - started < 120 and not (tmp_path / "unlike" / "config.yaml").exists()
+
     # the reference, one process with 8 devices, runs beside the first two-process launch
     single_process = launch(tmp_path / "one", 8)
     try:
@@ -456,6 +472,30 @@ def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_l
     assert sorted(resumed) == list(range(1, steps + 1))
     for step in single:
         assert resumed[step] == pytest.approx(single[step], rel=1e-5), (step, resumed[step], single[step])
+
+
+def test_processes_started_differently_are_refused_by_each_with_what_differs(monkeypatch):
+    """distributed.check_same_run, process 1 of 2 in this process (the gathered hashes
+    stand in for the collective, which the two-process test above runs)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from jxformers.train import distributed
+
+    config = {"train": {"steps": 60}}
+    distributed.check_same_run(config)  # one process: nothing to compare
+    mine, theirs = distributed.started_with(config), distributed.started_with({"train": {"steps": 120}})
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([theirs, x]))
+    with pytest.raises(ValueError, match=r"process 1 of 2: .*its config differs on processes \[1\]\)"):
+        distributed.check_same_run(config)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, x]))
+    distributed.check_same_run(config)  # alike: nothing
+    other_code = np.concatenate([mine[:4], theirs[4:] + 1])
+    assert distributed.disagreements(np.stack([mine, mine, theirs]), ["config", "code"]) == {"config": [2]}
+    assert distributed.disagreements(np.stack([mine, other_code]), ["config", "code"]) == {"code": [1]}
 
 
 def test_each_process_reads_its_rows_of_the_global_batches():

@@ -19,9 +19,16 @@ writes config.yaml, metrics.jsonl and TensorBoard, and prints progress.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import numpy as np
 
 # Environment variables by which `jax.distributed.initialize()` finds a cluster by itself
 # (jax._src.clusters): SLURM, Open MPI / mpirun, Cloud TPU VMs, Kubernetes (JobSet).
@@ -87,6 +94,64 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+@functools.cache
+def code_digest() -> str:
+    """A hash of jxformers' own source files: two processes that would run different code."""
+    root = pathlib.Path(__file__).parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+_WORDS = 4  # 128 bits of each sha256, as uint32 words: what the processes exchange
+
+
+def _words(value: Any) -> np.ndarray:
+    text = json.dumps(value, sort_keys=True, default=str).encode()
+    return np.frombuffer(hashlib.sha256(text).digest()[: 4 * _WORDS], np.uint32)
+
+
+def disagreements(gathered: np.ndarray, names: list[str]) -> dict[str, list[int]]:
+    """{name: the processes whose hash of `name` differs from process 0's}, from the
+    `[processes, len(names) * 4]` words every process contributed."""
+    out = {}
+    for i, name in enumerate(names):
+        part = gathered[:, i * _WORDS : (i + 1) * _WORDS]
+        differ = [p for p in range(part.shape[0]) if not np.array_equal(part[p], part[0])]
+        if differ:
+            out[name] = differ
+    return out
+
+
+def started_with(config: Mapping[str, Any]) -> np.ndarray:
+    """This process's words for `check_same_run`: the hashes of the resolved config and of
+    the code, in that order."""
+    return np.concatenate([_words(config), _words(code_digest())])
+
+
+def check_same_run(config: Mapping[str, Any]) -> None:
+    """Refuse, on every process alike, processes started differently: the resolved
+    `config` and jxformers' code, hashed on each process and compared with process 0's.
+    Processes that disagree run different programs and wait for each other's
+    collectives for ever (launched with train.steps 120 and 60, both hung at step 60).
+    Nothing with one process."""
+    if jax.process_count() < 2:
+        return
+    from jax.experimental import multihost_utils
+
+    names = ["config", "code"]  # the order of started_with's words
+    mine = started_with(config)
+    found = disagreements(np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size), names)
+    if found:
+        what = "; ".join(f"its {name} differs on processes {processes}" for name, processes in found.items())
+        raise ValueError(
+            f"process {jax.process_index()} of {jax.process_count()}: the processes were not started alike "
+            f"(compared with process 0: {what}); launch every process with the same config file, the same "
+            "overrides and the same jxformers code"
+        )
 
 
 def preemption_service() -> bool:

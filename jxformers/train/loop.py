@@ -487,7 +487,9 @@ def _last_eval(workdir: pathlib.Path) -> dict[str, Any]:
 
 def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: contextlib.ExitStack, fresh: bool):
     """Lock the work directory, check a rerun against the saved config and the log, then
-    (only then) write config.yaml. Returns the changes a rerun made (all resumable)."""
+    (only then) write config.yaml. Returns the changes a rerun made (all resumable).
+    Several processes must have been started alike (`distributed.check_same_run`)."""
+    distributed.check_same_run(experiment.raw)
     check_workdir(workdir, exists=False)
     workdir.mkdir(parents=True, exist_ok=True)
     if distributed.is_main():  # with several processes, process 0 holds the lock and writes
