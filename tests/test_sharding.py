@@ -381,14 +381,18 @@ def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_l
             text=True,
         )
 
-    def two_processes(workdir):
+    def two_processes(workdir, flags_of=lambda i: ()):
+        """Processes 0 and 1 of one run; process i also gets `flags_of(i)`."""
         with socket.socket() as s:
             s.bind(("localhost", 0))
             port = s.getsockname()[1]
         return [
-            launch(workdir, 4, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i))
+            launch(
+                workdir, 4, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
+                *flags_of(i),
+            )
             for i in range(2)
-        ]
+        ]  # fmt: skip
 
     def finish(procs, code=0):
         """Each process's stderr, once all exited with `code`."""
@@ -418,14 +422,7 @@ def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_l
     # launched with different configs, both refuse at start-up (they used to hang at the
     # shorter run's last step), before a file is written
     started = time.monotonic()
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    unlike = [
-        launch(tmp_path / "unlike", 4, "--coordinator", f"localhost:{port}", "--num-processes", "2",
-               "--process-id", str(i), "--set", f"train.steps={steps // (i + 1)}")
-        for i in range(2)
-    ]  # fmt: skip
+    unlike = two_processes(tmp_path / "unlike", lambda i: ("--set", f"train.steps={steps // (i + 1)}"))
     for err in finish(unlike, code=1):
         assert "were not started alike" in err and "its config differs on processes [1]" in err, err[-2000:]
         assert "Traceback" not in err, err[-2000:]
@@ -494,8 +491,8 @@ def test_processes_started_differently_are_refused_by_each_with_what_differs(mon
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, x]))
     distributed.check_same_run(config)  # alike: nothing
     other_code = np.concatenate([mine[:4], theirs[4:] + 1])
-    assert distributed.disagreements(np.stack([mine, mine, theirs]), ["config", "code"]) == {"config": [2]}
-    assert distributed.disagreements(np.stack([mine, other_code]), ["config", "code"]) == {"code": [1]}
+    assert distributed.disagreements(np.stack([mine, mine, theirs])) == {"config": [2]}
+    assert distributed.disagreements(np.stack([mine, other_code])) == {"code": [1]}
 
 
 def test_each_process_reads_its_rows_of_the_global_batches():

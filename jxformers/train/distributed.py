@@ -107,6 +107,7 @@ def code_digest() -> str:
 
 
 _WORDS = 4  # 128 bits of each sha256, as uint32 words: what the processes exchange
+STARTED_WITH = ("config", "code")  # what processes of one run must share, in `started_with`'s order
 
 
 def _words(value: Any) -> np.ndarray:
@@ -114,11 +115,11 @@ def _words(value: Any) -> np.ndarray:
     return np.frombuffer(hashlib.sha256(text).digest()[: 4 * _WORDS], np.uint32)
 
 
-def disagreements(gathered: np.ndarray, names: list[str]) -> dict[str, list[int]]:
-    """{name: the processes whose hash of `name` differs from process 0's}, from the
-    `[processes, len(names) * 4]` words every process contributed."""
+def disagreements(gathered: np.ndarray) -> dict[str, list[int]]:
+    """{name in STARTED_WITH: the processes whose hash of it differs from process 0's},
+    from the `started_with` words of every process, `[processes, words]`."""
     out = {}
-    for i, name in enumerate(names):
+    for i, name in enumerate(STARTED_WITH):
         part = gathered[:, i * _WORDS : (i + 1) * _WORDS]
         differ = [p for p in range(part.shape[0]) if not np.array_equal(part[p], part[0])]
         if differ:
@@ -127,9 +128,9 @@ def disagreements(gathered: np.ndarray, names: list[str]) -> dict[str, list[int]
 
 
 def started_with(config: Mapping[str, Any]) -> np.ndarray:
-    """This process's words for `check_same_run`: the hashes of the resolved config and of
-    the code, in that order."""
-    return np.concatenate([_words(config), _words(code_digest())])
+    """This process's words for `check_same_run`: the hashes of STARTED_WITH's values."""
+    values = {"config": config, "code": code_digest()}
+    return np.concatenate([_words(values[name]) for name in STARTED_WITH])
 
 
 def check_same_run(config: Mapping[str, Any]) -> None:
@@ -142,9 +143,8 @@ def check_same_run(config: Mapping[str, Any]) -> None:
         return
     from jax.experimental import multihost_utils
 
-    names = ["config", "code"]  # the order of started_with's words
     mine = started_with(config)
-    found = disagreements(np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size), names)
+    found = disagreements(np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size))
     if found:
         what = "; ".join(f"its {name} differs on processes {processes}" for name, processes in found.items())
         raise ValueError(
