@@ -9,7 +9,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint docs bench clean check-venv
+.PHONY: demo test test-multidevice lint docs bench clean check-venv
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "jxformers needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
@@ -36,6 +36,12 @@ demo: check-venv $(VENV)/.stamp-run
 
 test: check-venv $(VENV)/.stamp-dev
 	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
+
+# The tests `make test` leaves out (pyproject's addopts): sharded training on 8 simulated
+# devices and runs of two jax processes, each in processes of its own (about 5 minutes on
+# 2 cores). CI runs them after `make test`.
+test-multidevice: check-venv $(VENV)/.stamp-dev
+	$(BIN)/python -m pytest -n 2 -q -m multidevice $(PYTEST_ARGS)
 
 LINT_PATHS := jxformers tests scripts
 

@@ -95,6 +95,7 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.heavy
+@pytest.mark.multidevice
 def test_expert_parallel_moe_equals_per_device_layer():
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))

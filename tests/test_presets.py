@@ -1,6 +1,6 @@
 """Tiny presets and short sequences: hyper-parameters that make an attention dense at
-the model's max_len warn (a filterable ShortSequenceWarning); the demo reports each
-model's spread over seeds and says when the gaps are noise."""
+the model's max_len warn (a filterable ShortSequenceWarning); the demo's verdict on noise
+and its models (its run over seeds: tests/test_train.py)."""
 
 import warnings
 
@@ -82,37 +82,6 @@ def test_demo_standard_error_never_drops_below_the_eval_sampling_error():
 
     assert standard_error([0.5, 0.5, 0.5], 100) == pytest.approx(0.05)  # identical seeds: binomial only
     assert standard_error([0.4, 0.6], 10**9) == pytest.approx(0.1)  # sd 0.141 over sqrt(2) seeds
-
-
-@pytest.mark.heavy
-def test_demo_reports_mean_and_spread_over_seeds(tmp_path, capsys, monkeypatch):
-    from jxformers.tools import demo
-
-    monkeypatch.setattr(demo, "MODELS", {"softmax": [], "linear": ["model.attention=linear"]})  # fewer compilations
-    args = [
-        "--workdir",
-        str(tmp_path),
-        "--no-progress",
-        "--seeds",
-        "2",
-        "--set",
-        "train.steps=2",
-        "--set",
-        "train.warmup_steps=1",  # the tiny preset's 30 would outlast the run
-        "--set",
-        "train.eval_batches=1",
-        "--set",
-        "data.eval_size=16",
-        "--set",
-        "train.batch_size=8",
-        "--set",
-        "data.train_size=16",
-    ]
-    assert demo.main(args) == 0
-    out = capsys.readouterr().out
-    assert "eval accuracy (mean ± sd, 2 seeds)" in out and "within noise" in out
-    for name in demo.MODELS:
-        assert (tmp_path / name / "metrics.jsonl").exists() and (tmp_path / f"{name}_seed1" / "metrics.jsonl").exists()
 
 
 def test_demo_noise_verdict_when_every_model_scores_zero():

@@ -513,30 +513,33 @@ def test_plot_draws_several_runs(tmp_path):
 
 
 @pytest.mark.heavy
-def test_demo_trains_three_models_and_prints_the_table(tmp_path, capsys):
+def test_demo_trains_three_models_from_two_seeds_and_prints_the_table(tmp_path, capsys):
     args = [
         "--workdir",
         str(tmp_path),
         "--no-progress",
         "--seeds",
-        "1",
+        "2",
         "--set",
-        "train.steps=3",
+        "train.steps=2",
         "--set",
         "train.warmup_steps=1",  # the tiny preset's 30 would outlast the run
         "--set",
         "train.eval_batches=1",
         "--set",
-        "data.eval_size=32",
+        "data.eval_size=16",
         "--set",
         "train.batch_size=8",
+        "--set",
+        "data.train_size=16",
     ]
     assert cli.main(["demo", *args]) == 0
     out = capsys.readouterr().out
     for name in ("softmax", "linear", "fourier_transformer"):
         assert f"| {name} |" in out
-        assert (tmp_path / name / "metrics.jsonl").exists()
+        assert (tmp_path / name / "metrics.jsonl").exists() and (tmp_path / f"{name}_seed1" / "metrics.jsonl").exists()
     assert "| baseline: majority class |" in out and "| baseline: root operator |" in out
+    assert "eval accuracy (mean ± sd, 2 seeds)" in out and "within noise" in out
     assert (tmp_path / "demo.png").exists()
 
 
