@@ -478,6 +478,37 @@ def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_l
         assert resumed[step] == pytest.approx(single[step], rel=1e-5), (step, resumed[step], single[step])
 
 
+def test_a_process_whose_peers_never_connect_says_so_in_one_line_after_its_init_timeout(tmp_path):
+    """Issue 37 item 4: process 0 of 2 with no process 1 waited 307 s, then JAX aborted it
+    (SIGABRT, a C++ stack trace). With --init-timeout 3 it exits with status 1 and one line
+    after about 3 s, having written nothing; a timeout that is not positive is refused."""
+    import socket
+    import time
+
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"name": "lone", "data": {"task": "copy", "train_size": 16, "eval_size": 8}}))
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    base = [sys.executable, "-m", "jxformers.tools.cli", "train", str(path), "--workdir", str(tmp_path / "run")]
+    lone = [*base, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "0"]
+    started = time.monotonic()
+    out = subprocess.run(
+        [*lone, "--init-timeout", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert "process 0 of 2: not every process connected to the coordinator" in out.stderr
+    assert "within 3 s (--init-timeout)" in out.stderr
+    assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
+    from jxformers.train import distributed
+
+    with pytest.raises(ValueError, match="--heartbeat-timeout must be > 0 seconds; got 0"):
+        distributed.initialize(f"localhost:{port}", 2, 0, heartbeat_timeout=0)
+
+
 def test_processes_started_differently_are_refused_by_each_with_what_differs(monkeypatch):
     """distributed.check_same_run, process 1 of 2 in this process (the gathered hashes
     stand in for the collective, which the two-process test above runs)."""

@@ -283,7 +283,7 @@ def test_eval_agrees_with_the_training_log_and_takes_eval_batches(tmp_path):
         evaluate_checkpoint(experiment, tmp_path / "run", batches=0)
 
 
-def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, monkeypatch):
     experiment = load_experiment(write_config(tmp_path), ["checkpoint.async_save=false"])
     train(experiment, tmp_path / "run", progress=False)
     latest = tmp_path / "run" / "checkpoints" / "12" / "state"
@@ -291,6 +291,13 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
         if f.is_file() and f.stat().st_size > 0:
             f.write_bytes(b"garbage")
     more = load_experiment(write_config(tmp_path), ["checkpoint.async_save=false", "train.steps=14"])
+    # Where it cannot be moved aside (issue 37 item 12: a PermissionError traceback after
+    # the fallback was found), one error says what to do, and nothing is changed.
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "move", lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied", a[0])))
+        with pytest.raises(ValueError, match=r"step 12 could not be restored .* nor moved aside .*Permission denied"):
+            train(more, tmp_path / "run", progress=False)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "8"]
     with pytest.warns(UserWarning, match="checkpoint at step 12 could not be restored.*resuming from step 8"):
         summary = train(more, tmp_path / "run", progress=False)
     assert summary["step"] == 14

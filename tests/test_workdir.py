@@ -512,6 +512,45 @@ def test_a_file_system_error_is_one_line_naming_the_path_and_what_to_do(tmp_path
     assert "write access" in cli.os_error_line(PermissionError(errno.EACCES, "Permission denied", "/runs/a"))
 
 
+def test_directories_the_run_cannot_write_in_are_refused_before_any_file_is_written(tmp_path, capsys, monkeypatch):
+    """Issue 37 item 1: a checkpoints/ it could not save into used to train until the
+    first save, then hang about 300 s in it. A file where the run makes a directory, and
+    a directory that refuses a new file (mode 555 for a user; here the probe's OSError,
+    as root writes anyway), are refused at start-up, naming the path."""
+    import tempfile
+
+    config = write_config(tmp_path)
+    for name in ("checkpoints", "tensorboard"):
+        run = tmp_path / f"file_{name}"
+        run.mkdir()
+        (run / name).write_text("not a directory")
+        assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{run / name} is a file where the run writes a directory" in err, err
+        assert sorted(os.listdir(run)) == [name]  # no lock, config.yaml or log
+    run = tmp_path / "unwritable"
+    (run / "checkpoints").mkdir(parents=True)
+    real_mkstemp = tempfile.mkstemp
+
+    def refusing(*args, dir=None, **kwargs):
+        if str(dir).endswith("checkpoints"):
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refusing)
+    with pytest.raises(ValueError, match=r"cannot write in .*checkpoints \(Permission denied\).*chmod u\+w"):
+        train(load_experiment(config), run, progress=False)
+    assert os.listdir(run) == ["checkpoints"] and os.listdir(run / "checkpoints") == []
+    monkeypatch.undo()
+    if os.geteuid() != 0:  # the real thing, where permissions bind
+        (run / "checkpoints").chmod(0o555)
+        try:
+            with pytest.raises(ValueError, match="cannot write in"):
+                train(load_experiment(config), run, progress=False)
+        finally:
+            (run / "checkpoints").chmod(0o755)
+
+
 def test_a_deleted_config_yaml_is_read_back_from_the_checkpoints(trained, tmp_path, capsys):
     """Deleting config.yaml switched the rerun check off (train.batch_size=32 was then
     accepted on resume); every checkpoint now holds the run's config: the check uses it,

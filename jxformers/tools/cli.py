@@ -150,6 +150,8 @@ def _resume_run(p, args):
 
 
 def _train(rest: list[str]) -> int:
+    from jxformers.train.distributed import HEARTBEAT_TIMEOUT_S, INIT_TIMEOUT_S, initialize
+
     p = _experiment_parser("jxformers train", "train (or resume) an experiment in a work directory", resume=True)
     p.add_argument(
         "--no-progress",
@@ -168,16 +170,36 @@ def _train(rest: list[str]) -> int:
     p.add_argument("--num-processes", type=int, default=None, help="the number of processes (with --coordinator)")
     p.add_argument("--process-id", type=int, default=None, help="this process's index (with --coordinator)")
     p.add_argument(
+        "--init-timeout",
+        type=float,
+        default=INIT_TIMEOUT_S,
+        metavar="S",
+        help="with several processes: exit (status 1, one line) when not all have connected within S seconds "
+        f"(default {INIT_TIMEOUT_S})",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=HEARTBEAT_TIMEOUT_S,
+        metavar="S",
+        help="with several processes: a process silent for S seconds (killed, its host gone) counts as dead and "
+        f"JAX stops the others (default {HEARTBEAT_TIMEOUT_S})",
+    )
+    p.add_argument(
         "--fresh",
         action="store_true",
         help="start again at step 0 a run whose checkpoints are gone (refused otherwise; the old "
         "metrics.jsonl is kept beside the new one as metrics.jsonl.<time>.old); refused where checkpoints exist",
     )
     args = p.parse_args(rest)
-    from jxformers.train.distributed import initialize
-
     try:  # first: before anything starts jax's backends
-        initialize(args.coordinator, args.num_processes, args.process_id)
+        initialize(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            init_timeout=args.init_timeout,
+            heartbeat_timeout=args.heartbeat_timeout,
+        )
     except ValueError as e:
         p.error(str(e))
     experiment = _load(p, args) if args.config is not None else _resume_run(p, args)

@@ -202,7 +202,7 @@ class Checkpointer:
                 failed.append((step, _reason(error)))
                 continue
             for bad, reason in failed:
-                where = f"; moved to {self._set_aside(bad)}" if training else ""
+                where = f"; moved to {self._set_aside(bad, reason)}" if training else ""
                 warnings.warn(
                     f"checkpoint at step {bad} could not be restored ({reason}){where}; "
                     f"{'resuming from' if training else 'using'} step {step}",
@@ -277,12 +277,20 @@ class Checkpointer:
             raise ValueError(f"no readable state metadata at step {step}")
         return metadata.tree if hasattr(metadata, "tree") else metadata
 
-    def _set_aside(self, step: int) -> pathlib.Path:
+    def _set_aside(self, step: int, reason: str) -> pathlib.Path:
         """Move a damaged checkpoint out of the manager's directory (kept for inspection;
-        its step can then be saved again)."""
+        its step can then be saved again). A ValueError saying what to do when it cannot
+        be moved: training on would later fail to save that step again."""
         aside = self.directory.parent / f"{self.directory.name}_damaged" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        aside.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(self.directory / str(step)), aside)
+        try:
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), aside)
+        except OSError as error:
+            raise ValueError(
+                f"checkpoint at step {step} could not be restored ({reason}) nor moved aside to {aside.parent} "
+                f"({error.strerror}: {error.filename}); move or delete {self.directory / str(step)} by hand, "
+                "then rerun to resume from the previous checkpoint"
+            ) from None
         self.manager.reload()
         return aside
 

@@ -19,12 +19,16 @@ writes config.yaml, metrics.jsonl and TensorBoard, and prints progress.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import math
 import os
 import pathlib
-from collections.abc import Mapping
+import sys
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -56,9 +60,33 @@ def cluster_environment() -> str | None:
     return None
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
+# How long (seconds) a process waits for all processes to connect to the coordinator, and
+# after how long without a heartbeat a process counts as dead (JAX's own defaults; the
+# CLI's --init-timeout and --heartbeat-timeout).
+INIT_TIMEOUT_S = 300
+HEARTBEAT_TIMEOUT_S = 100
+# JAX's own deadline comes this much after ours, so ours (one line, exit 1) speaks first:
+# JAX's ends the process with SIGABRT and a C++ stack trace.
+_JAX_DEADLINE_MARGIN_S = 30
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    init_timeout: float | int = INIT_TIMEOUT_S,
+    heartbeat_timeout: float | int = HEARTBEAT_TIMEOUT_S,
+) -> bool:
     """Start jax.distributed (see the module docstring); True when this is one of several
-    processes. ValueError when only some of the explicit arguments are given."""
+    processes. ValueError when only some of the explicit arguments are given, or a
+    timeout is not positive. A process whose peers have not all connected within
+    `init_timeout` seconds prints one line saying so and exits with status 1;
+    `heartbeat_timeout` is how long a silent process (killed, or its host gone) may stay
+    silent before JAX stops the others."""
+    for name, value in (("--init-timeout", init_timeout), ("--heartbeat-timeout", heartbeat_timeout)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0 seconds; got {value}")
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
@@ -68,14 +96,39 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             raise ValueError(f"--process-id must be in [0, --num-processes); got {process_id} of {num_processes}")
         if num_processes == 1:
             return False
-        _cpu_collectives()
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
-        return True
-    if cluster_environment() is None:
+        where = f"process {process_id} of {num_processes}: not every process connected to the coordinator {coordinator}"
+    elif cluster_environment() is None:
         return False
+    else:
+        where = f"not every process of the {cluster_environment()} job connected to its coordinator"
     _cpu_collectives()
-    jax.distributed.initialize()
+    message = (
+        f"jxformers train: {where} within {init_timeout:g} s (--init-timeout); start every process with the "
+        "same --coordinator and --num-processes (a process that died at start-up says why in its own log)"
+    )
+    with _deadline(init_timeout, message):
+        jax.distributed.initialize(
+            coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=math.ceil(init_timeout) + _JAX_DEADLINE_MARGIN_S,
+            heartbeat_timeout_seconds=math.ceil(heartbeat_timeout),
+        )
     return jax.process_count() > 1
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, message: str) -> Iterator[None]:
+    """Print `message` and exit with status 1 if the body has not returned after
+    `seconds` (a timer thread: jax.distributed's connect waits in C++ with the GIL
+    released, and its own deadline aborts the process)."""
+    timer = threading.Timer(seconds, lambda: (print(message, file=sys.stderr, flush=True), os._exit(1)))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _cpu_collectives() -> None:

@@ -55,9 +55,12 @@ from jxformers.train.state import TrainState, init_train_state, load_state_dict,
 from jxformers.train.step import evaluate, make_eval_step, make_train_step
 from jxformers.train.tensorboard import EventWriter
 from jxformers.train.workdir import (
+    CHECKPOINTS,
+    TENSORBOARD,
     check_history,
     check_rerun,
     check_workdir,
+    check_writable,
     has_checkpoints,
     open_metrics_log,
     read_metrics_log,
@@ -79,7 +82,7 @@ class NonFiniteError(RuntimeError):
 def _open_checkpointer(experiment: Experiment, workdir: pathlib.Path, *, async_save: bool) -> Checkpointer:
     c = experiment.checkpoint
     return Checkpointer(
-        workdir / "checkpoints",
+        workdir / CHECKPOINTS,
         keep=c.keep,
         best_metric=c.best_metric,
         best_mode=c.best_mode,
@@ -115,7 +118,7 @@ def restore_train_state(
         )
     )
     if not has_checkpoints(workdir):  # checked first: opening the manager would create the directory
-        raise ValueError(f"no checkpoint in {workdir / 'checkpoints'}: train first (jxformers train ...)")
+        raise ValueError(f"no checkpoint in {workdir / CHECKPOINTS}: train first (jxformers train ...)")
     with contextlib.closing(_open_checkpointer(experiment, workdir, async_save=False)) as checkpointer:
         restored = _restore(checkpointer, state, iterator, training=False, best=best)
     return restored, static
@@ -224,7 +227,7 @@ class _MetricsLog:
 
     def __init__(self, workdir: pathlib.Path):
         self.fd = open_metrics_log(workdir)
-        self.events = EventWriter(workdir / "tensorboard")
+        self.events = EventWriter(workdir / TENSORBOARD)
 
     def __call__(self, record: dict[str, Any]) -> None:
         write_line(self.fd, to_json(record))
@@ -492,6 +495,7 @@ def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: conte
     distributed.check_same_run(experiment.raw)
     check_workdir(workdir, exists=False)
     workdir.mkdir(parents=True, exist_ok=True)
+    check_writable(workdir)
     if distributed.is_main():  # with several processes, process 0 holds the lock and writes
         stack.enter_context(workdir_lock(workdir))
     changes = check_rerun(workdir, experiment)
@@ -540,6 +544,7 @@ def start_run(experiment: Experiment, workdir: str | pathlib.Path, model) -> pat
     state = given
     with contextlib.ExitStack() as stack:
         workdir.mkdir(parents=True, exist_ok=True)
+        check_writable(workdir)
         stack.enter_context(workdir_lock(workdir))
         write_config(workdir, experiment)  # no checkpoints: nothing a config.yaml there must agree with
         train_source, _ = experiment.sources()

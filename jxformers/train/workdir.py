@@ -7,6 +7,10 @@
     WORKDIR/checkpoints/  orbax checkpoints (checkpoint.py)
     WORKDIR/metrics.jsonl one JSON object per logged record (`open_metrics_log`,
                           `read_metrics_log`)
+    WORKDIR/tensorboard/  the same scalars as TensorBoard event files
+
+`check_writable` refuses, before anything is written, a directory where any of these
+could not be written.
 
 A rerun of `train` may change only what leaves the saved state valid (`RESUMABLE`);
 anything else is refused, naming what differs, before config.yaml is rewritten.
@@ -22,6 +26,7 @@ import json
 import os
 import pathlib
 import socket
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -40,6 +45,7 @@ CONVERTED_WEIGHTS = "model.eqx"  # jxformers.pretrained.bert.CONVERTED_WEIGHTS (
 LOCK = "lock"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
 # What a rerun may change once checkpoints exist: none of these changes the saved state's
 # tree, the data order or the meaning of the steps already taken (workers and a built
 # split give the same records; the iterator state is rewritten for the worker count;
@@ -93,6 +99,32 @@ def check_workdir(path: str | os.PathLike, *, exists: bool) -> pathlib.Path:
             f"work directory {str(path)!r} does not exist: train first (jxformers train CONFIG --workdir {path})"
         )
     return path
+
+
+def check_writable(workdir: pathlib.Path) -> None:
+    """A ValueError, naming the path and what to do, when the run could not write in one
+    of its directories: a file where it makes a directory, or a directory it cannot
+    create files in (an unwritable checkpoints/ used to train until the first save, then
+    hang there for minutes). Each existing one is tried with a file created and removed
+    at once. (Its files are opened at start-up: an error there is an OSError the CLI
+    prints as one line.)"""
+    for name in ("", CHECKPOINTS, TENSORBOARD):
+        folder = workdir / name
+        if not folder.exists():
+            continue  # created by the run, in a directory checked here
+        if not folder.is_dir():
+            raise ValueError(
+                f"{folder} is a file where the run writes a directory: move it away or use another work directory"
+            )
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".jxformers-write-check-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as error:
+            raise ValueError(
+                f"cannot write in {folder} ({error.strerror}): the run writes there; make it writable "
+                f"(chmod u+w) or use another work directory"
+            ) from None
 
 
 def read_metrics_log(workdir: str | os.PathLike) -> list[dict[str, Any]]:
