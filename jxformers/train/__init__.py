@@ -16,6 +16,7 @@ checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape ch
 workdir.py     the work directory: its saved config (read by eval / generate, checked
                on a rerun), its lock, checks for missing or odd directories
 loop.py        train (setup, step, periodic hooks), evaluate_checkpoint, restore_model
+batch_wait.py  the wait for a batch from data workers: bounded (data.batch_timeout), signals honoured
 tensorboard.py TensorBoard scalars without TensorFlow
 """
 

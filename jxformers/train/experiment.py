@@ -69,12 +69,16 @@ class DataConfig(_Section):
     seed: int = setting(0, "the training split's seed (evaluation: seed + 1)")
     settings: dict = setting(factory=dict, doc="the task's own settings (max_len, ...), checked by its source")
     workers: int = setting(0, "grain worker processes making records (0: the training process)")
+    batch_timeout: float = setting(
+        300.0, "seconds training waits for a batch from the workers before it stops with an error naming them"
+    )
     path: str | None = setting(None, "a directory of splits built by `jxformers data build`, read instead")
 
     def __post_init__(self):
         check_fields(self, "data.")
         check_at_least(self, "data.", 1, "train_size", "eval_size")
         check_at_least(self, "data.", 0, "workers")
+        check_at_least(self, "data.", 1, "batch_timeout")
 
 
 @typing.no_type_check

@@ -48,6 +48,7 @@ from jxformers.data import make_loader
 from jxformers.data.baselines import baselines
 from jxformers.nn import redraw
 from jxformers.train import distributed
+from jxformers.train.batch_wait import BatchFetcher, Position
 from jxformers.train.checkpoint import Checkpointer, CheckpointMismatch, compare_trees
 from jxformers.train.experiment import Experiment
 from jxformers.train.sharding import ShardingPlan, make_mesh, plan_sharding
@@ -508,6 +509,17 @@ def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: conte
     return changes
 
 
+def _bounded_fetch(experiment: Experiment, iterator, signals: _Signals) -> BatchFetcher:
+    """The next batch from data workers, waited for at most `data.batch_timeout` seconds;
+    None once a signal (one process: with several, the stop waits for the sync point)
+    asks the run to stop."""
+    return BatchFetcher(
+        iterator,
+        timeout_s=experiment.data.batch_timeout,
+        stop_requested=lambda: signals.received is not None and not signals.coordinated,
+    )
+
+
 def _train_iterator(experiment: Experiment, train_source):
     """The iterator over this process's rows of the training batches (its position is
     part of every checkpoint); a stream's rows continue from batch to batch, unshuffled."""
@@ -609,10 +621,22 @@ def train(
             log({"step": start, "resumed_from_step": start})
         summary, last_eval = {"step": start}, {}
         in_flight = None  # the step of a save that may still be written (async)
+        # With worker processes, the wait for a batch is bounded and a signal cuts it short.
+        fetch = (
+            stack.enter_context(contextlib.closing(_bounded_fetch(experiment, iterator, signals)))
+            if experiment.data.workers
+            else lambda: next(iterator)
+        )
         stop = signals.stop_after(start)  # a signal during setup: nothing to run
         while int(state.step) < t.steps and not stop:
+            position = Position(iterator.get_state()) if experiment.data.workers else None
+            batch = fetch()  # this process's rows, numpy
+            if batch is None:  # a signal while waiting for it: save the last step (at the data's position before it)
+                stop, step = True, int(state.step)
+                if step > start and step != in_flight and step not in checkpointer.steps():
+                    checkpointer.save(step, state_dict(state), position, last_eval)
+                break
             state = _redraw_if_due(state, static, t.redraw_every, plan)
-            batch = next(iterator)  # this process's rows, numpy
             tokens = int(batch["mask"].sum()) * jax.process_count()  # this process's rows, scaled
             state, m, elapsed = run_step(state, batch if plan is None else plan.place_batch(batch))
             step, report.step_temp_bytes = int(state.step), run_step.temp_bytes

@@ -53,6 +53,7 @@ TENSORBOARD = "tensorboard"
 RESUMABLE = frozenset(
     {
         "data.workers",
+        "data.batch_timeout",
         "data.path",
         "model.attention.impl",
         "model.decoder.cross_attention.impl",
