@@ -98,7 +98,10 @@ def _grain_workers(pid: int) -> list[int]:
 
 @pytest.mark.heavy
 def test_sigterm_while_a_stopped_worker_stalls_the_run_saves_and_the_run_resumes_like_an_uninterrupted_one(tmp_path):
-    config = write_config(tmp_path, train={"steps": 4000}, checkpoint={"every": 1000})
+    # A constant learning rate: the run is stopped long before its 4000 steps, and is
+    # compared with one of a few steps, whose cosine schedule would differ.
+    train_settings = {"steps": 4000, "schedule": "constant", "warmup_steps": 0}
+    config = write_config(tmp_path, train=train_settings, checkpoint={"every": 1000})
     run = tmp_path / "run"
     flags = ["--set", "data.workers=1", "--set", "train.log_every=1", "--set", "checkpoint.async_save=false"]
     proc = subprocess.Popen(
@@ -125,6 +128,7 @@ def test_sigterm_while_a_stopped_worker_stalls_the_run_saves_and_the_run_resumes
             proc.kill()
             proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped while waiting for a batch from the data workers" in err, err[-3000:]
     saved = int(err.split("saved step ")[1].split(";")[0])
     assert 0 < saved < 4000 and (run / "checkpoints" / str(saved)).is_dir(), err[-3000:]
     more = saved + 2
@@ -132,4 +136,5 @@ def test_sigterm_while_a_stopped_worker_stalls_the_run_saves_and_the_run_resumes
     straight = train(load_experiment(config, [f"train.steps={more}"]), tmp_path / "straight", progress=False)
     assert resumed["step"] == straight["step"] == more
     want = losses(tmp_path / "straight")
-    assert {s: x for s, x in losses(run).items() if s > saved} == {s: want[s] for s in range(saved + 1, more + 1)}
+    got = {s: x for s, x in losses(run).items() if s > saved}
+    assert got == {s: want[s] for s in range(saved + 1, more + 1)}, err[-2000:]

@@ -633,6 +633,7 @@ def train(
             batch = fetch()  # this process's rows, numpy
             if batch is None:  # a signal while waiting for it: save the last step (at the data's position before it)
                 stop, step = True, int(state.step)
+                print("jxformers train: stopped while waiting for a batch from the data workers", file=sys.stderr)
                 if step > start and step != in_flight and step not in checkpointer.steps():
                     checkpointer.save(step, state_dict(state), position, last_eval)
                 break
