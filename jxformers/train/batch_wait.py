@@ -86,8 +86,7 @@ class BatchFetcher:
             try:
                 ok, value = self._answers.get(timeout=_POLL_S)
             except queue.Empty:
-                if self.stop_requested():
-                    _kill_stopped_workers()
+                if self.stop_requested():  # stopped workers are killed by close(), before the loader closes
                     return None
                 if time.monotonic() > deadline:
                     raise DataStallError(self._stall_message()) from None

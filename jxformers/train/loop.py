@@ -622,14 +622,15 @@ def train(
         summary, last_eval = {"step": start}, {}
         in_flight = None  # the step of a save that may still be written (async)
         # With worker processes, the wait for a batch is bounded and a signal cuts it short.
+        bounded = experiment.data.workers > 0
         fetch = (
             stack.enter_context(contextlib.closing(_bounded_fetch(experiment, iterator, signals)))
-            if experiment.data.workers
+            if bounded
             else lambda: next(iterator)
         )
         stop = signals.stop_after(start)  # a signal during setup: nothing to run
         while int(state.step) < t.steps and not stop:
-            position = Position(iterator.get_state()) if experiment.data.workers else None
+            position = Position(iterator.get_state()) if bounded else None
             batch = fetch()  # this process's rows, numpy
             if batch is None:  # a signal while waiting for it: save the last step (at the data's position before it)
                 stop, step = True, int(state.step)
