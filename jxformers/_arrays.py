@@ -77,6 +77,17 @@ def finite_values(v: ArrayLike) -> tuple[Array, Array]:
     return jnp.where(finite, v, jnp.zeros((), v.dtype)), (~jnp.all(finite, axis=-1)).astype(jnp.float32)
 
 
+def poison_keys(k: ArrayLike, v: ArrayLike) -> tuple[Array, Array]:
+    """(k with NaN at each key whose value vector holds a non-finite entry, v with those
+    entries zeroed), for kernels that multiply a whole tile of values by its weights,
+    masked slots' zeros included (0 * NaN is NaN). The NaN key then reaches exactly the
+    rows whose pattern reads it, as the kernels' masks already keep a NaN key's score to
+    those rows: the rows `read_values` would mark, at the cost of one pass over k and v."""
+    clean, bad = finite_values(v)
+    k = jnp.asarray(k)
+    return jnp.where(bad[..., None] > 0, jnp.asarray(jnp.nan, k.dtype), k), clean
+
+
 def nan_where(reached: ArrayLike, out: Array) -> Array:
     """`out` with NaN in the rows `reached` marks (`reached` lacks out's feature axis)."""
     return jnp.where(jnp.asarray(reached)[..., None], jnp.asarray(jnp.nan, out.dtype), out)

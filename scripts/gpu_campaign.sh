@@ -9,6 +9,7 @@
 #   bash scripts/gpu_campaign.sh triton
 #   bash scripts/gpu_campaign.sh linear
 #   bash scripts/gpu_campaign.sh models
+#   bash scripts/gpu_campaign.sh check         # a short check after kernel changes
 #
 # Phases:
 #   mosaic  the Mosaic GPU forward on hardware: gpu_check against the float32 reference
@@ -18,6 +19,8 @@
 #           training), and the rows not yet timed: causal ALiBi, Sparse Transformer parts
 #   linear  the chunked linear-attention kernel beside flash-linear-attention (carried
 #           wheels) and causal softmax
+#   check   gpu_check of the Triton kernels (no training curves) and the Mosaic GPU forward,
+#           non-finite keys and values included, and what the non-finite pass costs
 #   models  the MoE benchmark in bf16 and whole-image generation (Katharopoulos et al.)
 # After the phases, scripts/gpu_targets.py reads the tables and prints each speed target
 # of the kernel issue as met, MISSED or not measured.
@@ -65,6 +68,13 @@ phase_linear() {
     # fla's backward autotunes for over 5 minutes on its first call: forward only here.
     step 420 linear $PY scripts/bench_linear_kernels.py --lengths 4096 16384 --head-dims 128 --repeat 5 \
         --scan-max 0 --fla-forward-only --time-limit 300 --out "$OUT/linear_h100_fla.md"
+}
+
+phase_check() {
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/check.log"
+    step 220 check $PY scripts/gpu_check.py --no-training
+    step 150 check $PY scripts/bench_non_finite.py --out "$OUT/h100_non_finite.md"
+    step 110 check $PY scripts/gpu_check.py --backend mosaic_gpu --block 128 64
 }
 
 phase_models() {

@@ -27,6 +27,7 @@ from jxformers.kernels import (
     intersect,
     union,
 )
+from jxformers.kernels.pattern import dense_mask
 from jxformers.nn import alibi_slopes
 from jxformers.tools.help_text import description
 
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
         help="the kernel's forward blocks (Mosaic GPU: block_q 128 runs two consumer warpgroups)",
     )
     parser.add_argument("--training-only", action="store_true", help="only the cuDNN/segment routes and training")
+    parser.add_argument("--no-training", action="store_true", help="skip the training curves (the longest part)")
     args = parser.parse_args(argv)
     if args.training_only:
         return 1 if check_routes() + check_training() else 0
@@ -130,11 +132,74 @@ def main(argv=None) -> int:
                     f"{name:16s} "
                     f"rel err out/dq/dk/dv = {' '.join(f'{e:.1e}' for e in errors)}"
                 )
+    failures += check_non_finite(args.backend, BlockSizes(*args.block))
     if args.backend != "mosaic_gpu":  # the routes and training run the ops' default kernel
         failures += check_routes()
-        failures += check_training()
+        if not args.no_training:
+            failures += check_training()
     print(f"{failures} failure(s)")
     return 1 if failures else 0
+
+
+def check_non_finite(backend: str, block_sizes: BlockSizes) -> int:
+    """Non-finite keys and values on the hardware (the CPU suite sees interpret mode only):
+    inf keys and NaN values at padded positions change no real output or gradient, and a
+    NaN key at one real position makes NaN exactly the rows whose pattern reads it."""
+    from jxformers import ops
+
+    failures = 0
+    n, real, j = 509, 502, 200
+    keys = jax.random.split(jax.random.PRNGKey(11), 4)
+    q = jax.random.normal(keys[0], (n, 4, 64), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (n, 2, 64), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (n, 2, 64), jnp.bfloat16)
+    kv_mask = jnp.arange(n) < real
+    dirty_k, dirty_v = k.at[real:].set(jnp.inf), v.at[real:].set(jnp.nan)
+    for name, pattern in cases(n).items():
+
+        def loss(k, v, pattern=pattern, mask=kv_mask):
+            out = block_sparse_attention(
+                q, k, v, pattern, kv_mask=mask, backend=backend, block_sizes=block_sizes, interpret=IMPL == "interpret"
+            )
+            return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        (_, clean), clean_grads = grad(k, v)
+        (_, dirty), dirty_grads = grad(dirty_k, dirty_v)
+        padded_ok = (
+            bool(jnp.isfinite(dirty).all())
+            and bool(jnp.array_equal(dirty, clean))
+            and all(bool(jnp.isfinite(g).all()) for g in dirty_grads)
+            and all(bool(jnp.array_equal(a[:real], b[:real])) for a, b in zip(dirty_grads, clean_grads, strict=True))
+            and all(float(jnp.abs(g[real:].astype(jnp.float32)).max()) == 0 for g in dirty_grads)
+        )
+        (_, poisoned), _ = grad(k.at[j].set(jnp.nan), v)
+        rows_nan = np.isnan(np.asarray(poisoned, np.float32)).any(axis=(1, 2))
+        reads = dense_mask(pattern, n, n)[:, j]
+        nan_ok = bool(np.array_equal(rows_nan, reads))
+        ok = padded_ok and nan_ok
+        failures += not ok
+        print(
+            f"{'ok  ' if ok else 'FAIL'} non-finite {name:16s} padded inf/NaN unchanged: {padded_ok}; "
+            f"NaN key at {j}: {int(rows_nan.sum())} NaN rows, {int(reads.sum())} read it"
+        )
+    if backend == "mosaic_gpu":
+        return failures
+    # Through an op, with a NaN value (the ops keep it to the rows that weigh it).
+    poisoned = ops.local_attention(q, k, v.at[j].set(jnp.nan), window=64, kv_mask=kv_mask, impl=IMPL)
+    return failures + nan_rows_match(f"non-finite local op NaN value at {j}", poisoned, np.abs(np.arange(n) - j) <= 64)
+
+
+def nan_rows_match(what: str, out, reads, *, later_rows_from: int | None = None) -> int:
+    """Print whether the NaN rows of `out` are exactly `reads` (with `later_rows_from=j`:
+    `reads` and any rows from j on, the causal ops' superset); 1 on a mismatch."""
+    rows_nan = np.isnan(np.asarray(out, np.float32)).any(axis=(1, 2))
+    if later_rows_from is None:
+        ok = bool(np.array_equal(rows_nan, reads))
+    else:
+        ok = bool(np.all(rows_nan[reads]) and not np.any(rows_nan[:later_rows_from]))
+    print(f"{'ok  ' if ok else 'FAIL'} {what}: {int(rows_nan.sum())} NaN rows, {int(reads.sum())} read it")
+    return int(not ok)
 
 
 def check_routes() -> int:
@@ -173,11 +238,41 @@ def check_routes() -> int:
                 alibi_run(lambda q, k, v, a: block_sparse_reference(q, k, v, causal(n, n), alibi=a)[0], *f32),
             ),
         }
+    failures += check_cudnn_non_finite(q, k, v)
     for name, (got, want) in cases.items():
         err = rel(got, want)
         ok = err < 2e-2 and bool(jnp.isfinite(got).all())
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:24s} rel err {err:.1e}")
+    return failures
+
+
+def check_cudnn_non_finite(q, k, v, j: int = 400) -> int:
+    """cuDNN's fused attention with a NaN at one position: a NaN key straight into
+    `jax.nn.dot_product_attention` (does cuDNN's mask keep its score from the rows that
+    do not read it?), and a NaN value through the ops' cuDNN route (poisoned keys): the
+    rows that read it NaN, no earlier row (causal ops mark every later row)."""
+    from jxformers import ops
+
+    n = q.shape[0]
+    reads = {"causal": np.arange(n) >= j, "causal window 100": (np.arange(n) >= j) & (np.arange(n) <= j + 100)}
+    failures = 0
+    for name, read in reads.items():
+        window = 100 if "window" in name else None
+        raw = jax.nn.dot_product_attention(
+            q[None],
+            k.at[j].set(jnp.nan)[None],
+            v[None],
+            is_causal=True,
+            local_window_size=None if window is None else (window, 0),
+            implementation="cudnn",
+        )[0]
+        through_op = ops.local_attention if window else ops.softmax_attention
+        kwargs = {"window": window} if window else {}
+        op = through_op(q, k, v.at[j].set(jnp.nan), causal=True, impl="cudnn", **kwargs)
+        failures += nan_rows_match(f"cudnn {name} NaN key, raw call at {j}", raw, read)
+        # causal ops mark every row from j on (a superset; ops/_common.py)
+        failures += nan_rows_match(f"cudnn {name} NaN value, op at {j}", op, read, later_rows_from=j)
     return failures
 
 

@@ -1,6 +1,7 @@
 """The block-sparse kernel called directly (not through an op) with non-finite values at
 padded keys: padding never changes a real output or its gradient (issue: a NaN in a
-padded `v` made every row NaN, since a masked tile still meets a zero weight)."""
+padded `v` made every row NaN, since a masked tile still meets a zero weight); and a
+non-finite key or value at a real position reaches exactly the rows that read it."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,8 @@ import pytest
 from conftest import assert_close
 
 from jxformers.kernels import Band, block_sparse_attention, block_sparse_reference, causal
+from jxformers.kernels.cudnn import cudnn_attention
+from jxformers.kernels.pattern import dense_mask
 
 
 @pytest.mark.parametrize("kind", ["window", "causal"])
@@ -56,3 +59,30 @@ def test_the_reference_keeps_a_nan_value_to_the_rows_that_read_it():
     q, k, v = (jax.random.normal(jax.random.key(i), (n, 2, 16)) for i in range(3))
     out, _ = block_sparse_reference(q, k, v.at[j].set(jnp.nan), Band(-5, 5))
     np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(axis=(1, 2)), np.abs(np.arange(n) - j) <= 5)
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+@pytest.mark.parametrize("kind", ["window", "causal"])
+def test_a_non_finite_value_reaches_exactly_the_rows_that_read_it(kind, bad):
+    # A tile the pattern cuts multiplies its masked slots' zero weights by the whole value
+    # tile, and 0 * NaN is NaN: every row of the tile was NaN, read or not. The kernel now
+    # gives such a key a NaN score (masked like any score) and a zero value.
+    n, j = 40, 17
+    q, k, v = (jax.random.normal(jax.random.key(i), (n, 2, 16)) for i in range(3))
+    pattern = Band(-5, 5) if kind == "window" else causal(n, n)
+    out = block_sparse_attention(q, k, v.at[j, 1, 3].set(bad), pattern, interpret=True)
+    reads = dense_mask(pattern, n, n)[:, j]
+    rows_nan = np.isnan(np.asarray(out)).any(axis=(1, 2))
+    np.testing.assert_array_equal(rows_nan, reads)
+    clean = block_sparse_attention(q, k, v, pattern, interpret=True)
+    assert_close(out[~reads], clean[~reads], atol=1e-6)
+
+
+def test_cudnn_route_keeps_a_nan_value_to_the_rows_of_its_window():
+    # The ops' cuDNN route through jax.nn.dot_product_attention (its XLA implementation
+    # here): a causal window of 4 reads position 10 from rows 10-14 only.
+    n, j = 24, 10
+    q, k, v = (jax.random.normal(jax.random.key(i), (n, 2, 16)) for i in range(3))
+    out = cudnn_attention(q, k, v.at[j].set(jnp.nan), causal=True, window=4, implementation="xla")
+    rows_nan = np.isnan(np.asarray(out)).any(axis=(1, 2))
+    np.testing.assert_array_equal(rows_nan, (np.arange(n) >= j) & (np.arange(n) <= j + 4))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jxformers._arrays import poison_keys
+
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -44,6 +46,7 @@ def cudnn_attention(
     j <= i when causal, |i - j| <= window (j >= i - window when causal) when given.
     `implementation="xla"` runs the same call anywhere (tests)."""
     window_size = None if window is None else (window, 0 if causal else window)
+    k, v = poison_keys(k, v)  # a non-finite value reaches only the rows that read it (masked slots weigh 0)
     out = jax.nn.dot_product_attention(
         q[None],
         k[None],

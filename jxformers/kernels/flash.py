@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jxformers._arrays import read_values, zero_padded
+from jxformers._arrays import poison_keys, read_values, zero_padded
 from jxformers.kernels import flash_gpu
 from jxformers.kernels.alibi import Alibi, check_alibi
 from jxformers.kernels.block_mask import add_full_blocks, block_kinds, ceil_div, visit_lists
@@ -309,6 +309,7 @@ def block_sparse_attention(
     """
     check_inputs(q, k, v, kv_mask)
     k, v = zero_padded(k, v, kv_mask)  # padding's values (NaN, inf) never reach real outputs
+    k, v = poison_keys(k, v)  # a real non-finite value reaches only the rows that read it
     q_len, heads, d_k = q.shape
     kv_len, _, d_v = v.shape
     if block_sizes is None:
