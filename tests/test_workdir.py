@@ -590,3 +590,85 @@ def test_a_run_killed_during_its_first_async_save_starts_again_without_a_word(tm
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
     with pytest.raises(ValueError, match="with a checkpoint saved at step 4, but"):
         check_history(run, experiment, fresh=False)
+
+
+# ----------------------------------------------------------------------------- issue 37 item 5
+
+
+def test_a_flipped_bit_in_an_array_file_is_found_and_falls_back(trained, tmp_path):
+    """A bit flipped inside a checkpoint's array data restored silently (the losses then
+    differed); each checkpoint now holds checksums of its arrays, and a mismatch is damage:
+    the previous checkpoint is used, naming the array."""
+    from jxformers.train.loop import restore_model
+    from jxformers.train.workdir import load_run_experiment
+
+    _, run = trained
+    run = _copy(run, tmp_path)
+    data = max((run / "checkpoints" / "12" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[1000] ^= 0x10  # inside an array's values (the file is uncompressed)
+    data.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match=r"step 12 could not be restored \(.*checksum of .* differs: saved 0x"):
+        _, step = restore_model(load_run_experiment(run), run)
+    assert step == 8
+
+
+def test_an_edited_data_position_is_found_and_falls_back(trained, tmp_path):
+    """An edited data-iterator position restored silently (the run then saw other
+    batches); its checksum is now checked with the arrays'."""
+    from jxformers.train.loop import restore_model
+    from jxformers.train.workdir import load_run_experiment
+
+    _, run = trained
+    run = _copy(run, tmp_path)
+    (position,) = (run / "checkpoints" / "12" / "data").glob("process_*.json")
+    state = json.loads(position.read_text())
+    state["last_seen_indices"] = {worker: index - 8 for worker, index in state["last_seen_indices"].items()}
+    position.write_text(json.dumps(state, indent=4))
+    with pytest.warns(UserWarning, match=r"step 12 could not be restored \(.*checksum of the data position"):
+        _, step = restore_model(load_run_experiment(run), run)
+    assert step == 8
+
+
+# ----------------------------------------------------------------------------- issue 37 item 11
+
+
+def test_junk_in_a_checkpoints_metrics_file_is_one_warning_not_a_stop(trained, tmp_path, capsys):
+    """Junk in checkpoints/12/metrics/metrics stopped `train` and `eval` alike with
+    "Expecting value: line 1 column 1" (orbax reads every metrics file when it opens the
+    directory); the checkpoint is now used, only not as a candidate for the best."""
+    _, run = trained
+    run = _copy(run, tmp_path)
+    (run / "checkpoints" / "12" / "metrics" / "metrics").write_text("junk{")
+    assert cli.main(["eval", "--workdir", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert _last_json(out)["step"] == 12
+    assert re.search(r"step 12: its metrics file .*12/metrics/metrics is unreadable .*JSONDecodeError", err)
+    assert cli.main(["train", "--workdir", str(run), "--no-progress"]) == 0  # opens it too
+    assert '"complete": true' in capsys.readouterr().out
+
+
+def test_eval_reading_a_checkpoint_that_training_rotates_out_takes_the_newest_left(trained, tmp_path, monkeypatch):
+    """`eval` during training (keep=1) read a checkpoint that the run then deleted and
+    failed with a raw FileNotFoundError, or called it damaged "if the config changed"; a
+    checkpoint deleted while read is now listed again, no warning."""
+    import warnings
+
+    from jxformers.train import checkpoint
+    from jxformers.train.loop import restore_model
+    from jxformers.train.workdir import load_run_experiment
+
+    _, run = trained
+    run = _copy(run, tmp_path)
+    read = checkpoint.Checkpointer._restore_step
+
+    def rotated_while_read(self, step, template, iterator):
+        if step == 12:
+            shutil.rmtree(self.directory / "12")  # what the training run's rotation does
+        return read(self, step, template, iterator)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "_restore_step", rotated_while_read)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, step = restore_model(load_run_experiment(run), run)
+    assert step == 8

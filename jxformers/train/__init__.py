@@ -13,6 +13,7 @@ sharding.py    the device mesh (MeshConfig) and the rules sharding the state and
 distributed.py several processes: jax.distributed from flags or a detected cluster
 checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape check
                before restore, damaged fallback, old list-layout checkpoints refused)
+checksums.py   checksums of a checkpoint's arrays and data position, verified on restore
 workdir.py     the work directory: its saved config (read by eval / generate, checked
                on a rerun), its lock, checks for missing or odd directories
 loop.py        train (setup, step, periodic hooks), evaluate_checkpoint, restore_model

@@ -11,7 +11,9 @@ reshaped path. Checkpoints written before path-keyed checkpoints (their `params`
 list of leaves) are refused with an explanation (`LegacyCheckpointError`).
 
 Orbax writes each checkpoint to a temporary directory and renames it when complete, so
-a half-written checkpoint (a run killed mid-save) never appears as a step.
+a half-written checkpoint (a run killed mid-save) never appears as a step. Each
+checkpoint also holds checksums of its arrays and data position (`checksums.py`), checked
+on restore: a flipped bit or an edited position is damage, and falls back.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jxformers.train import checksums
 from jxformers.train.state import STEP_KEY
 
 
@@ -114,6 +117,36 @@ def _legacy(tree) -> bool:
 # whose config.yaml was deleted is still checked on a rerun and its config.yaml restored:
 # CONFIG_ITEM/CONFIG_FILE inside a step's directory (orbax's JSON item layout).
 CONFIG_ITEM, CONFIG_FILE = "config", "metadata"
+# And the checksums of its state and data position (jxformers.train.checksums), verified
+# on restore; a checkpoint written before them restores unchecked.
+CHECKSUMS_ITEM = "checksums"
+# How often a restore starts over when the checkpoint it reads is deleted meanwhile (a
+# training run writing to the same directory rotated it out).
+MAX_ROTATIONS = 5
+
+
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, except that an unreadable metrics file (junk, a cut line) makes
+    that checkpoint one without metrics (not a candidate for the best), with one warning
+    naming the file, instead of stopping every command that opens the directory."""
+
+    # orbax's one reader of metrics files (metrics(), metadata(), item_metadata() call it);
+    # private, so a test fails should an orbax release rename it
+    def _get_metrics(self, step: int):
+        try:
+            return super()._get_metrics(step)
+        except (ValueError, OSError) as error:  # JSONDecodeError is a ValueError
+            self.damaged_metrics[step] = _reason(error)
+            return None
+
+    _damaged: dict[int, str] | None = None  # per instance once set
+
+    @property
+    def damaged_metrics(self) -> dict[int, str]:
+        """{step: why its metrics file is unreadable}; filled while orbax's __init__ reads them."""
+        if self._damaged is None:
+            self._damaged = {}
+        return self._damaged
 
 
 class Checkpointer:
@@ -157,16 +190,32 @@ class Checkpointer:
             "state": ocp.StandardCheckpointHandler(),
             "data": grain.checkpoint.CheckpointHandler(),
             CONFIG_ITEM: ocp.JsonCheckpointHandler(filename=CONFIG_FILE),
+            CHECKSUMS_ITEM: ocp.JsonCheckpointHandler(filename=CHECKSUMS_ITEM),
         }
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers=handlers,
-        )
+        for attempt in range(MAX_ROTATIONS + 1):
+            try:
+                self.manager = _Manager(self.directory, options=options, item_handlers=handlers)
+                break
+            except FileNotFoundError:  # a step deleted while listed: rotated out by a training run
+                if attempt == MAX_ROTATIONS:
+                    raise
+                time.sleep(0.1)
+        for step, reason in sorted(self.manager.damaged_metrics.items()):
+            metrics = self.directory / str(step) / "metrics" / "metrics"
+            warnings.warn(
+                f"checkpoint at step {step}: its metrics file {metrics} is unreadable ({reason}); "
+                f"the checkpoint is used, but not as a candidate for the best {best_metric}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
 
     def save(self, step: int, state: dict[str, Any], iterator, metrics: dict[str, float] | None = None) -> None:
         metrics = metrics if metrics and self.best_metric in metrics else None
-        items = {"state": ocp.args.StandardSave(state), "data": grain.checkpoint.CheckpointSave(iterator)}
+        items = {
+            "state": ocp.args.StandardSave(state),
+            "data": grain.checkpoint.CheckpointSave(iterator),
+            CHECKSUMS_ITEM: ocp.args.JsonSave(checksums.checksums(_names(state), iterator)),
+        }
         if self.config is not None:
             items[CONFIG_ITEM] = ocp.args.JsonSave(self.config)
         self.manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
@@ -193,12 +242,22 @@ class Checkpointer:
         a changed config (another model or optimizer) than damage.
         """
         failed: list[tuple[int, str]] = []
-        for step in reversed(self.steps()):
+        steps = list(reversed(self.steps()))
+        rotations = 0
+        while steps:
+            step = steps.pop(0)
             try:
                 state = self._restore_step(step, template, iterator)
             except LegacyCheckpointError:
                 raise
             except Exception as error:  # noqa: BLE001 - any failure: try the previous one
+                if not (self.directory / str(step)).exists() and rotations < MAX_ROTATIONS:
+                    # deleted while read: a training run writing here rotated it out (not
+                    # damage); its newer checkpoints are listed again
+                    rotations += 1
+                    self.manager.reload()
+                    steps = [s for s in reversed(self.steps()) if s not in dict(failed)]
+                    continue
                 failed.append((step, _reason(error)))
                 continue
             for bad, reason in failed:
@@ -263,6 +322,13 @@ class Checkpointer:
             # another run's (or another step's) checkpoint copied in under this name: restoring
             # it would resume a different history and later overwrite real checkpoints with it
             raise ValueError(f"the state inside is step {inner}, not {step}")
+        if (self.directory / str(step) / CHECKSUMS_ITEM).exists():
+            saved = self.manager.restore(step, args=ocp.args.Composite(**{CHECKSUMS_ITEM: ocp.args.JsonRestore()}))
+            # grain's file name for this process's position (grain.checkpoint.CheckpointHandler)
+            position = (
+                self.directory / str(step) / "data" / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+            )
+            checksums.verify(saved[CHECKSUMS_ITEM], _names(state), position.read_text())
         floats = [x for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)]
         # a jitted reduction: the arrays may be sharded over the devices of several processes
         if floats and not bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(floats)):
