@@ -672,3 +672,19 @@ def test_eval_reading_a_checkpoint_that_training_rotates_out_takes_the_newest_le
         warnings.simplefilter("error")
         _, step = restore_model(load_run_experiment(run), run)
     assert step == 8
+
+
+@pytest.mark.parametrize("name", ["lock", "config.yaml"])
+def test_the_runs_own_files_are_never_written_through_a_symbolic_link(tmp_path, capsys, name):
+    """A planted `lock` link had its target truncated, a `config.yaml` link overwrote its
+    target; the run now refuses such a link at start-up, before writing anything."""
+    other = tmp_path / "someone_elses.txt"
+    other.write_text("theirs\n")
+    config = write_config(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(other)
+    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress"]) == 1
+    assert f"run/{name} is a symbolic link (to {other})" in capsys.readouterr().err
+    assert other.read_text() == "theirs\n"
+    assert sorted(p.name for p in run.iterdir()) == [name]  # nothing else written

@@ -46,6 +46,7 @@ LOCK = "lock"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
+OWN_FILES = (CONFIG, LOCK, METRICS)  # written by the run: never through a symbolic link
 # What a rerun may change once checkpoints exist: none of these changes the saved state's
 # tree, the data order or the meaning of the steps already taken (workers and a built
 # split give the same records; the iterator state is rewritten for the worker count;
@@ -108,7 +109,10 @@ def check_writable(workdir: pathlib.Path) -> None:
     create files in (an unwritable checkpoints/ used to train until the first save, then
     hang there for minutes). Each existing one is tried with a file created and removed
     at once. (Its files are opened at start-up: an error there is an OSError the CLI
-    prints as one line.)"""
+    prints as one line.) The run's own files are never written through a symbolic
+    link: a planted link would make it truncate or append to another file."""
+    for name in OWN_FILES:
+        check_not_a_link(workdir / name)
     for name in ("", CHECKPOINTS, TENSORBOARD):
         folder = workdir / name
         if not folder.exists():
@@ -126,6 +130,25 @@ def check_writable(workdir: pathlib.Path) -> None:
                 f"cannot write in {folder} ({error.strerror}): the run writes there; make it writable "
                 f"(chmod u+w) or use another work directory"
             ) from None
+
+
+def check_not_a_link(path: pathlib.Path) -> None:
+    """A ValueError when `path`, one of the run's own files, is a symbolic link."""
+    if path.is_symlink():
+        raise ValueError(
+            f"{path} is a symbolic link (to {os.readlink(path)}): the run writes its own files, never "
+            "through a link; remove the link or use another work directory"
+        )
+
+
+def open_own(path: pathlib.Path, flags: int) -> int:
+    """`os.open` of one of the run's own files, never through a symbolic link (a
+    ValueError naming it, as `check_not_a_link`)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        check_not_a_link(path)
+        raise
 
 
 def read_metrics_log(workdir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -152,13 +175,7 @@ def open_metrics_log(workdir: pathlib.Path) -> int:
     """A file descriptor appending to `workdir/metrics.jsonl`: never through a symlink
     (a planted link would append to another file), and with a line a crash cut short
     ended first, so the next record starts on a line of its own."""
-    path = workdir / METRICS
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
-        if path.is_symlink():
-            raise ValueError(f"{path} is a symbolic link: the run writes its own log, not through a link") from e
-        raise
+    fd = open_own(workdir / METRICS, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     size = os.fstat(fd).st_size
     if size and os.pread(fd, 1, size - 1) != b"\n":  # the last line was cut short
         write_line(fd, "")
@@ -263,7 +280,9 @@ def saved_config(workdir: pathlib.Path) -> dict[str, Any] | None:
 
 
 def write_config(workdir: pathlib.Path, experiment: Experiment) -> None:
-    (workdir / CONFIG).write_text(yaml.safe_dump(experiment.raw, sort_keys=False))
+    fd = open_own(workdir / CONFIG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump(experiment.raw, sort_keys=False))
 
 
 def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -400,7 +419,7 @@ def workdir_lock(workdir: pathlib.Path) -> Iterator[None]:
     """Hold `workdir/lock` (an flock, which the kernel releases when its process dies, so
     a stale lock never blocks); a WorkdirLocked error names the holder."""
     path = workdir / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_own(path, os.O_RDWR | os.O_CREAT)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
