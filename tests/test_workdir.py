@@ -688,3 +688,26 @@ def test_the_runs_own_files_are_never_written_through_a_symbolic_link(tmp_path, 
     assert f"run/{name} is a symbolic link (to {other})" in capsys.readouterr().err
     assert other.read_text() == "theirs\n"
     assert sorted(p.name for p in run.iterdir()) == [name]  # nothing else written
+
+
+# ----------------------------------------------------------------------------- issue 37 item 12
+
+
+def test_a_checkpoint_half_deleted_by_a_second_ctrl_c_is_set_aside_once(trained, tmp_path, capsys):
+    """A second Ctrl-C exits at once, also while orbax deletes an old checkpoint; the
+    half-deleted directory then made the next runs warn ("Metadata file does not exist")
+    until the run's own rotation removed it. The next train moves it aside, saying so
+    once; later runs are quiet."""
+    _, run = trained
+    run = _copy(run, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "8" / "state")  # what an interrupted rmtree leaves
+    (run / "checkpoints" / "8" / "_CHECKPOINT_METADATA").unlink()
+    assert cli.main(["train", "--workdir", str(run), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"checkpoint at step 8 is incomplete \(it has no _CHECKPOINT_METADATA.*moved to ", err), err
+    assert "Metadata file does not exist" not in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["12"]
+    assert [p.name.split("-")[0] for p in (run / "checkpoints_damaged").iterdir()] == ["8"]
+    assert cli.main(["train", "--workdir", str(run), "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert '"complete": true' in out and "warning" not in err

@@ -120,6 +120,8 @@ CONFIG_ITEM, CONFIG_FILE = "config", "metadata"
 # And the checksums of its state and data position (jxformers.train.checksums), verified
 # on restore; a checkpoint written before them restores unchecked.
 CHECKSUMS_ITEM = "checksums"
+# What every complete checkpoint directory holds (orbax's metadata file, our two items).
+STEP_PARTS = ("_CHECKPOINT_METADATA", "state", "data")
 # How often a restore starts over when the checkpoint it reads is deleted meanwhile (a
 # training run writing to the same directory rotated it out).
 MAX_ROTATIONS = 5
@@ -149,9 +151,24 @@ class _Manager(ocp.CheckpointManager):
         return self._damaged
 
 
+def incomplete_steps(directory: pathlib.Path) -> dict[int, str]:
+    """{step: the first of `STEP_PARTS` it lacks} for each step directory under
+    `directory` that lacks one: a save or a garbage collection cut short (a second Ctrl-C
+    exits at once, even while orbax deletes an old checkpoint). Orbax's unfinished saves
+    sit in temporary names, not listed here."""
+    found = {}
+    for path in sorted(directory.iterdir()) if directory.is_dir() else ():
+        if path.is_dir() and path.name.isdigit():
+            missing = [part for part in STEP_PARTS if not (path / part).exists()]
+            if missing:
+                found[int(path.name)] = missing[0]
+    return found
+
+
 class Checkpointer:
     """Save and restore {"state": pytree of arrays, "data": grain iterator}, with the run's
-    `config` (a JSON-able dict) stored beside them when given."""
+    `config` (a JSON-able dict) stored beside them when given. `tidy` (a training run,
+    process 0): incomplete step directories are moved aside first, one warning each."""
 
     def __init__(
         self,
@@ -162,6 +179,7 @@ class Checkpointer:
         best_mode: str,
         async_save: bool = True,
         config: dict[str, Any] | None = None,
+        tidy: bool = False,
     ):
         self.best_metric = best_metric
         self.config = config
@@ -192,6 +210,14 @@ class Checkpointer:
             CONFIG_ITEM: ocp.JsonCheckpointHandler(filename=CONFIG_FILE),
             CHECKSUMS_ITEM: ocp.JsonCheckpointHandler(filename=CHECKSUMS_ITEM),
         }
+        if tidy and jax.process_index() == 0:
+            for step, missing in incomplete_steps(self.directory).items():
+                reason = f"it has no {missing}: its writing or deletion was interrupted"
+                warnings.warn(
+                    f"checkpoint at step {step} is incomplete ({reason}); moved to {self._move_aside(step, reason)}",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
         for attempt in range(MAX_ROTATIONS + 1):
             try:
                 self.manager = _Manager(self.directory, options=options, item_handlers=handlers)
@@ -347,6 +373,11 @@ class Checkpointer:
         """Move a damaged checkpoint out of the manager's directory (kept for inspection;
         its step can then be saved again). A ValueError saying what to do when it cannot
         be moved: training on would later fail to save that step again."""
+        aside = self._move_aside(step, reason)
+        self.manager.reload()
+        return aside
+
+    def _move_aside(self, step: int, reason: str) -> pathlib.Path:
         aside = self.directory.parent / f"{self.directory.name}_damaged" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
         try:
             aside.parent.mkdir(parents=True, exist_ok=True)
@@ -357,7 +388,6 @@ class Checkpointer:
                 f"({error.strerror}: {error.filename}); move or delete {self.directory / str(step)} by hand, "
                 "then rerun to resume from the previous checkpoint"
             ) from None
-        self.manager.reload()
         return aside
 
     def close(self) -> None:

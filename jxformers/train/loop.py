@@ -80,7 +80,9 @@ class NonFiniteError(RuntimeError):
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _open_checkpointer(experiment: Experiment, workdir: pathlib.Path, *, async_save: bool) -> Checkpointer:
+def _open_checkpointer(
+    experiment: Experiment, workdir: pathlib.Path, *, async_save: bool, training: bool = False
+) -> Checkpointer:
     c = experiment.checkpoint
     return Checkpointer(
         workdir / CHECKPOINTS,
@@ -89,6 +91,7 @@ def _open_checkpointer(experiment: Experiment, workdir: pathlib.Path, *, async_s
         best_mode=c.best_mode,
         async_save=async_save,
         config=experiment.raw,
+        tidy=training,
     )
 
 
@@ -594,7 +597,9 @@ def train(
         train_source, eval_source = experiment.sources()
         iterator = stack.enter_context(contextlib.closing(_train_iterator(experiment, train_source)))
         checkpointer = stack.enter_context(
-            contextlib.closing(_open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save))
+            contextlib.closing(
+                _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save, training=True)
+            )
         )
         if plan is not None:  # the template on the mesh: a checkpoint restores onto it, whatever mesh saved it
             state = plan.place_state(state)
