@@ -711,3 +711,38 @@ def test_a_checkpoint_half_deleted_by_a_second_ctrl_c_is_set_aside_once(trained,
     assert cli.main(["train", "--workdir", str(run), "--no-progress"]) == 0
     out, err = capsys.readouterr()
     assert '"complete": true' in out and "warning" not in err
+
+
+# ----------------------------------------------------------------------------- issue 37 item 13
+
+
+def test_a_run_that_dies_of_an_error_saves_its_last_step_first(trained, tmp_path, capsys, monkeypatch):
+    """A full disk while logging ended the run with an OSError and no save (every step
+    since the last checkpoint lost); the run now saves the step whose state and data
+    position agree, then reports the error on one line, and a rerun resumes from there
+    to the same losses as an uninterrupted run."""
+    import errno
+
+    from jxformers.train import loop
+
+    config, done = trained
+    run = tmp_path / "run"
+    overrides = ["--set", "model.num_layers=2", "--set", "checkpoint.async_save=false"]
+    write = loop.write_line
+
+    def disk_full_at_step_10(fd, line):
+        if line.startswith('{"step": 10, "accuracy"'):
+            raise OSError(errno.ENOSPC, "No space left on device", str(run / "metrics.jsonl"))
+        write(fd, line)
+
+    monkeypatch.setattr(loop, "write_line", disk_full_at_step_10)
+    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", *overrides]) == 1
+    err = capsys.readouterr().err
+    assert "saved step 10 before stopping on OSError" in err and "No space left on device" in err
+    assert "Traceback" not in err
+    assert max(int(p.name) for p in (run / "checkpoints").iterdir()) == 10  # every = 4: 8 before it
+    monkeypatch.setattr(loop, "write_line", write)
+    assert cli.main(["train", str(config), "--workdir", str(run), "--no-progress", *overrides]) == 0
+    final = _last_json(capsys.readouterr().out)
+    uninterrupted = [r for r in map(json.loads, (done / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert final["step"] == 12 and final["loss"] == uninterrupted[-1]["loss"]

@@ -571,6 +571,25 @@ def start_run(experiment: Experiment, workdir: str | pathlib.Path, model) -> pat
     return workdir
 
 
+def _emergency_save(checkpointer: Checkpointer, state: TrainState, iterator, last_eval, start: int, error) -> None:
+    """Save `state`'s step before the error that ends the run propagates, saying on one
+    line whether it could (a full disk may refuse this save too)."""
+    step = int(state.step)
+    if step <= start or step in checkpointer.steps():
+        return
+    try:
+        checkpointer.save(step, state_dict(state), iterator, last_eval)
+        checkpointer.wait()
+    except Exception as failed:  # noqa: BLE001 - the original error is what the run reports
+        why = (str(failed).strip().splitlines() or [""])[0][:200]
+        print(
+            f"jxformers train: could not save step {step} after the error ({type(failed).__name__}: {why})",
+            file=sys.stderr,
+        )
+        return
+    print(f"jxformers train: saved step {step} before stopping on {type(error).__name__}", file=sys.stderr)
+
+
 def train(
     experiment: Experiment, workdir: str | pathlib.Path, *, progress: bool = True, fresh: bool = False
 ) -> dict[str, Any]:
@@ -634,41 +653,56 @@ def train(
             else lambda: next(iterator)
         )
         stop = signals.stop_after(start)  # a signal during setup: nothing to run
-        while int(state.step) < t.steps and not stop:
-            position = Position(iterator.get_state()) if bounded else None
-            batch = fetch()  # this process's rows, numpy
-            if batch is None:  # a signal while waiting for it: save the last step (at the data's position before it)
-                stop, step = True, int(state.step)
-                print("jxformers train: stopped while waiting for a batch from the data workers", file=sys.stderr)
-                if step > start and step != in_flight and step not in checkpointer.steps():
-                    checkpointer.save(step, state_dict(state), position, last_eval)
-                break
-            state = _redraw_if_due(state, static, t.redraw_every, plan)
-            tokens = int(batch["mask"].sum()) * jax.process_count()  # this process's rows, scaled
-            state, m, elapsed = run_step(state, batch if plan is None else plan.place_batch(batch))
-            step, report.step_temp_bytes = int(state.step), run_step.temp_bytes
-            if step == start + 1:  # the first step of this process compiled the train step
-                log({"step": step, "compile_seconds": run_step.compile_seconds})
-            report(step, m, elapsed, tokens)
-            if _due(step, t.eval_every, t.steps):
-                last_eval = run_eval(state)
-                log({"step": step, **last_eval})
-            show(step, m, last_eval, elapsed=elapsed, tokens=tokens)
-            summary = {"step": step, **m, **last_eval}
-            stop = signals.stop_after(step)
-            if _due(step, every, t.steps) or stop:
-                began = time.perf_counter()
-                checkpointer.save(step, state_dict(state), iterator, last_eval)
-                # the time the step path waits for the save (async: copying to host memory)
-                log({"step": step, "checkpoint_save_ms": 1e3 * (time.perf_counter() - began)})
-                in_flight = step
-            elif in_flight is not None and step - in_flight >= experiment.checkpoint.save_lag:
-                # an async save unfinished for this long is waited for: what a SIGKILL can lose stays bounded
-                if checkpointer.saving():
+        consistent = False  # whether (state, iterator) are a pair a checkpoint may hold
+        try:
+            while int(state.step) < t.steps and not stop:
+                consistent = False  # from here until the step is taken, the iterator is ahead
+                position = Position(iterator.get_state()) if bounded else None
+                batch = fetch()  # this process's rows, numpy
+                if (
+                    batch is None
+                ):  # a signal while waiting for it: save the last step (at the data's position before it)
+                    stop, step = True, int(state.step)
+                    print("jxformers train: stopped while waiting for a batch from the data workers", file=sys.stderr)
+                    if step > start and step != in_flight and step not in checkpointer.steps():
+                        checkpointer.save(step, state_dict(state), position, last_eval)
+                    break
+                state = _redraw_if_due(state, static, t.redraw_every, plan)
+                tokens = int(batch["mask"].sum()) * jax.process_count()  # this process's rows, scaled
+                state, m, elapsed = run_step(state, batch if plan is None else plan.place_batch(batch))
+                step, report.step_temp_bytes = int(state.step), run_step.temp_bytes
+                consistent = True
+                if step == start + 1:  # the first step of this process compiled the train step
+                    log({"step": step, "compile_seconds": run_step.compile_seconds})
+                report(step, m, elapsed, tokens)
+                if _due(step, t.eval_every, t.steps):
+                    last_eval = run_eval(state)
+                    log({"step": step, **last_eval})
+                show(step, m, last_eval, elapsed=elapsed, tokens=tokens)
+                summary = {"step": step, **m, **last_eval}
+                stop = signals.stop_after(step)
+                if _due(step, every, t.steps) or stop:
                     began = time.perf_counter()
-                    checkpointer.wait()
-                    log({"step": step, "checkpoint_wait_ms": 1e3 * (time.perf_counter() - began)})
-                in_flight = None
+                    consistent = False  # a save that failed is not tried again on the way out
+                    checkpointer.save(step, state_dict(state), iterator, last_eval)
+                    consistent = True
+                    # the time the step path waits for the save (async: copying to host memory)
+                    log({"step": step, "checkpoint_save_ms": 1e3 * (time.perf_counter() - began)})
+                    in_flight = step
+                elif in_flight is not None and step - in_flight >= experiment.checkpoint.save_lag:
+                    # an async save unfinished for this long is waited for: what a SIGKILL can lose stays bounded
+                    if checkpointer.saving():
+                        began = time.perf_counter()
+                        checkpointer.wait()
+                        log({"step": step, "checkpoint_wait_ms": 1e3 * (time.perf_counter() - began)})
+                    in_flight = None
+        except Exception as error:
+            # The run dies of an error (a full disk while logging, a failing evaluation): keep
+            # its last step where (state, iterator) agree. Not for a non-finite state, and not
+            # with several processes (a save is collective; the others may be elsewhere).
+            if consistent and not isinstance(error, NonFiniteError) and jax.process_count() == 1:
+                _emergency_save(checkpointer, state, iterator, last_eval, start, error)
+            raise
         if stop:
             signals.exit_after_saving(checkpointer, log, int(state.step), start)
         return summary | {
