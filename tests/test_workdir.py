@@ -746,3 +746,33 @@ def test_a_run_that_dies_of_an_error_saves_its_last_step_first(trained, tmp_path
     final = _last_json(capsys.readouterr().out)
     uninterrupted = [r for r in map(json.loads, (done / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert final["step"] == 12 and final["loss"] == uninterrupted[-1]["loss"]
+
+
+# ----------------------------------------------------------------------------- issue 37 item 8
+
+
+def test_another_runs_checkpoint_under_a_step_of_this_run_is_treated_as_damaged(trained, tmp_path, capsys):
+    """Another run's checkpoint copied in under a step this run also saved passed every
+    check (name, step, checksums all its own) and was restored; each checkpoint now keeps
+    the id of the run that wrote it (`run_id` in the work directory), and another id is
+    damage. A deleted run_id file is taken back from the checkpoints."""
+    from jxformers.train.loop import restore_model
+    from jxformers.train.workdir import load_run_experiment
+
+    _, run = trained
+    run = _copy(run, tmp_path)
+    ident = (run / "run_id").read_text().strip()
+    assert len(ident) == 32
+    stored = run / "checkpoints" / "12" / "checksums" / "checksums"
+    foreign = json.loads(stored.read_text()) | {"run": "f" * 32}
+    stored.write_text(json.dumps(foreign))
+    with pytest.warns(
+        UserWarning,
+        match=rf"step 12 could not be restored \(.*written by another run \(run id f{{32}}; this run's is {ident}\)",
+    ):
+        _, step = restore_model(load_run_experiment(run), run)
+    assert step == 8
+    (run / "run_id").unlink()
+    shutil.rmtree(run / "checkpoints" / "12")
+    assert cli.main(["train", "--workdir", str(run), "--no-progress", "--set", "train.steps=8"]) == 0
+    assert (run / "run_id").read_text().strip() == ident

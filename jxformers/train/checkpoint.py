@@ -168,7 +168,8 @@ def incomplete_steps(directory: pathlib.Path) -> dict[int, str]:
 class Checkpointer:
     """Save and restore {"state": pytree of arrays, "data": grain iterator}, with the run's
     `config` (a JSON-able dict) stored beside them when given. `tidy` (a training run,
-    process 0): incomplete step directories are moved aside first, one warning each."""
+    process 0): incomplete step directories are moved aside first, one warning each.
+    `run`: the run's id, kept in each checkpoint; one holding another id is damage."""
 
     def __init__(
         self,
@@ -180,9 +181,11 @@ class Checkpointer:
         async_save: bool = True,
         config: dict[str, Any] | None = None,
         tidy: bool = False,
+        run: str | None = None,
     ):
         self.best_metric = best_metric
         self.config = config
+        self.run = run
         preservation = policies.AnyPreservationPolicy(
             [
                 policies.LatestN(n=keep),
@@ -240,7 +243,7 @@ class Checkpointer:
         items = {
             "state": ocp.args.StandardSave(state),
             "data": grain.checkpoint.CheckpointSave(iterator),
-            CHECKSUMS_ITEM: ocp.args.JsonSave(checksums.checksums(_names(state), iterator)),
+            CHECKSUMS_ITEM: ocp.args.JsonSave(checksums.checksums(_names(state), iterator, self.run)),
         }
         if self.config is not None:
             items[CONFIG_ITEM] = ocp.args.JsonSave(self.config)
@@ -354,7 +357,7 @@ class Checkpointer:
             position = (
                 self.directory / str(step) / "data" / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
             )
-            checksums.verify(saved[CHECKSUMS_ITEM], _names(state), position.read_text())
+            checksums.verify(saved[CHECKSUMS_ITEM], _names(state), position.read_text(), self.run)
         floats = [x for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)]
         # a jitted reduction: the arrays may be sharded over the devices of several processes
         if floats and not bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(floats)):

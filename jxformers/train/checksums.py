@@ -88,22 +88,26 @@ def all_processes(digest: str) -> list[str]:
     return [row.astype(np.uint32).tobytes().hex() for row in gathered.reshape(jax.process_count(), -1)]
 
 
-def checksums(state: dict[str, Any], iterator) -> dict[str, Any]:
-    """What a checkpoint stores beside `state` and the data `iterator`'s position."""
+def checksums(state: dict[str, Any], iterator, run: str | None = None) -> dict[str, Any]:
+    """What a checkpoint stores beside `state` and the data `iterator`'s position (and
+    the id of the `run` that wrote it)."""
     return {
         "version": VERSION,
         "state": state_checksums(state),
         "data": all_processes(data_digest(iterator.get_state())),
+        **({} if run is None else {"run": run}),
     }
 
 
-def verify(saved: dict[str, Any], state: dict[str, Any], position: bytes | str) -> None:
+def verify(saved: dict[str, Any], state: dict[str, Any], position: bytes | str, run: str | None = None) -> None:
     """Raise ValueError naming the first array (or the data position) whose checksum
-    differs from `saved`'s. `position`: this process's data position as the checkpoint
-    holds it (grain's file; an iterator's state after restoring need not read back
-    byte for byte)."""
+    differs from `saved`'s, or the other run that wrote it (both ids known and unequal).
+    `position`: this process's data position as the checkpoint holds it (grain's file;
+    an iterator's state after restoring need not read back byte for byte)."""
     if saved.get("version") != VERSION:
         raise ValueError(f"checksums of an unknown version {saved.get('version')!r} (this jxformers writes {VERSION})")
+    if run is not None and saved.get("run") not in (None, run):
+        raise ValueError(f"written by another run (run id {saved['run']}; this run's is {run})")
     read = state_checksums(state)
     for name, want in saved["state"].items():
         if name not in read:

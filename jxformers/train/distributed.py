@@ -207,6 +207,23 @@ def check_same_run(config: Mapping[str, Any]) -> None:
         )
 
 
+def from_process_zero(text: str | None, *, size: int = 64) -> str:
+    """Process 0's `text` (ASCII, at most `size` bytes) on every process; the others pass
+    None. One process: `text` itself."""
+    if jax.process_count() < 2:
+        assert text is not None
+        return text
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros(size, np.uint8)
+    if text is not None:
+        raw = text.encode("ascii")
+        if len(raw) > size:
+            raise ValueError(f"{text!r} is longer than {size} bytes")
+        mine[: len(raw)] = np.frombuffer(raw, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(mine))).rstrip(b"\0").decode("ascii")
+
+
 def preemption_service() -> bool:
     """Whether JAX's preemption service runs: several processes and
     `jax_enable_preemption_service` on (the default). `jax.distributed.initialize` then

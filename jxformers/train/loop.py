@@ -65,6 +65,8 @@ from jxformers.train.workdir import (
     has_checkpoints,
     open_metrics_log,
     read_metrics_log,
+    read_run_identity,
+    run_identity,
     set_history_aside,
     workdir_lock,
     write_config,
@@ -81,7 +83,7 @@ class NonFiniteError(RuntimeError):
 
 
 def _open_checkpointer(
-    experiment: Experiment, workdir: pathlib.Path, *, async_save: bool, training: bool = False
+    experiment: Experiment, workdir: pathlib.Path, *, async_save: bool, run: str | None = None, training: bool = False
 ) -> Checkpointer:
     c = experiment.checkpoint
     return Checkpointer(
@@ -92,6 +94,7 @@ def _open_checkpointer(
         async_save=async_save,
         config=experiment.raw,
         tidy=training,
+        run=run,
     )
 
 
@@ -123,7 +126,8 @@ def restore_train_state(
     )
     if not has_checkpoints(workdir):  # checked first: opening the manager would create the directory
         raise ValueError(f"no checkpoint in {workdir / CHECKPOINTS}: train first (jxformers train ...)")
-    with contextlib.closing(_open_checkpointer(experiment, workdir, async_save=False)) as checkpointer:
+    run = read_run_identity(workdir)
+    with contextlib.closing(_open_checkpointer(experiment, workdir, async_save=False, run=run)) as checkpointer:
         restored = _restore(checkpointer, state, iterator, training=False, best=best)
     return restored, static
 
@@ -494,7 +498,8 @@ def _last_eval(workdir: pathlib.Path) -> dict[str, Any]:
 
 def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: contextlib.ExitStack, fresh: bool):
     """Lock the work directory, check a rerun against the saved config and the log, then
-    (only then) write config.yaml. Returns the changes a rerun made (all resumable).
+    (only then) write config.yaml. Returns the changes a rerun made (all resumable) and
+    the run's id (`workdir.run_identity`, process 0's on every process).
     Several processes must have been started alike (`distributed.check_same_run`)."""
     distributed.check_same_run(experiment.raw)
     check_workdir(workdir, exists=False)
@@ -509,7 +514,8 @@ def _prepare_workdir(experiment: Experiment, workdir: pathlib.Path, stack: conte
         if aside:
             print(f"jxformers train: a fresh start; the old log is {set_history_aside(workdir)}", file=sys.stderr)
         write_config(workdir, experiment)
-    return changes
+    run = distributed.from_process_zero(run_identity(workdir) if distributed.is_main() else None)
+    return changes, run
 
 
 def _bounded_fetch(experiment: Experiment, iterator, signals: _Signals) -> BatchFetcher:
@@ -565,7 +571,7 @@ def start_run(experiment: Experiment, workdir: str | pathlib.Path, model) -> pat
         train_source, _ = experiment.sources()
         iterator = stack.enter_context(contextlib.closing(_train_iterator(experiment, train_source)))
         checkpointer = stack.enter_context(
-            contextlib.closing(_open_checkpointer(experiment, workdir, async_save=False))
+            contextlib.closing(_open_checkpointer(experiment, workdir, async_save=False, run=run_identity(workdir)))
         )
         checkpointer.save(0, state_dict(state), iterator)
     return workdir
@@ -612,12 +618,14 @@ def train(
         # devices cannot form) fails here, before the work directory is touched.
         state, static, optimizer, schedule = init_train_state(experiment)
         plan = sharding_plan(experiment, state, static)
-        changes = _prepare_workdir(experiment, workdir, stack, fresh)
+        changes, run = _prepare_workdir(experiment, workdir, stack, fresh)
         train_source, eval_source = experiment.sources()
         iterator = stack.enter_context(contextlib.closing(_train_iterator(experiment, train_source)))
         checkpointer = stack.enter_context(
             contextlib.closing(
-                _open_checkpointer(experiment, workdir, async_save=experiment.checkpoint.async_save, training=True)
+                _open_checkpointer(
+                    experiment, workdir, async_save=experiment.checkpoint.async_save, run=run, training=True
+                )
             )
         )
         if plan is not None:  # the template on the mesh: a checkpoint restores onto it, whatever mesh saved it

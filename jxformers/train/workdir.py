@@ -8,6 +8,7 @@
     WORKDIR/metrics.jsonl one JSON object per logged record (`open_metrics_log`,
                           `read_metrics_log`)
     WORKDIR/tensorboard/  the same scalars as TensorBoard event files
+    WORKDIR/run_id        the run's identity (`run_identity`), kept in every checkpoint
 
 `check_writable` refuses, before anything is written, a directory where any of these
 could not be written.
@@ -28,6 +29,7 @@ import pathlib
 import socket
 import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -36,7 +38,7 @@ import yaml
 
 from jxformers.nn import ModelConfig
 from jxformers.nn.config import legacy
-from jxformers.train.checkpoint import CONFIG_FILE, CONFIG_ITEM
+from jxformers.train.checkpoint import CHECKSUMS_ITEM, CONFIG_FILE, CONFIG_ITEM
 from jxformers.train.experiment import SECTIONS, Experiment, load_experiment, parse_override, read_yaml
 
 CONFIG = "config.yaml"
@@ -46,7 +48,8 @@ LOCK = "lock"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
-OWN_FILES = (CONFIG, LOCK, METRICS)  # written by the run: never through a symbolic link
+RUN_ID = "run_id"  # the run's identity: kept in every checkpoint, checked on restore
+OWN_FILES = (CONFIG, LOCK, METRICS, RUN_ID)  # written by the run: never through a symbolic link
 # What a rerun may change once checkpoints exist: none of these changes the saved state's
 # tree, the data order or the meaning of the steps already taken (workers and a built
 # split give the same records; the iterator state is rewritten for the worker count;
@@ -245,6 +248,47 @@ def config_in_checkpoints(workdir: pathlib.Path) -> tuple[int, dict[str, Any]] |
         if isinstance(values, dict):
             return step, values
     return None
+
+
+def runs_in_checkpoints(workdir: pathlib.Path) -> list[str]:
+    """The run ids the checkpoints hold (in their checksums item), oldest step first;
+    checkpoints from before run ids, or unreadable, are left out."""
+    directory = workdir / CHECKPOINTS
+    found = []
+    for step in sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else ():
+        try:
+            run = json.loads((directory / str(step) / CHECKSUMS_ITEM / CHECKSUMS_ITEM).read_text()).get("run")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(run, str):
+            found.append(run)
+    return found
+
+
+def read_run_identity(workdir: pathlib.Path) -> str | None:
+    """The run's id from `workdir/run_id`, or None where there is none (a run from before
+    run ids: its checkpoints are then restored without the check)."""
+    path = workdir / RUN_ID
+    if not path.exists():
+        return None
+    check_not_a_link(path)
+    return path.read_text().strip() or None
+
+
+def run_identity(workdir: pathlib.Path) -> str:
+    """The run's id, made at its first start and written to `workdir/run_id` (process 0
+    only calls this). Every checkpoint keeps it, and a checkpoint of another run (copied
+    in under a step name this run uses) is then damage on restore. A run without
+    checkpoints gets a new id; one whose run_id file is gone takes the id most of its
+    checkpoints hold (the oldest first on a tie)."""
+    ident = read_run_identity(workdir) if has_checkpoints(workdir) else None
+    if ident is None:
+        found = runs_in_checkpoints(workdir)
+        ident = max(found, key=found.count) if found else uuid.uuid4().hex
+        fd = open_own(workdir / RUN_ID, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "w") as f:
+            f.write(ident + "\n")
+    return ident
 
 
 def saved_config(workdir: pathlib.Path) -> dict[str, Any] | None:
