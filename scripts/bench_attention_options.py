@@ -53,6 +53,7 @@ OPTIONS = (
     ("collaborative 128", {}, {"collaborative": 128}),
     ("disagreement all three", {}, {"disagreement": ("subspace", "position", "output")}),
     ("routing 3 iterations", {}, {"head_aggregation": "routing"}),
+    ("em_routing 3 iterations", {}, {"head_aggregation": "em_routing"}),
 )
 
 

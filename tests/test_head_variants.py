@@ -13,7 +13,7 @@ import pytest
 from suites import decode_all, forward
 
 from jxformers.nn import Attention, ModelConfig, build_model
-from jxformers.nn.heads import HeadRouting, attention_weights, concatenated_mixing
+from jxformers.nn.heads import HeadEMRouting, HeadRouting, attention_weights, concatenated_mixing
 
 D_MODEL, HEADS, D_HEAD = 16, 4, 4
 
@@ -206,6 +206,65 @@ def test_routing_by_agreement_follows_the_papers_iterations():
     assert not np.allclose(np.asarray(attention(x)), project(attention, o), atol=1e-3)  # not the concatenation
 
 
+def reference_em_routing(u, routing, iterations, lam=HeadEMRouting.INVERSE_TEMPERATURE):
+    """EM routing over vector capsules (Hinton, Sabour & Frosst 2018 as Li et al. 2019 use
+    it), position by position: a_h = sigmoid(w_a · Ω_h + b_a); R = 1/N; per iteration
+    M: μ, σ² the R·a-weighted mean and variance of the votes, a_out = sigmoid(λ(β_a -
+    sum_k (β_u + log σ_k) S)); E (not after the last): R ∝ a_out N(V; μ, σ²). Returns μ."""
+    w, act_w, act_b = f64(routing.votes), f64(routing.activation_w), float(routing.activation_b)
+    beta_u, beta_a = f64(routing.beta_u), f64(routing.beta_a)
+    out = np.zeros((u.shape[0], w.shape[1], w.shape[3]))
+    for p in range(u.shape[0]):
+        votes = np.einsum("hd,hnde->hne", u[p], w)  # [H, N, d]
+        a_in = 1 / (1 + np.exp(-(u[p] @ act_w + act_b)))
+        r = np.full(votes.shape[:2], 1 / votes.shape[1])
+        for step in range(iterations):
+            rw = r * a_in[:, None]
+            s = rw.sum(0)
+            mu = (rw[:, :, None] * votes).sum(0) / s[:, None]
+            if step + 1 == iterations:
+                break
+            var = (rw[:, :, None] * (votes - mu) ** 2).sum(0) / s[:, None] + HeadEMRouting.EPS
+            cost = ((beta_u[:, None] + np.log(np.sqrt(var))) * s[:, None]).sum(-1)
+            a_out = 1 / (1 + np.exp(-lam * (beta_a - cost)))
+            p_ = np.prod(np.exp(-((votes - mu) ** 2) / (2 * var)) / np.sqrt(2 * np.pi * var), -1)
+            r = a_out * p_ / (a_out * p_).sum(1, keepdims=True)
+        out[p] = mu
+    return out
+
+
+def test_em_routing_follows_the_m_and_e_steps():
+    routing = HeadEMRouting(HEADS, D_HEAD, 3, key=jax.random.key(9))
+    # learned β's and activation bias away from their zero start, so each term is checked
+    routing = eqx.tree_at(
+        lambda r: (r.beta_u, r.beta_a, r.activation_b),
+        routing,
+        (jnp.array([0.5, -1.0, 2.0, 0.0]), jnp.array([300.0, -200.0, 0.0, 100.0]), jnp.array(0.3)),
+    )
+    u = 0.5 * jax.random.normal(jax.random.key(10), (5, HEADS, D_HEAD))
+    got = np.asarray(routing(u))
+    np.testing.assert_allclose(got, reference_em_routing(f64(u), routing, 3), atol=1e-5)
+    for other in (reference_em_routing(f64(u), routing, 2), reference_em_routing(f64(u), routing, 3, lam=1.0)):
+        assert not np.allclose(got, other, atol=1e-4)  # the iterations and λ count
+    # one M-step: μ is the activation-weighted mean of the votes
+    votes = np.einsum("phd,hnde->phne", f64(u), f64(routing.votes))
+    a_in = 1 / (1 + np.exp(-(f64(u) @ f64(routing.activation_w) + 0.3)))
+    mean = (a_in[..., None, None] * votes).sum(1) / a_in.sum(1)[:, None, None]
+    one = HeadEMRouting(HEADS, D_HEAD, 1, key=jax.random.key(9))
+    one = eqx.tree_at(lambda r: r.activation_b, one, jnp.array(0.3))
+    np.testing.assert_allclose(np.asarray(one(u)), mean, atol=1e-5)
+
+    attention = Attention("softmax", D_MODEL, HEADS, head_aggregation="em_routing", key=jax.random.key(11))
+    x = jax.random.normal(jax.random.key(12), (6, D_MODEL))
+    _, o, _ = reference_heads(attention, x)
+    capsules = reference_em_routing(o, attention.routing, 3)
+    np.testing.assert_allclose(np.asarray(attention(x)), project(attention, capsules), atol=2e-5)
+    assert not np.allclose(np.asarray(attention(x)), project(attention, o), atol=1e-3)  # not the concatenation
+    grads = eqx.filter_grad(lambda a: a(x).sum())(attention).routing  # every parameter is learned
+    for name in ("votes", "activation_w", "activation_b", "beta_u", "beta_a"):
+        assert float(jnp.abs(getattr(grads, name)).sum()) > 0, name
+
+
 # ------------------------------------------------------------------ models
 
 
@@ -246,7 +305,7 @@ def test_a_collaborative_cross_attention_decodes_against_a_padded_source():
         d_model=D_MODEL,
         num_heads=HEADS,
         max_len=10,
-        attention={"name": "softmax", "head_aggregation": "routing"},
+        attention={"name": "softmax", "head_aggregation": "em_routing"},
         decoder={"cross_attention": {"name": "softmax", **ALL}},
     )
     model = build_model(config, key=jax.random.key(16))
@@ -348,7 +407,10 @@ def test_the_settings_are_reached_from_yaml_and_set():
         ({"collaborative": 0}, "attention.collaborative must be >= 1; got 0"),
         ({"disagreement": ["subspace", "heads"]}, r"distinct terms among \('subspace', 'position', 'output'\); got"),
         ({"disagreement_weight": -1.0}, "disagreement_weight must be > 0; got -1.0"),
-        ({"head_aggregation": "sum"}, r"head_aggregation must be one of \['concat', 'routing'\]; got 'sum'"),
+        (
+            {"head_aggregation": "sum"},
+            r"head_aggregation must be one of \['concat', 'routing', 'em_routing'\]; got 'sum'",
+        ),
         ({"routing_iterations": 0}, "routing_iterations must be >= 1; got 0"),
         ({"name": "fnet", "collaborative": 8}, "'fnet' cannot use: its weights do not depend on q and k"),
         ({"name": "lsh", "collaborative": 8}, "'lsh' cannot use: it takes its keys from q"),

@@ -88,7 +88,8 @@ class Attention(eqx.Module):
             routing_iterations: the improved multi-heads of `jxformers.nn.heads`:
             collaborative heads sharing a query/key projection of this size D̃_k, the
             disagreement terms returned (times λ) as layer losses in training, and the
-            heads aggregated by routing-by-agreement instead of concatenated.
+            heads aggregated by routing-by-agreement (dynamic or EM routing) instead of
+            concatenated.
         aan_d_ff: the average attention network of Zhang et al. 2018 (`jxformers.nn.average`)
             with an FFN of this hidden width, for the attention `average`: the layer input
             itself is averaged (one head of width d_model, no projections), then the FFN
@@ -123,7 +124,7 @@ class Attention(eqx.Module):
     k_norm: LayerNorm | None
     qk_scale: Float[Array, ""] | None
     mixing: Float[Array, "heads d_key"] | None
-    routing: heads.HeadRouting | None
+    routing: heads.HeadRouting | heads.HeadEMRouting | None
     aan: AverageNetwork | None
     disagreement: tuple[str, ...] = eqx.field(static=True)
     disagreement_weight: float = eqx.field(static=True)
@@ -175,8 +176,9 @@ class Attention(eqx.Module):
         kq, kk, kv, ko, ka, kt = jax.random.split(key, 6)
         self.mixing = None if collaborative is None else heads.concatenated_mixing(num_heads, collaborative)
         self.routing = None
-        if head_aggregation == "routing":
-            self.routing = heads.HeadRouting(num_heads, d_head, routing_iterations, key=jax.random.fold_in(ko, 1))
+        if head_aggregation in heads.ROUTINGS:
+            routing = heads.HeadRouting if head_aggregation == "routing" else heads.HeadEMRouting
+            self.routing = routing(num_heads, d_head, routing_iterations, key=jax.random.fold_in(ko, 1))
         d_key = d_head if collaborative is None else collaborative
         self.core = attention
         self.num_heads, self.kv_heads, self.d_head = num_heads, kv_heads, d_head

@@ -25,7 +25,10 @@ routing; the same capsule idea as Gu & Feng 2019, "Improving Multi-head Attentio
 Capsule Networks"): the heads' outputs are input capsules, each votes for every output
 capsule through its own linear map, and dynamic routing with the squash decides how much
 of each vote an output capsule takes; the output capsules, concatenated, go through the
-output projection in place of the concatenated heads (`HeadRouting`).
+output projection in place of the concatenated heads (`HeadRouting`). Li et al.'s second
+algorithm, EM routing (after Hinton, Sabour & Frosst 2018, "Matrix Capsules with EM
+Routing", with vector capsules), fits a Gaussian per output capsule to the votes
+(`HeadEMRouting`). Gu & Feng route the heads with the same two algorithms.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 from jxformers import registry
 from jxformers.ops.softmax import softmax_attention, softmax_weights
 
-HEAD_AGGREGATIONS = ("concat", "routing")
+HEAD_AGGREGATIONS = ("concat", "routing", "em_routing")
+# The aggregations that route the outputs of the heads as capsules.
+ROUTINGS = ("routing", "em_routing")
 DISAGREEMENTS = ("subspace", "position", "output")
 # The attention whose weights the position term reads (it computes them exactly).
 WEIGHTS_FROM = ("softmax",)
@@ -209,6 +214,13 @@ def squash(s: Float[Array, "*batch d"]) -> Float[Array, "*batch d"]:
     return s * (jnp.sqrt(sq + 1e-12) / (1.0 + sq))
 
 
+def _votes(
+    heads: Float[Array, "n heads d"], maps: Float[Array, "heads capsules d d"]
+) -> Float[Array, "n heads capsules d"]:
+    """Each input capsule's vote for each output capsule, V_{h→o} = Ω^in_h W_{h→o}, in float32."""
+    return jnp.einsum("nhd,hode->nhoe", heads.astype(jnp.float32), maps)
+
+
 class HeadRouting(eqx.Module):
     """Routing-by-agreement over the heads (Li et al. 2019, simple routing).
 
@@ -230,8 +242,7 @@ class HeadRouting(eqx.Module):
         self.iterations = iterations
 
     def __call__(self, heads: Float[Array, "n heads d"]) -> Float[Array, "n heads d"]:
-        u = heads.astype(jnp.float32)
-        votes = jnp.einsum("nhd,hode->nhoe", u, self.votes)  # V_{h→o}
+        votes = _votes(heads, self.votes)  # V_{h→o}
         b = jnp.zeros(votes.shape[:3], jnp.float32)
         out = jnp.zeros_like(votes[:, 0])
         for r in range(self.iterations):
@@ -240,3 +251,63 @@ class HeadRouting(eqx.Module):
             if r + 1 < self.iterations:
                 b = b + jnp.einsum("noe,nhoe->nho", out, votes)
         return out.astype(heads.dtype)
+
+
+class HeadEMRouting(eqx.Module):
+    """Routing-by-agreement over the heads by EM routing (Li et al. 2019, their second
+    algorithm; Hinton, Sabour & Frosst 2018 with vector capsules; Gu & Feng 2019).
+
+    Per position, the H heads' outputs Ω^in_h [d] are input capsules with activation
+    a_h = sigmoid(w_a · Ω^in_h + b_a); votes V_{h→n} = Ω^in_h W_{h→n} (N = H output
+    capsules of size d). From R_{h→n} = 1/N, `iterations` M-steps, each but the last
+    followed by an E-step:
+        M: R' = a_h R_{h→n}; S_n = sum_h R'; μ_n = sum_h R' V / S_n;
+           σ²_n = sum_h R' (V - μ_n)² / S_n (per dimension);
+           cost_n = sum_k (β_u,n + log σ_n,k) S_n; a^out_n = sigmoid(λ (β_a,n - cost_n))
+        E: p_{h→n} = N(V_{h→n}; μ_n, diag σ²_n); R_{h→n} = a^out_n p / sum_m a^out_m p
+    Returns μ `[n, N, d]`, which the attention concatenates and projects (W_O) in place
+    of the heads. λ = `INVERSE_TEMPERATURE` (fixed); β_u, β_a [N] start at 0 and are
+    learned, as are W, w_a and b_a. Float32 inside; σ² gets `EPS` added.
+    Time O(n H N d^2) for the votes, O(iterations n H N d) for the routing.
+    """
+
+    votes: Float[Array, "heads capsules d d"]
+    activation_w: Float[Array, " d"]
+    activation_b: Float[Array, ""]
+    beta_u: Float[Array, " capsules"]
+    beta_a: Float[Array, " capsules"]
+    iterations: int = eqx.field(static=True)
+
+    # λ as the EM routing code of the authors' group fixes it (Zheng et al. 2019,
+    # zhengzx-nlp/dynamic-nmt); Hinton et al. raise it over the iterations instead.
+    INVERSE_TEMPERATURE = 1e-3
+    EPS = 1e-8
+
+    def __init__(self, heads: int, d: int, iterations: int = 3, *, key: PRNGKeyArray):
+        kv, ka = jax.random.split(key)
+        bound = 1.0 / math.sqrt(d)  # each vote map, and the activation, drawn as a Linear(d, ·)
+        self.votes = jax.random.uniform(kv, (heads, heads, d, d), minval=-bound, maxval=bound)
+        self.activation_w = jax.random.uniform(ka, (d,), minval=-bound, maxval=bound)
+        self.activation_b = jnp.zeros(())
+        self.beta_u = jnp.zeros((heads,))
+        self.beta_a = jnp.zeros((heads,))
+        self.iterations = iterations
+
+    def __call__(self, heads: Float[Array, "n heads d"]) -> Float[Array, "n heads d"]:
+        votes = _votes(heads, self.votes)  # [n, H, N, d]
+        a_in = jax.nn.sigmoid(heads.astype(jnp.float32) @ self.activation_w + self.activation_b)  # [n, H]
+        r = jnp.full(votes.shape[:3], 1.0 / votes.shape[2], jnp.float32)
+        mu = jnp.zeros_like(votes[:, 0])
+        for step in range(self.iterations):
+            weight = r * a_in[..., None]  # R'
+            total = weight.sum(1)  # S_n [n, N]
+            mu = jnp.einsum("nho,nhoe->noe", weight, votes) / total[..., None]
+            if step + 1 == self.iterations:
+                break  # the output is the last M-step's μ: its σ², cost and E-step go unused
+            spread = jnp.square(votes - mu[:, None])
+            var = jnp.einsum("nho,nhoe->noe", weight, spread) / total[..., None] + self.EPS
+            cost = jnp.sum(self.beta_u[None, :, None] + 0.5 * jnp.log(var), -1) * total
+            a_out = jax.nn.sigmoid(self.INVERSE_TEMPERATURE * (self.beta_a[None] - cost))
+            log_p = -0.5 * jnp.sum(spread / var[:, None] + jnp.log(2 * math.pi * var[:, None]), -1)
+            r = jax.nn.softmax(jnp.log(a_out)[:, None, :] + log_p, axis=-1)
+        return mu.astype(heads.dtype)

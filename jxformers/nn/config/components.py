@@ -69,10 +69,13 @@ class AttentionConfig:
     disagreement_weight: float = setting(1.0, "λ, the weight of each disagreement term", limits=Limits(above=0))
     head_aggregation: str = setting(
         "concat",
-        "concat: heads concatenated; routing: routing-by-agreement (Li et al. 2019)",
+        "concat: heads concatenated; routing: routing-by-agreement, dynamic routing; em_routing: by EM routing "
+        "(Li et al. 2019; Gu & Feng 2019)",
         choices=HEAD_AGGREGATIONS,
     )
-    routing_iterations: int = setting(3, "dynamic routing iterations of head_aggregation routing", limits=1)
+    routing_iterations: int = setting(
+        3, "routing iterations of head_aggregation routing or em_routing (EM: M-steps)", limits=1
+    )
     aan: bool = setting(
         False,
         "attention 'average' as the average attention network (Zhang et al. 2018): the average of the "
