@@ -21,7 +21,9 @@ from __future__ import annotations
 import logging
 import pathlib
 import shutil
+import sys
 import time
+import traceback
 import warnings
 from typing import Any
 
@@ -107,6 +109,41 @@ def _reason(error: Exception, limit: int = 160) -> str:
     if len(first) > limit:
         first = first[:limit].rsplit(" ", 1)[0] + " ..."
     return f"unreadable or damaged data: {type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def _is_late_read(report: Any) -> bool:
+    """Whether an unraisable-exception report (`sys.unraisablehook`'s argument) is a read
+    that finished into a restore's closed event loop: RuntimeError('Event loop is closed')
+    raised by asyncio's `call_soon_threadsafe`."""
+    error = report.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        return False
+    frames = traceback.extract_tb(report.exc_traceback) if report.exc_traceback is not None else []
+    return any(f.name == "call_soon_threadsafe" and "asyncio" in f.filename for f in frames)
+
+
+def _drop_late_reads() -> None:
+    """After a restore failed, drop the reports of its reads that finish later.
+
+    When tensorstore fails one read of a checkpoint (DATA_LOSS on a damaged file), orbax's
+    restore stops and closes its asyncio loop with the other reads still in flight; each
+    then finishes into the closed loop from a tensorstore thread, and Python prints a
+    `RuntimeError: Event loop is closed` traceback for it (through `sys.unraisablehook`),
+    after the fallback's warning, as if the run had failed. Those reports alone are
+    dropped; every other one goes to the hook that was there before. Installed once."""
+    previous = sys.unraisablehook
+    if previous in _LATE_READ_HOOKS:
+        return
+
+    def hook(report: Any) -> None:
+        if not _is_late_read(report):
+            previous(report)
+
+    _LATE_READ_HOOKS.append(hook)
+    sys.unraisablehook = hook
+
+
+_LATE_READ_HOOKS: list[Any] = []  # the hooks `_drop_late_reads` installed
 
 
 def _legacy(tree) -> bool:
@@ -280,6 +317,7 @@ class Checkpointer:
             except LegacyCheckpointError:
                 raise
             except Exception as error:  # noqa: BLE001 - any failure: try the previous one
+                _drop_late_reads()
                 if not (self.directory / str(step)).exists() and rotations < MAX_ROTATIONS:
                     # deleted while read: a training run writing here rotated it out (not
                     # damage); its newer checkpoints are listed again
@@ -326,6 +364,7 @@ class Checkpointer:
         except LegacyCheckpointError:
             raise
         except Exception as error:  # noqa: BLE001
+            _drop_late_reads()
             raise ValueError(f"the best checkpoint (step {best}) could not be restored ({_reason(error)})") from None
 
     def _restore_step(self, step: int, template: dict[str, Any], iterator) -> dict[str, Any]:
