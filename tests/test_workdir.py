@@ -630,6 +630,27 @@ def test_an_edited_data_position_is_found_and_falls_back(trained, tmp_path):
     assert step == 8
 
 
+def test_a_resume_checks_the_records_consumed_against_the_steps_taken(trained, tmp_path, capsys):
+    """Issue 37 item 5's second check: the restored data position must have consumed step
+    x batch rows (here tested where the checkpoint holds no checksums, as one written
+    before them: the position's digest would find the edit first)."""
+    _, run = trained
+    run = _copy(run, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "12" / "checksums")
+    (position,) = (run / "checkpoints" / "12" / "data").glob("process_*.json")
+    state = json.loads(position.read_text())
+    state["last_seen_indices"] = {worker: index - 3 for worker, index in state["last_seen_indices"].items()}
+    position.write_text(json.dumps(state, indent=4))
+    capsys.readouterr()
+    assert cli.main(["train", "--workdir", str(run), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    import yaml
+
+    batch = yaml.safe_load((run / "config.yaml").read_text())["train"]["batch_size"]
+    assert f"has consumed {12 * batch - 3} records, not step 12 x {batch} rows = {12 * batch}" in err, err
+    assert "resuming from step 8" in err, err
+
+
 def test_reads_finishing_into_a_failed_restores_closed_loop_print_no_traceback(trained, tmp_path):
     """Issue 37 item 14: after a fallback from damaged OCDBT data, the restore's reads still
     in flight finished into orbax's closed event loop, and Python printed a `RuntimeError:
@@ -668,6 +689,16 @@ def test_reads_finishing_into_a_failed_restores_closed_loop_print_no_traceback(t
                 loop.call_soon_threadsafe(print, "never")
 
         LateRead()
+        gc.collect()
+        # and an orbax read coroutine that turns the GeneratorExit of its closing into an
+        # error (orbax's serialization: `except BaseException as e: raise Exception(...) from e`)
+        namespace = {}
+        source = "async def read(wait):\n    try:\n        await wait\n    except BaseException as e:\n"
+        source += "        raise Exception('Encountered error while reading array index') from e\n"
+        exec(compile(source, "/site-packages/orbax/checkpoint/serialization.py", "exec"), namespace)
+        abandoned = namespace["read"](loop.create_future())
+        abandoned.send(None)  # started, waiting on its read
+        del abandoned
         gc.collect()
         assert reported == []  # dropped
         LateRead(RuntimeError("something else"))

@@ -37,13 +37,19 @@ def stack(records: list[dict[str, np.ndarray | np.generic]]) -> dict[str, np.nda
     return {k: np.stack([r[k] for r in records]) for k in records[0]}
 
 
-def state_for_workers(state: dict, workers: int, *, shard_index: int = 0, shard_count: int = 1) -> dict:
-    """A grain DataLoader state (decoded) rewritten for `workers` worker processes.
+def records_consumed(state: dict, *, shard_index: int = 0, shard_count: int = 1) -> int:
+    """How many records of its shard a grain DataLoader state (decoded) has delivered.
     grain hands records to its workers round robin and delivers them in sampler order,
-    so a state is given by how many records this shard has consumed; grain stores the
-    last index each worker read, and refuses a state of another worker count."""
-    last_read = max(state["last_seen_indices"].values())  # the newest record read, by any worker
-    consumed = (last_read - shard_index) // shard_count + 1
+    so the newest index any worker read gives the count (grain stores the last index
+    each worker read)."""
+    return (max(state["last_seen_indices"].values()) - shard_index) // shard_count + 1
+
+
+def state_for_workers(state: dict, workers: int, *, shard_index: int = 0, shard_count: int = 1) -> dict:
+    """A grain DataLoader state (decoded) rewritten for `workers` worker processes: a
+    state is given by how many records this shard has consumed (`records_consumed`), and
+    grain refuses a state of another worker count."""
+    consumed = records_consumed(state, shard_index=shard_index, shard_count=shard_count)
     slots = max(workers, 1)
     per_worker = [(consumed - i + slots - 1) // slots for i in range(slots)]
     return state | {
@@ -163,14 +169,18 @@ class BatchIterator:
         return self.records.get_state()
 
     def set_state(self, state: bytes) -> None:
-        shard = self.loader._shard_options  # noqa: SLF001 - grain keeps the resolved sharding here
         values = state_for_workers(
-            json.loads(state.decode()),
-            self.loader.multiprocessing_options.num_workers,
-            shard_index=shard.shard_index,
-            shard_count=shard.shard_count,
+            json.loads(state.decode()), self.loader.multiprocessing_options.num_workers, **self._shard()
         )
         self.records.set_state(json.dumps(values).encode())
+
+    def records_consumed(self) -> int:
+        """How many records this iterator has delivered (from its position)."""
+        return records_consumed(json.loads(self.get_state().decode()), **self._shard())
+
+    def _shard(self) -> dict[str, int]:
+        shard = self.loader._shard_options  # noqa: SLF001 - grain keeps the resolved sharding here
+        return {"shard_index": shard.shard_index, "shard_count": shard.shard_count}
 
     def start_prefetch(self) -> None:
         self.records.start_prefetch()

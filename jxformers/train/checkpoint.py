@@ -112,14 +112,22 @@ def _reason(error: Exception, limit: int = 160) -> str:
 
 
 def _is_late_read(report: Any) -> bool:
-    """Whether an unraisable-exception report (`sys.unraisablehook`'s argument) is a read
-    that finished into a restore's closed event loop: RuntimeError('Event loop is closed')
-    raised by asyncio's `call_soon_threadsafe`."""
+    """Whether an unraisable-exception report (`sys.unraisablehook`'s argument) is the
+    late end of a failed restore's read: RuntimeError('Event loop is closed') raised by
+    asyncio's `call_soon_threadsafe` (a tensorstore read finishing into the closed loop),
+    or an orbax read coroutine, abandoned unfinished, that raised when it was closed (it
+    turns the GeneratorExit into its own "Encountered error while reading" error)."""
     error = report.exc_value
-    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        frames = traceback.extract_tb(report.exc_traceback) if report.exc_traceback is not None else []
+        return any(f.name == "call_soon_threadsafe" and "asyncio" in f.filename for f in frames)
+    code = getattr(report.object, "cr_code", None)  # the coroutine being closed
+    if code is None or "orbax" not in code.co_filename:
         return False
-    frames = traceback.extract_tb(report.exc_traceback) if report.exc_traceback is not None else []
-    return any(f.name == "call_soon_threadsafe" and "asyncio" in f.filename for f in frames)
+    seen = error
+    while seen is not None and not isinstance(seen, GeneratorExit):
+        seen = seen.__cause__ or seen.__context__
+    return seen is not None
 
 
 def _drop_late_reads() -> None:
@@ -129,8 +137,9 @@ def _drop_late_reads() -> None:
     restore stops and closes its asyncio loop with the other reads still in flight; each
     then finishes into the closed loop from a tensorstore thread, and Python prints a
     `RuntimeError: Event loop is closed` traceback for it (through `sys.unraisablehook`),
-    after the fallback's warning, as if the run had failed. Those reports alone are
-    dropped; every other one goes to the hook that was there before. Installed once."""
+    after the fallback's warning, as if the run had failed; read coroutines that never
+    finished print theirs when they are collected. Those reports alone (`_is_late_read`)
+    are dropped; every other one goes to the hook that was there before. Installed once."""
     previous = sys.unraisablehook
     if previous in _LATE_READ_HOOKS:
         return
@@ -206,7 +215,10 @@ class Checkpointer:
     """Save and restore {"state": pytree of arrays, "data": grain iterator}, with the run's
     `config` (a JSON-able dict) stored beside them when given. `tidy` (a training run,
     process 0): incomplete step directories are moved aside first, one warning each.
-    `run`: the run's id, kept in each checkpoint; one holding another id is damage."""
+    `run`: the run's id, kept in each checkpoint; one holding another id is damage.
+    `records_per_step`: the rows each step reads from the restored iterator (a training
+    run's, per process); a checkpoint whose data position has not consumed exactly
+    step x that many is damage (needs an iterator with `records_consumed()`)."""
 
     def __init__(
         self,
@@ -219,10 +231,12 @@ class Checkpointer:
         config: dict[str, Any] | None = None,
         tidy: bool = False,
         run: str | None = None,
+        records_per_step: int | None = None,
     ):
         self.best_metric = best_metric
         self.config = config
         self.run = run
+        self.records_per_step = records_per_step
         preservation = policies.AnyPreservationPolicy(
             [
                 policies.LatestN(n=keep),
@@ -397,6 +411,13 @@ class Checkpointer:
                 self.directory / str(step) / "data" / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
             )
             checksums.verify(saved[CHECKSUMS_ITEM], _names(state), position.read_text(), self.run)
+        if self.records_per_step is not None and hasattr(iterator, "records_consumed"):
+            consumed, expected = iterator.records_consumed(), step * self.records_per_step
+            if consumed != expected:  # an edited position (the digest finds it too, where one was stored)
+                raise ValueError(
+                    f"its data position has consumed {consumed} records, not step {step} x "
+                    f"{self.records_per_step} rows = {expected}"
+                )
         floats = [x for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)]
         # a jitted reduction: the arrays may be sharded over the devices of several processes
         if floats and not bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(floats)):

@@ -95,6 +95,8 @@ def _open_checkpointer(
         config=experiment.raw,
         tidy=training,
         run=run,
+        # a resume checks the restored position against the steps taken
+        records_per_step=_per_process(experiment.train.batch_size, "train.batch_size") if training else None,
     )
 
 
