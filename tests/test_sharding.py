@@ -509,6 +509,71 @@ def test_a_process_whose_peers_never_connect_says_so_in_one_line_after_its_init_
         distributed.initialize(f"localhost:{port}", 2, 0, heartbeat_timeout=0)
 
 
+@pytest.mark.heavy
+@pytest.mark.multidevice
+def test_a_process_whose_peer_is_killed_says_so_in_one_line_after_its_heartbeat_timeout(tmp_path):
+    """Issue 37 item 4: with process 1 killed (SIGKILL) mid-training, process 0 waited in a
+    collective until JAX's heartbeat check aborted it (SIGABRT, a C++ stack trace). With
+    --heartbeat-timeout 6 it exits with status 1 and one line naming process 1."""
+    import signal
+    import socket
+    import time
+
+    import yaml
+
+    steps = 10_000  # never reached: process 1 is killed at its first logged step
+    config = {
+        "name": "killed",
+        "data": {"task": "copy", "train_size": 512, "eval_size": 8, "settings": {"max_len": 12, "symbols": 4}},
+        "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
+        "train": {"steps": steps, "batch_size": 8, "eval_every": steps, "eval_batches": 1, "log_every": 1},
+        "checkpoint": {"every": steps, "async_save": False},
+        "mesh": {"data": 2, "fsdp": 2},
+    }
+    path = tmp_path / "killed.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    flags = f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags}
+    run = tmp_path / "run"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "jxformers.tools.cli", "train", str(path), "--workdir", str(run), "--no-progress",
+                "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
+                "--heartbeat-timeout", "6",
+            ],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run / "metrics.jsonl"
+        while not (metrics.exists() and '"loss"' in metrics.read_text()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "training did not start"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        waited = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+    assert procs[0].returncode == 1, err[-4000:]
+    assert 6 - 1.5 <= waited < 60, waited  # silent since its last beat, up to 1.5 s (6 / 4) before the kill
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("jxformers train: process 0 of 2: process 1 has been silent for "), err[-4000:]
+    assert "(--heartbeat-timeout 6)" in last and "resume from the last checkpoint" in last, last
+    for fatal in ("Traceback", "SIGABRT", "Check failure", "Terminating process", "F0000"):
+        assert fatal not in err, err[-4000:]
+    assert not any(line[:1] == "F" and line[1:5].isdigit() for line in err.splitlines()), err[-4000:]  # glog FATAL
+
+
 def test_the_peer_watch_counts_a_peer_silent_once_its_counter_stops_changing():
     """distributed.Liveness, the watchdog's bookkeeping: a peer whose counter has not
     changed for the timeout is silent, one that finished (DONE) never is, and a store
