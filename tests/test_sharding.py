@@ -509,6 +509,132 @@ def test_a_process_whose_peers_never_connect_says_so_in_one_line_after_its_init_
         distributed.initialize(f"localhost:{port}", 2, 0, heartbeat_timeout=0)
 
 
+@pytest.mark.heavy
+@pytest.mark.multidevice
+def test_a_process_whose_peer_is_killed_says_so_in_one_line_after_its_heartbeat_timeout(tmp_path):
+    """Issue 37 item 4: with process 1 killed (SIGKILL) mid-training, process 0 waited in a
+    collective until JAX's heartbeat check aborted it (SIGABRT, a C++ stack trace). With
+    --heartbeat-timeout 6 it exits with status 1 and one line naming process 1."""
+    import signal
+    import socket
+    import time
+
+    import yaml
+
+    steps = 10_000  # never reached: process 1 is killed at its first logged step
+    config = {
+        "name": "killed",
+        "data": {"task": "copy", "train_size": 512, "eval_size": 8, "settings": {"max_len": 12, "symbols": 4}},
+        "model": {"attention": "softmax", "num_layers": 1, "d_model": 16, "num_heads": 2, "d_ff": 32},
+        "train": {"steps": steps, "batch_size": 8, "eval_every": steps, "eval_batches": 1, "log_every": 1},
+        "checkpoint": {"every": steps, "async_save": False},
+        "mesh": {"data": 2, "fsdp": 2},
+    }
+    path = tmp_path / "killed.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    flags = f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags}
+    run = tmp_path / "run"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "jxformers.tools.cli", "train", str(path), "--workdir", str(run), "--no-progress",
+                "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
+                "--heartbeat-timeout", "6",
+            ],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run / "metrics.jsonl"
+        while not (metrics.exists() and '"loss"' in metrics.read_text()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "training did not start"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        waited = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+    assert procs[0].returncode == 1, err[-4000:]
+    assert 6 - 1.5 <= waited < 60, waited  # silent since its last beat, up to 1.5 s (6 / 4) before the kill
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("jxformers train: process 0 of 2: process 1 has been silent for "), err[-4000:]
+    assert "(--heartbeat-timeout 6)" in last and "resume from the last checkpoint" in last, last
+    for fatal in ("Traceback", "SIGABRT", "Check failure", "Terminating process", "F0000"):
+        assert fatal not in err, err[-4000:]
+    assert not any(line[:1] == "F" and line[1:5].isdigit() for line in err.splitlines()), err[-4000:]  # glog FATAL
+
+
+def test_the_peer_watch_counts_a_peer_silent_once_its_counter_stops_changing():
+    """distributed.Liveness, the watchdog's bookkeeping: a peer whose counter has not
+    changed for the timeout is silent, one that finished (DONE) never is, and a store
+    that has not answered for the timeout is unreachable."""
+    from jxformers.train import distributed
+
+    live = distributed.Liveness([1, 2], timeout=10, now=0.0)
+    assert live.silent(9.9) == {} and live.unreachable(100.0) is None
+    assert live.silent(10.0) == {1: 10.0, 2: 10.0}  # never wrote: counted from the start
+    live.saw({0: "1", 1: "1", 2: "1"}, now=5.0)
+    live.saw({0: "2", 1: "2", 2: "1"}, now=12.0)
+    assert live.silent(14.0) == {} and live.silent(15.0) == {2: 10.0}
+    live.saw({1: "3", 2: distributed._DONE}, now=16.0)  # 2 finished its run
+    assert live.silent(100.0) == {1: 84.0}
+    live.failed(20.0)
+    live.failed(25.0)  # counted from the first failure
+    assert live.unreachable(29.0) is None and live.unreachable(31.0) == 11.0
+    assert live.silent(100.0) == {}  # nothing known of the peers while the store is silent
+    live.saw({1: "4"}, now=32.0)
+    assert live.unreachable(100.0) is None
+
+
+def test_the_peer_watch_names_a_silent_peer_or_an_unreachable_coordinator_and_tells_when_done():
+    """distributed.PeerWatch's thread over a stand-in for the coordination service's store
+    (0.1 s between beats): a peer that stopped beating is named once it has been silent
+    for the timeout (`wait_for_verdict` returns then); a store that fails names the
+    coordinator; `stop(done=True)` leaves DONE for the others."""
+    from jxformers.train import distributed
+
+    class Store:
+        def __init__(self, fail=False):
+            self.values, self.fail = {"jxformers/alive/1": "1"}, fail  # process 1 beat once, then died
+
+        def key_value_set(self, key, value, allow_overwrite=False):
+            if self.fail:
+                raise RuntimeError("UNAVAILABLE: Socket closed")
+            self.values[key] = value
+
+        def key_value_dir_get(self, key):
+            return sorted(self.values.items())
+
+    ended = []
+    store = Store()
+    watch = distributed.PeerWatch(store, 0, 2, 0.4, "localhost:1234", end=ended.append).start()
+    watch.wait_for_verdict()
+    [line] = ended
+    assert line.startswith("jxformers train: process 0 of 2: process 1 has been silent for 0 s"), line
+    assert "(--heartbeat-timeout 0.4): killed, or its host is gone" in line, line
+    assert int(store.values["jxformers/alive/0"]) > 1  # its own counter went on
+    watch.stop(done=True)
+    assert store.values["jxformers/alive/0"] == distributed._DONE
+
+    ended.clear()
+    watch = distributed.PeerWatch(Store(), 1, 2, 0.4, "localhost:1234", end=ended.append)
+    watch.client.fail = True
+    watch._thread.start()  # its first beat fails too
+    watch.wait_for_verdict()
+    assert ended and "the coordinator (process 0 at localhost:1234) has not answered for 0 s" in ended[0], ended
+    watch.stop(done=False)
+
+
 def test_processes_started_differently_are_refused_by_each_with_what_differs(monkeypatch):
     """distributed.check_same_run, process 1 of 2 in this process (the gathered hashes
     stand in for the collective, which the two-process test above runs)."""

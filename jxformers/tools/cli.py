@@ -150,7 +150,7 @@ def _resume_run(p, args):
 
 
 def _train(rest: list[str]) -> int:
-    from jxformers.train.distributed import HEARTBEAT_TIMEOUT_S, INIT_TIMEOUT_S, initialize
+    from jxformers.train.distributed import HEARTBEAT_TIMEOUT_S, INIT_TIMEOUT_S, initialize, watch_peers
 
     p = _experiment_parser("jxformers train", "train (or resume) an experiment in a work directory", resume=True)
     p.add_argument(
@@ -182,8 +182,8 @@ def _train(rest: list[str]) -> int:
         type=float,
         default=HEARTBEAT_TIMEOUT_S,
         metavar="S",
-        help="with several processes: a process silent for S seconds (killed, its host gone) counts as dead and "
-        f"JAX stops the others (default {HEARTBEAT_TIMEOUT_S})",
+        help="with several processes: a process silent for S seconds (killed, its host gone) counts as dead: "
+        f"the others exit (status 1, one line naming it) and a rerun resumes (default {HEARTBEAT_TIMEOUT_S})",
     )
     p.add_argument(
         "--fresh",
@@ -203,14 +203,29 @@ def _train(rest: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     experiment = _load(p, args) if args.config is not None else _resume_run(p, args)
+    from jax.errors import JaxRuntimeError
+
     from jxformers.train import NonFiniteError, train
     from jxformers.train.loop import to_json
 
+    watch = watch_peers(args.heartbeat_timeout)  # None with one process
+    done = False  # tells the other processes this one finished, not died
     try:
         summary = train(experiment, args.workdir, progress=not args.no_progress, fresh=args.fresh)
+        done = True
     except (NonFiniteError, ValueError) as e:
         print(f"jxformers train: {e}", file=sys.stderr)
         return 1
+    except JaxRuntimeError:
+        if watch is not None:  # a dead peer breaks a collective (gloo) before it counts as silent
+            watch.wait_for_verdict()  # ends the process with its line if a peer is silent
+        raise
+    except SystemExit:  # stopped on a signal: every process saved the same step and ends
+        done = True
+        raise
+    finally:
+        if watch is not None:
+            watch.stop(done=done)
     print(to_json(summary))
     return 0
 

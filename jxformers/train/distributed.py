@@ -15,6 +15,10 @@ In `train` (loop.py) every process reads its own rows of each batch (grain's
 is assembled with `jax.make_array_from_process_local_data`, every process saves its
 shards of each checkpoint (orbax), and process 0 alone holds the work directory's lock,
 writes config.yaml, metrics.jsonl and TensorBoard, and prints progress.
+
+`watch_peers` (started by the CLI after `initialize`) notices a process that went silent
+(killed, its host gone) and ends this one with one line and status 1, before JAX's own
+heartbeat check would end it with SIGABRT and a C++ stack trace.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import os
 import pathlib
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -61,12 +66,12 @@ def cluster_environment() -> str | None:
 
 
 # How long (seconds) a process waits for all processes to connect to the coordinator, and
-# after how long without a heartbeat a process counts as dead (JAX's own defaults; the
-# CLI's --init-timeout and --heartbeat-timeout).
+# after how long without news a process counts as dead (JAX's own defaults; the CLI's
+# --init-timeout and --heartbeat-timeout).
 INIT_TIMEOUT_S = 300
 HEARTBEAT_TIMEOUT_S = 100
-# JAX's own deadline comes this much after ours, so ours (one line, exit 1) speaks first:
-# JAX's ends the process with SIGABRT and a C++ stack trace.
+# JAX's own deadlines (connecting, heartbeats) come this much after ours, so ours (one
+# line, exit 1) speaks first: JAX's end the process with SIGABRT and a C++ stack trace.
 _JAX_DEADLINE_MARGIN_S = 30
 
 
@@ -81,9 +86,9 @@ def initialize(
     """Start jax.distributed (see the module docstring); True when this is one of several
     processes. ValueError when only some of the explicit arguments are given, or a
     timeout is not positive. A process whose peers have not all connected within
-    `init_timeout` seconds prints one line saying so and exits with status 1;
-    `heartbeat_timeout` is how long a silent process (killed, or its host gone) may stay
-    silent before JAX stops the others."""
+    `init_timeout` seconds prints one line saying so and exits with status 1.
+    `heartbeat_timeout` is `watch_peers`' (how long a process may stay silent); JAX's own
+    heartbeat check gets a margin beyond it."""
     for name, value in (("--init-timeout", init_timeout), ("--heartbeat-timeout", heartbeat_timeout)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0 seconds; got {value}")
@@ -112,7 +117,7 @@ def initialize(
             num_processes=num_processes,
             process_id=process_id,
             initialization_timeout=math.ceil(init_timeout) + _JAX_DEADLINE_MARGIN_S,
-            heartbeat_timeout_seconds=math.ceil(heartbeat_timeout),
+            heartbeat_timeout_seconds=math.ceil(heartbeat_timeout) + _JAX_DEADLINE_MARGIN_S,
         )
     return jax.process_count() > 1
 
@@ -129,6 +134,167 @@ def _deadline(seconds: float, message: str) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+# Each process's liveness counter, in the coordination service's key-value store (held by
+# process 0, the coordinator, for the life of one launch); DONE once its run has ended.
+_ALIVE = "jxformers/alive/"
+_DONE = "done"
+
+
+class Liveness:
+    """Per peer, the local (monotonic) time its counter last changed: a peer unchanged for
+    `timeout` seconds is silent; one that wrote DONE has finished (processes end at
+    slightly different times) and is never silent. Kept apart from the thread and the
+    store so that the bookkeeping is tested without processes."""
+
+    def __init__(self, peers: list[int], timeout: float | int, now: float):
+        self.timeout = timeout
+        self.value: dict[int, str | None] = dict.fromkeys(peers)
+        self.changed = dict.fromkeys(peers, now)  # a peer that never wrote counts from the start
+        self.failing_since: float | None = None  # since when the store has not answered
+
+    def saw(self, values: Mapping[int, str], now: float) -> None:
+        """The store answered with every process's counter."""
+        self.failing_since = None
+        for peer, old in self.value.items():
+            new = values.get(peer)
+            if new != old:
+                self.value[peer], self.changed[peer] = new, now
+
+    def failed(self, now: float) -> None:
+        """The store did not answer (its holder, process 0, gone or unreachable)."""
+        if self.failing_since is None:
+            self.failing_since = now
+
+    def silent(self, now: float) -> dict[int, float]:
+        """{peer: seconds since its counter changed} for those silent `timeout` s or more;
+        none while the store does not answer (then nothing is known of the peers, and
+        `unreachable` blames the store's holder)."""
+        if self.failing_since is not None:
+            return {}
+        return {
+            peer: now - changed
+            for peer, changed in self.changed.items()
+            if self.value[peer] != _DONE and now - changed >= self.timeout
+        }
+
+    def unreachable(self, now: float) -> float | None:
+        """Seconds the store has not answered, once that is `timeout` or more; else None."""
+        if self.failing_since is not None and now - self.failing_since >= self.timeout:
+            return now - self.failing_since
+        return None
+
+
+class PeerWatch:
+    """A daemon thread that, every `interval` s, bumps this process's counter in the
+    coordination service's store and reads every process's; a peer silent for `timeout`
+    s, or a store that has not answered for as long, ends this process with one line and
+    status 1. Without it a killed peer leaves the others waiting in a collective until
+    JAX's heartbeat check aborts them (SIGABRT, a C++ stack trace). `stop(done=True)` at
+    the end of a run that finished (or stopped together on SIGTERM) tells the others
+    this process is not silent but done. `end(message)` ends the process (a test's stand-in
+    records it)."""
+
+    def __init__(
+        self,
+        client: Any,
+        me: int,
+        count: int,
+        timeout: float | int,
+        coordinator: str | None,
+        end: Callable[[str], None] | None = None,
+    ):
+        self.client, self.me, self.count, self.timeout = client, me, count, timeout
+        self.coordinator, self.end = coordinator, end or _end_process
+        self.interval = min(5.0, timeout / 4)
+        self.liveness = Liveness([p for p in range(count) if p != me], timeout, time.monotonic())
+        self._counter = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jxformers-peer-watch", daemon=True)
+
+    def start(self) -> PeerWatch:
+        self._beat()
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        self._counter += 1
+        self.client.key_value_set(f"{_ALIVE}{self.me}", str(self._counter), allow_overwrite=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+                found = self.client.key_value_dir_get(_ALIVE)
+            except Exception:  # noqa: BLE001 - any failure of the store is "no news"
+                self.liveness.failed(time.monotonic())
+            else:
+                values = {int(p): value for key, value in found if (p := key.rsplit("/", 1)[-1]).isdigit()}
+                self.liveness.saw(values, time.monotonic())
+            message = self.verdict(time.monotonic())
+            if message is not None and not self._stop.is_set():
+                self.end(message)
+                return
+
+    def verdict(self, now: float) -> str | None:
+        """The line that ends this process, or None while every peer is heard."""
+        me = f"jxformers train: process {self.me} of {self.count}"
+        rerun = (
+            "this run stops here; run the same `jxformers train` command on every process again to resume "
+            "from the last checkpoint"
+        )
+        waited = self.liveness.unreachable(now)
+        if waited is not None:
+            where = f" at {self.coordinator}" if self.coordinator else ""
+            return (
+                f"{me}: the coordinator (process 0{where}) has not answered for {waited:.0f} s "
+                f"(--heartbeat-timeout {self.timeout:g}): it was killed, or its host is gone; {rerun}"
+            )
+        silent = self.liveness.silent(now)
+        if not silent:
+            return None
+        if len(silent) == 1:
+            [(peer, seconds)] = silent.items()
+            who = f"process {peer} has been silent for {seconds:.0f} s"
+        else:
+            who = "processes " + ", ".join(f"{p} ({s:.0f} s)" for p, s in sorted(silent.items())) + " have been silent"
+        return f"{me}: {who} (--heartbeat-timeout {self.timeout:g}): killed, or its host is gone; {rerun}"
+
+    def wait_for_verdict(self) -> None:
+        """After an error in a collective (gloo's "Connection closed by peer"), which a
+        dead peer causes sooner than the timeout: give the thread the time to name the
+        silent process (it ends this one). Returns when no peer fell silent."""
+        self._thread.join(self.timeout + 2 * self.interval)
+
+    def stop(self, *, done: bool) -> None:
+        """Stop watching; `done`: this process finished its run, tell the others so."""
+        self._stop.set()
+        self._thread.join(self.timeout)  # at most one exchange with the store to wait for
+        if done:
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(f"{_ALIVE}{self.me}", _DONE, allow_overwrite=True)
+
+
+def _end_process(message: str) -> None:
+    """One line, status 1, at once: the main thread may be stuck in a collective, and
+    unwinding would wait for it (and JAX's shutdown for the dead peer)."""
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def watch_peers(timeout: float | int) -> PeerWatch | None:
+    """A started `PeerWatch` over every process of this run, or None with one process."""
+    if jax.process_count() < 2:
+        return None
+    from jax._src import distributed as jax_distributed  # the client: the public API has no store
+
+    state = jax_distributed.global_state
+    client = getattr(state, "client", None)
+    if client is None:  # a JAX whose runtime moved: its own heartbeat check is left
+        return None
+    coordinator = getattr(state, "coordinator_address", None)
+    return PeerWatch(client, jax.process_index(), jax.process_count(), timeout, coordinator).start()
 
 
 def _cpu_collectives() -> None:
