@@ -47,8 +47,10 @@ def aan_reference(attention: Attention, y: np.ndarray, real=None, causal=True) -
     """Eq. 1-3: g_j = FFN(avg_{k<=j} y_k); i_j, f_j = sigmoid(W [y_j; g_j]); i_j y_j + f_j g_j."""
     aan = attention.aan
     assert aan is not None
-    g = relu_ffn(aan.ffn, cumulative_average(y, real, causal))  # eq. 1
-    gates = 1 / (1 + np.exp(-(np.concatenate([y, g], -1) @ np.asarray(aan.gate.weight, np.float64).T)))  # eq. 2
+    average = cumulative_average(y, real, causal)
+    g = average if aan.ffn is None else relu_ffn(aan.ffn, average)  # eq. 1 (or the authors' variant without it)
+    w, b = np.asarray(aan.gate.weight, np.float64), np.asarray(aan.gate.bias, np.float64)
+    gates = 1 / (1 + np.exp(-(np.concatenate([y, g], -1) @ w.T + b)))  # eq. 2, with the authors' bias
     i, f = gates[:, :D], gates[:, D:]
     return i * y + f * g  # eq. 3
 
@@ -102,6 +104,9 @@ def test_decoding_keeps_a_running_sum_whose_size_does_not_grow_with_max_len():
 @pytest.mark.parametrize("causal", [True, False])
 def test_aan_layer_follows_eq_1_to_3_with_padding(causal):
     attention = aan(causal)
+    # the gate's bias away from its start, so that the reference checks it
+    bias = jax.random.normal(jax.random.key(8), attention.aan.gate.bias.shape)
+    attention = eqx.tree_at(lambda a: a.aan.gate.bias, attention, bias)
     assert (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj) == (None,) * 4
     y = jax.random.normal(jax.random.key(3), (7, D))
     assert_close(attention(y), aan_reference(attention, np.asarray(y), causal=causal), atol=1e-5)
@@ -113,6 +118,19 @@ def test_aan_layer_follows_eq_1_to_3_with_padding(causal):
     # A test that can fail: the gates' halves swapped (i <-> f) give another output.
     swapped = eqx.tree_at(lambda a: a.aan.gate.weight, attention, jnp.roll(attention.aan.gate.weight, D, axis=0))
     assert not np.allclose(np.asarray(swapped(y)), aan_reference(attention, np.asarray(y), causal=causal), atol=1e-3)
+
+
+def test_the_variant_without_the_ffn_gates_the_average_itself():
+    """The authors' code has `use_ffn` and their README recommends it off: g_j is then the
+    average itself (`attention.aan_ffn: false`)."""
+    fields = dict(task="lm", vocab_size=13, d_model=D, num_heads=2, num_layers=1, max_len=32)
+    config = ModelConfig(attention={"name": "average", "aan": True, "aan_ffn": False}, **fields)
+    attention = build_model(config, key=jax.random.key(6)).blocks[0].attention
+    assert attention.aan is not None and attention.aan.ffn is None
+    y = jax.random.normal(jax.random.key(7), (7, D))
+    assert_close(attention(y), aan_reference(attention, np.asarray(y)), atol=1e-5)
+    with pytest.raises(ValueError, match="aan_ffn: false drops the average attention network's FFN; set aan: true"):
+        ModelConfig(attention={"name": "average", "aan_ffn": False}, **fields)
 
 
 def test_post_norm_block_adds_the_residual_and_layer_norm_of_eq_4():

@@ -151,6 +151,7 @@ def np_all_attention(block, x):
     n, dh = x.shape[0], a.d_head
     q, k, v = (lin(p, x).reshape(n, HEADS, dh) for p in (a.q_proj, a.k_proj, a.v_proj))
     pk, pv = (np.asarray(a.arrays[name], np.float64) for name in ("persistent_k", "persistent_v"))
+    pk, pv = pk * math.sqrt(dh), pv * math.sqrt(pk.shape[0])  # used at sqrt(d) and sqrt(m) (the authors' code)
     heads = []
     for i in range(HEADS):
         keys, values = np.concatenate([pk[:, i], k[:, i]]), np.concatenate([pv[:, i], v[:, i]])

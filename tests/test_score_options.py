@@ -270,14 +270,15 @@ def test_talking_heads_decode_learn_and_are_refused_where_they_cannot_apply():
 @pytest.mark.parametrize("padded", [False, True])
 def test_persistent_vectors_join_every_softmax_at_no_position(causal, padded):
     """Sukhbaatar et al. 2019: each head attends over [M_k; K] with values [M_v; V]; the
-    persistent vectors are visible to every query (causal or not) and never padding."""
+    persistent vectors are visible to every query (causal or not) and never padding.
+    Parametrised as the authors' code: M_k = sqrt(d) persistent_k, M_v = sqrt(m) persistent_v."""
     n, m = 9, 3
     q, k, v = qkv(11, n)
     kv_mask = jnp.arange(n) < 7 if padded else None
     mk = jax.random.normal(jax.random.key(12), (m, KV_HEADS, D)) * 2.0
     mv = jax.random.normal(jax.random.key(13), (m, KV_HEADS, D))
     # the formula: keys [M_k; K], query i sees all of M_k and, causal, the keys j <= i
-    keys, values = jnp.concatenate([mk, k]), jnp.concatenate([mv, v])
+    keys, values = jnp.concatenate([mk * np.sqrt(D), k]), jnp.concatenate([mv * np.sqrt(m), v])
     allowed = np.ones((n, m + n), bool)
     if causal:
         allowed[:, m:] &= np.tril(np.ones((n, n), bool))

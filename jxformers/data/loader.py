@@ -180,6 +180,8 @@ class BatchIterator:
 
     def _shard(self) -> dict[str, int]:
         shard = self.loader._shard_options  # noqa: SLF001 - grain keeps the resolved sharding here
+        if shard is None:  # not sharded
+            return {"shard_index": 0, "shard_count": 1}
         return {"shard_index": shard.shard_index, "shard_count": shard.shard_count}
 
     def start_prefetch(self) -> None:

@@ -91,7 +91,7 @@ class Attention(eqx.Module):
             heads aggregated by routing-by-agreement (dynamic or EM routing) instead of
             concatenated.
         aan_d_ff: the average attention network of Zhang et al. 2018 (`jxformers.nn.average`)
-            with an FFN of this hidden width, for the attention `average`: the layer input
+            with an FFN of this hidden width (0: without the FFN), for the attention `average`: the layer input
             itself is averaged (one head of width d_model, no projections), then the FFN
             and the gating layer; None: the plain attention.
         key: PRNG key for the projections and the core's arrays.

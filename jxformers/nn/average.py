@@ -3,12 +3,15 @@ Transformer via an Average Attention Network" (ACL, arXiv 1805.00631), section 3
 decoder's self-attention replaced by
 
     g_j = FFN((1/j) sum_{k<=j} y_k)                       (eq. 1, the average layer)
-    i_j, f_j = sigmoid(W [y_j; g_j])                      (eq. 2, W in R^{2d x 2d})
+    i_j, f_j = sigmoid(W [y_j; g_j] + b)                  (eq. 2, W in R^{2d x 2d})
     h~_j = i_j * y_j + f_j * g_j                          (eq. 3, the gating layer)
     h_j = LayerNorm(y_j + h~_j)                           (eq. 4)
 
 with y the layer's input itself (no query, key, value or output projection) and FFN the
-position-wise ReLU network of Vaswani et al. 2017. Decoding keeps the running sum
+position-wise ReLU network of Vaswani et al. 2017. The gate's bias b and the variant
+without the FFN (g_j the average itself) are the authors' code's (bzhangGo/transformer-aan,
+thumt/models/transformer.py: `linear(..., bias=True)` and `use_ffn`; their README
+recommends the variant without the FFN). Decoding keeps the running sum
 sum_{k<=j} y_k (eq. 6): O(d) per token, whatever the length.
 
 In jxformers the average is the registered attention `average` (`ops.average_attention`,
@@ -68,21 +71,24 @@ class AverageNetwork(eqx.Module):
     """The FFN and gating layer of the average attention network (eq. 1-3 around the
     average the core computes).
 
-    Arguments (constructor): `d_model` (d), `d_ff` (the FFN's hidden width; the model's),
-    `key`. `__call__(y [seq, d], average [seq, d])` returns h~ `[seq, d]` (eq. 3), where
-    `average` is the cumulative average of y (eq. 1 before its FFN)."""
+    Arguments (constructor): `d_model` (d), `d_ff` (the FFN's hidden width, the model's;
+    0: no FFN, g_j the average itself), `key`. `__call__(y [seq, d], average [seq, d])`
+    returns h~ `[seq, d]` (eq. 3), where `average` is the cumulative average of y (eq. 1
+    before its FFN)."""
 
-    ffn: FeedForward  # ReLU, d -> d_ff -> d
-    gate: Linear  # W of eq. 2, [y; g] -> [i; f], no bias (as the paper writes it)
+    ffn: FeedForward | None  # ReLU, d -> d_ff -> d; None: the authors' variant without it
+    gate: Linear  # W and b of eq. 2, [y; g] -> [i; f]
 
     def __init__(self, d_model: int, d_ff: int, *, key: PRNGKeyArray):
-        if isinstance(d_ff, bool) or not isinstance(d_ff, int) or d_ff < 1:
-            raise ValueError(f"the average network's FFN width must be an int >= 1; got {d_ff=}")
+        if isinstance(d_ff, bool) or not isinstance(d_ff, int) or d_ff < 0:
+            raise ValueError(f"the average network's FFN width must be an int >= 0 (0: no FFN); got {d_ff=}")
         kf, kg = jax.random.split(key)
-        self.ffn = FeedForward(d_model, d_ff, "relu", key=kf)
-        self.gate = Linear(2 * d_model, 2 * d_model, use_bias=False, key=kg)
+        self.ffn = FeedForward(d_model, d_ff, "relu", key=kf) if d_ff else None
+        self.gate = Linear(2 * d_model, 2 * d_model, key=kg)
 
     def __call__(self, y: Float[Array, "seq d"], average: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
-        g = self.ffn(average.astype(y.dtype), inference=True)  # eq. 1 (the FFN holds no dropout)
+        g = average.astype(y.dtype)
+        if self.ffn is not None:
+            g = self.ffn(g, inference=True)  # eq. 1 (the FFN holds no dropout)
         i, f = jnp.split(jax.nn.sigmoid(self.gate(jnp.concatenate([y, g], axis=-1))), 2, axis=-1)  # eq. 2
         return i * y + f * g  # eq. 3

@@ -31,6 +31,8 @@ from its `init_arrays`), so a model config names it beside the attention
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
@@ -180,11 +182,17 @@ def prepend_persistent(
 ) -> tuple[Array, Array, Array | None, Array | None, Array | None]:
     """(k, v, kv_mask, mask, bias) with the persistent vectors in front of the keys:
     real (kv_mask True), allowed to every query (mask True) and unbiased (bias 0). With
-    the bottom-right causal alignment of the ops, they sit before every query."""
+    the bottom-right causal alignment of the ops, they sit before every query.
+
+    The vectors are sqrt(d_k) and sqrt(m) times the arrays given: the authors' code
+    (facebookresearch/adaptive-span, persistent_memory.py) stores keys ~ N(0, 1/d_k) and
+    values ~ N(0, 1/m) and uses them times sqrt(d_k) and sqrt(m), so the vectors start
+    ~ N(0, 1) and an optimizer's step on the stored arrays moves them that much more."""
     assert persistent_k is not None and persistent_v is not None  # check_score_options said so
-    m = jnp.shape(persistent_k)[0]
-    k = jnp.concatenate([jnp.asarray(persistent_k, jnp.result_type(k)), jnp.asarray(k)])
-    v = jnp.concatenate([jnp.asarray(persistent_v, jnp.result_type(v)), jnp.asarray(v)])
+    m, d_k = jnp.shape(persistent_k)[0], jnp.shape(persistent_k)[-1]
+    scale_k, scale_v = math.sqrt(d_k), math.sqrt(m)
+    k = jnp.concatenate([(jnp.asarray(persistent_k) * scale_k).astype(jnp.result_type(k)), jnp.asarray(k)])
+    v = jnp.concatenate([(jnp.asarray(persistent_v) * scale_v).astype(jnp.result_type(v)), jnp.asarray(v)])
     if kv_mask is not None:
         kv_mask = jnp.concatenate([jnp.ones((m,), bool), jnp.asarray(kv_mask)])
     if mask is not None:
@@ -209,8 +217,8 @@ def init_score_arrays(
     """The learned arrays of the score options: the sink logits (zeros: the zero sink to
     start with) when `sinks` is "learned"; the talking-heads matrices P_l and P_w (the
     identity: plain multi-head attention to start with) when `talking_heads`; the
-    persistent keys ~ N(0, 1/d_k) and values ~ N(0, 1/m) (Sukhbaatar et al. 2019, section
-    4.1, as we read it) when `persistent_kv` = m > 0."""
+    persistent keys ~ N(0, 1/d_k) and values ~ N(0, 1/m) (used times sqrt(d_k) and sqrt(m):
+    `prepend_persistent`) when `persistent_kv` = m > 0."""
     out = {}
     if sinks == "learned":
         out["sink_logits"] = jnp.zeros((heads,), jnp.float32)

@@ -156,9 +156,10 @@ def softmax_attention(
         talking_heads: mix the heads' logits by `talking_logits [heads, heads]` before
             the softmax (after the cap, before masks and top-k) and their weights by
             `talking_weights [heads, heads]` after it (Shazeer et al. 2020).
-        persistent_kv: m > 0 joins `persistent_k [m, kv_heads, d_k]` and `persistent_v
-            [m, kv_heads, d_v]` in front of the keys and values, attended by every query
-            (unmasked, unbiased; Sukhbaatar et al. 2019's persistent memory).
+        persistent_kv: m > 0 joins sqrt(d_k) `persistent_k [m, kv_heads, d_k]` and sqrt(m)
+            `persistent_v [m, kv_heads, d_v]` in front of the keys and values, attended by
+            every query (unmasked, unbiased; Sukhbaatar et al. 2019's persistent memory,
+            parametrised as their code).
         localness, gaussian_prior, adaptive_span, span_ramp, head_windows (and their
             arrays): the attention priors of `jxformers.ops._priors` (Yang et al. 2018's
             predicted local window, Guo et al. 2019's Gaussian, Sukhbaatar et al. 2019's

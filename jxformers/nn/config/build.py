@@ -14,6 +14,7 @@ from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import Block
 from jxformers.nn.config.components import (
     HEAD_OPTIONS,
+    AttentionConfig,
     CompressiveStack,
     FeedForwardConfig,
     FFNConfig,
@@ -72,6 +73,14 @@ def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
     )
 
 
+def _aan_d_ff(attention: AttentionConfig, ffn: FFNConfig, d_model: int) -> int | None:
+    """The average attention network's FFN width (`Attention`'s aan_d_ff): the block's
+    d_ff, 0 without its FFN (`aan_ffn: false`), None when the attention is no AAN."""
+    if not attention.aan:
+        return None
+    return d_ff(ffn, d_model) if attention.aan_ffn else 0
+
+
 def _dense(config: ModelConfig) -> dict[str, Any]:
     """The FeedForward settings of the stacks that build their own blocks (and PMA)."""
     ffn = config.ffn
@@ -109,7 +118,7 @@ def _blocks(
             qk_norm=config.layer(i).attention.qk_norm,
             qk_norm_length=config.max_len,
             **{n: getattr(config.layer(i).attention, n) for n in HEAD_OPTIONS},
-            aan_d_ff=d_ff(config.layer(i).ffn, config.d_model) if config.layer(i).attention.aan else None,
+            aan_d_ff=_aan_d_ff(config.layer(i).attention, config.layer(i).ffn, config.d_model),
             key=ka,
         )
         role = map_role(maps_kind, i, lazy_block)

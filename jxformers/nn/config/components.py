@@ -81,6 +81,9 @@ class AttentionConfig:
         "attention 'average' as the average attention network (Zhang et al. 2018): the average of the "
         "layer input itself, an FFN of the block's d_ff and the gating layer, in place of the projections",
     )
+    aan_ffn: bool = setting(
+        True, "with aan: the FFN on the average (eq. 1); false: the authors' recommended variant without it"
+    )
 
     def __post_init__(self):
         if isinstance(self.disagreement, str):  # one term: `--set model.attention.disagreement=position`
@@ -92,6 +95,8 @@ class AttentionConfig:
             raise ValueError(
                 f"attention.disagreement takes distinct terms among {DISAGREEMENTS}; got {self.disagreement}"
             )
+        if not self.aan_ffn and not self.aan:
+            raise ValueError("attention.aan_ffn: false drops the average attention network's FFN; set aan: true")
         if self.aan:
             check_aan(self.name, d_head=self.d_head, collaborative=self.collaborative,
                       disagreement=self.disagreement, head_aggregation=self.head_aggregation)  # fmt: skip
