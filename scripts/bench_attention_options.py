@@ -150,7 +150,8 @@ def table(rows, command) -> str:
         "on a GPU an option also gives up the kernel's O(N) memory. The priors add a bias or mask "
         "over the logits (localness also a d x d projection of each query); collaborative heads change "
         "the projections' sizes; the disagreement's position term forms every head's weights a second "
-        "time; routing adds d x d votes per pair of heads and its iterations, O(N h^2 d^2). The "
+        "time; routing (dynamic or EM) adds d x d votes per pair of heads and its iterations, "
+        "O(N h^2 d^2). The "
         "cross-layer maps (stack.attention_maps) and memory tokens act across layers, outside one layer.",
     ]
     return "\n".join(lines) + "\n"
