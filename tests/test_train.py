@@ -550,6 +550,33 @@ def test_demo_trains_three_models_from_two_seeds_and_prints_the_table(tmp_path, 
     assert (tmp_path / "demo.png").exists()
 
 
+def test_demo_reports_a_seed_that_stopped_on_non_finite_values_and_goes_on(tmp_path, monkeypatch, capsys):
+    """A variant whose training diverged ended `jxformers demo` with a NonFiniteError
+    traceback, losing the comparison of every model; the seed is now reported in one line,
+    shown as `stopped` in its row, and left out of the mean."""
+    import argparse
+
+    from jxformers.tools import demo
+    from jxformers.train import NonFiniteError
+
+    def fake_train(experiment, workdir, progress):
+        if "diverges" in str(workdir) and experiment.train.seed == 1:
+            raise NonFiniteError("non-finite loss or gradients at step 33 (loss 2.3); the update was not applied")
+        return {"eval_accuracy": 0.25 + 0.1 * experiment.train.seed, "eval_loss": 1.5}
+
+    monkeypatch.setattr(demo, "train", fake_train)
+    monkeypatch.setattr(demo, "_step_stats", lambda workdir: {})
+    monkeypatch.setattr(demo, "MODELS", {"softmax": []})
+    variants = ["diverges:train.learning_rate=1e6"]
+    args = argparse.Namespace(attentions=[], variants=variants, seeds=2, overrides=[], no_progress=True)
+    results = demo._train_all(tmp_path, args)
+    err = capsys.readouterr().err
+    assert "jxformers demo: diverges, seed 1 stopped: non-finite loss or gradients at step 33" in err, err
+    row = demo._row("diverges", *results["diverges"])
+    assert row.startswith("| diverges | 0.250 ± 0.000 | 0.250 stopped | 1.500 |"), row
+    assert demo._row("softmax", *results["softmax"]).startswith("| softmax | 0.300 ± 0.071 | 0.250 0.350 |")
+
+
 def test_tensorboard_records_are_framed_and_encoded_like_tensorflows():
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     event = encode_event(wall_time=1.5, step=3, scalars={"loss": 0.25})

@@ -281,7 +281,10 @@ class HeadEMRouting(eqx.Module):
     # λ as the EM routing code of the authors' group fixes it (Zheng et al. 2019,
     # zhengzx-nlp/dynamic-nmt); Hinton et al. raise it over the iterations instead.
     INVERSE_TEMPERATURE = 1e-3
-    EPS = 1e-8
+    # Added to σ²: with the 1e-8 of that code, ListOps training (preset tiny) hit
+    # non-finite gradients at step 33 (a Gaussian collapsing onto one vote makes the
+    # E-step's (V - μ)² / σ² and its gradients overflow); with 1e-3 it trains.
+    EPS = 1e-3
 
     def __init__(self, heads: int, d: int, iterations: int = 3, *, key: PRNGKeyArray):
         kv, ka = jax.random.split(key)

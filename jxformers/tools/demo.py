@@ -35,7 +35,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jxformers import registry
 from jxformers.data.baselines import baselines
 from jxformers.tools.plot import plot_runs
-from jxformers.train import load_experiment, train
+from jxformers.train import NonFiniteError, load_experiment, train
 from jxformers.train.workdir import read_metrics_log
 
 MODELS = {
@@ -143,19 +143,27 @@ def _train_all(root: pathlib.Path, args) -> dict[str, tuple[list[dict], list[dic
             experiment = load_experiment("lra_listops", ["preset=tiny", *overrides, *args.overrides, f"train.seed={s}"])
             workdir = run_dir(root, name, s)
             print(f"== {name}, seed {s}: training {experiment.train.steps} steps in {workdir}", file=sys.stderr)
-            summaries.append(train(experiment, workdir, progress=not args.no_progress))
+            try:
+                summaries.append(train(experiment, workdir, progress=not args.no_progress))
+            except NonFiniteError as e:  # one diverging option is a result, not the end of the comparison
+                print(f"jxformers demo: {name}, seed {s} stopped: {e}", file=sys.stderr)
+                summaries.append({"stopped": str(e).split(";")[0]})
             stats.append(_step_stats(workdir))
         results[name] = (summaries, stats)
     return results
 
 
 def _row(name, summaries, stats) -> str:
-    acc = [s.get("eval_accuracy", float("nan")) for s in summaries]
-    loss = statistics.fmean(s.get("eval_loss", float("nan")) for s in summaries)
+    """A model's table row; a seed that stopped on non-finite values shows as `stopped`
+    and is left out of the mean."""
+    acc = [s["eval_accuracy"] for s in summaries if "eval_accuracy" in s]
+    per_seed = " ".join(f"{s['eval_accuracy']:.3f}" if "eval_accuracy" in s else "stopped" for s in summaries)
+    nan = float("nan")
+    loss = statistics.fmean([s["eval_loss"] for s in summaries if "eval_loss" in s] or [nan])
     spread = statistics.stdev(acc) if len(acc) > 1 else 0.0
     t = stats[0]
     return (
-        f"| {name} | {statistics.fmean(acc):.3f} ± {spread:.3f} | {' '.join(f'{a:.3f}' for a in acc)} "
+        f"| {name} | {statistics.fmean(acc or [nan]):.3f} ± {spread:.3f} | {per_seed} "
         f"| {loss:.3f} | {t.get('step_ms', float('nan')):.1f} | {t.get('tokens_per_s', float('nan')):,.0f} "
         f"| {t.get('step_temp_mib', float('nan')):.1f} |"
     )
@@ -237,9 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("\n".join(lines))
     accuracies = {
-        name: [s.get("eval_accuracy", float("nan")) for s in summaries] for name, (summaries, _) in results.items()
+        name: [s["eval_accuracy"] for s in summaries]
+        for name, (summaries, _) in results.items()
+        if all("eval_accuracy" in s for s in summaries)
     }
     print("\n" + noise_verdict(accuracies, examples))
+    for name, (summaries, _) in results.items():
+        for seed, summary in enumerate(summaries):
+            if "stopped" in summary:  # not compared: its mean would be over fewer seeds
+                print(f"{name}, seed {seed}: {summary['stopped']}; {name} is left out of the comparison")
     out = plot_runs([root / name for name in _models(args.attentions)], root / "demo.png")
     print(f"\ncurves (first seed): {out}")
     return 0
