@@ -220,7 +220,7 @@ def reference_em_routing(u, routing, iterations, lam=HeadEMRouting.INVERSE_TEMPE
         r = np.full(votes.shape[:2], 1 / votes.shape[1])
         for step in range(iterations):
             rw = r * a_in[:, None]
-            s = rw.sum(0)
+            s = rw.sum(0) + HeadEMRouting.EPS_S
             mu = (rw[:, :, None] * votes).sum(0) / s[:, None]
             if step + 1 == iterations:
                 break
@@ -249,7 +249,7 @@ def test_em_routing_follows_the_m_and_e_steps():
     # one M-step: μ is the activation-weighted mean of the votes
     votes = np.einsum("phd,hnde->phne", f64(u), f64(routing.votes))
     a_in = 1 / (1 + np.exp(-(f64(u) @ f64(routing.activation_w) + 0.3)))
-    mean = (a_in[..., None, None] * votes).sum(1) / a_in.sum(1)[:, None, None]
+    mean = (a_in[..., None, None] * votes).sum(1) / (a_in.sum(1)[:, None, None] + HeadEMRouting.EPS_S)
     one = HeadEMRouting(HEADS, D_HEAD, 1, key=jax.random.key(9))
     one = eqx.tree_at(lambda r: r.activation_b, one, jnp.array(0.3))
     np.testing.assert_allclose(np.asarray(one(u)), mean, atol=1e-5)
@@ -263,6 +263,18 @@ def test_em_routing_follows_the_m_and_e_steps():
     grads = eqx.filter_grad(lambda a: a(x).sum())(attention).routing  # every parameter is learned
     for name in ("votes", "activation_w", "activation_b", "beta_u", "beta_a"):
         assert float(jnp.abs(getattr(grads, name)).sum()) > 0, name
+
+
+def test_em_routing_stays_finite_when_an_output_capsule_gets_no_votes():
+    """An output capsule whose activation underflows gets no votes after an E-step (S_n = 0):
+    its μ was 0/0 and the gradient of log a_out infinite; seen as non-finite gradients in
+    the demo's ListOps training (step 33). S_n gets EPS_S, and log a_out is a log-sigmoid."""
+    routing = HeadEMRouting(HEADS, D_HEAD, 3, key=jax.random.key(0))
+    routing = eqx.tree_at(lambda r: r.beta_a, routing, jnp.array([-1e6, 0.0, 0.0, 0.0]))
+    u = jax.random.normal(jax.random.key(1), (5, HEADS, D_HEAD))
+    out, grads = jax.value_and_grad(lambda r: jnp.sum(r(u) ** 2))(routing)
+    assert bool(jnp.isfinite(out))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(eqx.filter(grads, eqx.is_array)))
 
 
 # ------------------------------------------------------------------ models

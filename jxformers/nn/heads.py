@@ -267,7 +267,7 @@ class HeadEMRouting(eqx.Module):
         E: p_{h→n} = N(V_{h→n}; μ_n, diag σ²_n); R_{h→n} = a^out_n p / sum_m a^out_m p
     Returns μ `[n, N, d]`, which the attention concatenates and projects (W_O) in place
     of the heads. λ = `INVERSE_TEMPERATURE` (fixed); β_u, β_a [N] start at 0 and are
-    learned, as are W, w_a and b_a. Float32 inside; σ² gets `EPS` added.
+    learned, as are W, w_a and b_a. Float32 inside; σ² gets `EPS` and S_n `EPS_S` added.
     Time O(n H N d^2) for the votes, O(iterations n H N d) for the routing.
     """
 
@@ -281,10 +281,11 @@ class HeadEMRouting(eqx.Module):
     # λ as the EM routing code of the authors' group fixes it (Zheng et al. 2019,
     # zhengzx-nlp/dynamic-nmt); Hinton et al. raise it over the iterations instead.
     INVERSE_TEMPERATURE = 1e-3
-    # Added to σ²: with the 1e-8 of that code, ListOps training (preset tiny) hit
-    # non-finite gradients at step 33 (a Gaussian collapsing onto one vote makes the
-    # E-step's (V - μ)² / σ² and its gradients overflow); with 1e-3 it trains.
-    EPS = 1e-3
+    EPS = 1e-8  # added to σ², as that code does
+    # Added to S_n: an output capsule no input capsule votes for after an E-step has
+    # S_n ~ 0, and the gradient of μ_n = sum_h R' V / S_n overflowed (non-finite
+    # gradients at step 33 of the demo's ListOps training; it trains with this).
+    EPS_S = 1e-6
 
     def __init__(self, heads: int, d: int, iterations: int = 3, *, key: PRNGKeyArray):
         kv, ka = jax.random.split(key)
@@ -303,14 +304,15 @@ class HeadEMRouting(eqx.Module):
         mu = jnp.zeros_like(votes[:, 0])
         for step in range(self.iterations):
             weight = r * a_in[..., None]  # R'
-            total = weight.sum(1)  # S_n [n, N]
+            total = weight.sum(1) + self.EPS_S  # S_n [n, N]
             mu = jnp.einsum("nho,nhoe->noe", weight, votes) / total[..., None]
             if step + 1 == self.iterations:
                 break  # the output is the last M-step's μ: its σ², cost and E-step go unused
             spread = jnp.square(votes - mu[:, None])
             var = jnp.einsum("nho,nhoe->noe", weight, spread) / total[..., None] + self.EPS
             cost = jnp.sum(self.beta_u[None, :, None] + 0.5 * jnp.log(var), -1) * total
-            a_out = jax.nn.sigmoid(self.INVERSE_TEMPERATURE * (self.beta_a[None] - cost))
+            # log a^out, by log-sigmoid: log(sigmoid(.)) has an infinite gradient where it underflows
+            log_a_out = jax.nn.log_sigmoid(self.INVERSE_TEMPERATURE * (self.beta_a[None] - cost))
             log_p = -0.5 * jnp.sum(spread / var[:, None] + jnp.log(2 * math.pi * var[:, None]), -1)
-            r = jax.nn.softmax(jnp.log(a_out)[:, None, :] + log_p, axis=-1)
+            r = jax.nn.softmax(log_a_out[:, None, :] + log_p, axis=-1)
         return mu.astype(heads.dtype)
