@@ -57,6 +57,7 @@ TINY = {
     "checkpoint": {"every": EVERY, "keep": 3, "async_save": False},
 }
 LIMIT_S = 180  # a command that has not answered by then is a HANG
+PEER_TIMEOUT_S = 6  # --heartbeat-timeout of the two-process faults
 
 
 Outcome = tuple[str, float, str]  # (kind, seconds, detail)
@@ -327,6 +328,63 @@ class Harness:
         ok = process.returncode != 0 and "data.batch_timeout" in err
         return ("clear error" if ok else "SILENT", seconds, f"worker {stopped} stopped, limit {timeout} s")
 
+    def killed_peer(self) -> Outcome:
+        return self.kill_one_of_two(1)
+
+    def killed_coordinator(self) -> Outcome:
+        return self.kill_one_of_two(0)
+
+    def kill_one_of_two(self, victim: int) -> Outcome:
+        """Two processes of one run (2 CPU devices each, a 4-way data mesh, loopback
+        coordinator); SIGKILL to process `victim` a random moment after the first logged
+        step; the survivor must end within the limit with one line and no traceback."""
+        import socket
+
+        run = self.fresh()
+        config = self.root / "two.yaml"
+        config.write_text(yaml.safe_dump(TINY | {"mesh": {"data": 4}, "train": TINY["train"] | {"steps": 10_000}}))
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        argv = [sys.executable, "-m", "jxformers.tools.cli", "train", str(config), "--workdir", str(run)]
+        argv += ["--no-progress", "--coordinator", f"localhost:{port}", "--num-processes", "2"]
+        argv += ["--heartbeat-timeout", str(PEER_TIMEOUT_S)]
+        procs = [
+            subprocess.Popen(
+                [*argv, "--process-id", str(i)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
+            for i in range(2)
+        ]
+        survivor = procs[1 - victim]
+        try:
+            began = time.perf_counter()
+            while not (run / "metrics.jsonl").exists() or not losses(run):
+                if time.perf_counter() - began > LIMIT_S or any(p.poll() is not None for p in procs):
+                    return ("HANG" if survivor.poll() is None else "SILENT", LIMIT_S, "training did not start")
+                time.sleep(0.05)
+            time.sleep(self.rng.uniform(0, 2))
+            procs[victim].kill()
+            killed = time.perf_counter()
+            try:
+                _, err = survivor.communicate(timeout=LIMIT_S)
+            except subprocess.TimeoutExpired:
+                return ("HANG", LIMIT_S, f"process {1 - victim} after process {victim} was killed")
+            seconds = time.perf_counter() - killed
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.communicate()
+        lines = [line for line in err.strip().splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        if survivor.returncode < 0 or "Traceback" in err or "Terminating process" in err:
+            why = "SIGABRT" if survivor.returncode == -signal.SIGABRT else f"status {survivor.returncode}"
+            said = next((line for line in lines if "Terminating process" in line), last).strip()
+            return ("TRACEBACK", seconds, f"{why}: {said[:90]}")
+        ok = survivor.returncode == 1 and last.startswith("jxformers train:") and "--heartbeat-timeout" in last
+        return ("clear error" if ok else "SILENT", seconds, last[:100])
+
 
 def _children(pid: int) -> list[int]:
     """Process ids whose parent is `pid` (Linux /proc)."""
@@ -355,6 +413,8 @@ FAULTS = {
     "deleted_config": "config.yaml deleted, then eval",
     "unwritable": "checkpoints/ made read-only, then train",
     "stopped_worker": "one of two data workers stopped (SIGSTOP) after step 3",
+    "killed_peer": f"process 1 of 2 killed (SIGKILL) after the first step, --heartbeat-timeout {PEER_TIMEOUT_S}",
+    "killed_coordinator": "process 0 of 2, the coordinator, killed (SIGKILL) after the first step",
 }
 
 
