@@ -226,7 +226,24 @@ def test_dual_classifier_reads_both_inputs():
     assert not bool(jnp.allclose(out, forward(a, tokens(3, 15))))
 
 
-@pytest.mark.parametrize("placement,norm", [("post", "layernorm"), ("pre", "rmsnorm")])
+def test_scalenorm_is_a_learned_scalar_times_x_over_its_norm():
+    """Nguyen & Salazar 2019, section 2.3: ScaleNorm(x; g) = g x / ||x||, one scalar g per
+    norm, started at sqrt(d); the norm clamped below by eps (a zero vector gives zeros)."""
+    from jxformers.nn.layers import ScaleNorm, make_norm
+
+    norm = make_norm("scalenorm", 16)
+    assert isinstance(norm, ScaleNorm) and norm.weight.shape == () and float(norm.weight) == pytest.approx(4.0)
+    norm = eqx.tree_at(lambda n: n.weight, norm, jnp.asarray(2.5))
+    x = np.asarray(jax.random.normal(jax.random.key(0), (3, 5, 16)), np.float64)
+    expected = 2.5 * x / np.linalg.norm(x, axis=-1, keepdims=True)
+    assert_close(norm(jnp.asarray(x, jnp.float32)), expected, atol=1e-5)
+    assert norm(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
+    zero = jnp.zeros((2, 16))
+    assert_close(norm(zero), zero, atol=0)
+    assert bool(jnp.all(jnp.isfinite(jax.grad(lambda z: norm(z).sum())(zero))))
+
+
+@pytest.mark.parametrize("placement,norm", [("post", "layernorm"), ("pre", "rmsnorm"), ("pre", "scalenorm")])
 def test_norm_placements(placement, norm):
     model = build_model(dict(TINY, task="classify", norm_placement=placement, norm=norm), key=jax.random.key(0))
     assert bool(jnp.all(jnp.isfinite(eqx.filter_jit(model)(tokens(0)))))

@@ -5,7 +5,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     heads.py      improved multi-heads: collaborative heads, disagreement losses, routing-by-agreement
     average.py    AverageNetwork: the FFN and gating layer of the average attention network
                   (Zhang et al. 2018; the Attention setting aan around the attention `average`)
-    layers.py     Linear, LayerNorm, RMSNorm, FeedForward
+    layers.py     Linear, LayerNorm, RMSNorm, ScaleNorm, FeedForward
     moe.py        MoE (token-choice / expert-choice routers, capacity and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
     positions.py  sinusoidal, learned, rotary, ALiBi, T5 relative buckets
@@ -34,7 +34,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
 from jxformers.nn.attention import Attention, attention_modules
 from jxformers.nn.blocks import Block
 from jxformers.nn.config import ModelConfig, build_model
-from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm
+from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm, ScaleNorm
 from jxformers.nn.luna import LunaBlock, LunaStack
 from jxformers.nn.models import (
     Classifier,
@@ -87,6 +87,7 @@ __all__ = [
     "Positions",
     "ProductKeyMemory",
     "RMSNorm",
+    "ScaleNorm",
     "RecurrentLM",
     "TokenFuser",
     "TokenLearner",

@@ -16,7 +16,7 @@ from jxformers import decoding
 from jxformers.kernels.alibi import Alibi
 from jxformers.nn import cross_layer
 from jxformers.nn.attention import Attention
-from jxformers.nn.layers import FeedForward, LayerNorm, RMSNorm, make_norm
+from jxformers.nn.layers import FeedForward, Norm, make_norm
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.produced import Produced
@@ -51,7 +51,7 @@ class Block(eqx.Module):
     attention: Attention
     cross_attention: Attention | None
     ffn: FeedForward | MoE | ProductKeyMemory | None
-    norms: tuple[LayerNorm | RMSNorm, ...]
+    norms: tuple[Norm, ...]
     dropout: eqx.nn.Dropout
     evolve: cross_layer.Evolve | None
     pre_norm: bool = eqx.field(static=True)

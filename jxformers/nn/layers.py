@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 FFN_KINDS = ("relu", "gelu", "gelu_exact", "geglu", "swiglu")
-NORM_KINDS = ("layernorm", "rmsnorm")
+NORM_KINDS = ("layernorm", "rmsnorm", "scalenorm")
 
 
 def check_ids(ids, size: int, what: str = "token ids") -> None:
@@ -119,11 +119,36 @@ class RMSNorm(eqx.Module):
         return (scaled * _lift(self.weight, x.ndim)).astype(x.dtype)
 
 
-def make_norm(kind: str, dim: int, eps: float | None = None) -> LayerNorm | RMSNorm:
-    """A norm of `kind` over `dim` features; `eps` None: the class's default."""
+class ScaleNorm(eqx.Module):
+    """ScaleNorm (Nguyen & Salazar 2019, "Transformers without Tears", arXiv 1910.05895,
+    section 2.3): g x / max(||x||, eps) with one learned scalar g per norm, started at
+    sqrt(dim) (their section 2.3: the l2 norm of a unit-variance x), in float32. The
+    paper's code clamps the norm from below by eps, as here."""
+
+    weight: Float[Array, ""]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        self.weight, self.eps = jnp.asarray(math.sqrt(dim), jnp.float32), eps
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        xf = x.astype(jnp.float32)
+        # max(||x||, eps) as sqrt(max(||x||^2, eps^2)): the same number, and a finite
+        # gradient at x = 0, where that of ||x|| is not
+        inverse = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.square(xf), -1, keepdims=True), self.eps**2))
+        return (self.weight * xf * inverse).astype(x.dtype)
+
+
+# Any norm `make_norm` builds.
+Norm = LayerNorm | RMSNorm | ScaleNorm
+_NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "scalenorm": ScaleNorm}
+
+
+def make_norm(kind: str, dim: int, eps: float | None = None) -> Norm:
+    """A norm of `kind` (one of NORM_KINDS) over `dim` features; `eps` None: the class's default."""
     if kind not in NORM_KINDS:
         raise ValueError(f"norm must be one of {NORM_KINDS}; got {kind!r}")
-    cls = LayerNorm if kind == "layernorm" else RMSNorm
+    cls = _NORM_CLASSES[kind]
     return cls(dim) if eps is None else cls(dim, eps)
 
 

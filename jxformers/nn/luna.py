@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.attention import Attention
-from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm, make_norm, split_key
+from jxformers.nn.layers import FeedForward, Linear, Norm, make_norm, split_key
 from jxformers.ops import luna_causal_pack, softmax_attention
 
 
@@ -81,7 +81,7 @@ class LunaBlock(eqx.Module):
     pack: Pack
     unpack: Attention
     ffn: FeedForward
-    norms: tuple[LayerNorm | RMSNorm, LayerNorm | RMSNorm, LayerNorm | RMSNorm]  # x after attention, p, x after FFN
+    norms: tuple[Norm, Norm, Norm]  # x after attention, p, x after FFN
     dropout: eqx.nn.Dropout
     pre_norm: bool = eqx.field(static=True)
     causal: bool = eqx.field(static=True)

@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.decoding import BiasFn
 from jxformers.nn.blocks import Block
-from jxformers.nn.layers import LayerNorm, Linear, RMSNorm, check_tokens, lookup
+from jxformers.nn.layers import Linear, Norm, check_tokens, lookup
 from jxformers.nn.luna import LunaStack
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.positions import BIAS_KINDS, Positions
@@ -100,7 +100,7 @@ class Embedding(eqx.Module):
     table: Float[Array, "vocab d_model"]
     positions: Positions
     types: Float[Array, "types d_model"] | None
-    norm: LayerNorm | RMSNorm | None
+    norm: Norm | None
     extra: Float[Array, "extra d_model"] | None
     dtype: str = eqx.field(static=True)
     scale: bool = eqx.field(static=True)
@@ -115,7 +115,7 @@ class Embedding(eqx.Module):
         dtype: str,
         scale: bool = True,
         type_vocab_size: int = 0,
-        norm: LayerNorm | RMSNorm | None = None,
+        norm: Norm | None = None,
         extra_tokens: int = 0,
         extra_kind: str = "memory",
         key: PRNGKeyArray,
@@ -219,7 +219,7 @@ class Encoder(eqx.Module):
     embedding: Embedding
     cls: Float[Array, " d_model"] | None
     blocks: tuple[AnyBlock, ...]
-    norm: LayerNorm | RMSNorm | None
+    norm: Norm | None
     token_learner: TokenLearnerStage | None
     filters: tuple[tuple[int, float], ...] = eqx.field(static=True)
     downsample: str = eqx.field(static=True)
@@ -230,7 +230,7 @@ class Encoder(eqx.Module):
         self,
         embedding: Embedding,
         blocks: list[AnyBlock],
-        norm: LayerNorm | RMSNorm | None,
+        norm: Norm | None,
         *,
         max_len: int,
         use_cls: bool,
@@ -554,7 +554,7 @@ class DualClassifier(eqx.Module):
         return self.out(h).astype(jnp.float32), (made1 + made2).under("tower")
 
 
-def _quiet_readout(norm: LayerNorm | RMSNorm, d_model: int) -> LayerNorm | RMSNorm:
+def _quiet_readout(norm: Norm, d_model: int) -> Norm:
     """The final norm with its gain initialised to 1/d_model, so that the tied readout
     starts near the uniform prediction (loss ln(vocab)).
 
@@ -593,7 +593,7 @@ class LanguageModel(eqx.Module):
 
     embedding: Embedding
     blocks: tuple[AnyBlock, ...]
-    norm: LayerNorm | RMSNorm
+    norm: Norm
     unembed: Linear | None  # None: tied to the embedding table (or a `head` reads out)
     head: MixtureOfLogistics | None  # an output distribution of its own instead of the vocab softmax
     max_len: int = eqx.field(static=True)

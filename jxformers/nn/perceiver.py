@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.blocks import Block
-from jxformers.nn.layers import LayerNorm, RMSNorm, check_tokens, make_norm, split_key
+from jxformers.nn.layers import Norm, check_tokens, make_norm, split_key
 from jxformers.nn.models import Embedding
 from jxformers.nn.produced import Produced
 from jxformers.nn.set_transformer import MAB
@@ -49,10 +49,10 @@ class PerceiverEncoder(eqx.Module):
 
     embedding: Embedding
     latents: Float[Array, "num_latents d_model"]
-    input_norms: tuple[LayerNorm | RMSNorm, ...]
+    input_norms: tuple[Norm, ...]
     cross: tuple[MAB, ...]
     tower: tuple[Block, ...]
-    norm: LayerNorm | RMSNorm
+    norm: Norm
     cross_attends: int = eqx.field(static=True)
     max_len: int = eqx.field(static=True)
 
@@ -60,7 +60,7 @@ class PerceiverEncoder(eqx.Module):
         self,
         embedding: Embedding,
         tower: list[Block],
-        norm: LayerNorm | RMSNorm,
+        norm: Norm,
         *,
         num_latents: int,
         cross_attends: int = 1,

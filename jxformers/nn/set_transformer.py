@@ -21,7 +21,7 @@ import jax
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from jxformers.nn.attention import Attention
-from jxformers.nn.layers import FeedForward, LayerNorm, RMSNorm, make_norm, split_key
+from jxformers.nn.layers import FeedForward, Norm, make_norm, split_key
 
 
 class MAB(eqx.Module):
@@ -37,7 +37,7 @@ class MAB(eqx.Module):
 
     attention: Attention
     ffn: FeedForward
-    norms: tuple[LayerNorm | RMSNorm, LayerNorm | RMSNorm]
+    norms: tuple[Norm, Norm]
     dropout: eqx.nn.Dropout
     pre_norm: bool = eqx.field(static=True)
 

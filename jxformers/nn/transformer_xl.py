@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm, check_tokens, lookup, make_norm, split_key
+from jxformers.nn.layers import FeedForward, Linear, Norm, check_tokens, lookup, make_norm, split_key
 from jxformers.nn.produced import Produced
 
 MEMORY_ARCHITECTURES = ("transformer_xl", "compressive")
@@ -158,7 +158,7 @@ class RecurrentLayer(eqx.Module):
     r_proj: Linear
     out_proj: Linear
     ffn: FeedForward
-    norms: tuple[LayerNorm | RMSNorm, LayerNorm | RMSNorm]
+    norms: tuple[Norm, Norm]
     dropout: eqx.nn.Dropout
     compressor: Compressor | None
     heads: int = eqx.field(static=True)
@@ -270,7 +270,7 @@ class RecurrentLM(eqx.Module):
     layers: tuple[RecurrentLayer, ...]
     u: Float[Array, "heads dh"]
     v: Float[Array, "heads dh"]
-    norm: LayerNorm | RMSNorm | None  # the final norm of a pre-norm stack
+    norm: Norm | None  # the final norm of a pre-norm stack
     unembed: Linear | None  # None: tied to the embedding table
     dropout: eqx.nn.Dropout
     mem_len: int = eqx.field(static=True)

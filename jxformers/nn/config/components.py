@@ -173,14 +173,16 @@ class EmbeddingConfig:
 class NormConfig:
     """Every norm of the model."""
 
-    kind: str = setting("layernorm", "layernorm or rmsnorm", choices=NORM_KINDS)
+    kind: str = setting(
+        "layernorm", "layernorm, rmsnorm or scalenorm (Nguyen & Salazar 2019: g x / ||x||)", choices=NORM_KINDS
+    )
     placement: str | None = setting(
         None,
         "pre or post the residual branch (None: the stack's paper; pre for the "
         "transformer, the stable choice of Xiong et al. 2020; post with ffn none, the all-attention layer's)",
         choices=(*NORM_PLACEMENTS, None),
     )
-    eps: float | None = setting(None, "epsilon (None: LayerNorm 1e-5, RMSNorm 1e-6; BERT 1e-12)")
+    eps: float | None = setting(None, "epsilon (None: LayerNorm 1e-5, RMSNorm 1e-6, ScaleNorm 1e-5; BERT 1e-12)")
     final: bool = setting(True, "a norm after the last block; BERT's post-norm encoder has none")
 
     def __post_init__(self):
