@@ -142,6 +142,7 @@ def test_the_config_round_trips_and_the_cross_attention_has_its_own():
         "head_aggregation": "concat",
         "routing_iterations": 3,
         "aan": False,
+        "aan_ffn": True,
     }
     assert ModelConfig.from_dict(config.to_dict()) == config  # the YAML form keeps both
     model = build_model(config, key=jax.random.key(5))
