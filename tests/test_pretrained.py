@@ -251,6 +251,22 @@ def test_convert_command_round_trips(tiny_bert, tmp_path, capsys):
     np.testing.assert_array_equal(_hidden(model, ids, types, mask), _hidden(direct, ids, types, mask))
 
 
+def test_convert_never_writes_through_a_symbolic_link(tiny_bert, tmp_path, capsys):
+    """`convert --out DIR` wrote config.yaml and model.eqx through symbolic links planted
+    there (truncating their targets); it now refuses, naming the link, before writing."""
+    from jxformers.tools.cli import main
+
+    out, other = tmp_path / "out", tmp_path / "precious.txt"
+    out.mkdir()
+    other.write_text("keep me")
+    (out / "model.eqx").symlink_to(other)
+    with pytest.raises(SystemExit):
+        main(["convert", str(tiny_bert[0]), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert "model.eqx is a symbolic link (to " in err and "precious.txt" in err and "Traceback" not in err, err
+    assert other.read_text() == "keep me" and not (out / "config.yaml").exists()
+
+
 # ListOps' vocabulary (16 tokens) and 10 classes: a BERT of that vocabulary runs on the
 # generated task offline (a real checkpoint runs on shakespeare_genre with its tokenizer).
 LISTOPS_RUN = {

@@ -19,6 +19,7 @@ defaults to 0 here (BERT trains with 0.1; pass dropout= to fine-tune with it).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -204,13 +205,22 @@ def load_bert(path: str | pathlib.Path, *, num_classes: int = 2, key: jax.Array 
 
 
 def save_converted(model, config: ModelConfig, out: str | pathlib.Path) -> pathlib.Path:
-    """Write `config` (config.yaml) and `model`'s arrays (model.eqx) into directory `out`."""
+    """Write `config` (config.yaml) and `model`'s arrays (model.eqx) into directory `out`;
+    neither through a symbolic link (a ValueError naming it, before anything is written),
+    as a run's own files (`train.workdir.open_own`)."""
     import yaml
 
+    from jxformers.train.workdir import check_not_a_link, open_own
+
     out = pathlib.Path(out)
+    for name in (CONVERTED_CONFIG, CONVERTED_WEIGHTS):
+        check_not_a_link(out / name)
     out.mkdir(parents=True, exist_ok=True)
-    (out / CONVERTED_CONFIG).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    eqx.tree_serialise_leaves(out / CONVERTED_WEIGHTS, model)
+    create = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    with os.fdopen(open_own(out / CONVERTED_CONFIG, create), "w") as f:
+        f.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    with os.fdopen(open_own(out / CONVERTED_WEIGHTS, create), "wb") as f:
+        eqx.tree_serialise_leaves(f, model)
     return out
 
 
