@@ -331,7 +331,6 @@ class Checkpointer:
             except LegacyCheckpointError:
                 raise
             except Exception as error:  # noqa: BLE001 - any failure: try the previous one
-                _drop_late_reads()
                 if not (self.directory / str(step)).exists() and rotations < MAX_ROTATIONS:
                     # deleted while read: a training run writing here rotated it out (not
                     # damage); its newer checkpoints are listed again
@@ -378,7 +377,6 @@ class Checkpointer:
         except LegacyCheckpointError:
             raise
         except Exception as error:  # noqa: BLE001
-            _drop_late_reads()
             raise ValueError(f"the best checkpoint (step {best}) could not be restored ({_reason(error)})") from None
 
     def _restore_step(self, step: int, template: dict[str, Any], iterator) -> dict[str, Any]:
@@ -392,12 +390,16 @@ class Checkpointer:
             )
         compare_trees(saved, template)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)
-            ),
-        )
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(iterator)
+                ),
+            )
+        except Exception:
+            _drop_late_reads()  # where a failed read leaves others in flight
+            raise
         state = restored["state"]
         inner = int(np.asarray(jax.device_get(state[STEP_KEY]))) if STEP_KEY in state else step
         if inner != step:
