@@ -35,7 +35,9 @@ def read_rows(text: str) -> list[Row]:
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| N |"):
-            header = cells
+            # Only the kernel tables (a head-size column); the models benchmark's table
+            # (| N | batch | model | ...) has no per-kernel rows.
+            header = cells if "d" in cells else None
             continue
         if header is None or not line.startswith("| ") or not cells[0].isdigit():
             continue

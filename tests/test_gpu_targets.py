@@ -40,3 +40,13 @@ def test_the_committed_h100_tables(capsys):
     assert "MISSED  dense forward at 8K >= 0.8x cuDNN: 0.77x" in out
     assert "MISSED  MoE grouped matmul >= 50% of a dense matmul: 13%" in out
     assert "-       linear attention at 16K forward <= 1.25x flash-linear-attention's time: not measured" in out
+
+
+def test_a_table_without_kernel_rows_is_skipped(tmp_path, capsys):
+    # The campaign passes every table it wrote, the models benchmark's among them.
+    models = tmp_path / "models.md"
+    models.write_text("| N | batch | model | step s |\n|---:|---:|---|---:|\n| 1024 | 32 | vanilla | 0.110 |\n")
+    assert gpu_targets.read_rows(models.read_text()) == []
+    gpu_targets.main([str(models), str(ROOT / "docs/kernel_runs/h200_flash.md")])
+    out = capsys.readouterr().out
+    assert "MISSED  dense forward at 8K >= 0.8x cuDNN: 0.77x" in out
