@@ -382,7 +382,9 @@ class Harness:
             why = "SIGABRT" if survivor.returncode == -signal.SIGABRT else f"status {survivor.returncode}"
             said = next((line for line in lines if "Terminating process" in line), last).strip()
             return ("TRACEBACK", seconds, f"{why}: {said[:90]}")
-        ok = survivor.returncode == 1 and last.startswith("jxformers train:") and "--heartbeat-timeout" in last
+        # one line naming the killed process (the coordinator's death is told at once, a
+        # peer's after --heartbeat-timeout)
+        ok = survivor.returncode == 1 and last.startswith("jxformers train:") and f"process {victim}" in last
         return ("clear error" if ok else "SILENT", seconds, last[:100])
 
 

@@ -438,12 +438,18 @@ def test_two_processes_train_stop_together_on_sigterm_and_resume_after_sigkill_l
     # the reference, one process with 8 devices, runs beside the first two-process launch
     single_process = launch(tmp_path / "one", 8)
     try:
-        # SIGTERM to process 1 alone: both stop after the same step and it is saved
+        # SIGTERM to process 1 alone: both stop after the same step and it is saved. Sent
+        # to its supervisor and to the training process under it at once, as a scheduler
+        # signalling every process of a job does: the supervisor passes it on, so the
+        # training process gets two, which JAX's preemption handler takes as one notice.
         run = tmp_path / "interrupted"
         procs = two_processes(run)
         try:
             wait_for_checkpoint_after(run, 0, procs)
+            trained_by = _child_pids(procs[1].pid)
+            assert len(trained_by) == 1, trained_by  # the supervised training process
             procs[1].send_signal(signal.SIGTERM)
+            os.kill(trained_by[0], signal.SIGTERM)
         finally:
             errs = finish(procs, code=128 + signal.SIGTERM)
     finally:
@@ -510,18 +516,31 @@ def test_a_process_whose_peers_never_connect_says_so_in_one_line_after_its_init_
 
 
 @pytest.mark.heavy
-@pytest.mark.multidevice
-def test_a_process_whose_peer_is_killed_says_so_in_one_line_after_its_heartbeat_timeout(tmp_path):
-    """Issue 37 item 4: with process 1 killed (SIGKILL) mid-training, process 0 waited in a
-    collective until JAX's heartbeat check aborted it (SIGABRT, a C++ stack trace). With
-    --heartbeat-timeout 6 it exits with status 1 and one line naming process 1."""
+def _child_pids(pid):
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _one_of_two_killed(tmp_path, victim):
+    """Two processes of one run (2 CPU devices each, --heartbeat-timeout 6); process
+    `victim` killed (SIGKILL) at the first logged step. The survivor's status, its stderr,
+    and the seconds from the kill to its exit."""
     import signal
     import socket
     import time
 
     import yaml
 
-    steps = 10_000  # never reached: process 1 is killed at its first logged step
+    steps = 10_000  # never reached: a process is killed at its first logged step
     config = {
         "name": "killed",
         "data": {"task": "copy", "train_size": 512, "eval_size": 8, "settings": {"max_len": 12, "symbols": 4}},
@@ -549,29 +568,55 @@ def test_a_process_whose_peer_is_killed_says_so_in_one_line_after_its_heartbeat_
         )
         for i in range(2)
     ]  # fmt: skip
+    survivor = procs[1 - victim]
     try:
         deadline = time.monotonic() + 300
         metrics = run / "metrics.jsonl"
         while not (metrics.exists() and '"loss"' in metrics.read_text()):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "training did not start"
             time.sleep(0.05)
-        procs[1].send_signal(signal.SIGKILL)
+        procs[victim].send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        _, err = procs[0].communicate(timeout=120)
+        _, err = survivor.communicate(timeout=120)
         waited = time.monotonic() - killed
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
-    assert procs[0].returncode == 1, err[-4000:]
+    for fatal in ("Traceback", "SIGABRT", "Check failure", "Terminating process", "F0000"):
+        assert fatal not in err, err[-4000:]
+    assert not any(line[:1] == "F" and line[1:5].isdigit() for line in err.splitlines()), err[-4000:]  # glog FATAL
+    return survivor.returncode, err, waited
+
+
+@pytest.mark.multidevice
+def test_a_process_whose_peer_is_killed_says_so_in_one_line_after_its_heartbeat_timeout(tmp_path):
+    """Issue 37 item 4: with process 1 killed (SIGKILL) mid-training, process 0 waited in a
+    collective until JAX's heartbeat check aborted it (SIGABRT, a C++ stack trace). With
+    --heartbeat-timeout 6 it exits with status 1 and one line naming process 1."""
+    status, err, waited = _one_of_two_killed(tmp_path, victim=1)
+    assert status == 1, err[-4000:]
     assert 6 - 1.5 <= waited < 60, waited  # silent since its last beat, up to 1.5 s (6 / 4) before the kill
     last = err.strip().splitlines()[-1]
     assert last.startswith("jxformers train: process 0 of 2: process 1 has been silent for "), err[-4000:]
     assert "(--heartbeat-timeout 6)" in last and "resume from the last checkpoint" in last, last
-    for fatal in ("Traceback", "SIGABRT", "Check failure", "Terminating process", "F0000"):
-        assert fatal not in err, err[-4000:]
-    assert not any(line[:1] == "F" and line[1:5].isdigit() for line in err.splitlines()), err[-4000:]  # glog FATAL
+
+
+@pytest.mark.multidevice
+def test_a_process_whose_coordinator_is_killed_says_so_in_one_line(tmp_path):
+    """Issue 37 item 4: with process 0 (the coordinator, holding JAX's coordination
+    service) killed, JAX aborted process 1 within a second (SIGABRT, "Terminating process
+    because the JAX distributed service detected fatal errors", a C++ stack trace). Its
+    supervisor (train/supervise.py) now ends it with status 1 and one line."""
+    status, err, waited = _one_of_two_killed(tmp_path, victim=0)
+    assert status == 1, err[-4000:]
+    assert waited < 60, waited
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("jxformers train: process 1 of 2: process 0, the coordinator at localhost:"), err[-4000:]
+    assert "stopped answering: killed, or its host is gone (JAX: " in last, last
+    assert "resume from the last checkpoint in " in last, last
+    assert "Polled an error" not in err, err[-4000:]  # JAX's error line before its abort
 
 
 def test_the_peer_watch_counts_a_peer_silent_once_its_counter_stops_changing():

@@ -35,6 +35,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from tqdm import tqdm
 
+from jxformers._terminal import stderr_is_terminal
 from jxformers.data.loader import READ_AT_ONCE
 
 RECORDS_PER_SHARD = 1000
@@ -138,7 +139,7 @@ def build_split(
         initial=done,
         unit="rec",
         desc=f"build {directory}",
-        disable=not (progress and sys.stderr.isatty()),
+        disable=not (progress and stderr_is_terminal()),
         file=sys.stderr,
     )
     workers = min(processes or os.cpu_count() or 1, len(todo))

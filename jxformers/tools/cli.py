@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
+import os
 import sys
 import warnings
 
@@ -150,7 +152,14 @@ def _resume_run(p, args):
 
 
 def _train(rest: list[str]) -> int:
-    from jxformers.train.distributed import HEARTBEAT_TIMEOUT_S, INIT_TIMEOUT_S, initialize, watch_peers
+    from jxformers.train.distributed import (
+        HEARTBEAT_TIMEOUT_S,
+        INIT_TIMEOUT_S,
+        initialize,
+        several_processes,
+        watch_peers,
+    )
+    from jxformers.train.supervise import SUPERVISED, supervise, watch_parent
 
     p = _experiment_parser("jxformers train", "train (or resume) an experiment in a work directory", resume=True)
     p.add_argument(
@@ -192,6 +201,14 @@ def _train(rest: list[str]) -> int:
         "metrics.jsonl is kept beside the new one as metrics.jsonl.<time>.old); refused where checkpoints exist",
     )
     args = p.parse_args(rest)
+    if several_processes(args.coordinator, args.num_processes) and SUPERVISED not in os.environ:
+        # JAX aborts a process whose coordinator died (SIGABRT, a C++ trace): a parent
+        # running this same command says so in one line instead (train/supervise.py).
+        return supervise(
+            [sys.executable, "-m", "jxformers.tools.cli", "train", *rest],
+            functools.partial(_coordinator_gone, args),
+        )
+    watch_parent()
     try:  # first: before anything starts jax's backends
         initialize(
             args.coordinator,
@@ -228,6 +245,23 @@ def _train(rest: list[str]) -> int:
             watch.stop(done=done)
     print(to_json(summary))
     return 0
+
+
+def _coordinator_gone(args: argparse.Namespace, reason: str, tasks: list[int]) -> str:
+    """The line for a process that JAX ended because its coordination service failed:
+    the processes JAX names as unhealthy, else the coordinator (its service is gone)."""
+    me = f"process {args.process_id} of {args.num_processes}" if args.process_id is not None else "this process"
+    if tasks:
+        who = ("process " if len(tasks) == 1 else "processes ") + ", ".join(map(str, tasks))
+        what = f"{who} stopped sending heartbeats: killed, or its host is gone"
+    else:
+        where = f" at {args.coordinator}" if args.coordinator else ""
+        what = f"process 0, the coordinator{where}, stopped answering: killed, or its host is gone"
+    said = f" (JAX: {reason})" if reason else ""
+    return (
+        f"jxformers train: {me}: {what}{said}; this run stops here; run the same `jxformers train` command "
+        f"on every process again to resume from the last checkpoint in {args.workdir}"
+    )
 
 
 def _batches(text: str) -> int | str:

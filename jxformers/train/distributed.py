@@ -75,6 +75,14 @@ HEARTBEAT_TIMEOUT_S = 100
 _JAX_DEADLINE_MARGIN_S = 30
 
 
+def several_processes(coordinator: str | None, num_processes: int | None) -> bool:
+    """Whether `initialize(coordinator, num_processes, ...)` would start several
+    processes: more than one asked for, or none asked for on a cluster JAX detects."""
+    if coordinator is not None or num_processes is not None:
+        return num_processes is not None and num_processes > 1
+    return cluster_environment() is not None
+
+
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,

@@ -44,6 +44,7 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+from jxformers._terminal import stderr_is_terminal
 from jxformers.data import make_loader
 from jxformers.data.baselines import baselines
 from jxformers.nn import redraw
@@ -457,7 +458,7 @@ class _Progress:
 
     def __init__(self, experiment: Experiment, start: int, enabled: bool):
         self.name, self.total, self.enabled = experiment.name, experiment.train.steps, enabled
-        self.terminal = enabled and sys.stderr.isatty()
+        self.terminal = enabled and stderr_is_terminal()
         self.bar = tqdm(total=self.total, initial=start, desc=self.name, file=sys.stderr, disable=not self.terminal)
         self.last_line = None
 
