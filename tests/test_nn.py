@@ -89,20 +89,62 @@ def test_norms_compute_in_float32_and_return_the_input_dtype():
     assert_close(half, y, atol=3e-2)
 
 
-@pytest.mark.parametrize("kind", ["relu", "gelu", "geglu", "swiglu"])
-def test_feed_forward_kinds(kind):
+def _np_erf(x):
+    return np.vectorize(math.erf)(x)
+
+
+# Each kind's hidden layer in numpy, from its paper: act(x W1 + b1), times (x W3 + b3) when gated.
+NP_ACTIVATIONS = {
+    "relu": lambda h: np.maximum(h, 0),
+    "gelu": lambda h: 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3))),
+    "gelu_exact": lambda h: 0.5 * h * (1 + _np_erf(h / np.sqrt(2))),
+    "silu": lambda h: h / (1 + np.exp(-h)),  # Swish, beta = 1
+    "relu2": lambda h: np.maximum(h, 0) ** 2,  # Primer
+    "geglu": lambda h: 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3))),
+    "swiglu": lambda h: h / (1 + np.exp(-h)),
+    "reglu": lambda h: np.maximum(h, 0),
+    "bilinear": lambda h: h,
+}
+NP_GATED = {"geglu", "swiglu", "reglu", "bilinear"}  # Shazeer 2020, eqs. 5-6
+
+
+@pytest.mark.parametrize("kind", sorted(NP_ACTIVATIONS))
+def test_feed_forward_kinds_follow_their_formulas(kind):
+    """W2 act(x W1) or W2 (act(x W1) * x W3), biases included, against numpy."""
+    from jxformers.nn.layers import FFN_KINDS
+
+    assert set(FFN_KINDS) == set(NP_ACTIVATIONS)
     ffn = FeedForward(8, 12, kind, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (3, 8))
     y = ffn(x)
-    assert y.shape == (3, 8)
-    gated = ffn.w_gate is not None
-    assert gated == (kind in ("geglu", "swiglu"))
-    if kind == "relu":
-        assert_close(y, ffn.w_out(jax.nn.relu(ffn.w_in(x))))
-    if kind == "swiglu":
-        assert_close(y, ffn.w_out(jax.nn.silu(ffn.w_in(x)) * ffn.w_gate(x)))
+    assert (ffn.w_gate is not None) == (kind in NP_GATED)
+    xn = np.asarray(x, np.float64)
+
+    def affine(lin, v):
+        return v @ np.asarray(lin.weight, np.float64).T + np.asarray(lin.bias, np.float64)
+
+    h = NP_ACTIVATIONS[kind](affine(ffn.w_in, xn))
+    if kind in NP_GATED:
+        h = h * affine(ffn.w_gate, xn)
+    assert_close(y, affine(ffn.w_out, h), atol=1e-5)
     with pytest.raises(ValueError, match="ffn"):
         FeedForward(8, 12, "tanh", key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("kind", ["silu", "relu2", "reglu", "bilinear"])
+def test_moe_experts_take_the_new_activations(kind):
+    """An expert of an MoE layer computes what a FeedForward of its kind does."""
+    from jxformers.nn.moe import Experts
+
+    experts = Experts(2, 8, 12, kind, key=jax.random.key(3))
+    x = jax.random.normal(jax.random.key(4), (2, 5, 8))
+    y = experts.dense(x)
+    xn = np.asarray(x[1], np.float64)
+    w = lambda a: np.asarray(a[1], np.float64)  # noqa: E731 - expert 1's
+    h = NP_ACTIVATIONS[kind](xn @ w(experts.w_in) + w(experts.b_in))
+    if kind in NP_GATED:
+        h = h * (xn @ w(experts.w_gate) + w(experts.b_gate))
+    assert_close(y[1], h @ w(experts.w_out) + w(experts.b_out), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- attention module

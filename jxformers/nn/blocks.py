@@ -1,6 +1,7 @@
 """The transformer block: self-attention, optional cross-attention, and a feed-forward
-network, each a residual branch with pre- or post-norm placement (Lin et al. 2021, "A Survey
-of Transformers", arXiv 2106.04554, section 5.2)."""
+network, each a residual branch with its norms placed as `jxformers.nn.residual` says
+(pre, post, sandwich, ReZero, DeepNorm; Lin et al. 2021, "A Survey of Transformers",
+arXiv 2106.04554, section 5.2)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,19 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
 
 from jxformers import decoding
 from jxformers.kernels.alibi import Alibi
-from jxformers.nn import cross_layer
+from jxformers.nn import cross_layer, residual
 from jxformers.nn.attention import Attention
 from jxformers.nn.layers import FeedForward, Norm, make_norm
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.produced import Produced
 
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = residual.PLACEMENTS
 
 
 class Block(eqx.Module):
@@ -51,10 +53,13 @@ class Block(eqx.Module):
     attention: Attention
     cross_attention: Attention | None
     ffn: FeedForward | MoE | ProductKeyMemory | None
-    norms: tuple[Norm, ...]
+    norms: tuple[Norm, ...]  # one per branch: on its input (pre, sandwich) or after its sum (post, deepnorm)
+    out_norms: tuple[Norm, ...]  # sandwich: one per branch, on its output
+    resweight: Float[Array, ""] | None  # rezero: the block's residual scalar
     dropout: eqx.nn.Dropout
     evolve: cross_layer.Evolve | None
-    pre_norm: bool = eqx.field(static=True)
+    placement: str = eqx.field(static=True)
+    alpha: float = eqx.field(static=True)  # deepnorm: the residual's scale
     maps: str = eqx.field(static=True)
 
     def __init__(
@@ -70,7 +75,14 @@ class Block(eqx.Module):
         norm_eps: float | None = None,
         maps: str = "none",
         evolve: cross_layer.Evolve | None = None,
+        placement: str | None = None,
+        alpha: float = 1.0,
     ):
+        placement = placement or ("pre" if pre_norm else "post")
+        if placement not in residual.PLACEMENTS:
+            raise ValueError(f"placement must be one of {residual.PLACEMENTS}; got {placement!r}")
+        if alpha != 1.0 and placement != "deepnorm":
+            raise ValueError(f"alpha (the residual's scale) is deepnorm's; got {alpha=} with {placement=}")
         if maps not in cross_layer.MAP_ROLES:
             raise ValueError(f"maps must be one of {cross_layer.MAP_ROLES}; got {maps=}")
         cross_layer.check_maps(maps, attention.core)
@@ -91,18 +103,41 @@ class Block(eqx.Module):
         self.maps, self.evolve = maps, evolve
         self.attention, self.cross_attention, self.ffn = attention, cross_attention, ffn
         branches = 1 + (cross_attention is not None) + (ffn is not None)
-        self.norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(branches))
+        normed = 0 if placement == "rezero" else branches
+        self.norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(normed))
+        self.out_norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(branches * (placement == "sandwich")))
+        self.resweight = jnp.zeros((), jnp.float32) if placement == "rezero" else None
         self.dropout = eqx.nn.Dropout(dropout)
-        self.pre_norm = pre_norm
+        self.placement, self.alpha = placement, float(alpha)
 
-    def _branch(self, f: Callable[[Array], tuple[Array, Produced]], norm, x, key, inference):
-        """(dropout(f(norm(x))), what f produced) with pre-norm, f(x) with post-norm: the
-        one dropout of a residual branch."""
-        y, produced = f(norm(x) if self.pre_norm else x)
-        return self.dropout(y, key=key, inference=inference), produced
+    @property
+    def pre_norm(self) -> bool:
+        """Whether each branch's input is normalised (pre, sandwich)."""
+        return self.placement in residual.INPUT_NORMED
 
-    def _residual(self, x, branch_out, norm):
-        return x + branch_out if self.pre_norm else norm(x + branch_out)
+    def _branch(self, f: Callable[[Array], tuple[Array, Produced]], index: int, x, key, inference):
+        """(the branch's output, what f produced): dropout(f(N(x))) with pre-norm,
+        dropout(N'(f(N(x)))) with sandwich, a dropout(f(x)) with rezero, dropout(f(x))
+        with post-norm and deepnorm; `index` is the branch's (0 self-attention, then
+        cross-attention, then the FFN). The one dropout of a residual branch."""
+        y, produced = f(self.norms[index](x) if self.pre_norm else x)
+        if self.out_norms:
+            y = self.out_norms[index](y)
+        y = self.dropout(y, key=key, inference=inference)
+        if self.resweight is not None:
+            y = self.resweight.astype(y.dtype) * y
+        return y, produced
+
+    def _residual(self, x, branch_out, index: int):
+        """x + the branch's output, normalised after the sum with post-norm (alpha x +
+        ... with deepnorm)."""
+        if self.placement in residual.OUTPUT_NORMED:
+            return self.norms[index](x * self.alpha + branch_out if self.alpha != 1.0 else x + branch_out)
+        return x + branch_out
+
+    @property
+    def _ffn_index(self) -> int:
+        return 1 + (self.cross_attention is not None)
 
     def attention_branch(
         self,
@@ -123,7 +158,6 @@ class Block(eqx.Module):
         With `source` (Funnel's pooling layer: x pooled, source the unpooled stream), the
         keys and values come from norm(source) instead of norm(x) (source itself with
         post-norm); `kv_mask` and `source_positions` are then the source's."""
-        norm = self.norms[0]
         # The core's own training noise (Sinkhorn's Gumbel); the dropout key stays as it was.
         noise = None if key is None or inference else jax.random.fold_in(key, 1)
         if source is None:
@@ -131,7 +165,7 @@ class Block(eqx.Module):
                 h, kv_mask=kv_mask, bias=bias, positions=positions, key=noise, inference=inference
             )
         else:
-            kv = norm(source) if self.pre_norm else source
+            kv = self.norms[0](source) if self.pre_norm else source
             attend = lambda h: self.attention.apply(  # noqa: E731
                 h,
                 kv,
@@ -142,7 +176,7 @@ class Block(eqx.Module):
                 key=noise,
                 inference=inference,
             )
-        y, produced = self._branch(attend, norm, x, key, inference)
+        y, produced = self._branch(attend, 0, x, key, inference)
         return y, produced.under("attention")
 
     def ffn_branch(
@@ -170,7 +204,7 @@ class Block(eqx.Module):
             y, aux = ffn(h, mask=mask, key=k_hidden, inference=inference)
             return y, Produced(moe=(aux,))
 
-        return self._branch(feed, self.norms[-1], x, k_out, inference)
+        return self._branch(feed, self._ffn_index, x, k_out, inference)
 
     def __call__(self, x: Float[Array, "seq d_model"], **kwargs) -> Float[Array, "seq d_model"]:
         """`apply(...)`'s output alone (the arguments are `apply`'s)."""
@@ -195,7 +229,7 @@ class Block(eqx.Module):
             )
             return y, Produced()
 
-        return self._branch(attend, self.norms[0], x, key, inference)[0], made["maps"]
+        return self._branch(attend, 0, x, key, inference)[0], made["maps"]
 
     def apply_maps(
         self,
@@ -247,20 +281,20 @@ class Block(eqx.Module):
                 x, maps, kv_mask=kv_mask, bias=bias, positions=positions, key=k_attn, inference=inference
             )
             produced = Produced()
-        x = self._residual(x, out, self.norms[0])
+        x = self._residual(x, out, 0)
         if self.cross_attention is not None:
             if context is None:
                 raise ValueError("this block cross-attends: pass a context")
             cross = self.cross_attention
             attend = lambda h: cross.apply(h, context, kv_mask=context_mask, inference=inference)  # noqa: E731
-            out, more = self._branch(attend, self.norms[1], x, k_cross, inference)
-            x = self._residual(x, out, self.norms[1])
+            out, more = self._branch(attend, 1, x, k_cross, inference)
+            x = self._residual(x, out, 1)
             produced = produced + more.under("cross_attention")
         if self.ffn is None:  # the all-attention layer: no FFN sublayer
             return x, produced, maps
         ffn_mask = kv_mask if source is None else None  # with a source, kv_mask is not x's
         out, more = self.ffn_branch(x, mask=ffn_mask, key=k_ffn, inference=inference)
-        return self._residual(x, out, self.norms[-1]), produced + more, maps
+        return self._residual(x, out, self._ffn_index), produced + more, maps
 
     def init_decode_state(self, max_len: int, dtype) -> decoding.State:
         """The self-attention's empty decoding state (fixed shape); a layer that reuses
@@ -310,12 +344,12 @@ class Block(eqx.Module):
                 )
             return y, Produced()
 
-        x = self._residual(x, self._branch(attend, self.norms[0], x, None, True)[0], self.norms[0])
+        x = self._residual(x, self._branch(attend, 0, x, None, True)[0], 0)
         if self.cross_attention is not None:
             assert context_kv is not None
             cross = self.cross_attention
             step = lambda h: (cross.cross_step(h, *context_kv, kv_mask=context_mask), Produced())  # noqa: E731
-            x = self._residual(x, self._branch(step, self.norms[1], x, None, True)[0], self.norms[1])
+            x = self._residual(x, self._branch(step, 1, x, None, True)[0], 1)
         if self.ffn is not None:
-            x = self._residual(x, self.ffn_branch(x[None], inference=True)[0][0], self.norms[-1])
+            x = self._residual(x, self.ffn_branch(x[None], inference=True)[0][0], self._ffn_index)
         return x, out["state"], out["maps"]

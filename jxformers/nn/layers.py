@@ -1,12 +1,13 @@
 """Small layers: a linear map that computes in a chosen dtype, LayerNorm and RMSNorm
 that always normalise in float32, the position-wise feed-forward network with
-ReLU, GELU (tanh approximation, or "gelu_exact": the erf form BERT uses) and gated
-(GEGLU, SwiGLU) variants (Lin et al. 2021, "A Survey of Transformers", arXiv 2106.04554,
-section 5.3), and the embedding-table lookup that
+ReLU, GELU (tanh approximation, or "gelu_exact": the erf form BERT uses), Swish/SiLU,
+squared ReLU and gated (GEGLU, SwiGLU, ReGLU, bilinear) variants (Lin et al. 2021, "A
+Survey of Transformers", arXiv 2106.04554, section 5.3), and the embedding-table lookup that
 refuses ids outside the table (`lookup`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import equinox as eqx
@@ -15,8 +16,34 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-FFN_KINDS = ("relu", "gelu", "gelu_exact", "geglu", "swiglu")
-NORM_KINDS = ("layernorm", "rmsnorm", "scalenorm")
+
+def _relu_squared(h: Array) -> Array:
+    return jnp.square(jax.nn.relu(h))
+
+
+def _identity(h: Array) -> Array:
+    return h
+
+
+# The FFN's activation of each kind: act(x W1) alone, or act(x W1) * (x W3) for the gated
+# kinds (Shazeer 2020, "GLU Variants Improve Transformer", arXiv 2002.05202, eqs. 5-6:
+# GEGLU, SwiGLU, ReGLU, and the bilinear layer, whose "activation" is the identity).
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
+    # Swish with beta = 1 (Ramachandran et al. 2017, "Searching for Activation Functions")
+    "silu": jax.nn.silu,
+    # So et al. 2021 ("Primer: Searching for Efficient Transformers for Language Modeling"), section 3
+    "relu2": _relu_squared,
+    "geglu": functools.partial(jax.nn.gelu, approximate=True),
+    "swiglu": jax.nn.silu,
+    "reglu": jax.nn.relu,
+    "bilinear": _identity,
+}
+GATED_KINDS = ("geglu", "swiglu", "reglu", "bilinear")
+FFN_KINDS = tuple(ACTIVATIONS)
+NORM_KINDS = ("layernorm", "rmsnorm", "scalenorm", "adanorm")
 
 
 def check_ids(ids, size: int, what: str = "token ids") -> None:
@@ -139,9 +166,34 @@ class ScaleNorm(eqx.Module):
         return (self.weight * xf * inverse).astype(x.dtype)
 
 
+class AdaNorm(eqx.Module):
+    """AdaNorm (Xu et al. 2019, "Understanding and Improving Layer Normalization", NeurIPS,
+    section 5): z = C (1 - k y) * y with y = (x - mean) / (std + eps), k = 1/10, and
+    (1 - k y) treated as a constant in the backward pass (their eq. 12: its gradient is
+    detached), so the scale adapts to each input without the gain and bias, which AdaNorm
+    drops (no parameters). As the authors' code: std is the unbiased standard deviation,
+    eps is added to it, C = 1 (their default `adanorm_scale`). In float32."""
+
+    eps: float = eqx.field(static=True)
+    k: float = eqx.field(static=True)
+    c: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, k: float = 0.1, c: float = 1.0):
+        del dim  # no parameters: the signature of the other norms
+        self.eps, self.k, self.c = eps, k, c
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        xf = x.astype(jnp.float32)
+        centred = xf - xf.mean(-1, keepdims=True)
+        # unbiased, as torch.std; a 1-feature input has no spread to measure (std 0)
+        std = jnp.sqrt(jnp.sum(jnp.square(centred), -1, keepdims=True) / max(x.shape[-1] - 1, 1))
+        y = centred / (std + self.eps)
+        return (self.c * (1.0 - self.k * jax.lax.stop_gradient(y)) * y).astype(x.dtype)
+
+
 # Any norm `make_norm` builds.
-Norm = LayerNorm | RMSNorm | ScaleNorm
-_NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "scalenorm": ScaleNorm}
+Norm = LayerNorm | RMSNorm | ScaleNorm | AdaNorm
+_NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "scalenorm": ScaleNorm, "adanorm": AdaNorm}
 
 
 def make_norm(kind: str, dim: int, eps: float | None = None) -> Norm:
@@ -154,7 +206,8 @@ def make_norm(kind: str, dim: int, eps: float | None = None) -> Norm:
 
 class FeedForward(eqx.Module):
     """Position-wise FFN: W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated kinds
-    (GEGLU: GELU gate, SwiGLU: SiLU gate; Shazeer, 2020).
+    (`ACTIVATIONS`, `GATED_KINDS`: GEGLU, SwiGLU, ReGLU and the bilinear layer; Shazeer
+    2020).
 
     `chunk_size`: run the positions in chunks of this many, one after another
     (`lax.map`), so the `[seq, d_ff]` hidden layer is never held at once: Reformer's
@@ -186,7 +239,7 @@ class FeedForward(eqx.Module):
         k1, k2, k3 = jax.random.split(key, 3)
         self.kind, self.chunk_size = kind, chunk_size
         self.w_in = Linear(d_model, d_ff, key=k1)
-        self.w_gate = Linear(d_model, d_ff, key=k3) if kind in ("geglu", "swiglu") else None
+        self.w_gate = Linear(d_model, d_ff, key=k3) if kind in GATED_KINDS else None
         self.w_out = Linear(d_ff, d_model, key=k2)
         self.dropout = eqx.nn.Dropout(dropout)
 
@@ -203,15 +256,9 @@ class FeedForward(eqx.Module):
         return out.reshape(chunks * c, -1)[:n]
 
     def _apply(self, x, key, inference):
-        h = self.w_in(x)
-        if self.kind == "relu":
-            h = jax.nn.relu(h)
-        elif self.kind in ("gelu", "gelu_exact"):
-            h = jax.nn.gelu(h, approximate=self.kind == "gelu")
-        else:
-            assert self.w_gate is not None
-            act = jax.nn.gelu if self.kind == "geglu" else jax.nn.silu
-            h = act(h) * self.w_gate(x)
+        h = ACTIVATIONS[self.kind](self.w_in(x))
+        if self.w_gate is not None:
+            h = h * self.w_gate(x)
         return self.w_out(self.dropout(h, key=key, inference=inference))
 
 

@@ -79,7 +79,7 @@ import jax.numpy as jnp
 from jax import custom_batching
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from jxformers.nn.layers import FFN_KINDS, FeedForward, Linear, split_key
+from jxformers.nn.layers import ACTIVATIONS, FFN_KINDS, GATED_KINDS, FeedForward, Linear, split_key
 from jxformers.validate import check_fields, setting
 
 ROUTERS = ("token_choice", "expert_choice")
@@ -303,7 +303,7 @@ grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 class Experts(eqx.Module):
-    """E feed-forward networks of one kind (relu, gelu, gelu_exact, geglu, swiglu) with stacked
+    """E feed-forward networks of one kind (`FFN_KINDS`: relu, gelu, silu, swiglu, ...) with stacked
     weights: w_in, w_gate `[E, d_model, d_ff]`, w_out `[E, d_ff, d_model]`, biases
     `[E, d_ff]`, `[E, d_model]` (float32; computed in the activations' dtype). Expert e
     computes what `FeedForward` computes with its weights."""
@@ -331,7 +331,7 @@ class Experts(eqx.Module):
         self.kind = kind
         self.w_in = uniform(keys[0], (num_experts, d_model, d_ff), d_model)
         self.b_in = uniform(keys[1], (num_experts, d_ff), d_model)
-        gated = kind in ("geglu", "swiglu")
+        gated = kind in GATED_KINDS
         self.w_gate = uniform(keys[2], (num_experts, d_model, d_ff), d_model) if gated else None
         self.b_gate = uniform(keys[3], (num_experts, d_ff), d_model) if gated else None
         self.w_out = uniform(keys[4], (num_experts, d_ff, d_model), d_ff)
@@ -343,11 +343,8 @@ class Experts(eqx.Module):
         return self.w_in.shape[0]
 
     def _hidden(self, h, g):
-        if self.kind == "relu":
-            return jax.nn.relu(h)
-        if self.kind in ("gelu", "gelu_exact"):
-            return jax.nn.gelu(h, approximate=self.kind == "gelu")
-        return (jax.nn.gelu if self.kind == "geglu" else jax.nn.silu)(h) * g
+        h = ACTIVATIONS[self.kind](h)
+        return h if g is None else h * g
 
     def dense(
         self, x: Float[Array, "experts cap d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False

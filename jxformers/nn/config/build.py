@@ -10,6 +10,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from jxformers.nn import residual
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import Block
 from jxformers.nn.config.components import (
@@ -101,6 +102,11 @@ def _blocks(
     self-attention that takes its keys and values from a separate sequence."""
     blocks = []
     stack = config.stack
+    alpha, beta = 1.0, 1.0
+    if config.norm.placement == "deepnorm":  # DeepNet's constants for this side of the model
+        encoder = 0 if config.task == "lm" else config.num_layers
+        decoder = {"lm": config.num_layers, "seq2seq": config.decoder_layers}.get(config.task, 0)
+        alpha, beta = residual.deepnorm_constants(encoder, decoder, "decoder" if causal else "encoder")
     maps_kind, lazy_block = "none", 2
     if isinstance(stack, TransformerStack):
         maps_kind, lazy_block = stack.attention_maps, stack.lazy_block
@@ -144,20 +150,22 @@ def _blocks(
                 **{n: getattr(config.decoder.cross_attention, n) for n in HEAD_OPTIONS},
                 key=kc,
             )
-        blocks.append(
-            Block(
-                attention,
-                _ffn(config, config.layer(i).ffn, key=kf),
-                d_model=config.d_model,
-                norm=config.norm.kind,
-                pre_norm=config.norm.placement == "pre",
-                cross_attention=cross_attention,
-                dropout=config.dropout,
-                norm_eps=config.norm.eps,
-                maps=role,
-                evolve=_evolve(config, i, key=jax.random.fold_in(k, 3)),
-            )
+        block = Block(
+            attention,
+            _ffn(config, config.layer(i).ffn, key=kf),
+            d_model=config.d_model,
+            norm=config.norm.kind,
+            placement=config.norm.placement,
+            alpha=alpha,
+            cross_attention=cross_attention,
+            dropout=config.dropout,
+            norm_eps=config.norm.eps,
+            maps=role,
+            evolve=_evolve(config, i, key=jax.random.fold_in(k, 3)),
         )
+        if config.norm.placement == "deepnorm":
+            block = residual.deepnorm_init(block, beta, key=jax.random.fold_in(k, 4))
+        blocks.append(block)
     return blocks
 
 

@@ -174,15 +174,22 @@ class NormConfig:
     """Every norm of the model."""
 
     kind: str = setting(
-        "layernorm", "layernorm, rmsnorm or scalenorm (Nguyen & Salazar 2019: g x / ||x||)", choices=NORM_KINDS
+        "layernorm",
+        "layernorm, rmsnorm, scalenorm (Nguyen & Salazar 2019: g x / ||x||) or adanorm (Xu et al. 2019: "
+        "(1 - y / 10) y with y the normalised x, no gain or bias)",
+        choices=NORM_KINDS,
     )
     placement: str | None = setting(
         None,
         "pre or post the residual branch (None: the stack's paper; pre for the "
-        "transformer, the stable choice of Xiong et al. 2020; post with ffn none, the all-attention layer's)",
+        "transformer, the stable choice of Xiong et al. 2020; post with ffn none, the all-attention layer's); "
+        "transformer stack only: sandwich (CogView's x + N(f(N(x)))), rezero (x + a f(x), a learned from 0, "
+        "no norms; Bachlechner et al. 2020), deepnorm (N(alpha x + f(x)) and DeepNet's init; Wang et al. 2022)",
         choices=(*NORM_PLACEMENTS, None),
     )
-    eps: float | None = setting(None, "epsilon (None: LayerNorm 1e-5, RMSNorm 1e-6, ScaleNorm 1e-5; BERT 1e-12)")
+    eps: float | None = setting(
+        None, "epsilon (None: LayerNorm 1e-5, RMSNorm 1e-6, ScaleNorm 1e-5, AdaNorm 1e-5; BERT 1e-12)"
+    )
     final: bool = setting(True, "a norm after the last block; BERT's post-norm encoder has none")
 
     def __post_init__(self):
@@ -199,7 +206,12 @@ class NormConfig:
 class FeedForwardConfig:
     """A dense feed-forward network (`jxformers.nn.layers.FeedForward`)."""
 
-    kind: str = setting("gelu", "the activation (geglu, swiglu: gated)", choices=FFN_KINDS)
+    kind: str = setting(
+        "gelu",
+        "the activation: relu, gelu (tanh), gelu_exact (erf), silu (Swish), relu2 (Primer's squared ReLU); "
+        "gated (Shazeer 2020): geglu, swiglu, reglu, bilinear",
+        choices=FFN_KINDS,
+    )
     d_ff: int | None = setting(None, "hidden width (None: 4 d_model)")
     chunk_size: int | None = setting(None, "run over chunks of this many positions (Reformer's chunked FFN)")
 

@@ -47,7 +47,7 @@ from jxformers.nn.config.components import (
 )
 from jxformers.nn.cross_layer import check_maps
 from jxformers.nn.heads import check_head_options
-from jxformers.nn.layers import NORM_KINDS
+from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.mixture import PIXEL_VALUES
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
@@ -152,6 +152,7 @@ class ModelConfig:
         self._check_stack()
         self._check_head()
         self._check_ffns()
+        self._check_norm_placement()
         self._check_embedding()
         set_("_bound", self._bind())
         self._check_attentions()
@@ -358,6 +359,25 @@ class ModelConfig:
                     f"(pixels) or {PIXEL_VALUES + 1} (pixels and a start token); got {self.vocab_size}"
                 )
 
+    def _check_norm_placement(self):
+        """The placements beyond pre and post are the transformer block's (nn.residual)."""
+        placement = self.norm.placement
+        if placement in ("pre", "post"):
+            return
+        if not isinstance(self.stack, TransformerStack) or getattr(self.head, "kind", None) == "pma":
+            raise ValueError(
+                f"norm.placement {placement!r} is built into the transformer stack's blocks; stacks isab, luna, "
+                f"perceiver, transformer_xl, compressive and the pma head take 'pre' or 'post'; got stack "
+                f"{self.stack.kind!r}, head {getattr(self.head, 'kind', None)!r}"
+            )
+        if placement == "deepnorm":
+            kinds = sorted({self.layer(i).ffn.kind for i in range(self._blocks())} - set(FFN_KINDS))
+            if kinds:
+                raise ValueError(
+                    f"norm.placement 'deepnorm' draws the dense FFN's matrices with DeepNet's gain; it takes a "
+                    f"dense ffn in every block ({list(FFN_KINDS)}); got {kinds}"
+                )
+
     def _check_ffns(self):
         """Dense FFNs go anywhere; moe and pkm in transformer blocks of classify and lm."""
         ffns = [self.layer(i).ffn for i in range(self._blocks())]
@@ -458,11 +478,12 @@ class ModelConfig:
             raise ValueError(
                 f"{sorted(given)} apply to stack 'transformer'; got stack {self.stack.kind!r} with {given}"
             )
-        if not self.norm.final and (self.norm.placement != "post" or self.task not in ENCODER_TASKS):
+        ends_normed = self.norm.placement in ("post", "deepnorm") and self.task in ENCODER_TASKS
+        if not self.norm.final and not ends_normed and self.norm.placement != "rezero":
             raise ValueError(
-                f"norm.final False (BERT's encoder) needs norm placement 'post', whose blocks end "
-                f"normalised, and an encoder task (classify, retrieval); got placement "
-                f"{self.norm.placement!r}, task {self.task!r}"
+                f"norm.final False needs blocks that end normalised (placement 'post' or 'deepnorm', BERT's "
+                f"encoder) and an encoder task (classify, retrieval), or placement 'rezero' (the paper's "
+                f"model has no norm at all); got placement {self.norm.placement!r}, task {self.task!r}"
             )
 
     def _check_heads(self, attention: AttentionConfig, spec: registry.AttentionSpec, where: str) -> None:

@@ -1,0 +1,253 @@
+"""Issue 31's norms and residual schemes (Lin et al. 2021 section 5.2) and FFN kinds
+(section 5.3), each against its paper's formula: AdaNorm (its detached gradient by
+finite differences), the placements of `jxformers.nn.residual` (sandwich, ReZero,
+DeepNorm) composed from the block's own sublayers, DeepNet's constants and
+initialisation, the config's refusals, and one training step for every norm, placement
+and FFN kind."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+
+from jxformers import ModelConfig, build_model
+from jxformers.nn import residual
+from jxformers.nn.attention import Attention
+from jxformers.nn.blocks import Block
+from jxformers.nn.layers import FFN_KINDS, NORM_KINDS, AdaNorm, FeedForward
+
+D = 8
+
+
+# ------------------------------------------------------------------ AdaNorm
+
+
+def np_adanorm(x, eps=1e-5, k=0.1, c=1.0, frozen=None):
+    """Xu et al. 2019: C (1 - k y) y, y = (x - mean) / (std + eps) (unbiased std); with
+    `frozen`, the (1 - k y) factor is that array's (held constant, as in their backward)."""
+    centred = x - x.mean(-1, keepdims=True)
+    y = centred / (centred.std(-1, ddof=1, keepdims=True) + eps)
+    factor = (1 - k * y) if frozen is None else frozen
+    return c * factor * y
+
+
+def test_adanorm_follows_its_formula_and_detaches_the_adaptive_factor():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, D)) * 3 + 1
+    norm = AdaNorm(D)
+    assert_close(norm(jnp.asarray(x, jnp.float32)), np_adanorm(x), atol=1e-5)
+    assert jax.tree.leaves(eqx.filter(norm, eqx.is_array)) == []  # no gain, no bias
+    # the gradient holds (1 - k y) fixed: finite differences of the frozen function
+    x0 = x[0]
+    centred = x0 - x0.mean()
+    frozen = 1 - 0.1 * centred / (centred.std(ddof=1) + 1e-5)
+    w = rng.normal(size=D)
+    grad = jax.grad(lambda v: jnp.sum(AdaNorm(D)(v) * w))(jnp.asarray(x0, jnp.float32))
+    h, numeric = 1e-5, np.zeros(D)
+    for i in range(D):
+        up, down = x0.copy(), x0.copy()
+        up[i] += h
+        down[i] -= h
+        numeric[i] = (np_adanorm(up, frozen=frozen) @ w - np_adanorm(down, frozen=frozen) @ w) / (2 * h)
+    assert_close(grad, numeric, atol=1e-3)
+    # and differs from the gradient through the factor (the detach matters)
+    full = jax.grad(lambda v: jnp.sum(np_adanorm_jnp(v) * w))(jnp.asarray(x0, jnp.float32))
+    assert float(jnp.abs(full - grad).max()) > 1e-3
+
+
+def np_adanorm_jnp(x):
+    centred = x - x.mean(-1, keepdims=True)
+    y = centred / (jnp.std(centred, -1, ddof=1, keepdims=True) + 1e-5)
+    return (1 - 0.1 * y) * y
+
+
+# ------------------------------------------------------------------ placements
+
+
+def block(placement, *, cross=False, alpha=1.0, seed=0):
+    ka, kc, kf = jax.random.split(jax.random.key(seed), 3)
+    attention = Attention("softmax", D, 2, key=ka)
+    cross_attention = Attention("softmax", D, 2, cross=True, key=kc) if cross else None
+    ffn = FeedForward(D, 16, "gelu", key=kf)
+    return Block(attention, ffn, d_model=D, placement=placement, cross_attention=cross_attention, alpha=alpha)
+
+
+def perturbed(b):
+    """The block with its norms' gains and biases moved off 1 and 0, so a swapped norm shows."""
+    leaves, tree = jax.tree.flatten(b)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    moved = [
+        leaf + 0.3 * jax.random.normal(k, leaf.shape) if eqx.is_inexact_array(leaf) else leaf
+        for leaf, k in zip(leaves, keys, strict=True)
+    ]
+    return jax.tree.unflatten(tree, moved)
+
+
+@pytest.mark.parametrize("placement", residual.PLACEMENTS)
+def test_each_placement_composes_the_sublayers_as_its_paper(placement):
+    """pre: x + A(N(x)); post: N(x + A(x)); sandwich (CogView): x + N'(A(N(x)));
+    rezero: x + a A(x); deepnorm: N(alpha x + A(x)); then the same around the FFN."""
+    alpha = 1.7 if placement == "deepnorm" else 1.0
+    b = perturbed(block(placement, alpha=alpha))
+    if placement == "rezero":
+        b = eqx.tree_at(lambda m: m.resweight, b, jnp.asarray(0.6))
+    x = jax.random.normal(jax.random.key(3), (5, D))
+    attend = lambda h: b.attention(h)  # noqa: E731
+    feed = lambda h: b.ffn(h, inference=True)  # noqa: E731
+    h = x
+    for i, f in enumerate((attend, feed)):
+        if placement == "pre":
+            h = h + f(b.norms[i](h))
+        elif placement == "post":
+            h = b.norms[i](h + f(h))
+        elif placement == "sandwich":
+            h = h + b.out_norms[i](f(b.norms[i](h)))
+        elif placement == "rezero":
+            h = h + 0.6 * f(h)  # one scalar for both sublayers (the authors' code)
+        else:
+            h = b.norms[i](alpha * h + f(h))
+    assert_close(b(x, inference=True), h, atol=1e-5)
+    if placement == "rezero":
+        assert b.norms == () and b.out_norms == ()
+    if placement == "sandwich":
+        assert len(b.norms) == len(b.out_norms) == 2
+
+
+def test_a_rezero_block_starts_as_the_identity_and_learns_its_scalar():
+    b = block("rezero")
+    x = jax.random.normal(jax.random.key(4), (5, D))
+    assert bool(jnp.all(b(x, inference=True) == x))
+    grad = eqx.filter_grad(lambda m: jnp.sum(m(x, inference=True) ** 2))(b)
+    assert float(jnp.abs(grad.resweight)) > 0  # the only way out of the identity
+
+
+def test_a_sandwich_block_with_cross_attention_normalises_three_branches_twice():
+    b = block("sandwich", cross=True)
+    assert len(b.norms) == len(b.out_norms) == 3
+
+
+def test_decoding_steps_match_the_full_forward_for_every_placement():
+    for placement in residual.PLACEMENTS:
+        config = dict(
+            task="lm", vocab_size=11, num_layers=2, d_model=D, num_heads=2, max_len=8,
+            ffn={"kind": "gelu", "d_ff": 16}, norm={"placement": placement},
+        )  # fmt: skip
+        model = build_model(config, key=jax.random.key(1))
+        if placement == "rezero":  # away from the identity
+            model = eqx.tree_at(lambda m: [b.resweight for b in m.blocks], model, [jnp.asarray(0.5)] * 2)
+        tokens = jnp.array([1, 4, 2, 7, 3])
+        full = model(tokens)
+        state = model.init_decode_state(8)
+        steps = []
+        for t in range(5):
+            logits, state = model.decode_step(tokens[t], state)
+            steps.append(logits)
+        assert_close(jnp.stack(steps), full, atol=1e-4)
+
+
+# ------------------------------------------------------------------ DeepNet
+
+
+def test_deepnorm_constants_are_deepnets_table_1():
+    a, b = residual.deepnorm_constants(6, 0, "encoder")  # encoder-only, N = 6
+    assert a == pytest.approx(12**0.25) and b == pytest.approx(48**-0.25)
+    assert residual.deepnorm_constants(0, 6, "decoder") == (a, b)  # decoder-only, M = 6
+    a, b = residual.deepnorm_constants(18, 18, "encoder")
+    assert a == pytest.approx(0.81 * (18**5) ** (1 / 16)) and b == pytest.approx(0.87 * (18**5) ** (-1 / 16))
+    a, b = residual.deepnorm_constants(18, 18, "decoder")
+    assert a == pytest.approx(54**0.25) and b == pytest.approx(216**-0.25)
+    with pytest.raises(ValueError, match="has no layers"):
+        residual.deepnorm_constants(6, 0, "decoder")
+
+
+def test_deepnorm_models_draw_deepnets_initialisation_and_scale_the_residual():
+    config = dict(
+        task="classify", vocab_size=11, num_classes=2, num_layers=6, d_model=64, num_heads=4, max_len=8,
+        ffn={"kind": "gelu", "d_ff": 256}, norm={"placement": "deepnorm"},
+    )  # fmt: skip
+    model = build_model(config, key=jax.random.key(2))
+    alpha, beta = residual.deepnorm_constants(6, 0, "encoder")
+    first = model.encoder.blocks[0] if hasattr(model, "encoder") else model.blocks[0]
+    assert first.alpha == pytest.approx(alpha)
+
+    def std(w):
+        return float(jnp.std(w))
+
+    xavier = np.sqrt(2 / (64 + 64))
+    assert std(first.attention.q_proj.weight) == pytest.approx(xavier, rel=0.1)
+    assert std(first.attention.k_proj.weight) == pytest.approx(xavier, rel=0.1)
+    assert std(first.attention.v_proj.weight) == pytest.approx(beta * xavier, rel=0.1)
+    assert std(first.attention.o_proj.weight) == pytest.approx(beta * xavier, rel=0.1)
+    assert std(first.ffn.w_in.weight) == pytest.approx(beta * np.sqrt(2 / (64 + 256)), rel=0.1)
+    assert std(first.ffn.w_out.weight) == pytest.approx(beta * np.sqrt(2 / (256 + 64)), rel=0.1)
+    lm = dict(config, task="lm", num_classes=None, num_layers=3)
+    lm.pop("num_classes")
+    assert build_model(lm, key=jax.random.key(2)).blocks[0].alpha == pytest.approx(6**0.25)
+
+
+# ------------------------------------------------------------------ config
+
+
+def small(**overrides):
+    return dict(task="lm", vocab_size=11, num_layers=1, d_model=D, num_heads=2, max_len=8, ffn={"d_ff": 16}) | overrides
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(task="classify", num_classes=2, stack="luna", norm={"placement": "sandwich"}), "built into the"),
+        (dict(task="classify", num_classes=2, head="pma", norm={"placement": "rezero"}), "the pma head"),
+        (dict(ffn={"kind": "moe", "num_experts": 2}, norm={"placement": "deepnorm"}), "dense ffn in every block"),
+        (dict(norm={"placement": "pre", "final": False}), "norm.final False needs"),
+        (dict(norm={"placement": "normformer"}), "placement"),
+        (dict(norm={"kind": "powernorm"}), "kind"),
+        (dict(ffn={"kind": "swish"}), "swish"),
+    ],
+)
+def test_the_config_refuses_what_the_math_does_not_allow(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**small(**overrides))
+
+
+def test_the_settings_are_reached_from_yaml():
+    rest = "\n".join(f"{k}: {v}" for k, v in small().items() if k != "ffn")
+    config = ModelConfig.from_yaml("norm: {kind: adanorm, placement: sandwich}\nffn: {kind: relu2, d_ff: 16}\n" + rest)
+    assert (config.norm.kind, config.norm.placement, config.ffn.kind) == ("adanorm", "sandwich", "relu2")
+    assert ModelConfig(**small(norm={"placement": "rezero", "final": False})).norm.final is False
+
+
+# ------------------------------------------------------------------ one training step each
+
+VARIANTS = (
+    [{"norm": {"kind": kind}} for kind in NORM_KINDS]
+    + [{"norm": {"placement": placement}} for placement in residual.PLACEMENTS]
+    + [{"ffn": {"kind": kind, "d_ff": 16}} for kind in FFN_KINDS]
+)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}.{next(iter(v[k].values()))}" for k in v))
+def test_one_training_step_of_every_norm_placement_and_ffn(variant):
+    """A tiny language model of each variant takes an AdamW step: finite loss, every
+    parameter's gradient finite, and the loss lower after a few steps on one batch."""
+    from jxformers.train.state import TrainState, split_model
+    from jxformers.train.step import make_train_step
+
+    model = build_model(small(num_layers=2, dropout=0.0, **variant), key=jax.random.key(0))
+    params, drawn, static = split_model(model)
+    optimizer = optax.adamw(3e-3)
+    state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (4, 8), 0, 11)
+    batch = {"tokens": tokens, "mask": jnp.ones((4, 8), bool), "loss_mask": jnp.ones((4, 8), bool)}
+    step = jax.jit(make_train_step(static, optimizer, grad_accum=1))
+    losses = []
+    for _ in range(4):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert all(np.isfinite(losses)), losses
+    assert losses[-1] < losses[0], losses
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(state.params))
