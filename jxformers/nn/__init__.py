@@ -8,7 +8,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     layers.py     Linear, LayerNorm, RMSNorm, ScaleNorm, FeedForward
     moe.py        MoE (token-choice / expert-choice routers, capacity and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
-    positions.py  sinusoidal, learned, rotary, ALiBi, T5 relative buckets
+    positions.py  sinusoidal (and FLASH's scaled), learned, rotary (Rotary: RoPE, its context
+                  scaling, xPos), ALiBi, T5 relative buckets
     blocks.py     Block (pre/post-norm residual branches)
     cross_layer.py  attention maps carried between blocks (RealFormer's residual scores,
                   LazyFormer's shared probabilities, Evolving Attention's convolved logits;
@@ -50,10 +51,12 @@ from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.positions import (
     Positions,
+    Rotary,
     alibi_slopes,
     rotary,
     sinusoidal,
     t5_buckets,
+    xpos,
 )
 from jxformers.nn.produced import AttentionInputs, Produced
 from jxformers.nn.set_transformer import ISAB, MAB, PMA
@@ -89,6 +92,7 @@ __all__ = [
     "RMSNorm",
     "ScaleNorm",
     "RecurrentLM",
+    "Rotary",
     "TokenFuser",
     "TokenLearner",
     "TokenLearnerStage",
@@ -102,4 +106,5 @@ __all__ = [
     "trainable",
     "update_arrays",
     "updates_arrays",
+    "xpos",
 ]

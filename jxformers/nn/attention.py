@@ -34,7 +34,7 @@ from jxformers.kernels.alibi import Alibi
 from jxformers.nn import cross_layer, heads
 from jxformers.nn.average import AverageNetwork, check_aan
 from jxformers.nn.layers import LayerNorm, Linear
-from jxformers.nn.positions import rotary
+from jxformers.nn.positions import Rotary
 from jxformers.nn.produced import AttentionInputs, Produced
 from jxformers.ops._priors import SPAN_LOSS_WEIGHT, span_loss
 
@@ -72,7 +72,9 @@ class Attention(eqx.Module):
             (grouped-query when fewer; default num_heads); d_head: default d_model // num_heads.
         causal: mask the future (self-attention only).
         cross: keys and values come from a `context` sequence (encoder-decoder).
-        rope: rotate q and k by position (rotary embeddings) before the core.
+        rope: rotate q and k by position before the core: a `Rotary` (RoPE with its
+            base and context scaling, or xPos, which needs `causal`), True for plain
+            RoPE (`Rotary()`), False for none.
         attention_kwargs: the core's hyper-parameters when `attention` is a name.
         qk_norm: how each head's queries and keys are normalised before rotary
             embeddings and the core (one of QK_NORMS). "l2": QKNorm (Henry et al. 2020,
@@ -111,7 +113,7 @@ class Attention(eqx.Module):
     d_head: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
     cross: bool = eqx.field(static=True)
-    rope: bool = eqx.field(static=True)
+    rope: Rotary | None = eqx.field(static=True)
     qk_norm: str = eqx.field(static=True)
     q_proj: Linear | None  # None: a layer that reuses another's maps (nn.cross_layer), or aan
     k_proj: Linear | None
@@ -139,7 +141,7 @@ class Attention(eqx.Module):
         d_head: int | None = None,
         causal: bool = False,
         cross: bool = False,
-        rope: bool = False,
+        rope: bool | Rotary = False,
         attention_kwargs: dict[str, Any] | None = None,
         qk_norm: str = "none",
         qk_norm_length: int | None = None,
@@ -166,12 +168,18 @@ class Attention(eqx.Module):
         if d_head < 1:
             raise ValueError(f"d_head must be >= 1 (d_model {d_model} // num_heads {num_heads}); got {d_head}")
         attention.check_call(causal=causal, cross=cross)
+        rotary = rope if isinstance(rope, Rotary) else Rotary() if rope else None
+        if rotary is not None and rotary.kind == "xpos" and not causal:
+            raise ValueError(
+                "rope=Rotary('xpos') decays q.k by ζ^((m-n)/B) for keys n before the query m: it needs causal "
+                f"attention (keys after the query would be scaled up with the distance); got {causal=}"
+            )
         check_qk_norm(qk_norm, attention.spec, qk_norm_length)
         self.disagreement, self.disagreement_weight = tuple(disagreement), disagreement_weight
         heads.check_head_options(
             attention.spec, collaborative=collaborative, disagreement=self.disagreement,
             disagreement_weight=disagreement_weight, head_aggregation=head_aggregation,
-            routing_iterations=routing_iterations, qk_norm=qk_norm, rope=rope,
+            routing_iterations=routing_iterations, qk_norm=qk_norm, rope=rotary is not None,
         )  # fmt: skip
         kq, kk, kv, ko, ka, kt = jax.random.split(key, 6)
         self.mixing = None if collaborative is None else heads.concatenated_mixing(num_heads, collaborative)
@@ -182,7 +190,7 @@ class Attention(eqx.Module):
         d_key = d_head if collaborative is None else collaborative
         self.core = attention
         self.num_heads, self.kv_heads, self.d_head = num_heads, kv_heads, d_head
-        self.causal, self.cross, self.rope = causal, cross, rope
+        self.causal, self.cross, self.rope = causal, cross, rotary
         self.q_proj = Linear(d_model, num_heads * d_head if collaborative is None else d_key, key=kq)
         self.k_proj = Linear(d_model, kv_heads * d_head if collaborative is None else d_key, key=kk)
         self.v_proj = Linear(d_model, kv_heads * d_head, key=kv)
@@ -310,11 +318,11 @@ class Attention(eqx.Module):
             source = x if context is None else context
             q, k = self._queries(x), self._keys(source)
             v = self._heads(source, self.v_proj, self.kv_heads)
-            if self.rope:
+            if self.rope is not None:
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
                 if context_positions is None:
                     context_positions = positions if context is None else jnp.arange(source.shape[0])
-                q, k = rotary(q, positions), rotary(k, context_positions)
+                q, k = self.rope.queries(q, positions), self.rope.keys(k, context_positions)
             arrays = self._core_arrays(x, source)
             noise = self.core.spec.noise_key
             if noise is not None and key is not None and not inference:
@@ -379,9 +387,9 @@ class Attention(eqx.Module):
                 return self.aan(x[None], out.astype(x.dtype))[0], state  # out: [1 head, d_model]
             q, k = self._queries(x[None]), self._keys(x[None])
             v = self._heads(x[None], self.v_proj, self.kv_heads)
-            if self.rope:
+            if self.rope is not None:  # the cache keeps keys turned at their own position
                 pos = state.length[None]
-                q, k = rotary(q, pos), rotary(k, pos)
+                q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
             arrays = self._core_arrays(x[None], x[None])
             out, state = self.core.decode_step(q[0], k[0], v[0], state, arrays=arrays, bias_fn=bias_fn)
             return self._out(out[None], x[None])[0], state
@@ -434,9 +442,9 @@ class Attention(eqx.Module):
                 return self._out(cross_layer.reused_attention(maps, v, kv_mask=kv_mask), x), maps
             q = self._normed(self._heads(x, self.q_proj, self.num_heads), "q")
             k = self._normed(self._heads(x, self.k_proj, self.kv_heads), "k")
-            if self.rope:
+            if self.rope is not None:
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
-                q, k = rotary(q, positions), rotary(k, positions)
+                q, k = self.rope.queries(q, positions), self.rope.keys(k, positions)
             prev = None if role == "lazy" else maps
             out, scores, probs = cross_layer.map_attention(
                 q, k, v, prev=prev, kv_mask=kv_mask, bias=bias, causal=self.causal, combine=combine
@@ -465,9 +473,9 @@ class Attention(eqx.Module):
                 return self._out(out, x[None])[0], state, maps
             q = self._normed(self._heads(x[None], self.q_proj, self.num_heads), "q")
             k = self._normed(self._heads(x[None], self.k_proj, self.kv_heads), "k")
-            if self.rope:
+            if self.rope is not None:
                 pos = state.length[None]
-                q, k = rotary(q, pos), rotary(k, pos)
+                q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
             state = decoding.cache_append(state, k[0], v[0])
             bias = None if bias_fn is None else bias_fn(state.length[None] - 1, jnp.maximum(state.slot_pos, 0))
             prev = maps if role == "residual" else None

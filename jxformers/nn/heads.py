@@ -80,7 +80,7 @@ def check_head_options(
             )
         if rope and collaborative % 2:
             raise ValueError(
-                f"position 'rope' rotates pairs of the shared keys: {where}.collaborative must be even; "
+                f"rotary positions (rope, xpos) turn pairs of the shared keys: {where}.collaborative must be even; "
                 f"got {collaborative=}"
             )
     bad = [t for t in disagreement if t not in DISAGREEMENTS]

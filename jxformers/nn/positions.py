@@ -2,8 +2,13 @@
 section 5.1), one module per model:
 
 * "sinusoidal" (Vaswani et al.) and "learned" absolute embeddings, added to the tokens;
+  "scaled_sinusoidal" (Hua et al. 2022, FLASH): the sinusoids times one learned scalar;
 * "rope" (rotary, Su et al.): q and k rotated by position inside every attention, before
-  any feature map, so it composes with linear attention and Performer;
+  any feature map, so it composes with linear attention and Performer; `Rotary` holds
+  how: its base, and a context extension by position interpolation (Chen et al. 2023) or
+  NTK-aware scaling (bloc97 2023);
+* "xpos" (Sun et al. 2022): rope with an exponential decay, q scaled up and k down by
+  position (causal models only);
 * "alibi" (Press et al.) and "t5" (Raffel et al. relative buckets): an additive bias on
   the attention logits, for attentions that take a bias (softmax);
 * "none".
@@ -11,6 +16,7 @@ section 5.1), one module per model:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -20,8 +26,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from jxformers.kernels.alibi import Alibi
 
-POSITION_KINDS = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
+POSITION_KINDS = ("sinusoidal", "scaled_sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "none")
+# Added once to the token embeddings (absolute), rotating q and k in every attention, or a logit bias.
+ADDED_KINDS = ("sinusoidal", "scaled_sinusoidal", "learned")
+ROTARY_KINDS = ("rope", "xpos")
 BIAS_KINDS = ("alibi", "t5")
+# How RoPE is stretched to a longer context (`Rotary.scaling`).
+ROPE_SCALINGS = ("none", "linear", "ntk")
 
 
 def sinusoidal(positions: Int[Array, " n"], dim: int) -> Float[Array, "n dim"]:
@@ -39,14 +50,152 @@ def rotary(
     """Rotate feature pairs (i, i + d/2) of each head by angle p * base^(-2i/d)
     (RoFormer, eq. 34, "rotate half" layout), so q_m . k_n depends on m - n only.
     Positions may be fractional (a shortened encoder's resampled grid)."""
+    return _rotate(x, positions, base)
+
+
+def _rotate(x, positions, base, scale=None):
+    """`rotary`, each rotated pair then multiplied by `scale` `[n, d/2]` (xPos) if given."""
     d = x.shape[-1]
     if d % 2:
         raise ValueError(f"rope needs an even head size; got d_head = {d}")
     freq = base ** (-jnp.arange(d // 2, dtype=jnp.float32) * 2 / d)
     angle = positions[:, None].astype(jnp.float32) * freq[None, :]  # [n, d/2]
-    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    if scale is not None:  # scaling cos and sin scales the rotated pair (torchscale's apply_rotary_pos_emb)
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def xpos_zeta(d: int, gamma: float = 0.4) -> Float[Array, " half"]:
+    """xPos's per-pair decay ζ_i = (i / (d/2) + γ) / (1 + γ), i < d/2 (Sun et al. 2022,
+    section 3.2; torchscale's `(arange(0, d, 2) + 0.4 d) / (1.4 d)` with γ = 0.4): from
+    γ/(1+γ) for the fastest-turning pair up to nearly 1 for the slowest."""
+    return (jnp.arange(d // 2, dtype=jnp.float32) / (d / 2) + gamma) / (1 + gamma)
+
+
+def xpos(
+    x: Float[Array, "n heads d"],
+    positions: Real[Array, " n"],
+    *,
+    downscale: bool,
+    base: float = 10000.0,
+    gamma: float = 0.4,
+    scale_base: float = 512.0,
+) -> Float[Array, "n heads d"]:
+    """xPos (Sun et al. 2022, "A Length-Extrapolatable Transformer", arXiv 2212.10554,
+    section 3.2): RoPE whose pair i is also scaled by ζ_i^(p/B) (queries) or ζ_i^(-p/B)
+    (keys, `downscale`), ζ_i from `xpos_zeta`, B = `scale_base` (512). Then
+    q_m . k_n = Σ_i Re[q̃_i k̃_i* e^{i(m-n)θ_i}] ζ_i^((m-n)/B): relative, and decaying
+    with the distance m - n >= 0, which is what a causal attention sees.
+
+    Positions are taken as they are (the paper's formula): the scales reach
+    ζ_0^(∓p/B), e^(±1.25 p/512) at γ = 0.4, which ModelConfig bounds against the compute
+    dtype (`xpos_max_len`). torchscale centres p on the middle of the sequence instead, the
+    same logits for a whole sequence at once; a decoding cache needs one fixed origin.
+    Layout: pairs (i, i + d/2) as `rotary` (torchscale pairs adjacent features, a fixed
+    permutation of head features that the learned projections absorb)."""
+    d = x.shape[-1]
+    sign = -1.0 if downscale else 1.0
+    power = sign * positions.astype(jnp.float32) / scale_base  # [n]
+    scale = jnp.exp(power[:, None] * jnp.log(xpos_zeta(d, gamma))[None, :])  # ζ^power, [n, d/2]
+    return _rotate(x, positions, base, scale)
+
+
+def xpos_max_len(dtype, *, gamma: float = 0.4, scale_base: float = 512.0) -> int:
+    """The longest sequence whose xPos scales ζ_0^(∓p/B) stay within half the exponent
+    range of `dtype` (e^(±44) in float32 and bfloat16, e^(±5.5) in float16), so that
+    neither a key scaled up nor a query scaled down leaves the representable numbers."""
+    half_range = math.log(float(jnp.finfo(dtype).max)) / 2
+    return int(half_range * scale_base / math.log((1 + gamma) / gamma))
+
+
+def ntk_base(base: float, factor: float, d: int) -> float:
+    """NTK-aware scaled RoPE (bloc97 2023, "NTK-Aware Scaled RoPE allows LLaMA models to
+    have extended (8k+) context size without any fine-tuning"): base' = base * s^(d/(d-2)).
+    The slowest pair (i = d/2 - 1) then turns s times slower, as position interpolation
+    would make it, while the fastest (i = 0) keeps its speed."""
+    if d <= 2:
+        raise ValueError(f"NTK-aware scaling changes the base by s^(d/(d-2)): it needs a head size d > 2; got {d=}")
+    return base * factor ** (d / (d - 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """How an attention turns q and k by position (hashable: a static setting of
+    `Attention`). `kind` "rope" (Su et al., `rotary`) or "xpos" (Sun et al. 2022, `xpos`);
+    `base` θ (each pair i turns by p θ^(-2i/d)).
+
+    `scaling` stretches RoPE to a context s = `factor` times the one it was trained on:
+    "linear", position interpolation (Chen et al. 2023, "Extending Context Window of Large
+    Language Models via Positional Interpolation", arXiv 2306.15595, eq. 4: f'(x, m) =
+    f(x, m L / L'), positions divided by s); "ntk", NTK-aware scaling (bloc97 2023,
+    `ntk_base`: θ' = θ s^(d/(d-2)), positions unchanged). Both are the static forms, as
+    Hugging Face transformers' rope_type "linear" and the NTK-aware proposal; its
+    "dynamic" NTK recomputes θ from the current length, so keys cached at one length
+    would meet queries turned by another base, and decoding would not equal the parallel
+    forward: not offered. Scaling is for "rope" only (the papers scale RoPE; xPos's decay
+    has no such rule).
+
+    `xpos_gamma` γ and `xpos_scale_base` B: xPos's ζ_i = (i/(d/2) + γ)/(1 + γ) and the
+    exponent p/B (the paper's 0.4 and 512). xPos is for causal attention only
+    (`Attention` refuses it otherwise): with keys after the query, n > m, the factor
+    ζ^((m-n)/B) grows with the distance instead of decaying.
+
+    Shapes: `queries(x, positions)` and `keys(x, positions)` map `x [n, heads, d]` and
+    `positions [n]` (fractional allowed) to `[n, heads, d]`; d must be even.
+    """
+
+    kind: str = "rope"
+    base: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    xpos_gamma: float = 0.4
+    xpos_scale_base: float = 512.0
+
+    def __post_init__(self):
+        if self.kind not in ROTARY_KINDS:
+            raise ValueError(f"Rotary kind must be one of {ROTARY_KINDS}; got {self.kind!r}")
+        if self.scaling not in ROPE_SCALINGS:
+            raise ValueError(f"Rotary scaling must be one of {ROPE_SCALINGS}; got {self.scaling!r}")
+        if not self.base > 1:
+            raise ValueError(f"Rotary base θ must be > 1 (pair i turns by p θ^(-2i/d)); got base={self.base}")
+        if (self.scaling == "none") != (self.factor == 1):
+            raise ValueError(
+                f"Rotary: a factor s > 1 goes with scaling 'linear' or 'ntk', and scaling 'none' with "
+                f"factor 1; got scaling={self.scaling!r}, factor={self.factor}"
+            )
+        if not self.factor >= 1:
+            raise ValueError(f"Rotary factor s = L'/L extends the context: it must be >= 1; got factor={self.factor}")
+        if self.kind == "xpos" and self.scaling != "none":
+            raise ValueError(f"Rotary scaling {self.scaling!r} stretches RoPE; xPos is not scaled: use kind 'rope'")
+        if not (self.xpos_gamma > 0 and self.xpos_scale_base > 0):
+            raise ValueError(
+                f"Rotary xpos_gamma and xpos_scale_base must be > 0; got {self.xpos_gamma=}, {self.xpos_scale_base=}"
+            )
+
+    def _base(self, d: int) -> float:
+        return ntk_base(self.base, self.factor, d) if self.scaling == "ntk" else self.base
+
+    def _positions(self, positions):
+        return positions / self.factor if self.scaling == "linear" else positions
+
+    def _turn(self, x, positions, downscale: bool):
+        if self.kind == "xpos":
+            return xpos(
+                x, positions, downscale=downscale, base=self.base, gamma=self.xpos_gamma,
+                scale_base=self.xpos_scale_base,
+            )  # fmt: skip
+        return rotary(x, self._positions(positions), self._base(x.shape[-1]))
+
+    def queries(self, x: Float[Array, "n heads d"], positions: Real[Array, " n"]) -> Float[Array, "n heads d"]:
+        """Queries turned (and, for xPos, scaled by ζ^(p/B))."""
+        return self._turn(x, positions, downscale=False)
+
+    def keys(self, x: Float[Array, "n heads d"], positions: Real[Array, " n"]) -> Float[Array, "n heads d"]:
+        """Keys turned (and, for xPos, scaled by ζ^(-p/B))."""
+        return self._turn(x, positions, downscale=True)
 
 
 def alibi_slopes(heads: int) -> Float[Array, " heads"]:
@@ -81,11 +230,21 @@ def t5_buckets(relative: Int[Array, " ..."], *, bidirectional: bool, num_buckets
     return bucket + jnp.where(n < exact, n, jnp.minimum(large, num_buckets - 1))
 
 
+def scaled_sinusoidal_gain(dim: int) -> Float[Array, ""]:
+    """The start of "scaled_sinusoidal"'s learned scalar g: 1/sqrt(d_model) (Hua et al. 2022,
+    "Transformer Quality in Linear Time" (FLASH), arXiv 2202.10447, its position embedding
+    ScaledSin: the sinusoids times one learned scalar). The start 1/sqrt(d) is the one of
+    x-transformers' `ScaledSinusoidalEmbedding`; lucidrains' FLASH-pytorch starts g at 1."""
+    return jnp.asarray(1 / math.sqrt(dim), jnp.float32)
+
+
 class Positions(eqx.Module):
     """The model's position scheme: absolute embeddings to add, and/or a logit bias.
+    (Rotary kinds, "rope" and "xpos", act inside the attentions: `Rotary`.)
 
     Fields: `kind` (one of POSITION_KINDS), `table` (learned embeddings `[max_len,
-    d_model]` or T5's bucket table `[num_buckets, heads]`), `causal`.
+    d_model]` or T5's bucket table `[num_buckets, heads]`), `gain` ("scaled_sinusoidal"'s
+    learned scalar g: PE[p] g), `causal`. "xpos" needs `causal` (see `Rotary`).
     """
 
     kind: str = eqx.field(static=True)
@@ -93,10 +252,16 @@ class Positions(eqx.Module):
     dim: int = eqx.field(static=True)
     heads: int = eqx.field(static=True)
     table: Float[Array, "rows cols"] | None
+    gain: Float[Array, ""] | None
 
     def __init__(self, kind: str, *, dim: int, heads: int, max_len: int, causal: bool, key: PRNGKeyArray):
         if kind not in POSITION_KINDS:
             raise ValueError(f"position must be one of {POSITION_KINDS}; got {kind!r}")
+        if kind == "xpos" and not causal:
+            raise ValueError(
+                "position 'xpos' decays q.k by ζ^((m-n)/B) for keys n before the query m: it needs causal "
+                "attention (keys after the query would be scaled up with the distance); got causal=False"
+            )
         self.kind, self.causal, self.dim, self.heads = kind, causal, dim, heads
         if kind == "learned":
             self.table = 0.02 * jax.random.normal(key, (max_len, dim))
@@ -104,15 +269,20 @@ class Positions(eqx.Module):
             self.table = 0.02 * jax.random.normal(key, (32, heads))
         else:
             self.table = None
+        self.gain = scaled_sinusoidal_gain(dim) if kind == "scaled_sinusoidal" else None
 
     @property
     def rope(self) -> bool:
-        return self.kind == "rope"
+        """Whether the attentions turn q and k by position (rope, xpos)."""
+        return self.kind in ROTARY_KINDS
 
     def embed(self, positions: Int[Array, " n"]) -> Float[Array, "n dim"] | None:
         """What to add to the token embeddings (None: nothing)."""
         if self.kind == "sinusoidal":
             return sinusoidal(positions, self.dim)
+        if self.kind == "scaled_sinusoidal":
+            assert self.gain is not None
+            return sinusoidal(positions, self.dim) * self.gain
         if self.kind == "learned":
             assert self.table is not None
             return self.table[positions]

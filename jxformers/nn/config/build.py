@@ -119,7 +119,7 @@ def _blocks(
             kv_heads=config.kv_heads,
             causal=causal,
             cross=i in pooled,
-            rope=config.embedding.position == "rope",
+            rope=config.embedding.rotary() or False,
             d_head=config.layer(i).attention.d_head,
             qk_norm=config.layer(i).attention.qk_norm,
             qk_norm_length=config.max_len,

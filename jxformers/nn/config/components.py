@@ -32,7 +32,7 @@ from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.models import DOWNSAMPLE_KINDS, EXTRA_TOKEN_KINDS, POOLING_KINDS
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
-from jxformers.nn.positions import POSITION_KINDS
+from jxformers.nn.positions import POSITION_KINDS, ROPE_SCALINGS, ROTARY_KINDS, Rotary
 from jxformers.nn.tokenlearner import TokenLearnerConfig
 from jxformers.nn.transformer_xl import COMPRESSIONS
 from jxformers.validate import Limits, check_at_least, check_fields, setting
@@ -139,14 +139,34 @@ HEAD_OPTIONS = ("collaborative", "disagreement", "disagreement_weight", "head_ag
 @typing.no_type_check
 @dataclasses.dataclass(frozen=True)
 class EmbeddingConfig:
-    """Token embeddings and positions."""
+    """Token embeddings and positions. The rope_* and xpos_* settings configure the
+    rotary kinds (`jxformers.nn.positions.Rotary`, which `rotary()` builds from them) and
+    are refused with any other position."""
 
     position: str | None = setting(
         None,
-        "positions: added to the embeddings, rotary, or a logit bias (None: "
-        "none for the recurrent stacks, whose own are relative; sinusoidal "
-        "otherwise)",
+        "positions: added to the embeddings (sinusoidal, scaled_sinusoidal: FLASH's sinusoids times a learned "
+        "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), or a logit bias (alibi, t5) "
+        "(None: none for the recurrent stacks, whose own are relative; sinusoidal otherwise)",
         choices=(*POSITION_KINDS, None),
+    )
+    rope_base: float = setting(
+        10000.0, "θ of rope and xpos: feature pair i turns by p θ^(-2i/d)", limits=Limits(above=1)
+    )
+    rope_scaling: str = setting(
+        "none",
+        "rope stretched to a context rope_factor times longer: linear, position interpolation (Chen et al. "
+        "2023: positions divided by the factor); ntk, NTK-aware scaling (bloc97 2023: θ times factor^(d/(d-2)))",
+        choices=ROPE_SCALINGS,
+    )
+    rope_factor: float = setting(
+        1.0, "s = L'/L of rope_scaling, the new context over the trained one (1: with rope_scaling none)", limits=1
+    )
+    xpos_gamma: float = setting(
+        0.4, "γ of xpos's decay ζ_i = (i/(d/2) + γ)/(1 + γ) (Sun et al. 2022)", limits=Limits(above=0)
+    )
+    xpos_scale_base: float = setting(
+        512.0, "B of xpos: q scaled by ζ^(p/B), k by ζ^(-p/B) (Sun et al. 2022)", limits=Limits(above=0)
     )
     scale: bool = setting(True, "multiply token embeddings by sqrt(d_model) (Vaswani et al.); BERT does not")
     norm: bool = setting(False, "a norm on the summed embeddings (BERT's embedding LayerNorm)")
@@ -166,6 +186,44 @@ class EmbeddingConfig:
     def __post_init__(self):
         check_fields(self, "embedding.")
         check_at_least(self, "embedding.", 0, "type_vocab_size", "extra_tokens")
+        given = {n: getattr(self, n) for n in _ROTARY_SETTINGS if getattr(self, n) != _ROTARY_DEFAULTS[n]}
+        if given and self.position not in ROTARY_KINDS:
+            raise ValueError(
+                f"embedding settings {given} turn rotary positions: they need embedding.position one of "
+                f"{list(ROTARY_KINDS)}; got position={self.position!r}"
+            )
+        wanted = _ROTARY_TAKES.get(self.position or "none", ())
+        foreign = sorted(set(given) - set(wanted))
+        if foreign:
+            raise ValueError(
+                f"embedding.position={self.position!r} takes {list(wanted)} of the rotary settings; "
+                f"got {foreign} (rope_scaling and rope_factor stretch rope; xpos_* configure xpos)"
+            )
+        if (self.rope_scaling == "none") != (self.rope_factor == 1):
+            raise ValueError(
+                f"embedding.rope_factor s > 1 goes with rope_scaling one of {list(ROPE_SCALINGS[1:])}, and "
+                f"rope_scaling 'none' with rope_factor 1; got rope_scaling={self.rope_scaling!r}, "
+                f"rope_factor={self.rope_factor}"
+            )
+
+    def rotary(self) -> Rotary | None:
+        """How the attentions turn q and k by position (None: position is not rotary)."""
+        if self.position not in ROTARY_KINDS:
+            return None
+        return Rotary(
+            kind=self.position, base=self.rope_base, scaling=self.rope_scaling, factor=self.rope_factor,
+            xpos_gamma=self.xpos_gamma, xpos_scale_base=self.xpos_scale_base,
+        )  # fmt: skip
+
+
+# The settings of the rotary positions (EmbeddingConfig.rotary) and their defaults.
+_ROTARY_SETTINGS = ("rope_base", "rope_scaling", "rope_factor", "xpos_gamma", "xpos_scale_base")
+_ROTARY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EmbeddingConfig) if f.name in _ROTARY_SETTINGS}
+# Which of them each rotary kind takes: scaling stretches RoPE only (`Rotary`).
+_ROTARY_TAKES = {
+    "rope": ("rope_base", "rope_scaling", "rope_factor"),
+    "xpos": ("rope_base", "xpos_gamma", "xpos_scale_base"),
+}
 
 
 @typing.no_type_check

@@ -51,7 +51,7 @@ from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.mixture import PIXEL_VALUES
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
-from jxformers.nn.positions import BIAS_KINDS
+from jxformers.nn.positions import ADDED_KINDS, BIAS_KINDS, ROTARY_KINDS, xpos_max_len
 from jxformers.validate import check_at_least, check_fields, setting
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
@@ -237,15 +237,40 @@ class ModelConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
         if self.num_heads % (self.kv_heads or self.num_heads):
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.embedding.position == "rope":
+        position = self.embedding.position
+        if position in ROTARY_KINDS:
             for where, attention in self._attention_configs():
                 if self.head_size(attention) % 2:
                     raise ValueError(
-                        f"position 'rope' needs an even head size; {where}'s is {self.head_size(attention)} "
+                        f"position {position!r} needs an even head size; {where}'s is {self.head_size(attention)} "
                         f"(d_model / num_heads = {self.d_model // self.num_heads} unless its d_head is set)"
                     )
+                if self.embedding.rope_scaling == "ntk" and self.head_size(attention) <= 2:
+                    raise ValueError(
+                        f"embedding.rope_scaling 'ntk' multiplies θ by s^(d/(d-2)): it needs a head size d > 2; "
+                        f"{where}'s is {self.head_size(attention)}"
+                    )
+        if position == "xpos":
+            self._check_xpos()
         if self.decoder is not None and self.task != "seq2seq":
             raise ValueError(f"model.decoder configures the decoder of task seq2seq; got task {self.task!r}")
+
+    def _check_xpos(self):
+        """xPos (Sun et al. 2022) is defined for causal attention, and its scales must fit the dtype."""
+        if self.task != "lm":
+            raise ValueError(
+                f"position 'xpos' decays q.k by ζ^((m-n)/B) for keys n before the query m, as a causal attention "
+                f"sees them; a non-causal one would scale keys after the query up with the distance. It needs "
+                f"task 'lm' (every attention causal); got task {self.task!r}"
+            )
+        emb = self.embedding
+        longest = xpos_max_len(self.dtype, gamma=emb.xpos_gamma, scale_base=emb.xpos_scale_base)
+        if self.max_len > longest:
+            raise ValueError(
+                f"position 'xpos' scales keys by up to ζ_0^(-max_len/B) = ((1+γ)/γ)^(max_len/B): with "
+                f"xpos_gamma={emb.xpos_gamma}, xpos_scale_base={emb.xpos_scale_base} and dtype {self.dtype!r} "
+                f"max_len must be <= {longest} (half the dtype's exponent range); got max_len={self.max_len}"
+            )
 
     def _check_attention(self, bound: registry.BoundAttention) -> None:
         spec = bound.spec
@@ -257,7 +282,7 @@ class ModelConfig:
         if self.embedding.position in BIAS_KINDS and not spec.takes_bias:
             raise ValueError(
                 f"position {self.embedding.position!r} adds a logit bias, which {spec.name!r} attention "
-                f"does not take; use rope, sinusoidal, learned or none, or one of "
+                f"does not take; use one of {[*ADDED_KINDS, *ROTARY_KINDS, 'none']}, or one of "
                 f"{registry.names(takes_bias=True)}"
             )
         windows = bound.hyper_parameters.get("head_windows")
@@ -294,9 +319,9 @@ class ModelConfig:
                 )
             if self.dtype != "float32":
                 raise ValueError(f"stack {kind!r} runs in float32 only; got dtype {self.dtype!r}")
-        elif position in BIAS_KINDS or position == "rope":
+        elif position in BIAS_KINDS or position in ROTARY_KINDS:
             raise ValueError(
-                f"stack {kind!r} takes positions added to the embeddings (sinusoidal, learned) or none; "
+                f"stack {kind!r} takes positions added to the embeddings ({', '.join(ADDED_KINDS)}) or none; "
                 f"got {position!r}"
             )
         if kind == "perceiver" and getattr(self.head, "kind", None) == "cls":
@@ -335,10 +360,10 @@ class ModelConfig:
                     f"stack.token_learner needs no filters and no reversible wiring; got filters "
                     f"{stack.filters}, reversible {stack.reversible}"
                 )
-            if self.embedding.position not in ("sinusoidal", "learned", "none"):
+            if self.embedding.position not in (*ADDED_KINDS, "none"):
                 raise ValueError(
                     f"stack.token_learner: learned tokens have no positions, so position must be added "
-                    f"to the embeddings (sinusoidal, learned) or none; got {self.embedding.position!r}"
+                    f"to the embeddings ({', '.join(ADDED_KINDS)}) or none; got {self.embedding.position!r}"
                 )
 
     def _check_head(self):
@@ -489,7 +514,7 @@ class ModelConfig:
     def _check_heads(self, attention: AttentionConfig, spec: registry.AttentionSpec, where: str) -> None:
         """The improved multi-heads (`jxformers.nn.heads`) fit the attention they are set on."""
         options = {n: getattr(attention, n) for n in HEAD_OPTIONS}
-        rope = self.embedding.position == "rope"
+        rope = self.embedding.position in ROTARY_KINDS
         check_head_options(spec, qk_norm=attention.qk_norm, rope=rope, where=where, **options)
 
     def _check_attentions(self):
