@@ -71,9 +71,10 @@ def np_adanorm_jnp(x):
 
 def block(placement, *, cross=False, alpha=1.0, seed=0):
     ka, kc, kf = jax.random.split(jax.random.key(seed), 3)
-    attention = Attention("softmax", D, 2, key=ka)
+    normformer = placement == "normformer"
+    attention = Attention("softmax", D, 2, head_scale=normformer, key=ka)
     cross_attention = Attention("softmax", D, 2, cross=True, key=kc) if cross else None
-    ffn = FeedForward(D, 16, "gelu", key=kf)
+    ffn = FeedForward(D, 16, "gelu", mid_norm="layernorm" if normformer else None, key=kf)
     return Block(attention, ffn, d_model=D, placement=placement, cross_attention=cross_attention, alpha=alpha)
 
 
@@ -91,7 +92,9 @@ def perturbed(b):
 @pytest.mark.parametrize("placement", residual.PLACEMENTS)
 def test_each_placement_composes_the_sublayers_as_its_paper(placement):
     """pre: x + A(N(x)); post: N(x + A(x)); sandwich (CogView): x + N'(A(N(x)));
-    rezero: x + a A(x); deepnorm: N(alpha x + A(x)); then the same around the FFN."""
+    normformer: x + N'(A(N(x))) around the attention, pre around the FFN (whose own
+    hidden norm and the attention's head scales are tested below); rezero: x + a A(x);
+    deepnorm: N(alpha x + A(x)); then the same around the FFN."""
     alpha = 1.7 if placement == "deepnorm" else 1.0
     b = perturbed(block(placement, alpha=alpha))
     if placement == "rezero":
@@ -105,17 +108,21 @@ def test_each_placement_composes_the_sublayers_as_its_paper(placement):
             h = h + f(b.norms[i](h))
         elif placement == "post":
             h = b.norms[i](h + f(h))
-        elif placement == "sandwich":
+        elif placement == "sandwich" or (placement == "normformer" and i == 0):
             h = h + b.out_norms[i](f(b.norms[i](h)))
+        elif placement == "normformer":
+            h = h + f(b.norms[i](h))
         elif placement == "rezero":
             h = h + 0.6 * f(h)  # one scalar for both sublayers (the authors' code)
         else:
             h = b.norms[i](alpha * h + f(h))
     assert_close(b(x, inference=True), h, atol=1e-5)
     if placement == "rezero":
-        assert b.norms == () and b.out_norms == ()
+        assert b.norms == () and b.out_norms == (None, None)
     if placement == "sandwich":
-        assert len(b.norms) == len(b.out_norms) == 2
+        assert len(b.norms) == 2 and None not in b.out_norms
+    if placement == "normformer":
+        assert b.out_norms[1] is None and b.attention.head_scale is not None and b.ffn.mid_norm is not None
 
 
 def test_a_rezero_block_starts_as_the_identity_and_learns_its_scalar():
@@ -128,7 +135,38 @@ def test_a_rezero_block_starts_as_the_identity_and_learns_its_scalar():
 
 def test_a_sandwich_block_with_cross_attention_normalises_three_branches_twice():
     b = block("sandwich", cross=True)
-    assert len(b.norms) == len(b.out_norms) == 3
+    assert len(b.norms) == len(b.out_norms) == 3 and None not in b.out_norms
+
+
+def test_normformers_head_scales_multiply_each_heads_output_before_the_projection():
+    """HeadScaleMHA = Concat(g_1 h_1, ..., g_n h_n) W^O (Shleifer et al. 2021, section 2):
+    the same as the plain attention with W^O's input columns of head h times g_h."""
+    scaled = Attention("softmax", D, 2, head_scale=True, key=jax.random.key(5))
+    gains = jnp.asarray([0.3, 1.7])
+    scaled = eqx.tree_at(lambda a: a.head_scale, scaled, gains)
+    plain = Attention("softmax", D, 2, key=jax.random.key(5))
+    columns = jnp.repeat(gains, D // 2)  # head h's d_head columns of W^O
+    plain = eqx.tree_at(lambda a: a.o_proj.weight, plain, plain.o_proj.weight * columns[None, :])
+    x = jax.random.normal(jax.random.key(6), (5, D))
+    assert_close(scaled(x), plain(x), atol=1e-5)
+    assert_close(Attention("softmax", D, 2, head_scale=True, key=jax.random.key(5))(x), Attention(
+        "softmax", D, 2, key=jax.random.key(5))(x), atol=1e-6)  # fmt: skip  # g starts at 1
+
+
+def test_normformers_ffn_normalises_its_hidden_layer():
+    """W2 LN(act(x W1)), LN over the d_ff hidden units with its own gain and bias."""
+    ffn = perturbed(FeedForward(D, 16, "gelu", mid_norm="layernorm", key=jax.random.key(8)))
+    x = jax.random.normal(jax.random.key(9), (3, D))
+    xn = np.asarray(x, np.float64)
+
+    def affine(lin, v):
+        return v @ np.asarray(lin.weight, np.float64).T + np.asarray(lin.bias, np.float64)
+
+    h = affine(ffn.w_in, xn)
+    h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
+    h = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-5)
+    h = h * np.asarray(ffn.mid_norm.weight) + np.asarray(ffn.mid_norm.bias)
+    assert_close(ffn(x, inference=True), affine(ffn.w_out, h), atol=1e-4)
 
 
 def test_decoding_steps_match_the_full_forward_for_every_placement():
@@ -204,7 +242,9 @@ def small(**overrides):
         (dict(task="classify", num_classes=2, head="pma", norm={"placement": "rezero"}), "the pma head"),
         (dict(ffn={"kind": "moe", "num_experts": 2}, norm={"placement": "deepnorm"}), "dense ffn in every block"),
         (dict(norm={"placement": "pre", "final": False}), "norm.final False needs"),
-        (dict(norm={"placement": "normformer"}), "placement"),
+        (dict(ffn={"kind": "pkm", "num_keys": 4, "top_k": 2}, norm={"placement": "normformer"}), "hidden layer"),
+        (dict(attention={"name": "average", "aan": True}, norm={"placement": "normformer"}), "has no heads"),
+        (dict(norm={"placement": "fixup"}), "placement"),
         (dict(norm={"kind": "powernorm"}), "kind"),
         (dict(ffn={"kind": "swish"}), "swish"),
     ],

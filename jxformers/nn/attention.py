@@ -96,6 +96,10 @@ class Attention(eqx.Module):
             with an FFN of this hidden width (0: without the FFN), for the attention `average`: the layer input
             itself is averaged (one head of width d_model, no projections), then the FFN
             and the gating layer; None: the plain attention.
+        head_scale: NormFormer's head-wise scaling (Shleifer et al. 2021, "NormFormer:
+            Improved Transformer Pretraining with Extra Normalization", section 2): each
+            head's output (each output capsule with routing) times a learned scalar
+            started at 1, before the output projection.
         key: PRNG key for the projections and the core's arrays.
 
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
@@ -128,6 +132,7 @@ class Attention(eqx.Module):
     mixing: Float[Array, "heads d_key"] | None
     routing: heads.HeadRouting | heads.HeadEMRouting | None
     aan: AverageNetwork | None
+    head_scale: Float[Array, " heads"] | None  # NormFormer's per-head output scale
     disagreement: tuple[str, ...] = eqx.field(static=True)
     disagreement_weight: float = eqx.field(static=True)
 
@@ -151,6 +156,7 @@ class Attention(eqx.Module):
         head_aggregation: str = "concat",
         routing_iterations: int = 3,
         aan_d_ff: int | None = None,
+        head_scale: bool = False,
         key: PRNGKeyArray,
     ):
         if isinstance(attention, str):
@@ -199,6 +205,10 @@ class Attention(eqx.Module):
         drawn = attention.spec.drawn
         self.arrays = {n: a for n, a in made.items() if n not in drawn}
         self.drawn = {n: a for n, a in made.items() if n in drawn}
+        if head_scale and aan_d_ff is not None:
+            raise ValueError("head_scale scales each head's output; the average attention network (aan) has no heads")
+        # NormFormer (Shleifer et al. 2021, section 2): HeadScaleMHA = Concat(g_1 h_1, ..., g_n h_n) W^O, g from 1
+        self.head_scale = jnp.ones((num_heads,), jnp.float32) if head_scale else None
         self.aan = None
         if aan_d_ff is not None:
             self.aan = AverageNetwork(d_model, aan_d_ff, key=jax.random.fold_in(ko, 2))
@@ -273,6 +283,8 @@ class Attention(eqx.Module):
         assert self.o_proj is not None, "the average attention network (aan) has no output projection"
         if self.routing is not None:  # output capsules in place of the heads
             out = self.routing(out)
+        if self.head_scale is not None:
+            out = out * self.head_scale.astype(out.dtype)[None, :, None]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype))
 
     def __call__(self, x, context=None, **kwargs) -> Float[Array, "seq d_model"]:

@@ -54,7 +54,7 @@ class Block(eqx.Module):
     cross_attention: Attention | None
     ffn: FeedForward | MoE | ProductKeyMemory | None
     norms: tuple[Norm, ...]  # one per branch: on its input (pre, sandwich) or after its sum (post, deepnorm)
-    out_norms: tuple[Norm, ...]  # sandwich: one per branch, on its output
+    out_norms: tuple[Norm | None, ...]  # on each branch's output: sandwich's, normformer's (self-attention)
     resweight: Float[Array, ""] | None  # rezero: the block's residual scalar
     dropout: eqx.nn.Dropout
     evolve: cross_layer.Evolve | None
@@ -105,7 +105,8 @@ class Block(eqx.Module):
         branches = 1 + (cross_attention is not None) + (ffn is not None)
         normed = 0 if placement == "rezero" else branches
         self.norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(normed))
-        self.out_norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(branches * (placement == "sandwich")))
+        out_normed = {"sandwich": range(branches), "normformer": (0,)}.get(placement, ())
+        self.out_norms = tuple(make_norm(norm, d_model, norm_eps) if i in out_normed else None for i in range(branches))
         self.resweight = jnp.zeros((), jnp.float32) if placement == "rezero" else None
         self.dropout = eqx.nn.Dropout(dropout)
         self.placement, self.alpha = placement, float(alpha)
@@ -117,12 +118,12 @@ class Block(eqx.Module):
 
     def _branch(self, f: Callable[[Array], tuple[Array, Produced]], index: int, x, key, inference):
         """(the branch's output, what f produced): dropout(f(N(x))) with pre-norm,
-        dropout(N'(f(N(x)))) with sandwich, a dropout(f(x)) with rezero, dropout(f(x))
-        with post-norm and deepnorm; `index` is the branch's (0 self-attention, then
+        dropout(N'(f(N(x)))) with sandwich (and normformer's self-attention), a dropout(f(x))
+        with rezero, dropout(f(x)) with post-norm and deepnorm; `index` is the branch's (0 self-attention, then
         cross-attention, then the FFN). The one dropout of a residual branch."""
         y, produced = f(self.norms[index](x) if self.pre_norm else x)
-        if self.out_norms:
-            y = self.out_norms[index](y)
+        if (out_norm := self.out_norms[index]) is not None:
+            y = out_norm(y)
         y = self.dropout(y, key=key, inference=inference)
         if self.resweight is not None:
             y = self.resweight.astype(y.dtype) * y

@@ -209,6 +209,9 @@ class FeedForward(eqx.Module):
     (`ACTIVATIONS`, `GATED_KINDS`: GEGLU, SwiGLU, ReGLU and the bilinear layer; Shazeer
     2020).
 
+    `mid_norm`: a norm of this kind (`norm_eps`) on the hidden layer, before W2: NormFormer's
+    FFN LN (Shleifer et al. 2021, section 2); None: none.
+
     `chunk_size`: run the positions in chunks of this many, one after another
     (`lax.map`), so the `[seq, d_ff]` hidden layer is never held at once: Reformer's
     chunked feed-forward (Kitaev et al. section 4). The same function; None: one chunk."""
@@ -218,6 +221,7 @@ class FeedForward(eqx.Module):
     w_in: Linear
     w_gate: Linear | None
     w_out: Linear
+    mid_norm: Norm | None  # NormFormer's norm on the hidden layer
     dropout: eqx.nn.Dropout
 
     def __init__(
@@ -228,6 +232,8 @@ class FeedForward(eqx.Module):
         *,
         dropout: float = 0.0,
         chunk_size: int | None = None,
+        mid_norm: str | None = None,
+        norm_eps: float | None = None,
         key: PRNGKeyArray,
     ):
         if kind not in FFN_KINDS:
@@ -241,6 +247,7 @@ class FeedForward(eqx.Module):
         self.w_in = Linear(d_model, d_ff, key=k1)
         self.w_gate = Linear(d_model, d_ff, key=k3) if kind in GATED_KINDS else None
         self.w_out = Linear(d_ff, d_model, key=k2)
+        self.mid_norm = None if mid_norm is None else make_norm(mid_norm, d_ff, norm_eps)
         self.dropout = eqx.nn.Dropout(dropout)
 
     def __call__(
@@ -259,7 +266,10 @@ class FeedForward(eqx.Module):
         h = ACTIVATIONS[self.kind](self.w_in(x))
         if self.w_gate is not None:
             h = h * self.w_gate(x)
-        return self.w_out(self.dropout(h, key=key, inference=inference))
+        h = self.dropout(h, key=key, inference=inference)
+        if self.mid_norm is not None:  # after the activation's dropout, as NormFormer's code (fairseq)
+            h = self.mid_norm(h)
+        return self.w_out(h)
 
 
 def split_key(key: PRNGKeyArray | None, n: int) -> list:

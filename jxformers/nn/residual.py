@@ -7,6 +7,10 @@ that replace or rescale them (Lin et al. 2021, "A Survey of Transformers", arXiv
 * "sandwich": x + N'(f(N(x))), a second norm on each branch's output (Ding et al. 2021,
   "CogView: Mastering Text-to-Image Generation via Transformers", section 2.4,
   Sandwich-LN);
+* "normformer": pre-norm plus NormFormer's three additions (Shleifer et al. 2021,
+  "NormFormer: Improved Transformer Pretraining with Extra Normalization", section 2): a
+  norm on the self-attention's output, a learned scale per head (`Attention`'s
+  `head_scale`), and a norm on the FFN's hidden layer (`FeedForward`'s `mid_norm`);
 * "rezero": x + a f(x) with one learned scalar a per block, started at 0, and no norm in
   the blocks (Bachlechner et al. 2020, "ReZero is All You Need: Fast Convergence at Large
   Depth"; the authors' code shares a between a block's sublayers);
@@ -32,10 +36,10 @@ from jxformers.nn.layers import FeedForward
 if TYPE_CHECKING:  # blocks.py reads this module's placements
     from jxformers.nn.blocks import Block
 
-PLACEMENTS = ("pre", "post", "sandwich", "rezero", "deepnorm")
+PLACEMENTS = ("pre", "post", "sandwich", "normformer", "rezero", "deepnorm")
 # Placements whose branch input is normalised (the rest normalise after the residual sum,
 # or not at all).
-INPUT_NORMED = ("pre", "sandwich")
+INPUT_NORMED = ("pre", "sandwich", "normformer")
 # Placements whose blocks end in a norm (after the residual sum).
 OUTPUT_NORMED = ("post", "deepnorm")
 

@@ -70,7 +70,14 @@ def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
     if isinstance(ffn, PKMConfig):
         return ProductKeyMemory(config.d_model, **ffn.settings(), dropout=config.dropout, key=key)
     return FeedForward(
-        config.d_model, d_ff(ffn, config.d_model), ffn.kind, dropout=config.dropout, chunk_size=ffn.chunk_size, key=key
+        config.d_model,
+        d_ff(ffn, config.d_model),
+        ffn.kind,
+        dropout=config.dropout,
+        chunk_size=ffn.chunk_size,
+        mid_norm=config.norm.kind if config.norm.placement == "normformer" else None,
+        norm_eps=config.norm.eps,
+        key=key,
     )
 
 
@@ -125,6 +132,7 @@ def _blocks(
             qk_norm_length=config.max_len,
             **{n: getattr(config.layer(i).attention, n) for n in HEAD_OPTIONS},
             aan_d_ff=_aan_d_ff(config.layer(i).attention, config.layer(i).ffn, config.d_model),
+            head_scale=config.norm.placement == "normformer",
             key=ka,
         )
         role = map_role(maps_kind, i, lazy_block)

@@ -241,8 +241,10 @@ class NormConfig:
         None,
         "pre or post the residual branch (None: the stack's paper; pre for the "
         "transformer, the stable choice of Xiong et al. 2020; post with ffn none, the all-attention layer's); "
-        "transformer stack only: sandwich (CogView's x + N(f(N(x)))), rezero (x + a f(x), a learned from 0, "
-        "no norms; Bachlechner et al. 2020), deepnorm (N(alpha x + f(x)) and DeepNet's init; Wang et al. 2022)",
+        "transformer stack only: sandwich (CogView's x + N(f(N(x)))), normformer (pre plus a norm on the "
+        "attention's output, head scales, a norm in the FFN; Shleifer et al. 2021), rezero (x + a f(x), a "
+        "learned from 0, no norms; Bachlechner et al. 2020), deepnorm (N(alpha x + f(x)) and DeepNet's init; "
+        "Wang et al. 2022)",
         choices=(*NORM_PLACEMENTS, None),
     )
     eps: float | None = setting(

@@ -395,13 +395,19 @@ class ModelConfig:
                 f"perceiver, transformer_xl, compressive and the pma head take 'pre' or 'post'; got stack "
                 f"{self.stack.kind!r}, head {getattr(self.head, 'kind', None)!r}"
             )
-        if placement == "deepnorm":
+        if placement in ("deepnorm", "normformer"):
             kinds = sorted({self.layer(i).ffn.kind for i in range(self._blocks())} - set(FFN_KINDS))
             if kinds:
+                what = {"deepnorm": "draws the dense FFN's matrices with DeepNet's gain",
+                        "normformer": "normalises the dense FFN's hidden layer"}[placement]  # fmt: skip
                 raise ValueError(
-                    f"norm.placement 'deepnorm' draws the dense FFN's matrices with DeepNet's gain; it takes a "
-                    f"dense ffn in every block ({list(FFN_KINDS)}); got {kinds}"
+                    f"norm.placement {placement!r} {what}; it takes a dense ffn in every block "
+                    f"({list(FFN_KINDS)}); got {kinds}"
                 )
+        if placement == "normformer" and any(self.layer(i).attention.aan for i in range(self._blocks())):
+            raise ValueError(
+                "norm.placement 'normformer' scales each head's output; the attention 'average' has no heads"
+            )
 
     def _check_ffns(self):
         """Dense FFNs go anywhere; moe and pkm in transformer blocks of classify and lm."""
