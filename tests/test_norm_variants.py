@@ -261,6 +261,40 @@ def test_the_settings_are_reached_from_yaml():
     assert ModelConfig(**small(norm={"placement": "rezero", "final": False})).norm.final is False
 
 
+# ------------------------------------------------------------------ the decoder without FFNs
+
+
+def test_a_decoder_without_ffns_decodes_as_its_forward():
+    """decoder.ffn false (Yang et al. 2020, "On the Sub-Layer Functionalities of Transformer
+    Decoder"): each decoder block is self-attention then cross-attention, no FFN sublayer
+    (and no third norm); the encoder keeps its FFNs; decoding steps equal the forward."""
+    config = dict(
+        task="seq2seq", vocab_size=11, num_layers=1, d_model=D, num_heads=2, max_len=12,
+        ffn={"d_ff": 16}, decoder={"num_layers": 2, "ffn": False},
+    )  # fmt: skip
+    model = build_model(config, key=jax.random.key(3))
+    decoder_blocks = model.decoder.blocks
+    assert all(b.ffn is None and len(b.norms) == 2 for b in decoder_blocks)
+    assert all(b.ffn is not None for b in model.encoder.blocks)
+    with_ffn = build_model(config | {"decoder": {"num_layers": 2}}, key=jax.random.key(3))
+    assert all(b.ffn is not None for b in with_ffn.decoder.blocks)
+    src, tgt = jnp.array([3, 1, 4, 1, 5, 9]), jnp.array([2, 6, 5, 3])
+    logits = model(src, tgt)
+    bound = model.conditioned(src)
+    state = bound.init_decode_state(4)
+    steps = []
+    for t in range(4):
+        out, state = bound.decode_step(tgt[t], state)
+        steps.append(out)
+    assert_close(jnp.stack(steps), logits, atol=1e-4)
+    # the block's formula without its FFN: x + A(N(x)) -> + C(N(.), context)
+    b = decoder_blocks[0]
+    x, context = jax.random.normal(jax.random.key(4), (4, D)), jax.random.normal(jax.random.key(5), (6, D))
+    h = x + b.attention(b.norms[0](x))
+    h = h + b.cross_attention(b.norms[1](h), context)
+    assert_close(b(x, context=context, inference=True), h, atol=1e-5)
+
+
 # ------------------------------------------------------------------ one training step each
 
 VARIANTS = (

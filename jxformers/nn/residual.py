@@ -85,7 +85,7 @@ def deepnorm_init(block: Block, beta: float, *, key: jax.Array) -> Block:
         for name, gain in (("q_proj", 1.0), ("k_proj", 1.0), ("v_proj", beta), ("o_proj", beta)):
             if getattr(attention, name) is not None:
                 paths.append((lambda b, p=part, n=name: getattr(getattr(b, p), n).weight, gain))
-    if not isinstance(block.ffn, FeedForward):
+    if block.ffn is not None and not isinstance(block.ffn, FeedForward):  # None: a block without FFN
         raise ValueError(f"deepnorm initialises a dense FFN's matrices; got {type(block.ffn).__name__}")
     for name in ("w_in", "w_gate", "w_out"):
         if getattr(block.ffn, name) is not None:

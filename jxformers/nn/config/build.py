@@ -158,9 +158,11 @@ def _blocks(
                 **{n: getattr(config.decoder.cross_attention, n) for n in HEAD_OPTIONS},
                 key=kc,
             )
+        # a seq2seq decoder's blocks without FFNs (decoder.ffn false: Yang et al. 2020)
+        without_ffn = cross and config.decoder is not None and not config.decoder.ffn
         block = Block(
             attention,
-            _ffn(config, config.layer(i).ffn, key=kf),
+            None if without_ffn else _ffn(config, config.layer(i).ffn, key=kf),
             d_model=config.d_model,
             norm=config.norm.kind,
             placement=config.norm.placement,

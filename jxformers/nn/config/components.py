@@ -528,6 +528,11 @@ class DecoderConfig:
 
     num_layers: int | None = setting(None, "decoder blocks (None: the model's num_layers)")
     cross_attention: AttentionConfig = setting(factory=AttentionConfig, doc="the decoder's cross-attention")
+    ffn: bool = setting(
+        True,
+        'an FFN sublayer in each decoder block; false drops it (Yang et al. 2020, "On the Sub-Layer '
+        "Functionalities of Transformer Decoder\": the decoder's FFNs can go with little loss)",
+    )
 
     def __post_init__(self):
         object.__setattr__(
