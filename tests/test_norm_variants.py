@@ -114,10 +114,12 @@ def test_each_placement_composes_the_sublayers_as_its_paper(placement):
             h = h + f(b.norms[i](h))
         elif placement == "rezero":
             h = h + 0.6 * f(h)  # one scalar for both sublayers (the authors' code)
+        elif placement == "tfixup":
+            h = h + f(h)  # no norm: the initialisation alone (tested below)
         else:
             h = b.norms[i](alpha * h + f(h))
     assert_close(b(x, inference=True), h, atol=1e-5)
-    if placement == "rezero":
+    if placement in ("rezero", "tfixup"):
         assert b.norms == () and b.out_norms == (None, None)
     if placement == "sandwich":
         assert len(b.norms) == 2 and None not in b.out_norms
@@ -226,6 +228,39 @@ def test_deepnorm_models_draw_deepnets_initialisation_and_scale_the_residual():
     lm = dict(config, task="lm", num_classes=None, num_layers=3)
     lm.pop("num_classes")
     assert build_model(lm, key=jax.random.key(2)).blocks[0].alpha == pytest.approx(6**0.25)
+
+
+# ------------------------------------------------------------------ T-Fixup
+
+
+def test_tfixup_draws_the_papers_initialisation():
+    """Huang et al. 2020, section 3.3: Xavier matrices; v, o and the FFN's times 0.67 N^-1/4
+    in blocks of two sublayers, (9 M)^-1/4 in decoder blocks of three; the token table
+    (std d^-1/2) times (9 L)^-1/4; no norm in the blocks."""
+    assert residual.tfixup_scale(6, cross=False) == pytest.approx(0.67 * 6**-0.25)
+    assert residual.tfixup_scale(6, cross=True) == pytest.approx(54**-0.25)
+    config = dict(
+        task="seq2seq", vocab_size=200, num_layers=6, d_model=64, num_heads=4, max_len=8,
+        ffn={"kind": "gelu", "d_ff": 256}, norm={"placement": "tfixup", "final": False}, decoder={"num_layers": 3},
+    )  # fmt: skip
+    model = build_model(config, key=jax.random.key(2))
+
+    def std(w):
+        return float(jnp.std(w))
+
+    xavier, xavier_ffn = np.sqrt(2 / 128), np.sqrt(2 / (64 + 256))
+    for blocks, scale in ((model.encoder.blocks, 0.67 * 6**-0.25), (model.decoder.blocks, 27**-0.25)):
+        b = blocks[0]
+        assert b.norms == ()
+        assert std(b.attention.q_proj.weight) == pytest.approx(xavier, rel=0.1)
+        assert std(b.attention.v_proj.weight) == pytest.approx(scale * xavier, rel=0.1)
+        assert std(b.attention.o_proj.weight) == pytest.approx(scale * xavier, rel=0.1)
+        assert std(b.ffn.w_in.weight) == pytest.approx(scale * xavier_ffn, rel=0.1)
+        assert float(jnp.abs(b.attention.v_proj.weight).max()) <= scale * np.sqrt(6 / 128) + 1e-6  # uniform
+    cross = model.decoder.blocks[0].cross_attention
+    assert std(cross.v_proj.weight) == pytest.approx(27**-0.25 * xavier, rel=0.1)
+    # the token table: std d^-1/2 times (9 L)^-1/4, L = the decoder's 3 blocks
+    assert std(model.encoder.embedding.table) == pytest.approx(64**-0.5 * 27**-0.25, rel=0.1)
 
 
 # ------------------------------------------------------------------ config

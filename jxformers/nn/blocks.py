@@ -103,7 +103,7 @@ class Block(eqx.Module):
         self.maps, self.evolve = maps, evolve
         self.attention, self.cross_attention, self.ffn = attention, cross_attention, ffn
         branches = 1 + (cross_attention is not None) + (ffn is not None)
-        normed = 0 if placement == "rezero" else branches
+        normed = 0 if placement in residual.NORM_FREE else branches
         self.norms = tuple(make_norm(norm, d_model, norm_eps) for _ in range(normed))
         out_normed = {"sandwich": range(branches), "normformer": (0,)}.get(placement, ())
         self.out_norms = tuple(make_norm(norm, d_model, norm_eps) if i in out_normed else None for i in range(branches))

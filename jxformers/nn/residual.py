@@ -14,12 +14,18 @@ that replace or rescale them (Lin et al. 2021, "A Survey of Transformers", arXiv
 * "rezero": x + a f(x) with one learned scalar a per block, started at 0, and no norm in
   the blocks (Bachlechner et al. 2020, "ReZero is All You Need: Fast Convergence at Large
   Depth"; the authors' code shares a between a block's sublayers);
+* "tfixup": x + f(x) with no norm in the blocks, made trainable by the initialisation
+  alone (Huang et al. 2020, "Improving Transformer Optimization Through Better
+  Initialization", section 3.3): Xavier weights, the value, output and FFN matrices of
+  each block scaled by 0.67 N^(-1/4) (two sublayers) or (9 M)^(-1/4) (three: a decoder
+  block with cross-attention), the token embeddings (std d^(-1/2)) by (9 L)^(-1/4);
 * "deepnorm": N(alpha x + f(x)) with alpha > 1 from the depth, and the value, output and
   FFN weights drawn with Xavier-normal gain beta < 1 (Wang et al. 2022, "DeepNet: Scaling
   Transformers to 1,000 Layers", section 3 and Figure 2).
 
-The block applies them (`jxformers.nn.blocks.Block`); `deepnorm_constants` and
-`deepnorm_init` hold DeepNet's numbers and initialisation.
+The block applies them (`jxformers.nn.blocks.Block`); `deepnorm_constants`,
+`deepnorm_init`, `tfixup_scale` and `tfixup_init` hold DeepNet's and T-Fixup's numbers
+and initialisations.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from jxformers.nn.layers import FeedForward
 if TYPE_CHECKING:  # blocks.py reads this module's placements
     from jxformers.nn.blocks import Block
 
-PLACEMENTS = ("pre", "post", "sandwich", "normformer", "rezero", "deepnorm")
+PLACEMENTS = ("pre", "post", "sandwich", "normformer", "rezero", "tfixup", "deepnorm")
+# Placements whose blocks hold no norm at all.
+NORM_FREE = ("rezero", "tfixup")
 # Placements whose branch input is normalised (the rest normalise after the residual sum,
 # or not at all).
 INPUT_NORMED = ("pre", "sandwich", "normformer")
@@ -77,19 +85,51 @@ def deepnorm_init(block: Block, beta: float, *, key: jax.Array) -> Block:
     with gain `beta` for the value and output projections of its attentions (self and
     cross) and the dense FFN's matrices, gain 1 for the query and key projections.
     Biases keep their draw (the figure sets none)."""
-    paths: list[tuple[Callable[[Block], jax.Array], float]] = []
+    return _redraw(block, lambda k, shape, scaled: xavier_normal(k, shape, beta if scaled else 1.0), key, "deepnorm")
+
+
+def _redraw(block: Block, draw: Callable[[jax.Array, tuple[int, ...], bool], jax.Array], key, who: str) -> Block:
+    """`block` with every matrix of its attentions and dense FFN drawn again by
+    `draw(key, shape, scaled)`; `scaled` is True for the value and output projections
+    and the FFN's matrices (the ones DeepNet and T-Fixup scale), False for q and k."""
+    paths: list[tuple[Callable[[Block], jax.Array], bool]] = []
     for part in ("attention", "cross_attention"):
         attention = getattr(block, part)
         if attention is None:
             continue
-        for name, gain in (("q_proj", 1.0), ("k_proj", 1.0), ("v_proj", beta), ("o_proj", beta)):
+        for name, scaled in (("q_proj", False), ("k_proj", False), ("v_proj", True), ("o_proj", True)):
             if getattr(attention, name) is not None:
-                paths.append((lambda b, p=part, n=name: getattr(getattr(b, p), n).weight, gain))
+                paths.append((lambda b, p=part, n=name: getattr(getattr(b, p), n).weight, scaled))
     if block.ffn is not None and not isinstance(block.ffn, FeedForward):  # None: a block without FFN
-        raise ValueError(f"deepnorm initialises a dense FFN's matrices; got {type(block.ffn).__name__}")
+        raise ValueError(f"{who} initialises a dense FFN's matrices; got {type(block.ffn).__name__}")
     for name in ("w_in", "w_gate", "w_out"):
-        if getattr(block.ffn, name) is not None:
-            paths.append((lambda b, n=name: getattr(b.ffn, n).weight, beta))
+        if getattr(block.ffn, name, None) is not None:
+            paths.append((lambda b, n=name: getattr(b.ffn, n).weight, True))
     keys = jax.random.split(key, len(paths))
-    new = [xavier_normal(k, get(block).shape, gain) for k, (get, gain) in zip(keys, paths, strict=True)]
+    new = [draw(k, get(block).shape, scaled) for k, (get, scaled) in zip(keys, paths, strict=True)]
     return eqx.tree_at(lambda b: [get(b) for get, _ in paths], block, new)
+
+
+def tfixup_scale(layers: int, *, cross: bool) -> float:
+    """T-Fixup's factor for the value, output and FFN matrices of the blocks of a stack
+    of `layers` blocks (Huang et al. 2020, section 3.3, steps 2-3): (9 L)^(-1/4) for
+    blocks of three sublayers (the paper's decoder: cross-attention), 0.67 L^(-1/4) for
+    two (the paper's encoder; also a decoder-only LM's blocks, which have two)."""
+    if layers < 1:
+        raise ValueError(f"tfixup needs at least one block; got {layers=}")
+    return (9 * layers) ** -0.25 if cross else 0.67 * layers**-0.25
+
+
+def tfixup_init(block: Block, scale: float, *, key: jax.Array) -> Block:
+    """`block` with T-Fixup's initialisation (Huang et al. 2020, section 3.3): every
+    matrix of its attentions and dense FFN drawn Xavier-uniform, then the value and
+    output projections and the FFN's matrices times `scale` (`tfixup_scale`). Biases
+    keep their draw."""
+    return _redraw(block, lambda k, shape, scaled: xavier_uniform(k, shape) * (scale if scaled else 1.0), key, "tfixup")
+
+
+def xavier_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Glorot & Bengio's uniform draw for an `[out, in]` matrix: U(-a, a), a = sqrt(6 / (in + out))."""
+    fan_out, fan_in = shape
+    bound = jnp.sqrt(6.0 / (fan_in + fan_out))
+    return jax.random.uniform(key, shape, minval=-bound, maxval=bound)

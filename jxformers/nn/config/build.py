@@ -175,6 +175,8 @@ def _blocks(
         )
         if config.norm.placement == "deepnorm":
             block = residual.deepnorm_init(block, beta, key=jax.random.fold_in(k, 4))
+        elif config.norm.placement == "tfixup":
+            block = residual.tfixup_init(block, residual.tfixup_scale(count, cross=cross), key=jax.random.fold_in(k, 4))
         blocks.append(block)
     return blocks
 
@@ -248,7 +250,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         )
         kt, _ = jax.random.split(k)
         embed_norm = make_norm(norm.kind, config.d_model, norm.eps) if embed.norm else None
-        return Embedding(
+        made = Embedding(
             config.vocab_size,
             config.d_model,
             positions,
@@ -260,6 +262,12 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             extra_kind=embed.extra_kind,
             key=kt,
         )
+        if norm.placement != "tfixup":
+            return made
+        # T-Fixup's step 2: the token table (std d^-1/2, as drawn) times (9 L)^(-1/4), L the
+        # decoder's blocks in an encoder-decoder (the paper's), the model's otherwise
+        layers = config.decoder_layers if config.task == "seq2seq" else config.num_layers
+        return eqx.tree_at(lambda e: e.table, made, made.table * (9 * layers) ** -0.25)
 
     def token_learner():
         tl = getattr(stack, "token_learner", None)

@@ -243,7 +243,8 @@ class NormConfig:
         "transformer, the stable choice of Xiong et al. 2020; post with ffn none, the all-attention layer's); "
         "transformer stack only: sandwich (CogView's x + N(f(N(x)))), normformer (pre plus a norm on the "
         "attention's output, head scales, a norm in the FFN; Shleifer et al. 2021), rezero (x + a f(x), a "
-        "learned from 0, no norms; Bachlechner et al. 2020), deepnorm (N(alpha x + f(x)) and DeepNet's init; "
+        "learned from 0, no norms; Bachlechner et al. 2020), tfixup (no norms, T-Fixup's init; Huang et al. "
+        "2020), deepnorm (N(alpha x + f(x)) and DeepNet's init; "
         "Wang et al. 2022)",
         choices=(*NORM_PLACEMENTS, None),
     )

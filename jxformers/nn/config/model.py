@@ -395,10 +395,11 @@ class ModelConfig:
                 f"perceiver, transformer_xl, compressive and the pma head take 'pre' or 'post'; got stack "
                 f"{self.stack.kind!r}, head {getattr(self.head, 'kind', None)!r}"
             )
-        if placement in ("deepnorm", "normformer"):
+        if placement in ("deepnorm", "normformer", "tfixup"):
             kinds = sorted({self.layer(i).ffn.kind for i in range(self._blocks())} - set(FFN_KINDS))
             if kinds:
                 what = {"deepnorm": "draws the dense FFN's matrices with DeepNet's gain",
+                        "tfixup": "draws the dense FFN's matrices with T-Fixup's scale",
                         "normformer": "normalises the dense FFN's hidden layer"}[placement]  # fmt: skip
                 raise ValueError(
                     f"norm.placement {placement!r} {what}; it takes a dense ffn in every block "
@@ -510,11 +511,11 @@ class ModelConfig:
                 f"{sorted(given)} apply to stack 'transformer'; got stack {self.stack.kind!r} with {given}"
             )
         ends_normed = self.norm.placement in ("post", "deepnorm") and self.task in ENCODER_TASKS
-        if not self.norm.final and not ends_normed and self.norm.placement != "rezero":
+        if not self.norm.final and not ends_normed and self.norm.placement not in ("rezero", "tfixup"):
             raise ValueError(
                 f"norm.final False needs blocks that end normalised (placement 'post' or 'deepnorm', BERT's "
-                f"encoder) and an encoder task (classify, retrieval), or placement 'rezero' (the paper's "
-                f"model has no norm at all); got placement {self.norm.placement!r}, task {self.task!r}"
+                f"encoder) and an encoder task (classify, retrieval), or placement 'rezero' or 'tfixup' (the "
+                f"papers' models have no norm at all); got placement {self.norm.placement!r}, task {self.task!r}"
             )
 
     def _check_heads(self, attention: AttentionConfig, spec: registry.AttentionSpec, where: str) -> None:
