@@ -226,6 +226,7 @@ def _train(rest: list[str]) -> int:
     from jxformers.train.loop import to_json
 
     watch = watch_peers(args.heartbeat_timeout)  # None with one process
+    restore_hook = watch.hold_thread_errors() if watch is not None else None
     done = False  # tells the other processes this one finished, not died
     try:
         summary = train(experiment, args.workdir, progress=not args.no_progress, fresh=args.fresh)
@@ -243,6 +244,8 @@ def _train(rest: list[str]) -> int:
     finally:
         if watch is not None:
             watch.stop(done=done)
+        if restore_hook is not None:
+            restore_hook()
     print(to_json(summary))
     return 0
 
