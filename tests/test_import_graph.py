@@ -3,7 +3,7 @@ circles, no module importing a higher layer, and `jxformers.validate` light.
 
 The layers, lowest first (docs: DESIGN "Layout"):
 
-    base        validate, registry, xla_cost and the private helpers (_typing, _arrays):
+    base        validate, registry, xla_cost and the private helpers (_typing, _arrays, _terminal):
                 no jax model code, importable alone
     kernels     Pallas kernels
     decoding    the decoders (cache, ring buffer, recurrent state) the ops register
@@ -33,7 +33,14 @@ ROOT = pathlib.Path(__file__).parents[1]
 PACKAGE = ROOT / "jxformers"
 
 LAYERS = (
-    ("jxformers.validate", "jxformers.registry", "jxformers.xla_cost", "jxformers._typing", "jxformers._arrays"),
+    (
+        "jxformers.validate",
+        "jxformers.registry",
+        "jxformers.xla_cost",
+        "jxformers._typing",
+        "jxformers._arrays",
+        "jxformers._terminal",
+    ),
     ("jxformers.kernels",),
     ("jxformers.decoding",),
     ("jxformers.ops",),
