@@ -290,7 +290,7 @@ def test_gradients_finite_and_bf16(kw):
 
 def test_invalid_settings_are_errors():
     with pytest.raises(ValueError, match="router must be one of"):
-        MoE(D, FF, 4, router="hash", key=jax.random.key(0))
+        MoE(D, FF, 4, router="switch", key=jax.random.key(0))
     with pytest.raises(ValueError, match="top_k must be in"):
         MoE(D, FF, 4, top_k=5, key=jax.random.key(0))
     with pytest.raises(ValueError, match="dropless applies"):

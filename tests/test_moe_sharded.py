@@ -1,8 +1,10 @@
 """Expert parallelism (jxformers/nn/moe_sharded.py) on 8 simulated CPU devices, in its
 own process: the shard_map layer equals the one-device layer applied to each device's
 tokens (outputs, drop counts, losses, gradients) for top-1 and top-2 token choice with
-capacity, dropless token choice and expert choice, with padding, on an expert-only mesh
-and on a data x expert mesh."""
+capacity, dropless token choice, expert choice, hash routing (token ids split like the
+batch), BASE (the balanced assignment of each device's tokens in training, greedy at
+inference) and expert prototyping (capacity and dropless), with padding, on an
+expert-only mesh and on a data x expert mesh."""
 
 import os
 import pathlib
@@ -24,6 +26,7 @@ SCRIPT = textwrap.dedent("""
     assert len(jax.devices()) == 8
     x = jax.random.normal(jax.random.key(1), (8, 6, 8))
     mask = jnp.arange(6)[None, :] < jnp.array([6, 5, 6, 4, 6, 6, 3, 6])[:, None]
+    ids = jax.random.randint(jax.random.key(7), (8, 6), 0, 11)  # token ids: hash routing reads them
     expert_mesh = Mesh(np.array(jax.devices()[:4]), ("expert",))
     grid = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
 
@@ -31,15 +34,17 @@ SCRIPT = textwrap.dedent("""
         ys, auxs, per = [], [], x.shape[0] // groups
         for g in range(groups):  # routing group g: examples g*per ... (g+1)*per - 1
             sl = slice(g * per, (g + 1) * per)
-            y, aux = m(x[sl].reshape(per * 6, 8), mask=mask[sl].reshape(per * 6), inference=inference)
+            y, aux = m(x[sl].reshape(per * 6, 8), mask=mask[sl].reshape(per * 6),
+                       token_ids=ids[sl].reshape(per * 6), inference=inference)
             ys.append(y.reshape(per, 6, 8))
             auxs.append(aux)
         return jnp.concatenate(ys), auxs
 
     def check(moe, mesh, data_axis, groups, *, drops, inference_too=False):
         sharded = lambda m, inference: expert_parallel_moe(  # noqa: E731
-            m, x, mask, mesh=mesh, data_axis=data_axis, inference=inference)
-        for inference in (False, True) if inference_too else (False,):  # inference differs only in capacity
+            m, x, mask, token_ids=ids, mesh=mesh, data_axis=data_axis, inference=inference)
+        # inference differs in capacity, and for BASE in routing (greedy, not balanced)
+        for inference in (False, True) if inference_too else (False,):
             y, aux = eqx.filter_jit(sharded)(moe, inference)
             want, auxs = eqx.filter_jit(reference)(moe, groups, inference)
             np.testing.assert_allclose(y, want, atol=1e-5)
@@ -76,6 +81,17 @@ SCRIPT = textwrap.dedent("""
     check(ragged, grid, "data", 8, drops=False)
     choice = MoE(8, 16, 8, router="expert_choice", capacity_factor=1.0, min_capacity=1, key=jax.random.key(6))
     check(choice, grid, "data", 8, drops=None)
+    hashed = MoE(8, 16, 8, router="hash", vocab_size=11, key=jax.random.key(8))
+    check(hashed, grid, "data", 8, drops=False)
+    base = MoE(8, 16, 8, router="base", ffn="swiglu", key=jax.random.key(9))
+    check(base, expert_mesh, None, 4, drops=False, inference_too=True)
+    check(base, grid, "data", 8, drops=False, inference_too=True)
+    proto = MoE(8, 16, 8, router="prototype", top_k=2, capacity_factor=1.0, min_capacity=1, key=jax.random.key(10))
+    check(proto, grid, "data", 8, drops=None)
+    for method in ("ragged", "padded"):
+        dropless = MoE(8, 16, 8, router="prototype", top_k=4, dropless=True, dropless_method=method,
+                       key=jax.random.key(11))
+        check(dropless, expert_mesh, None, 4, drops=False)
 
     # training randomness (jitter, GShard's random second expert): a key per device
     noisy = MoE(8, 16, 8, top_k=2, jitter_eps=0.1, second_policy="random", key=jax.random.key(2))
@@ -90,6 +106,12 @@ SCRIPT = textwrap.dedent("""
             assert words in str(e), e
         else:
             raise AssertionError(bad)
+    try:
+        expert_parallel_moe(hashed, x, mask, mesh=grid, data_axis="data")
+    except ValueError as e:
+        assert "pass token_ids" in str(e), e
+    else:
+        raise AssertionError("hash routing without token ids")
     print("OK")
 """)
 

@@ -6,7 +6,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     average.py    AverageNetwork: the FFN and gating layer of the average attention network
                   (Zhang et al. 2018; the Attention setting aan around the attention `average`)
     layers.py     Linear, LayerNorm, RMSNorm, ScaleNorm, FeedForward
-    moe.py        MoE (token-choice / expert-choice routers, capacity and dropless dispatch)
+    moe.py        MoE (token-choice, expert-choice, hash, BASE and prototype routers, capacity
+                  and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
     positions.py  sinusoidal (and FLASH's scaled), learned, rotary (Rotary: RoPE, its context
                   scaling, xPos), ALiBi, T5 relative buckets

@@ -12,7 +12,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray, Real
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 
 from jxformers import decoding
 from jxformers.kernels.alibi import Alibi
@@ -185,12 +185,15 @@ class Block(eqx.Module):
         x: Float[Array, "seq d_model"],
         *,
         mask: Bool[Array, " seq"] | None = None,
+        token_ids: Int[Array, " seq"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, "seq d_model"], Produced]:
         """The feed-forward branch without its residual: dropout(ffn(norm(x))) (pre-norm);
         the FFN's own dropout acts on its hidden units. `mask` (True for real tokens)
-        reaches an MoE or product-key memory; an MoE's aux dict is in the `Produced`."""
+        reaches an MoE or product-key memory, `token_ids` (the input token of each row,
+        `moe.NO_TOKEN` where none) an MoE (hash routing reads them); an MoE's aux dict is
+        in the `Produced`."""
         k_hidden, k_out = (None, None) if key is None else jax.random.split(key)
 
         ffn = self.ffn
@@ -202,7 +205,7 @@ class Block(eqx.Module):
                 return ffn(h, key=k_hidden, inference=inference), Produced()
             if isinstance(ffn, ProductKeyMemory):
                 return ffn(h, mask=mask, key=k_hidden, inference=inference), Produced()
-            y, aux = ffn(h, mask=mask, key=k_hidden, inference=inference)
+            y, aux = ffn(h, mask=mask, token_ids=token_ids, key=k_hidden, inference=inference)
             return y, Produced(moe=(aux,))
 
         return self._branch(feed, self._ffn_index, x, k_out, inference)
@@ -244,6 +247,7 @@ class Block(eqx.Module):
         context_mask: Bool[Array, " ctx"] | None = None,
         source: Float[Array, "kv d_model"] | None = None,
         source_positions: Real[Array, " kv"] | None = None,
+        token_ids: Int[Array, " seq"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, "seq d_model"], Produced, cross_layer.Maps | None]:
@@ -257,6 +261,9 @@ class Block(eqx.Module):
             source: `[kv, d_model]` the sequence self-attention takes its keys and
                 values from when it is not x (Funnel's pooling layer); the block's
                 attention must then be built with `cross=True`.
+            token_ids: `[seq]` the input token id of each row of x (`moe.NO_TOKEN` for
+                rows that hold none: CLS, memory tokens), for an MoE FFN that routes by
+                token id (hash layers); the models pass them while rows are tokens.
 
         Returns:
             `([seq, d_model], Produced, maps)`: what the attentions and an MoE FFN made
@@ -294,7 +301,7 @@ class Block(eqx.Module):
         if self.ffn is None:  # the all-attention layer: no FFN sublayer
             return x, produced, maps
         ffn_mask = kv_mask if source is None else None  # with a source, kv_mask is not x's
-        out, more = self.ffn_branch(x, mask=ffn_mask, key=k_ffn, inference=inference)
+        out, more = self.ffn_branch(x, mask=ffn_mask, token_ids=token_ids, key=k_ffn, inference=inference)
         return self._residual(x, out, self._ffn_index), produced + more, maps
 
     def init_decode_state(self, max_len: int, dtype) -> decoding.State:
@@ -313,11 +320,13 @@ class Block(eqx.Module):
         bias_fn: decoding.BiasFn | None = None,
         context_kv: tuple[Array, Array] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
+        token_id: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, " d_model"], Any]:
         """One token (inference mode): self-attention against the decoding state, then
-        cross-attention to the context's precomputed keys/values, then the FFN."""
+        cross-attention to the context's precomputed keys/values, then the FFN (`token_id`:
+        the token's id, for an MoE that routes by it)."""
         x, state, _ = self.decode_step_maps(
-            x, state, None, bias_fn=bias_fn, context_kv=context_kv, context_mask=context_mask
+            x, state, None, bias_fn=bias_fn, context_kv=context_kv, context_mask=context_mask, token_id=token_id
         )
         return x, state
 
@@ -330,6 +339,7 @@ class Block(eqx.Module):
         bias_fn: decoding.BiasFn | None = None,
         context_kv: tuple[Array, Array] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
+        token_id: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, " d_model"], Any, cross_layer.Maps | None]:
         """`decode_step` taking the previous block's maps for this token (its row,
         `[heads, 1, slots]`) and returning this block's (`maps` when it carries none)."""
@@ -352,5 +362,6 @@ class Block(eqx.Module):
             step = lambda h: (cross.cross_step(h, *context_kv, kv_mask=context_mask), Produced())  # noqa: E731
             x = self._residual(x, self._branch(step, 1, x, None, True)[0], 1)
         if self.ffn is not None:
-            x = self._residual(x, self.ffn_branch(x[None], inference=True)[0][0], self._ffn_index)
+            ids = None if token_id is None else token_id[None]
+            x = self._residual(x, self.ffn_branch(x[None], token_ids=ids, inference=True)[0][0], self._ffn_index)
         return x, out["state"], out["maps"]

@@ -37,6 +37,7 @@ from jxformers.nn.blocks import Block
 from jxformers.nn.layers import AdaNorm, Linear, Norm, check_tokens, lookup
 from jxformers.nn.luna import LunaStack
 from jxformers.nn.mixture import MixtureOfLogistics
+from jxformers.nn.moe import NO_TOKEN
 from jxformers.nn.positions import BIAS_KINDS, Positions
 from jxformers.nn.produced import Produced
 from jxformers.nn.reversible import reversible_apply, reversible_decode_step
@@ -150,6 +151,14 @@ class Embedding(eqx.Module):
         if mask is not None:
             mask = jnp.concatenate([mask[:at], jnp.ones((self.num_extra,), bool), mask[at:]])
         return x, mask
+
+    def with_extra_ids(self, ids: Int[Array, " n"], *, cls: int = 0) -> Int[Array, " n_out"]:
+        """The token ids of `with_extra`'s rows: `NO_TOKEN` where it puts the extra
+        tokens (for MoE layers that route by token id)."""
+        if self.extra is None:
+            return ids
+        at = 0 if self.extra_kind == "memory" else cls
+        return jnp.concatenate([ids[:at], jnp.full((self.num_extra,), NO_TOKEN, ids.dtype), ids[at:]])
 
     def __call__(
         self, tokens: Int[Array, " n"], positions: Int[Array, " n"], token_types: Int[Array, " n"] | None = None
@@ -375,10 +384,13 @@ class Encoder(eqx.Module):
         mask = jnp.ones((n,), bool) if mask is None else mask
         first = start + self.embedding.num_extra  # the tokens' first position: after the extra tokens and CLS
         x = self.embedding(tokens, jnp.arange(first, n + first), token_types)
+        ids = tokens  # each row's token id while the rows are tokens (hash-routed MoE layers read them)
         if self.cls is not None:
             x = jnp.concatenate([self.cls.astype(x.dtype)[None], x])
             mask = jnp.concatenate([jnp.ones((1,), bool), mask])
+            ids = jnp.concatenate([jnp.full((1,), NO_TOKEN, ids.dtype), ids])
         x, mask = self.embedding.with_extra(x, mask, cls=start)
+        ids = self.embedding.with_extra_ids(ids, cls=start)
         assert mask is not None
         if self.reversible:
             bias = self.embedding.positions.grid_bias(x.shape[0])
@@ -399,6 +411,7 @@ class Encoder(eqx.Module):
                     source = {"source": x, "source_positions": pos}
                 full_mask, full_pos = mask, pos
                 x, mask, spacing = self._shorten(x, mask, spacing, filters[i], padded)
+                ids = None  # rows are no longer tokens (ModelConfig keeps hash routing before filters)
                 pos = self._positions(x.shape[0], spacing)
                 on_grid = False
             kv_mask, kv_pos = (full_mask, full_pos) if source else (mask, pos)
@@ -412,7 +425,15 @@ class Encoder(eqx.Module):
                 x, made = self._fused_block(block, i, x, mask, key=k, inference=inference)
             elif isinstance(block, Block):
                 x, made, maps = block.apply_maps(
-                    x, maps, kv_mask=kv_mask, bias=bias, positions=pos, key=k, inference=inference, **source
+                    x,
+                    maps,
+                    kv_mask=kv_mask,
+                    bias=bias,
+                    positions=pos,
+                    token_ids=ids,
+                    key=k,
+                    inference=inference,
+                    **source,
                 )
             else:  # ISAB, LunaStack: no filters and no bias positions (ModelConfig refuses them)
                 x = block(x, kv_mask=kv_mask, key=k, inference=inference)
@@ -420,6 +441,7 @@ class Encoder(eqx.Module):
             if learn is not None and not learn.fuse and i == learn.after_layer:
                 x, mask = self._learn_tokens(learn.learner(i), x, mask)
                 pos = self._positions(x.shape[0], spacing)
+                ids = None  # learned tokens: no token ids from here on
         if upsample_sum:
             outputs.append(_upsample(x, mask, input_mask))
             return self._drop_registers(self._final(sum(outputs[1:], outputs[0])), input_mask), produced
@@ -668,6 +690,7 @@ class LanguageModel(eqx.Module):
         _check_length(n + m, self.max_len, extra=m)
         x = self.embedding(tokens, jnp.arange(m, m + n))
         x, mask = self.embedding.with_extra(x, mask)  # [mem; x]: the memory first
+        ids = self.embedding.with_extra_ids(tokens)  # each row's token id (hash-routed MoE layers)
         positions = jnp.arange(n + m)
         bias = self.embedding.positions.grid_bias(n + m)
         if self.reversible:
@@ -692,6 +715,7 @@ class LanguageModel(eqx.Module):
                     positions=positions,
                     context=context,
                     context_mask=context_mask,
+                    token_ids=ids,
                     key=k,
                     inference=inference,
                 )
@@ -711,7 +735,7 @@ class LanguageModel(eqx.Module):
             "length": jnp.zeros((), jnp.int32),
         }
         if self.embedding.extra is not None:
-            feed = lambda s, v: (self._step(v, s)[1], None)  # noqa: E731
+            feed = lambda s, v: (self._step(v, s, token_id=jnp.array(NO_TOKEN))[1], None)  # noqa: E731
             state = jax.lax.scan(feed, state, self.embedding.extra.astype(dtype))[0]
         return state
 
@@ -726,10 +750,11 @@ class LanguageModel(eqx.Module):
         """Feed one token at position `state["length"]`; returns the next-token logits
         `[vocab]` and the new state."""
         x = self.embedding(token[None], state["length"][None])[0]
-        return self._step(x, state, context_kv=context_kv, context_mask=context_mask)
+        return self._step(x, state, token_id=token, context_kv=context_kv, context_mask=context_mask)
 
-    def _step(self, x, state, *, context_kv=None, context_mask=None):
-        """`decode_step` from the input vector x `[d_model]` on (a token's embedding or a memory token)."""
+    def _step(self, x, state, *, token_id, context_kv=None, context_mask=None):
+        """`decode_step` from the input vector x `[d_model]` on (a token's embedding or a
+        memory token); `token_id` is its token's id (`NO_TOKEN` for a memory token)."""
         bias_fn, layers = _bias_fn(self.embedding.positions), []
         if self.reversible:
             x, states = reversible_decode_step(self.blocks, x, state["layers"], bias_fn=bias_fn)
@@ -739,7 +764,7 @@ class LanguageModel(eqx.Module):
             kv = None if context_kv is None else context_kv[i]
             if isinstance(block, Block):
                 x, layer_state, maps = block.decode_step_maps(
-                    x, layer_state, maps, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask
+                    x, layer_state, maps, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask, token_id=token_id
                 )
             else:  # a LunaStack (ISABs serve encoders): no bias or cross-attention
                 assert isinstance(block, LunaStack), type(block)

@@ -17,6 +17,34 @@ Routers (logits always in float32):
                   at most seq; a token may get several experts or none. An expert sees
                   the whole sequence before it picks, so it leaks future tokens: a causal
                   layer refuses it (ValueError).
+    hash          (Roller et al. 2021, "Hash Layers For Large Sparse Models", arXiv
+                  2106.04426, section 3, its "Random Hash"; the paper's other hashes,
+                  frequency-balanced assignment, bigram, previous-token, position,
+                  clustered, dispersed and MultiHash, are not here): a table drawn
+                  uniformly once at initialisation sends token id v to expert
+                  table[v]; y_t = FFN_{table[x_t]}(h_t), no gate, no learned
+                  router, no loss, nothing dropped. Needs the token ids (`token_ids`);
+                  rows that hold no input token (CLS, memory tokens) have id NO_TOKEN
+                  and share one extra table entry. Per token, so causal and decodable.
+    base          (Lewis et al. 2021, "BASE Layers: Simplifying Training of Large, Sparse
+                  Models", arXiv 2103.16716, section 2): expert embeddings w_e (the
+                  router's rows), affinities s_te = h_t . w_e. In training the balanced
+                  assignment a = argmax sum_t s_{t a_t}, each expert taking m / E of the
+                  group's m real tokens (`balanced_assignment`: exact min-cost flow, not
+                  the paper's auction); at inference greedy, a_t = argmax_e s_te. Output
+                  sigma(s_{t a_t}) f_{a_t}(h_t); the paper's "+ h_t" is the block's
+                  residual. No auxiliary loss, nothing dropped. The training assignment
+                  reads the whole group, so a causal layer refuses it (ValueError).
+    prototype     (Yang et al. 2021, "M6-T: Exploring Sparse Expert Models and Beyond",
+                  arXiv 2105.15082, section 4, expert prototyping, "k top-1"): the E
+                  experts form k = top_k groups of E / k, each group a softmax router of
+                  its own; a token takes its top-1 expert in every group and the layer
+                  sums the k gated outputs, y = sum_i p_i(x)_{j_i} E_{i j_i}(x)
+                  (`prototype_route`). Dispatched as top-k token choice (capacity
+                  ceil(cf * seq * k / E), or dropless); each expert receives one group's
+                  tokens, in token order, so capacity drops depend on earlier tokens only.
+                  Losses: Switch's balancing loss within each group (over its E / k
+                  experts), averaged over the groups; z-loss, entropy and confidence too.
     jitter        multiplicative uniform noise U(1 - eps, 1 + eps) on the router input,
                   training only, explicit key (Switch).
     losses        router z-loss mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022);
@@ -33,7 +61,8 @@ Dispatch:
                placed before any second choice (GShard), tokens in order. An overflowing
                assignment gets zero output (the residual carries the token) and is
                counted in aux["dropped"]. Memory O(E C d) plus an O(seq k E) position count.
-    dropless   (token choice) every assignment is processed, by one of two methods
+    dropless   (token choice and prototype with `dropless`; hash always; base at inference)
+               every assignment is processed, by one of two methods
                (`dropless_method`; "auto" picks "padded" on CPU and on GPUs unless
                E / k > 8, "ragged" otherwise: `ragged_pays`):
                "ragged": assignments sorted by expert and multiplied with
@@ -60,6 +89,9 @@ expert processed), loss (balance_weight * balance_loss + z_loss_weight * z_loss:
 a model adds to its training loss). Expert choice is balanced by construction: its
 balance_loss is 0.
 
+Hash and base report balance_loss and z_loss as 0 (their papers have none; base's entropy
+and confidence are those of softmax over its affinities, hash's 0 and 1).
+
 Elsewhere: `Block` takes an MoE as its FFN and returns its aux dict from `apply`
 (`Produced.moe`, in call order); `ModelConfig(ffn={"kind": "moe", ...})` (a `MoEConfig`) builds them (per block with
 `stack.layer_overrides`) and the train step adds the losses; `moe_sharded.py` runs the layer
@@ -82,7 +114,8 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from jxformers.nn.layers import ACTIVATIONS, FFN_KINDS, GATED_KINDS, FeedForward, Linear, split_key
 from jxformers.validate import check_fields, setting
 
-ROUTERS = ("token_choice", "expert_choice")
+ROUTERS = ("token_choice", "expert_choice", "hash", "base", "prototype")
+NO_TOKEN = -1  # the token id of a row that holds no input token (CLS, memory, registers)
 AUX_NAMES = ("balance_loss", "z_loss", "router_entropy", "router_confidence", "dropped", "expert_load", "loss")
 SUMMED = ("dropped", "expert_load")  # aux counts: summed over examples and devices; the rest are means
 SECOND_POLICIES = ("all", "random")
@@ -198,6 +231,128 @@ def capacity_positions(
     position = ((jnp.cumsum(onehot, axis=0) - 1) * onehot).sum(-1)
     position = position.reshape(k, seq).T
     return position, active & (position < capacity)
+
+
+def hash_table(vocab_size: int, num_experts: int, key: PRNGKeyArray) -> Int[Array, " vocab_plus_one"]:
+    """Hash layers' random hash (Roller et al. 2021, "Hash Layers For Large Sparse
+    Models", section 3, "Random Hash"): every token id of [0, vocab_size) gets an expert
+    drawn uniformly from [0, E) once, at initialisation, and keeps it; entry vocab_size
+    is the expert of rows that hold no input token (`NO_TOKEN`: CLS, memory tokens)."""
+    if vocab_size < 1 or num_experts < 1:
+        raise ValueError(f"hash_table needs vocab_size >= 1 and num_experts >= 1; got {vocab_size=}, {num_experts=}")
+    return jax.random.randint(key, (vocab_size + 1,), 0, num_experts, dtype=jnp.int32)
+
+
+def hash_route(table: Int[Array, " vocab_plus_one"], token_ids: Int[Array, " seq"]) -> Int[Array, " seq"]:
+    """The expert of each token: table[id], for ids in [0, vocab); `NO_TOKEN` (any
+    negative id) reads the last entry (rows that hold no input token)."""
+    return table[jnp.where(token_ids < 0, table.shape[0] - 1, token_ids)]
+
+
+def prototype_route(
+    logits: Float[Array, "seq experts"], prototypes: int, *, mask: Bool[Array, " seq"] | None = None
+) -> tuple[Int[Array, "seq k"], Float[Array, "seq k"], Bool[Array, "seq k"]]:
+    """Expert prototyping, "k top-1" (Yang et al. 2021, "M6-T: Exploring Sparse Expert
+    Models and Beyond", section 4): the E experts form k = `prototypes` groups of E / k
+    (group i: experts i E/k ... (i+1) E/k - 1), each with its own router softmax
+    p_i = softmax(W_i x) over its experts; in every group the token takes its top-1
+    expert, gate p_i[j*] (no renormalisation across groups), and the layer sums the k
+    outputs: y = sum_i p_i[j*_i] E_{i, j*_i}(x).
+
+    Returns (experts, gates, active), each `[seq, k]`: column i is group i's choice (a
+    global expert index); active is False for padding, whose gates are 0."""
+    seq, num_experts = logits.shape
+    if prototypes < 1 or num_experts % prototypes:
+        raise ValueError(f"prototypes must divide the number of experts ({num_experts}); got {prototypes}")
+    per = num_experts // prototypes
+    probs = jax.nn.softmax(logits.astype(jnp.float32).reshape(seq, prototypes, per), axis=-1)
+    local = jnp.argmax(probs, axis=-1)  # [seq, k]
+    gates = jnp.take_along_axis(probs, local[..., None], axis=-1)[..., 0]
+    experts = local + per * jnp.arange(prototypes)[None, :]
+    active = jnp.broadcast_to(_real(mask, seq)[:, None], gates.shape)
+    return experts, jnp.where(active, gates, 0.0), active
+
+
+def balanced_assignment(scores: Float[Array, "n experts"], mask: Bool[Array, " n"] | None = None) -> Int[Array, " n"]:
+    """BASE layers' balanced assignment (Lewis et al. 2021, "BASE Layers: Simplifying
+    Training of Large, Sparse Models", section 2): the expert a_t of each real token t
+    that maximises sum_t scores[t, a_t] subject to every expert receiving m / E of the m
+    real tokens (when E does not divide m: floor(m / E) or ceil(m / E), exactly
+    m mod E experts taking one more). Padding rows get E (no expert).
+
+    Solved exactly (up to float32 rounding), not by the paper's auction: a min-cost flow
+    by successive shortest paths. Tokens enter in order; each takes the cheapest path
+    from itself through a chain of reassignments (token i moves from expert e to f at
+    cost scores[i, e] - scores[i, f]) to an expert with room, found by Bellman-Ford on
+    the E experts; an expert below floor(m / E) is preferred over any above it (a lower
+    bound, as an arbitrarily large reward). Each insertion keeps the partial assignment
+    optimal, so the last one is. Time O(m (n E + E^3)) (0.6-1.6 s for n = 2,048,
+    E = 64 on a 2-core CPU; docs/moe.md), memory O(n E); sequential loops, so keep the
+    routing group small. Non-finite scores are replaced by the least finite one (as fairseq's
+    implementation does). No gradient flows through the assignment."""
+    n, num_experts = scores.shape
+    real = _real(mask, n)
+    a = jax.lax.stop_gradient(scores).astype(jnp.float32)
+    finite = jnp.isfinite(a) & real[:, None]
+    low = jnp.min(jnp.where(finite, a, jnp.inf))
+    a = jnp.where(finite, a, jnp.where(jnp.isfinite(low), low, 0.0))
+    # A relaxation must gain more than the rounding of a path of E steps: without this
+    # margin a cycle of float32 round-offs (a zero-cost cycle in exact arithmetic) could
+    # loop the predecessors.
+    tol = 2 * num_experts * num_experts * jnp.finfo(jnp.float32).eps * jnp.max(jnp.abs(a))
+    count = real.sum()
+    floor, rest = count // num_experts, count % num_experts
+    ceil = floor + (rest > 0)
+    rows, experts = jnp.arange(n), jnp.arange(num_experts)
+    # Inside shard_map a loop's carry must vary over the axes its updates do (the scores'):
+    # the constants that start a carry are cast to them.
+    axes = tuple(sorted(_varying_axes(a) | _varying_axes(real)))
+    vary = (lambda c: jax.lax.pcast(c, axes, to="varying")) if axes else (lambda c: c)
+    no_pred = vary(jnp.full((num_experts,), -1, jnp.int32))
+    unsettled, not_done = vary(jnp.array(True)), vary(jnp.array(False))
+
+    def insert(t, state):
+        at, load = state
+        placed = at < num_experts
+        home = jnp.where(placed, at, 0)
+        # move[e, f]: the cheapest move of a token at e to f, and which token (lowest index)
+        delta = jnp.where(placed[:, None], jnp.take_along_axis(a, home[:, None], 1) - a, jnp.inf)
+        move = jnp.full((num_experts, num_experts), jnp.inf).at[home].min(delta)
+        move = jnp.where(experts[:, None] == experts[None, :], jnp.inf, move)
+        hit = placed[:, None] & (delta == move[home])
+        mover = jnp.full((num_experts, num_experts), n, jnp.int32).at[home].min(jnp.where(hit, rows[:, None], n))
+
+        def relax(s):
+            i, dist, pred, _ = s
+            through = dist[:, None] + move
+            new = through.min(0)
+            better = new < dist - tol
+            return i + 1, jnp.where(better, new, dist), jnp.where(better, through.argmin(0), pred), better.any()
+
+        # Bellman-Ford from t (cost of t joining f directly: -scores[t, f]); E - 1 rounds at most
+        _, dist, pred, _ = jax.lax.while_loop(
+            lambda s: (s[0] < num_experts - 1) & s[3], relax, (0, -a[t], no_pred, unsettled)
+        )
+        below = load < floor
+        room = jnp.where(below.any(), below, load < ceil)
+        end = jnp.argmin(jnp.where(room, dist, jnp.inf))
+
+        def walk(_, s):  # back along the predecessors from the expert with room to t
+            at, cur, done = s
+            p = pred[cur]
+            first = p < 0
+            token = jnp.where(first, t, mover[jnp.maximum(p, 0), cur])
+            at = jnp.where(done, at, at.at[token].set(cur))
+            return at, jnp.where(first | done, cur, p), done | first
+
+        at = jax.lax.fori_loop(0, num_experts, walk, (at, end, not_done))[0]
+        return at, load.at[end].add(1)
+
+    def step(t, state):
+        return jax.lax.cond(real[t], insert, lambda _, s: s, t, state)
+
+    start = (vary(jnp.full((n,), num_experts, jnp.int32)), vary(jnp.zeros((num_experts,), jnp.int32)))
+    return jax.lax.fori_loop(0, n, step, start)[0]
 
 
 def capacity(tokens: int, num_experts: int, k: int, factor: float, minimum: int) -> int:
@@ -395,19 +550,29 @@ class MoEConfig:
     kind: str = setting("moe", "this FFN component: a mixture of experts", choices=("moe",))
     d_ff: int | None = setting(None, "each expert's hidden width (None: 4 d_model)")
     num_experts: int = setting(8, "experts E")
-    top_k: int = setting(1, "experts per token (token choice): 1 is Switch, 2 GShard")
-    router: str = setting("token_choice", "who picks: tokens their experts or experts their tokens", choices=ROUTERS)
+    top_k: int = setting(
+        1, "experts per token (token choice: 1 is Switch, 2 GShard; prototype: the k groups, one expert in each)"
+    )
+    router: str = setting(
+        "token_choice",
+        "who picks: tokens their top-k experts (token_choice), experts their tokens (expert_choice), a fixed "
+        "random hash of the token id (hash: Roller et al. 2021), a balanced assignment (base: Lewis et al. 2021), "
+        "top-1 in each of top_k groups of experts (prototype: M6-T's expert prototyping)",
+        choices=ROUTERS,
+    )
     ffn: str = setting("gelu", "the experts' feed-forward kind", choices=FFN_KINDS)
     second_policy: str = setting("all", "GShard's policy for ranks >= 2 in training", choices=SECOND_POLICIES)
     capacity_factor: float = setting(1.25, "expert capacity over the even share, in training")
     eval_capacity_factor: float = setting(2.0, "expert capacity over the even share, at inference")
     min_capacity: int = setting(4, "the least capacity of an expert")
-    dropless: bool = setting(False, "token choice without capacity: every assignment is processed")
+    dropless: bool = setting(
+        False, "token choice and prototype without capacity: every assignment is processed (hash and base never drop)"
+    )
     dropless_method: str = setting("auto", "how dropless runs (ragged_dot or padded buffers)", choices=DROPLESS_METHODS)
     jitter_eps: float = setting(0.0, "router input jitter U(1 - eps, 1 + eps) in training (Switch); 0: none")
     shared_expert: bool = setting(False, "add a FeedForward every token goes through")
-    balance_weight: float = setting(0.01, "weight of the load-balancing loss (Switch: 0.01)")
-    z_loss_weight: float = setting(0.001, "weight of the router z-loss (ST-MoE: 0.001)")
+    balance_weight: float = setting(0.01, "weight of the load-balancing loss (Switch: 0.01; hash and base have none)")
+    z_loss_weight: float = setting(0.001, "weight of the router z-loss (ST-MoE: 0.001; hash and base have none)")
 
     def __post_init__(self):
         check_fields(self, "moe.")
@@ -429,13 +594,40 @@ class MoEConfig:
                 raise ValueError(f"moe.{name} must be >= 0; got {getattr(self, name)}")
         if self.router == "expert_choice" and self.dropless:
             raise ValueError("moe.dropless applies to router 'token_choice'; expert choice has a fixed capacity")
+        if self.router in ("hash", "base") and self.top_k != 1:
+            raise ValueError(
+                f"moe.router {self.router!r} sends each token to one expert: top_k must be 1; got {self.top_k}"
+            )
+        if self.router == "hash" and self.jitter_eps:
+            raise ValueError(
+                f"moe.router 'hash' has no learned router to jitter: jitter_eps must be 0; got {self.jitter_eps}"
+            )
+        if self.router == "prototype":
+            if self.num_experts % self.top_k:
+                raise ValueError(
+                    f"moe.router 'prototype' splits the experts into top_k groups: num_experts must be a multiple "
+                    f"of top_k; got num_experts={self.num_experts}, top_k={self.top_k}"
+                )
+            if self.second_policy != "all":
+                raise ValueError(
+                    f"moe.second_policy {self.second_policy!r} ranks a token's choices (GShard); prototype groups "
+                    "are not ranked: use 'all'"
+                )
 
     def check_causal(self, causal: bool) -> None:
-        """Expert choice sees the whole sequence: refused in a causal model."""
+        """Expert choice and BASE's balanced assignment see the whole sequence: refused in
+        a causal model."""
         if causal and self.router == "expert_choice":
             raise ValueError(
                 "moe.router 'expert_choice' leaks future tokens (each expert picks among the whole "
                 "sequence), so it cannot be causal; use router 'token_choice' in causal models"
+            )
+        if causal and self.router == "base":
+            raise ValueError(
+                "moe.router 'base' leaks future tokens in training: the balanced assignment of token t depends on "
+                "the affinities of every later token of its group, the token t predicts included (the paper's "
+                "language models shuffle tokens across workers to dilute this; a group here is one sequence), so "
+                "it cannot be causal; use router 'token_choice', 'hash' or 'prototype' in causal models"
             )
 
     def settings(self) -> dict:
@@ -492,30 +684,40 @@ class MoE(eqx.Module):
 
     Arguments (constructor):
         d_model, d_ff, num_experts, ffn: the experts (ffn kind in FFN_KINDS).
-        top_k: experts per token (token choice). router: "token_choice" or
-            "expert_choice". second_policy: "all" or "random" (GShard; training, keyed).
+        top_k: experts per token (token choice); with router "prototype", the number
+            of groups k (each token takes one expert in each). router: "token_choice",
+            "expert_choice", "hash", "base" or "prototype" (the module docstring).
+            second_policy: "all" or "random" (GShard; training, keyed).
         capacity_factor, eval_capacity_factor, min_capacity: capacity in training /
-            inference (token choice with dispatch by capacity, and expert choice, where
-            C = ceil(cf * seq / E) tokens per expert).
-        dropless: token choice without capacity; dropless_method: "ragged"
-            (ragged_dot), "padded" (buffers of C = seq) or "auto" (`ragged_pays`:
-            padded on CPU, and on GPUs unless E / k > 8); see the module docstring.
+            inference (token choice and prototype with dispatch by capacity, and expert
+            choice, where C = ceil(cf * seq / E) tokens per expert).
+        dropless: token choice (or prototype) without capacity; dropless_method:
+            "ragged" (ragged_dot), "padded" (buffers of C = seq) or "auto"
+            (`ragged_pays`: padded on CPU, and on GPUs unless E / k > 8); see the module
+            docstring. Hash and base never drop, whatever `dropless` says.
         jitter_eps: router input jitter (training only; 0 disables).
         shared_expert: add a FeedForward of width d_ff applied to every token.
         balance_weight, z_loss_weight: aux["loss"] = balance_weight * balance_loss +
             z_loss_weight * z_loss, what a model adds to its training loss (Switch: 0.01;
-            ST-MoE: z-loss 0.001).
-        causal: the layer sits in a causal model (expert choice then refuses).
+            ST-MoE: z-loss 0.001); hash and base report both as 0 (their papers have
+            no auxiliary loss).
+        causal: the layer sits in a causal model (expert choice and base then refuse).
+        vocab_size: the token ids' range, for router "hash" (its table; required there).
 
-    Call: `(x [seq, d_model], *, mask [seq] | None, key, inference) -> (y, aux)`.
+    Call: `(x [seq, d_model], *, mask [seq] | None, token_ids [seq] | None, key,
+    inference) -> (y, aux)`; `token_ids` (ids in [0, vocab_size), `NO_TOKEN` for rows
+    that hold no input token) is read by router "hash" only, which needs it.
     Time: router O(seq d E); experts O(E C d d_ff) (capacity) or O(seq k d d_ff)
-    (dropless). Decoding: token choice works token by token (seq = 1, capacity 1 per
-    expert); expert choice is not causal.
+    (dropless); base's balanced assignment O(seq^2 E + seq E^3) in training.
+    Decoding: token choice, hash and prototype work token by token (seq = 1, capacity 1
+    per expert); expert choice and base (in training) are not causal.
     """
 
-    router: Linear
+    router: Linear | None  # None for hash (no learned router); base: the expert embeddings w_e
+    table: Int[Array, " vocab_plus_one"] | None  # hash: token id -> expert, drawn once, never trained
     experts: Experts
     shared: FeedForward | None
+    num_experts: int = eqx.field(static=True)
     top_k: int = eqx.field(static=True)
     routing: str = eqx.field(static=True)
     second_policy: str = eqx.field(static=True)
@@ -549,6 +751,7 @@ class MoE(eqx.Module):
         balance_weight: float = SETTINGS["balance_weight"],
         z_loss_weight: float = SETTINGS["z_loss_weight"],
         causal: bool = False,
+        vocab_size: int | None = None,
         dropout: float = 0.0,
         key: PRNGKeyArray,
     ):
@@ -571,10 +774,14 @@ class MoE(eqx.Module):
             ),
             causal=causal,
         )
+        if router == "hash" and (vocab_size is None or vocab_size < 1):
+            raise ValueError(f"router 'hash' draws a table over the token ids: pass vocab_size >= 1; got {vocab_size}")
         kr, ke, ks = jax.random.split(key, 3)
-        self.router = Linear(d_model, num_experts, use_bias=False, key=kr)
+        self.router = None if router == "hash" else Linear(d_model, num_experts, use_bias=False, key=kr)
+        self.table = hash_table(vocab_size, num_experts, kr) if router == "hash" and vocab_size else None
         self.experts = Experts(num_experts, d_model, d_ff, ffn, dropout=dropout, key=ke)
         self.shared = FeedForward(d_model, d_ff, ffn, dropout=dropout, key=ks) if shared_expert else None
+        self.num_experts = num_experts
         self.top_k, self.routing, self.second_policy = top_k, router, second_policy
         self.capacity_factor, self.eval_capacity_factor, self.min_capacity = (
             capacity_factor,
@@ -589,15 +796,13 @@ class MoE(eqx.Module):
         )
         self.balance_weight, self.z_loss_weight = balance_weight, z_loss_weight
 
-    @property
-    def num_experts(self) -> int:
-        """E, from the router (the experts' arrays hold E / P under expert parallelism)."""
-        return self.router.weight.shape[0]
-
     def router_logits(
         self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None, inference: bool = False
     ) -> Float[Array, "seq experts"]:
-        """float32 router logits, with jitter on the input in training (needs `key`)."""
+        """float32 router logits (base: the affinities h_t . w_e), with jitter on the
+        input in training (needs `key`)."""
+        if self.router is None:
+            raise ValueError(f"router {self.routing!r} has no learned router (no logits)")
         x = x.astype(jnp.float32)
         if self.jitter_eps > 0 and not inference:
             if key is None:
@@ -610,16 +815,18 @@ class MoE(eqx.Module):
         x: Float[Array, "seq d_model"],
         *,
         mask: Bool[Array, " seq"] | None = None,
+        token_ids: Int[Array, " seq"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, "seq d_model"], dict[str, Array]]:
-        return self.forward(x, mask=mask, key=key, inference=inference)
+        return self.forward(x, mask=mask, token_ids=token_ids, key=key, inference=inference)
 
     def forward(
         self,
         x: Float[Array, "seq d_model"],
         *,
         mask: Bool[Array, " seq"] | None = None,
+        token_ids: Int[Array, " seq"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
         experts_fn: Callable | None = None,
@@ -635,27 +842,24 @@ class MoE(eqx.Module):
         if key is None and not inference and self.second_policy == "random" and self.top_k > 1:
             raise ValueError("MoE second_policy 'random' in training needs a key (or pass inference=True)")
         k_jitter, k_policy, k_experts, k_shared = split_key(key, 4)
-        logits = self.router_logits(x, key=k_jitter, inference=inference)
-        aux = {
-            "z_loss": z_loss(logits, real),
-            "router_entropy": router_entropy(logits, real),
-            "router_confidence": router_confidence(logits, real),
-        }
-        ragged = experts_fn is None and self.dropless and self.ragged_dispatch
+        ragged = experts_fn is None and self.drops_none(inference) and self.ragged_dispatch
         if experts_fn is None:
             experts_fn = lambda b, _, k: self.experts.dense(b, key=k, inference=inference)  # noqa: E731
         if self.routing == "expert_choice":
+            logits = self.router_logits(x, key=k_jitter, inference=inference)
+            aux = _router_statistics(logits, real)
             y, more = self._expert_choice(x, logits, real, key=k_experts, inference=inference, experts_fn=experts_fn)
         else:
-            y, more = self._token_choice(
+            experts, gates, active, aux = self.route(
                 x,
-                logits,
-                real,
+                mask=real,
+                token_ids=token_ids,
+                key=k_jitter,
                 policy_key=None if inference else k_policy,
-                key=k_experts,
                 inference=inference,
-                experts_fn=experts_fn,
-                ragged=ragged,
+            )
+            y, more = self._dispatch(
+                x, experts, gates, active, key=k_experts, inference=inference, experts_fn=experts_fn, ragged=ragged
             )
         aux.update(more)
         aux["loss"] = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
@@ -663,22 +867,94 @@ class MoE(eqx.Module):
             y = y + self.shared(x, key=k_shared, inference=inference)
         return y, aux
 
+    def route(
+        self,
+        x: Float[Array, "seq d_model"],
+        *,
+        mask: Bool[Array, " seq"] | None = None,
+        token_ids: Int[Array, " seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+        policy_key: PRNGKeyArray | None = None,
+        inference: bool = False,
+    ) -> tuple[Int[Array, "seq k"], Float[Array, "seq k"], Bool[Array, "seq k"], dict[str, Array]]:
+        """Every router but expert choice: (experts, gates, active), each `[seq, k]` (k =
+        top_k for token choice and prototype, 1 for hash and base), and the router's aux
+        entries (balance_loss, z_loss, router_entropy, router_confidence). `key`: the
+        jitter's; `policy_key`: GShard's random policy (token choice in training)."""
+        seq = x.shape[0]
+        real = _real(mask, seq)
+        if self.routing == "hash":
+            if token_ids is None:
+                raise ValueError("MoE router 'hash' routes by token id: pass token_ids ([seq] ids, NO_TOKEN for none)")
+            assert self.table is not None  # built with router "hash"
+            # Roller et al.'s hash layer: y_t = FFN_{hash(x_t)}(h_t), no gate, no loss
+            experts = hash_route(self.table, token_ids)[:, None]
+            active = real[:, None]
+            zero = jnp.zeros((), jnp.float32)
+            aux = {"balance_loss": zero, "z_loss": zero, "router_entropy": zero, "router_confidence": zero + 1.0}
+            return experts, active.astype(jnp.float32), active, aux
+        logits = self.router_logits(x, key=key, inference=inference)
+        if self.routing == "base":
+            # BASE: balanced assignment in training, greedy at inference; gate
+            # sigma(h_t . w_{a_t}) (the block's residual adds h_t); no auxiliary loss.
+            chosen = jnp.argmax(logits, -1) if inference else balanced_assignment(logits, real)
+            chosen = jnp.where(real, chosen, 0)[:, None]
+            gates = jax.nn.sigmoid(jnp.take_along_axis(logits, chosen, -1))
+            active = real[:, None]
+            aux = _router_statistics(logits, real)
+            aux["z_loss"] = jnp.zeros((), jnp.float32)
+            aux["balance_loss"] = jnp.zeros((), jnp.float32)
+            return chosen, jnp.where(active, gates, 0.0), active, aux
+        if self.routing == "prototype":
+            k, per = self.top_k, self.num_experts // self.top_k
+            experts, gates, active = prototype_route(logits, k, mask=real)
+            groups = jnp.moveaxis(logits.reshape(seq, k, per), 1, 0)  # [k, seq, E/k]
+            stats = jax.vmap(lambda g: _router_statistics(g, real))(groups)
+            aux = {name: v.mean() for name, v in stats.items()}
+            # Switch's loss within each group, over the group's experts; their mean
+            local = jnp.moveaxis(experts - per * jnp.arange(k)[None, :], 1, 0)[..., None]  # [k, seq, 1]
+            balance = jax.vmap(lambda g, e: load_balancing_loss(jax.nn.softmax(g, -1), e, real))(groups, local)
+            aux["balance_loss"] = balance.mean()
+            return experts, gates, active, aux
+        experts, gates, active = top_k_route(
+            logits, self.top_k, mask=real, second_policy=self.second_policy, key=policy_key
+        )
+        aux = _router_statistics(logits, real)
+        aux["balance_loss"] = load_balancing_loss(jax.nn.softmax(logits, -1), experts, real)
+        return experts, gates, active, aux
+
     @property
     def ragged_dispatch(self) -> bool:
         """Whether a dropless layer multiplies with ragged_dot (else padded buffers)."""
         if self.dropless_method == "auto":
-            return ragged_pays(jax.default_backend(), self.num_experts, self.top_k)
+            k = self.top_k if self.routing in ("token_choice", "prototype") else 1
+            return ragged_pays(jax.default_backend(), self.num_experts, k)
         return self.dropless_method == "ragged"
 
+    def drops_none(self, inference: bool) -> bool:
+        """Whether the dispatch processes every assignment (no capacity): dropless token
+        choice or prototype, hash always, base at inference (greedy). In training base
+        has a capacity that its balanced assignment fills exactly: nothing drops either."""
+        if self.routing == "hash" or (self.routing == "base" and inference):
+            return True
+        return self.dropless and self.routing != "expert_choice"
+
     def capacity(self, seq: int, *, inference: bool) -> int:
+        """Slots per expert of the dispatch by capacity: ceil(cf * seq * k / E) (at least
+        min_capacity, at most seq); base in training: ceil(seq / E), which its balanced
+        assignment never exceeds; seq where nothing can drop (`drops_none`)."""
+        if self.drops_none(inference):
+            return seq
+        if self.routing == "base":
+            return math.ceil(seq / self.num_experts)
         factor = self.eval_capacity_factor if inference else self.capacity_factor
         k = 1 if self.routing == "expert_choice" else self.top_k
         return capacity(seq, self.num_experts, k, factor, self.min_capacity)
 
-    def _token_choice(self, x, logits, real, *, policy_key, key, inference, experts_fn, ragged):
-        seq, num_experts, k = x.shape[0], self.num_experts, self.top_k
-        experts, gates, active = top_k_route(logits, k, mask=real, second_policy=self.second_policy, key=policy_key)
-        aux = {"balance_loss": load_balancing_loss(jax.nn.softmax(logits, -1), experts, real)}
+    def _dispatch(self, x, experts, gates, active, *, key, inference, experts_fn, ragged):
+        """y_t = sum_j gates[t, j] expert_{experts[t, j]}(x_t) over the kept assignments,
+        and the dispatch's aux entries (dropped, expert_load)."""
+        seq, num_experts, k = x.shape[0], self.num_experts, experts.shape[1]
         if ragged:
             expert_id = jnp.where(active, experts, num_experts).reshape(-1)  # inactive sort last
             order = jnp.argsort(expert_id, stable=True)
@@ -687,7 +963,7 @@ class MoE(eqx.Module):
             out = jnp.zeros_like(rows).at[order].set(rows).reshape(seq, k, -1)
             kept = active
         else:
-            cap = seq if self.dropless else self.capacity(seq, inference=inference)
+            cap = self.capacity(seq, inference=inference)
             position, kept = capacity_positions(experts, active, num_experts, cap)
             slot = jnp.where(kept, experts * cap + position, num_experts * cap).reshape(-1)  # dropped: out of range
             tokens = jnp.broadcast_to(x[:, None, :], (seq, k, x.shape[1])).reshape(seq * k, -1)
@@ -698,9 +974,7 @@ class MoE(eqx.Module):
         weight = jnp.where(kept, gates, 0.0).astype(x.dtype)
         y = (out * weight[..., None]).sum(1)
         load = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(kept.reshape(-1).astype(jnp.float32))
-        aux["dropped"] = (active & ~kept).sum().astype(jnp.float32)
-        aux["expert_load"] = load
-        return y, aux
+        return y, {"dropped": (active & ~kept).sum().astype(jnp.float32), "expert_load": load}
 
     def _expert_choice(self, x, logits, real, *, key, inference, experts_fn):
         seq, num_experts = x.shape[0], self.num_experts
@@ -719,3 +993,12 @@ class MoE(eqx.Module):
             "expert_load": valid.sum(1).astype(jnp.float32),
         }
         return out, aux
+
+
+def _router_statistics(logits: Float[Array, "seq experts"], real: Bool[Array, " seq"]) -> dict[str, Array]:
+    """z_loss, router_entropy and router_confidence of one softmax router."""
+    return {
+        "z_loss": z_loss(logits, real),
+        "router_entropy": router_entropy(logits, real),
+        "router_confidence": router_confidence(logits, real),
+    }

@@ -13,6 +13,15 @@ result equals `moe` applied to each device's flattened tokens on one device:
     token choice, capacity   C = max(min_capacity, ceil(cf * tokens_per_device * k / E)).
     expert choice            each expert picks its top C = ceil(cf * tokens / E) of the
                              device's tokens; the picked tokens travel the same way.
+    hash                     each token to the expert its id hashes to (`token_ids`,
+                             sharded like the batch); every token is processed (dropless).
+    base                     in training, the balanced assignment of the device's tokens
+                             (each expert ceil(tokens / E) slots at most, filled exactly
+                             when E divides the real tokens): per-device groups, as the
+                             paper's workers each assign their own tokens; at inference,
+                             greedy and dropless.
+    prototype                top-1 in each of the k groups of experts, dispatched as top-k
+                             token choice (capacity or dropless).
     dropless                 fixed buffers of the worst case, C = tokens_per_device (an
                              expert takes a token at most once), so nothing can drop. With
                              the ragged method the receiving device packs the filled rows
@@ -36,7 +45,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.moe import AUX_NAMES, SUMMED, MoE
 
@@ -79,6 +88,7 @@ def expert_parallel_moe(
     x: Float[Array, "batch seq d_model"],
     mask: Bool[Array, "batch seq"] | None = None,
     *,
+    token_ids: Int[Array, "batch seq"] | None = None,
     mesh: Mesh,
     axis: str = AXIS,
     data_axis: str | None = None,
@@ -87,7 +97,8 @@ def expert_parallel_moe(
 ) -> tuple[Float[Array, "batch seq d_model"], dict[str, Array]]:
     """`moe` over `mesh`: experts split over `axis`, the batch over `axis` and, when
     given, `data_axis` (see the module docstring). `key` is folded with the device's
-    index for per-device randomness.
+    index for per-device randomness. `token_ids` (router "hash" needs them) are split
+    like the batch.
 
     Returns: (y [batch, seq, d_model], aux as `MoE` returns it, reduced over devices)."""
     for name in (axis, data_axis):
@@ -104,11 +115,15 @@ def expert_parallel_moe(
             f"the devices over {(data_axis, axis) if data_axis else axis!r})"
         )
     mask = jnp.ones(x.shape[:2], bool) if mask is None else mask
+    if moe.routing == "hash" and token_ids is None:
+        raise ValueError("router 'hash' routes by token id: pass token_ids [batch, seq]")
+    # ids travel with the batch; routers other than hash ignore them (zeros then)
+    ids = jnp.zeros(x.shape[:2], jnp.int32) if token_ids is None else token_ids
     params, static = eqx.partition(moe, _is_param)
     local_experts = num_experts // devices
     batch_axes = axis if data_axis is None else (data_axis, axis)
 
-    def local(params, x, mask):
+    def local(params, x, mask, ids):
         m = eqx.combine(params, static)
 
         def exchange(buffers, counts, k):
@@ -117,7 +132,7 @@ def expert_parallel_moe(
             sent = jax.lax.all_to_all(buffers.reshape(devices, local_experts, cap, d), axis, 0, 0)
             # sent[p]: device p's tokens for this device's experts -> [E/P, P * C, d]
             grouped = sent.transpose(1, 0, 2, 3).reshape(local_experts, devices * cap, d)
-            if m.dropless and m.ragged_dispatch:
+            if m.drops_none(inference) and m.ragged_dispatch:
                 got = jax.lax.all_to_all(counts.reshape(devices, local_experts), axis, 0, 0).T  # [E/P, P]
                 out = _packed_experts(m.experts, grouped, got, key=k, inference=inference)
             else:
@@ -129,7 +144,12 @@ def expert_parallel_moe(
         b, n, d = x.shape
         k = None if key is None else jax.random.fold_in(key, jax.lax.axis_index(batch_axes))
         y, aux = m.forward(
-            x.reshape(b * n, d), mask=mask.reshape(b * n), key=k, inference=inference, experts_fn=exchange
+            x.reshape(b * n, d),
+            mask=mask.reshape(b * n),
+            token_ids=ids.reshape(b * n),
+            key=k,
+            inference=inference,
+            experts_fn=exchange,
         )
         out = {name: (jax.lax.psum if name in SUMMED else jax.lax.pmean)(v, batch_axes) for name, v in aux.items()}
         return y.reshape(b, n, d), out
@@ -137,6 +157,6 @@ def expert_parallel_moe(
     spec_x = PartitionSpec(batch_axes)
     aux_specs = {name: PartitionSpec() for name in AUX_NAMES}
     fn = jax.shard_map(
-        local, mesh=mesh, in_specs=(_param_specs(moe, axis), spec_x, spec_x), out_specs=(spec_x, aux_specs)
+        local, mesh=mesh, in_specs=(_param_specs(moe, axis), spec_x, spec_x, spec_x), out_specs=(spec_x, aux_specs)
     )
-    return fn(params, x, mask)
+    return fn(params, x, mask, ids)

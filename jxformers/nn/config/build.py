@@ -64,6 +64,7 @@ def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
             d_ff(ffn, config.d_model),
             **ffn.settings(),
             causal=config.causal,
+            vocab_size=config.vocab_size,  # router "hash": its table over the token ids
             dropout=config.dropout,
             key=key,
         )

@@ -439,6 +439,28 @@ class ModelConfig:
                 ffn.check_causal(self.causal)
             elif isinstance(ffn, PKMConfig):
                 ffn.check_model(d_model=self.d_model, causal=self.causal)
+        self._check_token_ids(ffns)
+
+    def _check_token_ids(self, ffns: list[FFNConfig]):
+        """Hash routing reads each row's token id: the rows of an encoder block after a
+        filter (downsampling, Funnel) or the TokenLearner are no tokens, so a hash-routed
+        MoE is refused there."""
+        stack = self.stack
+        if not isinstance(stack, TransformerStack):
+            return
+        last, why = self.num_layers, ""
+        if stack.filters:
+            last, why = min(stack.filters), f"stack.filters {stack.filters} shortens the rows before block"
+        tl = stack.token_learner
+        if tl is not None and tl.after_layer + 1 < last:
+            last = tl.after_layer + 1
+            why = f"stack.token_learner learns tokens after block {tl.after_layer}, from block"
+        for index, ffn in enumerate(ffns):
+            if isinstance(ffn, MoEConfig) and ffn.router == "hash" and index >= last:
+                raise ValueError(
+                    f"ffn moe router 'hash' at block {index} routes by token id, but {why} {last}: its rows are no "
+                    f"tokens; use hash routing in blocks before {last} (stack.layer_overrides) or another router"
+                )
 
     def _check_all_attention(self, ffns: list[FFNConfig]):
         """ffn none (the all-attention layer, Sukhbaatar et al. 2019 section 4) replaces the
