@@ -5,13 +5,15 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     heads.py      improved multi-heads: collaborative heads, disagreement losses, routing-by-agreement
     average.py    AverageNetwork: the FFN and gating layer of the average attention network
                   (Zhang et al. 2018; the Attention setting aan around the attention `average`)
-    layers.py     Linear, LayerNorm, RMSNorm, ScaleNorm, FeedForward
+    layers.py     Linear, LayerNorm, RMSNorm, ScaleNorm, AdaNorm, FeedForward (its activations)
     moe.py        MoE (token-choice, expert-choice, hash, BASE and prototype routers, capacity
                   and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
     positions.py  sinusoidal (and FLASH's scaled), learned, rotary (Rotary: RoPE, its context
                   scaling, xPos), ALiBi, T5 relative buckets
-    blocks.py     Block (pre/post-norm residual branches)
+    blocks.py     Block (its residual branches and their norms)
+    residual.py   the norm placements beyond pre/post: sandwich, NormFormer, ReZero,
+                  T-Fixup, DeepNorm (their constants and initialisations)
     cross_layer.py  attention maps carried between blocks (RealFormer's residual scores,
                   LazyFormer's shared probabilities, Evolving Attention's convolved logits;
                   ModelConfig stack.attention_maps)

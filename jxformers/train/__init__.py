@@ -11,6 +11,8 @@ step.py        losses, the one jitted train step (state -> state) for every mode
 sharding.py    the device mesh (MeshConfig) and the rules sharding the state and the
                batch over data / fsdp / tensor / expert (docs/distributed.md)
 distributed.py several processes: jax.distributed from flags or a detected cluster
+supervise.py   the parent of each process of a multi-process run: JAX's abort when the
+               coordinator dies becomes one line
 checkpoint.py  Checkpointer (orbax manager + grain iterator state, path/shape check
                before restore, damaged fallback, old list-layout checkpoints refused)
 checksums.py   checksums of a checkpoint's arrays and data position, verified on restore
