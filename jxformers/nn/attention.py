@@ -36,6 +36,7 @@ from jxformers.nn.average import AverageNetwork, check_aan
 from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import Rotary
 from jxformers.nn.produced import AttentionInputs, Produced
+from jxformers.nn.relative import RelativeTerms, check_relative
 from jxformers.ops._priors import SPAN_LOSS_WEIGHT, span_loss
 
 # How queries and keys are normalised before the core (see `Attention`).
@@ -96,6 +97,10 @@ class Attention(eqx.Module):
             with an FFN of this hidden width (0: without the FFN), for the attention `average`: the layer input
             itself is averaged (one head of width d_model, no projections), then the FFN
             and the gating layer; None: the plain attention.
+        relative: this layer's part of a relative position scheme (`jxformers.nn.relative`:
+            Shaw et al.'s key and value vectors), for a self-attention whose core takes a
+            bias and compares q with k (`check_relative`). The terms add O(heads * seq * kv)
+            memory.
         key: PRNG key for the projections and the core's arrays.
 
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
@@ -114,6 +119,7 @@ class Attention(eqx.Module):
     causal: bool = eqx.field(static=True)
     cross: bool = eqx.field(static=True)
     rope: Rotary | None = eqx.field(static=True)
+    relative: RelativeTerms | None
     qk_norm: str = eqx.field(static=True)
     q_proj: Linear | None  # None: a layer that reuses another's maps (nn.cross_layer), or aan
     k_proj: Linear | None
@@ -151,6 +157,7 @@ class Attention(eqx.Module):
         head_aggregation: str = "concat",
         routing_iterations: int = 3,
         aan_d_ff: int | None = None,
+        relative: RelativeTerms | None = None,
         key: PRNGKeyArray,
     ):
         if isinstance(attention, str):
@@ -175,6 +182,16 @@ class Attention(eqx.Module):
                 f"attention (keys after the query would be scaled up with the distance); got {causal=}"
             )
         check_qk_norm(qk_norm, attention.spec, qk_norm_length)
+        if relative is not None:
+            check_relative(relative.kind, attention.spec, qk_norm=qk_norm, collaborative=collaborative is not None)
+            if rotary is not None or aan_d_ff is not None:
+                raise ValueError(f"relative positions ({relative.kind!r}) go with neither rope nor aan")
+            if (relative.heads, relative.d_head) != (num_heads, d_head):
+                raise ValueError(
+                    f"relative terms for {relative.heads} heads of {relative.d_head}; this attention has "
+                    f"{num_heads} heads of {d_head}"
+                )
+        self.relative = relative
         self.disagreement, self.disagreement_weight = tuple(disagreement), disagreement_weight
         heads.check_head_options(
             attention.spec, collaborative=collaborative, disagreement=self.disagreement,
@@ -295,9 +312,10 @@ class Attention(eqx.Module):
             x: `[seq, d_model]` queries (and keys/values for self-attention).
             context: `[ctx, d_model]` keys/values for cross-attention.
             kv_mask: `[kv]` True for real keys (padding mask).
-            bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5).
-            positions, context_positions: token positions for rotary embeddings
-                (default 0..n-1; fractional ones allowed).
+            bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5); with relative
+                terms, theirs (the model passes none).
+            positions, context_positions: token positions for rotary embeddings and
+                relative terms (default 0..n-1; fractional ones allowed).
             key, inference: the training noise of a core that draws some
                 (`spec.noise_key`); none without a key or at inference.
 
@@ -318,12 +336,18 @@ class Attention(eqx.Module):
             source = x if context is None else context
             q, k = self._queries(x), self._keys(source)
             v = self._heads(source, self.v_proj, self.kv_heads)
-            if self.rope is not None:
+            if self.rope is not None or self.relative is not None:
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
                 if context_positions is None:
                     context_positions = positions if context is None else jnp.arange(source.shape[0])
+            if self.rope is not None:
+                assert positions is not None and context_positions is not None
                 q, k = self.rope.queries(q, positions), self.rope.keys(k, context_positions)
             arrays = self._core_arrays(x, source)
+            if self.relative is not None:
+                assert positions is not None and context_positions is not None
+                bias = self.relative.bias(q, positions, context_positions)
+                arrays = arrays | self.relative.arrays(positions, context_positions)
             noise = self.core.spec.noise_key
             if noise is not None and key is not None and not inference:
                 arrays = arrays | {noise: key}
@@ -380,7 +404,8 @@ class Attention(eqx.Module):
         self, x: Float[Array, " d_model"], state: decoding.State, *, bias_fn: decoding.BiasFn | None = None
     ) -> tuple[Float[Array, " d_model"], decoding.State]:
         """One token through causal self-attention: `x [d_model]` at position
-        `state.length`; returns the output `[d_model]` and the new state."""
+        `state.length`; returns the output `[d_model]` and the new state. With relative
+        terms, the step's bias is theirs."""
         with jax.named_scope(self.name):
             if self.aan is not None:  # the running sum of x (eq. 6 of Zhang et al.), FFN, gate
                 out, state = self.core.decode_step(x[None], x[None], x[None], state)
@@ -391,8 +416,23 @@ class Attention(eqx.Module):
                 pos = state.length[None]
                 q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
             arrays = self._core_arrays(x[None], x[None])
+            if self.relative is not None:
+                bias_fn = self._relative_step(q, state)
+                arrays = arrays | self.relative.step_arrays()
             out, state = self.core.decode_step(q[0], k[0], v[0], state, arrays=arrays, bias_fn=bias_fn)
             return self._out(out[None], x[None])[0], state
+
+    def _relative_step(self, q, state) -> decoding.BiasFn:
+        """The bias of one token's row under this module's relative terms, against a
+        key/value cache, at the positions the cache's decoder passes."""
+        relative = self.relative
+        assert relative is not None
+        if not isinstance(state, decoding.KVCache):
+            raise ValueError(
+                f"relative position {relative.kind!r} decodes against a key/value cache; {self.name!r} keeps a "
+                f"{type(state).__name__}"
+            )
+        return lambda q_pos, kv_pos: relative.bias(q, q_pos, kv_pos)
 
     def cross_step(
         self,

@@ -22,6 +22,7 @@ from jxformers.nn.layers import FeedForward, Norm, make_norm
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.produced import Produced
+from jxformers.nn.relative import check_relative
 
 NORM_PLACEMENTS = residual.PLACEMENTS
 
@@ -86,6 +87,8 @@ class Block(eqx.Module):
         if maps not in cross_layer.MAP_ROLES:
             raise ValueError(f"maps must be one of {cross_layer.MAP_ROLES}; got {maps=}")
         cross_layer.check_maps(maps, attention.core)
+        if maps != "none" and attention.relative is not None:
+            check_relative(attention.relative.kind, attention.core.spec, maps=True)
         if maps != "none" and attention.cross:
             raise ValueError(f"maps={maps!r} passes self-attention maps on; this block's attention cross-attends")
         if maps != "none" and (attention.mixing is not None or attention.routing is not None or attention.disagreement):

@@ -11,6 +11,8 @@ section 5.1), one module per model:
   position (causal models only);
 * "alibi" (Press et al.) and "t5" (Raffel et al. relative buckets): an additive bias on
   the attention logits, for attentions that take a bias (softmax);
+* "shaw" (Shaw et al. 2018): relative score terms each attention computes from its own
+  queries with its own parameters (`jxformers.nn.relative`); nothing here;
 * "none".
 """
 
@@ -25,9 +27,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from jxformers.kernels.alibi import Alibi
+from jxformers.nn.relative import RELATIVE_KINDS
 
-POSITION_KINDS = ("sinusoidal", "scaled_sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "none")
-# Added once to the token embeddings (absolute), rotating q and k in every attention, or a logit bias.
+POSITION_KINDS = (
+    "sinusoidal", "scaled_sinusoidal", "learned", "rope", "xpos", "alibi", "t5", *RELATIVE_KINDS, "none",
+)  # fmt: skip
+# Added once to the token embeddings (absolute), rotating q and k in every attention, or a
+# logit bias computed from the positions alone; RELATIVE_KINDS: score terms each attention
+# computes from its own queries.
 ADDED_KINDS = ("sinusoidal", "scaled_sinusoidal", "learned")
 ROTARY_KINDS = ("rope", "xpos")
 BIAS_KINDS = ("alibi", "t5")
@@ -291,7 +298,7 @@ class Positions(eqx.Module):
     def grid_bias(self, n: int) -> Float[Array, "heads n n"] | Alibi | None:
         """The bias of self-attention over positions 0..n-1: ALiBi as an `Alibi` (slopes
         only: the flash kernel computes it per tile, the XLA op materialises it), T5 as
-        an array, else None."""
+        an array, else None (a relative kind's terms are each attention's own)."""
         if self.kind == "alibi":
             return Alibi(alibi_slopes(self.heads))
         if self.kind not in BIAS_KINDS:

@@ -39,6 +39,7 @@ from jxformers.nn.moe import MoE, MoEConfig
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import PKMConfig, ProductKeyMemory
 from jxformers.nn.positions import Positions
+from jxformers.nn.relative import SCORE_KINDS, RelativeTerms
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
 from jxformers.nn.transformer_xl import RecurrentLM
@@ -110,8 +111,18 @@ def _blocks(
     maps_kind, lazy_block = "none", 2
     if isinstance(stack, TransformerStack):
         maps_kind, lazy_block = stack.attention_maps, stack.lazy_block
+    position = config.embedding.position
     for i, k in enumerate(jax.random.split(key, count)):
         ka, kc, kf = jax.random.split(k, 3)
+        relative = None
+        if position in SCORE_KINDS:  # this layer's part of the scheme
+            relative = RelativeTerms(
+                position,
+                heads=config.num_heads,
+                d_head=config.head_size(config.layer(i).attention),
+                max_distance=config.embedding.max_distance(config.max_len),
+                key=jax.random.fold_in(k, 5),
+            )
         attention = Attention(
             config.bound_attention(i),
             config.d_model,
@@ -125,6 +136,7 @@ def _blocks(
             qk_norm_length=config.max_len,
             **{n: getattr(config.layer(i).attention, n) for n in HEAD_OPTIONS},
             aan_d_ff=_aan_d_ff(config.layer(i).attention, config.layer(i).ffn, config.d_model),
+            relative=relative,
             key=ka,
         )
         role = map_role(maps_kind, i, lazy_block)

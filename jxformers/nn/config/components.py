@@ -33,6 +33,7 @@ from jxformers.nn.models import DOWNSAMPLE_KINDS, EXTRA_TOKEN_KINDS, POOLING_KIN
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import POSITION_KINDS, ROPE_SCALINGS, ROTARY_KINDS, Rotary
+from jxformers.nn.relative import SHAW_MAX_DISTANCE
 from jxformers.nn.tokenlearner import TokenLearnerConfig
 from jxformers.nn.transformer_xl import COMPRESSIONS
 from jxformers.validate import Limits, check_at_least, check_fields, setting
@@ -140,15 +141,21 @@ HEAD_OPTIONS = ("collaborative", "disagreement", "disagreement_weight", "head_ag
 @dataclasses.dataclass(frozen=True)
 class EmbeddingConfig:
     """Token embeddings and positions. The rope_* and xpos_* settings configure the
-    rotary kinds (`jxformers.nn.positions.Rotary`, which `rotary()` builds from them) and
-    are refused with any other position."""
+    rotary kinds (`jxformers.nn.positions.Rotary`, which `rotary()` builds from them),
+    relative_max_distance Shaw's clip; each is refused with any other position."""
 
     position: str | None = setting(
         None,
         "positions: added to the embeddings (sinusoidal, scaled_sinusoidal: FLASH's sinusoids times a learned "
-        "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), or a logit bias (alibi, t5) "
-        "(None: none for the recurrent stacks, whose own are relative; sinusoidal otherwise)",
+        "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), a logit bias (alibi, t5), "
+        "or relative score terms inside each attention (shaw: Shaw et al. 2018's clipped key and value "
+        "vectors) (None: none for the recurrent stacks, whose own are relative; sinusoidal otherwise)",
         choices=(*POSITION_KINDS, None),
+    )
+    relative_max_distance: int | None = setting(
+        None,
+        f"k of shaw (distances j - i clipped to [-k, k]; None: {SHAW_MAX_DISTANCE}, the paper's)",
+        limits=1,
     )
     rope_base: float = setting(
         10000.0, "θ of rope and xpos: feature pair i turns by p θ^(-2i/d)", limits=Limits(above=1)
@@ -199,12 +206,20 @@ class EmbeddingConfig:
                 f"embedding.position={self.position!r} takes {list(wanted)} of the rotary settings; "
                 f"got {foreign} (rope_scaling and rope_factor stretch rope; xpos_* configure xpos)"
             )
+        if self.relative_max_distance is not None and self.position != "shaw":
+            raise ValueError(f"embedding.relative_max_distance is k of position 'shaw'; got position={self.position!r}")
         if (self.rope_scaling == "none") != (self.rope_factor == 1):
             raise ValueError(
                 f"embedding.rope_factor s > 1 goes with rope_scaling one of {list(ROPE_SCALINGS[1:])}, and "
                 f"rope_scaling 'none' with rope_factor 1; got rope_scaling={self.rope_scaling!r}, "
                 f"rope_factor={self.rope_factor}"
             )
+
+    def max_distance(self, max_len: int) -> int:
+        """k of the clipped relative kinds (0 for the others): Shaw's clip."""
+        if self.position == "shaw":
+            return self.relative_max_distance or SHAW_MAX_DISTANCE
+        return 0
 
     def rotary(self) -> Rotary | None:
         """How the attentions turn q and k by position (None: position is not rotary)."""

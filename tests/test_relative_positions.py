@@ -1,0 +1,204 @@
+"""Relative positions computed with each attention's scores (issue 31, Lin et al. 2021's
+survey section 5.1): Shaw et al. 2018.
+
+Each is checked against a numpy reference written from its paper's formula (float64,
+loops over heads and pairs), with grouped-query heads (4 query heads, 2 key/value heads)
+and fractional positions (a shortened encoder's grid) where the scheme takes them; then
+decoding parity in a language model, a shortened encoder, the config from YAML and the
+refusals.
+
+Mutations each reference test was seen to fail (by hand, once): Shaw's label j - i
+written i - j, and its value term dropped (`relative_values` not passed); the decoding
+step without Shaw's value term (its parity fails).
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+from suites import decode_all, forward
+
+from jxformers import ModelConfig, build_model, ops, registry
+from jxformers.nn import Attention
+from jxformers.nn.relative import RelativeTerms
+
+D_MODEL, HEADS, KV_HEADS, N = 16, 4, 2, 7
+DH = D_MODEL // HEADS
+K = 2  # clipped at 2: the 7 positions reach past it
+VOCAB = 13
+
+
+# ----------------------------------------------------------------------------- numpy helpers
+
+
+def _np(x):
+    return np.asarray(x, np.float64)
+
+
+def _linear(layer, x):
+    y = x @ _np(layer.weight).T
+    return y if layer.bias is None else y + _np(layer.bias)
+
+
+def _projected(attention, x):
+    """q [n, heads, d], k and v [n, heads, d] (the kv heads repeated for their group)."""
+    n, group = x.shape[0], HEADS // KV_HEADS
+    q = _linear(attention.q_proj, x).reshape(n, HEADS, DH)
+    k = np.repeat(_linear(attention.k_proj, x).reshape(n, KV_HEADS, DH), group, axis=1)
+    v = np.repeat(_linear(attention.v_proj, x).reshape(n, KV_HEADS, DH), group, axis=1)
+    return q, k, v
+
+
+def _softmax(logits, causal):
+    """Row softmax of [heads, n, m], keys after the query masked when causal."""
+    n, m = logits.shape[1:]
+    allowed = np.tril(np.ones((n, m), bool)) if causal else np.ones((n, m), bool)
+    e = np.where(allowed, np.exp(logits - np.where(allowed, logits, -np.inf).max(-1, keepdims=True)), 0.0)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _output(attention, heads_out):
+    """The output projection of the heads' outputs [n, heads, d]."""
+    return _linear(attention.o_proj, heads_out.reshape(heads_out.shape[0], HEADS * DH))
+
+
+def _attention(kind, *, causal, key=0, max_distance=K):
+    relative = RelativeTerms(kind, heads=HEADS, d_head=DH, max_distance=max_distance, key=jax.random.key(key + 100))
+    return Attention(
+        "softmax", D_MODEL, HEADS, kv_heads=KV_HEADS, causal=causal, relative=relative, key=jax.random.key(key)
+    )
+
+
+def _x(seed=0, n=N):
+    return jax.random.normal(jax.random.key(seed), (n, D_MODEL))
+
+
+# A shortened encoder's grid: CLS at 0, then tokens at 1 + 2j, one of them nudged off it.
+FRACTIONAL = np.array([0.0, 1.0, 3.0, 5.2, 7.0, 9.0, 11.0])
+
+
+# ----------------------------------------------------------------------------- Shaw et al. 2018
+
+
+@pytest.mark.parametrize(("causal", "positions"), [(False, FRACTIONAL), (True, np.arange(N, dtype=float))])
+def test_shaw_is_eq_3_and_4_with_clipped_key_and_value_vectors(causal, positions):
+    # e_ij = x_i W^Q (x_j W^K + a^K_ij)^T / sqrt(d_z), z_i = sum_j α_ij (x_j W^V + a^V_ij),
+    # a_ij = w_{clip(j - i, k)}: 2k + 1 vectors per layer, shared by the heads (section 3).
+    attention, x = _attention("shaw", causal=causal), _x(1)
+    a_k, a_v = _np(attention.relative.keys), _np(attention.relative.values)
+    q, k, v = _projected(attention, _np(x))
+    label = lambda i, j: int(np.clip(np.round(positions[j] - positions[i]), -K, K)) + K  # noqa: E731
+    logits = np.zeros((HEADS, N, N))
+    for h in range(HEADS):
+        for i in range(N):
+            for j in range(N):
+                logits[h, i, j] = q[i, h] @ (k[j, h] + a_k[label(i, j)]) / math.sqrt(DH)
+    p = _softmax(logits, causal)
+    z = np.zeros((N, HEADS, DH))
+    for h in range(HEADS):
+        for i in range(N):
+            z[i, h] = sum(p[h, i, j] * (v[j, h] + a_v[label(i, j)]) for j in range(N))
+    got = attention(x, positions=jnp.asarray(positions, jnp.float32))
+    assert_close(got, _output(attention, z), atol=2e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+SIZES = dict(vocab_size=VOCAB, num_layers=1, d_model=D_MODEL, num_heads=HEADS, kv_heads=KV_HEADS, max_len=24)
+
+
+@pytest.mark.parametrize(
+    "embedding",
+    [
+        {"position": "shaw", "relative_max_distance": 2},
+    ],
+)
+def test_language_models_decode_like_their_parallel_forward(embedding):
+    config = ModelConfig(task="lm", **SIZES, ffn={"d_ff": 24}, embedding=embedding)
+    model = build_model(config, key=jax.random.key(0))
+    x = jax.random.randint(jax.random.key(1), (9,), 0, VOCAB)
+    assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)
+
+
+def test_funnel_pooled_queries_meet_unpooled_keys_at_their_own_positions():
+    # Shaw's in a Funnel layer: pooled token j at 1 + 2j (CLS at 0), keys at 0..n.
+    cfg = dict(SIZES, num_layers=2, stack={"filters": {1: 0.5}, "downsample": "funnel"},
+               embedding={"position": "shaw", "relative_max_distance": 3})  # fmt: skip
+    encoder = build_model(ModelConfig(task="classify", **cfg), key=jax.random.key(0)).encoder
+    x = jax.random.randint(jax.random.key(2), (10,), 0, VOCAB)
+
+    @eqx.filter_jit
+    def reference(e, x):
+        h = jnp.concatenate([e.cls[None], e.embedding(x, jnp.arange(1, 11))])
+        full_pos = jnp.arange(11, dtype=jnp.float32)
+        full = e.blocks[0](h, positions=full_pos)
+        pooled = jnp.concatenate([full[:1], ops.funnel_pool(full[1:], 2)[0]])
+        q_pos = jnp.concatenate([jnp.zeros(1), 1.0 + 2.0 * jnp.arange(5)])
+        out = e.blocks[1](pooled, positions=q_pos, source=full, source_positions=full_pos)
+        return e.norm(out)
+
+    assert_close(eqx.filter_jit(encoder)(x)[0], reference(encoder, x), atol=2e-5)
+
+
+def _from_yaml(text):
+    common = "vocab_size: 13\nmax_len: 24\nd_model: 16\nnum_heads: 4\nnum_layers: 2\n"
+    return ModelConfig.from_yaml(common + text)
+
+
+def test_the_settings_reach_the_modules_from_yaml():
+    shaw = build_model(
+        _from_yaml("task: lm\nembedding: {position: shaw, relative_max_distance: 5}\n"), key=jax.random.key(0)
+    )
+    terms = shaw.blocks[1].attention.relative
+    assert terms.kind == "shaw" and terms.max_distance == 5 and terms.keys.shape == (11, 4)
+    assert shaw.embedding.positions.embed(jnp.arange(3)) is None  # nothing absolute
+    config = _from_yaml("task: seq2seq\nembedding: {position: shaw}\n")
+    assert ModelConfig.from_dict(config.to_dict()) == config  # the YAML form keeps them
+    seq2seq = build_model(config, key=jax.random.key(0))
+    assert seq2seq.decoder.blocks[0].attention.relative.max_distance == 16  # the default k
+    assert seq2seq.decoder.blocks[0].cross_attention.relative is None  # no positions across sequences
+    assert seq2seq.encoder.blocks[0].attention.relative is not None
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"embedding": {"position": "shaw"}, "attention": "linear"},
+         r"position 'shaw' adds score terms .*block 0's attention 'linear' takes no logit bias; .*\['softmax'\]"),
+        ({"embedding": {"position": "shaw"}, "attention": "hard_gaussian"},
+         r"position 'shaw' .* 'hard_gaussian' never compares queries with keys"),
+        ({"embedding": {"position": "shaw"}, "attention": {"name": "softmax", "qk_norm": "layernorm"}},
+         r"position 'shaw' reads each head's projected queries .*qk_norm='layernorm'"),
+        ({"embedding": {"position": "shaw"}, "attention": {"name": "softmax", "collaborative": 8}},
+         r"position 'shaw' works on each head's own queries .*collaborative"),
+        ({"embedding": {"position": "shaw"}, "stack": {"attention_maps": "residual"}},
+         r"position 'shaw' computes its terms inside each attention; the carried attention maps"),
+        ({"embedding": {"position": "shaw"}, "stack": "luna"}, r"stack 'luna' takes positions added .*got 'shaw'"),
+        ({"embedding": {"position": "t5", "relative_max_distance": 4}},
+         r"relative_max_distance is k of position 'shaw'; got position='t5'"),
+        ({"embedding": {"position": "shaw", "relative_max_distance": 0}},
+         r"embedding.relative_max_distance must be >= 1; got 0"),
+    ],
+)  # fmt: skip
+def test_config_refusals_name_the_option_and_the_attention(values, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**({"task": "lm", "vocab_size": 11, "max_len": 16, "d_model": 16, "num_heads": 4} | values))
+
+
+def test_module_refusals():
+    relative = RelativeTerms("shaw", heads=4, d_head=4, max_distance=2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"'chunked' takes no logit bias"):
+        Attention("chunked", 16, 4, relative=relative, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"relative terms for 4 heads of 4; this attention has 2 heads of 8"):
+        Attention("softmax", 16, 2, relative=relative, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"max_distance must be an int >= 1; got 0"):
+        RelativeTerms("shaw", heads=4, d_head=4, key=jax.random.key(0))
+    assert registry.get("softmax").takes_relative_values and not registry.get("hard_gaussian").takes_relative_values
+    q = jnp.zeros((3, 2, 4))
+    with pytest.raises(ValueError, match=r"relative_values is a\^V \[2k \+ 1, d_v\].*got shape \(4, 4\)"):
+        ops.softmax_attention(q, q, q, relative_values=jnp.zeros((4, 4)))
