@@ -1,5 +1,6 @@
 """Relative positions computed with each attention's scores (issue 31, Lin et al. 2021's
-survey section 5.1): Shaw et al. 2018.
+survey section 5.1): Shaw et al. 2018 and Transformer-XL's scheme (Dai et al. 2019)
+outside its stack.
 
 Each is checked against a numpy reference written from its paper's formula (float64,
 loops over heads and pairs), with grouped-query heads (4 query heads, 2 key/value heads)
@@ -8,8 +9,9 @@ decoding parity in a language model, a shortened encoder, the config from YAML a
 refusals.
 
 Mutations each reference test was seen to fail (by hand, once): Shaw's label j - i
-written i - j, and its value term dropped (`relative_values` not passed); the decoding
-step without Shaw's value term (its parity fails).
+written i - j, and its value term dropped (`relative_values` not passed); Transformer-XL
+without u (q instead of q + u) and with the distance i - j reversed; the decoding step
+without Shaw's value term (its parity fails).
 """
 
 import math
@@ -19,12 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, plain_reversible
 from suites import decode_all, forward
 
 from jxformers import ModelConfig, build_model, ops, registry
 from jxformers.nn import Attention
-from jxformers.nn.relative import RelativeTerms
+from jxformers.nn.relative import RelativeTerms, SharedTerms, relative_sinusoid
+from jxformers.nn.transformer_xl import relative_attention
 
 D_MODEL, HEADS, KV_HEADS, N = 16, 4, 2, 7
 DH = D_MODEL // HEADS
@@ -67,7 +70,9 @@ def _output(attention, heads_out):
 
 
 def _attention(kind, *, causal, key=0, max_distance=K):
-    relative = RelativeTerms(kind, heads=HEADS, d_head=DH, max_distance=max_distance, key=jax.random.key(key + 100))
+    relative = RelativeTerms(
+        kind, d_model=D_MODEL, heads=HEADS, d_head=DH, max_distance=max_distance, key=jax.random.key(key + 100)
+    )
     return Attention(
         "softmax", D_MODEL, HEADS, kv_heads=KV_HEADS, causal=causal, relative=relative, key=jax.random.key(key)
     )
@@ -106,6 +111,53 @@ def test_shaw_is_eq_3_and_4_with_clipped_key_and_value_vectors(causal, positions
     assert_close(got, _output(attention, z), atol=2e-5, rtol=1e-4)
 
 
+# ----------------------------------------------------------------------------- Transformer-XL
+
+
+def _txl_reference(attention, shared, x, positions, causal):
+    """Dai et al. 2019 section 3.3: (a) + (b) + (c) + (d) over sqrt(d), R_t = [sin(t f), cos(t f)]."""
+    q, k, v = _projected(attention, _np(x))
+    u, vb = _np(shared.u), _np(shared.v)
+    freq = 1.0 / 10000.0 ** (np.arange(0, D_MODEL, 2) / D_MODEL)
+    w_r = _np(attention.relative.r_proj.weight)  # W_{k,R}: [heads * d, d_model]
+
+    def r(t):  # W_{k,R} R_t, per head
+        return (w_r @ np.concatenate([np.sin(t * freq), np.cos(t * freq)])).reshape(HEADS, DH)
+
+    logits = np.zeros((HEADS, N, N))
+    for h in range(HEADS):
+        for i in range(N):
+            for j in range(N):
+                rel = r(positions[i] - positions[j])[h]
+                a, b = q[i, h] @ k[j, h], q[i, h] @ rel
+                c, d = u[h] @ k[j, h], vb[h] @ rel
+                logits[h, i, j] = (a + b + c + d) / math.sqrt(DH)
+    p = _softmax(logits, causal)
+    return _output(attention, np.einsum("hij,jhd->ihd", p, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_transformer_xl_terms_a_to_d_outside_its_stack(causal):
+    # Keys after the query (an encoder) give negative distances i - j: the sinusoid takes them.
+    attention, x = _attention("transformer_xl", causal=causal, key=2), _x(2)
+    shared = SharedTerms.make("transformer_xl", heads=HEADS, d_head=DH, key=jax.random.key(7))
+    positions = np.arange(N, dtype=float)
+    got = attention(x, bias=shared, positions=jnp.asarray(positions))
+    assert_close(got, _txl_reference(attention, shared, x, positions, causal), atol=2e-5, rtol=1e-4)
+
+
+def test_the_option_and_the_transformer_xl_stack_share_one_computation():
+    # Causal, no memory: the stack's relative_attention on the same q, k, v, W_{k,R} R, u, v.
+    attention, x = _attention("transformer_xl", causal=True, key=3), _x(3)
+    shared = SharedTerms.make("transformer_xl", heads=HEADS, d_head=DH, key=jax.random.key(8))
+    heads = lambda proj, kv: proj(x).reshape(N, kv, DH)  # noqa: E731
+    q = heads(attention.q_proj, HEADS)
+    k, v = (jnp.repeat(heads(p, KV_HEADS), 2, axis=1) for p in (attention.k_proj, attention.v_proj))
+    r = attention.relative.r_proj(relative_sinusoid(jnp.arange(N), D_MODEL)).reshape(N, HEADS, DH)
+    core = relative_attention(q, k, v, r, shared.u, shared.v, mask=jnp.tril(jnp.ones((N, N), bool)))
+    assert_close(attention(x, bias=shared), attention.o_proj(core.reshape(N, -1)), atol=2e-6)
+
+
 # ----------------------------------------------------------------------------- models
 
 
@@ -116,6 +168,7 @@ SIZES = dict(vocab_size=VOCAB, num_layers=1, d_model=D_MODEL, num_heads=HEADS, k
     "embedding",
     [
         {"position": "shaw", "relative_max_distance": 2},
+        {"position": "transformer_xl"},
     ],
 )
 def test_language_models_decode_like_their_parallel_forward(embedding):
@@ -123,6 +176,29 @@ def test_language_models_decode_like_their_parallel_forward(embedding):
     model = build_model(config, key=jax.random.key(0))
     x = jax.random.randint(jax.random.key(1), (9,), 0, VOCAB)
     assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)
+
+
+def test_reversible_wiring_passes_the_shared_terms_gradient():
+    # The reversible stack's own backward pass (which reconstructs activations) against
+    # plain autodiff of the same wiring: Transformer-XL's u and v, shared by the layers,
+    # come in as the bias and must get the same gradients.
+    from jxformers.nn.reversible import reversible_stack
+
+    cfg = ModelConfig(task="lm", **SIZES | {"num_layers": 2}, stack={"reversible": True},
+                      embedding={"position": "transformer_xl"})  # fmt: skip
+    model = build_model(cfg, key=jax.random.key(0))
+    x, shared = jax.random.normal(jax.random.key(1), (9, D_MODEL)), model.embedding.positions.shared
+
+    @eqx.filter_jit
+    def both(args):
+        loss = lambda fn: lambda a: jnp.sum(jnp.sin(fn(*a)))  # noqa: E731
+        ours = eqx.filter_grad(loss(lambda b, x, c: reversible_stack(b, x, bias=c)))(args)
+        return ours, eqx.filter_grad(loss(plain_reversible))(args)
+
+    ours, ref = both((model.blocks, x, shared))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+        assert_close(a, b, atol=2e-5)
+    assert float(jnp.abs(ours[2].u).max()) > 0 and float(jnp.abs(ours[2].v).max()) > 0
 
 
 def test_funnel_pooled_queries_meet_unpooled_keys_at_their_own_positions():
@@ -135,11 +211,11 @@ def test_funnel_pooled_queries_meet_unpooled_keys_at_their_own_positions():
     @eqx.filter_jit
     def reference(e, x):
         h = jnp.concatenate([e.cls[None], e.embedding(x, jnp.arange(1, 11))])
-        full_pos = jnp.arange(11, dtype=jnp.float32)
-        full = e.blocks[0](h, positions=full_pos)
+        shared, full_pos = e.embedding.positions.shared, jnp.arange(11, dtype=jnp.float32)
+        full = e.blocks[0](h, bias=shared, positions=full_pos)
         pooled = jnp.concatenate([full[:1], ops.funnel_pool(full[1:], 2)[0]])
         q_pos = jnp.concatenate([jnp.zeros(1), 1.0 + 2.0 * jnp.arange(5)])
-        out = e.blocks[1](pooled, positions=q_pos, source=full, source_positions=full_pos)
+        out = e.blocks[1](pooled, bias=shared, positions=q_pos, source=full, source_positions=full_pos)
         return e.norm(out)
 
     assert_close(eqx.filter_jit(encoder)(x)[0], reference(encoder, x), atol=2e-5)
@@ -156,13 +232,13 @@ def test_the_settings_reach_the_modules_from_yaml():
     )
     terms = shaw.blocks[1].attention.relative
     assert terms.kind == "shaw" and terms.max_distance == 5 and terms.keys.shape == (11, 4)
-    assert shaw.embedding.positions.embed(jnp.arange(3)) is None  # nothing absolute
-    config = _from_yaml("task: seq2seq\nembedding: {position: shaw}\n")
+    assert shaw.embedding.positions.shared is None and shaw.embedding.positions.embed(jnp.arange(3)) is None
+    config = _from_yaml("task: seq2seq\nembedding: {position: transformer_xl}\n")
     assert ModelConfig.from_dict(config.to_dict()) == config  # the YAML form keeps them
-    seq2seq = build_model(config, key=jax.random.key(0))
-    assert seq2seq.decoder.blocks[0].attention.relative.max_distance == 16  # the default k
-    assert seq2seq.decoder.blocks[0].cross_attention.relative is None  # no positions across sequences
-    assert seq2seq.encoder.blocks[0].attention.relative is not None
+    txl = build_model(config, key=jax.random.key(0))
+    assert txl.decoder.blocks[0].attention.relative.r_proj is not None
+    assert txl.decoder.blocks[0].cross_attention.relative is None  # no positions across sequences
+    assert txl.encoder.embedding.positions.shared.u.shape == (4, 4)
 
 
 @pytest.mark.parametrize(
@@ -174,15 +250,19 @@ def test_the_settings_reach_the_modules_from_yaml():
          r"position 'shaw' .* 'hard_gaussian' never compares queries with keys"),
         ({"embedding": {"position": "shaw"}, "attention": {"name": "softmax", "qk_norm": "layernorm"}},
          r"position 'shaw' reads each head's projected queries .*qk_norm='layernorm'"),
-        ({"embedding": {"position": "shaw"}, "attention": {"name": "softmax", "collaborative": 8}},
-         r"position 'shaw' works on each head's own queries .*collaborative"),
-        ({"embedding": {"position": "shaw"}, "stack": {"attention_maps": "residual"}},
-         r"position 'shaw' computes its terms inside each attention; the carried attention maps"),
+        ({"embedding": {"position": "transformer_xl"}, "attention": {"name": "softmax", "collaborative": 8}},
+         r"position 'transformer_xl' works on each head's own queries .*collaborative"),
+        ({"embedding": {"position": "transformer_xl"}, "stack": {"attention_maps": "residual"}},
+         r"position 'transformer_xl' computes its terms inside each attention; the carried attention maps"),
+        ({"embedding": {"position": "transformer_xl"}, "task": "classify", "stack": {"filters": {0: 0.5}}},
+         r"position 'transformer_xl' with stack.filters \{0: 0.5\}: refused, its W_\{k,R\} R_\{i-j\}"),
         ({"embedding": {"position": "shaw"}, "stack": "luna"}, r"stack 'luna' takes positions added .*got 'shaw'"),
         ({"embedding": {"position": "t5", "relative_max_distance": 4}},
          r"relative_max_distance is k of position 'shaw'; got position='t5'"),
         ({"embedding": {"position": "shaw", "relative_max_distance": 0}},
          r"embedding.relative_max_distance must be >= 1; got 0"),
+        ({"embedding": {"position": "transformer_xl"}, "stack": {"layer_overrides": {1: {"attention": {"d_head": 8}}}}},
+         r"shares u and v .*one head size; got \[4, 8\]"),
     ],
 )  # fmt: skip
 def test_config_refusals_name_the_option_and_the_attention(values, match):
@@ -191,13 +271,13 @@ def test_config_refusals_name_the_option_and_the_attention(values, match):
 
 
 def test_module_refusals():
-    relative = RelativeTerms("shaw", heads=4, d_head=4, max_distance=2, key=jax.random.key(0))
+    relative = RelativeTerms("shaw", d_model=16, heads=4, d_head=4, max_distance=2, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"'chunked' takes no logit bias"):
         Attention("chunked", 16, 4, relative=relative, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"relative terms for 4 heads of 4; this attention has 2 heads of 8"):
         Attention("softmax", 16, 2, relative=relative, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"max_distance must be an int >= 1; got 0"):
-        RelativeTerms("shaw", heads=4, d_head=4, key=jax.random.key(0))
+        RelativeTerms("shaw", d_model=16, heads=4, d_head=4, key=jax.random.key(0))
     assert registry.get("softmax").takes_relative_values and not registry.get("hard_gaussian").takes_relative_values
     q = jnp.zeros((3, 2, 4))
     with pytest.raises(ValueError, match=r"relative_values is a\^V \[2k \+ 1, d_v\].*got shape \(4, 4\)"):

@@ -36,7 +36,7 @@ from jxformers.nn.average import AverageNetwork, check_aan
 from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import Rotary
 from jxformers.nn.produced import AttentionInputs, Produced
-from jxformers.nn.relative import RelativeTerms, check_relative
+from jxformers.nn.relative import RelativeTerms, SharedTerms, check_relative
 from jxformers.ops._priors import SPAN_LOSS_WEIGHT, span_loss
 
 # How queries and keys are normalised before the core (see `Attention`).
@@ -98,9 +98,10 @@ class Attention(eqx.Module):
             itself is averaged (one head of width d_model, no projections), then the FFN
             and the gating layer; None: the plain attention.
         relative: this layer's part of a relative position scheme (`jxformers.nn.relative`:
-            Shaw et al.'s key and value vectors), for a self-attention whose core takes a
-            bias and compares q with k (`check_relative`). The terms add O(heads * seq * kv)
-            memory.
+            Shaw et al.'s, Transformer-XL's score terms),
+            for a self-attention whose core takes a bias and compares q with k
+            (`check_relative`); its shared part comes as `bias` (`SharedTerms`). The terms
+            add O(heads * seq * kv) memory.
         key: PRNG key for the projections and the core's arrays.
 
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
@@ -292,6 +293,19 @@ class Attention(eqx.Module):
             out = self.routing(out)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype))
 
+    def _relative(self, q, k, q_pos, k_pos, given):
+        """(the core's queries, its bias, its extra arrays) under this module's relative
+        terms: `given` is the shared part (`SharedTerms`) or None."""
+        assert self.relative is not None
+        shared = given if isinstance(given, SharedTerms) else None
+        if shared is None and self.relative.kind == "transformer_xl":
+            raise ValueError(
+                f"relative position {self.relative.kind!r} needs its shared terms (the model's Positions.shared) "
+                f"as the bias; got {type(given).__name__}"
+            )
+        bias = self.relative.bias(q, k, q_pos, k_pos, shared)
+        return self.relative.queries(q, shared), bias, self.relative.arrays(q_pos, k_pos)
+
     def __call__(self, x, context=None, **kwargs) -> Float[Array, "seq d_model"]:
         """`apply(...)`'s output alone (the arguments are `apply`'s)."""
         return self.apply(x, context, **kwargs)[0]
@@ -302,7 +316,7 @@ class Attention(eqx.Module):
         context: Float[Array, "ctx d_model"] | None = None,
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | SharedTerms | None = None,
         positions: Real[Array, " seq"] | None = None,
         context_positions: Real[Array, " kv"] | None = None,
         key: PRNGKeyArray | None = None,
@@ -312,8 +326,8 @@ class Attention(eqx.Module):
             x: `[seq, d_model]` queries (and keys/values for self-attention).
             context: `[ctx, d_model]` keys/values for cross-attention.
             kv_mask: `[kv]` True for real keys (padding mask).
-            bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5); with relative
-                terms, theirs (the model passes none).
+            bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5), or the shared
+                part of this module's relative terms (`SharedTerms`: Transformer-XL's u, v).
             positions, context_positions: token positions for rotary embeddings and
                 relative terms (default 0..n-1; fractional ones allowed).
             key, inference: the training noise of a core that draws some
@@ -346,8 +360,8 @@ class Attention(eqx.Module):
             arrays = self._core_arrays(x, source)
             if self.relative is not None:
                 assert positions is not None and context_positions is not None
-                bias = self.relative.bias(q, positions, context_positions)
-                arrays = arrays | self.relative.arrays(positions, context_positions)
+                q, bias, extra = self._relative(q, k, positions, context_positions, bias)
+                arrays = arrays | extra
             noise = self.core.spec.noise_key
             if noise is not None and key is not None and not inference:
                 arrays = arrays | {noise: key}
@@ -401,11 +415,16 @@ class Attention(eqx.Module):
         )
 
     def decode_step(
-        self, x: Float[Array, " d_model"], state: decoding.State, *, bias_fn: decoding.BiasFn | None = None
+        self,
+        x: Float[Array, " d_model"],
+        state: decoding.State,
+        *,
+        bias_fn: decoding.BiasFn | SharedTerms | None = None,
     ) -> tuple[Float[Array, " d_model"], decoding.State]:
         """One token through causal self-attention: `x [d_model]` at position
-        `state.length`; returns the output `[d_model]` and the new state. With relative
-        terms, the step's bias is theirs."""
+        `state.length`; returns the output `[d_model]` and the new state. `bias_fn`: the
+        position bias of the step's row from the positions (ALiBi, T5), or the
+        shared part of this module's relative terms."""
         with jax.named_scope(self.name):
             if self.aan is not None:  # the running sum of x (eq. 6 of Zhang et al.), FFN, gate
                 out, state = self.core.decode_step(x[None], x[None], x[None], state)
@@ -417,22 +436,33 @@ class Attention(eqx.Module):
                 q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
             arrays = self._core_arrays(x[None], x[None])
             if self.relative is not None:
-                bias_fn = self._relative_step(q, state)
-                arrays = arrays | self.relative.step_arrays()
+                q, bias_fn, extra = self._relative_step(q, k, v, state, bias_fn)
+                arrays = arrays | extra
+            assert not isinstance(bias_fn, SharedTerms)  # only relative terms read it
             out, state = self.core.decode_step(q[0], k[0], v[0], state, arrays=arrays, bias_fn=bias_fn)
             return self._out(out[None], x[None])[0], state
 
-    def _relative_step(self, q, state) -> decoding.BiasFn:
-        """The bias of one token's row under this module's relative terms, against a
-        key/value cache, at the positions the cache's decoder passes."""
-        relative = self.relative
-        assert relative is not None
+    def _relative_step(self, q, k, v, state, given):
+        """(the core's query, the step's bias function, its extra arrays) under this
+        module's relative terms, for one token against a key/value cache: the terms of the
+        step's row read the cache's keys as the decoder is about to hold them (this token's
+        written to its slot), at the positions the decoder passes."""
+        assert self.relative is not None
         if not isinstance(state, decoding.KVCache):
             raise ValueError(
-                f"relative position {relative.kind!r} decodes against a key/value cache; {self.name!r} keeps a "
+                f"relative position {self.relative.kind!r} decodes against a key/value cache; {self.name!r} keeps a "
                 f"{type(state).__name__}"
             )
-        return lambda q_pos, kv_pos: relative.bias(q, q_pos, kv_pos)
+        shared = given if isinstance(given, SharedTerms) else None
+        keys = decoding.cache_append(state, k[0], v[0]).k
+
+        def step_bias(q_pos, kv_pos):
+            assert self.relative is not None
+            bias = self.relative.bias(q, keys, q_pos, kv_pos, shared)
+            assert bias is not None
+            return bias
+
+        return self.relative.queries(q, shared), step_bias, self.relative.step_arrays()
 
     def cross_step(
         self,
@@ -498,7 +528,7 @@ class Attention(eqx.Module):
         maps: cross_layer.Maps | None,
         *,
         role: str,
-        bias_fn: decoding.BiasFn | None = None,
+        bias_fn: decoding.BiasFn | SharedTerms | None = None,
     ) -> tuple[Float[Array, " d_model"], decoding.KVCache, cross_layer.Maps]:
         """`apply_maps` for one token at position `state.length` against a key/value
         cache of every position; `maps` and the result are that token's row
@@ -516,6 +546,7 @@ class Attention(eqx.Module):
             if self.rope is not None:
                 pos = state.length[None]
                 q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
+            assert not isinstance(bias_fn, SharedTerms)  # relative terms carry no maps (check_relative)
             state = decoding.cache_append(state, k[0], v[0])
             bias = None if bias_fn is None else bias_fn(state.length[None] - 1, jnp.maximum(state.slot_pos, 0))
             prev = maps if role == "residual" else None

@@ -22,7 +22,7 @@ from jxformers.nn.layers import FeedForward, Norm, make_norm
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.produced import Produced
-from jxformers.nn.relative import check_relative
+from jxformers.nn.relative import SharedTerms, check_relative
 
 NORM_PLACEMENTS = residual.PLACEMENTS
 
@@ -147,7 +147,7 @@ class Block(eqx.Module):
         x: Float[Array, "seq d_model"],
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | SharedTerms | None = None,
         positions: Real[Array, " seq"] | None = None,
         source: Float[Array, "kv d_model"] | None = None,
         source_positions: Real[Array, " kv"] | None = None,
@@ -240,7 +240,7 @@ class Block(eqx.Module):
         maps: cross_layer.Maps | None,
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | SharedTerms | None = None,
         positions: Real[Array, " seq"] | None = None,
         context: Float[Array, "ctx d_model"] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
@@ -253,7 +253,8 @@ class Block(eqx.Module):
             x: `[seq, d_model]`; maps: the previous block's attention maps
                 `[heads, seq, seq]` (None: the first block, or a stack that carries
                 none; `jxformers.nn.cross_layer`); kv_mask: `[kv]` True for real keys (kv = seq unless
-                `source` is given); bias: `[heads, seq, kv]` logit bias; positions:
+                `source` is given); bias: `[heads, seq, kv]` logit bias (or the shared part of
+                relative terms, `SharedTerms`); positions:
                 `[seq]` (and source_positions `[kv]`) for rotary embeddings.
             context, context_mask: the encoder output a cross-attention block reads.
             source: `[kv, d_model]` the sequence self-attention takes its keys and
@@ -312,7 +313,7 @@ class Block(eqx.Module):
         x: Float[Array, " d_model"],
         state: decoding.State,
         *,
-        bias_fn: decoding.BiasFn | None = None,
+        bias_fn: decoding.BiasFn | SharedTerms | None = None,
         context_kv: tuple[Array, Array] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
     ) -> tuple[Float[Array, " d_model"], Any]:
@@ -329,7 +330,7 @@ class Block(eqx.Module):
         state: decoding.State,
         maps: cross_layer.Maps | None,
         *,
-        bias_fn: decoding.BiasFn | None = None,
+        bias_fn: decoding.BiasFn | SharedTerms | None = None,
         context_kv: tuple[Array, Array] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
     ) -> tuple[Float[Array, " d_model"], Any, cross_layer.Maps | None]:

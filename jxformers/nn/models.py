@@ -39,6 +39,7 @@ from jxformers.nn.luna import LunaStack
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.positions import BIAS_KINDS, Positions
 from jxformers.nn.produced import Produced
+from jxformers.nn.relative import SharedTerms
 from jxformers.nn.reversible import reversible_apply, reversible_decode_step
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
@@ -171,9 +172,13 @@ class Embedding(eqx.Module):
         return (x @ self.table.T.astype(x.dtype)).astype(jnp.float32)
 
 
-def _bias_fn(positions: Positions) -> BiasFn | None:
-    # a bias kind's `bias` returns an array (None only for the kinds without one)
-    return cast(BiasFn, positions.bias) if positions.kind in BIAS_KINDS else None
+def _bias_fn(positions: Positions) -> BiasFn | SharedTerms | None:
+    """What a decoding step's attentions get for their position bias: a function of the
+    positions (a bias kind's `bias` returns an array), or the relative kinds' shared
+    terms, which each attention completes (None for Shaw's, which share nothing)."""
+    if positions.kind in BIAS_KINDS:
+        return cast(BiasFn, positions.bias)
+    return positions.shared
 
 
 class Encoder(eqx.Module):

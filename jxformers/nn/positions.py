@@ -11,8 +11,9 @@ section 5.1), one module per model:
   position (causal models only);
 * "alibi" (Press et al.) and "t5" (Raffel et al. relative buckets): an additive bias on
   the attention logits, for attentions that take a bias (softmax);
-* "shaw" (Shaw et al. 2018): relative score terms each attention computes from its own
-  queries with its own parameters (`jxformers.nn.relative`); nothing here;
+* "shaw" (Shaw et al. 2018), "transformer_xl" (Dai et al. 2019): relative score terms
+  each attention computes from its own queries,
+  `jxformers.nn.relative`; what their layers share (`SharedTerms`) lives here;
 * "none".
 """
 
@@ -27,14 +28,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from jxformers.kernels.alibi import Alibi
-from jxformers.nn.relative import RELATIVE_KINDS
+from jxformers.nn.relative import RELATIVE_KINDS, SharedTerms
 
 POSITION_KINDS = (
     "sinusoidal", "scaled_sinusoidal", "learned", "rope", "xpos", "alibi", "t5", *RELATIVE_KINDS, "none",
 )  # fmt: skip
 # Added once to the token embeddings (absolute), rotating q and k in every attention, or a
 # logit bias computed from the positions alone; RELATIVE_KINDS: score terms each attention
-# computes from its own queries.
+# computes from its own queries and keys.
 ADDED_KINDS = ("sinusoidal", "scaled_sinusoidal", "learned")
 ROTARY_KINDS = ("rope", "xpos")
 BIAS_KINDS = ("alibi", "t5")
@@ -251,7 +252,11 @@ class Positions(eqx.Module):
 
     Fields: `kind` (one of POSITION_KINDS), `table` (learned embeddings `[max_len,
     d_model]` or T5's bucket table `[num_buckets, heads]`), `gain` ("scaled_sinusoidal"'s
-    learned scalar g: PE[p] g), `causal`. "xpos" needs `causal` (see `Rotary`).
+    learned scalar g: PE[p] g), `shared` (what the layers of a relative kind share:
+    Transformer-XL's u and v), `causal`. "xpos" needs `causal` (see `Rotary`).
+
+    Arguments beyond the fields' own: `d_head` (the attentions' head size: Transformer-XL's
+    u and v; default dim // heads).
     """
 
     kind: str = eqx.field(static=True)
@@ -260,8 +265,19 @@ class Positions(eqx.Module):
     heads: int = eqx.field(static=True)
     table: Float[Array, "rows cols"] | None
     gain: Float[Array, ""] | None
+    shared: SharedTerms | None
 
-    def __init__(self, kind: str, *, dim: int, heads: int, max_len: int, causal: bool, key: PRNGKeyArray):
+    def __init__(
+        self,
+        kind: str,
+        *,
+        dim: int,
+        heads: int,
+        max_len: int,
+        causal: bool,
+        key: PRNGKeyArray,
+        d_head: int | None = None,
+    ):
         if kind not in POSITION_KINDS:
             raise ValueError(f"position must be one of {POSITION_KINDS}; got {kind!r}")
         if kind == "xpos" and not causal:
@@ -277,6 +293,7 @@ class Positions(eqx.Module):
         else:
             self.table = None
         self.gain = scaled_sinusoidal_gain(dim) if kind == "scaled_sinusoidal" else None
+        self.shared = SharedTerms.make(kind, heads=heads, d_head=dim // heads if d_head is None else d_head, key=key)
 
     @property
     def rope(self) -> bool:
@@ -295,10 +312,13 @@ class Positions(eqx.Module):
             return self.table[positions]
         return None
 
-    def grid_bias(self, n: int) -> Float[Array, "heads n n"] | Alibi | None:
+    def grid_bias(self, n: int) -> Float[Array, "heads n n"] | Alibi | SharedTerms | None:
         """The bias of self-attention over positions 0..n-1: ALiBi as an `Alibi` (slopes
         only: the flash kernel computes it per tile, the XLA op materialises it), T5 as
-        an array, else None (a relative kind's terms are each attention's own)."""
+        an array, the shared part of a relative kind (`SharedTerms`, which each
+        attention completes), else None."""
+        if self.kind in RELATIVE_KINDS:
+            return self.shared
         if self.kind == "alibi":
             return Alibi(alibi_slopes(self.heads))
         if self.kind not in BIAS_KINDS:
@@ -306,10 +326,16 @@ class Positions(eqx.Module):
         pos = jnp.arange(n)
         return self.bias(pos, pos)
 
-    def bias(self, q_pos: Real[Array, " q"], kv_pos: Real[Array, " kv"]) -> Float[Array, "heads q kv"] | None:
-        """The additive logit bias for these query and key positions (None: none).
-        Positions may be fractional (a shortened encoder's resampled grid): ALiBi takes
-        the distance as it is, T5 its nearest integer (its buckets are of integers)."""
+    def bias(
+        self, q_pos: Real[Array, " q"], kv_pos: Real[Array, " kv"]
+    ) -> Float[Array, "heads q kv"] | SharedTerms | None:
+        """The additive logit bias for these query and key positions (None: none; the
+        shared part of a relative kind, which each attention completes with its own q, k
+        and these positions). Positions may be fractional (a shortened encoder's resampled
+        grid): ALiBi takes the distance as it is, T5 its nearest integer (its buckets are
+        of integers)."""
+        if self.kind in RELATIVE_KINDS:
+            return self.shared
         rel = kv_pos[None, :] - q_pos[:, None]
         if self.kind == "alibi":
             return -alibi_slopes(self.heads)[:, None, None] * jnp.abs(rel)[None].astype(jnp.float32)

@@ -115,9 +115,10 @@ def _blocks(
     for i, k in enumerate(jax.random.split(key, count)):
         ka, kc, kf = jax.random.split(k, 3)
         relative = None
-        if position in SCORE_KINDS:  # this layer's part of the scheme
+        if position in SCORE_KINDS:  # this layer's part of the scheme (the shared part is the Positions')
             relative = RelativeTerms(
                 position,
+                d_model=config.d_model,
                 heads=config.num_heads,
                 d_head=config.head_size(config.layer(i).attention),
                 max_distance=config.embedding.max_distance(config.max_len),
@@ -246,7 +247,13 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
     def embedding(k, causal, extra=True):
         assert embed.position is not None  # ModelConfig resolves it from the stack
         positions = Positions(
-            embed.position, dim=config.d_model, heads=config.num_heads, max_len=config.max_len, causal=causal, key=k
+            embed.position,
+            dim=config.d_model,
+            heads=config.num_heads,
+            max_len=config.max_len,
+            causal=causal,
+            key=k,
+            d_head=config.head_size(config.attention),
         )
         kt, _ = jax.random.split(k)
         embed_norm = make_norm(norm.kind, config.d_model, norm.eps) if embed.norm else None

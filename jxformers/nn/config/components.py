@@ -148,8 +148,9 @@ class EmbeddingConfig:
         None,
         "positions: added to the embeddings (sinusoidal, scaled_sinusoidal: FLASH's sinusoids times a learned "
         "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), a logit bias (alibi, t5), "
-        "or relative score terms inside each attention (shaw: Shaw et al. 2018's clipped key and value "
-        "vectors) (None: none for the recurrent stacks, whose own are relative; sinusoidal otherwise)",
+        "or relative score terms inside each "
+        "attention (shaw: Shaw et al. 2018; transformer_xl: Dai et al. 2019's u, v and W_{k,R} R_{i-j}) "
+        "(None: none for the recurrent stacks, whose own are relative; sinusoidal otherwise)",
         choices=(*POSITION_KINDS, None),
     )
     relative_max_distance: int | None = setting(

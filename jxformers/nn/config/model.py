@@ -295,7 +295,7 @@ class ModelConfig:
             )
 
     def _check_relative(self):
-        """The positions computed with each attention's scores (shaw:
+        """The positions computed with each attention's scores (shaw, transformer_xl:
         `jxformers.nn.relative`) fit every block's attention and the stack."""
         position = self.embedding.position
         if position not in SCORE_KINDS or not isinstance(self.stack, TransformerStack):
@@ -308,6 +308,18 @@ class ModelConfig:
                 collaborative=attention.collaborative is not None, maps=stack.attention_maps != "none",
                 where=f"block {index}'s attention",
             )  # fmt: skip
+        sizes = sorted({self.head_size(self.layer(i).attention) for i in range(self._blocks())})
+        if position == "transformer_xl" and len(sizes) > 1:
+            raise ValueError(
+                f"position 'transformer_xl' shares u and v [heads, d_head] across the layers: every block needs "
+                f"one head size; got {sizes} (attention.d_head in stack.layer_overrides)"
+            )
+        if stack.filters and position == "transformer_xl":
+            raise ValueError(
+                f"position {position!r} with stack.filters {stack.filters}: refused, its W_{{k,R}} R_{{i-j}} is "
+                "projected once per integer distance of the grid; a shortened grid's distances are fractional and "
+                "span the input's length, which would need the sinusoid of every pair (O(n^2 d_model) memory)"
+            )
 
     def _check_stack(self):
         kind, stack = self.stack.kind, self.stack
