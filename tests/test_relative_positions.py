@@ -1,6 +1,6 @@
 """Relative positions computed with each attention's scores (issue 31, Lin et al. 2021's
-survey section 5.1): Shaw et al. 2018 and Transformer-XL's scheme (Dai et al. 2019)
-outside its stack.
+survey section 5.1): Shaw et al. 2018, Transformer-XL's scheme (Dai et al. 2019) outside
+its stack and DeBERTa's disentangled attention (He et al. 2021).
 
 Each is checked against a numpy reference written from its paper's formula (float64,
 loops over heads and pairs), with grouped-query heads (4 query heads, 2 key/value heads)
@@ -10,8 +10,10 @@ refusals.
 
 Mutations each reference test was seen to fail (by hand, once): Shaw's label j - i
 written i - j, and its value term dropped (`relative_values` not passed); Transformer-XL
-without u (q instead of q + u) and with the distance i - j reversed; the decoding step
-without Shaw's value term (its parity fails).
+without u (q instead of q + u) and with the distance i - j reversed; DeBERTa's
+position-to-content term read at δ(i, j) instead of δ(j, i), and scaled by 1/sqrt(d)
+instead of 1/sqrt(3d); the decoding step reading the cache's keys before this token's are
+written (DeBERTa's parity fails).
 """
 
 import math
@@ -140,7 +142,8 @@ def _txl_reference(attention, shared, x, positions, causal):
 def test_transformer_xl_terms_a_to_d_outside_its_stack(causal):
     # Keys after the query (an encoder) give negative distances i - j: the sinusoid takes them.
     attention, x = _attention("transformer_xl", causal=causal, key=2), _x(2)
-    shared = SharedTerms.make("transformer_xl", heads=HEADS, d_head=DH, key=jax.random.key(7))
+    shared = SharedTerms.make("transformer_xl", heads=HEADS, d_head=DH, d_model=D_MODEL, max_distance=0,
+                              key=jax.random.key(7))  # fmt: skip
     positions = np.arange(N, dtype=float)
     got = attention(x, bias=shared, positions=jnp.asarray(positions))
     assert_close(got, _txl_reference(attention, shared, x, positions, causal), atol=2e-5, rtol=1e-4)
@@ -149,13 +152,52 @@ def test_transformer_xl_terms_a_to_d_outside_its_stack(causal):
 def test_the_option_and_the_transformer_xl_stack_share_one_computation():
     # Causal, no memory: the stack's relative_attention on the same q, k, v, W_{k,R} R, u, v.
     attention, x = _attention("transformer_xl", causal=True, key=3), _x(3)
-    shared = SharedTerms.make("transformer_xl", heads=HEADS, d_head=DH, key=jax.random.key(8))
+    shared = SharedTerms.make("transformer_xl", heads=HEADS, d_head=DH, d_model=D_MODEL, max_distance=0,
+                              key=jax.random.key(8))  # fmt: skip
     heads = lambda proj, kv: proj(x).reshape(N, kv, DH)  # noqa: E731
     q = heads(attention.q_proj, HEADS)
     k, v = (jnp.repeat(heads(p, KV_HEADS), 2, axis=1) for p in (attention.k_proj, attention.v_proj))
     r = attention.relative.r_proj(relative_sinusoid(jnp.arange(N), D_MODEL)).reshape(N, HEADS, DH)
     core = relative_attention(q, k, v, r, shared.u, shared.v, mask=jnp.tril(jnp.ones((N, N), bool)))
     assert_close(attention(x, bias=shared), attention.o_proj(core.reshape(N, -1)), atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- DeBERTa
+
+
+def _delta(i, j, k):
+    """He et al. 2021 eq. 3's δ(i, j), case by case."""
+    if i - j <= -k:
+        return 0
+    if i - j >= k:
+        return 2 * k - 1
+    return i - j + k
+
+
+@pytest.mark.parametrize(("causal", "positions"), [(False, FRACTIONAL), (True, np.arange(N, dtype=float))])
+def test_deberta_is_eq_4_content_to_content_content_to_position_position_to_content(causal, positions):
+    # Ã_ij = Q^c_i K^c_j^T + Q^c_i K^r_δ(i,j)^T + K^c_j Q^r_δ(j,i)^T, H = softmax(Ã / sqrt(3d)) V^c,
+    # Q^r = P W_{q,r}, K^r = P W_{k,r}, P [2k, d_model] shared by the layers.
+    attention, x = _attention("deberta", causal=causal, key=4), _x(4)
+    shared = SharedTerms.make("deberta", heads=HEADS, d_head=DH, d_model=D_MODEL, max_distance=K,
+                              key=jax.random.key(9))  # fmt: skip
+    q, k, v = _projected(attention, _np(x))
+    table = _np(shared.table)
+    q_r = (table @ _np(attention.relative.pos_q.weight).T).reshape(2 * K, HEADS, DH)
+    k_r = (table @ _np(attention.relative.pos_k.weight).T).reshape(2 * K, HEADS, DH)
+    pos = np.round(positions).astype(int)  # the grid's distances, rounded
+    logits = np.zeros((HEADS, N, N))
+    for h in range(HEADS):
+        for i in range(N):
+            for j in range(N):
+                c2c = q[i, h] @ k[j, h]
+                c2p = q[i, h] @ k_r[_delta(pos[i], pos[j], K), h]
+                p2c = k[j, h] @ q_r[_delta(pos[j], pos[i], K), h]
+                logits[h, i, j] = (c2c + c2p + p2c) / math.sqrt(3 * DH)
+    p = _softmax(logits, causal)
+    want = _output(attention, np.einsum("hij,jhd->ihd", p, v))
+    got = attention(x, bias=shared, positions=jnp.asarray(positions, jnp.float32))
+    assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- models
@@ -169,6 +211,7 @@ SIZES = dict(vocab_size=VOCAB, num_layers=1, d_model=D_MODEL, num_heads=HEADS, k
     [
         {"position": "shaw", "relative_max_distance": 2},
         {"position": "transformer_xl"},
+        {"position": "deberta", "relative_max_distance": 3},
     ],
 )
 def test_language_models_decode_like_their_parallel_forward(embedding):
@@ -180,12 +223,12 @@ def test_language_models_decode_like_their_parallel_forward(embedding):
 
 def test_reversible_wiring_passes_the_shared_terms_gradient():
     # The reversible stack's own backward pass (which reconstructs activations) against
-    # plain autodiff of the same wiring: Transformer-XL's u and v, shared by the layers,
-    # come in as the bias and must get the same gradients.
+    # plain autodiff of the same wiring: DeBERTa's P, shared by the layers, comes in as the
+    # bias and must get the same gradient.
     from jxformers.nn.reversible import reversible_stack
 
     cfg = ModelConfig(task="lm", **SIZES | {"num_layers": 2}, stack={"reversible": True},
-                      embedding={"position": "transformer_xl"})  # fmt: skip
+                      embedding={"position": "deberta", "relative_max_distance": 3})  # fmt: skip
     model = build_model(cfg, key=jax.random.key(0))
     x, shared = jax.random.normal(jax.random.key(1), (9, D_MODEL)), model.embedding.positions.shared
 
@@ -198,13 +241,13 @@ def test_reversible_wiring_passes_the_shared_terms_gradient():
     ours, ref = both((model.blocks, x, shared))
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
         assert_close(a, b, atol=2e-5)
-    assert float(jnp.abs(ours[2].u).max()) > 0 and float(jnp.abs(ours[2].v).max()) > 0
+    assert float(jnp.abs(ours[2].table).max()) > 0
 
 
 def test_funnel_pooled_queries_meet_unpooled_keys_at_their_own_positions():
-    # Shaw's in a Funnel layer: pooled token j at 1 + 2j (CLS at 0), keys at 0..n.
+    # DeBERTa in a Funnel layer: pooled token j at 1 + 2j (CLS at 0), keys at 0..n.
     cfg = dict(SIZES, num_layers=2, stack={"filters": {1: 0.5}, "downsample": "funnel"},
-               embedding={"position": "shaw", "relative_max_distance": 3})  # fmt: skip
+               embedding={"position": "deberta", "relative_max_distance": 3})  # fmt: skip
     encoder = build_model(ModelConfig(task="classify", **cfg), key=jax.random.key(0)).encoder
     x = jax.random.randint(jax.random.key(2), (10,), 0, VOCAB)
 
@@ -233,9 +276,11 @@ def test_the_settings_reach_the_modules_from_yaml():
     terms = shaw.blocks[1].attention.relative
     assert terms.kind == "shaw" and terms.max_distance == 5 and terms.keys.shape == (11, 4)
     assert shaw.embedding.positions.shared is None and shaw.embedding.positions.embed(jnp.arange(3)) is None
-    config = _from_yaml("task: seq2seq\nembedding: {position: transformer_xl}\n")
+    config = _from_yaml("task: classify\nembedding: {position: deberta}\n")
     assert ModelConfig.from_dict(config.to_dict()) == config  # the YAML form keeps them
-    txl = build_model(config, key=jax.random.key(0))
+    deberta = build_model(config, key=jax.random.key(0))
+    assert deberta.encoder.embedding.positions.shared.table.shape == (48, 16)  # k = max_len: 2k rows
+    txl = build_model(_from_yaml("task: seq2seq\nembedding: {position: transformer_xl}\n"), key=jax.random.key(0))
     assert txl.decoder.blocks[0].attention.relative.r_proj is not None
     assert txl.decoder.blocks[0].cross_attention.relative is None  # no positions across sequences
     assert txl.encoder.embedding.positions.shared.u.shape == (4, 4)
@@ -246,19 +291,19 @@ def test_the_settings_reach_the_modules_from_yaml():
     [
         ({"embedding": {"position": "shaw"}, "attention": "linear"},
          r"position 'shaw' adds score terms .*block 0's attention 'linear' takes no logit bias; .*\['softmax'\]"),
-        ({"embedding": {"position": "shaw"}, "attention": "hard_gaussian"},
-         r"position 'shaw' .* 'hard_gaussian' never compares queries with keys"),
+        ({"embedding": {"position": "deberta"}, "attention": "hard_gaussian"},
+         r"position 'deberta' .* 'hard_gaussian' never compares queries with keys"),
         ({"embedding": {"position": "shaw"}, "attention": {"name": "softmax", "qk_norm": "layernorm"}},
          r"position 'shaw' reads each head's projected queries .*qk_norm='layernorm'"),
         ({"embedding": {"position": "transformer_xl"}, "attention": {"name": "softmax", "collaborative": 8}},
          r"position 'transformer_xl' works on each head's own queries .*collaborative"),
-        ({"embedding": {"position": "transformer_xl"}, "stack": {"attention_maps": "residual"}},
-         r"position 'transformer_xl' computes its terms inside each attention; the carried attention maps"),
+        ({"embedding": {"position": "deberta"}, "stack": {"attention_maps": "residual"}},
+         r"position 'deberta' computes its terms inside each attention; the carried attention maps"),
         ({"embedding": {"position": "transformer_xl"}, "task": "classify", "stack": {"filters": {0: 0.5}}},
          r"position 'transformer_xl' with stack.filters \{0: 0.5\}: refused, its W_\{k,R\} R_\{i-j\}"),
         ({"embedding": {"position": "shaw"}, "stack": "luna"}, r"stack 'luna' takes positions added .*got 'shaw'"),
         ({"embedding": {"position": "t5", "relative_max_distance": 4}},
-         r"relative_max_distance is k of position 'shaw'; got position='t5'"),
+         r"relative_max_distance is k of positions 'shaw' and 'deberta'; got position='t5'"),
         ({"embedding": {"position": "shaw", "relative_max_distance": 0}},
          r"embedding.relative_max_distance must be >= 1; got 0"),
         ({"embedding": {"position": "transformer_xl"}, "stack": {"layer_overrides": {1: {"attention": {"d_head": 8}}}}},
@@ -277,7 +322,7 @@ def test_module_refusals():
     with pytest.raises(ValueError, match=r"relative terms for 4 heads of 4; this attention has 2 heads of 8"):
         Attention("softmax", 16, 2, relative=relative, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"max_distance must be an int >= 1; got 0"):
-        RelativeTerms("shaw", d_model=16, heads=4, d_head=4, key=jax.random.key(0))
+        RelativeTerms("deberta", d_model=16, heads=4, d_head=4, key=jax.random.key(0))
     assert registry.get("softmax").takes_relative_values and not registry.get("hard_gaussian").takes_relative_values
     q = jnp.zeros((3, 2, 4))
     with pytest.raises(ValueError, match=r"relative_values is a\^V \[2k \+ 1, d_v\].*got shape \(4, 4\)"):

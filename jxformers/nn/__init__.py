@@ -10,8 +10,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
     positions.py  sinusoidal (and FLASH's scaled), learned, rotary (Rotary: RoPE, its context
                   scaling, xPos), ALiBi, T5 relative buckets
-    relative.py   relative score terms inside each attention: Shaw et al. 2018, Transformer-XL's
-                  (RelativeTerms per layer, SharedTerms per model)
+    relative.py   relative score terms inside each attention: Shaw et al. 2018, Transformer-XL's,
+                  DeBERTa's disentangled attention (RelativeTerms per layer, SharedTerms per model)
     blocks.py     Block (pre/post-norm residual branches)
     cross_layer.py  attention maps carried between blocks (RealFormer's residual scores,
                   LazyFormer's shared probabilities, Evolving Attention's convolved logits;

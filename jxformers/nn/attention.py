@@ -98,7 +98,7 @@ class Attention(eqx.Module):
             itself is averaged (one head of width d_model, no projections), then the FFN
             and the gating layer; None: the plain attention.
         relative: this layer's part of a relative position scheme (`jxformers.nn.relative`:
-            Shaw et al.'s, Transformer-XL's score terms),
+            Shaw et al., Transformer-XL's, DeBERTa's score terms),
             for a self-attention whose core takes a bias and compares q with k
             (`check_relative`); its shared part comes as `bias` (`SharedTerms`). The terms
             add O(heads * seq * kv) memory.
@@ -298,7 +298,7 @@ class Attention(eqx.Module):
         terms: `given` is the shared part (`SharedTerms`) or None."""
         assert self.relative is not None
         shared = given if isinstance(given, SharedTerms) else None
-        if shared is None and self.relative.kind == "transformer_xl":
+        if shared is None and self.relative.kind in ("transformer_xl", "deberta"):
             raise ValueError(
                 f"relative position {self.relative.kind!r} needs its shared terms (the model's Positions.shared) "
                 f"as the bias; got {type(given).__name__}"
@@ -327,7 +327,8 @@ class Attention(eqx.Module):
             context: `[ctx, d_model]` keys/values for cross-attention.
             kv_mask: `[kv]` True for real keys (padding mask).
             bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5), or the shared
-                part of this module's relative terms (`SharedTerms`: Transformer-XL's u, v).
+                part of this module's relative terms (`SharedTerms`: Transformer-XL's u, v;
+                DeBERTa's P).
             positions, context_positions: token positions for rotary embeddings and
                 relative terms (default 0..n-1; fractional ones allowed).
             key, inference: the training noise of a core that draws some

@@ -13,10 +13,10 @@ Modeling by Removing Sequence Redundancy with FFT Operator", arXiv 2305.15099, s
 the paper's amplitude, or "fourier_rescaled") keeps ceil(r L) of L real tokens, and
 {0: 0.2} is the paper's LRA setting; Funnel (Dai et al. 2020) mean-pools with stride
 1/r, and block i attends from the pooled queries to the unpooled keys and values. After
-a filter, relative positions (RoPE, ALiBi, T5, Shaw's) are those of the shortened grid
-(token j at j L / M). For encoder-decoder use (`upsample_sum`), the output of every
-block (the run of layers between two filters) is upsampled back to the input length
-(nearest neighbour), summed and renormalised, as the paper does.
+a filter, relative positions (RoPE, ALiBi, T5, Shaw's, DeBERTa's) are those of the
+shortened grid (token j at j L / M). For encoder-decoder use (`upsample_sum`), the output of every block (the
+run of layers between two filters) is upsampled back to the input length (nearest
+neighbour), summed and renormalised, as the paper does.
 
 Parameters are float32; activations run in the model's `dtype` (e.g. bfloat16); norms,
 softmax and attention normalisers work in float32; logits come back in float32.
@@ -203,7 +203,7 @@ class Encoder(eqx.Module):
       continues pooled. Block i's attention module must therefore take separate keys and
       values (built with `cross=True`; `build_model` does this).
 
-    Relative positions (RoPE, ALiBi, T5, Shaw's) follow the shortened grid:
+    Relative positions (RoPE, ALiBi, T5, Shaw's, DeBERTa's) follow the shortened grid:
     after a filter that turns L real tokens into M, token j sits at position j L / M of
     the sequence before it (stride s for Funnel), so the distances between tokens keep
     their meaning (the bucketed ones round them); absolute positions are added once to

@@ -11,8 +11,8 @@ section 5.1), one module per model:
   position (causal models only);
 * "alibi" (Press et al.) and "t5" (Raffel et al. relative buckets): an additive bias on
   the attention logits, for attentions that take a bias (softmax);
-* "shaw" (Shaw et al. 2018), "transformer_xl" (Dai et al. 2019): relative score terms
-  each attention computes from its own queries,
+* "shaw" (Shaw et al. 2018), "transformer_xl" (Dai et al. 2019), "deberta" (He et al.
+  2021): relative score terms each attention computes from its own queries (and keys),
   `jxformers.nn.relative`; what their layers share (`SharedTerms`) lives here;
 * "none".
 """
@@ -253,10 +253,10 @@ class Positions(eqx.Module):
     Fields: `kind` (one of POSITION_KINDS), `table` (learned embeddings `[max_len,
     d_model]` or T5's bucket table `[num_buckets, heads]`), `gain` ("scaled_sinusoidal"'s
     learned scalar g: PE[p] g), `shared` (what the layers of a relative kind share:
-    Transformer-XL's u and v), `causal`. "xpos" needs `causal` (see `Rotary`).
+    Transformer-XL's u and v, DeBERTa's P), `causal`. "xpos" needs `causal` (see `Rotary`).
 
     Arguments beyond the fields' own: `d_head` (the attentions' head size: Transformer-XL's
-    u and v; default dim // heads).
+    u and v; default dim // heads), `max_distance` (k of "deberta"'s 2k buckets).
     """
 
     kind: str = eqx.field(static=True)
@@ -277,6 +277,7 @@ class Positions(eqx.Module):
         causal: bool,
         key: PRNGKeyArray,
         d_head: int | None = None,
+        max_distance: int = 0,
     ):
         if kind not in POSITION_KINDS:
             raise ValueError(f"position must be one of {POSITION_KINDS}; got {kind!r}")
@@ -293,7 +294,12 @@ class Positions(eqx.Module):
         else:
             self.table = None
         self.gain = scaled_sinusoidal_gain(dim) if kind == "scaled_sinusoidal" else None
-        self.shared = SharedTerms.make(kind, heads=heads, d_head=dim // heads if d_head is None else d_head, key=key)
+        if kind == "deberta" and max_distance < 1:
+            raise ValueError(f"position 'deberta' needs max_distance k >= 1 (its 2k buckets); got {max_distance}")
+        self.shared = SharedTerms.make(
+            kind, heads=heads, d_head=dim // heads if d_head is None else d_head, d_model=dim,
+            max_distance=max_distance, key=key,
+        )  # fmt: skip
 
     @property
     def rope(self) -> bool:

@@ -13,22 +13,29 @@ own queries (and keys) and the distance j - i, added to the content logits q_i k
   distance, W_{k,R} per layer, u and v per head shared by every layer (as the
   `transformer_xl` stack, `jxformers.nn.transformer_xl`, whose math this is:
   `relative_sinusoid` and `distance_term` serve both).
+* "deberta": He, Liu, Gao & Chen 2021, "DeBERTa: Decoding-enhanced BERT with Disentangled
+  Attention", eq. 4: A_ij = Q^c_i K^c_j^T + Q^c_i K^r_{δ(i,j)}^T + K^c_j Q^r_{δ(j,i)}^T
+  over sqrt(3d) (content-to-content, content-to-position, position-to-content),
+  δ(i, j) = clip(i - j + k, 0, 2k - 1), Q^r = P W_{q,r} and K^r = P W_{k,r} with P
+  `[2k, d_model]` shared by every layer and W_{q,r}, W_{k,r} per layer. DeBERTa v1's
+  linear buckets; v2's log buckets are not built.
 
 How they reach the attention core: each term is a logit bias `[heads, q, kv]` (the
-core's `bias`, after its 1/sqrt(d_k)), Transformer-XL's u is added to the queries, and
+core's `bias`, after its 1/sqrt(d_k)), the scale of the content logits is folded into the
+queries (DeBERTa 1/sqrt(3); Transformer-XL's u is added to them), and
 Shaw's value term, which changes the output and not the scores, is the core's
 `relative_values` argument (a^V; `jxformers.ops.softmax_attention` adds each row's
 probability mass per clipped distance times a^V). So an attention that takes them must
 take a bias and compare queries with keys (`check_relative`; softmax today), Shaw's also
-`relative_values`. What the layers share (Transformer-XL's u and v) is a
+`relative_values`. What the layers share (Transformer-XL's u and v, DeBERTa's P) is a
 `SharedTerms` held by the model's `Positions`, handed to the blocks where an array bias
 would go; `RelativeTerms` is one attention's own part.
 
 Memory: every term is a dense `[heads, q, kv]` array beside the attention's own logits,
 O(h n^2) (so no flash kernel: a dense bias rules it out); the per-distance tables before
-the gather are O(h n k) (Shaw: 2k + 1 labels) and O(h n (n + kv)) for
+the gather are O(h n k) (Shaw, DeBERTa: 2k + 1 or 2k labels) and O(h n (n + kv)) for
 Transformer-XL (every distance of the grid). Decoding (causal, against a key/value cache)
-costs O(slots * d) per step for Shaw, and O(slots * d_model * d) for
+costs O(slots * d) per step for Shaw and DeBERTa, and O(slots * d_model * d) for
 Transformer-XL, whose W_{k,R} R_t is projected for every distance of the cache at each
 step (as its own stack does for its memory).
 """
@@ -46,8 +53,10 @@ from jxformers import registry
 from jxformers.nn.layers import Linear
 
 # The kinds whose terms each attention computes from its own q (and k) and parameters.
-RELATIVE_KINDS = ("shaw", "transformer_xl")
+RELATIVE_KINDS = ("shaw", "transformer_xl", "deberta")
 SCORE_KINDS = RELATIVE_KINDS
+# The content logits q k^T / sqrt(d) are divided further by sqrt of this (DeBERTa's 1/sqrt(3d)).
+_CONTENT_DIVISOR = {"shaw": 1, "transformer_xl": 1, "deberta": 3}
 # Shaw's k where the config leaves it unset: the clipping distance of the paper's experiments.
 SHAW_MAX_DISTANCE = 16
 
@@ -84,17 +93,23 @@ def _distances(q_pos: Real[Array, " n"], k_pos: Real[Array, " m"]) -> Int[Array,
     return jnp.round(q_pos[:, None] - k_pos[None, :]).astype(jnp.int32)
 
 
+def _per_head(k: Float[Array, "m kv_heads d"], heads: int) -> Float[Array, "m heads d"]:
+    """Keys of the kv heads repeated for each query head of their group (grouped-query)."""
+    return jnp.repeat(k, heads // k.shape[1], axis=1)
+
+
 class SharedTerms(eqx.Module):
     """The relative terms' parameters every layer shares, held by the model's `Positions`
     and passed to each attention where a logit bias would go (`Attention.apply`'s `bias`,
     `decode_step`'s `bias_fn`). Transformer-XL: `u`, `v` `[heads, d_head]` (the global
-    content and position biases)."""
+    content and position biases); DeBERTa: `table`, P `[2k, d_model]`."""
 
     u: Float[Array, "heads d_head"] | None = None
     v: Float[Array, "heads d_head"] | None = None
+    table: Float[Array, "labels d_model"] | None = None
 
     @staticmethod
-    def make(kind: str, *, heads: int, d_head: int, key: PRNGKeyArray):
+    def make(kind: str, *, heads: int, d_head: int, d_model: int, max_distance: int, key: PRNGKeyArray):
         """The shared part of `kind` (None for Shaw, which shares nothing),
         each array ~ N(0, 0.02^2)."""
         ku, kv = jax.random.split(key)
@@ -102,6 +117,8 @@ class SharedTerms(eqx.Module):
             return SharedTerms(
                 u=0.02 * jax.random.normal(ku, (heads, d_head)), v=0.02 * jax.random.normal(kv, (heads, d_head))
             )
+        if kind == "deberta":
+            return SharedTerms(table=0.02 * jax.random.normal(key, (2 * max_distance, d_model)))
         return None
 
 
@@ -157,12 +174,13 @@ class RelativeTerms(eqx.Module):
 
     Fields (None where the kind has none): Shaw's `keys` a^K and `values` a^V
     `[2k + 1, d_head]` (~ N(0, 0.02^2)); Transformer-XL's `r_proj` W_{k,R} (d_model ->
-    heads * d_head). `max_distance` k: Shaw's clip.
+    heads * d_head); DeBERTa's `pos_q` W_{q,r} and `pos_k` W_{k,r} (d_model -> heads *
+    d_head). `max_distance` k: Shaw's clip, DeBERTa's 2k buckets.
 
     Shapes: `q [n, heads, d]`, `k [m, kv_heads, d]`, positions `[n]` and `[m]`
     (fractional ones rounded to integer distances); `bias(...) -> [heads, n, m]`, already
     over the core's sqrt(d), and O(h n m) memory. Causal or not: the terms are defined for
-    every distance (Transformer-XL's for negative ones too: an encoder's keys
+    every distance (Transformer-XL's and DeBERTa's for negative ones too: an encoder's keys
     after the query), and the causal mask is the core's.
     """
 
@@ -173,29 +191,37 @@ class RelativeTerms(eqx.Module):
     keys: Float[Array, "labels d_head"] | None
     values: Float[Array, "labels d_head"] | None
     r_proj: Linear | None
+    pos_q: Linear | None
+    pos_k: Linear | None
 
     def __init__(self, kind: str, *, d_model: int, heads: int, d_head: int, max_distance: int = 0, key: PRNGKeyArray):
         if kind not in SCORE_KINDS:
             raise ValueError(f"relative position kind must be one of {SCORE_KINDS}; got {kind!r}")
-        if kind == "shaw" and (isinstance(max_distance, bool) or max_distance < 1):
+        if kind in ("shaw", "deberta") and (isinstance(max_distance, bool) or max_distance < 1):
             raise ValueError(
                 f"position {kind!r} clips distances at k: max_distance must be an int >= 1; got {max_distance}"
             )
         self.kind, self.heads, self.d_head, self.max_distance = kind, heads, d_head, max_distance
-        self.keys = self.values = self.r_proj = None
+        self.keys = self.values = self.r_proj = self.pos_q = self.pos_k = None
         k1, k2 = jax.random.split(key)
         if kind == "shaw":
             self.keys = 0.02 * jax.random.normal(k1, (2 * max_distance + 1, d_head))
             self.values = 0.02 * jax.random.normal(k2, (2 * max_distance + 1, d_head))
         elif kind == "transformer_xl":
             self.r_proj = Linear(d_model, heads * d_head, use_bias=False, key=k1)
+        elif kind == "deberta":
+            self.pos_q = Linear(d_model, heads * d_head, use_bias=False, key=k1)
+            self.pos_k = Linear(d_model, heads * d_head, use_bias=False, key=k2)
 
     def queries(self, q: Float[Array, "n heads d"], shared: SharedTerms | None) -> Float[Array, "n heads d"]:
-        """The core's queries: Transformer-XL's q + u (terms (a) + (c)); Shaw's as they are."""
+        """The core's queries: the content logits' scale folded in (DeBERTa 1/sqrt(3):
+        the core's 1/sqrt(d) then gives 1/sqrt(3d)), or
+        Transformer-XL's q + u (terms (a) + (c))."""
         if self.kind == "transformer_xl":
             assert shared is not None and shared.u is not None
             return (q.astype(jnp.float32) + shared.u[None]).astype(q.dtype)
-        return q
+        divisor = _CONTENT_DIVISOR[self.kind]
+        return q if divisor == 1 else (q.astype(jnp.float32) / math.sqrt(divisor)).astype(q.dtype)
 
     def bias(
         self,
@@ -222,6 +248,22 @@ class RelativeTerms(eqx.Module):
             r = self.r_proj(relative_sinusoid(span, d_model)).reshape(span.shape[0], self.heads, d)
             index = jnp.clip(_distances(q_pos, k_pos) - low, 0, span.shape[0] - 1)
             return distance_term(q.astype(jnp.float32) + shared.v[None], r, index) / math.sqrt(d)
+        if self.kind == "deberta":  # (Q^c_i K^r_δ(i,j) + K^c_j Q^r_δ(j,i)) / sqrt(3d)
+            assert shared is not None and shared.table is not None
+            assert self.pos_q is not None and self.pos_k is not None
+            buckets = 2 * self.max_distance
+            rows = shared.table.shape[0]
+            if rows != buckets:
+                raise ValueError(f"deberta's P has {rows} rows; this layer's k = {self.max_distance} needs {buckets}")
+            q_r = self.pos_q(shared.table).reshape(buckets, self.heads, d)
+            k_r = self.pos_k(shared.table).reshape(buckets, self.heads, d)
+            delta = jnp.clip(_distances(q_pos, k_pos) + self.max_distance, 0, buckets - 1)  # δ(i, j) [n, m]
+            delta_t = jnp.clip(_distances(k_pos, q_pos) + self.max_distance, 0, buckets - 1)  # δ(j, i) [m, n]
+            f32 = jnp.float32
+            c2p = gather_labels(jnp.einsum("nhd,rhd->hnr", q.astype(f32), k_r), delta)
+            keys = _per_head(k, self.heads).astype(f32)
+            p2c = jnp.swapaxes(gather_labels(jnp.einsum("mhd,rhd->hmr", keys, q_r), delta_t), 1, 2)
+            return (c2p + p2c) / math.sqrt(3 * d)
         return None
 
     def arrays(self, q_pos: Real[Array, " n"], k_pos: Real[Array, " m"]) -> dict[str, Array]:

@@ -254,6 +254,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             causal=causal,
             key=k,
             d_head=config.head_size(config.attention),
+            max_distance=embed.max_distance(config.max_len),
         )
         kt, _ = jax.random.split(k)
         embed_norm = make_norm(norm.kind, config.d_model, norm.eps) if embed.norm else None

@@ -142,20 +142,23 @@ HEAD_OPTIONS = ("collaborative", "disagreement", "disagreement_weight", "head_ag
 class EmbeddingConfig:
     """Token embeddings and positions. The rope_* and xpos_* settings configure the
     rotary kinds (`jxformers.nn.positions.Rotary`, which `rotary()` builds from them),
-    relative_max_distance Shaw's clip; each is refused with any other position."""
+    relative_max_distance the clipped ones (shaw, deberta); each is refused with any
+    other position."""
 
     position: str | None = setting(
         None,
         "positions: added to the embeddings (sinusoidal, scaled_sinusoidal: FLASH's sinusoids times a learned "
         "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), a logit bias (alibi, t5), "
         "or relative score terms inside each "
-        "attention (shaw: Shaw et al. 2018; transformer_xl: Dai et al. 2019's u, v and W_{k,R} R_{i-j}) "
-        "(None: none for the recurrent stacks, whose own are relative; sinusoidal otherwise)",
+        "attention (shaw: Shaw et al. 2018; transformer_xl: Dai et al. 2019's u, v and W_{k,R} R_{i-j}; "
+        "deberta: He et al. 2021's disentangled attention) (None: none for the recurrent stacks, whose own are "
+        "relative; sinusoidal otherwise)",
         choices=(*POSITION_KINDS, None),
     )
     relative_max_distance: int | None = setting(
         None,
-        f"k of shaw (distances j - i clipped to [-k, k]; None: {SHAW_MAX_DISTANCE}, the paper's)",
+        f"k of shaw (distances j - i clipped to [-k, k]; None: {SHAW_MAX_DISTANCE}, the paper's) and deberta "
+        "(δ(i, j) = clip(i - j + k, 0, 2k - 1); None: max_len, every distance of a sequence its own bucket)",
         limits=1,
     )
     rope_base: float = setting(
@@ -207,8 +210,11 @@ class EmbeddingConfig:
                 f"embedding.position={self.position!r} takes {list(wanted)} of the rotary settings; "
                 f"got {foreign} (rope_scaling and rope_factor stretch rope; xpos_* configure xpos)"
             )
-        if self.relative_max_distance is not None and self.position != "shaw":
-            raise ValueError(f"embedding.relative_max_distance is k of position 'shaw'; got position={self.position!r}")
+        if self.relative_max_distance is not None and self.position not in ("shaw", "deberta"):
+            raise ValueError(
+                f"embedding.relative_max_distance is k of positions 'shaw' and 'deberta'; got position="
+                f"{self.position!r}"
+            )
         if (self.rope_scaling == "none") != (self.rope_factor == 1):
             raise ValueError(
                 f"embedding.rope_factor s > 1 goes with rope_scaling one of {list(ROPE_SCALINGS[1:])}, and "
@@ -217,9 +223,11 @@ class EmbeddingConfig:
             )
 
     def max_distance(self, max_len: int) -> int:
-        """k of the clipped relative kinds (0 for the others): Shaw's clip."""
+        """k of the clipped relative kinds (0 for the others): Shaw's clip, DeBERTa's 2k buckets."""
         if self.position == "shaw":
             return self.relative_max_distance or SHAW_MAX_DISTANCE
+        if self.position == "deberta":
+            return self.relative_max_distance or max_len
         return 0
 
     def rotary(self) -> Rotary | None:

@@ -295,8 +295,8 @@ class ModelConfig:
             )
 
     def _check_relative(self):
-        """The positions computed with each attention's scores (shaw, transformer_xl:
-        `jxformers.nn.relative`) fit every block's attention and the stack."""
+        """The positions computed with each attention's scores (shaw, transformer_xl,
+        deberta: `jxformers.nn.relative`) fit every block's attention and the stack."""
         position = self.embedding.position
         if position not in SCORE_KINDS or not isinstance(self.stack, TransformerStack):
             return  # other stacks refuse them (_check_stack)
