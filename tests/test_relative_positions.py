@@ -1,6 +1,6 @@
 """Relative positions computed with each attention's scores (issue 31, Lin et al. 2021's
 survey section 5.1): Shaw et al. 2018, Transformer-XL's scheme (Dai et al. 2019) outside
-its stack and DeBERTa's disentangled attention (He et al. 2021).
+its stack, DeBERTa's disentangled attention (He et al. 2021) and TUPE (Ke et al. 2021).
 
 Each is checked against a numpy reference written from its paper's formula (float64,
 loops over heads and pairs), with grouped-query heads (4 query heads, 2 key/value heads)
@@ -12,8 +12,9 @@ Mutations each reference test was seen to fail (by hand, once): Shaw's label j -
 written i - j, and its value term dropped (`relative_values` not passed); Transformer-XL
 without u (q instead of q + u) and with the distance i - j reversed; DeBERTa's
 position-to-content term read at δ(i, j) instead of δ(j, i), and scaled by 1/sqrt(d)
-instead of 1/sqrt(3d); the decoding step reading the cache's keys before this token's are
-written (DeBERTa's parity fails).
+instead of 1/sqrt(3d); TUPE without the content scale 1/sqrt(2), and with the [CLS]
+column reset after its row (θ2 on CLS-to-CLS); the decoding step reading the cache's keys
+before this token's are written (DeBERTa's parity fails).
 """
 
 import math
@@ -27,7 +28,7 @@ from conftest import assert_close, plain_reversible
 from suites import decode_all, forward
 
 from jxformers import ModelConfig, build_model, ops, registry
-from jxformers.nn import Attention
+from jxformers.nn import Attention, Positions
 from jxformers.nn.relative import RelativeTerms, SharedTerms, relative_sinusoid
 from jxformers.nn.transformer_xl import relative_attention
 
@@ -200,6 +201,57 @@ def test_deberta_is_eq_4_content_to_content_content_to_position_position_to_cont
     assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+# ----------------------------------------------------------------------------- TUPE
+
+
+def _t5_bucket(relative, bidirectional, num_buckets=32, max_distance=128):
+    """Raffel et al. 2020's bucket of key - query (T5's _relative_position_bucket)."""
+    n, ret = -relative, 0
+    if bidirectional:
+        num_buckets //= 2
+        ret += num_buckets if n < 0 else 0
+        n = abs(n)
+    else:
+        n = max(n, 0)
+    exact = num_buckets // 2
+    if n < exact:
+        return ret + n
+    large = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    return ret + min(large, num_buckets - 1)
+
+
+@pytest.mark.parametrize(("relative", "cls"), [(False, 0), (True, 0), (False, None)])
+def test_tupe_unties_content_and_positions_and_resets_the_cls_token(relative, cls):
+    # α_ij = (x_i W^Q)(x_j W^K)^T / sqrt(2d) + reset_θ((p_i U^Q)(p_j U^K)^T / sqrt(2d) [+ b_{j-i}], i, j)
+    # (eq. 10-11); reset_θ: θ1 on the CLS row, θ2 on the CLS column (eq. 9).
+    positions = Positions("tupe", dim=D_MODEL, heads=HEADS, max_len=16, causal=False, key=jax.random.key(5),
+                          cls_position=cls, tupe_relative=relative)  # fmt: skip
+    theta = jnp.array([[0.7, -0.3, 0.1, 1.2], [-0.9, 0.4, 0.8, -0.2]])  # distinct: a wrong order shows
+    positions = eqx.tree_at(lambda m: m.untied.theta, positions, theta)
+    attention, x = _attention("tupe", causal=False, key=5), _x(5)
+    untied = positions.untied
+    p = _np(untied.table)[:N]
+    pq = (p @ _np(untied.u_q.weight).T).reshape(N, HEADS, DH)
+    pk = (p @ _np(untied.u_k.weight).T).reshape(N, HEADS, DH)
+    q, k, v = _projected(attention, _np(x))
+    logits = np.zeros((HEADS, N, N))
+    for h in range(HEADS):
+        for i in range(N):
+            for j in range(N):
+                position = pq[i, h] @ pk[j, h] / math.sqrt(2 * DH)
+                if relative:
+                    position += _np(untied.relative)[_t5_bucket(j - i, bidirectional=True), h]
+                if cls is not None and i == cls:
+                    position = float(theta[0, h])
+                elif cls is not None and j == cls:
+                    position = float(theta[1, h])
+                logits[h, i, j] = q[i, h] @ k[j, h] / math.sqrt(2 * DH) + position
+    want = _output(attention, np.einsum("hij,jhd->ihd", _softmax(logits, False), v))
+    got = attention(x, bias=positions.grid_bias(N))
+    assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert positions.embed(jnp.arange(N)) is None  # untied: nothing added to the tokens
+
+
 # ----------------------------------------------------------------------------- models
 
 
@@ -212,6 +264,7 @@ SIZES = dict(vocab_size=VOCAB, num_layers=1, d_model=D_MODEL, num_heads=HEADS, k
         {"position": "shaw", "relative_max_distance": 2},
         {"position": "transformer_xl"},
         {"position": "deberta", "relative_max_distance": 3},
+        {"position": "tupe", "tupe_relative": True},
     ],
 )
 def test_language_models_decode_like_their_parallel_forward(embedding):
@@ -284,6 +337,20 @@ def test_the_settings_reach_the_modules_from_yaml():
     assert txl.decoder.blocks[0].attention.relative.r_proj is not None
     assert txl.decoder.blocks[0].cross_attention.relative is None  # no positions across sequences
     assert txl.encoder.embedding.positions.shared.u.shape == (4, 4)
+    tupe = build_model(
+        _from_yaml("task: classify\nembedding: {position: tupe, tupe_relative: true}\n"), key=jax.random.key(0)
+    )
+    untied = tupe.encoder.embedding.positions.untied
+    assert untied.cls_position == 0 and untied.relative is not None
+    assert tupe.encoder.blocks[0].attention.relative.kind == "tupe"
+
+    def loss(model, x):
+        return jnp.sum(jnp.square(model(x)))
+
+    # θ is learned: its gradient reaches it through the CLS token's row and column.
+    x = jax.random.randint(jax.random.key(3), (8,), 0, 13)
+    untied = eqx.filter_jit(eqx.filter_grad(loss))(tupe, x).encoder.embedding.positions.untied
+    assert float(jnp.abs(untied.theta).max()) > 0 and float(jnp.abs(untied.u_q.weight).max()) > 0
 
 
 @pytest.mark.parametrize(
@@ -293,6 +360,8 @@ def test_the_settings_reach_the_modules_from_yaml():
          r"position 'shaw' adds score terms .*block 0's attention 'linear' takes no logit bias; .*\['softmax'\]"),
         ({"embedding": {"position": "deberta"}, "attention": "hard_gaussian"},
          r"position 'deberta' .* 'hard_gaussian' never compares queries with keys"),
+        ({"embedding": {"position": "tupe"}, "attention": "linear"},
+         r"position 'tupe' adds score terms .*'linear' takes no logit bias"),
         ({"embedding": {"position": "shaw"}, "attention": {"name": "softmax", "qk_norm": "layernorm"}},
          r"position 'shaw' reads each head's projected queries .*qk_norm='layernorm'"),
         ({"embedding": {"position": "transformer_xl"}, "attention": {"name": "softmax", "collaborative": 8}},
@@ -301,11 +370,15 @@ def test_the_settings_reach_the_modules_from_yaml():
          r"position 'deberta' computes its terms inside each attention; the carried attention maps"),
         ({"embedding": {"position": "transformer_xl"}, "task": "classify", "stack": {"filters": {0: 0.5}}},
          r"position 'transformer_xl' with stack.filters \{0: 0.5\}: refused, its W_\{k,R\} R_\{i-j\}"),
+        ({"embedding": {"position": "tupe"}, "task": "classify",
+          "stack": {"filters": {1: 0.5}, "downsample": "funnel"}},
+         r"position 'tupe' with stack.filters \{1: 0.5\}: refused, .*absolute embedding p_i"),
         ({"embedding": {"position": "shaw"}, "stack": "luna"}, r"stack 'luna' takes positions added .*got 'shaw'"),
         ({"embedding": {"position": "t5", "relative_max_distance": 4}},
          r"relative_max_distance is k of positions 'shaw' and 'deberta'; got position='t5'"),
         ({"embedding": {"position": "shaw", "relative_max_distance": 0}},
          r"embedding.relative_max_distance must be >= 1; got 0"),
+        ({"embedding": {"position": "alibi", "tupe_relative": True}}, r"tupe_relative is TUPE-R: .*got 'alibi'"),
         ({"embedding": {"position": "transformer_xl"}, "stack": {"layer_overrides": {1: {"attention": {"d_head": 8}}}}},
          r"shares u and v .*one head size; got \[4, 8\]"),
     ],

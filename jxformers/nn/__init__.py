@@ -9,7 +9,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     moe.py        MoE (token-choice / expert-choice routers, capacity and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
     positions.py  sinusoidal (and FLASH's scaled), learned, rotary (Rotary: RoPE, its context
-                  scaling, xPos), ALiBi, T5 relative buckets
+                  scaling, xPos), ALiBi, T5 relative buckets, TUPE's untied positional correlation
     relative.py   relative score terms inside each attention: Shaw et al. 2018, Transformer-XL's,
                   DeBERTa's disentangled attention (RelativeTerms per layer, SharedTerms per model)
     blocks.py     Block (pre/post-norm residual branches)

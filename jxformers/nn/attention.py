@@ -98,10 +98,10 @@ class Attention(eqx.Module):
             itself is averaged (one head of width d_model, no projections), then the FFN
             and the gating layer; None: the plain attention.
         relative: this layer's part of a relative position scheme (`jxformers.nn.relative`:
-            Shaw et al., Transformer-XL's, DeBERTa's score terms),
+            Shaw et al., Transformer-XL's, DeBERTa's score terms, TUPE's content scale),
             for a self-attention whose core takes a bias and compares q with k
-            (`check_relative`); its shared part comes as `bias` (`SharedTerms`). The terms
-            add O(heads * seq * kv) memory.
+            (`check_relative`); its shared part comes as `bias` (`SharedTerms`; TUPE: an
+            array). The terms add O(heads * seq * kv) memory.
         key: PRNG key for the projections and the core's arrays.
 
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
@@ -295,7 +295,7 @@ class Attention(eqx.Module):
 
     def _relative(self, q, k, q_pos, k_pos, given):
         """(the core's queries, its bias, its extra arrays) under this module's relative
-        terms: `given` is the shared part (`SharedTerms`) or None."""
+        terms: `given` is the shared part (`SharedTerms`) or, for TUPE, the array bias."""
         assert self.relative is not None
         shared = given if isinstance(given, SharedTerms) else None
         if shared is None and self.relative.kind in ("transformer_xl", "deberta"):
@@ -304,6 +304,8 @@ class Attention(eqx.Module):
                 f"as the bias; got {type(given).__name__}"
             )
         bias = self.relative.bias(q, k, q_pos, k_pos, shared)
+        if bias is None:  # TUPE: the positional correlation comes whole
+            bias = None if isinstance(given, SharedTerms) else given
         return self.relative.queries(q, shared), bias, self.relative.arrays(q_pos, k_pos)
 
     def __call__(self, x, context=None, **kwargs) -> Float[Array, "seq d_model"]:
@@ -326,7 +328,7 @@ class Attention(eqx.Module):
             x: `[seq, d_model]` queries (and keys/values for self-attention).
             context: `[ctx, d_model]` keys/values for cross-attention.
             kv_mask: `[kv]` True for real keys (padding mask).
-            bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5), or the shared
+            bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5, TUPE), or the shared
                 part of this module's relative terms (`SharedTerms`: Transformer-XL's u, v;
                 DeBERTa's P).
             positions, context_positions: token positions for rotary embeddings and
@@ -424,7 +426,7 @@ class Attention(eqx.Module):
     ) -> tuple[Float[Array, " d_model"], decoding.State]:
         """One token through causal self-attention: `x [d_model]` at position
         `state.length`; returns the output `[d_model]` and the new state. `bias_fn`: the
-        position bias of the step's row from the positions (ALiBi, T5), or the
+        position bias of the step's row from the positions (ALiBi, T5, TUPE), or the
         shared part of this module's relative terms."""
         with jax.named_scope(self.name):
             if self.aan is not None:  # the running sum of x (eq. 6 of Zhang et al.), FFN, gate
@@ -454,6 +456,8 @@ class Attention(eqx.Module):
                 f"relative position {self.relative.kind!r} decodes against a key/value cache; {self.name!r} keeps a "
                 f"{type(state).__name__}"
             )
+        if self.relative.kind == "tupe":  # its bias depends on the positions alone
+            return self.relative.queries(q, None), given, {}
         shared = given if isinstance(given, SharedTerms) else None
         keys = decoding.cache_append(state, k[0], v[0]).k
 
@@ -516,11 +520,21 @@ class Attention(eqx.Module):
             if self.rope is not None:
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
                 q, k = self.rope.queries(q, positions), self.rope.keys(k, positions)
+            q = self._map_queries(q)
             prev = None if role == "lazy" else maps
             out, scores, probs = cross_layer.map_attention(
                 q, k, v, prev=prev, kv_mask=kv_mask, bias=bias, causal=self.causal, combine=combine
             )
             return self._out(out, x), probs if role == "lazy" else scores
+
+    def _map_queries(self, q):
+        """The queries of a layer that carries maps: TUPE's content scale (its bias comes
+        as an array); the relative terms computed inside are refused (`check_relative`)."""
+        if self.relative is None:
+            return q
+        if self.relative.kind != "tupe":
+            raise ValueError(f"relative position {self.relative.kind!r} cannot carry attention maps (check_relative)")
+        return self.relative.queries(q, None)
 
     def decode_step_maps(
         self,
@@ -547,7 +561,8 @@ class Attention(eqx.Module):
             if self.rope is not None:
                 pos = state.length[None]
                 q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
-            assert not isinstance(bias_fn, SharedTerms)  # relative terms carry no maps (check_relative)
+            q = self._map_queries(q)  # refuses the kinds whose shared terms come as bias_fn
+            assert not isinstance(bias_fn, SharedTerms)
             state = decoding.cache_append(state, k[0], v[0])
             bias = None if bias_fn is None else bias_fn(state.length[None] - 1, jnp.maximum(state.slot_pos, 0))
             prev = maps if role == "residual" else None

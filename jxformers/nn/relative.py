@@ -19,10 +19,14 @@ own queries (and keys) and the distance j - i, added to the content logits q_i k
   δ(i, j) = clip(i - j + k, 0, 2k - 1), Q^r = P W_{q,r} and K^r = P W_{k,r} with P
   `[2k, d_model]` shared by every layer and W_{q,r}, W_{k,r} per layer. DeBERTa v1's
   linear buckets; v2's log buckets are not built.
+* "tupe": Ke, He & Liu 2021, "Rethinking Positional Encoding in Language Pre-training":
+  the positional correlation is a bias computed once per forward from absolute positions
+  (`jxformers.nn.positions.UntiedPositions`); inside the attention only the content
+  logits change, scaled by 1/sqrt(2d) instead of 1/sqrt(d).
 
 How they reach the attention core: each term is a logit bias `[heads, q, kv]` (the
 core's `bias`, after its 1/sqrt(d_k)), the scale of the content logits is folded into the
-queries (DeBERTa 1/sqrt(3); Transformer-XL's u is added to them), and
+queries (TUPE 1/sqrt(2), DeBERTa 1/sqrt(3); Transformer-XL's u is added to them), and
 Shaw's value term, which changes the output and not the scores, is the core's
 `relative_values` argument (a^V; `jxformers.ops.softmax_attention` adds each row's
 probability mass per clipped distance times a^V). So an attention that takes them must
@@ -52,11 +56,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 from jxformers import registry
 from jxformers.nn.layers import Linear
 
-# The kinds whose terms each attention computes from its own q (and k) and parameters.
+# The kinds whose terms each attention computes from its own q (and k) and parameters,
+# and TUPE, whose positional correlation is an array bias but whose content logits the
+# attention scales.
 RELATIVE_KINDS = ("shaw", "transformer_xl", "deberta")
-SCORE_KINDS = RELATIVE_KINDS
-# The content logits q k^T / sqrt(d) are divided further by sqrt of this (DeBERTa's 1/sqrt(3d)).
-_CONTENT_DIVISOR = {"shaw": 1, "transformer_xl": 1, "deberta": 3}
+SCORE_KINDS = (*RELATIVE_KINDS, "tupe")
+# The content logits q k^T / sqrt(d) are divided further by sqrt of this (the papers' 1/sqrt(3d), 1/sqrt(2d)).
+_CONTENT_DIVISOR = {"shaw": 1, "transformer_xl": 1, "deberta": 3, "tupe": 2}
 # Shaw's k where the config leaves it unset: the clipping distance of the paper's experiments.
 SHAW_MAX_DISTANCE = 16
 
@@ -110,7 +116,7 @@ class SharedTerms(eqx.Module):
 
     @staticmethod
     def make(kind: str, *, heads: int, d_head: int, d_model: int, max_distance: int, key: PRNGKeyArray):
-        """The shared part of `kind` (None for Shaw, which shares nothing),
+        """The shared part of `kind` (None for Shaw and TUPE, which share nothing here),
         each array ~ N(0, 0.02^2)."""
         ku, kv = jax.random.split(key)
         if kind == "transformer_xl":
@@ -214,8 +220,8 @@ class RelativeTerms(eqx.Module):
             self.pos_k = Linear(d_model, heads * d_head, use_bias=False, key=k2)
 
     def queries(self, q: Float[Array, "n heads d"], shared: SharedTerms | None) -> Float[Array, "n heads d"]:
-        """The core's queries: the content logits' scale folded in (DeBERTa 1/sqrt(3):
-        the core's 1/sqrt(d) then gives 1/sqrt(3d)), or
+        """The core's queries: the content logits' scale folded in (DeBERTa 1/sqrt(3),
+        TUPE 1/sqrt(2): the core's 1/sqrt(d) then gives 1/sqrt(3d), 1/sqrt(2d)), or
         Transformer-XL's q + u (terms (a) + (c))."""
         if self.kind == "transformer_xl":
             assert shared is not None and shared.u is not None
@@ -232,7 +238,7 @@ class RelativeTerms(eqx.Module):
         shared: SharedTerms | None,
     ) -> Float[Array, "heads n m"] | None:
         """The position terms of the logits for these (unscaled) queries and keys at these
-        positions, over the core's sqrt(d)."""
+        positions, over the core's sqrt(d); None for TUPE (its bias comes whole)."""
         d = q.shape[-1]
         if self.kind == "shaw":  # q_i . a^K_{clip(j - i)} / sqrt(d)
             assert self.keys is not None

@@ -244,8 +244,10 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
     keys = jax.random.split(key, 8)
     stack, norm, embed = config.stack, config.norm, config.embedding
 
-    def embedding(k, causal, extra=True):
+    def embedding(k, causal, extra=True, cls=False):
         assert embed.position is not None  # ModelConfig resolves it from the stack
+        # TUPE resets the CLS token's correlations: it sits after the memory tokens (if any)
+        memory = embed.extra_tokens if extra and embed.extra_kind == "memory" else 0
         positions = Positions(
             embed.position,
             dim=config.d_model,
@@ -255,6 +257,8 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
             key=k,
             d_head=config.head_size(config.attention),
             max_distance=embed.max_distance(config.max_len),
+            cls_position=memory if cls and embed.position == "tupe" else None,
+            tupe_relative=embed.tupe_relative,
         )
         kt, _ = jax.random.split(k)
         embed_norm = make_norm(norm.kind, config.d_model, norm.eps) if embed.norm else None
@@ -306,7 +310,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         transformer = stack if isinstance(stack, TransformerStack) else TransformerStack()  # isab, luna: none
         pooled = frozenset(transformer.filters) if transformer.downsample == "funnel" else frozenset()
         return Encoder(
-            embedding(keys[0], False),
+            embedding(keys[0], False, cls=use_cls),
             _stack(config, causal=False, key=keys[1], pooled=pooled),
             make_norm(norm.kind, config.d_model, norm.eps) if norm.final else None,
             max_len=config.max_len,

@@ -142,14 +142,14 @@ HEAD_OPTIONS = ("collaborative", "disagreement", "disagreement_weight", "head_ag
 class EmbeddingConfig:
     """Token embeddings and positions. The rope_* and xpos_* settings configure the
     rotary kinds (`jxformers.nn.positions.Rotary`, which `rotary()` builds from them),
-    relative_max_distance the clipped ones (shaw, deberta); each is refused with any
-    other position."""
+    relative_max_distance the clipped ones (shaw, deberta) and tupe_relative TUPE; each is
+    refused with any other position."""
 
     position: str | None = setting(
         None,
         "positions: added to the embeddings (sinusoidal, scaled_sinusoidal: FLASH's sinusoids times a learned "
-        "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), a logit bias (alibi, t5), "
-        "or relative score terms inside each "
+        "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), a logit bias (alibi, t5; "
+        "tupe: TUPE's untied positional correlation, Ke et al. 2021), or relative score terms inside each "
         "attention (shaw: Shaw et al. 2018; transformer_xl: Dai et al. 2019's u, v and W_{k,R} R_{i-j}; "
         "deberta: He et al. 2021's disentangled attention) (None: none for the recurrent stacks, whose own are "
         "relative; sinusoidal otherwise)",
@@ -160,6 +160,9 @@ class EmbeddingConfig:
         f"k of shaw (distances j - i clipped to [-k, k]; None: {SHAW_MAX_DISTANCE}, the paper's) and deberta "
         "(δ(i, j) = clip(i - j + k, 0, 2k - 1); None: max_len, every distance of a sequence its own bucket)",
         limits=1,
+    )
+    tupe_relative: bool = setting(
+        False, "tupe: TUPE-R, T5's relative bias b_{j-i} added to the positional correlation; false: TUPE-A"
     )
     rope_base: float = setting(
         10000.0, "θ of rope and xpos: feature pair i turns by p θ^(-2i/d)", limits=Limits(above=1)
@@ -215,6 +218,8 @@ class EmbeddingConfig:
                 f"embedding.relative_max_distance is k of positions 'shaw' and 'deberta'; got position="
                 f"{self.position!r}"
             )
+        if self.tupe_relative and self.position != "tupe":
+            raise ValueError(f"embedding.tupe_relative is TUPE-R: it needs position 'tupe'; got {self.position!r}")
         if (self.rope_scaling == "none") != (self.rope_factor == 1):
             raise ValueError(
                 f"embedding.rope_factor s > 1 goes with rope_scaling one of {list(ROPE_SCALINGS[1:])}, and "

@@ -281,7 +281,7 @@ class ModelConfig:
                 f"Causal attentions: {registry.names(supports_causal=True)}"
             )
         position = self.embedding.position
-        if position in BIAS_KINDS and not spec.takes_bias:
+        if position in BIAS_KINDS and position not in SCORE_KINDS and not spec.takes_bias:  # tupe: _check_relative
             raise ValueError(
                 f"position {self.embedding.position!r} adds a logit bias, which {spec.name!r} attention "
                 f"does not take; use one of {[*ADDED_KINDS, *ROTARY_KINDS, 'none']}, or one of "
@@ -296,7 +296,7 @@ class ModelConfig:
 
     def _check_relative(self):
         """The positions computed with each attention's scores (shaw, transformer_xl,
-        deberta: `jxformers.nn.relative`) fit every block's attention and the stack."""
+        deberta, tupe: `jxformers.nn.relative`) fit every block's attention and the stack."""
         position = self.embedding.position
         if position not in SCORE_KINDS or not isinstance(self.stack, TransformerStack):
             return  # other stacks refuse them (_check_stack)
@@ -314,12 +314,15 @@ class ModelConfig:
                 f"position 'transformer_xl' shares u and v [heads, d_head] across the layers: every block needs "
                 f"one head size; got {sizes} (attention.d_head in stack.layer_overrides)"
             )
-        if stack.filters and position == "transformer_xl":
-            raise ValueError(
-                f"position {position!r} with stack.filters {stack.filters}: refused, its W_{{k,R}} R_{{i-j}} is "
-                "projected once per integer distance of the grid; a shortened grid's distances are fractional and "
-                "span the input's length, which would need the sinusoid of every pair (O(n^2 d_model) memory)"
-            )
+        if stack.filters and position in ("transformer_xl", "tupe"):
+            why = {
+                "transformer_xl": "its W_{k,R} R_{i-j} is projected once per integer distance of the grid; a "
+                "shortened grid's distances are fractional and span the input's length, which would need the "
+                "sinusoid of every pair (O(n^2 d_model) memory)",
+                "tupe": "its positional correlation reads the absolute embedding p_i of each token's position; a "
+                "filtered token mixes many positions (DCT or pooling) and sits at a fractional one",
+            }[position]
+            raise ValueError(f"position {position!r} with stack.filters {stack.filters}: refused, {why}")
 
     def _check_stack(self):
         kind, stack = self.stack.kind, self.stack
