@@ -306,6 +306,12 @@ class AttentionSpec:
     def reads_tokens(self) -> bool:
         return self.token_inputs is not None
 
+    @property
+    def takes_relative_values(self) -> bool:
+        """The op adds Shaw et al. 2018's relative value term: its `relative_values`
+        argument (a^V per clipped distance), read from its signature."""
+        return _takes(self.op, "relative_values")
+
     def defaults(self) -> dict[str, Any]:
         return {p.name: p.default for p in self.hyper_parameters if not p.required}
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, plain_reversible
 
 import jxformers
 from jxformers import ModelConfig, build_model, ops
@@ -386,15 +386,6 @@ def test_sequences_longer_than_max_len_are_errors():
 # ----------------------------------------------------------------------------- reversible
 
 
-def _plain_reversible(blocks, x, bias):
-    """The reversible wiring written out, differentiated by plain autodiff."""
-    x1 = x2 = x
-    for b in blocks:
-        x1 = x1 + b.attention(b.norms[0](x2), bias=bias)
-        x2 = x2 + b.ffn(b.norms[-1](x1))
-    return (x1 + x2) / 2
-
-
 def test_reversible_backward_reconstructs_and_matches_autodiff():
     from jxformers.nn.reversible import reversible_stack
 
@@ -411,7 +402,7 @@ def test_reversible_backward_reconstructs_and_matches_autodiff():
     @eqx.filter_jit  # both gradients in one compiled program, not op by op
     def both_grads(args):
         ours = eqx.filter_grad(lambda a: loss(lambda b, x, c: reversible_stack(b, x, bias=c), *a))(args)
-        return ours, eqx.filter_grad(lambda a: loss(_plain_reversible, *a))(args)
+        return ours, eqx.filter_grad(lambda a: loss(plain_reversible, *a))(args)
 
     ours, ref = both_grads((blocks, x, bias))
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):

@@ -36,6 +36,7 @@ from jxformers.nn.average import AverageNetwork, check_aan
 from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import Rotary
 from jxformers.nn.produced import AttentionInputs, Produced
+from jxformers.nn.relative import RelativeTerms, SharedTerms, check_relative
 from jxformers.ops._priors import SPAN_LOSS_WEIGHT, span_loss
 
 # How queries and keys are normalised before the core (see `Attention`).
@@ -100,6 +101,11 @@ class Attention(eqx.Module):
             Improved Transformer Pretraining with Extra Normalization", section 2): each
             head's output (each output capsule with routing) times a learned scalar
             started at 1, before the output projection.
+        relative: this layer's part of a relative position scheme (`jxformers.nn.relative`:
+            Shaw et al., Transformer-XL's, DeBERTa's score terms, TUPE's content scale),
+            for a self-attention whose core takes a bias and compares q with k
+            (`check_relative`); its shared part comes as `bias` (`SharedTerms`; TUPE: an
+            array). The terms add O(heads * seq * kv) memory.
         key: PRNG key for the projections and the core's arrays.
 
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
@@ -118,6 +124,7 @@ class Attention(eqx.Module):
     causal: bool = eqx.field(static=True)
     cross: bool = eqx.field(static=True)
     rope: Rotary | None = eqx.field(static=True)
+    relative: RelativeTerms | None
     qk_norm: str = eqx.field(static=True)
     q_proj: Linear | None  # None: a layer that reuses another's maps (nn.cross_layer), or aan
     k_proj: Linear | None
@@ -157,6 +164,7 @@ class Attention(eqx.Module):
         routing_iterations: int = 3,
         aan_d_ff: int | None = None,
         head_scale: bool = False,
+        relative: RelativeTerms | None = None,
         key: PRNGKeyArray,
     ):
         if isinstance(attention, str):
@@ -181,6 +189,16 @@ class Attention(eqx.Module):
                 f"attention (keys after the query would be scaled up with the distance); got {causal=}"
             )
         check_qk_norm(qk_norm, attention.spec, qk_norm_length)
+        if relative is not None:
+            check_relative(relative.kind, attention.spec, qk_norm=qk_norm, collaborative=collaborative is not None)
+            if rotary is not None or aan_d_ff is not None:
+                raise ValueError(f"relative positions ({relative.kind!r}) go with neither rope nor aan")
+            if (relative.heads, relative.d_head) != (num_heads, d_head):
+                raise ValueError(
+                    f"relative terms for {relative.heads} heads of {relative.d_head}; this attention has "
+                    f"{num_heads} heads of {d_head}"
+                )
+        self.relative = relative
         self.disagreement, self.disagreement_weight = tuple(disagreement), disagreement_weight
         heads.check_head_options(
             attention.spec, collaborative=collaborative, disagreement=self.disagreement,
@@ -287,6 +305,21 @@ class Attention(eqx.Module):
             out = out * self.head_scale.astype(out.dtype)[None, :, None]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype))
 
+    def _relative(self, q, k, q_pos, k_pos, given):
+        """(the core's queries, its bias, its extra arrays) under this module's relative
+        terms: `given` is the shared part (`SharedTerms`) or, for TUPE, the array bias."""
+        assert self.relative is not None
+        shared = given if isinstance(given, SharedTerms) else None
+        if shared is None and self.relative.kind in ("transformer_xl", "deberta"):
+            raise ValueError(
+                f"relative position {self.relative.kind!r} needs its shared terms (the model's Positions.shared) "
+                f"as the bias; got {type(given).__name__}"
+            )
+        bias = self.relative.bias(q, k, q_pos, k_pos, shared)
+        if bias is None:  # TUPE: the positional correlation comes whole
+            bias = None if isinstance(given, SharedTerms) else given
+        return self.relative.queries(q, shared), bias, self.relative.arrays(q_pos, k_pos)
+
     def __call__(self, x, context=None, **kwargs) -> Float[Array, "seq d_model"]:
         """`apply(...)`'s output alone (the arguments are `apply`'s)."""
         return self.apply(x, context, **kwargs)[0]
@@ -297,7 +330,7 @@ class Attention(eqx.Module):
         context: Float[Array, "ctx d_model"] | None = None,
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | SharedTerms | None = None,
         positions: Real[Array, " seq"] | None = None,
         context_positions: Real[Array, " kv"] | None = None,
         key: PRNGKeyArray | None = None,
@@ -307,9 +340,11 @@ class Attention(eqx.Module):
             x: `[seq, d_model]` queries (and keys/values for self-attention).
             context: `[ctx, d_model]` keys/values for cross-attention.
             kv_mask: `[kv]` True for real keys (padding mask).
-            bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5).
-            positions, context_positions: token positions for rotary embeddings
-                (default 0..n-1; fractional ones allowed).
+            bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5, TUPE), or the shared
+                part of this module's relative terms (`SharedTerms`: Transformer-XL's u, v;
+                DeBERTa's P).
+            positions, context_positions: token positions for rotary embeddings and
+                relative terms (default 0..n-1; fractional ones allowed).
             key, inference: the training noise of a core that draws some
                 (`spec.noise_key`); none without a key or at inference.
 
@@ -330,12 +365,18 @@ class Attention(eqx.Module):
             source = x if context is None else context
             q, k = self._queries(x), self._keys(source)
             v = self._heads(source, self.v_proj, self.kv_heads)
-            if self.rope is not None:
+            if self.rope is not None or self.relative is not None:
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
                 if context_positions is None:
                     context_positions = positions if context is None else jnp.arange(source.shape[0])
+            if self.rope is not None:
+                assert positions is not None and context_positions is not None
                 q, k = self.rope.queries(q, positions), self.rope.keys(k, context_positions)
             arrays = self._core_arrays(x, source)
+            if self.relative is not None:
+                assert positions is not None and context_positions is not None
+                q, bias, extra = self._relative(q, k, positions, context_positions, bias)
+                arrays = arrays | extra
             noise = self.core.spec.noise_key
             if noise is not None and key is not None and not inference:
                 arrays = arrays | {noise: key}
@@ -389,10 +430,16 @@ class Attention(eqx.Module):
         )
 
     def decode_step(
-        self, x: Float[Array, " d_model"], state: decoding.State, *, bias_fn: decoding.BiasFn | None = None
+        self,
+        x: Float[Array, " d_model"],
+        state: decoding.State,
+        *,
+        bias_fn: decoding.BiasFn | SharedTerms | None = None,
     ) -> tuple[Float[Array, " d_model"], decoding.State]:
         """One token through causal self-attention: `x [d_model]` at position
-        `state.length`; returns the output `[d_model]` and the new state."""
+        `state.length`; returns the output `[d_model]` and the new state. `bias_fn`: the
+        position bias of the step's row from the positions (ALiBi, T5, TUPE), or the
+        shared part of this module's relative terms."""
         with jax.named_scope(self.name):
             if self.aan is not None:  # the running sum of x (eq. 6 of Zhang et al.), FFN, gate
                 out, state = self.core.decode_step(x[None], x[None], x[None], state)
@@ -403,8 +450,36 @@ class Attention(eqx.Module):
                 pos = state.length[None]
                 q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
             arrays = self._core_arrays(x[None], x[None])
+            if self.relative is not None:
+                q, bias_fn, extra = self._relative_step(q, k, v, state, bias_fn)
+                arrays = arrays | extra
+            assert not isinstance(bias_fn, SharedTerms)  # only relative terms read it
             out, state = self.core.decode_step(q[0], k[0], v[0], state, arrays=arrays, bias_fn=bias_fn)
             return self._out(out[None], x[None])[0], state
+
+    def _relative_step(self, q, k, v, state, given):
+        """(the core's query, the step's bias function, its extra arrays) under this
+        module's relative terms, for one token against a key/value cache: the terms of the
+        step's row read the cache's keys as the decoder is about to hold them (this token's
+        written to its slot), at the positions the decoder passes."""
+        assert self.relative is not None
+        if not isinstance(state, decoding.KVCache):
+            raise ValueError(
+                f"relative position {self.relative.kind!r} decodes against a key/value cache; {self.name!r} keeps a "
+                f"{type(state).__name__}"
+            )
+        if self.relative.kind == "tupe":  # its bias depends on the positions alone
+            return self.relative.queries(q, None), given, {}
+        shared = given if isinstance(given, SharedTerms) else None
+        keys = decoding.cache_append(state, k[0], v[0]).k
+
+        def step_bias(q_pos, kv_pos):
+            assert self.relative is not None
+            bias = self.relative.bias(q, keys, q_pos, kv_pos, shared)
+            assert bias is not None
+            return bias
+
+        return self.relative.queries(q, shared), step_bias, self.relative.step_arrays()
 
     def cross_step(
         self,
@@ -457,11 +532,21 @@ class Attention(eqx.Module):
             if self.rope is not None:
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
                 q, k = self.rope.queries(q, positions), self.rope.keys(k, positions)
+            q = self._map_queries(q)
             prev = None if role == "lazy" else maps
             out, scores, probs = cross_layer.map_attention(
                 q, k, v, prev=prev, kv_mask=kv_mask, bias=bias, causal=self.causal, combine=combine
             )
             return self._out(out, x), probs if role == "lazy" else scores
+
+    def _map_queries(self, q):
+        """The queries of a layer that carries maps: TUPE's content scale (its bias comes
+        as an array); the relative terms computed inside are refused (`check_relative`)."""
+        if self.relative is None:
+            return q
+        if self.relative.kind != "tupe":
+            raise ValueError(f"relative position {self.relative.kind!r} cannot carry attention maps (check_relative)")
+        return self.relative.queries(q, None)
 
     def decode_step_maps(
         self,
@@ -470,7 +555,7 @@ class Attention(eqx.Module):
         maps: cross_layer.Maps | None,
         *,
         role: str,
-        bias_fn: decoding.BiasFn | None = None,
+        bias_fn: decoding.BiasFn | SharedTerms | None = None,
     ) -> tuple[Float[Array, " d_model"], decoding.KVCache, cross_layer.Maps]:
         """`apply_maps` for one token at position `state.length` against a key/value
         cache of every position; `maps` and the result are that token's row
@@ -488,6 +573,8 @@ class Attention(eqx.Module):
             if self.rope is not None:
                 pos = state.length[None]
                 q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
+            q = self._map_queries(q)  # refuses the kinds whose shared terms come as bias_fn
+            assert not isinstance(bias_fn, SharedTerms)
             state = decoding.cache_append(state, k[0], v[0])
             bias = None if bias_fn is None else bias_fn(state.length[None] - 1, jnp.maximum(state.slot_pos, 0))
             prev = maps if role == "residual" else None

@@ -22,6 +22,7 @@ from jxformers.nn.layers import FeedForward, Norm, make_norm
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.produced import Produced
+from jxformers.nn.relative import SharedTerms, check_relative
 
 NORM_PLACEMENTS = residual.PLACEMENTS
 
@@ -86,6 +87,8 @@ class Block(eqx.Module):
         if maps not in cross_layer.MAP_ROLES:
             raise ValueError(f"maps must be one of {cross_layer.MAP_ROLES}; got {maps=}")
         cross_layer.check_maps(maps, attention.core)
+        if maps != "none" and attention.relative is not None:
+            check_relative(attention.relative.kind, attention.core.spec, maps=True)
         if maps != "none" and attention.cross:
             raise ValueError(f"maps={maps!r} passes self-attention maps on; this block's attention cross-attends")
         if maps != "none" and (attention.mixing is not None or attention.routing is not None or attention.disagreement):
@@ -145,7 +148,7 @@ class Block(eqx.Module):
         x: Float[Array, "seq d_model"],
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | SharedTerms | None = None,
         positions: Real[Array, " seq"] | None = None,
         source: Float[Array, "kv d_model"] | None = None,
         source_positions: Real[Array, " kv"] | None = None,
@@ -241,7 +244,7 @@ class Block(eqx.Module):
         maps: cross_layer.Maps | None,
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
-        bias: Float[Array, "heads seq kv"] | Alibi | None = None,
+        bias: Float[Array, "heads seq kv"] | Alibi | SharedTerms | None = None,
         positions: Real[Array, " seq"] | None = None,
         context: Float[Array, "ctx d_model"] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
@@ -255,7 +258,8 @@ class Block(eqx.Module):
             x: `[seq, d_model]`; maps: the previous block's attention maps
                 `[heads, seq, seq]` (None: the first block, or a stack that carries
                 none; `jxformers.nn.cross_layer`); kv_mask: `[kv]` True for real keys (kv = seq unless
-                `source` is given); bias: `[heads, seq, kv]` logit bias; positions:
+                `source` is given); bias: `[heads, seq, kv]` logit bias (or the shared part of
+                relative terms, `SharedTerms`); positions:
                 `[seq]` (and source_positions `[kv]`) for rotary embeddings.
             context, context_mask: the encoder output a cross-attention block reads.
             source: `[kv, d_model]` the sequence self-attention takes its keys and
@@ -317,7 +321,7 @@ class Block(eqx.Module):
         x: Float[Array, " d_model"],
         state: decoding.State,
         *,
-        bias_fn: decoding.BiasFn | None = None,
+        bias_fn: decoding.BiasFn | SharedTerms | None = None,
         context_kv: tuple[Array, Array] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
         token_id: Int[Array, ""] | None = None,
@@ -336,7 +340,7 @@ class Block(eqx.Module):
         state: decoding.State,
         maps: cross_layer.Maps | None,
         *,
-        bias_fn: decoding.BiasFn | None = None,
+        bias_fn: decoding.BiasFn | SharedTerms | None = None,
         context_kv: tuple[Array, Array] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
         token_id: Int[Array, ""] | None = None,

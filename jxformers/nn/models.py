@@ -13,8 +13,8 @@ Modeling by Removing Sequence Redundancy with FFT Operator", arXiv 2305.15099, s
 the paper's amplitude, or "fourier_rescaled") keeps ceil(r L) of L real tokens, and
 {0: 0.2} is the paper's LRA setting; Funnel (Dai et al. 2020) mean-pools with stride
 1/r, and block i attends from the pooled queries to the unpooled keys and values. After
-a filter, relative positions (RoPE, ALiBi, T5) are those of the shortened grid (token j
-at j L / M). For encoder-decoder use (`upsample_sum`), the output of every block (the
+a filter, relative positions (RoPE, ALiBi, T5, Shaw's, DeBERTa's) are those of the
+shortened grid (token j at j L / M). For encoder-decoder use (`upsample_sum`), the output of every block (the
 run of layers between two filters) is upsampled back to the input length (nearest
 neighbour), summed and renormalised, as the paper does.
 
@@ -40,6 +40,7 @@ from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.moe import NO_TOKEN
 from jxformers.nn.positions import BIAS_KINDS, Positions
 from jxformers.nn.produced import Produced
+from jxformers.nn.relative import SharedTerms
 from jxformers.nn.reversible import reversible_apply, reversible_decode_step
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
@@ -180,9 +181,13 @@ class Embedding(eqx.Module):
         return (x @ self.table.T.astype(x.dtype)).astype(jnp.float32)
 
 
-def _bias_fn(positions: Positions) -> BiasFn | None:
-    # a bias kind's `bias` returns an array (None only for the kinds without one)
-    return cast(BiasFn, positions.bias) if positions.kind in BIAS_KINDS else None
+def _bias_fn(positions: Positions) -> BiasFn | SharedTerms | None:
+    """What a decoding step's attentions get for their position bias: a function of the
+    positions (a bias kind's `bias` returns an array), or the relative kinds' shared
+    terms, which each attention completes (None for Shaw's, which share nothing)."""
+    if positions.kind in BIAS_KINDS:
+        return cast(BiasFn, positions.bias)
+    return positions.shared
 
 
 class Encoder(eqx.Module):
@@ -207,10 +212,11 @@ class Encoder(eqx.Module):
       continues pooled. Block i's attention module must therefore take separate keys and
       values (built with `cross=True`; `build_model` does this).
 
-    Relative positions (RoPE, ALiBi, T5) follow the shortened grid: after a filter that
-    turns L real tokens into M, token j sits at position j L / M of the sequence before
-    it (stride s for Funnel), so the distances between tokens keep their meaning;
-    absolute positions are added once to the embeddings and need nothing.
+    Relative positions (RoPE, ALiBi, T5, Shaw's, DeBERTa's) follow the shortened grid:
+    after a filter that turns L real tokens into M, token j sits at position j L / M of
+    the sequence before it (stride s for Funnel), so the distances between tokens keep
+    their meaning (the bucketed ones round them); absolute positions are added once to
+    the embeddings and need nothing.
 
     `token_learner` (a `TokenLearnerStage`, Ryoo et al. 2021): after block `after_layer`
     the tokens (not the CLS token) become k learned tokens and later blocks run on

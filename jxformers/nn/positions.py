@@ -11,6 +11,12 @@ section 5.1), one module per model:
   position (causal models only);
 * "alibi" (Press et al.) and "t5" (Raffel et al. relative buckets): an additive bias on
   the attention logits, for attentions that take a bias (softmax);
+* "tupe" (Ke et al. 2021, TUPE-A, optionally TUPE-R): the untied positional correlation of
+  absolute positions, a logit bias computed once per forward (`UntiedPositions`), the
+  content logits scaled by 1/sqrt(2d) inside each attention;
+* "shaw" (Shaw et al. 2018), "transformer_xl" (Dai et al. 2019), "deberta" (He et al.
+  2021): relative score terms each attention computes from its own queries (and keys),
+  `jxformers.nn.relative`; what their layers share (`SharedTerms`) lives here;
 * "none".
 """
 
@@ -25,12 +31,20 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from jxformers.kernels.alibi import Alibi
+from jxformers.nn.layers import Linear
+from jxformers.nn.relative import RELATIVE_KINDS, SharedTerms
 
-POSITION_KINDS = ("sinusoidal", "scaled_sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "none")
-# Added once to the token embeddings (absolute), rotating q and k in every attention, or a logit bias.
+POSITION_KINDS = (
+    "sinusoidal", "scaled_sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "tupe", *RELATIVE_KINDS, "none",
+)  # fmt: skip
+# Added once to the token embeddings (absolute), rotating q and k in every attention, or a
+# logit bias computed from the positions alone (once per forward, shared by the layers);
+# RELATIVE_KINDS: score terms each attention computes from its own queries and keys.
 ADDED_KINDS = ("sinusoidal", "scaled_sinusoidal", "learned")
 ROTARY_KINDS = ("rope", "xpos")
-BIAS_KINDS = ("alibi", "t5")
+BIAS_KINDS = ("alibi", "t5", "tupe")
+# TUPE-R's T5 buckets (Ke et al. 2021's code: 32 bins up to a distance of 128, T5's defaults).
+T5_BUCKETS = 32
 # How RoPE is stretched to a longer context (`Rotary.scaling`).
 ROPE_SCALINGS = ("none", "linear", "ntk")
 
@@ -238,13 +252,87 @@ def scaled_sinusoidal_gain(dim: int) -> Float[Array, ""]:
     return jnp.asarray(1 / math.sqrt(dim), jnp.float32)
 
 
+class UntiedPositions(eqx.Module):
+    """TUPE's positional correlation (Ke, He & Liu 2021, "Rethinking Positional Encoding in
+    Language Pre-training", arXiv 2006.15595, eq. 7, 9-11): per head h,
+
+        b_h[i, j] = reset_θ((p_i U^Q_h)(p_j U^K_h)^T / sqrt(2d) [+ T5's b_{j-i}], i, j)
+
+    with p `[max_len, d_model]` learned absolute embeddings shared by the heads (never
+    added to the tokens), U^Q, U^K (d_model -> heads * d, d = d_model / heads) shared by
+    every layer, as the paper's section 3.3 shares them: the correlation is computed once
+    per forward and added to each layer's content logits, which those scale by 1/sqrt(2d)
+    (`jxformers.nn.relative`). With a [CLS] token at position `cls_position`, reset_θ puts θ1_h on
+    its row (CLS to every token, itself included) and θ2_h on its column (every other token
+    to CLS), eq. 9; θ per head, started at 0. `relative`: TUPE-R's per-head T5 bias
+    `[32, heads]` (eq. 11; 32 buckets up to 128, bidirectional unless `causal`), added
+    before the reset; None: TUPE-A.
+
+    Not as the authors' code: it normalises p by a LayerNorm before U^Q and U^K and draws
+    θ1, θ2 as p_0 U^Q . p_0 U^K and p_1 U^Q . p_1 U^K of two extra positions; we follow
+    the paper's formula (no norm, θ its own parameters). Memory: `[heads, q, kv]`,
+    O(h n^2), once per forward (not per layer)."""
+
+    table: Float[Array, "max_len d_model"]
+    u_q: Linear
+    u_k: Linear
+    theta: Float[Array, "2 heads"]
+    relative: Float[Array, "buckets heads"] | None
+    heads: int = eqx.field(static=True)
+    cls_position: int | None = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        heads: int,
+        max_len: int,
+        causal: bool,
+        cls_position: int | None,
+        relative: bool,
+        key: PRNGKeyArray,
+    ):
+        if dim % heads:
+            raise ValueError(f"tupe splits U^Q, U^K into heads of d_model / heads: {dim=} must divide by {heads=}")
+        kp, kq, kk, kr = jax.random.split(key, 4)
+        self.table = 0.02 * jax.random.normal(kp, (max_len, dim))
+        self.u_q = Linear(dim, dim, use_bias=False, key=kq)
+        self.u_k = Linear(dim, dim, use_bias=False, key=kk)
+        self.theta = jnp.zeros((2, heads), jnp.float32)
+        self.relative = 0.02 * jax.random.normal(kr, (T5_BUCKETS, heads)) if relative else None
+        self.heads, self.cls_position, self.causal = heads, cls_position, causal
+
+    def __call__(self, q_pos: Real[Array, " q"], kv_pos: Real[Array, " kv"]) -> Float[Array, "heads q kv"]:
+        qi, ki = jnp.round(q_pos).astype(jnp.int32), jnp.round(kv_pos).astype(jnp.int32)
+        d = self.table.shape[1] // self.heads
+        pq = self.u_q(self.table[qi]).reshape(qi.shape[0], self.heads, d)
+        pk = self.u_k(self.table[ki]).reshape(ki.shape[0], self.heads, d)
+        corr = jnp.einsum("qhd,khd->hqk", pq, pk) / math.sqrt(2 * d)
+        if self.relative is not None:  # TUPE-R: T5's b_{j-i}, before the reset (eq. 11)
+            buckets = t5_buckets(ki[None, :] - qi[:, None], bidirectional=not self.causal)
+            corr = corr + jnp.moveaxis(self.relative[buckets], -1, 0)
+        if self.cls_position is None:
+            return corr
+        from_cls, to_cls = qi == self.cls_position, ki == self.cls_position  # eq. 9: the CLS row first, then its column
+        corr = jnp.where(to_cls[None, None, :], self.theta[1][:, None, None], corr)
+        return jnp.where(from_cls[None, :, None], self.theta[0][:, None, None], corr)
+
+
 class Positions(eqx.Module):
     """The model's position scheme: absolute embeddings to add, and/or a logit bias.
     (Rotary kinds, "rope" and "xpos", act inside the attentions: `Rotary`.)
 
     Fields: `kind` (one of POSITION_KINDS), `table` (learned embeddings `[max_len,
     d_model]` or T5's bucket table `[num_buckets, heads]`), `gain` ("scaled_sinusoidal"'s
-    learned scalar g: PE[p] g), `causal`. "xpos" needs `causal` (see `Rotary`).
+    learned scalar g: PE[p] g), `untied` (TUPE's positional correlation), `shared` (what
+    the layers of a relative kind share: Transformer-XL's u and v, DeBERTa's P), `causal`.
+    "xpos" needs `causal` (see `Rotary`).
+
+    Arguments beyond the fields' own: `d_head` (the attentions' head size: Transformer-XL's
+    u and v; default dim // heads), `max_distance` (k of "deberta"'s 2k buckets), `cls_position`
+    (the [CLS] token's position, for TUPE's reset; None: no CLS token), `tupe_relative`
+    (TUPE-R).
     """
 
     kind: str = eqx.field(static=True)
@@ -253,8 +341,23 @@ class Positions(eqx.Module):
     heads: int = eqx.field(static=True)
     table: Float[Array, "rows cols"] | None
     gain: Float[Array, ""] | None
+    untied: UntiedPositions | None
+    shared: SharedTerms | None
 
-    def __init__(self, kind: str, *, dim: int, heads: int, max_len: int, causal: bool, key: PRNGKeyArray):
+    def __init__(
+        self,
+        kind: str,
+        *,
+        dim: int,
+        heads: int,
+        max_len: int,
+        causal: bool,
+        key: PRNGKeyArray,
+        d_head: int | None = None,
+        max_distance: int = 0,
+        cls_position: int | None = None,
+        tupe_relative: bool = False,
+    ):
         if kind not in POSITION_KINDS:
             raise ValueError(f"position must be one of {POSITION_KINDS}; got {kind!r}")
         if kind == "xpos" and not causal:
@@ -266,10 +369,31 @@ class Positions(eqx.Module):
         if kind == "learned":
             self.table = 0.02 * jax.random.normal(key, (max_len, dim))
         elif kind == "t5":
-            self.table = 0.02 * jax.random.normal(key, (32, heads))
+            self.table = 0.02 * jax.random.normal(key, (T5_BUCKETS, heads))
         else:
             self.table = None
         self.gain = scaled_sinusoidal_gain(dim) if kind == "scaled_sinusoidal" else None
+        self.untied = None
+        if kind == "tupe":
+            self.untied = UntiedPositions(
+                dim=dim,
+                heads=heads,
+                max_len=max_len,
+                causal=causal,
+                cls_position=cls_position,
+                relative=tupe_relative,
+                key=key,
+            )
+        elif tupe_relative or cls_position is not None:
+            raise ValueError(
+                f"tupe_relative and cls_position (TUPE's [CLS] reset) go with position 'tupe'; got {kind!r}"
+            )
+        if kind == "deberta" and max_distance < 1:
+            raise ValueError(f"position 'deberta' needs max_distance k >= 1 (its 2k buckets); got {max_distance}")
+        self.shared = SharedTerms.make(
+            kind, heads=heads, d_head=dim // heads if d_head is None else d_head, d_model=dim,
+            max_distance=max_distance, key=key,
+        )  # fmt: skip
 
     @property
     def rope(self) -> bool:
@@ -288,10 +412,13 @@ class Positions(eqx.Module):
             return self.table[positions]
         return None
 
-    def grid_bias(self, n: int) -> Float[Array, "heads n n"] | Alibi | None:
+    def grid_bias(self, n: int) -> Float[Array, "heads n n"] | Alibi | SharedTerms | None:
         """The bias of self-attention over positions 0..n-1: ALiBi as an `Alibi` (slopes
-        only: the flash kernel computes it per tile, the XLA op materialises it), T5 as
-        an array, else None."""
+        only: the flash kernel computes it per tile, the XLA op materialises it), T5 and
+        TUPE as an array, the shared part of a relative kind (`SharedTerms`, which each
+        attention completes), else None."""
+        if self.kind in RELATIVE_KINDS:
+            return self.shared
         if self.kind == "alibi":
             return Alibi(alibi_slopes(self.heads))
         if self.kind not in BIAS_KINDS:
@@ -299,10 +426,19 @@ class Positions(eqx.Module):
         pos = jnp.arange(n)
         return self.bias(pos, pos)
 
-    def bias(self, q_pos: Real[Array, " q"], kv_pos: Real[Array, " kv"]) -> Float[Array, "heads q kv"] | None:
-        """The additive logit bias for these query and key positions (None: none).
-        Positions may be fractional (a shortened encoder's resampled grid): ALiBi takes
-        the distance as it is, T5 its nearest integer (its buckets are of integers)."""
+    def bias(
+        self, q_pos: Real[Array, " q"], kv_pos: Real[Array, " kv"]
+    ) -> Float[Array, "heads q kv"] | SharedTerms | None:
+        """The additive logit bias for these query and key positions (None: none; the
+        shared part of a relative kind, which each attention completes with its own q, k
+        and these positions). Positions may be fractional (a shortened encoder's resampled
+        grid): ALiBi takes the distance as it is, T5 its nearest integer (its buckets are
+        of integers)."""
+        if self.kind in RELATIVE_KINDS:
+            return self.shared
+        if self.kind == "tupe":
+            assert self.untied is not None
+            return self.untied(q_pos, kv_pos)
         rel = kv_pos[None, :] - q_pos[:, None]
         if self.kind == "alibi":
             return -alibi_slopes(self.heads)[:, None, None] * jnp.abs(rel)[None].astype(jnp.float32)

@@ -28,6 +28,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from jxformers.kernels.alibi import Alibi
 from jxformers.nn.blocks import Block
 from jxformers.nn.produced import Produced
+from jxformers.nn.relative import SharedTerms
 
 
 def _attention_branch(block: Block, x, inputs, key, inference=None) -> tuple[Array, Produced]:
@@ -91,7 +92,7 @@ def _stack_bwd(static, residuals, cotangents):
     mask, positions, key_data = rest
     g1, g2 = cotangents
     grads: list[Any] = [None] * len(params)
-    g_bias = jax.tree.map(jnp.zeros_like, bias)  # an array, an Alibi (its slopes) or None
+    g_bias = jax.tree.map(jnp.zeros_like, bias)  # an array, an Alibi (its slopes), SharedTerms or None
     for i in reversed(range(len(params))):
         s, p = static[i], params[i]
         kf, kg = _keys(key_data, i)
@@ -131,7 +132,7 @@ def reversible_apply(
     x: Float[Array, "seq d_model"],
     *,
     kv_mask: Bool[Array, " seq"] | None = None,
-    bias: Float[Array, "heads seq seq"] | Alibi | None = None,
+    bias: Float[Array, "heads seq seq"] | Alibi | SharedTerms | None = None,
     positions: Int[Array, " seq"] | None = None,
     key: PRNGKeyArray | None = None,
     inference: bool = False,

@@ -10,7 +10,8 @@
 (queries), to the keys and values of concat(SG(m_l), h_l): m_l holds the last `mem_len`
 inputs of layer l before this segment (earlier segments' hidden states, stop-gradient),
 h_l the segment's inputs to layer l. A query sees all valid memory and the current
-positions up to its own. Scores use the paper's relative positions (section 3.3):
+positions up to its own. Scores use the paper's relative positions (section 3.3; the same math serves the position
+option `embedding.position: transformer_xl` of the other stacks, `jxformers.nn.relative`):
 
     A_ij = (q_i + u)^T k_j + (q_i + v)^T W_{k,R} R_{i-j},
 
@@ -49,17 +50,10 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.layers import FeedForward, Linear, Norm, check_tokens, lookup, make_norm, split_key
 from jxformers.nn.produced import Produced
+from jxformers.nn.relative import distance_term, relative_sinusoid
 
 MEMORY_ARCHITECTURES = ("transformer_xl", "compressive")
 COMPRESSIONS = ("conv", "mean", "max")
-
-
-def relative_sinusoid(distances: Int[Array, " m"], dim: int) -> Float[Array, "m dim"]:
-    """Transformer-XL's R: [sin(d f), cos(d f)] with f_i = 1 / 10000^(2i / dim) (the
-    official code's layout: all sines, then all cosines)."""
-    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    angle = distances.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], -1)[:, :dim]
 
 
 def relative_attention(
@@ -87,11 +81,8 @@ def relative_attention(
     scale = 1.0 / math.sqrt(q.shape[-1])
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     ac = jnp.einsum("nhd,mhd->hnm", f32(q) + f32(u)[None], f32(k))
-    bd_by_distance = jnp.einsum("nhd,thd->hnt", f32(q) + f32(vb)[None], f32(r))
     distance = jnp.clip((m - n) + jnp.arange(n)[:, None] - jnp.arange(m)[None, :], 0, m - 1)
-    bd = jnp.take_along_axis(
-        bd_by_distance, jnp.broadcast_to(distance[None], bd_by_distance.shape[:1] + distance.shape), axis=2
-    )
+    bd = distance_term(f32(q) + f32(vb)[None], r, distance)  # row d of r is the distance d
     scores = jnp.where(mask[None], (ac + bd) * scale, -jnp.inf)
     top = jnp.max(scores, -1, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)

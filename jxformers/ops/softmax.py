@@ -130,6 +130,7 @@ def softmax_attention(
     head_windows: tuple[int, ...] | None = None,
     query_positions: Int[ArrayLike, " _q_len"] | None = None,
     key_positions: Int[ArrayLike, " _kv_len"] | None = None,
+    relative_values: Float[ArrayLike, "labels d_v"] | None = None,
     impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
     """Dense scaled dot-product attention (Vaswani et al., 2017), the reference op.
@@ -165,9 +166,16 @@ def softmax_attention(
             predicted local window, Guo et al. 2019's Gaussian, Sukhbaatar et al. 2019's
             adaptive span, Guo et al. 2020's per-head windows). `span_loss_weight` is
             read by the module around the op (`nn.Attention` adds the span loss).
-        query_positions, key_positions: the positions the priors measure distance by
-            (default: bottom-right aligned indices; the kv-cache decoder passes the
-            step's and the slots').
+        query_positions, key_positions: the positions the priors and `relative_values`
+            measure distance by (default: bottom-right aligned indices; the kv-cache
+            decoder passes the step's and the slots').
+        relative_values: Shaw et al. 2018's value term ("Self-Attention with Relative
+            Position Representations", eq. 3): a^V `[2k + 1, d_v]`, one vector per
+            clipped distance clip(j - i, -k, k) (label distance + k), shared by the heads;
+            query i's output becomes sum_j p_ij (v_j + a^V_{clip(j - i)}). Each row's
+            probability mass per label (a segment sum of p, O(q_len * kv_len) per head as
+            p itself) times a^V, so no `[q_len, kv_len, d_v]` array is formed. The logit
+            side, q_i . a^K_ij, arrives as `bias` (`jxformers.nn.relative`).
         impl: one of `jxformers.kernels.IMPLS` (`jxformers.kernels.impl`):
             the flash-attention kernel (O(N) memory) takes calls without `mask`, score
             options and with no bias or an `Alibi` one; cuDNN bf16/fp16 calls without any
@@ -228,6 +236,7 @@ def _softmax(
     persistent_v=None,
     query_positions=None,
     key_positions=None,
+    relative_values=None,
     impl: str = "auto",
 ):
     """`softmax_attention` with its priors gathered once (`priors`): its output, or with
@@ -254,6 +263,9 @@ def _softmax(
     )
     prior_names = check_priors(heads, d_k, priors)
     options = options + prior_names
+    if relative_values is not None:
+        _check_relative_values(relative_values, v.shape[2])
+        options = [*options, "relative_values"]
     prior = None
     if prior_names:  # measured on the keys before any persistent ones join them
         q_pos, k_pos = default_positions(q_len, kv_len)
@@ -322,7 +334,40 @@ def _softmax(
     # A pattern beyond padding (handled by zero_padded) leaves structural zeros in p.
     sparse = mask is not None or causal or top_k is not None or (prior is not None and prior.allowed is not None)
     out = weighted_values(p, v, reads=allowed if sparse else None)
+    if relative_values is not None:  # on the sequence's own keys (persistent ones have no position)
+        q_pos, k_pos = default_positions(q_len, kv_len - persistent_kv)
+        q_pos = q_pos if query_positions is None else jnp.asarray(query_positions)
+        k_pos = k_pos if key_positions is None else jnp.asarray(key_positions)
+        out = out + relative_value_term(p[..., persistent_kv:], relative_values, q_pos, k_pos)
     return out.reshape(q_len, heads, v.shape[2]).astype(out_dtype(q, k, v))
+
+
+def _check_relative_values(table, d_v: int) -> None:
+    shape = tuple(jnp.shape(table))
+    if len(shape) != 2 or shape[0] % 2 != 1 or shape[1] != d_v:
+        raise ValueError(
+            f"relative_values is a^V [2k + 1, d_v] (an odd number of clipped distances -k..k, d_v = {d_v}); "
+            f"got shape {shape}"
+        )
+
+
+def relative_value_term(
+    p: Float[ArrayLike, "h g q k"],
+    table: Float[ArrayLike, "labels d_v"],
+    q_pos: Int[ArrayLike, " q"],
+    k_pos: Int[ArrayLike, " k"],
+) -> Float[Array, "q h g d_v"]:
+    """Shaw et al. 2018 eq. 3's sum_j p_ij a^V_{clip(j - i, -k, k)}: the probability mass
+    each query row puts on each label (distance + k, 2k + 1 labels), a segment sum over
+    the keys, times the label's vector. Memory O(h q k) for the labels' scatter, as p."""
+    h, g, q_len, kv_len = p.shape
+    labels, k = table.shape[0], table.shape[0] // 2
+    label = jnp.clip(jnp.asarray(k_pos)[None, :] - jnp.asarray(q_pos)[:, None], -k, k) + k  # [q, k]
+    segment = (jnp.arange(q_len)[:, None] * labels + label).reshape(-1)  # one segment per (row, label)
+    flat = jnp.moveaxis(p.astype(jnp.float32).reshape(h * g, q_len * kv_len), 0, 1)
+    mass = jax.ops.segment_sum(flat, segment, num_segments=q_len * labels)  # [q * labels, h g]
+    mass = mass.reshape(q_len, labels, h, g)
+    return jnp.einsum("qrhg,rd->qhgd", mass, jnp.asarray(table).astype(jnp.float32))
 
 
 def _allowed(q_len: int, kv_len: int, mask, kv_mask, causal: bool) -> Bool[Array, "q_len kv_len"]:
@@ -387,7 +432,7 @@ register(
     paper="Vaswani et al. 2017",
     complexity="O(N^2)",
     supports_cross=True,
-    decoder=kv_cache(softmax_attention, forward=SCORE_OPTIONS + PRIOR_OPTIONS, positions=True),
+    decoder=kv_cache(softmax_attention, forward=(*SCORE_OPTIONS, *PRIOR_OPTIONS, "relative_values"), positions=True),
     init_arrays=_softmax_arrays,
     choices={"impl": IMPLS, "sinks": SINKS},
     docs={
@@ -605,7 +650,7 @@ register(
     paper="Rabe & Staats 2021",
     complexity="O(N^2) time, O(N chunk) memory",
     supports_cross=True,
-    decoder=kv_cache(softmax_attention, forward=SCORE_OPTIONS + PRIOR_OPTIONS, positions=True),
+    decoder=kv_cache(softmax_attention, forward=(*SCORE_OPTIONS, *PRIOR_OPTIONS, "relative_values"), positions=True),
     init_arrays=_chunked_arrays,
     choices={"sinks": SINKS},
     docs={

@@ -39,6 +39,7 @@ from jxformers.nn.moe import MoE, MoEConfig
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import PKMConfig, ProductKeyMemory
 from jxformers.nn.positions import Positions
+from jxformers.nn.relative import SCORE_KINDS, RelativeTerms
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
 from jxformers.nn.transformer_xl import RecurrentLM
@@ -118,8 +119,19 @@ def _blocks(
     maps_kind, lazy_block = "none", 2
     if isinstance(stack, TransformerStack):
         maps_kind, lazy_block = stack.attention_maps, stack.lazy_block
+    position = config.embedding.position
     for i, k in enumerate(jax.random.split(key, count)):
         ka, kc, kf = jax.random.split(k, 3)
+        relative = None
+        if position in SCORE_KINDS:  # this layer's part of the scheme (the shared part is the Positions')
+            relative = RelativeTerms(
+                position,
+                d_model=config.d_model,
+                heads=config.num_heads,
+                d_head=config.head_size(config.layer(i).attention),
+                max_distance=config.embedding.max_distance(config.max_len),
+                key=jax.random.fold_in(k, 5),
+            )
         attention = Attention(
             config.bound_attention(i),
             config.d_model,
@@ -134,6 +146,7 @@ def _blocks(
             **{n: getattr(config.layer(i).attention, n) for n in HEAD_OPTIONS},
             aan_d_ff=_aan_d_ff(config.layer(i).attention, config.layer(i).ffn, config.d_model),
             head_scale=config.norm.placement == "normformer",
+            relative=relative,
             key=ka,
         )
         role = map_role(maps_kind, i, lazy_block)
@@ -244,10 +257,21 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
     keys = jax.random.split(key, 8)
     stack, norm, embed = config.stack, config.norm, config.embedding
 
-    def embedding(k, causal, extra=True):
+    def embedding(k, causal, extra=True, cls=False):
         assert embed.position is not None  # ModelConfig resolves it from the stack
+        # TUPE resets the CLS token's correlations: it sits after the memory tokens (if any)
+        memory = embed.extra_tokens if extra and embed.extra_kind == "memory" else 0
         positions = Positions(
-            embed.position, dim=config.d_model, heads=config.num_heads, max_len=config.max_len, causal=causal, key=k
+            embed.position,
+            dim=config.d_model,
+            heads=config.num_heads,
+            max_len=config.max_len,
+            causal=causal,
+            key=k,
+            d_head=config.head_size(config.attention),
+            max_distance=embed.max_distance(config.max_len),
+            cls_position=memory if cls and embed.position == "tupe" else None,
+            tupe_relative=embed.tupe_relative,
         )
         kt, _ = jax.random.split(k)
         embed_norm = make_norm(norm.kind, config.d_model, norm.eps) if embed.norm else None
@@ -305,7 +329,7 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         transformer = stack if isinstance(stack, TransformerStack) else TransformerStack()  # isab, luna: none
         pooled = frozenset(transformer.filters) if transformer.downsample == "funnel" else frozenset()
         return Encoder(
-            embedding(keys[0], False),
+            embedding(keys[0], False, cls=use_cls),
             _stack(config, causal=False, key=keys[1], pooled=pooled),
             make_norm(norm.kind, config.d_model, norm.eps) if norm.final else None,
             max_len=config.max_len,

@@ -33,6 +33,7 @@ from jxformers.nn.models import DOWNSAMPLE_KINDS, EXTRA_TOKEN_KINDS, POOLING_KIN
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import POSITION_KINDS, ROPE_SCALINGS, ROTARY_KINDS, Rotary
+from jxformers.nn.relative import SHAW_MAX_DISTANCE
 from jxformers.nn.tokenlearner import TokenLearnerConfig
 from jxformers.nn.transformer_xl import COMPRESSIONS
 from jxformers.validate import Limits, check_at_least, check_fields, setting
@@ -140,15 +141,28 @@ HEAD_OPTIONS = ("collaborative", "disagreement", "disagreement_weight", "head_ag
 @dataclasses.dataclass(frozen=True)
 class EmbeddingConfig:
     """Token embeddings and positions. The rope_* and xpos_* settings configure the
-    rotary kinds (`jxformers.nn.positions.Rotary`, which `rotary()` builds from them) and
-    are refused with any other position."""
+    rotary kinds (`jxformers.nn.positions.Rotary`, which `rotary()` builds from them),
+    relative_max_distance the clipped ones (shaw, deberta) and tupe_relative TUPE; each is
+    refused with any other position."""
 
     position: str | None = setting(
         None,
         "positions: added to the embeddings (sinusoidal, scaled_sinusoidal: FLASH's sinusoids times a learned "
-        "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), or a logit bias (alibi, t5) "
-        "(None: none for the recurrent stacks, whose own are relative; sinusoidal otherwise)",
+        "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), a logit bias (alibi, t5; "
+        "tupe: TUPE's untied positional correlation, Ke et al. 2021), or relative score terms inside each "
+        "attention (shaw: Shaw et al. 2018; transformer_xl: Dai et al. 2019's u, v and W_{k,R} R_{i-j}; "
+        "deberta: He et al. 2021's disentangled attention) (None: none for the recurrent stacks, whose own are "
+        "relative; sinusoidal otherwise)",
         choices=(*POSITION_KINDS, None),
+    )
+    relative_max_distance: int | None = setting(
+        None,
+        f"k of shaw (distances j - i clipped to [-k, k]; None: {SHAW_MAX_DISTANCE}, the paper's) and deberta "
+        "(δ(i, j) = clip(i - j + k, 0, 2k - 1); None: max_len, every distance of a sequence its own bucket)",
+        limits=1,
+    )
+    tupe_relative: bool = setting(
+        False, "tupe: TUPE-R, T5's relative bias b_{j-i} added to the positional correlation; false: TUPE-A"
     )
     rope_base: float = setting(
         10000.0, "θ of rope and xpos: feature pair i turns by p θ^(-2i/d)", limits=Limits(above=1)
@@ -199,12 +213,27 @@ class EmbeddingConfig:
                 f"embedding.position={self.position!r} takes {list(wanted)} of the rotary settings; "
                 f"got {foreign} (rope_scaling and rope_factor stretch rope; xpos_* configure xpos)"
             )
+        if self.relative_max_distance is not None and self.position not in ("shaw", "deberta"):
+            raise ValueError(
+                f"embedding.relative_max_distance is k of positions 'shaw' and 'deberta'; got position="
+                f"{self.position!r}"
+            )
+        if self.tupe_relative and self.position != "tupe":
+            raise ValueError(f"embedding.tupe_relative is TUPE-R: it needs position 'tupe'; got {self.position!r}")
         if (self.rope_scaling == "none") != (self.rope_factor == 1):
             raise ValueError(
                 f"embedding.rope_factor s > 1 goes with rope_scaling one of {list(ROPE_SCALINGS[1:])}, and "
                 f"rope_scaling 'none' with rope_factor 1; got rope_scaling={self.rope_scaling!r}, "
                 f"rope_factor={self.rope_factor}"
             )
+
+    def max_distance(self, max_len: int) -> int:
+        """k of the clipped relative kinds (0 for the others): Shaw's clip, DeBERTa's 2k buckets."""
+        if self.position == "shaw":
+            return self.relative_max_distance or SHAW_MAX_DISTANCE
+        if self.position == "deberta":
+            return self.relative_max_distance or max_len
+        return 0
 
     def rotary(self) -> Rotary | None:
         """How the attentions turn q and k by position (None: position is not rotary)."""

@@ -52,6 +52,7 @@ from jxformers.nn.mixture import PIXEL_VALUES
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import ADDED_KINDS, BIAS_KINDS, ROTARY_KINDS, xpos_max_len
+from jxformers.nn.relative import RELATIVE_KINDS, SCORE_KINDS, check_relative
 from jxformers.validate import check_at_least, check_fields, setting
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
@@ -279,7 +280,8 @@ class ModelConfig:
                 f"task {self.task!r} needs causal attention; {spec.name!r} is not causal. "
                 f"Causal attentions: {registry.names(supports_causal=True)}"
             )
-        if self.embedding.position in BIAS_KINDS and not spec.takes_bias:
+        position = self.embedding.position
+        if position in BIAS_KINDS and position not in SCORE_KINDS and not spec.takes_bias:  # tupe: _check_relative
             raise ValueError(
                 f"position {self.embedding.position!r} adds a logit bias, which {spec.name!r} attention "
                 f"does not take; use one of {[*ADDED_KINDS, *ROTARY_KINDS, 'none']}, or one of "
@@ -291,6 +293,36 @@ class ModelConfig:
                 f"attention {spec.name!r}: head_windows gives {len(windows)} windows ({list(windows)}); "
                 f"one per head is needed, num_heads = {self.num_heads}"
             )
+
+    def _check_relative(self):
+        """The positions computed with each attention's scores (shaw, transformer_xl,
+        deberta, tupe: `jxformers.nn.relative`) fit every block's attention and the stack."""
+        position = self.embedding.position
+        if position not in SCORE_KINDS or not isinstance(self.stack, TransformerStack):
+            return  # other stacks refuse them (_check_stack)
+        stack = self.stack
+        for index in range(self._blocks()):
+            attention = self.layer(index).attention
+            check_relative(
+                position, self._bound[index].spec, qk_norm=attention.qk_norm,
+                collaborative=attention.collaborative is not None, maps=stack.attention_maps != "none",
+                where=f"block {index}'s attention",
+            )  # fmt: skip
+        sizes = sorted({self.head_size(self.layer(i).attention) for i in range(self._blocks())})
+        if position == "transformer_xl" and len(sizes) > 1:
+            raise ValueError(
+                f"position 'transformer_xl' shares u and v [heads, d_head] across the layers: every block needs "
+                f"one head size; got {sizes} (attention.d_head in stack.layer_overrides)"
+            )
+        if stack.filters and position in ("transformer_xl", "tupe"):
+            why = {
+                "transformer_xl": "its W_{k,R} R_{i-j} is projected once per integer distance of the grid; a "
+                "shortened grid's distances are fractional and span the input's length, which would need the "
+                "sinusoid of every pair (O(n^2 d_model) memory)",
+                "tupe": "its positional correlation reads the absolute embedding p_i of each token's position; a "
+                "filtered token mixes many positions (DCT or pooling) and sits at a fractional one",
+            }[position]
+            raise ValueError(f"position {position!r} with stack.filters {stack.filters}: refused, {why}")
 
     def _check_stack(self):
         kind, stack = self.stack.kind, self.stack
@@ -319,7 +351,7 @@ class ModelConfig:
                 )
             if self.dtype != "float32":
                 raise ValueError(f"stack {kind!r} runs in float32 only; got dtype {self.dtype!r}")
-        elif position in BIAS_KINDS or position in ROTARY_KINDS:
+        elif position in BIAS_KINDS or position in ROTARY_KINDS or position in RELATIVE_KINDS:
             raise ValueError(
                 f"stack {kind!r} takes positions added to the embeddings ({', '.join(ADDED_KINDS)}) or none; "
                 f"got {position!r}"
@@ -552,6 +584,7 @@ class ModelConfig:
             self._check_attention(self._bound[index])
             check_qk_norm(self.layer(index).attention.qk_norm, self._bound[index].spec, self.max_len)
             self._check_heads(self.layer(index).attention, self._bound[index].spec, f"block {index}'s attention")
+        self._check_relative()
         if self.decoder is not None:
             spec = self._bound[-1].spec
             check_qk_norm(self.decoder.cross_attention.qk_norm, spec, self.max_len)
