@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     report = table(results, args.depths)
     command = "python scripts/depth_study.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     head = (
-        f"Command: `{command}`  \nMachine: {platform.platform()}, {jax.__version__} on "
+        f"Command: `{command}`  \nMachine: {platform.platform()}, jax {jax.__version__} on "
         f"{jax.default_backend()}  \nDate: {time.strftime('%Y-%m-%d')}\n\n"
     )
     print(report)
