@@ -171,6 +171,16 @@ def test_normformers_ffn_normalises_its_hidden_layer():
     assert_close(ffn(x, inference=True), affine(ffn.w_out, h), atol=1e-4)
 
 
+def decoded(model, tokens, max_len):
+    """The logits of `tokens` fed one decoding step at a time, `[len, vocab]`."""
+    state = model.init_decode_state(max_len)
+    steps = []
+    for token in tokens:
+        logits, state = model.decode_step(token, state)
+        steps.append(logits)
+    return jnp.stack(steps)
+
+
 def test_decoding_steps_match_the_full_forward_for_every_placement():
     for placement in residual.PLACEMENTS:
         config = dict(
@@ -181,13 +191,7 @@ def test_decoding_steps_match_the_full_forward_for_every_placement():
         if placement == "rezero":  # away from the identity
             model = eqx.tree_at(lambda m: [b.resweight for b in m.blocks], model, [jnp.asarray(0.5)] * 2)
         tokens = jnp.array([1, 4, 2, 7, 3])
-        full = model(tokens)
-        state = model.init_decode_state(8)
-        steps = []
-        for t in range(5):
-            logits, state = model.decode_step(tokens[t], state)
-            steps.append(logits)
-        assert_close(jnp.stack(steps), full, atol=1e-4)
+        assert_close(decoded(model, tokens, 8), model(tokens), atol=1e-4)
 
 
 # ------------------------------------------------------------------ DeepNet
@@ -314,14 +318,7 @@ def test_a_decoder_without_ffns_decodes_as_its_forward():
     with_ffn = build_model(config | {"decoder": {"num_layers": 2}}, key=jax.random.key(3))
     assert all(b.ffn is not None for b in with_ffn.decoder.blocks)
     src, tgt = jnp.array([3, 1, 4, 1, 5, 9]), jnp.array([2, 6, 5, 3])
-    logits = model(src, tgt)
-    bound = model.conditioned(src)
-    state = bound.init_decode_state(4)
-    steps = []
-    for t in range(4):
-        out, state = bound.decode_step(tgt[t], state)
-        steps.append(out)
-    assert_close(jnp.stack(steps), logits, atol=1e-4)
+    assert_close(decoded(model.conditioned(src), tgt, 4), model(src, tgt), atol=1e-4)
     # the block's formula without its FFN: x + A(N(x)) -> + C(N(.), context)
     b = decoder_blocks[0]
     x, context = jax.random.normal(jax.random.key(4), (4, D)), jax.random.normal(jax.random.key(5), (6, D))
