@@ -284,7 +284,6 @@ def small(**overrides):
         (dict(ffn={"kind": "pkm", "num_keys": 4, "top_k": 2}, norm={"placement": "normformer"}), "hidden layer"),
         (dict(attention={"name": "average", "aan": True}, norm={"placement": "normformer"}), "has no heads"),
         (dict(norm={"placement": "fixup"}), "placement"),
-        (dict(norm={"kind": "powernorm"}), "kind"),
         (dict(ffn={"kind": "swish"}), "swish"),
     ],
 )

@@ -6,6 +6,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     average.py    AverageNetwork: the FFN and gating layer of the average attention network
                   (Zhang et al. 2018; the Attention setting aan around the attention `average`)
     layers.py     Linear, LayerNorm, RMSNorm, ScaleNorm, AdaNorm, FeedForward (its activations)
+    power_norm.py  PowerNorm (Shen et al. 2020): running statistics as model state, its
+                  approximate backward, and their update from a batch (update_statistics)
     moe.py        MoE (token-choice, expert-choice, hash, BASE and prototype routers, capacity
                   and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
@@ -63,6 +65,7 @@ from jxformers.nn.positions import (
     t5_buckets,
     xpos,
 )
+from jxformers.nn.power_norm import PowerNorm, has_statistics, statistics, update_statistics
 from jxformers.nn.produced import AttentionInputs, Produced
 from jxformers.nn.set_transformer import ISAB, MAB, PMA
 from jxformers.nn.tokenlearner import TokenFuser, TokenLearner, TokenLearnerStage
@@ -91,6 +94,7 @@ __all__ = [
     "ModelConfig",
     "PMA",
     "PerceiverEncoder",
+    "PowerNorm",
     "Produced",
     "Positions",
     "ProductKeyMemory",
@@ -104,12 +108,15 @@ __all__ = [
     "alibi_slopes",
     "attention_modules",
     "build_model",
+    "has_statistics",
     "redraw",
     "rotary",
     "sinusoidal",
+    "statistics",
     "t5_buckets",
     "trainable",
     "update_arrays",
+    "update_statistics",
     "updates_arrays",
     "xpos",
 ]

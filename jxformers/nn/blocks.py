@@ -18,7 +18,7 @@ from jxformers import decoding
 from jxformers.kernels.alibi import Alibi
 from jxformers.nn import cross_layer, residual
 from jxformers.nn.attention import Attention
-from jxformers.nn.layers import FeedForward, Norm, make_norm
+from jxformers.nn.layers import FeedForward, Norm, make_norm, normalise
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.produced import Produced
@@ -119,24 +119,26 @@ class Block(eqx.Module):
         """Whether each branch's input is normalised (pre, sandwich)."""
         return self.placement in residual.INPUT_NORMED
 
-    def _branch(self, f: Callable[[Array], tuple[Array, Produced]], index: int, x, key, inference):
+    def _branch(self, f: Callable[[Array], tuple[Array, Produced]], index: int, x, key, inference, mask=None):
         """(the branch's output, what f produced): dropout(f(N(x))) with pre-norm,
         dropout(N'(f(N(x)))) with sandwich (and normformer's self-attention), a dropout(f(x))
         with rezero, dropout(f(x)) with post-norm and deepnorm; `index` is the branch's (0 self-attention, then
-        cross-attention, then the FFN). The one dropout of a residual branch."""
-        y, produced = f(self.norms[index](x) if self.pre_norm else x)
+        cross-attention, then the FFN). The one dropout of a residual branch. `mask`: x's
+        real tokens, for norms that keep batch statistics (`layers.normalise`)."""
+        y, produced = f(normalise(self.norms[index], x, mask) if self.pre_norm else x)
         if (out_norm := self.out_norms[index]) is not None:
-            y = out_norm(y)
+            y = normalise(out_norm, y, mask)
         y = self.dropout(y, key=key, inference=inference)
         if self.resweight is not None:
             y = self.resweight.astype(y.dtype) * y
         return y, produced
 
-    def _residual(self, x, branch_out, index: int):
+    def _residual(self, x, branch_out, index: int, mask=None):
         """x + the branch's output, normalised after the sum with post-norm (alpha x +
-        ... with deepnorm)."""
+        ... with deepnorm); `mask` as `_branch`'s."""
         if self.placement in residual.OUTPUT_NORMED:
-            return self.norms[index](x * self.alpha + branch_out if self.alpha != 1.0 else x + branch_out)
+            summed = x * self.alpha + branch_out if self.alpha != 1.0 else x + branch_out
+            return normalise(self.norms[index], summed, mask)
         return x + branch_out
 
     @property
@@ -169,7 +171,7 @@ class Block(eqx.Module):
                 h, kv_mask=kv_mask, bias=bias, positions=positions, key=noise, inference=inference
             )
         else:
-            kv = self.norms[0](source) if self.pre_norm else source
+            kv = normalise(self.norms[0], source, kv_mask) if self.pre_norm else source
             attend = lambda h: self.attention.apply(  # noqa: E731
                 h,
                 kv,
@@ -180,7 +182,7 @@ class Block(eqx.Module):
                 key=noise,
                 inference=inference,
             )
-        y, produced = self._branch(attend, 0, x, key, inference)
+        y, produced = self._branch(attend, 0, x, key, inference, kv_mask if source is None else None)
         return y, produced.under("attention")
 
     def ffn_branch(
@@ -211,7 +213,7 @@ class Block(eqx.Module):
             y, aux = ffn(h, mask=mask, token_ids=token_ids, key=k_hidden, inference=inference)
             return y, Produced(moe=(aux,))
 
-        return self._branch(feed, self._ffn_index, x, k_out, inference)
+        return self._branch(feed, self._ffn_index, x, k_out, inference, mask)
 
     def __call__(self, x: Float[Array, "seq d_model"], **kwargs) -> Float[Array, "seq d_model"]:
         """`apply(...)`'s output alone (the arguments are `apply`'s)."""
@@ -236,7 +238,7 @@ class Block(eqx.Module):
             )
             return y, Produced()
 
-        return self._branch(attend, 0, x, key, inference)[0], made["maps"]
+        return self._branch(attend, 0, x, key, inference, kv_mask)[0], made["maps"]
 
     def apply_maps(
         self,
@@ -293,20 +295,20 @@ class Block(eqx.Module):
                 x, maps, kv_mask=kv_mask, bias=bias, positions=positions, key=k_attn, inference=inference
             )
             produced = Produced()
-        x = self._residual(x, out, 0)
+        x_mask = kv_mask if source is None else None  # with a source, kv_mask is not x's
+        x = self._residual(x, out, 0, x_mask)
         if self.cross_attention is not None:
             if context is None:
                 raise ValueError("this block cross-attends: pass a context")
             cross = self.cross_attention
             attend = lambda h: cross.apply(h, context, kv_mask=context_mask, inference=inference)  # noqa: E731
-            out, more = self._branch(attend, 1, x, k_cross, inference)
-            x = self._residual(x, out, 1)
+            out, more = self._branch(attend, 1, x, k_cross, inference, x_mask)
+            x = self._residual(x, out, 1, x_mask)
             produced = produced + more.under("cross_attention")
         if self.ffn is None:  # the all-attention layer: no FFN sublayer
             return x, produced, maps
-        ffn_mask = kv_mask if source is None else None  # with a source, kv_mask is not x's
-        out, more = self.ffn_branch(x, mask=ffn_mask, token_ids=token_ids, key=k_ffn, inference=inference)
-        return self._residual(x, out, self._ffn_index), produced + more, maps
+        out, more = self.ffn_branch(x, mask=x_mask, token_ids=token_ids, key=k_ffn, inference=inference)
+        return self._residual(x, out, self._ffn_index, x_mask), produced + more, maps
 
     def init_decode_state(self, max_len: int, dtype) -> decoding.State:
         """The self-attention's empty decoding state (fixed shape); a layer that reuses

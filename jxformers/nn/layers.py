@@ -1,5 +1,5 @@
 """Small layers: a linear map that computes in a chosen dtype, LayerNorm and RMSNorm
-that always normalise in float32, the position-wise feed-forward network with
+that always normalise in float32 (and PowerNorm, from `power_norm`), the position-wise feed-forward network with
 ReLU, GELU (tanh approximation, or "gelu_exact": the erf form BERT uses), Swish/SiLU,
 squared ReLU and gated (GEGLU, SwiGLU, ReGLU, bilinear) variants (Lin et al. 2021, "A
 Survey of Transformers", arXiv 2106.04554, section 5.3), and the embedding-table lookup that
@@ -14,7 +14,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from jxformers.nn.power_norm import PowerNorm
 
 
 def _relu_squared(h: Array) -> Array:
@@ -43,7 +45,7 @@ ACTIVATIONS = {
 }
 GATED_KINDS = ("geglu", "swiglu", "reglu", "bilinear")
 FFN_KINDS = tuple(ACTIVATIONS)
-NORM_KINDS = ("layernorm", "rmsnorm", "scalenorm", "adanorm")
+NORM_KINDS = ("layernorm", "rmsnorm", "scalenorm", "adanorm", "powernorm")
 
 
 def check_ids(ids, size: int, what: str = "token ids") -> None:
@@ -192,8 +194,22 @@ class AdaNorm(eqx.Module):
 
 
 # Any norm `make_norm` builds.
-Norm = LayerNorm | RMSNorm | ScaleNorm | AdaNorm
-_NORM_CLASSES = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "scalenorm": ScaleNorm, "adanorm": AdaNorm}
+Norm = LayerNorm | RMSNorm | ScaleNorm | AdaNorm | PowerNorm
+_NORM_CLASSES = {
+    "layernorm": LayerNorm,
+    "rmsnorm": RMSNorm,
+    "scalenorm": ScaleNorm,
+    "adanorm": AdaNorm,
+    "powernorm": PowerNorm,
+}
+
+
+def normalise(
+    norm: Norm, x: Float[Array, "*batch dim"], mask: Bool[Array, "*batch"] | None
+) -> Float[Array, "*batch dim"]:
+    """norm(x), telling a norm that keeps statistics over the batch (PowerNorm) which
+    rows are real tokens (`mask` True; None: all); the others normalise each row alone."""
+    return norm(x, mask=mask) if isinstance(norm, PowerNorm) else norm(x)
 
 
 def make_norm(kind: str, dim: int, eps: float | None = None) -> Norm:

@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.decoding import BiasFn
 from jxformers.nn.blocks import Block
-from jxformers.nn.layers import AdaNorm, Linear, Norm, check_tokens, lookup
+from jxformers.nn.layers import AdaNorm, Linear, Norm, check_tokens, lookup, normalise
 from jxformers.nn.luna import LunaStack
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.moe import NO_TOKEN
@@ -402,7 +402,7 @@ class Encoder(eqx.Module):
             bias = self.embedding.positions.grid_bias(x.shape[0])
             blocks = cast(tuple[Block, ...], self.blocks)  # _check_reversible: all Blocks
             x, produced = reversible_apply(blocks, x, kv_mask=mask, bias=bias, key=key, inference=inference)
-            return self._drop_registers(self._final(x), mask), produced.under("blocks")
+            return self._drop_registers(self._final(x, mask), mask), produced.under("blocks")
         input_mask, filters, outputs, produced = mask, dict(self.filters), [], Produced()
         spacing = jnp.ones((), jnp.float32)
         pos = self._positions(x.shape[0], spacing)
@@ -450,11 +450,11 @@ class Encoder(eqx.Module):
                 ids = None  # learned tokens: no token ids from here on
         if upsample_sum:
             outputs.append(_upsample(x, mask, input_mask))
-            return self._drop_registers(self._final(sum(outputs[1:], outputs[0])), input_mask), produced
-        return self._drop_registers(self._final(x), mask), produced
+            return self._drop_registers(self._final(sum(outputs[1:], outputs[0]), input_mask), input_mask), produced
+        return self._drop_registers(self._final(x, mask), mask), produced
 
-    def _final(self, x):
-        return x if self.norm is None else self.norm(x)
+    def _final(self, x, mask):
+        return x if self.norm is None else normalise(self.norm, x, mask)
 
     def _drop_registers(self, x, mask):
         """(x, mask) without the registers, which are discarded at the output (Darcet et
@@ -662,8 +662,8 @@ class LanguageModel(eqx.Module):
         """Token ids the model reads: [0, vocab_size)."""
         return self.embedding.table.shape[0]
 
-    def _logits(self, x):
-        x = self.norm(x)
+    def _logits(self, x, mask=None):
+        x = normalise(self.norm, x, mask)
         if self.head is not None:
             return self.head(x)
         return self.embedding.logits(x) if self.unembed is None else self.unembed(x).astype(jnp.float32)
@@ -709,7 +709,7 @@ class LanguageModel(eqx.Module):
                 key=key,
                 inference=inference,
             )
-            return self._logits(x[m:]), produced.under("blocks")
+            return self._logits(x[m:], None if mask is None else mask[m:]), produced.under("blocks")
         produced, maps = Produced(), None  # maps: what one block hands the next (nn.cross_layer)
         for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)), strict=True)):
             if isinstance(block, Block):
@@ -728,7 +728,7 @@ class LanguageModel(eqx.Module):
                 produced = produced + made.under("blocks", i)
             else:  # a LunaStack (causal Luna): no bias, positions or cross-attention to pass
                 x = block(x, kv_mask=mask, key=k, inference=inference)
-        return self._logits(x[m:]), produced
+        return self._logits(x[m:], None if mask is None else mask[m:]), produced
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         """Per-layer decoding states for up to `max_len` tokens (fixed shapes): empty, or

@@ -1,5 +1,6 @@
 """Which leaves of a model an optimizer should update, and resampling or updating the
-ones it should not (the drawn arrays of attention modules)."""
+ones it should not (the drawn arrays of attention modules; norms' running statistics
+are updated by `jxformers.nn.power_norm.update_statistics`)."""
 
 from collections.abc import Sequence
 
@@ -9,18 +10,21 @@ import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
 from jxformers.nn.attention import Attention, attention_modules
+from jxformers.nn.power_norm import STATISTICS
 from jxformers.nn.produced import AttentionInputs, follow
 
 
 def trainable(model) -> object:
     """A pytree of bools like `model`: True for floating-point arrays that are learned,
     False for everything else, including the drawn arrays of attention modules
-    (Performer's projection, BigBird's key), which `redraw` resamples instead. Use it as
-    the filter of `eqx.partition` or the mask of `optax.masked`."""
+    (Performer's projection, BigBird's key), which `redraw` resamples instead, and the
+    running statistics of norms (PowerNorm's), which the train step updates
+    (`jxformers.nn.power_norm`). Use it as the filter of `eqx.partition` or the mask of
+    `optax.masked`."""
 
     def leaf(path, x):
-        drawn = any(isinstance(p, jax.tree_util.GetAttrKey) and p.name == "drawn" for p in path)
-        return eqx.is_inexact_array(x) and not drawn
+        held = any(isinstance(p, jax.tree_util.GetAttrKey) and p.name in ("drawn", STATISTICS) for p in path)
+        return eqx.is_inexact_array(x) and not held
 
     return jax.tree_util.tree_map_with_path(leaf, model)
 

@@ -5,7 +5,8 @@
 
 `TrainState` is the pytree a train step carries: the trainable `params`, the `drawn`
 arrays (attention's drawn features / random blocks / rotations and PRNG keys inside the
-model: non-trainable, replaced by `redraw`), the optimizer state, the step (an int32
+model: non-trainable, replaced by `redraw`; and norms' running statistics, which the
+train step updates), the optimizer state, the step (an int32
 array), the run's PRNG key, and, for a model with a memory carried from step to step
 (Transformer-XL, the Compressive Transformer), that `memory` (one per batch row, which
 the train step threads; None otherwise). The static rest of the model (activation functions,

@@ -15,6 +15,9 @@ logits as a value (`jxformers.nn.Produced`); the step threads each part explicit
 - the k-means inputs of Routing and Cluster-Former attention (`spec.update_arrays`)
   move those modules' drawn centroids outside the gradient (`nn.update_arrays`, not
   when the step is skipped);
+- the running statistics of norms that keep them (PowerNorm) are differentiated beside
+  the parameters, which gives the batch's sums, and updated from them after the step
+  (`jxformers.nn.power_norm`; not when the step is skipped);
 - a model that carries a memory between segments (Transformer-XL, the Compressive
   Transformer; `state.memory` is not None) reads each record's first max_len - 1 tokens
   after its row's memory, predicts the next max_len - 1, and leaves the new memory in
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jxformers.nn import Produced, update_arrays, updates_arrays
+from jxformers.nn import Produced, has_statistics, statistics, update_arrays, update_statistics, updates_arrays
 from jxformers.nn.moe import aux_loss, layer_metrics, reduce_aux
 from jxformers.train.sharding import ShardingPlan, jit_train_step
 from jxformers.train.state import TrainState, carries_memory, empty_memories, split_model
@@ -115,22 +118,29 @@ def make_train_step(
     and goes out on the plan's shardings, the batch split over (data, fsdp), the metrics
     replicated."""
     updating = updates_arrays(static)
+    # Norms with running statistics (PowerNorm): the loss is differentiated with respect to
+    # them too, which gives the batch's sums that update them (`jxformers.nn.power_norm`).
+    keeps_statistics = has_statistics(static)
 
     gathered = None if sharding is None else sharding.gathered(sharding.state.params)
 
     def micro_grads(params, drawn, batch, memory, key):
-        def loss_fn(p):
+        """(loss, aux, (grads, statistics' sums)); the sums are None without statistics."""
+        held, rest = eqx.partition(drawn, statistics(drawn)) if keeps_statistics else (None, drawn)
+
+        def loss_fn(p, s):
             if gathered is not None:  # FSDP: the forward reads whole parameters (ShardingPlan.gathered)
                 p = jax.lax.with_sharding_constraint(p, gathered)
-            return loss_and_metrics(eqx.combine(p, drawn, static), batch, key, memory=memory)
+            model = eqx.combine(p, rest, static) if s is None else eqx.combine(p, s, rest, static)
+            return loss_and_metrics(model, batch, key, memory=memory)
 
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, held)
         return loss, aux, grads
 
     def step(state: TrainState, batch):
         params, key = state.params, jax.random.fold_in(state.rng, 2 * state.step)
         if grad_accum == 1:
-            loss, (stats, produced), grads = micro_grads(params, state.drawn, batch, state.memory, key)
+            loss, (stats, produced), (grads, sums) = micro_grads(params, state.drawn, batch, state.memory, key)
         else:
             split = lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:])  # noqa: E731
             rows = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731 - micro-batches back to one batch
@@ -140,9 +150,11 @@ def make_train_step(
                 loss, aux, grads = micro_grads(params, state.drawn, b, m, k)
                 return jax.tree.map(jnp.add, acc, (loss, aux.stats, grads)), aux.produced
 
-            zero = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), jax.tree.map(jnp.zeros_like, params))
+            held = eqx.filter(state.drawn, statistics(state.drawn)) if keeps_statistics else None
+            zero_grads = jax.tree.map(jnp.zeros_like, (params, held))
+            zero = (jnp.zeros(()), (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())), zero_grads)
             xs = (jax.tree.map(split, batch), jax.tree.map(split, state.memory), jax.random.split(key, grad_accum))
-            (loss, stats, grads), produced = jax.lax.scan(body, zero, xs)
+            (loss, stats, (grads, sums)), produced = jax.lax.scan(body, zero, xs)
             produced = _over_batch(produced)
             produced = Produced(
                 moe=produced.moe,
@@ -170,6 +182,9 @@ def make_train_step(
         if updating:  # state moved outside the gradient (k-means centroids)
             _, drawn, _ = split_model(update_arrays(eqx.combine(params, drawn, static), produced.attention_inputs))
             drawn = keep(drawn, state.drawn)
+        if keeps_statistics:  # the norms' running statistics, from the batch's sums (sums over micro-batches)
+            _, updated, _ = split_model(update_statistics(eqx.combine(params, drawn, static), sums))
+            drawn = keep(updated, drawn)
         memory = state.memory
         if memory is not None:  # a skipped step's states are not finite: start its rows afresh
             memory = keep(produced.memory, jax.tree.map(jnp.zeros_like, memory))

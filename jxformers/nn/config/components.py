@@ -262,8 +262,10 @@ class NormConfig:
 
     kind: str = setting(
         "layernorm",
-        "layernorm, rmsnorm, scalenorm (Nguyen & Salazar 2019: g x / ||x||) or adanorm (Xu et al. 2019: "
-        "(1 - y / 10) y with y the normalised x, no gain or bias)",
+        "layernorm, rmsnorm, scalenorm (Nguyen & Salazar 2019: g x / ||x||), adanorm (Xu et al. 2019: "
+        "(1 - y / 10) y with y the normalised x, no gain or bias) or powernorm (Shen et al. 2020: each feature "
+        "over a running quadratic mean of the batches, updated by the train step and checkpointed, with its "
+        "approximate backward; jxformers.nn.power_norm)",
         choices=NORM_KINDS,
     )
     placement: str | None = setting(
@@ -278,7 +280,7 @@ class NormConfig:
         choices=(*NORM_PLACEMENTS, None),
     )
     eps: float | None = setting(
-        None, "epsilon (None: LayerNorm 1e-5, RMSNorm 1e-6, ScaleNorm 1e-5, AdaNorm 1e-5; BERT 1e-12)"
+        None, "epsilon (None: LayerNorm 1e-5, RMSNorm 1e-6, ScaleNorm 1e-5, AdaNorm 1e-5, PowerNorm 1e-5; BERT 1e-12)"
     )
     final: bool = setting(True, "a norm after the last block; BERT's post-norm encoder has none")
 
