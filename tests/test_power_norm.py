@@ -251,7 +251,8 @@ def test_a_2x2x2_mesh_trains_with_the_losses_and_statistics_of_one_device():
     for sharded in (False, True):
         params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
         state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
-        plan = plan_sharding(state, static, make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), batch_size=8) if sharded else None
+        mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+        plan = plan_sharding(state, static, mesh, batch_size=8) if sharded else None
         if plan is not None:
             state = plan.place_state(state)
         step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
@@ -259,7 +260,8 @@ def test_a_2x2x2_mesh_trains_with_the_losses_and_statistics_of_one_device():
         for _ in range(3):
             state, m = step(state, batch if plan is None else plan.place_batch(batch))
             losses.append(float(m["loss"]))
-        out[sharded] = losses, [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.drawn, statistics(state.drawn)))]
+        held = eqx.filter(state.drawn, statistics(state.drawn))
+        out[sharded] = losses, [np.asarray(x) for x in jax.tree.leaves(held)]
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
     for a, b in zip(out[True][1], out[False][1], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
