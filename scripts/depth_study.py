@@ -11,6 +11,7 @@ loss (mean ± standard deviation over the seeds that finished), the train loss a
 and which seeds diverged; the plot, the train loss curves of every run.
 
     python scripts/depth_study.py --out docs/depth_study.md --plot docs/depth_study.png
+    python scripts/depth_study.py --layers 4 12 24 --only pre post admin --norms layernorm scalenorm adanorm
 
 About 2.5 minutes a run at depth 16 on a 2-core CPU (seeds after the first load the
 first one's compiled programs): the whole study takes about an hour.
@@ -29,6 +30,7 @@ import time
 
 import jax
 
+from jxformers.nn.layers import NORM_KINDS
 from jxformers.tools.demo import shared_compilation
 from jxformers.train import NonFiniteError, load_experiment, train
 from jxformers.train.workdir import read_metrics_log
@@ -42,13 +44,32 @@ VARIANTS = {
     "rezero": ["model.norm.placement=rezero", "model.norm.final=false"],
     "tfixup": ["model.norm.placement=tfixup", "model.norm.final=false"],
     "deepnorm": ["model.norm.placement=deepnorm"],
+    "admin": ["model.norm.placement=admin"],
+    "fixup": ["model.norm.placement=fixup", "model.norm.final=false"],
     "pre, scalenorm": ["model.norm.placement=pre", "model.norm.kind=scalenorm"],
     "post, adanorm": ["model.norm.placement=post", "model.norm.kind=adanorm"],
 }
 
 
-def run(label: str, depth: int, seed: int, root: pathlib.Path, extra: list[str]) -> dict:
-    overrides = ["preset=tiny", *VARIANTS[label], f"model.num_layers={depth}", f"train.seed={seed}", *extra]
+def variants(only: list[str] | None, norms: list[str] | None) -> dict[str, list[str]]:
+    """label -> overrides of the rows to run: `only`'s (default every row of VARIANTS),
+    and with `norms`, each of those schemes once per norm kind instead ("pre, scalenorm":
+    the scheme's overrides and `model.norm.kind`; a row that names its kind keeps it)."""
+    chosen = {label: VARIANTS[label] for label in only or VARIANTS}
+    if not norms:
+        return chosen
+    out = {}
+    for label, overrides in chosen.items():
+        if any(o.startswith("model.norm.kind=") for o in overrides):
+            out[label] = overrides
+            continue
+        for kind in norms:
+            out[label if kind == "layernorm" else f"{label}, {kind}"] = [*overrides, f"model.norm.kind={kind}"]
+    return out
+
+
+def run(label: str, overrides: list[str], depth: int, seed: int, root: pathlib.Path, extra: list[str]) -> dict:
+    overrides = ["preset=tiny", *overrides, f"model.num_layers={depth}", f"train.seed={seed}", *extra]
     experiment = load_experiment("lra_listops", overrides)
     workdir = root / f"{label.replace(', ', '_')}_L{depth}_s{seed}"
     started = time.perf_counter()
@@ -84,7 +105,7 @@ def table(results: list[dict], depths: list[int]) -> str:
         "| scheme | depth | eval accuracy | eval loss | final train loss | diverged | s a run |",
         "|---|---:|---:|---:|---:|---|---:|",
     ]
-    for label in VARIANTS:
+    for label in dict.fromkeys(r["label"] for r in results):  # in run order
         for depth in depths:
             rows = [r for r in results if r["label"] == label and r["depth"] == depth]
             if not rows:
@@ -106,7 +127,8 @@ def plot(results: list[dict], depths: list[int], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4.5), sharey=True, squeeze=False)
-    colors = dict(zip(VARIANTS, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2, strict=False))
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    colors = dict(zip(labels, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2, strict=False))
     for ax, depth in zip(axes[0], depths, strict=True):
         for r in results:
             if r["depth"] != depth or not r["curve"]:
@@ -123,23 +145,41 @@ def plot(results: list[dict], depths: list[int], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see `main`)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--depths", type=int, nargs="+", default=[4, 16], help="numbers of layers (default 4 16)")
+    p.add_argument(
+        "--layers", "--depths", dest="depths", type=int, nargs="+", default=[4, 16],
+        help="numbers of layers, e.g. 4 12 24 (default 4 16)",
+    )  # fmt: skip
     p.add_argument("--seeds", type=int, default=3, help="seeds per scheme and depth (default 3)")
     p.add_argument("--only", nargs="+", choices=list(VARIANTS), help="these schemes only")
+    p.add_argument(
+        "--norms", nargs="+", choices=NORM_KINDS,
+        help="run each scheme once per norm kind (rows 'pre, scalenorm', ...; default: the rows as listed)",
+    )  # fmt: skip
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE", help="more overrides")
     p.add_argument("--workdir", help="keep the runs here (default: a temporary directory)")
     p.add_argument("--out", help="write the markdown report here")
     p.add_argument("--plot", help="write the loss curves here (PNG)")
     args = p.parse_args(argv)
+    if any(d < 1 for d in args.depths):
+        p.error(f"--layers must be positive; got {args.depths}")
+    if args.seeds < 1:
+        p.error(f"--seeds must be at least 1; got {args.seeds}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = variants(args.only, args.norms)
     results = []
     with tempfile.TemporaryDirectory(prefix="jxformers-depth-") as tmp, shared_compilation(pathlib.Path(tmp) / "cache"):
         root = pathlib.Path(args.workdir or tmp)
         for depth in args.depths:
-            for label in args.only or VARIANTS:
+            for label, overrides in rows.items():
                 for seed in range(args.seeds):
-                    r = run(label, depth, seed, root, args.extra)
+                    r = run(label, overrides, depth, seed, root, args.extra)
                     results.append(r)
                     state = (
                         f"diverged ({r['diverged']})" if r["diverged"] else f"eval accuracy {r['eval_accuracy']:.3f}"

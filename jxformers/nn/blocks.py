@@ -1,6 +1,6 @@
 """The transformer block: self-attention, optional cross-attention, and a feed-forward
 network, each a residual branch with its norms placed as `jxformers.nn.residual` says
-(pre, post, sandwich, ReZero, DeepNorm; Lin et al. 2021, "A Survey of Transformers",
+(pre, post, sandwich, ReZero, DeepNorm, Admin, Fixup; Lin et al. 2021, "A Survey of Transformers",
 arXiv 2106.04554, section 5.2)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jxformers.nn.attention import Attention
 from jxformers.nn.layers import FeedForward, Norm, make_norm, normalise
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
-from jxformers.nn.produced import Produced
+from jxformers.nn.produced import Produced, ResidualMoments
 from jxformers.nn.relative import SharedTerms, check_relative
 
 NORM_PLACEMENTS = residual.PLACEMENTS
@@ -33,7 +33,9 @@ class Block(eqx.Module):
 
     Arguments (constructor): `attention` and `cross_attention` (Attention modules, the
     latter None unless the block reads a context), `ffn`, `norm` ("layernorm" or
-    "rmsnorm"), `d_model`, `pre_norm`, `dropout` (once on each residual branch's
+    "rmsnorm"), `d_model`, `pre_norm`, `placement` (one of `residual.PLACEMENTS`; it
+    overrides `pre_norm`: admin's skip weights start at 1 until `residual.admin_profile`,
+    fixup's scalar biases at 0 and multipliers at 1), `dropout` (once on each residual branch's
     output; the attention modules hold none), `norm_eps` (None: the norm's default).
     The FFN may be a FeedForward, a mixture of experts (`MoE`) or a `ProductKeyMemory`;
     the latter two see the token mask. `ffn` None drops the FFN sublayer (and its norm):
@@ -57,6 +59,9 @@ class Block(eqx.Module):
     norms: tuple[Norm, ...]  # one per branch: on its input (pre, sandwich) or after its sum (post, deepnorm)
     out_norms: tuple[Norm | None, ...]  # on each branch's output: sandwich's, normformer's (self-attention)
     resweight: Float[Array, ""] | None  # rezero: the block's residual scalar
+    omegas: tuple[Float[Array, " d_model"], ...] | None  # admin: each branch's skip weights (x w + f(x))
+    shifts: Float[Array, " branches"] | None  # fixup: each branch's scalar bias on its input
+    scales: Float[Array, " branches"] | None  # fixup: each branch's scalar multiplier on its output
     dropout: eqx.nn.Dropout
     evolve: cross_layer.Evolve | None
     placement: str = eqx.field(static=True)
@@ -111,6 +116,13 @@ class Block(eqx.Module):
         out_normed = {"sandwich": range(branches), "normformer": (0,)}.get(placement, ())
         self.out_norms = tuple(make_norm(norm, d_model, norm_eps) if i in out_normed else None for i in range(branches))
         self.resweight = jnp.zeros((), jnp.float32) if placement == "rezero" else None
+        # Admin's weights start at 1 (post-norm) until its profile sets them (residual.admin_profile)
+        self.omegas = (
+            tuple(jnp.ones((d_model,), jnp.float32) for _ in range(branches)) if placement == "admin" else None
+        )
+        fixup = placement == "fixup"
+        self.shifts = jnp.zeros((branches,), jnp.float32) if fixup else None
+        self.scales = jnp.ones((branches,), jnp.float32) if fixup else None
         self.dropout = eqx.nn.Dropout(dropout)
         self.placement, self.alpha = placement, float(alpha)
 
@@ -122,24 +134,54 @@ class Block(eqx.Module):
     def _branch(self, f: Callable[[Array], tuple[Array, Produced]], index: int, x, key, inference, mask=None):
         """(the branch's output, what f produced): dropout(f(N(x))) with pre-norm,
         dropout(N'(f(N(x)))) with sandwich (and normformer's self-attention), a dropout(f(x))
-        with rezero, dropout(f(x)) with post-norm and deepnorm; `index` is the branch's (0 self-attention, then
-        cross-attention, then the FFN). The one dropout of a residual branch. `mask`: x's
-        real tokens, for norms that keep batch statistics (`layers.normalise`)."""
-        y, produced = f(normalise(self.norms[index], x, mask) if self.pre_norm else x)
+        with rezero, s dropout(f(x - b)) with fixup, dropout(f(x)) with post-norm, deepnorm and admin; `index`
+        is the branch's (0 self-attention, then cross-attention, then the FFN). The one dropout of a residual
+        branch. `mask`: x's real tokens, for norms that keep batch statistics (`layers.normalise`)."""
+        y, produced = f(self._branch_input(x, index, mask))
         if (out_norm := self.out_norms[index]) is not None:
             y = normalise(out_norm, y, mask)
         y = self.dropout(y, key=key, inference=inference)
         if self.resweight is not None:
             y = self.resweight.astype(y.dtype) * y
+        if self.scales is not None:
+            y = self.scales[index].astype(y.dtype) * y
         return y, produced
+
+    def _branch_input(self, x, index: int, mask=None):
+        """What branch `index` reads of x: N(x) with an input norm, x - b with fixup, else x."""
+        if self.pre_norm:
+            return normalise(self.norms[index], x, mask)
+        return x if self.shifts is None else x - self.shifts[index].astype(x.dtype)
 
     def _residual(self, x, branch_out, index: int, mask=None):
         """x + the branch's output, normalised after the sum with post-norm (alpha x +
-        ... with deepnorm); `mask` as `_branch`'s."""
+        ... with deepnorm, x w + ... with admin); `mask` as `_branch`'s."""
+        if self.omegas is not None:
+            return normalise(self.norms[index], self._skip(x, index) + branch_out, mask)
         if self.placement in residual.OUTPUT_NORMED:
             summed = x * self.alpha + branch_out if self.alpha != 1.0 else x + branch_out
             return normalise(self.norms[index], summed, mask)
         return x + branch_out
+
+    def _skip(self, x, index: int):
+        """Admin's skip term of branch `index`: x w (x `[..., d_model]`)."""
+        assert self.omegas is not None
+        return x * jnp.broadcast_to(self.omegas[index].astype(x.dtype), x.shape)
+
+    def _moments(self, x, branch_out, index: int, mask) -> Produced:
+        """Admin's statistics of branch `index` (`ResidualMoments`: its skip term x w and its
+        output over the real rows, `mask` None: all); nothing for the other placements."""
+        if self.omegas is None:
+            return Produced()
+        rows = jnp.ones(x.shape[:1], bool) if mask is None else mask
+        weight = rows[:, None].astype(jnp.float32)
+
+        def moments(v):
+            v = v.astype(jnp.float32)
+            return jnp.stack([weight.sum() * v.shape[-1], (v * weight).sum(), (v * v * weight).sum()])
+
+        skip = self._skip(x, index)
+        return Produced(residual_moments=(ResidualMoments(jnp.stack([moments(skip), moments(branch_out)]), (index,)),))
 
     @property
     def _ffn_index(self) -> int:
@@ -171,7 +213,7 @@ class Block(eqx.Module):
                 h, kv_mask=kv_mask, bias=bias, positions=positions, key=noise, inference=inference
             )
         else:
-            kv = normalise(self.norms[0], source, kv_mask) if self.pre_norm else source
+            kv = self._branch_input(source, 0, kv_mask)
             attend = lambda h: self.attention.apply(  # noqa: E731
                 h,
                 kv,
@@ -295,20 +337,22 @@ class Block(eqx.Module):
                 x, maps, kv_mask=kv_mask, bias=bias, positions=positions, key=k_attn, inference=inference
             )
             produced = Produced()
-        x_mask = kv_mask if source is None else None  # with a source, kv_mask is not x's
-        x = self._residual(x, out, 0, x_mask)
+        rows = kv_mask if source is None else None  # with a source, kv_mask is not x's
+        produced = produced + self._moments(x, out, 0, rows)
+        x = self._residual(x, out, 0, rows)
         if self.cross_attention is not None:
             if context is None:
                 raise ValueError("this block cross-attends: pass a context")
             cross = self.cross_attention
             attend = lambda h: cross.apply(h, context, kv_mask=context_mask, inference=inference)  # noqa: E731
-            out, more = self._branch(attend, 1, x, k_cross, inference, x_mask)
-            x = self._residual(x, out, 1, x_mask)
-            produced = produced + more.under("cross_attention")
+            out, more = self._branch(attend, 1, x, k_cross, inference, rows)
+            produced = produced + more.under("cross_attention") + self._moments(x, out, 1, rows)
+            x = self._residual(x, out, 1, rows)
         if self.ffn is None:  # the all-attention layer: no FFN sublayer
             return x, produced, maps
-        out, more = self.ffn_branch(x, mask=x_mask, token_ids=token_ids, key=k_ffn, inference=inference)
-        return self._residual(x, out, self._ffn_index, x_mask), produced + more, maps
+        out, more = self.ffn_branch(x, mask=rows, token_ids=token_ids, key=k_ffn, inference=inference)
+        more = more + self._moments(x, out, self._ffn_index, rows)
+        return self._residual(x, out, self._ffn_index, rows), produced + more, maps
 
     def init_decode_state(self, max_len: int, dtype) -> decoding.State:
         """The self-attention's empty decoding state (fixed shape); a layer that reuses

@@ -228,6 +228,11 @@ class FeedForward(eqx.Module):
     `mid_norm`: a norm of this kind (`norm_eps`) on the hidden layer, before W2: NormFormer's
     FFN LN (Shleifer et al. 2021, section 2); None: none.
 
+    `shifts`: Fixup's two scalar biases inside the FFN, W2 (act(W1 x - b1) - b2), both
+    started at 0 (Zhang, Dauphin & Ma 2019, section 3, rule 3: a scalar bias before each
+    linear and element-wise activation layer; the one before W1 is the block's,
+    `jxformers.nn.residual`).
+
     `chunk_size`: run the positions in chunks of this many, one after another
     (`lax.map`), so the `[seq, d_ff]` hidden layer is never held at once: Reformer's
     chunked feed-forward (Kitaev et al. section 4). The same function; None: one chunk."""
@@ -238,6 +243,7 @@ class FeedForward(eqx.Module):
     w_gate: Linear | None
     w_out: Linear
     mid_norm: Norm | None  # NormFormer's norm on the hidden layer
+    shifts: Float[Array, 2] | None  # Fixup's scalar biases before the activation and before W2
     dropout: eqx.nn.Dropout
 
     def __init__(
@@ -250,6 +256,7 @@ class FeedForward(eqx.Module):
         chunk_size: int | None = None,
         mid_norm: str | None = None,
         norm_eps: float | None = None,
+        shifts: bool = False,
         key: PRNGKeyArray,
     ):
         if kind not in FFN_KINDS:
@@ -264,6 +271,7 @@ class FeedForward(eqx.Module):
         self.w_gate = Linear(d_model, d_ff, key=k3) if kind in GATED_KINDS else None
         self.w_out = Linear(d_ff, d_model, key=k2)
         self.mid_norm = None if mid_norm is None else make_norm(mid_norm, d_ff, norm_eps)
+        self.shifts = jnp.zeros((2,), jnp.float32) if shifts else None
         self.dropout = eqx.nn.Dropout(dropout)
 
     def __call__(
@@ -279,10 +287,15 @@ class FeedForward(eqx.Module):
         return out.reshape(chunks * c, -1)[:n]
 
     def _apply(self, x, key, inference):
-        h = ACTIVATIONS[self.kind](self.w_in(x))
+        h = self.w_in(x)
+        if self.shifts is not None:
+            h = h - self.shifts[0].astype(h.dtype)
+        h = ACTIVATIONS[self.kind](h)
         if self.w_gate is not None:
             h = h * self.w_gate(x)
         h = self.dropout(h, key=key, inference=inference)
+        if self.shifts is not None:
+            h = h - self.shifts[1].astype(h.dtype)
         if self.mid_norm is not None:  # after the activation's dropout, as NormFormer's code (fairseq)
             h = self.mid_norm(h)
         return self.w_out(h)

@@ -11,6 +11,7 @@ children's `Produced` together (in call order) and the train step reads the tota
     produced.losses             # named auxiliary losses (the Compressive Transformer's)
     produced.layer_losses       # a layer's auxiliary losses, named by loss and the layer's path
     produced.memory             # a recurrent model's memory after the segment
+    produced.residual_moments   # per residual branch of an Admin block: its moments (`ResidualMoments`)
 
 The attention inputs carry the path of the module that made them (attribute names and
 tuple indices from the model's root), so the step updates that very module's arrays
@@ -49,6 +50,17 @@ class AttentionInputs(eqx.Module):
         self.kv_mask, self.path = kv_mask, path
 
 
+class ResidualMoments(eqx.Module):
+    """The moments of one residual branch's two terms in a block with Admin's placement
+    (x_i = LN(x_{i-1} w_i + f_i(x_{i-1})); `jxformers.nn.residual.admin_profile` reads
+    them): rows (the skip term x w, the branch output f(x)), columns (count, sum, sum of
+    squares) over the elements of the real rows, so that calls and examples add up.
+    `path` locates the block from the model's root, then the branch's index in it."""
+
+    moments: Float[Array, "2 3"]
+    path: Path = eqx.field(static=True, default=())
+
+
 class Produced(eqx.Module):
     """What a forward pass makes besides its output (see the module docstring).
 
@@ -60,6 +72,8 @@ class Produced(eqx.Module):
             keyed "<loss>/<path of the layer>" ("span_loss/blocks.0.attention"); a module
             makes them under the loss name alone and its callers' `under` add the path.
         memory: the memory a recurrent model carries to its next segment (None without).
+        residual_moments: per residual branch call of a block with Admin's placement, in
+            call order, its `ResidualMoments` (read by Admin's profile, nothing else).
     """
 
     moe: tuple[dict[str, Array], ...] = ()
@@ -67,6 +81,7 @@ class Produced(eqx.Module):
     losses: dict[str, Array] = eqx.field(default_factory=dict)
     layer_losses: dict[str, Array] = eqx.field(default_factory=dict)
     memory: Any = None
+    residual_moments: tuple[ResidualMoments, ...] = ()
 
     def __add__(self, other: Produced) -> Produced:
         """Both, in call order (self's first); a loss made by both is summed, and the
@@ -77,16 +92,23 @@ class Produced(eqx.Module):
             losses=_summed(self.losses, other.losses),
             layer_losses=_summed(self.layer_losses, other.layer_losses),
             memory=self.memory if other.memory is None else other.memory,
+            residual_moments=self.residual_moments + other.residual_moments,
         )
 
     def under(self, *path: str | int) -> Produced:
         """The same, made by a child that sits at `path` in its caller."""
-        if not self.attention_inputs and not self.layer_losses:
+        if not self.attention_inputs and not self.layer_losses and not self.residual_moments:
             return self
         moved = tuple(AttentionInputs(a.q, a.k, a.kv_mask, (*path, *a.path)) for a in self.attention_inputs)
         layer_losses = {_moved(name, path): v for name, v in self.layer_losses.items()}
+        moments = tuple(ResidualMoments(r.moments, (*path, *r.path)) for r in self.residual_moments)
         return Produced(
-            moe=self.moe, attention_inputs=moved, losses=self.losses, layer_losses=layer_losses, memory=self.memory
+            moe=self.moe,
+            attention_inputs=moved,
+            losses=self.losses,
+            layer_losses=layer_losses,
+            memory=self.memory,
+            residual_moments=moments,
         )
 
 

@@ -21,35 +21,51 @@ that replace or rescale them (Lin et al. 2021, "A Survey of Transformers", arXiv
   block with cross-attention), the token embeddings (std d^(-1/2)) by (9 L)^(-1/4);
 * "deepnorm": N(alpha x + f(x)) with alpha > 1 from the depth, and the value, output and
   FFN weights drawn with Xavier-normal gain beta < 1 (Wang et al. 2022, "DeepNet: Scaling
-  Transformers to 1,000 Layers", section 3 and Figure 2).
+  Transformers to 1,000 Layers", section 3 and Figure 2);
+* "admin": x_i = N(x_{i-1} w_i + f_i(x_{i-1})), post-norm with a learned vector w_i per
+  branch on its skip term, set before training by a profile of one batch (Liu, Liu, Gao,
+  Chen & Han 2020, "Understanding the Difficulty of Training Transformers", section 5):
+  `admin_profile`;
+* "fixup": x + s f(x - b) with no norm in the blocks, a scalar bias b and multiplier s per
+  branch, more scalar biases inside the FFN, no vector biases, and Fixup's initialisation
+  (Zhang, Dauphin & Ma 2019, "Fixup Initialization: Residual Learning Without
+  Normalization", section 3's three rules as the authors apply them to the Transformer):
+  `fixup_init`.
 
 The block applies them (`jxformers.nn.blocks.Block`); `deepnorm_constants`,
-`deepnorm_init`, `tfixup_scale` and `tfixup_init` hold DeepNet's and T-Fixup's numbers
-and initialisations.
+`deepnorm_init`, `tfixup_scale`, `tfixup_init`, `fixup_scales` and `fixup_init` hold
+DeepNet's, T-Fixup's and Fixup's numbers and initialisations, `admin_profile` and
+`admin_omega` Admin's.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jxformers.nn.layers import FeedForward
+from jxformers.nn.produced import Path, ResidualMoments, follow
 
 if TYPE_CHECKING:  # blocks.py reads this module's placements
     from jxformers.nn.blocks import Block
 
-PLACEMENTS = ("pre", "post", "sandwich", "normformer", "rezero", "tfixup", "deepnorm")
+PLACEMENTS = ("pre", "post", "sandwich", "normformer", "rezero", "tfixup", "deepnorm", "admin", "fixup")
 # Placements whose blocks hold no norm at all.
-NORM_FREE = ("rezero", "tfixup")
+NORM_FREE = ("rezero", "tfixup", "fixup")
 # Placements whose branch input is normalised (the rest normalise after the residual sum,
 # or not at all).
 INPUT_NORMED = ("pre", "sandwich", "normformer")
 # Placements whose blocks end in a norm (after the residual sum).
-OUTPUT_NORMED = ("post", "deepnorm")
+OUTPUT_NORMED = ("post", "deepnorm", "admin")
+# The matrices DeepNet and T-Fixup scale (`_redraw` names them): the value and output
+# projections and the FFN's; the query and key projections keep the plain draw.
+SCALED = ("v_proj", "o_proj", "w_in", "w_gate", "w_out")
 
 
 def deepnorm_constants(encoder_layers: int, decoder_layers: int, part: str) -> tuple[float, float]:
@@ -85,29 +101,38 @@ def deepnorm_init(block: Block, beta: float, *, key: jax.Array) -> Block:
     with gain `beta` for the value and output projections of its attentions (self and
     cross) and the dense FFN's matrices, gain 1 for the query and key projections.
     Biases keep their draw (the figure sets none)."""
-    return _redraw(block, lambda k, shape, scaled: xavier_normal(k, shape, beta if scaled else 1.0), key, "deepnorm")
+    return _redraw(
+        block, lambda k, shape, name: xavier_normal(k, shape, beta if name in SCALED else 1.0), key, "deepnorm"
+    )
 
 
-def _redraw(block: Block, draw: Callable[[jax.Array, tuple[int, ...], bool], jax.Array], key, who: str) -> Block:
-    """`block` with every matrix of its attentions and dense FFN drawn again by
-    `draw(key, shape, scaled)`; `scaled` is True for the value and output projections
-    and the FFN's matrices (the ones DeepNet and T-Fixup scale), False for q and k."""
-    paths: list[tuple[Callable[[Block], jax.Array], bool]] = []
+def _linears(block: Block, who: str) -> list[tuple[Callable[[Block], Any], str]]:
+    """(getter, name) of every Linear of the block's attentions (self and cross: q_proj,
+    k_proj, v_proj, o_proj) and of its dense FFN (w_in, w_gate, w_out); `who` names the
+    scheme in the error for an FFN that is not dense."""
+    found: list[tuple[Callable[[Block], Any], str]] = []
     for part in ("attention", "cross_attention"):
         attention = getattr(block, part)
         if attention is None:
             continue
-        for name, scaled in (("q_proj", False), ("k_proj", False), ("v_proj", True), ("o_proj", True)):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if getattr(attention, name) is not None:
-                paths.append((lambda b, p=part, n=name: getattr(getattr(b, p), n).weight, scaled))
+                found.append((lambda b, p=part, n=name: getattr(getattr(b, p), n), name))
     if block.ffn is not None and not isinstance(block.ffn, FeedForward):  # None: a block without FFN
         raise ValueError(f"{who} initialises a dense FFN's matrices; got {type(block.ffn).__name__}")
     for name in ("w_in", "w_gate", "w_out"):
         if getattr(block.ffn, name, None) is not None:
-            paths.append((lambda b, n=name: getattr(b.ffn, n).weight, True))
-    keys = jax.random.split(key, len(paths))
-    new = [draw(k, get(block).shape, scaled) for k, (get, scaled) in zip(keys, paths, strict=True)]
-    return eqx.tree_at(lambda b: [get(b) for get, _ in paths], block, new)
+            found.append((lambda b, n=name: getattr(b.ffn, n), name))
+    return found
+
+
+def _redraw(block: Block, draw: Callable[[jax.Array, tuple[int, ...], str], jax.Array], key, who: str) -> Block:
+    """`block` with every matrix of its attentions and dense FFN (`_linears`) drawn again
+    by `draw(key, shape, name)`, `name` the matrix's ("q_proj", ..., "w_out")."""
+    linears = _linears(block, who)
+    keys = jax.random.split(key, len(linears))
+    new = [draw(k, get(block).weight.shape, name) for k, (get, name) in zip(keys, linears, strict=True)]
+    return eqx.tree_at(lambda b: [get(b).weight for get, _ in linears], block, new)
 
 
 def tfixup_scale(layers: int, *, cross: bool) -> float:
@@ -125,7 +150,9 @@ def tfixup_init(block: Block, scale: float, *, key: jax.Array) -> Block:
     matrix of its attentions and dense FFN drawn Xavier-uniform, then the value and
     output projections and the FFN's matrices times `scale` (`tfixup_scale`). Biases
     keep their draw."""
-    return _redraw(block, lambda k, shape, scaled: xavier_uniform(k, shape) * (scale if scaled else 1.0), key, "tfixup")
+    return _redraw(
+        block, lambda k, shape, name: xavier_uniform(k, shape) * (scale if name in SCALED else 1.0), key, "tfixup"
+    )
 
 
 def xavier_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -133,3 +160,109 @@ def xavier_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     fan_out, fan_in = shape
     bound = jnp.sqrt(6.0 / (fan_in + fan_out))
     return jax.random.uniform(key, shape, minval=-bound, maxval=bound)
+
+
+# ------------------------------------------------------------------ Fixup
+
+
+def fixup_scales(branches: int) -> dict[str, float]:
+    """Fixup's factor on each matrix's Xavier-uniform draw in a model of `branches`
+    residual branches L (Zhang, Dauphin & Ma 2019, section 3: the last layer of each
+    branch 0, the others times L^(-1/(2m-2)) for a branch of m layers), as the authors'
+    Transformer applies them (their fairseq `transformer_zero`): the FFN (m = 2) has W1
+    (and a gate's W3) times L^(-1/2) and W2 zero; the attention has q, k and v times
+    L^(-1/6) (m = 4) and the output projection zero. L counts every branch of the model:
+    2 per encoder or decoder-only block, 3 per cross-attending decoder block."""
+    if branches < 1:
+        raise ValueError(f"fixup needs at least one residual branch; got {branches=}")
+    inner, ffn = branches ** (-1 / 6), branches**-0.5
+    return {"q_proj": inner, "k_proj": inner, "v_proj": inner, "o_proj": 0.0, "w_in": ffn, "w_gate": ffn, "w_out": 0.0}
+
+
+def fixup_init(block: Block, branches: int, *, key: jax.Array) -> Block:
+    """`block` with Fixup's initialisation for a model of `branches` residual branches
+    (`fixup_scales`): every matrix of its attentions and dense FFN drawn Xavier-uniform
+    times its factor, and no vector biases (the authors' Linears have none: the block's
+    and the FFN's scalar biases take their place)."""
+    scales = fixup_scales(branches)
+    block = _redraw(block, lambda k, shape, name: xavier_uniform(k, shape) * scales[name], key, "fixup")
+    linears = _linears(block, "fixup")
+    return eqx.tree_at(lambda b: [get(b).bias for get, _ in linears], block, [None] * len(linears), is_leaf=_none)
+
+
+def _none(x) -> bool:
+    return x is None
+
+
+# ------------------------------------------------------------------ Admin
+
+
+def admin_omega(moments: Any) -> float:
+    """Admin's weight for the branch after the one with `moments` (`ResidualMoments.moments`,
+    `[2, 3]`: its skip term x w and its output f(x), each (count, sum, sum of squares)):
+    sqrt(Var[x w] + Var[f(x)]), each variance over all elements of the real rows of the
+    profiled batch. This is the authors' running recurrence (Transformer-Clinic,
+    `adaptive-profiling`), w_{i+1}^2 = Var[x_{i-1} w_i] + Var[f_i(x_{i-1})], which with
+    x_{i-1} the previous norm's output (variance about 1) and w_1 = 1 unrolls to the
+    paper's w_i^2 = sum_{j<i} Var[f_j] with the embeddings as the 0th term."""
+    m = np.asarray(moments, np.float64)
+    count, total, squares = m[:, 0], m[:, 1], m[:, 2]
+    variances = squares / count - (total / count) ** 2
+    return float(math.sqrt(max(float(variances.sum()), 0.0)))
+
+
+def admin_profile(model, *inputs, key: jax.Array | None = None, **kwargs):
+    """`model` with the skip weights w of its Admin blocks set by a profile of one batch
+    (Liu et al. 2020, section 5; the authors profile the first training batch in training
+    mode and stop). Each stack of blocks (a model's, an encoder's, a decoder's) starts at
+    w = 1 and sets each next branch's w to `admin_omega` of the branch before, measured
+    with the weights set so far: one forward pass per branch, jitted once. The weights
+    are vectors of d_model, each filled with its branch's number, and train as any
+    parameter afterwards. `jxformers train` profiles its first batch before step 0.
+
+    Arguments:
+        model: a model with blocks of placement "admin" (`build_model` with
+            `norm.placement: admin`).
+        inputs: the batch's arguments to `model.apply`, each with a leading batch axis
+            (a language model or a classifier: tokens `[batch, seq]`, mask `[batch, seq]`
+            or None); the variances are over the rows each block marks real.
+        key: dropout's key (training mode, as the authors profile); None: inference mode.
+        kwargs: more keyword arguments for `model.apply`, the same for every example.
+
+    Returns:
+        The model with its Admin weights set.
+    """
+    batch = next(x.shape[0] for x in jax.tree.leaves(inputs))
+    keys = None if key is None else jax.random.split(key, batch)
+
+    @eqx.filter_jit
+    def measure(m) -> tuple[ResidualMoments, ...]:
+        def one(row, k):
+            return m.apply(*row, key=k, inference=key is None, **kwargs)[1].residual_moments
+
+        return tuple(ResidualMoments(r.moments.sum(0), r.path) for r in jax.vmap(one)(inputs, keys))
+
+    def pooled(m) -> dict[Path, np.ndarray]:
+        """Each branch's moments over the batch, in call order; a branch called more than
+        once (a dual tower) pools its calls."""
+        out: dict[Path, np.ndarray] = {}
+        for r in measure(m):
+            out[r.path] = out.get(r.path, 0.0) + np.asarray(r.moments, np.float64)
+        return out
+
+    current = pooled(model)
+    order = list(current)
+    if not order:
+        raise ValueError("admin_profile found no block with norm placement 'admin' in the model")
+    for i, path in enumerate(order):
+        later = [p for p in order[i + 1 :] if p[:-2] == path[:-2]]  # its stack's: the path less (block, branch)
+        if not later:
+            continue
+        target = later[0]
+        model = eqx.tree_at(
+            lambda m, t=target: follow(m, t[:-1]).omegas[t[-1]],
+            model,
+            jnp.full_like(follow(model, target[:-1]).omegas[target[-1]], admin_omega(current[path])),
+        )
+        current = pooled(model)  # the branches after it see the new weight
+    return model

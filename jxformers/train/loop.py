@@ -4,7 +4,9 @@
 saved config (`workdir.py`), builds the state (`init_train_state`) and the grain loader,
 resumes from the newest good checkpoint in `workdir/checkpoints` if there is one, and
 runs the jitted train step (`step.py`; state donated, gradient accumulation with
-`lax.scan`). Around the step, small hooks: redraw the drawn features every `redraw_every`
+`lax.scan`). A fresh run of a model with Admin's norm placement first profiles its first
+batch (`jxformers.nn.residual.admin_profile`; the authors profile their first training
+batch) and then trains on it. Around the step, small hooks: redraw the drawn features every `redraw_every`
 steps (default 1000; see `TrainConfig`), log (each logged step is one JSON object in `workdir/metrics.jsonl`, with
 non-finite numbers as the strings "NaN" / "Infinity" that float() reads, and TensorBoard
 scalars in `workdir/tensorboard/`; tokens_per_s counts real tokens, padded_tokens_per_s
@@ -47,7 +49,7 @@ from tqdm import tqdm
 from jxformers._terminal import stderr_is_terminal
 from jxformers.data import make_loader
 from jxformers.data.baselines import baselines
-from jxformers.nn import redraw
+from jxformers.nn import redraw, residual
 from jxformers.train import distributed
 from jxformers.train.batch_wait import BatchFetcher, Position
 from jxformers.train.checkpoint import Checkpointer, CheckpointMismatch, compare_trees
@@ -192,6 +194,23 @@ def _redraw_if_due(state: TrainState, static, every: int, plan: ShardingPlan | N
         return state
     _, drawn, _ = split_model(redraw(state.model(static), jax.random.fold_in(state.rng, 2 * step + 1)))
     state = dataclasses.replace(state, drawn=drawn)
+    return state if plan is None else plan.place_state(state)
+
+
+def _admin_profiled(state: TrainState, static, optimizer, batch, plan: ShardingPlan | None) -> TrainState:
+    """`state` with its model's Admin weights set by a profile of `batch`, the run's first
+    (`residual.admin_profile`, in training mode with the dropout key of step 0,
+    fold_in(rng, 0)), and the optimizer state made again for the new parameters."""
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"norm.placement 'admin' profiles the first batch in one process; this run has {jax.process_count()} "
+            "processes, whose rows differ (and so would their weights): train it in one process"
+        )
+    model = residual.admin_profile(
+        state.model(static), batch["tokens"], batch["mask"], key=jax.random.fold_in(state.rng, 0)
+    )
+    params, _, _ = split_model(model)
+    state = dataclasses.replace(state, params=params, opt_state=optimizer.init(params))
     return state if plan is None else plan.place_state(state)
 
 
@@ -679,6 +698,8 @@ def train(
                         checkpointer.save(step, state_dict(state), position, last_eval)
                     break
                 state = _redraw_if_due(state, static, t.redraw_every, plan)
+                if int(state.step) == 0 and experiment.model.norm.placement == "admin":
+                    state = _admin_profiled(state, static, optimizer, batch, plan)
                 tokens = int(batch["mask"].sum()) * jax.process_count()  # this process's rows, scaled
                 state, m, elapsed = run_step(state, batch if plan is None else plan.place_batch(batch))
                 step, report.step_temp_bytes = int(state.step), run_step.temp_bytes

@@ -9,6 +9,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from jxformers.nn import residual
 from jxformers.nn.attention import Attention
@@ -31,7 +32,7 @@ from jxformers.nn.config.components import (
 )
 from jxformers.nn.config.model import ModelConfig
 from jxformers.nn.cross_layer import Evolve, map_role
-from jxformers.nn.layers import FeedForward, make_norm
+from jxformers.nn.layers import FeedForward, Linear, make_norm
 from jxformers.nn.luna import LunaStack as LunaModule
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.models import Classifier, DualClassifier, Embedding, Encoder, EncoderDecoder, LanguageModel
@@ -79,6 +80,7 @@ def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
         chunk_size=ffn.chunk_size,
         mid_norm=config.norm.kind if config.norm.placement == "normformer" else None,
         norm_eps=config.norm.eps,
+        shifts=config.norm.placement == "fixup",
         key=key,
     )
 
@@ -191,8 +193,39 @@ def _blocks(
             block = residual.deepnorm_init(block, beta, key=jax.random.fold_in(k, 4))
         elif config.norm.placement == "tfixup":
             block = residual.tfixup_init(block, residual.tfixup_scale(count, cross=cross), key=jax.random.fold_in(k, 4))
+        elif config.norm.placement == "fixup":
+            block = residual.fixup_init(block, _branches(config), key=jax.random.fold_in(k, 4))
         blocks.append(block)
     return blocks
+
+
+def _branches(config: ModelConfig) -> int:
+    """The model's residual branches, Fixup's L: two per block of an encoder or a
+    decoder-only model, three per cross-attending decoder block (two without its FFN)."""
+    if config.task == "lm":
+        return 2 * config.num_layers
+    decoder = 0
+    if config.task == "seq2seq":
+        assert config.decoder is not None
+        decoder = (3 if config.decoder.ffn else 2) * config.decoder_layers
+    return 2 * config.num_layers + decoder
+
+
+def _zero_readout(model):
+    """`model` with its untied output layer zero (Fixup's rule 1: the classification layer
+    starts at 0): a classifier's head, an untied language model's unembedding (an
+    encoder-decoder's too); a tied readout is the embedding table and keeps its draw, as
+    in the authors' code."""
+
+    def readouts(m):
+        found = (
+            getattr(m, "head", None),
+            getattr(m, "unembed", None),
+            getattr(getattr(m, "decoder", None), "unembed", None),
+        )
+        return [x for x in found if isinstance(x, Linear)]
+
+    return eqx.tree_at(readouts, model, [jax.tree.map(jnp.zeros_like, x) for x in readouts(model)])
 
 
 def _evolve(config: ModelConfig, index: int, *, key) -> Evolve | None:
@@ -254,6 +287,12 @@ def build_model(config: ModelConfig | Mapping[str, Any] | str, *, key: jax.Array
         key: PRNG key for every parameter and drawn array.
     """
     config = as_config(config)
+    model = _assemble(config, key)
+    return _zero_readout(model) if config.norm.placement == "fixup" else model
+
+
+def _assemble(config: ModelConfig, key: jax.Array):
+    """`build_model`'s model before what acts on the whole model (Fixup's zero readout)."""
     keys = jax.random.split(key, 8)
     stack, norm, embed = config.stack, config.norm, config.embedding
 

@@ -276,7 +276,9 @@ class NormConfig:
         "attention's output, head scales, a norm in the FFN; Shleifer et al. 2021), rezero (x + a f(x), a "
         "learned from 0, no norms; Bachlechner et al. 2020), tfixup (no norms, T-Fixup's init; Huang et al. "
         "2020), deepnorm (N(alpha x + f(x)) and DeepNet's init; "
-        "Wang et al. 2022)",
+        "Wang et al. 2022), admin (N(x w + f(x)), w learned per branch and set by a profile of the first "
+        "batch; Liu et al. 2020), fixup (x + s f(x - b), scalar s and b, no norms, Fixup's init; Zhang et "
+        "al. 2019)",
         choices=(*NORM_PLACEMENTS, None),
     )
     eps: float | None = setting(

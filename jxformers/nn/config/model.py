@@ -53,6 +53,7 @@ from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import ADDED_KINDS, BIAS_KINDS, ROTARY_KINDS, xpos_max_len
 from jxformers.nn.relative import RELATIVE_KINDS, SCORE_KINDS, check_relative
+from jxformers.nn.residual import NORM_FREE, OUTPUT_NORMED
 from jxformers.validate import check_at_least, check_fields, setting
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
@@ -427,11 +428,12 @@ class ModelConfig:
                 f"perceiver, transformer_xl, compressive and the pma head take 'pre' or 'post'; got stack "
                 f"{self.stack.kind!r}, head {getattr(self.head, 'kind', None)!r}"
             )
-        if placement in ("deepnorm", "normformer", "tfixup"):
+        if placement in ("deepnorm", "normformer", "tfixup", "fixup"):
             kinds = sorted({self.layer(i).ffn.kind for i in range(self._blocks())} - set(FFN_KINDS))
             if kinds:
                 what = {"deepnorm": "draws the dense FFN's matrices with DeepNet's gain",
                         "tfixup": "draws the dense FFN's matrices with T-Fixup's scale",
+                        "fixup": "draws the dense FFN's matrices with Fixup's scales and adds its scalar biases",
                         "normformer": "normalises the dense FFN's hidden layer"}[placement]  # fmt: skip
                 raise ValueError(
                     f"norm.placement {placement!r} {what}; it takes a dense ffn in every block "
@@ -564,12 +566,14 @@ class ModelConfig:
             raise ValueError(
                 f"{sorted(given)} apply to stack 'transformer'; got stack {self.stack.kind!r} with {given}"
             )
-        ends_normed = self.norm.placement in ("post", "deepnorm") and self.task in ENCODER_TASKS
-        if not self.norm.final and not ends_normed and self.norm.placement not in ("rezero", "tfixup"):
+        ends_normed = self.norm.placement in OUTPUT_NORMED and self.task in ENCODER_TASKS
+        if not self.norm.final and not ends_normed and self.norm.placement not in NORM_FREE:
+            normed, free = " or ".join(map(repr, OUTPUT_NORMED)), " or ".join(map(repr, NORM_FREE))
             raise ValueError(
-                f"norm.final False needs blocks that end normalised (placement 'post' or 'deepnorm', BERT's "
-                f"encoder) and an encoder task (classify, retrieval), or placement 'rezero' or 'tfixup' (the "
-                f"papers' models have no norm at all); got placement {self.norm.placement!r}, task {self.task!r}"
+                f"norm.final False needs blocks that end normalised (placement {normed}; BERT's encoder) and an "
+                f"encoder task (classify, retrieval), or placement {free} (the papers' models have no norm at all); "
+                f"got placement "
+                f"{self.norm.placement!r}, task {self.task!r}"
             )
 
     def _check_heads(self, attention: AttentionConfig, spec: registry.AttentionSpec, where: str) -> None:
