@@ -119,7 +119,9 @@ def log_buckets(relative: Int[Array, "*s"], buckets: int, max_position: int) -> 
     sign = jnp.sign(relative)
     inner = (relative < mid) & (relative > -mid)
     magnitude = jnp.where(inner, mid - 1, jnp.abs(relative)).astype(jnp.float32)
-    ratio = jnp.log(magnitude / mid) / math.log((max_position - 1) / mid)
+    # both logs in float32 (as HF transformers' torch port): log(a) / log(a) is then exactly 1
+    # at |r| = max_position - 1, where a float64 denominator would tip the ceil to the next bucket
+    ratio = jnp.log(magnitude / mid) / jnp.log(jnp.asarray((max_position - 1) / mid, jnp.float32))
     log_pos = (jnp.ceil(ratio * (mid - 1)) + mid).astype(relative.dtype)
     return jnp.where(magnitude <= mid, relative, log_pos * sign)
 
