@@ -488,3 +488,24 @@ class ModelSuite(_Parametrized):
         model = build_model(suite_config(name, "lm", position="rope"), key=jax.random.key(0))
         x = tokens(5)
         assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)
+
+
+def train_losses(model, *, steps: int = 4, vocab: int = 11, lr: float = 3e-3):
+    """A language model's losses over `steps` AdamW steps on one batch of 4 x 8 tokens
+    below `vocab` (the one-training-step smoke tests), and the trained parameters."""
+    import optax
+
+    from jxformers.train.state import TrainState, split_model
+    from jxformers.train.step import make_train_step
+
+    params, drawn, static = split_model(model)
+    optimizer = optax.adamw(lr)
+    state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (4, 8), 0, vocab)
+    batch = {"tokens": tokens, "mask": jnp.ones((4, 8), bool), "loss_mask": jnp.ones((4, 8), bool)}
+    step = jax.jit(make_train_step(static, optimizer, grad_accum=1))
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, state.params

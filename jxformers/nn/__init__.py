@@ -12,7 +12,9 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
                   and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
     positions.py  sinusoidal (and FLASH's scaled), learned, rotary (Rotary: RoPE, its context
-                  scaling, xPos), ALiBi, T5 relative buckets, TUPE's untied positional correlation
+                  scaling, xPos), ALiBi, T5 relative buckets, TUPE's untied positional correlation,
+                  complex word embeddings (Wang et al. 2020)
+    floater.py    FLOATER's positions from a neural ODE (Liu et al. 2020), its fixed-step RK4 solver
     relative.py   relative score terms inside each attention: Shaw et al. 2018, Transformer-XL's,
                   DeBERTa's disentangled attention (RelativeTerms per layer, SharedTerms per model)
     blocks.py     Block (its residual branches and their norms)

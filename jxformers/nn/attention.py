@@ -36,7 +36,7 @@ from jxformers.nn.average import AverageNetwork, check_aan
 from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import Rotary
 from jxformers.nn.produced import AttentionInputs, Produced
-from jxformers.nn.relative import RelativeTerms, SharedTerms, check_relative
+from jxformers.nn.relative import INPUT_KINDS, RelativeTerms, SharedTerms, check_relative
 from jxformers.ops._priors import SPAN_LOSS_WEIGHT, span_loss
 
 # How queries and keys are normalised before the core (see `Attention`).
@@ -105,7 +105,9 @@ class Attention(eqx.Module):
             Shaw et al., Transformer-XL's, DeBERTa's score terms, TUPE's content scale),
             for a self-attention whose core takes a bias and compares q with k
             (`check_relative`); its shared part comes as `bias` (`SharedTerms`; TUPE: an
-            array). The terms add O(heads * seq * kv) memory.
+            array). The terms add O(heads * seq * kv) memory. Or FLOATER's per-block part
+            (kind "floater", any attention): x + p^(n)(t_i) from `bias` (`SharedTerms.flow`)
+            before the projections.
         key: PRNG key for the projections and the core's arrays.
 
     `__call__(x, context=None, *, kv_mask=None, bias=None, positions=None, key=None,
@@ -362,6 +364,8 @@ class Attention(eqx.Module):
                 y = x[:, None, :]
                 average = self.core(y, y, y, causal=self.causal, kv_mask=kv_mask, bias=bias)[:, 0]  # bias: refused
                 return self.aan(x, average), Produced()
+            if self.relative is not None and self.relative.kind in INPUT_KINDS:  # FLOATER: x + p^(n)
+                x, bias = self.relative.inputs(x, bias if isinstance(bias, SharedTerms) else None), None
             source = x if context is None else context
             q, k = self._queries(x), self._keys(source)
             v = self._heads(source, self.v_proj, self.kv_heads)
@@ -373,7 +377,7 @@ class Attention(eqx.Module):
                 assert positions is not None and context_positions is not None
                 q, k = self.rope.queries(q, positions), self.rope.keys(k, context_positions)
             arrays = self._core_arrays(x, source)
-            if self.relative is not None:
+            if self.relative is not None and self.relative.kind not in INPUT_KINDS:
                 assert positions is not None and context_positions is not None
                 q, bias, extra = self._relative(q, k, positions, context_positions, bias)
                 arrays = arrays | extra
@@ -444,13 +448,16 @@ class Attention(eqx.Module):
             if self.aan is not None:  # the running sum of x (eq. 6 of Zhang et al.), FFN, gate
                 out, state = self.core.decode_step(x[None], x[None], x[None], state)
                 return self.aan(x[None], out.astype(x.dtype))[0], state  # out: [1 head, d_model]
+            if self.relative is not None and self.relative.kind in INPUT_KINDS:  # FLOATER: x + p^(n)(t_pos)
+                given = bias_fn if isinstance(bias_fn, SharedTerms) else None
+                x, bias_fn = self.relative.inputs(x[None], given)[0], None
             q, k = self._queries(x[None]), self._keys(x[None])
             v = self._heads(x[None], self.v_proj, self.kv_heads)
             if self.rope is not None:  # the cache keeps keys turned at their own position
                 pos = state.length[None]
                 q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
             arrays = self._core_arrays(x[None], x[None])
-            if self.relative is not None:
+            if self.relative is not None and self.relative.kind not in INPUT_KINDS:
                 q, bias_fn, extra = self._relative_step(q, k, v, state, bias_fn)
                 arrays = arrays | extra
             assert not isinstance(bias_fn, SharedTerms)  # only relative terms read it

@@ -167,6 +167,7 @@ class Embedding(eqx.Module):
         x = lookup(self.table, tokens)
         if self.scale:
             x = x * math.sqrt(self.table.shape[1])
+        x = self.positions.modulate(x, tokens, positions)  # "complex": turned by position
         extra = self.positions.embed(positions)
         x = x if extra is None else x + extra
         if self.types is not None:
@@ -740,6 +741,9 @@ class LanguageModel(eqx.Module):
             "layers": tuple(b.init_decode_state(max_len + m, dtype) for b in self.blocks),
             "length": jnp.zeros((), jnp.int32),
         }
+        floater = self.embedding.positions.floater
+        if floater is not None:  # FLOATER: every block's p(t_length), advanced one Δ per token
+            state["floater"] = floater.start
         if self.embedding.extra is not None:
             feed = lambda s, v: (self._step(v, s, token_id=jnp.array(NO_TOKEN))[1], None)  # noqa: E731
             state = jax.lax.scan(feed, state, self.embedding.extra.astype(dtype))[0]
@@ -762,9 +766,13 @@ class LanguageModel(eqx.Module):
         """`decode_step` from the input vector x `[d_model]` on (a token's embedding or a
         memory token); `token_id` is its token's id (`NO_TOKEN` for a memory token)."""
         bias_fn, layers = _bias_fn(self.embedding.positions), []
+        floater, advanced = self.embedding.positions.floater, {}
+        if floater is not None:  # this position's p^(n): the rows the parallel forward's grid has here
+            bias_fn = SharedTerms(flow=state["floater"][:, None])
+            advanced = {"floater": floater.advance(state["floater"], state["length"])}
         if self.reversible:
             x, states = reversible_decode_step(self.blocks, x, state["layers"], bias_fn=bias_fn)
-            return self._logits(x), {"layers": states, "length": state["length"] + 1}
+            return self._logits(x), {"layers": states, "length": state["length"] + 1} | advanced
         maps = None  # this token's row of the maps one block hands the next (nn.cross_layer)
         for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"], strict=True)):
             kv = None if context_kv is None else context_kv[i]
@@ -776,7 +784,7 @@ class LanguageModel(eqx.Module):
                 assert isinstance(block, LunaStack), type(block)
                 x, layer_state = block.decode_step(x, layer_state)
             layers.append(layer_state)
-        return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1}
+        return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1} | advanced
 
 
 class EncoderDecoder(eqx.Module):

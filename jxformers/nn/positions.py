@@ -17,6 +17,12 @@ section 5.1), one module per model:
 * "shaw" (Shaw et al. 2018), "transformer_xl" (Dai et al. 2019), "deberta" (He et al.
   2021): relative score terms each attention computes from its own queries (and keys),
   `jxformers.nn.relative`; what their layers share (`SharedTerms`) lives here;
+* "floater" (Liu et al. 2020, FLOATER): each block's own position p^(n)(t_i) from one
+  neural ODE (`jxformers.nn.floater.Floater`), solved once per forward and added to each
+  block's attention input (`SharedTerms.flow`); the sinusoids are added to the tokens too,
+  as the authors' code keeps fairseq's;
+* "complex" (Wang et al. 2020, complex word embeddings): the token's embedding turned by
+  position, r_j e^{i(ω_j pos + θ_j)} per complex feature (`complex_order`);
 * "none".
 """
 
@@ -31,16 +37,18 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
 
 from jxformers.kernels.alibi import Alibi
-from jxformers.nn.layers import Linear
-from jxformers.nn.relative import RELATIVE_KINDS, SharedTerms
+from jxformers.nn.floater import FLOATER_DELTA, FLOATER_STEPS, Floater
+from jxformers.nn.layers import Linear, lookup
+from jxformers.nn.relative import INPUT_KINDS, RELATIVE_KINDS, SharedTerms
 
 POSITION_KINDS = (
-    "sinusoidal", "scaled_sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "tupe", *RELATIVE_KINDS, "none",
+    "sinusoidal", "scaled_sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "tupe", *RELATIVE_KINDS,
+    *INPUT_KINDS, "complex", "none",
 )  # fmt: skip
 # Added once to the token embeddings (absolute), rotating q and k in every attention, or a
 # logit bias computed from the positions alone (once per forward, shared by the layers);
 # RELATIVE_KINDS: score terms each attention computes from its own queries and keys.
-ADDED_KINDS = ("sinusoidal", "scaled_sinusoidal", "learned")
+ADDED_KINDS = ("sinusoidal", "scaled_sinusoidal", "learned", "complex")  # complex: the token embedding turned
 ROTARY_KINDS = ("rope", "xpos")
 BIAS_KINDS = ("alibi", "t5", "tupe")
 # TUPE-R's T5 buckets (Ke et al. 2021's code: 32 bins up to a distance of 128, T5's defaults).
@@ -244,6 +252,29 @@ def t5_buckets(relative: Int[Array, " ..."], *, bidirectional: bool, num_buckets
     return bucket + jnp.where(n < exact, n, jnp.minimum(large, num_buckets - 1))
 
 
+def complex_order(
+    z: Float[Array, "n dim"], frequency: Float[Array, "n half"], positions: Real[Array, " n"]
+) -> Float[Array, "n dim"]:
+    """Wang et al. 2020 ("Encoding word order in complex embeddings", ICLR, eq. 5):
+    f(j, pos) = r_j e^{i(ω_j pos + θ_j)} per complex feature k < D = dim / 2, its real
+    parts in features k and its imaginary parts in features k + D (the layout `rotary`
+    turns). `z` holds each token's r_j e^{iθ_j} the same way (the real part in feature k,
+    the imaginary in k + D: the embedding at position 0), `frequency` its ω_j; the result
+    is z times e^{i ω_j pos}, computed in float32."""
+    half = z.shape[-1] // 2
+    angle = frequency.astype(jnp.float32) * positions.astype(jnp.float32)[:, None]
+    re, im = z[:, :half].astype(jnp.float32), z[:, half:].astype(jnp.float32)
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    return jnp.concatenate([re * cos - im * sin, re * sin + im * cos], -1).astype(z.dtype)
+
+
+def complex_frequencies(vocab_size: int, dim: int) -> Float[Array, "vocab half"]:
+    """The start of "complex"'s ω: every word's feature k turns at 10000^(-k/D), D = dim / 2,
+    the sinusoids' frequencies (the authors' code starts ω from the sinusoid table)."""
+    half = dim // 2
+    return jnp.broadcast_to(10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half), (vocab_size, half))
+
+
 def scaled_sinusoidal_gain(dim: int) -> Float[Array, ""]:
     """The start of "scaled_sinusoidal"'s learned scalar g: 1/sqrt(d_model) (Hua et al. 2022,
     "Transformer Quality in Linear Time" (FLASH), arXiv 2202.10447, its position embedding
@@ -324,15 +355,19 @@ class Positions(eqx.Module):
     (Rotary kinds, "rope" and "xpos", act inside the attentions: `Rotary`.)
 
     Fields: `kind` (one of POSITION_KINDS), `table` (learned embeddings `[max_len,
-    d_model]` or T5's bucket table `[num_buckets, heads]`), `gain` ("scaled_sinusoidal"'s
+    d_model]`, T5's bucket table `[num_buckets, heads]`, or "complex"'s frequencies ω
+    `[vocab, d_model / 2]`), `gain` ("scaled_sinusoidal"'s
     learned scalar g: PE[p] g), `untied` (TUPE's positional correlation), `shared` (what
-    the layers of a relative kind share: Transformer-XL's u and v, DeBERTa's P), `causal`.
+    the layers of a relative kind share: Transformer-XL's u and v, DeBERTa's P), `floater`
+    (FLOATER's dynamics and every block's start), `causal`.
     "xpos" needs `causal` (see `Rotary`).
 
     Arguments beyond the fields' own: `d_head` (the attentions' head size: Transformer-XL's
     u and v; default dim // heads), `max_distance` (k of "deberta"'s 2k buckets), `cls_position`
     (the [CLS] token's position, for TUPE's reset; None: no CLS token), `tupe_relative`
-    (TUPE-R).
+    (TUPE-R), `position_buckets` (b > 0: "deberta" with v2's log buckets, P of 2b rows),
+    `layers`, `floater_delta`, `floater_steps` ("floater": the blocks, Δ and the RK4 steps
+    per Δ), `vocab_size` ("complex": a frequency row per word).
     """
 
     kind: str = eqx.field(static=True)
@@ -343,6 +378,7 @@ class Positions(eqx.Module):
     gain: Float[Array, ""] | None
     untied: UntiedPositions | None
     shared: SharedTerms | None
+    floater: Floater | None
 
     def __init__(
         self,
@@ -357,6 +393,11 @@ class Positions(eqx.Module):
         max_distance: int = 0,
         cls_position: int | None = None,
         tupe_relative: bool = False,
+        position_buckets: int = 0,
+        layers: int = 0,
+        floater_delta: float = FLOATER_DELTA,
+        floater_steps: int = FLOATER_STEPS,
+        vocab_size: int = 0,
     ):
         if kind not in POSITION_KINDS:
             raise ValueError(f"position must be one of {POSITION_KINDS}; got {kind!r}")
@@ -366,10 +407,17 @@ class Positions(eqx.Module):
                 "attention (keys after the query would be scaled up with the distance); got causal=False"
             )
         self.kind, self.causal, self.dim, self.heads = kind, causal, dim, heads
+        if kind == "complex" and (dim % 2 or vocab_size < 1):
+            raise ValueError(
+                f"position 'complex' turns D = d_model / 2 complex features of each word: it needs an even d_model "
+                f"and vocab_size >= 1; got d_model={dim}, {vocab_size=}"
+            )
         if kind == "learned":
             self.table = 0.02 * jax.random.normal(key, (max_len, dim))
         elif kind == "t5":
             self.table = 0.02 * jax.random.normal(key, (T5_BUCKETS, heads))
+        elif kind == "complex":
+            self.table = complex_frequencies(vocab_size, dim)
         else:
             self.table = None
         self.gain = scaled_sinusoidal_gain(dim) if kind == "scaled_sinusoidal" else None
@@ -392,8 +440,11 @@ class Positions(eqx.Module):
             raise ValueError(f"position 'deberta' needs max_distance k >= 1 (its 2k buckets); got {max_distance}")
         self.shared = SharedTerms.make(
             kind, heads=heads, d_head=dim // heads if d_head is None else d_head, d_model=dim,
-            max_distance=max_distance, key=key,
+            max_distance=max_distance, position_buckets=position_buckets, key=key,
         )  # fmt: skip
+        self.floater = None
+        if kind in INPUT_KINDS:
+            self.floater = Floater(layers=layers, dim=dim, delta=floater_delta, steps=floater_steps, key=key)
 
     @property
     def rope(self) -> bool:
@@ -401,8 +452,9 @@ class Positions(eqx.Module):
         return self.kind in ROTARY_KINDS
 
     def embed(self, positions: Int[Array, " n"]) -> Float[Array, "n dim"] | None:
-        """What to add to the token embeddings (None: nothing)."""
-        if self.kind == "sinusoidal":
+        """What to add to the token embeddings (None: nothing). FLOATER's: the sinusoids
+        (the authors' code keeps fairseq's sinusoidal embedding beside the ODE)."""
+        if self.kind in ("sinusoidal", *INPUT_KINDS):
             return sinusoidal(positions, self.dim)
         if self.kind == "scaled_sinusoidal":
             assert self.gain is not None
@@ -412,6 +464,16 @@ class Positions(eqx.Module):
             return self.table[positions]
         return None
 
+    def modulate(
+        self, x: Float[Array, "n dim"], tokens: Int[Array, " n"], positions: Real[Array, " n"]
+    ) -> Float[Array, "n dim"]:
+        """The token embeddings as position turns them: "complex" (`complex_order`, each
+        token's ω), x itself for the other kinds."""
+        if self.kind != "complex":
+            return x
+        assert self.table is not None
+        return complex_order(x, lookup(self.table, tokens), positions)
+
     def grid_bias(self, n: int) -> Float[Array, "heads n n"] | Alibi | SharedTerms | None:
         """The bias of self-attention over positions 0..n-1: ALiBi as an `Alibi` (slopes
         only: the flash kernel computes it per tile, the XLA op materialises it), T5 and
@@ -419,6 +481,8 @@ class Positions(eqx.Module):
         attention completes), else None."""
         if self.kind in RELATIVE_KINDS:
             return self.shared
+        if self.floater is not None:  # every block's p^(n)(t_i), i < n: solved once per forward
+            return SharedTerms(flow=self.floater.grid(n))
         if self.kind == "alibi":
             return Alibi(alibi_slopes(self.heads))
         if self.kind not in BIAS_KINDS:
@@ -436,6 +500,11 @@ class Positions(eqx.Module):
         of integers)."""
         if self.kind in RELATIVE_KINDS:
             return self.shared
+        if self.kind in INPUT_KINDS:
+            raise ValueError(
+                f"position {self.kind!r} is solved on the integer grid 0..n-1 (grid_bias); these positions "
+                "are not on it (ModelConfig refuses filters with it)"
+            )
         if self.kind == "tupe":
             assert self.untied is not None
             return self.untied(q_pos, kv_pos)

@@ -18,11 +18,18 @@ own queries (and keys) and the distance j - i, added to the content logits q_i k
   over sqrt(3d) (content-to-content, content-to-position, position-to-content),
   δ(i, j) = clip(i - j + k, 0, 2k - 1), Q^r = P W_{q,r} and K^r = P W_{k,r} with P
   `[2k, d_model]` shared by every layer and W_{q,r}, W_{k,r} per layer. DeBERTa v1's
-  linear buckets; v2's log buckets are not built.
+  linear buckets, or v2's log buckets (`position_buckets` b > 0): δ(i, j) =
+  clip(bucket(i - j) + b, 0, 2b - 1), `log_buckets`, and P `[2b, d_model]`.
 * "tupe": Ke, He & Liu 2021, "Rethinking Positional Encoding in Language Pre-training":
   the positional correlation is a bias computed once per forward from absolute positions
   (`jxformers.nn.positions.UntiedPositions`); inside the attention only the content
   logits change, scaled by 1/sqrt(2d) instead of 1/sqrt(d).
+
+FLOATER (Liu et al. 2020, `jxformers.nn.floater`) is absolute, not relative, but travels
+the same way: the model solves every block's position p^(n)(t_i) at once and hands the
+solution to the blocks as `SharedTerms.flow`; each attention's `RelativeTerms` (kind
+"floater", its block index `layer`) adds its block's row to the attention's input before
+the projections, and nothing else (any attention takes it).
 
 How they reach the attention core: each term is a logit bias `[heads, q, kv]` (the
 core's `bias`, after its 1/sqrt(d_k)), the scale of the content logits is folded into the
@@ -61,6 +68,8 @@ from jxformers.nn.layers import Linear
 # attention scales.
 RELATIVE_KINDS = ("shaw", "transformer_xl", "deberta")
 SCORE_KINDS = (*RELATIVE_KINDS, "tupe")
+# Positions each attention adds to its input (x + p^(n)) from the model's solution: FLOATER.
+INPUT_KINDS = ("floater",)
 # The content logits q k^T / sqrt(d) are divided further by sqrt of this (the papers' 1/sqrt(3d), 1/sqrt(2d)).
 _CONTENT_DIVISOR = {"shaw": 1, "transformer_xl": 1, "deberta": 3, "tupe": 2}
 # Shaw's k where the config leaves it unset: the clipping distance of the paper's experiments.
@@ -99,6 +108,24 @@ def _distances(q_pos: Real[Array, " n"], k_pos: Real[Array, " m"]) -> Int[Array,
     return jnp.round(q_pos[:, None] - k_pos[None, :]).astype(jnp.int32)
 
 
+def log_buckets(relative: Int[Array, "*s"], buckets: int, max_position: int) -> Int[Array, "*s"]:
+    """DeBERTa v2's log-bucketed relative position (He et al. 2021, the v2/v3 code's
+    `make_log_bucket_position(relative_pos, bucket_size, max_position)`): with
+    mid = buckets // 2, a distance r with |r| <= mid is kept, a longer one becomes
+    sign(r) (ceil(log(|r| / mid) / log((max_position - 1) / mid) (mid - 1)) + mid), so
+    |r| = max_position - 1 lands on 2 mid - 1; farther ones keep growing (the callers
+    clip). Needs mid >= 1 and max_position - 1 > mid."""
+    mid = buckets // 2
+    sign = jnp.sign(relative)
+    inner = (relative < mid) & (relative > -mid)
+    magnitude = jnp.where(inner, mid - 1, jnp.abs(relative)).astype(jnp.float32)
+    # both logs in float32 (as HF transformers' torch port): log(a) / log(a) is then exactly 1
+    # at |r| = max_position - 1, where a float64 denominator would tip the ceil to the next bucket
+    ratio = jnp.log(magnitude / mid) / jnp.log(jnp.asarray((max_position - 1) / mid, jnp.float32))
+    log_pos = (jnp.ceil(ratio * (mid - 1)) + mid).astype(relative.dtype)
+    return jnp.where(magnitude <= mid, relative, log_pos * sign)
+
+
 def _per_head(k: Float[Array, "m kv_heads d"], heads: int) -> Float[Array, "m heads d"]:
     """Keys of the kv heads repeated for each query head of their group (grouped-query)."""
     return jnp.repeat(k, heads // k.shape[1], axis=1)
@@ -108,23 +135,37 @@ class SharedTerms(eqx.Module):
     """The relative terms' parameters every layer shares, held by the model's `Positions`
     and passed to each attention where a logit bias would go (`Attention.apply`'s `bias`,
     `decode_step`'s `bias_fn`). Transformer-XL: `u`, `v` `[heads, d_head]` (the global
-    content and position biases); DeBERTa: `table`, P `[2k, d_model]`."""
+    content and position biases); DeBERTa: `table`, P `[2k, d_model]` (v2's log buckets:
+    `[2b, d_model]`); FLOATER: `flow` `[layers, n, d_model]`, every block's p^(n)(t_i) for
+    the rows the attentions see (the grid of a forward; one position when decoding)."""
 
     u: Float[Array, "heads d_head"] | None = None
     v: Float[Array, "heads d_head"] | None = None
     table: Float[Array, "labels d_model"] | None = None
+    flow: Float[Array, "layers n d_model"] | None = None
 
     @staticmethod
-    def make(kind: str, *, heads: int, d_head: int, d_model: int, max_distance: int, key: PRNGKeyArray):
-        """The shared part of `kind` (None for Shaw and TUPE, which share nothing here),
-        each array ~ N(0, 0.02^2)."""
+    def make(
+        kind: str,
+        *,
+        heads: int,
+        d_head: int,
+        d_model: int,
+        max_distance: int,
+        key: PRNGKeyArray,
+        position_buckets: int = 0,
+    ):
+        """The shared parameters of `kind` (None for Shaw and TUPE, which share nothing
+        here, and FLOATER, whose `flow` is solved per forward), each ~ N(0, 0.02^2);
+        `position_buckets` b > 0: DeBERTa v2's P of 2b rows."""
         ku, kv = jax.random.split(key)
         if kind == "transformer_xl":
             return SharedTerms(
                 u=0.02 * jax.random.normal(ku, (heads, d_head)), v=0.02 * jax.random.normal(kv, (heads, d_head))
             )
         if kind == "deberta":
-            return SharedTerms(table=0.02 * jax.random.normal(key, (2 * max_distance, d_model)))
+            rows = 2 * (position_buckets or max_distance)
+            return SharedTerms(table=0.02 * jax.random.normal(key, (rows, d_model)))
         return None
 
 
@@ -141,6 +182,13 @@ def check_relative(
     and the module's options: its terms are logits beside q k^T, so the attention must
     take a logit bias and compare queries with keys; Shaw's value term needs the op's
     `relative_values`."""
+    if kind in INPUT_KINDS:  # FLOATER changes the attention's input only: any attention takes it
+        if maps:
+            raise ValueError(
+                f"position {kind!r} adds each block's own position to its attention's input; the carried "
+                "attention maps (stack.attention_maps) are formed by jxformers.nn.cross_layer without it"
+            )
+        return
     if kind not in SCORE_KINDS:
         raise ValueError(f"relative position kind must be one of {SCORE_KINDS}; got {kind!r}")
     able = registry.names(takes_bias=True, content_based=True)
@@ -181,7 +229,10 @@ class RelativeTerms(eqx.Module):
     Fields (None where the kind has none): Shaw's `keys` a^K and `values` a^V
     `[2k + 1, d_head]` (~ N(0, 0.02^2)); Transformer-XL's `r_proj` W_{k,R} (d_model ->
     heads * d_head); DeBERTa's `pos_q` W_{q,r} and `pos_k` W_{k,r} (d_model -> heads *
-    d_head). `max_distance` k: Shaw's clip, DeBERTa's 2k buckets.
+    d_head). `max_distance` k: Shaw's clip, DeBERTa's 2k buckets (with
+    `position_buckets` b > 0, DeBERTa v2's log buckets: 2b of them reaching distance k,
+    `log_buckets`). FLOATER ("floater"): no parameters here, only `layer`, the row of the
+    model's `SharedTerms.flow` this attention adds to its input (`inputs`).
 
     Shapes: `q [n, heads, d]`, `k [m, kv_heads, d]`, positions `[n]` and `[m]`
     (fractional ones rounded to integer distances); `bias(...) -> [heads, n, m]`, already
@@ -194,20 +245,40 @@ class RelativeTerms(eqx.Module):
     heads: int = eqx.field(static=True)
     d_head: int = eqx.field(static=True)
     max_distance: int = eqx.field(static=True)
+    position_buckets: int = eqx.field(static=True)
+    layer: int = eqx.field(static=True)
     keys: Float[Array, "labels d_head"] | None
     values: Float[Array, "labels d_head"] | None
     r_proj: Linear | None
     pos_q: Linear | None
     pos_k: Linear | None
 
-    def __init__(self, kind: str, *, d_model: int, heads: int, d_head: int, max_distance: int = 0, key: PRNGKeyArray):
-        if kind not in SCORE_KINDS:
-            raise ValueError(f"relative position kind must be one of {SCORE_KINDS}; got {kind!r}")
+    def __init__(
+        self,
+        kind: str,
+        *,
+        d_model: int,
+        heads: int,
+        d_head: int,
+        max_distance: int = 0,
+        position_buckets: int = 0,
+        layer: int = 0,
+        key: PRNGKeyArray,
+    ):
+        if kind not in (*SCORE_KINDS, *INPUT_KINDS):
+            raise ValueError(f"relative position kind must be one of {(*SCORE_KINDS, *INPUT_KINDS)}; got {kind!r}")
+        reach = max_distance - 1 > position_buckets // 2  # the log buckets reach k - 1 from b // 2
+        if position_buckets and (kind != "deberta" or position_buckets < 2 or not reach):
+            raise ValueError(
+                "position_buckets b (DeBERTa v2's log buckets) goes with kind 'deberta', b >= 2 and a max_distance "
+                f"k > b // 2 + 1 (the log reaches k - 1 from b // 2); got {kind=}, {position_buckets=}, {max_distance=}"
+            )
         if kind in ("shaw", "deberta") and (isinstance(max_distance, bool) or max_distance < 1):
             raise ValueError(
                 f"position {kind!r} clips distances at k: max_distance must be an int >= 1; got {max_distance}"
             )
         self.kind, self.heads, self.d_head, self.max_distance = kind, heads, d_head, max_distance
+        self.position_buckets, self.layer = position_buckets, layer
         self.keys = self.values = self.r_proj = self.pos_q = self.pos_k = None
         k1, k2 = jax.random.split(key)
         if kind == "shaw":
@@ -257,20 +328,40 @@ class RelativeTerms(eqx.Module):
         if self.kind == "deberta":  # (Q^c_i K^r_δ(i,j) + K^c_j Q^r_δ(j,i)) / sqrt(3d)
             assert shared is not None and shared.table is not None
             assert self.pos_q is not None and self.pos_k is not None
-            buckets = 2 * self.max_distance
+            span = self.position_buckets or self.max_distance  # v2's att_span: b, or v1's k
+            buckets = 2 * span
             rows = shared.table.shape[0]
             if rows != buckets:
-                raise ValueError(f"deberta's P has {rows} rows; this layer's k = {self.max_distance} needs {buckets}")
+                raise ValueError(f"deberta's P has {rows} rows; this layer's k = {span} needs {buckets}")
             q_r = self.pos_q(shared.table).reshape(buckets, self.heads, d)
             k_r = self.pos_k(shared.table).reshape(buckets, self.heads, d)
-            delta = jnp.clip(_distances(q_pos, k_pos) + self.max_distance, 0, buckets - 1)  # δ(i, j) [n, m]
-            delta_t = jnp.clip(_distances(k_pos, q_pos) + self.max_distance, 0, buckets - 1)  # δ(j, i) [m, n]
+            delta = jnp.clip(self._bucket(_distances(q_pos, k_pos)) + span, 0, buckets - 1)  # δ(i, j) [n, m]
+            delta_t = jnp.clip(self._bucket(_distances(k_pos, q_pos)) + span, 0, buckets - 1)  # δ(j, i) [m, n]
             f32 = jnp.float32
             c2p = gather_labels(jnp.einsum("nhd,rhd->hnr", q.astype(f32), k_r), delta)
             keys = _per_head(k, self.heads).astype(f32)
             p2c = jnp.swapaxes(gather_labels(jnp.einsum("mhd,rhd->hmr", keys, q_r), delta_t), 1, 2)
             return (c2p + p2c) / math.sqrt(3 * d)
         return None
+
+    def _bucket(self, distances: Int[Array, "n m"]) -> Int[Array, "n m"]:
+        """DeBERTa's distance as bucketed: as it is (v1), or v2's log bucket."""
+        if not self.position_buckets:
+            return distances
+        return log_buckets(distances, self.position_buckets, self.max_distance)
+
+    def inputs(self, x: Float[Array, "n d_model"], shared: SharedTerms | None) -> Float[Array, "n d_model"]:
+        """FLOATER: x + p^(layer)(t_i), this block's row of the model's solution (`[n,
+        d_model]`, aligned with x's rows by the model)."""
+        if shared is None or shared.flow is None:
+            raise ValueError(
+                f"position {self.kind!r} needs the model's solved positions (SharedTerms.flow) as the bias; got "
+                f"{type(shared).__name__}"
+            )
+        flow = shared.flow[self.layer]
+        if flow.shape != x.shape:
+            raise ValueError(f"floater: block {self.layer}'s positions have shape {flow.shape}; its input {x.shape}")
+        return (x.astype(jnp.float32) + flow).astype(x.dtype)
 
     def arrays(self, q_pos: Real[Array, " n"], k_pos: Real[Array, " m"]) -> dict[str, Array]:
         """The core's extra arguments: Shaw's a^V (`relative_values`) and the integer

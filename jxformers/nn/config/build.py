@@ -40,7 +40,7 @@ from jxformers.nn.moe import MoE, MoEConfig
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import PKMConfig, ProductKeyMemory
 from jxformers.nn.positions import Positions
-from jxformers.nn.relative import SCORE_KINDS, RelativeTerms
+from jxformers.nn.relative import INPUT_KINDS, SCORE_KINDS, RelativeTerms
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
 from jxformers.nn.transformer_xl import RecurrentLM
@@ -125,13 +125,15 @@ def _blocks(
     for i, k in enumerate(jax.random.split(key, count)):
         ka, kc, kf = jax.random.split(k, 3)
         relative = None
-        if position in SCORE_KINDS:  # this layer's part of the scheme (the shared part is the Positions')
+        if position in SCORE_KINDS or position in INPUT_KINDS:  # this layer's part (the shared part is the Positions')
             relative = RelativeTerms(
                 position,
                 d_model=config.d_model,
                 heads=config.num_heads,
                 d_head=config.head_size(config.layer(i).attention),
                 max_distance=config.embedding.max_distance(config.max_len),
+                position_buckets=config.embedding.deberta_buckets or 0,
+                layer=i,  # FLOATER: this block's row of the model's solution
                 key=jax.random.fold_in(k, 5),
             )
         attention = Attention(
@@ -296,7 +298,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
     keys = jax.random.split(key, 8)
     stack, norm, embed = config.stack, config.norm, config.embedding
 
-    def embedding(k, causal, extra=True, cls=False):
+    def embedding(k, causal, extra=True, cls=False, layers=config.num_layers):
         assert embed.position is not None  # ModelConfig resolves it from the stack
         # TUPE resets the CLS token's correlations: it sits after the memory tokens (if any)
         memory = embed.extra_tokens if extra and embed.extra_kind == "memory" else 0
@@ -311,6 +313,11 @@ def _assemble(config: ModelConfig, key: jax.Array):
             max_distance=embed.max_distance(config.max_len),
             cls_position=memory if cls and embed.position == "tupe" else None,
             tupe_relative=embed.tupe_relative,
+            position_buckets=embed.deberta_buckets or 0,
+            layers=layers,
+            floater_delta=embed.floater_delta,
+            floater_steps=embed.floater_steps,
+            vocab_size=config.vocab_size,
         )
         kt, _ = jax.random.split(k)
         embed_norm = make_norm(norm.kind, config.d_model, norm.eps) if embed.norm else None
@@ -392,7 +399,8 @@ def _assemble(config: ModelConfig, key: jax.Array):
             else _stack(config, causal=True, key=keys[4])
         )
         return LanguageModel(
-            embedding(keys[3], True, extra=not cross),  # seq2seq: the encoder holds them (the paper's MemTransformer)
+            # seq2seq: the encoder holds the extra tokens (the paper's MemTransformer)
+            embedding(keys[3], True, extra=not cross, layers=layers),
             blocks,
             make_norm(norm.kind, config.d_model, norm.eps),
             max_len=config.max_len,

@@ -27,6 +27,7 @@ from jxformers.nn.attention import QK_NORMS
 from jxformers.nn.average import check_aan
 from jxformers.nn.blocks import NORM_PLACEMENTS
 from jxformers.nn.cross_layer import MAP_KINDS
+from jxformers.nn.floater import FLOATER_DELTA, FLOATER_STEPS
 from jxformers.nn.heads import DISAGREEMENTS, HEAD_AGGREGATIONS
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.models import DOWNSAMPLE_KINDS, EXTRA_TOKEN_KINDS, POOLING_KINDS
@@ -142,8 +143,9 @@ HEAD_OPTIONS = ("collaborative", "disagreement", "disagreement_weight", "head_ag
 class EmbeddingConfig:
     """Token embeddings and positions. The rope_* and xpos_* settings configure the
     rotary kinds (`jxformers.nn.positions.Rotary`, which `rotary()` builds from them),
-    relative_max_distance the clipped ones (shaw, deberta) and tupe_relative TUPE; each is
-    refused with any other position."""
+    relative_max_distance the clipped ones (shaw, deberta), deberta_buckets DeBERTa v2's
+    log buckets, tupe_relative TUPE and floater_* FLOATER's ODE; each is refused with any
+    other position."""
 
     position: str | None = setting(
         None,
@@ -151,8 +153,10 @@ class EmbeddingConfig:
         "scalar, learned), rotary (rope; xpos: rope with a decay, causal lm only), a logit bias (alibi, t5; "
         "tupe: TUPE's untied positional correlation, Ke et al. 2021), or relative score terms inside each "
         "attention (shaw: Shaw et al. 2018; transformer_xl: Dai et al. 2019's u, v and W_{k,R} R_{i-j}; "
-        "deberta: He et al. 2021's disentangled attention) (None: none for the recurrent stacks, whose own are "
-        "relative; sinusoidal otherwise)",
+        "deberta: He et al. 2021's disentangled attention), each block's own position from a neural ODE added to "
+        "its attention's input (floater: Liu et al. 2020's FLOATER), or the token embedding turned by position "
+        "(complex: Wang et al. 2020's complex word embeddings, real and imaginary parts as features) (None: none "
+        "for the recurrent stacks, whose own are relative; sinusoidal otherwise)",
         choices=(*POSITION_KINDS, None),
     )
     relative_max_distance: int | None = setting(
@@ -160,6 +164,20 @@ class EmbeddingConfig:
         f"k of shaw (distances j - i clipped to [-k, k]; None: {SHAW_MAX_DISTANCE}, the paper's) and deberta "
         "(δ(i, j) = clip(i - j + k, 0, 2k - 1); None: max_len, every distance of a sequence its own bucket)",
         limits=1,
+    )
+    deberta_buckets: int | None = setting(
+        None,
+        "deberta: DeBERTa v2's log buckets, b of them each way (v2's position_buckets; its models use 256), reaching "
+        "distance relative_max_distance (v2's max_relative_positions); None: v1's linear clipping",
+        limits=2,
+    )
+    floater_delta: float = setting(
+        FLOATER_DELTA,
+        "floater: Δ, position i at t_i = i Δ of the ODE (the authors' code: 0.01)",
+        limits=Limits(above=0),
+    )
+    floater_steps: int = setting(
+        FLOATER_STEPS, "floater: fixed RK4 steps per interval Δ (the authors' code: 5, step Δ/5)", limits=1
     )
     tupe_relative: bool = setting(
         False, "tupe: TUPE-R, T5's relative bias b_{j-i} added to the positional correlation; false: TUPE-A"
@@ -218,6 +236,16 @@ class EmbeddingConfig:
                 f"embedding.relative_max_distance is k of positions 'shaw' and 'deberta'; got position="
                 f"{self.position!r}"
             )
+        if self.deberta_buckets is not None and self.position != "deberta":
+            raise ValueError(
+                f"embedding.deberta_buckets is DeBERTa v2's log buckets: it needs position 'deberta'; got "
+                f"{self.position!r}"
+            )
+        defaults = {"floater_delta": FLOATER_DELTA, "floater_steps": FLOATER_STEPS}
+        floater = {n: getattr(self, n) for n, v in defaults.items() if getattr(self, n) != v}
+        if floater and self.position != "floater":
+            raise ValueError(f"embedding settings {floater} solve FLOATER's ODE: they need position 'floater'; got "
+                             f"{self.position!r}")  # fmt: skip
         if self.tupe_relative and self.position != "tupe":
             raise ValueError(f"embedding.tupe_relative is TUPE-R: it needs position 'tupe'; got {self.position!r}")
         if (self.rope_scaling == "none") != (self.rope_factor == 1):

@@ -52,7 +52,7 @@ from jxformers.nn.mixture import PIXEL_VALUES
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import ADDED_KINDS, BIAS_KINDS, ROTARY_KINDS, xpos_max_len
-from jxformers.nn.relative import RELATIVE_KINDS, SCORE_KINDS, check_relative
+from jxformers.nn.relative import INPUT_KINDS, RELATIVE_KINDS, SCORE_KINDS, check_relative
 from jxformers.nn.residual import NORM_FREE, OUTPUT_NORMED
 from jxformers.validate import check_at_least, check_fields, setting
 
@@ -254,6 +254,11 @@ class ModelConfig:
                     )
         if position == "xpos":
             self._check_xpos()
+        if position == "complex" and self.d_model % 2:
+            raise ValueError(
+                f"position 'complex' reads the embedding as d_model / 2 complex features (real parts, then "
+                f"imaginary): it needs an even d_model; got {self.d_model}"
+            )
         if self.decoder is not None and self.task != "seq2seq":
             raise ValueError(f"model.decoder configures the decoder of task seq2seq; got task {self.task!r}")
 
@@ -299,8 +304,23 @@ class ModelConfig:
         """The positions computed with each attention's scores (shaw, transformer_xl,
         deberta, tupe: `jxformers.nn.relative`) fit every block's attention and the stack."""
         position = self.embedding.position
-        if position not in SCORE_KINDS or not isinstance(self.stack, TransformerStack):
+        if position not in (*SCORE_KINDS, *INPUT_KINDS) or not isinstance(self.stack, TransformerStack):
             return  # other stacks refuse them (_check_stack)
+        if position == "deberta" and self.embedding.deberta_buckets is not None:
+            buckets, reach = self.embedding.deberta_buckets, self.embedding.max_distance(self.max_len)
+            if reach - 1 <= buckets // 2:
+                raise ValueError(
+                    f"embedding.deberta_buckets b = {buckets} keeps distances up to b // 2 = {buckets // 2} and "
+                    f"log-buckets the rest up to relative_max_distance - 1 (DeBERTa v2's max_relative_positions): "
+                    f"it must exceed b // 2 + 1; got relative_max_distance {reach} (None: max_len)"
+                )
+        if position in INPUT_KINDS:
+            aan = [i for i in range(self._blocks()) if self.layer(i).attention.aan]
+            if aan:
+                raise ValueError(
+                    f"position {position!r} adds each block's position to its attention's input before the "
+                    f"projections; the average attention network (attention.aan) has none: blocks {aan}"
+                )
         stack = self.stack
         for index in range(self._blocks()):
             attention = self.layer(index).attention
@@ -315,13 +335,15 @@ class ModelConfig:
                 f"position 'transformer_xl' shares u and v [heads, d_head] across the layers: every block needs "
                 f"one head size; got {sizes} (attention.d_head in stack.layer_overrides)"
             )
-        if stack.filters and position in ("transformer_xl", "tupe"):
+        if stack.filters and position in ("transformer_xl", "tupe", *INPUT_KINDS):
             why = {
                 "transformer_xl": "its W_{k,R} R_{i-j} is projected once per integer distance of the grid; a "
                 "shortened grid's distances are fractional and span the input's length, which would need the "
                 "sinusoid of every pair (O(n^2 d_model) memory)",
                 "tupe": "its positional correlation reads the absolute embedding p_i of each token's position; a "
                 "filtered token mixes many positions (DCT or pooling) and sits at a fractional one",
+                "floater": "its ODE is read at t_i = i Δ of the integer grid, each block's input at its own "
+                "positions; a filtered token mixes many positions and sits at a fractional one",
             }[position]
             raise ValueError(f"position {position!r} with stack.filters {stack.filters}: refused, {why}")
 
@@ -352,7 +374,7 @@ class ModelConfig:
                 )
             if self.dtype != "float32":
                 raise ValueError(f"stack {kind!r} runs in float32 only; got dtype {self.dtype!r}")
-        elif position in BIAS_KINDS or position in ROTARY_KINDS or position in RELATIVE_KINDS:
+        elif position in (*BIAS_KINDS, *ROTARY_KINDS, *RELATIVE_KINDS, *INPUT_KINDS):
             raise ValueError(
                 f"stack {kind!r} takes positions added to the embeddings ({', '.join(ADDED_KINDS)}) or none; "
                 f"got {position!r}"
