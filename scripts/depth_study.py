@@ -48,6 +48,7 @@ VARIANTS = {
     "fixup": ["model.norm.placement=fixup", "model.norm.final=false"],
     "pre, scalenorm": ["model.norm.placement=pre", "model.norm.kind=scalenorm"],
     "post, adanorm": ["model.norm.placement=post", "model.norm.kind=adanorm"],
+    "pre, powernorm": ["model.norm.placement=pre", "model.norm.kind=powernorm"],
 }
 
 
