@@ -488,3 +488,26 @@ class ModelSuite(_Parametrized):
         model = build_model(suite_config(name, "lm", position="rope"), key=jax.random.key(0))
         x = tokens(5)
         assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)
+
+
+def train_steps(model, tokens, mask, steps=3):
+    """(the train state, the losses) after `steps` AdamW steps (lr 3e-3) of `model` on one
+    batch `tokens [batch, seq]` (a language model's next-token loss, or a classifier's on
+    alternating labels)."""
+    import optax
+
+    from jxformers.train.state import TrainState, split_model
+    from jxformers.train.step import make_train_step
+
+    params, drawn, static = split_model(model)
+    optimizer = optax.adamw(3e-3)
+    state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
+    batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
+    if getattr(model, "encoder", None) is not None:  # a classifier
+        batch = {"tokens": tokens, "mask": mask, "label": jnp.arange(tokens.shape[0]) % 2}
+    step = jax.jit(make_train_step(static, optimizer, grad_accum=1))
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses

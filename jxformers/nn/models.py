@@ -67,7 +67,7 @@ def _check_length(n: int, max_len: int, what: str = "sequence", extra: int = 0):
         raise ValueError(f"{what} length {n}{held} exceeds the model's max_len {max_len}")
 
 
-def _check_reversible(blocks, reversible):
+def _check_reversible(blocks, reversible, positions: Positions):
     if reversible and not all(isinstance(b, Block) for b in blocks):
         raise ValueError(
             f"reversible wiring needs transformer Blocks; got {sorted({type(b).__name__ for b in blocks})}"
@@ -76,6 +76,13 @@ def _check_reversible(blocks, reversible):
         raise ValueError("reversible wiring runs each block's branches alone: it cannot carry attention maps")
     if reversible and any(isinstance(b, Block) and b.ffn is None for b in blocks):
         raise ValueError("reversible wiring pairs each attention with an FFN (G); got blocks without one (ffn none)")
+    if reversible and any(isinstance(b, Block) and b.local is not None for b in blocks):
+        raise ValueError("reversible wiring pairs each attention with an FFN (G); got blocks with LocalRNN sublayers")
+    if reversible and any(after >= 0 for after in positions.peg_after):
+        raise ValueError(
+            f"reversible wiring recomputes the blocks from their outputs, which a PEG between them would break: "
+            f"conditional positions on the embeddings only (after -1); got after {positions.peg_after}"
+        )
 
 
 def _carries_maps(blocks) -> bool:
@@ -276,7 +283,7 @@ class Encoder(eqx.Module):
                 )
         if reversible and filters:
             raise ValueError("a reversible encoder cannot shorten its sequence (filters)")
-        _check_reversible(blocks, reversible)
+        _check_reversible(blocks, reversible, embedding.positions)
         if token_learner is not None and (
             reversible
             or filters
@@ -398,6 +405,8 @@ class Encoder(eqx.Module):
         x, mask = self.embedding.with_extra(x, mask, cls=start)
         ids = self.embedding.with_extra_ids(ids, cls=start)
         assert mask is not None
+        condition = self.embedding.positions.condition  # CPE's PEGs: the rows before the first token pass by
+        x = condition(-1, x, mask, skip=first)
         if self.reversible:
             bias = self.embedding.positions.grid_bias(x.shape[0])
             blocks = cast(tuple[Block, ...], self.blocks)  # _check_reversible: all Blocks
@@ -444,6 +453,7 @@ class Encoder(eqx.Module):
             else:  # ISAB, LunaStack: no filters and no bias positions (ModelConfig refuses them)
                 x = block(x, kv_mask=kv_mask, key=k, inference=inference)
             produced = produced + made.under("blocks", i)
+            x = condition(i, x, mask, skip=first)  # ModelConfig: no PEG after the tokens are learned
             if learn is not None and not learn.fuse and i == learn.after_layer:
                 x, mask = self._learn_tokens(learn.learner(i), x, mask)
                 pos = self._positions(x.shape[0], spacing)
@@ -643,7 +653,7 @@ class LanguageModel(eqx.Module):
     ):
         """`head`: an output head whose "logits" are normalised log-probabilities (the
         pixel mixture of `jxformers.nn.mixture`); it replaces the (tied) readout."""
-        _check_reversible(blocks, reversible)
+        _check_reversible(blocks, reversible, embedding.positions)
         if embedding.extra is not None and embedding.extra_kind != "memory":
             raise ValueError(
                 f"a causal language model takes memory tokens (prepended); got {embedding.extra_kind=}: registers "
@@ -699,6 +709,8 @@ class LanguageModel(eqx.Module):
         ids = self.embedding.with_extra_ids(tokens)  # each row's token id (hash-routed MoE layers)
         positions = jnp.arange(n + m)
         bias = self.embedding.positions.grid_bias(n + m)
+        condition = self.embedding.positions.condition  # CPE's PEGs: the memory tokens pass by
+        x = condition(-1, x, mask, skip=m)
         if self.reversible:
             x, produced = reversible_apply(
                 cast(tuple[Block, ...], self.blocks),  # _check_reversible: all Blocks
@@ -728,11 +740,13 @@ class LanguageModel(eqx.Module):
                 produced = produced + made.under("blocks", i)
             else:  # a LunaStack (causal Luna): no bias, positions or cross-attention to pass
                 x = block(x, kv_mask=mask, key=k, inference=inference)
+            x = condition(i, x, mask, skip=m)
         return self._logits(x[m:]), produced
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         """Per-layer decoding states for up to `max_len` tokens (fixed shapes): empty, or
-        holding the m memory tokens (prefilled; `length` starts at m)."""
+        holding the m memory tokens (prefilled; `length` starts at m); with conditional
+        positions, each PEG's last k - 1 inputs ("pegs"), which the memory never enters."""
         m = self.embedding.num_extra
         _check_length(max_len + m, self.max_len, "decoding", extra=m)
         dtype = jnp.dtype(self.embedding.dtype)
@@ -740,8 +754,10 @@ class LanguageModel(eqx.Module):
             "layers": tuple(b.init_decode_state(max_len + m, dtype) for b in self.blocks),
             "length": jnp.zeros((), jnp.int32),
         }
+        if self.embedding.positions.pegs:
+            state["pegs"] = self.embedding.positions.init_peg_states(dtype)
         if self.embedding.extra is not None:
-            feed = lambda s, v: (self._step(v, s, token_id=jnp.array(NO_TOKEN))[1], None)  # noqa: E731
+            feed = lambda s, v: (self._step(v, s, token_id=jnp.array(NO_TOKEN), memory=True)[1], None)  # noqa: E731
             state = jax.lax.scan(feed, state, self.embedding.extra.astype(dtype))[0]
         return state
 
@@ -758,13 +774,25 @@ class LanguageModel(eqx.Module):
         x = self.embedding(token[None], state["length"][None])[0]
         return self._step(x, state, token_id=token, context_kv=context_kv, context_mask=context_mask)
 
-    def _step(self, x, state, *, token_id, context_kv=None, context_mask=None):
+    def _step(self, x, state, *, token_id, context_kv=None, context_mask=None, memory=False):
         """`decode_step` from the input vector x `[d_model]` on (a token's embedding or a
-        memory token); `token_id` is its token's id (`NO_TOKEN` for a memory token)."""
-        bias_fn, layers = _bias_fn(self.embedding.positions), []
+        memory token, `memory`: which the PEGs pass by); `token_id` is its token's id
+        (`NO_TOKEN` for a memory token)."""
+        bias_fn, layers, positions = _bias_fn(self.embedding.positions), [], self.embedding.positions
+        pegs = state.get("pegs", ())
+
+        def condition(after, x):
+            nonlocal pegs
+            if memory:
+                return x
+            x, pegs = positions.condition_step(after, x, pegs)
+            return x
+
+        x = condition(-1, x)
+        kept = {"pegs": pegs} if "pegs" in state else {}
         if self.reversible:
             x, states = reversible_decode_step(self.blocks, x, state["layers"], bias_fn=bias_fn)
-            return self._logits(x), {"layers": states, "length": state["length"] + 1}
+            return self._logits(x), {"layers": states, "length": state["length"] + 1} | kept
         maps = None  # this token's row of the maps one block hands the next (nn.cross_layer)
         for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"], strict=True)):
             kv = None if context_kv is None else context_kv[i]
@@ -776,7 +804,9 @@ class LanguageModel(eqx.Module):
                 assert isinstance(block, LunaStack), type(block)
                 x, layer_state = block.decode_step(x, layer_state)
             layers.append(layer_state)
-        return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1}
+            x = condition(i, x)
+        kept = {"pegs": pegs} if "pegs" in state else {}
+        return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1} | kept
 
 
 class EncoderDecoder(eqx.Module):

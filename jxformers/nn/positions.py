@@ -18,6 +18,10 @@ section 5.1), one module per model:
   2021): relative score terms each attention computes from its own queries (and keys),
   `jxformers.nn.relative`; what their layers share (`SharedTerms`) lives here;
 * "none".
+
+Beside any of them (or alone, with "none"), conditional positional encodings (Chu et al.
+2021, CPE): `Positions` holds the PEGs (`jxformers.nn.local.PEG`) that sit after the
+blocks it names, and the models call `condition` there.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 
 from jxformers.kernels.alibi import Alibi
 from jxformers.nn.layers import Linear
+from jxformers.nn.local import PEG
 from jxformers.nn.relative import RELATIVE_KINDS, SharedTerms
 
 POSITION_KINDS = (
@@ -332,7 +337,10 @@ class Positions(eqx.Module):
     Arguments beyond the fields' own: `d_head` (the attentions' head size: Transformer-XL's
     u and v; default dim // heads), `max_distance` (k of "deberta"'s 2k buckets), `cls_position`
     (the [CLS] token's position, for TUPE's reset; None: no CLS token), `tupe_relative`
-    (TUPE-R).
+    (TUPE-R), `cpe_kernel` and `cpe_after`: conditional positional encodings, a `PEG` of
+    kernel size `cpe_kernel` after each block index of `cpe_after` (-1: on the
+    embeddings, before block 0; Chu et al. 2021 put one after the first block, 0), causal
+    with `causal` (`pegs`, in that order; none by default).
     """
 
     kind: str = eqx.field(static=True)
@@ -343,6 +351,8 @@ class Positions(eqx.Module):
     gain: Float[Array, ""] | None
     untied: UntiedPositions | None
     shared: SharedTerms | None
+    pegs: tuple[PEG, ...]
+    peg_after: tuple[int, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -357,6 +367,8 @@ class Positions(eqx.Module):
         max_distance: int = 0,
         cls_position: int | None = None,
         tupe_relative: bool = False,
+        cpe_kernel: int | None = None,
+        cpe_after: tuple[int, ...] = (),
     ):
         if kind not in POSITION_KINDS:
             raise ValueError(f"position must be one of {POSITION_KINDS}; got {kind!r}")
@@ -394,6 +406,16 @@ class Positions(eqx.Module):
             kind, heads=heads, d_head=dim // heads if d_head is None else d_head, d_model=dim,
             max_distance=max_distance, key=key,
         )  # fmt: skip
+        if (cpe_kernel is None) != (not cpe_after) or len(set(cpe_after)) != len(cpe_after):
+            raise ValueError(
+                f"conditional positions take a kernel size and distinct block indices together; got {cpe_kernel=}, "
+                f"{cpe_after=}"
+            )
+        self.pegs = tuple(
+            PEG(dim, cpe_kernel or 1, causal=causal, key=jax.random.fold_in(key, 100 + i))
+            for i in range(len(cpe_after))
+        )
+        self.peg_after = tuple(cpe_after)
 
     @property
     def rope(self) -> bool:
@@ -447,3 +469,29 @@ class Positions(eqx.Module):
             rel = jnp.round(rel).astype(jnp.int32)
             return jnp.moveaxis(self.table[t5_buckets(rel, bidirectional=not self.causal)], -1, 0)
         return None
+
+    def condition(
+        self, after: int, x: Float[Array, "n dim"], mask: Bool[Array, " n"] | None, *, skip: int = 0
+    ) -> Float[Array, "n dim"]:
+        """x after block `after` (-1: the embeddings) through its PEG, if one sits there;
+        the first `skip` rows (a CLS token, memory tokens, registers) pass by, as CPVT
+        keeps its class token out of the convolution."""
+        if after not in self.peg_after:
+            return x
+        peg = self.pegs[self.peg_after.index(after)]
+        body = peg(x[skip:], None if mask is None else mask[skip:])
+        return jnp.concatenate([x[:skip], body]) if skip else body
+
+    def init_peg_states(self, dtype) -> tuple[Array, ...]:
+        """Each PEG's decoding state (its last k - 1 inputs, zeros at the start)."""
+        return tuple(peg.init_state(dtype) for peg in self.pegs)
+
+    def condition_step(
+        self, after: int, x: Float[Array, " dim"], states: tuple[Array, ...]
+    ) -> tuple[Float[Array, " dim"], tuple[Array, ...]]:
+        """`condition` for one token of a causal model: (x, the PEGs' states)."""
+        if after not in self.peg_after:
+            return x, states
+        i = self.peg_after.index(after)
+        y, state = self.pegs[i].step(x, states[i])
+        return y, states[:i] + (state,) + states[i + 1 :]
