@@ -237,6 +237,13 @@ def test_cpe_gives_a_position_free_encoder_its_order():
     assert float(jnp.abs(forward(seeing, tokens) - forward(seeing, swapped)).max()) > 1e-4
 
 
+def test_position_is_none_by_default_where_cpe_or_a_local_rnn_gives_the_order():
+    assert ModelConfig(**TINY, embedding={"cpe": {}}).embedding.position == "none"
+    assert ModelConfig(**TINY, stack={"local_rnn": {}}).embedding.position == "none"
+    assert ModelConfig(**TINY, embedding={"position": "learned", "cpe": {}}).embedding.position == "learned"
+    assert ModelConfig(**TINY).embedding.position == "sinusoidal"
+
+
 @pytest.mark.parametrize(
     "extra",
     [

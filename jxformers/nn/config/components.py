@@ -179,7 +179,7 @@ class EmbeddingConfig:
         "tupe: TUPE's untied positional correlation, Ke et al. 2021), or relative score terms inside each "
         "attention (shaw: Shaw et al. 2018; transformer_xl: Dai et al. 2019's u, v and W_{k,R} R_{i-j}; "
         "deberta: He et al. 2021's disentangled attention) (None: none for the recurrent stacks, whose own are "
-        "relative; sinusoidal otherwise)",
+        "relative, and with embedding.cpe or stack.local_rnn, which give the order; sinusoidal otherwise)",
         choices=(*POSITION_KINDS, None),
     )
     relative_max_distance: int | None = setting(

@@ -143,9 +143,9 @@ class ModelConfig:
         elif isinstance(self.task, str):
             set_("head", PooledHead() if self.task in ENCODER_TASKS else SoftmaxHead())
         check_fields(self, "model.")
-        if self.embedding.position is None:  # CPE alone where it is set (CPVT's model)
-            cpe = self.embedding.cpe is not None
-            position = "none" if self.stack.kind in RECURRENT_STACKS or cpe else "sinusoidal"
+        if self.embedding.position is None:  # CPE or a LocalRNN alone where set (CPVT's, R-Transformer's models)
+            local = self.embedding.cpe is not None or getattr(self.stack, "local_rnn", None) is not None
+            position = "none" if self.stack.kind in RECURRENT_STACKS or local else "sinusoidal"
             set_("embedding", dataclasses.replace(self.embedding, position=position))
         if self.norm.placement is None:  # the paper's: the all-attention layer (ffn none) is post-norm
             placement = "post" if isinstance(self.ffn, NoFeedForward) else STACKS[self.stack.kind][0]
