@@ -490,9 +490,10 @@ class ModelSuite(_Parametrized):
         assert_close(decode_all(model, x), forward(model, x), atol=3e-5, rtol=1e-4)
 
 
-def train_losses(model, *, steps: int = 4, vocab: int = 11, lr: float = 3e-3):
-    """A language model's losses over `steps` AdamW steps on one batch of 4 x 8 tokens
-    below `vocab` (the one-training-step smoke tests), and the trained parameters."""
+def train_steps(model, tokens, mask, steps=3, lr=3e-3):
+    """(the train state, the losses) after `steps` AdamW steps (lr `lr`) of `model` on one
+    batch `tokens [batch, seq]` (a language model's next-token loss, or a classifier's on
+    alternating labels)."""
     import optax
 
     from jxformers.train.state import TrainState, split_model
@@ -501,11 +502,20 @@ def train_losses(model, *, steps: int = 4, vocab: int = 11, lr: float = 3e-3):
     params, drawn, static = split_model(model)
     optimizer = optax.adamw(lr)
     state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
-    tokens = jax.random.randint(jax.random.key(2), (4, 8), 0, vocab)
-    batch = {"tokens": tokens, "mask": jnp.ones((4, 8), bool), "loss_mask": jnp.ones((4, 8), bool)}
+    batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
+    if getattr(model, "encoder", None) is not None:  # a classifier
+        batch = {"tokens": tokens, "mask": mask, "label": jnp.arange(tokens.shape[0]) % 2}
     step = jax.jit(make_train_step(static, optimizer, grad_accum=1))
     losses = []
     for _ in range(steps):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def train_losses(model, *, steps: int = 4, vocab: int = 11, lr: float = 3e-3):
+    """A language model's losses over `steps` AdamW steps on one batch of 4 x 8 tokens
+    below `vocab` (the one-training-step smoke tests), and the trained parameters."""
+    tokens = jax.random.randint(jax.random.key(2), (4, 8), 0, vocab)
+    state, losses = train_steps(model, tokens, jnp.ones((4, 8), bool), steps=steps, lr=lr)
     return losses, state.params

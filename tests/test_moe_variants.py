@@ -11,10 +11,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from scipy.optimize import linear_sum_assignment
-from suites import decode_all
+from suites import decode_all, train_steps
 
 from jxformers import ModelConfig, build_model
 from jxformers.nn.moe import NO_TOKEN, MoE, balanced_assignment, hash_table
@@ -230,24 +229,6 @@ def test_config_refusals():
     ModelConfig(**TINY, stack={"filters": {1: 0.5}, "layer_overrides": {0: {"ffn": moe | {"router": "hash"}}}})
 
 
-def _train_steps(model, tokens, mask, steps=3):
-    from jxformers.train.state import TrainState, split_model
-    from jxformers.train.step import make_train_step
-
-    params, drawn, static = split_model(model)
-    optimizer = optax.adamw(3e-3)
-    state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
-    batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
-    if getattr(model, "encoder", None) is not None:  # a classifier
-        batch = {"tokens": tokens, "mask": mask, "label": jnp.arange(tokens.shape[0]) % 2}
-    step = jax.jit(make_train_step(static, optimizer, grad_accum=1))
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return state, losses
-
-
 def test_one_training_step_of_each_variant():
     """A classifier whose three blocks route by hash (the CLS row as NO_TOKEN), BASE
     and prototyping takes AdamW steps: finite losses, falling on one batch; the hash
@@ -262,6 +243,6 @@ def test_one_training_step_of_each_variant():
     )
     classifier = build_model(config, key=jax.random.key(10))
     assert classifier.encoder.cls is not None
-    state, losses = _train_steps(classifier, tokens, mask)
+    state, losses = train_steps(classifier, tokens, mask)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
     np.testing.assert_array_equal(state.drawn.encoder.blocks[0].ffn.table, classifier.encoder.blocks[0].ffn.table)

@@ -17,6 +17,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     floater.py    FLOATER's positions from a neural ODE (Liu et al. 2020), its fixed-step RK4 solver
     relative.py   relative score terms inside each attention: Shaw et al. 2018, Transformer-XL's,
                   DeBERTa's disentangled attention (RelativeTerms per layer, SharedTerms per model)
+    local.py      positions from a token's neighbours: CPE's PEG (a depthwise convolution,
+                  ModelConfig embedding.cpe) and R-Transformer's LocalRNN (stack.local_rnn)
     blocks.py     Block (its residual branches and their norms)
     residual.py   the norm placements beyond pre/post: sandwich, NormFormer, ReZero,
                   T-Fixup, DeepNorm (their constants and initialisations)

@@ -19,6 +19,7 @@ from jxformers.kernels.alibi import Alibi
 from jxformers.nn import cross_layer, residual
 from jxformers.nn.attention import Attention
 from jxformers.nn.layers import FeedForward, Norm, make_norm, normalise
+from jxformers.nn.local import LocalRNN, LocalState
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.produced import Produced, ResidualMoments
@@ -51,6 +52,10 @@ class Block(eqx.Module):
     logits with `evolve`, its convolution; `jxformers.nn.cross_layer`); such a block runs
     through `apply_maps` and `decode_step_maps`, which take the previous block's maps
     and return its own.
+
+    `local` (a `LocalRNN`, default None): R-Transformer's LocalRNN sublayers (Wang et al.
+    2019), run on x before the self-attention branch, each with its own residual and
+    norm; the decoding state then is a `LocalState` around the attention's.
     """
 
     attention: Attention
@@ -64,6 +69,7 @@ class Block(eqx.Module):
     scales: Float[Array, " branches"] | None  # fixup: each branch's scalar multiplier on its output
     dropout: eqx.nn.Dropout
     evolve: cross_layer.Evolve | None
+    local: LocalRNN | None
     placement: str = eqx.field(static=True)
     alpha: float = eqx.field(static=True)  # deepnorm: the residual's scale
     maps: str = eqx.field(static=True)
@@ -83,6 +89,7 @@ class Block(eqx.Module):
         evolve: cross_layer.Evolve | None = None,
         placement: str | None = None,
         alpha: float = 1.0,
+        local: LocalRNN | None = None,
     ):
         placement = placement or ("pre" if pre_norm else "post")
         if placement not in residual.PLACEMENTS:
@@ -108,7 +115,7 @@ class Block(eqx.Module):
             )
         if evolve is not None and maps != "predictive":
             raise ValueError(f"evolve is the predictive maps' convolution; got it with {maps=}")
-        self.maps, self.evolve = maps, evolve
+        self.maps, self.evolve, self.local = maps, evolve, local
         self.attention, self.cross_attention, self.ffn = attention, cross_attention, ffn
         branches = 1 + (cross_attention is not None) + (ffn is not None)
         normed = 0 if placement in residual.NORM_FREE else branches
@@ -319,6 +326,13 @@ class Block(eqx.Module):
             the next (`maps` itself when the block carries none).
         """
         k_attn, k_cross, k_ffn = (None, None, None) if key is None else jax.random.split(key, 3)
+        if self.local is not None:
+            if source is not None:
+                raise ValueError(
+                    "a block with LocalRNN sublayers takes no source (Funnel pooling): its keys would skip them"
+                )
+            k_local = None if key is None else jax.random.fold_in(key, 7)
+            x = self.local(x, kv_mask, key=k_local, inference=inference)
         if self.maps == "none":
             out, produced = self.attention_branch(
                 x,
@@ -354,18 +368,20 @@ class Block(eqx.Module):
         more = more + self._moments(x, out, self._ffn_index, rows)
         return self._residual(x, out, self._ffn_index, rows), produced + more, maps
 
-    def init_decode_state(self, max_len: int, dtype) -> decoding.State:
+    def init_decode_state(self, max_len: int, dtype) -> decoding.State | LocalState:
         """The self-attention's empty decoding state (fixed shape); a layer that reuses
-        the maps caches its values alone."""
+        the maps caches its values alone; LocalRNN sublayers add their windows."""
         if self.maps == "reuse":
             a = self.attention
-            return cross_layer.values_cache(max_len, a.kv_heads, a.d_head, dtype)
-        return self.attention.init_decode_state(max_len, dtype)
+            inner = cross_layer.values_cache(max_len, a.kv_heads, a.d_head, dtype)
+        else:
+            inner = self.attention.init_decode_state(max_len, dtype)
+        return inner if self.local is None else LocalState(self.local.init_state(dtype), inner)
 
     def decode_step(
         self,
         x: Float[Array, " d_model"],
-        state: decoding.State,
+        state: decoding.State | LocalState,
         *,
         bias_fn: decoding.BiasFn | SharedTerms | None = None,
         context_kv: tuple[Array, Array] | None = None,
@@ -383,7 +399,7 @@ class Block(eqx.Module):
     def decode_step_maps(
         self,
         x: Float[Array, " d_model"],
-        state: decoding.State,
+        state: decoding.State | LocalState,
         maps: cross_layer.Maps | None,
         *,
         bias_fn: decoding.BiasFn | SharedTerms | None = None,
@@ -394,14 +410,20 @@ class Block(eqx.Module):
         """`decode_step` taking the previous block's maps for this token (its row,
         `[heads, 1, slots]`) and returning this block's (`maps` when it carries none)."""
         out: dict[str, Any] = {"maps": maps}
+        windows, inner = None, state
+        if isinstance(state, LocalState):
+            assert self.local is not None
+            x, windows = self.local.step(x, state.windows)
+            inner = state.inner
+        assert not isinstance(inner, LocalState)
 
         def attend(h):
             if self.maps == "none":
-                y, out["state"] = self.attention.decode_step(h, state, bias_fn=bias_fn)
+                y, out["state"] = self.attention.decode_step(h, inner, bias_fn=bias_fn)
             else:
-                assert isinstance(state, decoding.KVCache)  # softmax's cache (check_maps)
+                assert isinstance(inner, decoding.KVCache)  # softmax's cache (check_maps)
                 y, out["state"], out["maps"] = self.attention.decode_step_maps(
-                    h, state, maps, role=self.maps, bias_fn=bias_fn
+                    h, inner, maps, role=self.maps, bias_fn=bias_fn
                 )
             return y, Produced()
 
@@ -414,4 +436,5 @@ class Block(eqx.Module):
         if self.ffn is not None:
             ids = None if token_id is None else token_id[None]
             x = self._residual(x, self.ffn_branch(x[None], token_ids=ids, inference=True)[0][0], self._ffn_index)
-        return x, out["state"], out["maps"]
+        state = out["state"] if windows is None else LocalState(windows, out["state"])
+        return x, state, out["maps"]

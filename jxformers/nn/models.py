@@ -67,7 +67,7 @@ def _check_length(n: int, max_len: int, what: str = "sequence", extra: int = 0):
         raise ValueError(f"{what} length {n}{held} exceeds the model's max_len {max_len}")
 
 
-def _check_reversible(blocks, reversible):
+def _check_reversible(blocks, reversible, positions: Positions):
     if reversible and not all(isinstance(b, Block) for b in blocks):
         raise ValueError(
             f"reversible wiring needs transformer Blocks; got {sorted({type(b).__name__ for b in blocks})}"
@@ -76,6 +76,13 @@ def _check_reversible(blocks, reversible):
         raise ValueError("reversible wiring runs each block's branches alone: it cannot carry attention maps")
     if reversible and any(isinstance(b, Block) and b.ffn is None for b in blocks):
         raise ValueError("reversible wiring pairs each attention with an FFN (G); got blocks without one (ffn none)")
+    if reversible and any(isinstance(b, Block) and b.local is not None for b in blocks):
+        raise ValueError("reversible wiring pairs each attention with an FFN (G); got blocks with LocalRNN sublayers")
+    if reversible and any(after >= 0 for after in positions.peg_after):
+        raise ValueError(
+            f"reversible wiring recomputes the blocks from their outputs, which a PEG between them would break: "
+            f"conditional positions on the embeddings only (after -1); got after {positions.peg_after}"
+        )
 
 
 def _carries_maps(blocks) -> bool:
@@ -277,7 +284,7 @@ class Encoder(eqx.Module):
                 )
         if reversible and filters:
             raise ValueError("a reversible encoder cannot shorten its sequence (filters)")
-        _check_reversible(blocks, reversible)
+        _check_reversible(blocks, reversible, embedding.positions)
         if token_learner is not None and (
             reversible
             or filters
@@ -399,6 +406,8 @@ class Encoder(eqx.Module):
         x, mask = self.embedding.with_extra(x, mask, cls=start)
         ids = self.embedding.with_extra_ids(ids, cls=start)
         assert mask is not None
+        condition = self.embedding.positions.condition  # CPE's PEGs: the rows before the first token pass by
+        x = condition(-1, x, mask, skip=first)
         if self.reversible:
             bias = self.embedding.positions.grid_bias(x.shape[0])
             blocks = cast(tuple[Block, ...], self.blocks)  # _check_reversible: all Blocks
@@ -445,6 +454,7 @@ class Encoder(eqx.Module):
             else:  # ISAB, LunaStack: no filters and no bias positions (ModelConfig refuses them)
                 x = block(x, kv_mask=kv_mask, key=k, inference=inference)
             produced = produced + made.under("blocks", i)
+            x = condition(i, x, mask, skip=first)  # ModelConfig: no PEG after the tokens are learned
             if learn is not None and not learn.fuse and i == learn.after_layer:
                 x, mask = self._learn_tokens(learn.learner(i), x, mask)
                 pos = self._positions(x.shape[0], spacing)
@@ -644,7 +654,7 @@ class LanguageModel(eqx.Module):
     ):
         """`head`: an output head whose "logits" are normalised log-probabilities (the
         pixel mixture of `jxformers.nn.mixture`); it replaces the (tied) readout."""
-        _check_reversible(blocks, reversible)
+        _check_reversible(blocks, reversible, embedding.positions)
         if embedding.extra is not None and embedding.extra_kind != "memory":
             raise ValueError(
                 f"a causal language model takes memory tokens (prepended); got {embedding.extra_kind=}: registers "
@@ -700,6 +710,8 @@ class LanguageModel(eqx.Module):
         ids = self.embedding.with_extra_ids(tokens)  # each row's token id (hash-routed MoE layers)
         positions = jnp.arange(n + m)
         bias = self.embedding.positions.grid_bias(n + m)
+        condition = self.embedding.positions.condition  # CPE's PEGs: the memory tokens pass by
+        x = condition(-1, x, mask, skip=m)
         if self.reversible:
             x, produced = reversible_apply(
                 cast(tuple[Block, ...], self.blocks),  # _check_reversible: all Blocks
@@ -729,11 +741,13 @@ class LanguageModel(eqx.Module):
                 produced = produced + made.under("blocks", i)
             else:  # a LunaStack (causal Luna): no bias, positions or cross-attention to pass
                 x = block(x, kv_mask=mask, key=k, inference=inference)
+            x = condition(i, x, mask, skip=m)
         return self._logits(x[m:], None if mask is None else mask[m:]), produced
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         """Per-layer decoding states for up to `max_len` tokens (fixed shapes): empty, or
-        holding the m memory tokens (prefilled; `length` starts at m)."""
+        holding the m memory tokens (prefilled; `length` starts at m); with conditional
+        positions, each PEG's last k - 1 inputs ("pegs"), which the memory never enters."""
         m = self.embedding.num_extra
         _check_length(max_len + m, self.max_len, "decoding", extra=m)
         dtype = jnp.dtype(self.embedding.dtype)
@@ -744,8 +758,10 @@ class LanguageModel(eqx.Module):
         floater = self.embedding.positions.floater
         if floater is not None:  # FLOATER: every block's p(t_length), advanced one Δ per token
             state["floater"] = floater.start
+        if self.embedding.positions.pegs:
+            state["pegs"] = self.embedding.positions.init_peg_states(dtype)
         if self.embedding.extra is not None:
-            feed = lambda s, v: (self._step(v, s, token_id=jnp.array(NO_TOKEN))[1], None)  # noqa: E731
+            feed = lambda s, v: (self._step(v, s, token_id=jnp.array(NO_TOKEN), memory=True)[1], None)  # noqa: E731
             state = jax.lax.scan(feed, state, self.embedding.extra.astype(dtype))[0]
         return state
 
@@ -762,17 +778,29 @@ class LanguageModel(eqx.Module):
         x = self.embedding(token[None], state["length"][None])[0]
         return self._step(x, state, token_id=token, context_kv=context_kv, context_mask=context_mask)
 
-    def _step(self, x, state, *, token_id, context_kv=None, context_mask=None):
+    def _step(self, x, state, *, token_id, context_kv=None, context_mask=None, memory=False):
         """`decode_step` from the input vector x `[d_model]` on (a token's embedding or a
-        memory token); `token_id` is its token's id (`NO_TOKEN` for a memory token)."""
-        bias_fn, layers = _bias_fn(self.embedding.positions), []
-        floater, advanced = self.embedding.positions.floater, {}
+        memory token, `memory`: which the PEGs pass by); `token_id` is its token's id
+        (`NO_TOKEN` for a memory token)."""
+        bias_fn, layers, positions = _bias_fn(self.embedding.positions), [], self.embedding.positions
+        floater, advanced = positions.floater, {}
         if floater is not None:  # this position's p^(n): the rows the parallel forward's grid has here
             bias_fn = SharedTerms(flow=state["floater"][:, None])
             advanced = {"floater": floater.advance(state["floater"], state["length"])}
+        pegs = state.get("pegs", ())
+
+        def condition(after, x):
+            nonlocal pegs
+            if memory:
+                return x
+            x, pegs = positions.condition_step(after, x, pegs)
+            return x
+
+        x = condition(-1, x)
+        kept = {"pegs": pegs} if "pegs" in state else {}
         if self.reversible:
             x, states = reversible_decode_step(self.blocks, x, state["layers"], bias_fn=bias_fn)
-            return self._logits(x), {"layers": states, "length": state["length"] + 1} | advanced
+            return self._logits(x), {"layers": states, "length": state["length"] + 1} | kept | advanced
         maps = None  # this token's row of the maps one block hands the next (nn.cross_layer)
         for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"], strict=True)):
             kv = None if context_kv is None else context_kv[i]
@@ -784,7 +812,9 @@ class LanguageModel(eqx.Module):
                 assert isinstance(block, LunaStack), type(block)
                 x, layer_state = block.decode_step(x, layer_state)
             layers.append(layer_state)
-        return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1} | advanced
+            x = condition(i, x)
+        kept = {"pegs": pegs} if "pegs" in state else {}
+        return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1} | kept | advanced
 
 
 class EncoderDecoder(eqx.Module):

@@ -24,6 +24,10 @@ section 5.1), one module per model:
 * "complex" (Wang et al. 2020, complex word embeddings): the token's embedding turned by
   position, r_j e^{i(ω_j pos + θ_j)} per complex feature (`complex_order`);
 * "none".
+
+Beside any of them (or alone, with "none"), conditional positional encodings (Chu et al.
+2021, CPE): `Positions` holds the PEGs (`jxformers.nn.local.PEG`) that sit after the
+blocks it names, and the models call `condition` there.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray, Real
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 
 from jxformers.kernels.alibi import Alibi
 from jxformers.nn.floater import FLOATER_DELTA, FLOATER_STEPS, Floater
 from jxformers.nn.layers import Linear, lookup
+from jxformers.nn.local import PEG
 from jxformers.nn.relative import INPUT_KINDS, RELATIVE_KINDS, SharedTerms
 
 POSITION_KINDS = (
@@ -367,7 +372,11 @@ class Positions(eqx.Module):
     (the [CLS] token's position, for TUPE's reset; None: no CLS token), `tupe_relative`
     (TUPE-R), `position_buckets` (b > 0: "deberta" with v2's log buckets, P of 2b rows),
     `layers`, `floater_delta`, `floater_steps` ("floater": the blocks, Δ and the RK4 steps
-    per Δ), `vocab_size` ("complex": a frequency row per word).
+    per Δ), `vocab_size` ("complex": a frequency row per word), `cpe_kernel` and
+    `cpe_after`: conditional positional encodings, a `PEG` of kernel size `cpe_kernel`
+    after each block index of `cpe_after` (-1: on the embeddings, before block 0; Chu et
+    al. 2021 put one after the first block, 0), causal with `causal` (`pegs`, in that
+    order; none by default).
     """
 
     kind: str = eqx.field(static=True)
@@ -379,6 +388,8 @@ class Positions(eqx.Module):
     untied: UntiedPositions | None
     shared: SharedTerms | None
     floater: Floater | None
+    pegs: tuple[PEG, ...]
+    peg_after: tuple[int, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -398,6 +409,8 @@ class Positions(eqx.Module):
         floater_delta: float = FLOATER_DELTA,
         floater_steps: int = FLOATER_STEPS,
         vocab_size: int = 0,
+        cpe_kernel: int | None = None,
+        cpe_after: tuple[int, ...] = (),
     ):
         if kind not in POSITION_KINDS:
             raise ValueError(f"position must be one of {POSITION_KINDS}; got {kind!r}")
@@ -445,6 +458,16 @@ class Positions(eqx.Module):
         self.floater = None
         if kind in INPUT_KINDS:
             self.floater = Floater(layers=layers, dim=dim, delta=floater_delta, steps=floater_steps, key=key)
+        if (cpe_kernel is None) != (not cpe_after) or len(set(cpe_after)) != len(cpe_after):
+            raise ValueError(
+                f"conditional positions take a kernel size and distinct block indices together; got {cpe_kernel=}, "
+                f"{cpe_after=}"
+            )
+        self.pegs = tuple(
+            PEG(dim, cpe_kernel or 1, causal=causal, key=jax.random.fold_in(key, 100 + i))
+            for i in range(len(cpe_after))
+        )
+        self.peg_after = tuple(cpe_after)
 
     @property
     def rope(self) -> bool:
@@ -516,3 +539,29 @@ class Positions(eqx.Module):
             rel = jnp.round(rel).astype(jnp.int32)
             return jnp.moveaxis(self.table[t5_buckets(rel, bidirectional=not self.causal)], -1, 0)
         return None
+
+    def condition(
+        self, after: int, x: Float[Array, "n dim"], mask: Bool[Array, " n"] | None, *, skip: int = 0
+    ) -> Float[Array, "n dim"]:
+        """x after block `after` (-1: the embeddings) through its PEG, if one sits there;
+        the first `skip` rows (a CLS token, memory tokens, registers) pass by, as CPVT
+        keeps its class token out of the convolution."""
+        if after not in self.peg_after:
+            return x
+        peg = self.pegs[self.peg_after.index(after)]
+        body = peg(x[skip:], None if mask is None else mask[skip:])
+        return jnp.concatenate([x[:skip], body]) if skip else body
+
+    def init_peg_states(self, dtype) -> tuple[Array, ...]:
+        """Each PEG's decoding state (its last k - 1 inputs, zeros at the start)."""
+        return tuple(peg.init_state(dtype) for peg in self.pegs)
+
+    def condition_step(
+        self, after: int, x: Float[Array, " dim"], states: tuple[Array, ...]
+    ) -> tuple[Float[Array, " dim"], tuple[Array, ...]]:
+        """`condition` for one token of a causal model: (x, the PEGs' states)."""
+        if after not in self.peg_after:
+            return x, states
+        i = self.peg_after.index(after)
+        y, state = self.pegs[i].step(x, states[i])
+        return y, states[:i] + (state,) + states[i + 1 :]

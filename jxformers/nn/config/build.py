@@ -33,6 +33,7 @@ from jxformers.nn.config.components import (
 from jxformers.nn.config.model import ModelConfig
 from jxformers.nn.cross_layer import Evolve, map_role
 from jxformers.nn.layers import FeedForward, Linear, make_norm
+from jxformers.nn.local import LocalRNN
 from jxformers.nn.luna import LunaStack as LunaModule
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.models import Classifier, DualClassifier, Embedding, Encoder, EncoderDecoder, LanguageModel
@@ -190,6 +191,7 @@ def _blocks(
             norm_eps=config.norm.eps,
             maps=role,
             evolve=_evolve(config, i, key=jax.random.fold_in(k, 3)),
+            local=_local_rnn(config, key=jax.random.fold_in(k, 6)),
         )
         if config.norm.placement == "deepnorm":
             block = residual.deepnorm_init(block, beta, key=jax.random.fold_in(k, 4))
@@ -236,6 +238,18 @@ def _evolve(config: ModelConfig, index: int, *, key) -> Evolve | None:
     if not isinstance(stack, TransformerStack) or stack.attention_maps != "predictive" or index == 0:
         return None
     return Evolve(config.num_heads, alpha=stack.map_alpha, beta=stack.map_beta, key=key)
+
+
+def _local_rnn(config: ModelConfig, *, key) -> LocalRNN | None:
+    """A block's LocalRNN sublayers (R-Transformer), or None."""
+    stack = config.stack
+    if not isinstance(stack, TransformerStack) or stack.local_rnn is None:
+        return None
+    local = stack.local_rnn
+    return LocalRNN(
+        config.d_model, window=local.window, cell=local.cell, layers=local.layers, norm=config.norm.kind,
+        norm_eps=config.norm.eps, pre_norm=config.norm.placement == "pre", dropout=config.dropout, key=key,
+    )  # fmt: skip
 
 
 def _stack(config: ModelConfig, *, causal: bool, key, pooled: frozenset[int] = frozenset()) -> list:
@@ -318,6 +332,8 @@ def _assemble(config: ModelConfig, key: jax.Array):
             floater_delta=embed.floater_delta,
             floater_steps=embed.floater_steps,
             vocab_size=config.vocab_size,
+            cpe_kernel=None if embed.cpe is None else embed.cpe.kernel_size,
+            cpe_after=() if embed.cpe is None else embed.cpe.after,
         )
         kt, _ = jax.random.split(k)
         embed_norm = make_norm(norm.kind, config.d_model, norm.eps) if embed.norm else None

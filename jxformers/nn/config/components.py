@@ -30,6 +30,7 @@ from jxformers.nn.cross_layer import MAP_KINDS
 from jxformers.nn.floater import FLOATER_DELTA, FLOATER_STEPS
 from jxformers.nn.heads import DISAGREEMENTS, HEAD_AGGREGATIONS
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
+from jxformers.nn.local import CELLS
 from jxformers.nn.models import DOWNSAMPLE_KINDS, EXTRA_TOKEN_KINDS, POOLING_KINDS
 from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
@@ -140,6 +141,32 @@ HEAD_OPTIONS = ("collaborative", "disagreement", "disagreement_weight", "head_ag
 
 @typing.no_type_check
 @dataclasses.dataclass(frozen=True)
+class CPEConfig:
+    """Conditional positional encodings (Chu et al. 2021, "Conditional Positional
+    Encodings for Vision Transformers"): a PEG, x + DWConv(x) over the positions
+    (`jxformers.nn.local.PEG`), after each block of `after`; causal in a language model.
+    Beside `embedding.position` (none: CPE alone, CPVT's model; or with absolute, rotary,
+    bias or relative positions)."""
+
+    kernel_size: int = setting(
+        3, "k, the depthwise convolution's taps over the positions (CPVT's 3x3 in 2-D); odd where it is centred "
+        "(an encoder)", limits=1,
+    )  # fmt: skip
+    after: tuple[int, ...] = setting(
+        (0,), "the blocks after which a PEG sits, each its own (-1: on the embeddings, before block 0; CPVT: 0, "
+        "after the first block)", limits=-1,
+    )  # fmt: skip
+
+    def __post_init__(self):
+        if isinstance(self.after, int) and not isinstance(self.after, bool):  # one block: `after: 0`
+            object.__setattr__(self, "after", (self.after,))
+        check_fields(self, "embedding.cpe.")
+        if not self.after or len(set(self.after)) != len(self.after):
+            raise ValueError(f"embedding.cpe.after lists distinct block indices (at least one); got {self.after}")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
 class EmbeddingConfig:
     """Token embeddings and positions. The rope_* and xpos_* settings configure the
     rotary kinds (`jxformers.nn.positions.Rotary`, which `rotary()` builds from them),
@@ -156,7 +183,8 @@ class EmbeddingConfig:
         "deberta: He et al. 2021's disentangled attention), each block's own position from a neural ODE added to "
         "its attention's input (floater: Liu et al. 2020's FLOATER), or the token embedding turned by position "
         "(complex: Wang et al. 2020's complex word embeddings, real and imaginary parts as features) (None: none "
-        "for the recurrent stacks, whose own are relative; sinusoidal otherwise)",
+        "for the recurrent stacks, whose own are relative, and with embedding.cpe or stack.local_rnn, which give "
+        "the order; sinusoidal otherwise)",
         choices=(*POSITION_KINDS, None),
     )
     relative_max_distance: int | None = setting(
@@ -207,6 +235,11 @@ class EmbeddingConfig:
         0,
         "m learned tokens every layer processes beside the input (0: none); they count against max_len",
     )
+    cpe: CPEConfig | None = setting(
+        None,
+        "conditional positional encodings: PEGs after chosen blocks (Chu et al. 2021; {} for CPVT's); "
+        "with position None, CPE alone",
+    )
     extra_kind: str = setting(
         "memory",
         "memory: [mem; CLS; x], kept in the encoder's output (Burtsev et al. 2020, Memory Transformer; "
@@ -216,6 +249,8 @@ class EmbeddingConfig:
     )
 
     def __post_init__(self):
+        if self.cpe is not None and not isinstance(self.cpe, CPEConfig):
+            object.__setattr__(self, "cpe", component(self.cpe, {None: CPEConfig}, "embedding.cpe"))
         check_fields(self, "embedding.")
         check_at_least(self, "embedding.", 0, "type_vocab_size", "extra_tokens")
         given = {n: getattr(self, n) for n in _ROTARY_SETTINGS if getattr(self, n) != _ROTARY_DEFAULTS[n]}
@@ -392,6 +427,30 @@ class LayerConfig:
 
 @typing.no_type_check
 @dataclasses.dataclass(frozen=True)
+class LocalRNNConfig:
+    """R-Transformer's LocalRNN (Wang et al. 2019, "R-Transformer: Recurrent Neural Network
+    Enhanced Transformer"): in every block, before the attention, an RNN over the window
+    of the M positions ending at each position, its last hidden state replacing the token,
+    with a residual and a norm (`jxformers.nn.local.LocalRNN`)."""
+
+    window: int = setting(
+        7, "M, the positions each window holds, the position itself included (the authors' code: 7 on pixel "
+        "MNIST and character PTB, 6 on music, 9 on word PTB)", limits=1,
+    )  # fmt: skip
+    cell: str = setting(
+        "gru", "the recurrent cell: gru (the authors' default on three of their four tasks), lstm, rnn (tanh)",
+        choices=CELLS,
+    )  # fmt: skip
+    layers: int = setting(
+        1, "LocalRNN sublayers before each block's attention (the authors' n: 1, 2 on MNIST)", limits=1
+    )
+
+    def __post_init__(self):
+        check_fields(self, "stack.local_rnn.")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
 class TransformerStack:
     """`num_layers` blocks of the named attention (Vaswani et al. 2017), with the
     options that act between blocks."""
@@ -408,6 +467,9 @@ class TransformerStack:
         "fourier", "fourier (DCT), fourier_rescaled or funnel (Dai et al.'s pooled queries)", choices=DOWNSAMPLE_KINDS
     )
     token_learner: TokenLearnerConfig | None = setting(None, "TokenLearner (Ryoo et al. 2021) after a block")
+    local_rnn: LocalRNNConfig | None = setting(
+        None, "R-Transformer's LocalRNN before every block's attention (Wang et al. 2019; {} for its defaults)"
+    )
     # Cross-layer attention maps (jxformers.nn.cross_layer): a setting of the stack, since they
     # pass between its blocks; every block's attention must be the dense softmax.
     attention_maps: str = setting(
@@ -448,6 +510,8 @@ class TransformerStack:
             object.__setattr__(
                 self, "token_learner", component(self.token_learner, {None: TokenLearnerConfig}, "stack.token_learner")
             )
+        if isinstance(self.local_rnn, Mapping):
+            object.__setattr__(self, "local_rnn", component(self.local_rnn, {None: LocalRNNConfig}, "stack.local_rnn"))
         check_fields(self, "stack.")
         check_at_least(self, "stack.", 1, "lazy_block")
         if self.lazy_block != 2 and self.attention_maps != "lazy":

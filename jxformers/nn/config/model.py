@@ -144,8 +144,9 @@ class ModelConfig:
         elif isinstance(self.task, str):
             set_("head", PooledHead() if self.task in ENCODER_TASKS else SoftmaxHead())
         check_fields(self, "model.")
-        if self.embedding.position is None:
-            position = "none" if self.stack.kind in RECURRENT_STACKS else "sinusoidal"
+        if self.embedding.position is None:  # CPE or a LocalRNN alone where set (CPVT's, R-Transformer's models)
+            local = self.embedding.cpe is not None or getattr(self.stack, "local_rnn", None) is not None
+            position = "none" if self.stack.kind in RECURRENT_STACKS or local else "sinusoidal"
             set_("embedding", dataclasses.replace(self.embedding, position=position))
         if self.norm.placement is None:  # the paper's: the all-attention layer (ffn none) is post-norm
             placement = "post" if isinstance(self.ffn, NoFeedForward) else STACKS[self.stack.kind][0]
@@ -156,6 +157,7 @@ class ModelConfig:
         self._check_ffns()
         self._check_norm_placement()
         self._check_embedding()
+        self._check_local()
         set_("_bound", self._bind())
         self._check_attentions()
 
@@ -597,6 +599,60 @@ class ModelConfig:
                 f"got placement "
                 f"{self.norm.placement!r}, task {self.task!r}"
             )
+
+    def _check_local(self):
+        """CPE's PEGs sit between transformer blocks of one token grid, and R-Transformer's
+        LocalRNN runs before each block's attention: where either would read rows that
+        are no grid (learned tokens), skip a block's keys (Funnel) or break the wiring
+        (reversible), they are refused (`jxformers.nn.local`)."""
+        stack, cpe = self.stack, self.embedding.cpe
+        if not isinstance(stack, TransformerStack):
+            return  # cpe: _check_embedding refuses it there; local_rnn is the transformer stack's
+        if cpe is not None:
+            layers = min(self.num_layers, self.decoder_layers) if self.task == "seq2seq" else self.num_layers
+            bad = [a for a in cpe.after if not -1 <= a < layers]
+            if bad:
+                decoder = f", decoder layers {self.decoder_layers}" if self.task == "seq2seq" else ""
+                raise ValueError(
+                    f"embedding.cpe.after names blocks in [-1, {layers}) (-1: the embeddings; num_layers "
+                    f"{self.num_layers}{decoder}); got {bad}"
+                )
+            if self.task != "lm" and cpe.kernel_size % 2 == 0:
+                raise ValueError(
+                    f"embedding.cpe.kernel_size must be odd in an encoder (task {self.task!r}): its centred kernel "
+                    f"pads k // 2 zeros on each side; got {cpe.kernel_size} (a causal lm takes any k)"
+                )
+            if stack.reversible and max(cpe.after) >= 0:
+                raise ValueError(
+                    f"embedding.cpe with stack.reversible: reversible wiring recomputes each block from its output, "
+                    f"which a PEG between blocks would break; PEGs on the embeddings only (after [-1]); got after "
+                    f"{list(cpe.after)}"
+                )
+            tl = stack.token_learner
+            if tl is not None and max(cpe.after) >= tl.after_layer:
+                raise ValueError(
+                    f"embedding.cpe.after {list(cpe.after)}: the tokens are learned after block {tl.after_layer} "
+                    f"(stack.token_learner), a set with no order for a PEG to convolve; put PEGs before it "
+                    f"(after < {tl.after_layer})"
+                )
+        local = stack.local_rnn
+        if local is None:
+            return
+        if self.norm.placement not in ("pre", "post"):
+            raise ValueError(
+                f"stack.local_rnn's sublayers are R-Transformer's: a norm on their input (pre, the authors' code) or "
+                f"after their residual sum (post, the paper's); got norm.placement {self.norm.placement!r}"
+            )
+        why = [
+            (stack.reversible, "reversible", "reversible wiring runs each block as one attention and one FFN"),
+            (stack.token_learner is not None, "token_learner", "the learned tokens are a set, with no window of "
+             "preceding positions"),
+            (stack.downsample == "funnel" and bool(stack.filters), "funnel", "Funnel's pooling block takes its keys "
+             "from the unpooled stream, which its LocalRNN would not see"),
+        ]  # fmt: skip
+        refused = {name: reason for on, name, reason in why if on}
+        if refused:
+            raise ValueError(f"stack.local_rnn is refused with {sorted(refused)}: {'; '.join(refused.values())}")
 
     def _check_heads(self, attention: AttentionConfig, spec: registry.AttentionSpec, where: str) -> None:
         """The improved multi-heads (`jxformers.nn.heads`) fit the attention they are set on."""
