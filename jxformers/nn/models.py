@@ -464,7 +464,7 @@ class Encoder(eqx.Module):
             return self._drop_registers(self._final(sum(outputs[1:], outputs[0]), input_mask), input_mask), produced
         return self._drop_registers(self._final(x, mask), mask), produced
 
-    def _final(self, x, mask):
+    def _final(self, x, mask=None):
         return x if self.norm is None else normalise(self.norm, x, mask)
 
     def _drop_registers(self, x, mask):
