@@ -6,9 +6,18 @@ steps/s, compiled train-step memory, next to the task's shortcut baselines on th
 eval examples) and one plot, Long Range Arena's: accuracy against steps/s, point area
 memory (the training curves go to curves.png).
 
-Each attention trains in WORKDIR/NAME (a rerun resumes or reuses finished runs). An
-attention that does not fit the task (it cannot build this model, or fails while
-training) is listed under the table as skipped with its reason; the run goes on.
+Whole models compare the same way: `--model LABEL KEY=VALUE ...` (repeatable) names a
+candidate by its overrides (`--model albert model.stack.sharing=all`; `--model plain` is
+the experiment as configured), and `--seeds N` trains each candidate from N seeds (the
+experiment's seed and the next ones; the table gives mean ± standard deviation). The
+table then also has each model's trainable parameters, its train step's FLOPs per token
+position (XLA's count of the compiled forward and backward over batch × max_len) and any
+other evaluation metric the model logs (`eval_avg_depth` of adaptive-depth models).
+
+Each candidate trains in WORKDIR/NAME (WORKDIR/NAME/seedS with several seeds; a rerun
+resumes or reuses finished runs). A candidate that does not fit the task (it cannot
+build this model, or fails while training) is listed under the table as skipped with
+its reason; the run goes on.
 
 Steps/s is the median over the logged steps after the first (which compiles). Memory is
 XLA's compiled temporary allocation of the train step (`memory_analysis()`: activations
@@ -20,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
 import sys
 import traceback
+from collections.abc import Mapping
 
 from jxformers import registry
 from jxformers.data.baselines import baselines
@@ -43,14 +54,25 @@ def candidates(names: list[str], *, fourier: bool = True) -> dict[str, list[str]
     return runs | (dict([FOURIER]) if fourier else {})
 
 
+def model_candidates(models: list[list[str]]) -> dict[str, list[str]]:
+    """label -> overrides from `--model LABEL KEY=VALUE ...` arguments (each a list: the
+    label, then its overrides), refusing a repeated label or an override without '='."""
+    runs: dict[str, list[str]] = {}
+    for label, *overrides in models:
+        if label in runs:
+            raise ValueError(f"--model {label!r} is given twice; each candidate needs its own label")
+        bad = [o for o in overrides if "=" not in o]
+        if bad or "=" in label:
+            raise ValueError(f"--model takes a label, then KEY=VALUE overrides; got {[label, *overrides]}")
+        runs[label] = overrides
+    return runs
+
+
 def _final_eval(workdir: pathlib.Path) -> dict[str, float]:
-    """The last logged eval accuracy and loss (also right for a finished run reused)."""
+    """The last logged value of each evaluation metric (eval accuracy, loss and any other
+    the model logs; also right for a finished run reused)."""
     series = read_metrics(workdir)
-    out = {}
-    for key in ("eval_accuracy", "eval_loss"):
-        if series.get(key):
-            out[key] = series[key][max(series[key])]
-    return out
+    return {key: values[max(values)] for key, values in series.items() if key.startswith("eval_") and values}
 
 
 def run_one(config: str, overrides: list[str], workdir: pathlib.Path, *, progress: bool) -> dict:
@@ -60,7 +82,7 @@ def run_one(config: str, overrides: list[str], workdir: pathlib.Path, *, progres
     except ValueError as e:  # the attention does not fit this model or task
         return {"skipped": f"does not build: {e}"}
     try:
-        train(experiment, workdir, progress=progress)
+        summary = train(experiment, workdir, progress=progress) or {}
     except Exception as e:  # noqa: BLE001 -- one failing attention must not end the comparison
         traceback.print_exc(file=sys.stderr)
         first_line = str(e).splitlines()[0] if str(e) else ""
@@ -71,22 +93,63 @@ def run_one(config: str, overrides: list[str], workdir: pathlib.Path, *, progres
     row = _final_eval(workdir) | stats
     if stats.get("step_ms"):
         row["steps_per_s"] = 1e3 / stats["step_ms"]
+    if summary.get("parameters"):
+        row["parameters"] = float(summary["parameters"])
+    if summary.get("train_step_flops"):  # per token position of a step: batch x max_len
+        row["flops_per_token"] = summary["train_step_flops"] / (experiment.train.batch_size * experiment.model.max_len)
     return row
 
 
-def table(rows: dict[str, dict], scores: dict[str, float]) -> str:
-    """The markdown table: one line per model that ran (best accuracy first), then the baselines."""
-    ran = {k: r for k, r in rows.items() if "skipped" not in r}
-    lines = ["| model | eval accuracy | eval loss | steps/s | step temp MiB |", "|---|---:|---:|---:|---:|"]
-    nan = float("nan")
+def _summarised(rows: list[dict]) -> dict:
+    """One candidate's seeds as one row: each metric's mean and its standard deviation
+    (under "<metric>_sd"; 0 for one seed), or {"skipped": reason} when a seed was."""
+    skipped = [r["skipped"] for r in rows if "skipped" in r]
+    if skipped:
+        return {"skipped": skipped[0]}
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for r in rows for k in r):
+        values = [r[key] for r in rows if key in r]
+        out[key] = statistics.fmean(values)
+        out[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
+    return out
+
+
+# (column, metric, format) of the table; the evaluation metrics a model adds follow these.
+COLUMNS = (
+    ("eval accuracy", "eval_accuracy", "{:.3f}"),
+    ("eval loss", "eval_loss", "{:.3f}"),
+    ("steps/s", "steps_per_s", "{:.2f}"),
+    ("step temp MiB", "step_temp_mib", "{:.1f}"),
+    ("parameters", "parameters", "{:,.0f}"),
+    ("train MFLOPs/token", "flops_per_token", "{:.3g}"),
+)
+_SCALE = {"flops_per_token": 1e-6}
+_USUAL = {"eval_accuracy", "eval_loss", "eval_bits_per_token"}
+
+
+def table(rows: Mapping[str, dict | list[dict]], scores: dict[str, float]) -> str:
+    """The markdown table: one line per model that ran (best accuracy first; a list of
+    rows, one per seed, as mean ± standard deviation), then the baselines."""
+    merged = {k: _summarised(r if isinstance(r, list) else [r]) for k, r in rows.items()}
+    seeds = max((len(r) for r in rows.values() if isinstance(r, list)), default=1)
+    ran = {k: r for k, r in merged.items() if "skipped" not in r}
+    extra = sorted({k for r in ran.values() for k in r if k.startswith("eval_") and k[:-3] not in _USUAL} - _USUAL)
+    extra = [k for k in extra if not k.endswith("_sd")]
+    columns = [*COLUMNS, *((k.removeprefix("eval_").replace("_", " "), k, "{:.3f}") for k in extra)]
+    lines = ["| model | " + " | ".join(c[0] for c in columns) + " |", "|---|" + "---:|" * len(columns)]
+
+    def cell(r, key, fmt):
+        if key not in r:
+            return "-"
+        scale = _SCALE.get(key, 1.0)
+        text = fmt.format(r[key] * scale)
+        return text + (" ± " + fmt.format(r[f"{key}_sd"] * scale) if seeds > 1 else "")
+
     for name in sorted(ran, key=lambda k: -ran[k].get("eval_accuracy", -1.0)):
-        r = ran[name]
-        lines.append(
-            f"| {name} | {r.get('eval_accuracy', nan):.3f} | {r.get('eval_loss', nan):.3f} "
-            f"| {r.get('steps_per_s', nan):.2f} | {r.get('step_temp_mib', nan):.1f} |"
-        )
-    lines += [f"| baseline: {name.replace('_', ' ')} | {value:.3f} | | | |" for name, value in scores.items()]
-    skipped = {k: r["skipped"] for k, r in rows.items() if "skipped" in r}
+        lines.append(f"| {name} | " + " | ".join(cell(ran[name], key, fmt) for _, key, fmt in columns) + " |")
+    blank = " |" * (len(columns) - 1)
+    lines += [f"| baseline: {name.replace('_', ' ')} | {value:.3f} |{blank}" for name, value in scores.items()]
+    skipped = {k: r["skipped"] for k, r in merged.items() if "skipped" in r}
     if skipped:
         lines += ["", "Skipped:", ""] + [f"* {name}: {reason}" for name, reason in skipped.items()]
     return "\n".join(lines)
@@ -98,9 +161,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attentions",
         nargs="+",
-        default=["all"],
+        default=None,
         metavar="NAME",
-        help="registered attentions to train, or 'all' (default)",
+        help="registered attentions to train, or 'all' (the default without --model)",
+    )
+    p.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="LABEL [KEY=VALUE",
+        help="a candidate model: a label, then the overrides that make it (repeatable; "
+        "e.g. --model albert model.stack.sharing=all; --model plain: the experiment as configured)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="train each candidate from this many seeds (train.seed and the next ones); default 1",
     )
     p.add_argument(
         "--no-fourier",
@@ -129,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
-        runs = candidates(args.attentions, fourier=not args.no_fourier)
+        if args.seeds < 1:
+            raise ValueError(f"--seeds must be at least 1; got {args.seeds}")
+        attentions = args.attentions or ([] if args.models else ["all"])
+        runs = candidates(attentions, fourier=not args.no_fourier) if attentions else {}
+        runs |= model_candidates(args.models)
         experiment = load_experiment(args.config, args.overrides)
     except ValueError as e:
         p.error(str(e))
@@ -143,16 +226,23 @@ def main(argv: list[str] | None = None) -> int:
         f"model; accuracy on {examples} eval examples (baselines on the same examples). Steps/s: median "
         "after compilation. Memory: XLA's compiled temporary allocation of the train step.\n\n"
     )
-    rows = {}
+    if args.seeds > 1:
+        intro = intro.replace(f"seed {t.seed},", f"seeds {t.seed}-{t.seed + args.seeds - 1} (mean ± sd),")
+    rows: dict[str, list[dict]] = {}
     for i, (name, overrides) in enumerate(runs.items()):
-        print(f"== [{i + 1}/{len(runs)}] {name}: {t.steps} steps in {root / name}", file=sys.stderr)
-        rows[name] = run_one(args.config, [*args.overrides, *overrides], root / name, progress=not args.no_progress)
+        rows[name] = []
+        for seed in range(t.seed, t.seed + args.seeds):
+            workdir = root / name if args.seeds == 1 else root / name / f"seed{seed}"
+            print(f"== [{i + 1}/{len(runs)}] {name}: {t.steps} steps in {workdir}", file=sys.stderr)
+            made = [*args.overrides, *overrides, f"train.seed={seed}"]
+            rows[name].append(run_one(args.config, made, workdir, progress=not args.no_progress))
         waiting = list(runs)[i + 1 :]  # the table so far, so that a stopped comparison still has one
         note = f"\nNot run yet: {', '.join(waiting)}.\n" if waiting else ""
         (root / "compare.md").write_text(intro + table(rows, scores) + "\n" + note)
     text = (root / "compare.md").read_text()
     print(text)
-    ran = {name: r for name, r in rows.items() if "skipped" not in r}
+    merged = {name: _summarised(r) for name, r in rows.items()}
+    ran = {name: r for name, r in merged.items() if "skipped" not in r}
     points = {
         name: (r["steps_per_s"], r["eval_accuracy"], r.get("step_temp_mib", 0.0))
         for name, r in ran.items()
@@ -164,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     if ran:
-        print(f"curves: {plot_runs([root / n for n in ran], root / 'curves.png', labels=list(ran))}", file=sys.stderr)
+        first = [root / n if args.seeds == 1 else root / n / f"seed{t.seed}" for n in ran]  # one curve a model
+        print(f"curves: {plot_runs(first, root / 'curves.png', labels=list(ran))}", file=sys.stderr)
     print(f"table: {root / 'compare.md'}", file=sys.stderr)
     return 0

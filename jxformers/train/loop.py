@@ -225,17 +225,20 @@ def sharding_plan(experiment: Experiment, state: TrainState, static) -> Sharding
 
 
 class _CompiledStep:
-    """The train step, compiled once explicitly (to record its temporary memory) and timed."""
+    """The train step, compiled once explicitly (to record its temporary memory and XLA's
+    count of its FLOPs) and timed."""
 
     def __init__(self, jitted):
         self.jitted, self.compiled, self.temp_bytes, self.compile_seconds = jitted, None, None, None
+        self.flops = None
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float], float]:
         if self.compiled is None:
             began = time.perf_counter()
             self.compiled = self.jitted.lower(state, batch).compile()
             self.compile_seconds = time.perf_counter() - began
-            self.temp_bytes = cost_of(self.compiled).temp_bytes
+            cost = cost_of(self.compiled)
+            self.temp_bytes, self.flops = cost.temp_bytes, cost.flops
         began = time.perf_counter()
         state, metrics = self.compiled(state, batch)
         metrics = {k: float(v) if v.ndim == 0 else [float(x) for x in v] for k, v in metrics.items()}
@@ -741,5 +744,7 @@ def train(
             "skipped_steps": report.skipped,
             "peak_memory_bytes": _peak_memory_bytes(),
             "train_step_temp_bytes": run_step.temp_bytes,
+            "train_step_flops": run_step.flops,
+            "parameters": sum(int(x.size) for x in jax.tree.leaves(state.params)),
             "compile_seconds": run_step.compile_seconds,
         }
