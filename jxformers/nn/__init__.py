@@ -28,6 +28,12 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     set_transformer.py  MAB, ISAB, PMA (Set Transformer)
     luna.py       LunaBlock, LunaStack (Luna, with its causal form)
     perceiver.py  PerceiverEncoder (Perceiver)
+    cells.py      Cell: the blocks of the whole-model designs, called as a Block is; residual
+                  sublayers, convolutions over the positions with their decoding windows
+    lite.py       LiteBlock, SequenceConv (Lite Transformer's LSRA; ModelConfig stack lite)
+    delight.py    DelightBlock, DExTra, GroupLinear, block-wise scaling (DeLighT; stack delight)
+    evolved.py    EvolvedEncoderCell, EvolvedDecoderCell, SeparableConv (the Evolved Transformer;
+                  stack evolved)
     tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig stack.token_learner)
     transformer_xl.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
     recurrent.py  deprecated name of transformer_xl.py

@@ -389,12 +389,12 @@ class Attention(eqx.Module):
             if self.core.spec.updates_arrays and not inference:
                 produced = Produced(attention_inputs=(AttentionInputs(q, k, kv_mask),))
             if not inference:
-                produced = produced + self._span_loss()
+                produced = produced + self.span_loss()
             if self.disagreement and not inference:
                 produced = produced + self._disagreement(q, k, v, out, arrays, kv_mask, bias, context is None)
             return self._out(out, x), produced
 
-    def _span_loss(self) -> Produced:
+    def span_loss(self) -> Produced:
         """Adaptive span's L1 loss on this layer's spans (Sukhbaatar et al. 2019), when its
         core has one: `{"span_loss": lambda * mean_h z_h}` in `Produced.layer_losses`."""
         hp = self.core.hyper_parameters

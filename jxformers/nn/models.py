@@ -34,7 +34,10 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.decoding import BiasFn
 from jxformers.nn.blocks import Block
+from jxformers.nn.delight import DelightBlock
+from jxformers.nn.evolved import EvolvedDecoderCell, EvolvedEncoderCell
 from jxformers.nn.layers import AdaNorm, Linear, Norm, check_tokens, lookup, normalise
+from jxformers.nn.lite import LiteBlock
 from jxformers.nn.luna import LunaStack
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.moe import NO_TOKEN
@@ -54,7 +57,10 @@ POOLING_KINDS = ("cls", "mean", "pma")
 EXTRA_TOKEN_KINDS = ("memory", "registers")
 # What an Encoder or a LanguageModel stacks: transformer blocks, Set Transformer's ISABs,
 # or one LunaStack (which carries its packed sequence between its own layers).
-AnyBlock = Block | ISAB | LunaStack
+AnyBlock = Block | ISAB | LunaStack | LiteBlock | DelightBlock | EvolvedEncoderCell | EvolvedDecoderCell
+# The blocks called as a transformer Block is (apply_maps, decode_step_maps): the Block and
+# the whole-model designs' cells (jxformers.nn.cells).
+BLOCK_LIKE = (Block, LiteBlock, DelightBlock, EvolvedEncoderCell, EvolvedDecoderCell)
 
 
 def _split(key, n):
@@ -439,7 +445,7 @@ class Encoder(eqx.Module):
             made = Produced()
             if learn is not None and learn.fuse and i > learn.after_layer:
                 x, made = self._fused_block(block, i, x, mask, key=k, inference=inference)
-            elif isinstance(block, Block):
+            elif isinstance(block, BLOCK_LIKE):
                 x, made, maps = block.apply_maps(
                     x,
                     maps,
@@ -725,7 +731,7 @@ class LanguageModel(eqx.Module):
             return self._logits(x[m:], None if mask is None else mask[m:]), produced.under("blocks")
         produced, maps = Produced(), None  # maps: what one block hands the next (nn.cross_layer)
         for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)), strict=True)):
-            if isinstance(block, Block):
+            if isinstance(block, BLOCK_LIKE):
                 x, made, maps = block.apply_maps(
                     x,
                     maps,
@@ -804,7 +810,7 @@ class LanguageModel(eqx.Module):
         maps = None  # this token's row of the maps one block hands the next (nn.cross_layer)
         for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"], strict=True)):
             kv = None if context_kv is None else context_kv[i]
-            if isinstance(block, Block):
+            if isinstance(block, BLOCK_LIKE):
                 x, layer_state, maps = block.decode_step_maps(
                     x, layer_state, maps, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask, token_id=token_id
                 )

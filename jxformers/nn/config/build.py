@@ -15,6 +15,7 @@ from jxformers.nn import residual
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import Block
 from jxformers.nn.config.components import (
+    CELL_STACK_TYPES,
     HEAD_OPTIONS,
     AttentionConfig,
     CompressiveStack,
@@ -256,6 +257,8 @@ def _stack(config: ModelConfig, *, causal: bool, key, pooled: frozenset[int] = f
     """The blocks of an Encoder (or LanguageModel) for the config's stack; `pooled`:
     Funnel's pooling layers (transformer blocks only)."""
     stack = config.stack
+    if isinstance(stack, CELL_STACK_TYPES):  # Lite Transformer, DeLighT, the Evolved Transformer: their own blocks
+        return stack.blocks(config, causal=causal, key=key)
     if isinstance(stack, ISABStack):
         return [
             ISAB(config.d_model, config.num_heads, num_inducing=stack.num_inducing, **_dense(config), key=k)

@@ -27,9 +27,12 @@ from jxformers.nn.attention import QK_NORMS
 from jxformers.nn.average import check_aan
 from jxformers.nn.blocks import NORM_PLACEMENTS
 from jxformers.nn.cross_layer import MAP_KINDS
+from jxformers.nn.delight import DelightStack
+from jxformers.nn.evolved import EvolvedStack
 from jxformers.nn.floater import FLOATER_DELTA, FLOATER_STEPS
 from jxformers.nn.heads import DISAGREEMENTS, HEAD_AGGREGATIONS
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
+from jxformers.nn.lite import LiteStack
 from jxformers.nn.local import CELLS
 from jxformers.nn.models import DOWNSAMPLE_KINDS, EXTRA_TOKEN_KINDS, POOLING_KINDS
 from jxformers.nn.moe import MoEConfig
@@ -629,10 +632,15 @@ STACK_COMPONENTS: dict[str, type] = {
         PerceiverStack,
         TransformerXLStack,
         CompressiveStack,
+        *(LiteStack, DelightStack, EvolvedStack),
     )
 }
-StackConfig = TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack
+StackConfig = (
+    TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack
+    | LiteStack | DelightStack | EvolvedStack
+)  # fmt: skip
 RECURRENT_STACKS = ("transformer_xl", "compressive")
+ENCODER_OR_LM = ("classify", "retrieval", "lm")
 # stack kind -> (the norm placement its paper uses, the tasks it serves, what it is)
 STACKS = {
     "transformer": ("pre", ("classify", "retrieval", "lm", "seq2seq"), "blocks of the named attention"),
@@ -641,6 +649,15 @@ STACKS = {
     "perceiver": ("pre", ("classify", "retrieval"), "latent array cross-attending the input (Jaegle et al. 2021)"),
     "transformer_xl": ("post", ("lm",), "segment-level recurrence, relative positions (Dai et al. 2019)"),
     "compressive": ("post", ("lm",), "Transformer-XL plus a compressed memory (Rae et al. 2020)"),
+}
+# The whole-model designs whose blocks take the model's attention (jxformers.nn.cells),
+# each with its config's check_model and blocks (jxformers.nn.lite, .delight, .evolved).
+CELL_STACK_TYPES = (LiteStack, DelightStack, EvolvedStack)
+CELL_STACKS = {cls.kind: cls for cls in CELL_STACK_TYPES}  # type: ignore[attr-defined]
+STACKS |= {
+    "lite": ("post", ENCODER_OR_LM, "Lite Transformer's long-short range attention (Wu et al. 2020)"),
+    "delight": ("post", ENCODER_OR_LM, "DeLighT's DExTra blocks, scaled block-wise (Mehta et al. 2021)"),
+    "evolved": ("pre", ENCODER_OR_LM, "the Evolved Transformer's searched cells (So et al. 2019)"),
 }
 
 

@@ -23,6 +23,8 @@ from jxformers.nn.attention import check_qk_norm
 from jxformers.nn.config import legacy
 from jxformers.nn.config.binding import bind_attention
 from jxformers.nn.config.components import (
+    CELL_STACK_TYPES,
+    CELL_STACKS,
     FFN_COMPONENTS,
     HEAD_COMPONENTS,
     HEAD_OPTIONS,
@@ -357,7 +359,9 @@ class ModelConfig:
         if isinstance(stack, TransformerStack):
             self._check_transformer_stack(stack)
             return
-        if self.attention != AttentionConfig():
+        if kind in CELL_STACKS:
+            self._check_cell_stack()
+        elif self.attention != AttentionConfig():
             raise ValueError(
                 f"stack {kind!r} builds its own softmax attentions; leave model.attention at its "
                 f"default (got {self.attention.to_value()!r})"
@@ -385,6 +389,30 @@ class ModelConfig:
             raise ValueError(
                 "a perceiver has no CLS token: pool its latents with head 'mean' (the paper's average) or 'pma'"
             )
+
+    def _check_cell_stack(self):
+        """A whole-model design whose blocks take the model's attention at their own widths
+        (`jxformers.nn.cells`): the attention module's options are the transformer
+        stack's, and its norms are the blocks' own (layernorm, rmsnorm, scalenorm, adanorm)."""
+        stack, plain = self.stack, AttentionConfig()
+        given = {
+            f.name: getattr(self.attention, f.name)
+            for f in dataclasses.fields(AttentionConfig)
+            if f.name not in ("name", "hyper_parameters", "impl")
+            and getattr(self.attention, f.name) != getattr(plain, f.name)
+        }
+        if given:
+            raise ValueError(
+                f"stack {stack.kind!r} builds its attentions at its own widths and head counts: an attention's name, "
+                f"hyper-parameters and impl; the module options {given} are stack 'transformer''s"
+            )
+        if self.norm.kind == "powernorm":
+            raise ValueError(
+                f"stack {stack.kind!r}: norm 'powernorm' keeps running statistics that only the "
+                "transformer stack's blocks thread; use layernorm, rmsnorm, scalenorm or adanorm"
+            )
+        assert isinstance(stack, CELL_STACK_TYPES)
+        stack.check_model(self)
 
     def _check_transformer_stack(self, stack: TransformerStack):
         for index in stack.layer_overrides:
