@@ -38,6 +38,9 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     transformer_xl.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
     recurrent.py  deprecated name of transformer_xl.py
     reversible.py  reversible residual blocks (Reformer's wiring)
+    adaptive.py   adaptive computation: the Universal Transformer's ACT stack, CCT's gated
+                  sub-layers, early exit (depth-adaptive decoding, PABEE); ModelConfig stack
+                  universal, stack.cct, stack.early_exit
     models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
     mixture.py    the discretized mixture of logistics output head (PixelCNN++)
     moe_sharded.py  expert parallelism for MoE with `jax.shard_map`

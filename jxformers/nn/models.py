@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.decoding import BiasFn
+from jxformers.nn.adaptive import ADAPTIVE_STACKS, ExitStack, GatedStack, UniversalStack
 from jxformers.nn.blocks import Block
 from jxformers.nn.delight import DelightBlock
 from jxformers.nn.evolved import EvolvedDecoderCell, EvolvedEncoderCell
@@ -56,8 +57,12 @@ POOLING_KINDS = ("cls", "mean", "pma")
 # (if any) and are dropped at the output.
 EXTRA_TOKEN_KINDS = ("memory", "registers")
 # What an Encoder or a LanguageModel stacks: transformer blocks, Set Transformer's ISABs,
-# or one LunaStack (which carries its packed sequence between its own layers).
-AnyBlock = Block | ISAB | LunaStack | LiteBlock | DelightBlock | EvolvedEncoderCell | EvolvedDecoderCell
+# or one LunaStack (which carries its packed sequence between its own layers), or one
+# adaptive-computation stack (`jxformers.nn.adaptive`: Universal Transformer, CCT, early exit).
+AnyBlock = (
+    Block | ISAB | LunaStack | LiteBlock | DelightBlock | EvolvedEncoderCell | EvolvedDecoderCell
+    | UniversalStack | GatedStack | ExitStack
+)  # fmt: skip
 # The blocks called as a transformer Block is (apply_maps, decode_step_maps): the Block and
 # the whole-model designs' cells (jxformers.nn.cells).
 BLOCK_LIKE = (Block, LiteBlock, DelightBlock, EvolvedEncoderCell, EvolvedDecoderCell)
@@ -376,6 +381,7 @@ class Encoder(eqx.Module):
         inference: bool = False,
         upsample_sum: bool = False,
         token_types: Int[Array, " seq"] | None = None,
+        readout: Any = None,
     ) -> tuple[tuple[Float[Array, "out d_model"], Bool[Array, " out"]], Produced]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens (padding at the end
@@ -391,6 +397,8 @@ class Encoder(eqx.Module):
                 the output of layers 0-1 at full length and that of layers 2-11.
             token_types: `[seq]` segment ids (BERT's token types; default 0), for an
                 embedding with a token-type table.
+            readout: an early-exit stack's exits, `(block, hidden, mask) -> logits`
+                (`jxformers.nn.adaptive.ExitStack`; the `Classifier` passes its heads).
 
         Returns:
             `((hidden [out, d_model], mask [out]), Produced)`; `out` = seq (+1 for the CLS
@@ -457,6 +465,11 @@ class Encoder(eqx.Module):
                     inference=inference,
                     **source,
                 )
+            elif isinstance(block, ADAPTIVE_STACKS):  # one adaptive stack (ModelConfig: no filters)
+                x, made = block.apply(
+                    x, kv_mask=kv_mask, bias=bias, positions=pos, token_ids=ids, readout=readout, key=k,
+                    inference=inference,
+                )  # fmt: skip
             else:  # ISAB, LunaStack: no filters and no bias positions (ModelConfig refuses them)
                 x = block(x, kv_mask=kv_mask, key=k, inference=inference)
             produced = produced + made.under("blocks", i)
@@ -514,11 +527,22 @@ class Classifier(eqx.Module):
     encoder: eqx.Module
     pma: PMA | None
     head: Linear
+    exit_heads: tuple[Linear, ...] | None  # early exit: the internal classifiers of blocks 0..L-2
     pooling: str = eqx.field(static=True)
 
     def __init__(
-        self, encoder: eqx.Module, num_classes: int, *, pooling: str, pma: PMA | None = None, key: PRNGKeyArray
+        self,
+        encoder: eqx.Module,
+        num_classes: int,
+        *,
+        pooling: str,
+        pma: PMA | None = None,
+        exits: int = 0,
+        key: PRNGKeyArray,
     ):
+        """`exits` > 0: an internal classifier (its own linear head on the pooled, finally
+        normalised state) after each of the first `exits` blocks of an encoder whose stack
+        is an `ExitStack` (PABEE, Zhou et al. 2020); the last block's is `head`."""
         if pooling not in POOLING_KINDS:
             raise ValueError(f"pooling must be one of {POOLING_KINDS}; got {pooling!r}")
         if (pooling == "cls") != (encoder.cls is not None):
@@ -528,20 +552,42 @@ class Classifier(eqx.Module):
         self.encoder, self.pooling, self.pma = encoder, pooling, pma
         width = encoder.embedding.table.shape[1] * (1 if pma is None else pma.seeds.shape[0])
         self.head = Linear(width, num_classes, key=key)
+        if exits and pma is not None:
+            raise ValueError("internal classifiers pool each block's output by cls or mean; got pooling 'pma'")
+        keys = jax.random.split(jax.random.fold_in(key, 1), max(exits, 1))
+        self.exit_heads = tuple(Linear(width, num_classes, key=k) for k in keys[:exits]) if exits else None
+
+    def _exit_readout(self, block: int, h, mask):
+        """An internal classifier's logits after `block` (PABEE): the encoder's final norm,
+        the pooling, then that block's head (the last block's: `head`)."""
+        assert self.exit_heads is not None
+        norm = cast(Any, self.encoder).norm
+        pooled = self._pooled(h if norm is None else normalise(norm, h, mask), mask)
+        head = self.exit_heads[block] if block < len(self.exit_heads) else self.head
+        return head(pooled).astype(jnp.float32)
 
     def pool(self, tokens, mask=None, *, key=None, inference=False) -> tuple[Float[Array, " width"], Produced]:
         """(The pooled vector the head reads, what the encoder produced.)"""
-        (h, m), produced = _encode(self.encoder, tokens, mask, key=key, inference=inference)
-        produced = produced.under("encoder")
+        if self.exit_heads is not None:
+            padded = jnp.ones(tokens.shape, bool) if mask is None else mask
+            readout = {"readout": self._exit_readout}
+            encoder = cast(Any, self.encoder)  # an Encoder: ModelConfig builds exits on the transformer stack
+            (h, m), produced = encoder.apply(tokens, padded, key=key, inference=inference, **readout)
+        else:
+            (h, m), produced = _encode(self.encoder, tokens, mask, key=key, inference=inference)
+        return self._pooled(h, m, key=key, inference=inference), produced.under("encoder")
+
+    def _pooled(self, h, m, *, key=None, inference=False) -> Float[Array, " width"]:
+        """The pooled vector of an encoder's output (h, its mask)."""
         skip = cast(Any, self.encoder).embedding.num_memory  # the head reads the real tokens only
         h, m = h[skip:], m[skip:]
         if self.pooling == "cls":
-            return h[0], produced
+            return h[0]
         if self.pma is not None:
             k_pool = None if key is None else jax.random.fold_in(key, 1)
-            return self.pma(h, m, key=k_pool, inference=inference).reshape(-1), produced
+            return self.pma(h, m, key=k_pool, inference=inference).reshape(-1)
         w = m.astype(jnp.float32)[:, None]
-        return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype), produced
+        return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype)
 
     def __call__(
         self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, **kwargs
@@ -560,6 +606,8 @@ class Classifier(eqx.Module):
         """`tokens [seq]` (and a padding mask) -> (class logits `[num_classes]` (float32),
         what the encoder produced: MoE aux, k-means inputs)."""
         pooled, produced = self.pool(tokens, mask, key=key, inference=inference)
+        if produced.exits is not None:  # early exit: the exit's logits (the last block's in training)
+            return produced.exits.output, produced
         return self.head(pooled).astype(jnp.float32), produced
 
 
@@ -685,6 +733,12 @@ class LanguageModel(eqx.Module):
             return self.head(x)
         return self.embedding.logits(x) if self.unembed is None else self.unembed(x).astype(jnp.float32)
 
+    def _readout(self, block: int, x, mask=None):
+        """An early-exit stack's exit after `block`: the model's own readout (the classifier
+        shared by every exit)."""
+        del block
+        return self._logits(x, mask)
+
     def __call__(
         self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, **kwargs
     ) -> Float[Array, "seq vocab"]:
@@ -744,6 +798,12 @@ class LanguageModel(eqx.Module):
                     key=k,
                     inference=inference,
                 )
+                produced = produced + made.under("blocks", i)
+            elif isinstance(block, ADAPTIVE_STACKS):  # one adaptive stack (ModelConfig: no memory tokens)
+                x, made = block.apply(
+                    x, kv_mask=mask, bias=bias, positions=positions, token_ids=ids, readout=self._readout, key=k,
+                    inference=inference,
+                )  # fmt: skip
                 produced = produced + made.under("blocks", i)
             else:  # a LunaStack (causal Luna): no bias, positions or cross-attention to pass
                 x = block(x, kv_mask=mask, key=k, inference=inference)
@@ -813,6 +873,10 @@ class LanguageModel(eqx.Module):
             if isinstance(block, BLOCK_LIKE):
                 x, layer_state, maps = block.decode_step_maps(
                     x, layer_state, maps, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask, token_id=token_id
+                )
+            elif isinstance(block, ADAPTIVE_STACKS):
+                x, layer_state = block.decode_step(
+                    x, layer_state, bias_fn=bias_fn, token_id=token_id, readout=self._readout
                 )
             else:  # a LunaStack (ISABs serve encoders): no bias or cross-attention
                 assert isinstance(block, LunaStack), type(block)
@@ -899,7 +963,8 @@ class ConditionedDecoder(eqx.Module):
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         state = self.decoder.init_decode_state(max_len)
-        state["context_kv"] = tuple(b.cross_attention.project_context(self.memory) for b in self.decoder.blocks)
+        blocks = cast(tuple[Block, ...], self.decoder.blocks)  # a seq2seq decoder's: cross-attending Blocks
+        state["context_kv"] = tuple(b.cross_attention.project_context(self.memory) for b in blocks)
         return state
 
     def decode_step(

@@ -12,6 +12,8 @@ children's `Produced` together (in call order) and the train step reads the tota
     produced.layer_losses       # a layer's auxiliary losses, named by loss and the layer's path
     produced.memory             # a recurrent model's memory after the segment
     produced.residual_moments   # per residual branch of an Admin block: its moments (`ResidualMoments`)
+    produced.tallies            # named (sum, count) statistics the step logs as sum / count (depth used)
+    produced.exits              # an early-exit model's logits at every exit and their loss weights (`Exits`)
 
 The attention inputs carry the path of the module that made them (attribute names and
 tuple indices from the model's root), so the step updates that very module's arrays
@@ -61,6 +63,17 @@ class ResidualMoments(eqx.Module):
     path: Path = eqx.field(static=True, default=())
 
 
+class Exits(eqx.Module):
+    """An early-exit model's outputs (`jxformers.nn.adaptive.ExitStack`): `logits`
+    `[exits, *out]` whose cross-entropies the train step weights by `weights` `[exits]`
+    (summing to 1) in place of the output's own, and `output` `[*out]`, the model's
+    prediction (the last exit's in training, the exit taken at inference)."""
+
+    logits: Float[Array, " exits *out"]
+    weights: Float[Array, " exits"]
+    output: Float[Array, " *out"]
+
+
 class Produced(eqx.Module):
     """What a forward pass makes besides its output (see the module docstring).
 
@@ -74,6 +87,10 @@ class Produced(eqx.Module):
         memory: the memory a recurrent model carries to its next segment (None without).
         residual_moments: per residual branch call of a block with Admin's placement, in
             call order, its `ResidualMoments` (read by Admin's profile, nothing else).
+        tallies: named statistics `[2]` (sum, count), summed by `+` and over a batch; the
+            train step logs sum / count and evaluation averages them over its batches
+            ("act_steps": the Universal Transformer's steps per token).
+        exits: an early-exit model's `Exits` (None without); the later one is kept.
     """
 
     moe: tuple[dict[str, Array], ...] = ()
@@ -82,6 +99,8 @@ class Produced(eqx.Module):
     layer_losses: dict[str, Array] = eqx.field(default_factory=dict)
     memory: Any = None
     residual_moments: tuple[ResidualMoments, ...] = ()
+    tallies: dict[str, Array] = eqx.field(default_factory=dict)
+    exits: Exits | None = None
 
     def __add__(self, other: Produced) -> Produced:
         """Both, in call order (self's first); a loss made by both is summed, and the
@@ -93,6 +112,8 @@ class Produced(eqx.Module):
             layer_losses=_summed(self.layer_losses, other.layer_losses),
             memory=self.memory if other.memory is None else other.memory,
             residual_moments=self.residual_moments + other.residual_moments,
+            tallies=_summed(self.tallies, other.tallies),
+            exits=self.exits if other.exits is None else other.exits,
         )
 
     def under(self, *path: str | int) -> Produced:
@@ -109,6 +130,8 @@ class Produced(eqx.Module):
             layer_losses=layer_losses,
             memory=self.memory,
             residual_moments=moments,
+            tallies=self.tallies,
+            exits=self.exits,
         )
 
 

@@ -18,6 +18,9 @@ logits as a value (`jxformers.nn.Produced`); the step threads each part explicit
 - the running statistics of norms that keep them (PowerNorm) are differentiated beside
   the parameters, which gives the batch's sums, and updated from them after the step
   (`jxformers.nn.power_norm`; not when the step is skipped);
+- the tallies a model keeps (`Produced.tallies`, (sum, count): the depth an adaptive model
+  used) are summed over the batch and logged as sum / count; an early-exit model's exits
+  (`Produced.exits`) replace the cross-entropy of its output by their weighted sum;
 - a model that carries a memory between segments (Transformer-XL, the Compressive
   Transformer; `state.memory` is not None) reads each record's first max_len - 1 tokens
   after its row's memory, predicts the next max_len - 1, and leaves the new memory in
@@ -33,6 +36,7 @@ empty one of `eval_mem_len` slots and carries it across the evaluated batches in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -65,6 +69,8 @@ def _over_batch(produced: Produced, axis: int = 0) -> Produced:
         losses={name: v.mean(axis) for name, v in produced.losses.items()},
         layer_losses={name: v.mean(axis) for name, v in produced.layer_losses.items()},
         memory=produced.memory,
+        tallies={name: v.sum(axis) for name, v in produced.tallies.items()},
+        exits=produced.exits,
     )
 
 
@@ -102,8 +108,20 @@ def loss_and_metrics(
     correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
     total = (losses * weights).sum()
     named = (*produced.losses.values(), *produced.layer_losses.values())
-    objective = total / count + aux_loss(produced.moe) + sum(named, jnp.zeros((), jnp.float32))
-    return objective, LossAux((total, correct, weights.sum()), produced)
+    objective = total / count if produced.exits is None else _exits_loss(produced.exits, labels, weights, count)
+    objective = objective + aux_loss(produced.moe) + sum(named, jnp.zeros((), jnp.float32))
+    # the exits' logits [batch, exits, ...] served the objective: not kept (nor stacked by micro-batches)
+    return objective, LossAux((total, correct, weights.sum()), dataclasses.replace(produced, exits=None))
+
+
+def _exits_loss(exits, labels, weights, count) -> jax.Array:
+    """sum_k w_k CE_k: each exit's mean cross-entropy (`exits.logits` `[batch, exits,
+    *out]`, a language model's last row dropped as its output's is) weighted by the
+    exits' weights (`jxformers.nn.adaptive.ExitStack`)."""
+    logits = exits.logits if exits.logits.ndim == 3 else exits.logits[:, :, :-1]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels[:, None])
+    per_exit = (losses * weights[:, None]).reshape(*losses.shape[:2], -1).sum((0, 2)) / count
+    return (per_exit * exits.weights[0]).sum()
 
 
 def make_train_step(
@@ -162,6 +180,7 @@ def make_train_step(
                 losses=produced.losses,
                 layer_losses=produced.layer_losses,
                 memory=jax.tree.map(rows, produced.memory),
+                tallies=produced.tallies,
             )
             loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
         grad_norm = optax.tree.norm(grads)
@@ -177,6 +196,7 @@ def make_train_step(
             **layer_metrics(produced.moe),
             **produced.losses,
             **produced.layer_losses,
+            **{name: _mean(v) for name, v in produced.tallies.items()},
         }
         drawn = state.drawn
         if updating:  # state moved outside the gradient (k-means centroids)
@@ -201,31 +221,40 @@ def make_train_step(
     return jit_train_step(step, sharding)
 
 
+def _mean(tally: jax.Array) -> jax.Array:
+    """A tally's sum / count (over micro-batches too: `[..., 2]`)."""
+    summed = tally.reshape(-1, 2).sum(0)
+    return summed[0] / jnp.maximum(summed[1], 1.0)
+
+
 class EvalStep:
     """(state, batch) -> (loss sum, correct, count) in inference mode (on a sharded state
     and batch, it runs where they are). A model carrying a memory starts from an empty
     one of `eval_mem_len` slots per row and carries it from batch to batch; `reset()`
-    empties it (`evaluate` does, before every evaluation)."""
+    empties it (`evaluate` does, before every evaluation). The model's tallies (the depth
+    an adaptive model used) add up in `tallies` ({name: (sum, count)}) until `reset()`."""
 
     def __init__(self, static):
-        self.static, self.memory = static, None
+        self.static, self.memory, self.tallies = static, None, {}
         self.carries = carries_memory(static)
 
         @jax.jit
         def run(state, batch, memory):
             _, aux = loss_and_metrics(state.model(static), batch, None, inference=True, memory=memory)
-            return aux.stats, aux.produced.memory
+            return aux.stats, aux.produced.memory, aux.produced.tallies
 
         self.run = run
 
     def reset(self) -> None:
-        self.memory = None
+        self.memory, self.tallies = None, {}
 
     def __call__(self, state, batch):
         if self.carries and self.memory is None:
             model = state.model(self.static)
             self.memory = empty_memories(model, batch["tokens"].shape[0], model.eval_mem_len)
-        stats, memory = self.run(state, batch, self.memory)
+        stats, memory, tallies = self.run(state, batch, self.memory)
+        for name, value in tallies.items():
+            self.tallies[name] = self.tallies.get(name, 0.0) + np.asarray(value, np.float64)
         if self.carries:
             self.memory = memory
         return stats
@@ -238,7 +267,8 @@ def make_eval_step(static) -> EvalStep:
 
 def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_model: bool = False) -> dict[str, float]:
     """Mean loss and accuracy over `batches` batches; for language models also the loss
-    in bits per predicted token (bits per dimension for pixels, per byte for text)."""
+    in bits per predicted token (bits per dimension for pixels, per byte for text); and
+    each tally the model keeps, as `eval_<name>` (`EvalStep.tallies`)."""
     total = correct = count = 0.0
     if hasattr(eval_step, "reset"):  # a step carrying memory starts each evaluation empty
         eval_step.reset()
@@ -246,6 +276,8 @@ def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_mod
         t, c, n = (float(x) for x in eval_step(state, batch))
         total, correct, count = total + t, correct + c, count + n
     out = {"eval_loss": total / max(count, 1.0), "eval_accuracy": correct / max(count, 1.0)}
+    for name, (summed, n) in getattr(eval_step, "tallies", {}).items():  # the depth an adaptive model used
+        out[f"eval_{name}"] = float(summed) / max(float(n), 1.0)
     if language_model:
         out["eval_bits_per_token"] = out["eval_loss"] / math.log(2)
     return out

@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jxformers.nn import residual
+from jxformers.nn import adaptive, residual
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import Block
 from jxformers.nn.config.components import (
@@ -29,6 +29,7 @@ from jxformers.nn.config.components import (
     PooledHead,
     TransformerStack,
     TransformerXLStack,
+    UniversalStack,
     d_ff,
 )
 from jxformers.nn.config.model import ModelConfig
@@ -276,7 +277,42 @@ def _stack(config: ModelConfig, *, causal: bool, key, pooled: frozenset[int] = f
                 key=key,
             )
         ]
-    return _blocks(config, config.num_layers, causal=causal, cross=False, key=key, pooled=pooled)
+    blocks = _blocks(config, config.num_layers, causal=causal, cross=False, key=key, pooled=pooled)
+    return _adaptive(config, blocks, causal=causal, key=jax.random.fold_in(key, 11))
+
+
+def _adaptive(config: ModelConfig, blocks: list[Block], *, causal: bool, key) -> list:
+    """`blocks` as the config's adaptive stack (`jxformers.nn.adaptive`), or as they are."""
+    stack = config.stack
+    if isinstance(stack, UniversalStack):
+        return [
+            adaptive.UniversalStack(
+                blocks, d_model=config.d_model, max_steps=stack.max_steps, act=stack.act,
+                threshold=stack.act_threshold, ponder_weight=stack.ponder_weight, halting_bias=stack.halting_bias,
+                act_state=stack.act_state, step_embedding=stack.step_embedding,
+                position_signal=stack.position_signal, key=key,
+            )
+        ]  # fmt: skip
+    if not isinstance(stack, TransformerStack):
+        return blocks
+    if stack.cct is not None:
+        cct = stack.cct
+        return [
+            adaptive.GatedStack(
+                blocks, d_model=config.d_model, budgets=cct.budgets, budget=cct.budget,
+                budget_weight=cct.budget_weight, noise=cct.noise, d_control=cct.d_control, key=key,
+            )
+        ]  # fmt: skip
+    exits = stack.early_exit
+    if exits is None:
+        return blocks
+    return [
+        adaptive.ExitStack(
+            blocks, rule=exits.rule or ("confidence" if causal else "patience"),
+            training=exits.training or ("aligned" if causal else "weighted"), per_token=causal,
+            threshold=exits.threshold, patience=exits.patience, samples=exits.samples,
+        )
+    ]  # fmt: skip
 
 
 def _pma(config: ModelConfig, key) -> PMA | None:
@@ -459,6 +495,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
         config.num_classes,
         pooling=config.head.kind,
         pma=_pma(config, jax.random.fold_in(keys[6], 1)),
+        exits=config.num_layers - 1 if getattr(stack, "early_exit", None) is not None else 0,
         key=keys[6],
     )
     if config.task == "classify":

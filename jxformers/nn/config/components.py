@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jxformers.kernels import IMPLS
+from jxformers.nn.adaptive import ACT_STATES, EXIT_RULES, EXIT_TRAININGS, STEP_EMBEDDINGS
 from jxformers.nn.attention import QK_NORMS
 from jxformers.nn.average import check_aan
 from jxformers.nn.blocks import NORM_PLACEMENTS
@@ -454,6 +455,71 @@ class LocalRNNConfig:
 
 @typing.no_type_check
 @dataclasses.dataclass(frozen=True)
+class EarlyExitConfig:
+    """An exit after every block (`jxformers.nn.adaptive.ExitStack`): a language model's
+    exits share its readout, a classifier's each have a linear head on the pooled state.
+    Depth-adaptive decoding (Elbayad et al. 2020, "Depth-Adaptive Transformer") for task
+    lm, PABEE (Zhou et al. 2020, "BERT Loses Patience") for classify."""
+
+    rule: str | None = setting(
+        None, "how a token (lm) or an example (classify) exits at inference: confidence (the first block whose "
+        "top probability reaches threshold; Elbayad et al.) or patience (classify: the first block whose "
+        "prediction has stood for `patience` blocks; PABEE) (None: confidence for lm, patience for classify)",
+        choices=(*EXIT_RULES, None),
+    )  # fmt: skip
+    threshold: float = setting(0.9, "the confidence rule's threshold on the top probability, in (0, 1)")
+    patience: int = setting(2, "PABEE's t: blocks in a row whose prediction did not change", limits=1)
+    training: str | None = setting(
+        None, "the exits' losses: aligned (uniform weights; Elbayad et al.), weighted (block j weighted j / sum j; "
+        "PABEE) or mixed (lm: `samples` draws of an exit per token, states copied above it; Elbayad et al.) "
+        "(None: aligned for lm, weighted for classify)",
+        choices=(*EXIT_TRAININGS, None),
+    )  # fmt: skip
+    samples: int = setting(1, "mixed training: M, the exit draws per sequence", limits=1)
+
+    def __post_init__(self):
+        check_fields(self, "stack.early_exit.")
+        if not 0 < self.threshold < 1:
+            raise ValueError(f"stack.early_exit.threshold must be in (0, 1); got {self.threshold}")
+        if self.samples != 1 and self.training != "mixed":
+            raise ValueError(
+                f"stack.early_exit.samples counts mixed training's draws: set training 'mixed'; got training "
+                f"{self.training!r}, samples {self.samples}"
+            )
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class CCTConfig:
+    """Gated sub-layers (Bapna et al. 2020, "Controlling Computation versus Quality for
+    Neural Sequence Models", CCT; `jxformers.nn.adaptive.GatedStack`): a control network per
+    self-attention and FFN gives each token a gate conditioned on a computation budget,
+    noised and continuous in training, skip-or-run at inference."""
+
+    budgets: tuple[float, ...] = setting(
+        (0.25, 0.5, 0.75, 1.0), "the budgets (fractions of sub-layers to run) trained as tasks, one drawn per example"
+    )
+    budget: float = setting(1.0, "the budget at evaluation and decoding, one of budgets")
+    budget_weight: float = setting(1.0, "λ of the budget loss λ (used fraction - budget)^2", limits=Limits(above=0))
+    noise: float = setting(1.0, "the standard deviation of the noise on the gates' logits in training", limits=0)
+    d_control: int = setting(16, "the control networks' hidden width", limits=1)
+
+    def __post_init__(self):
+        if isinstance(self.budgets, (list, tuple)):
+            object.__setattr__(self, "budgets", tuple(self.budgets))
+        check_fields(self, "stack.cct.")
+        bad = [b for b in self.budgets if not (isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b <= 1)]
+        if bad or not self.budgets or len(set(self.budgets)) != len(self.budgets):
+            raise ValueError(f"stack.cct.budgets lists distinct fractions in (0, 1]; got {self.budgets}")
+        if self.budget not in self.budgets:
+            raise ValueError(
+                f"stack.cct.budget conditions the trained controllers: one of budgets {list(self.budgets)}; got "
+                f"{self.budget}"
+            )
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
 class TransformerStack:
     """`num_layers` blocks of the named attention (Vaswani et al. 2017), with the
     options that act between blocks."""
@@ -491,6 +557,13 @@ class TransformerStack:
     map_beta: float = setting(
         0.5, "predictive maps: the previous layer's weight, A_in = (1 - beta) S + beta A_prev, in [0, 1]"
     )
+    early_exit: EarlyExitConfig | None = setting(
+        None, "an exit after every block: depth-adaptive decoding (lm; Elbayad et al. 2020) or PABEE (classify; "
+        "Zhou et al. 2020) ({} for the task's paper's defaults)",
+    )  # fmt: skip
+    cct: CCTConfig | None = setting(
+        None, "gated sub-layers under a computation budget (Bapna et al. 2020's CCT; {} for its defaults)"
+    )
 
     def __post_init__(self):
         overrides = {}
@@ -515,6 +588,11 @@ class TransformerStack:
             )
         if isinstance(self.local_rnn, Mapping):
             object.__setattr__(self, "local_rnn", component(self.local_rnn, {None: LocalRNNConfig}, "stack.local_rnn"))
+        if isinstance(self.early_exit, Mapping):
+            exits = component(self.early_exit, {None: EarlyExitConfig}, "stack.early_exit")
+            object.__setattr__(self, "early_exit", exits)
+        if isinstance(self.cct, Mapping):
+            object.__setattr__(self, "cct", component(self.cct, {None: CCTConfig}, "stack.cct"))
         check_fields(self, "stack.")
         check_at_least(self, "stack.", 1, "lazy_block")
         if self.lazy_block != 2 and self.attention_maps != "lazy":
@@ -623,6 +701,49 @@ class CompressiveStack:
             )
 
 
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class UniversalStack:
+    """The Universal Transformer (Dehghani et al. 2019, "Universal Transformers"): one
+    shared step of `num_layers` blocks of the named attention (the paper's: 1) applied
+    recurrently, the position and step embeddings added before each step, with
+    per-position ACT halting and its ponder cost (`jxformers.nn.adaptive.UniversalStack`)."""
+
+    kind: str = setting("universal", "the Universal Transformer", choices=("universal",))
+    max_steps: int = setting(
+        8, "T, the steps at most (ACT forces none beyond; tensor2tensor: 2 x its layers; without act: the steps)",
+        limits=1,
+    )  # fmt: skip
+    act: bool = setting(True, "per-position adaptive computation time (Graves 2016); false: max_steps steps")
+    act_threshold: float = setting(0.99, "1 - ε: a position halts when its summed halting probability passes it")
+    ponder_weight: float = setting(
+        0.01, "the ponder cost's weight on mean(N + R) (tensor2tensor's act_loss_weight)", limits=0
+    )
+    halting_bias: float = setting(1.0, "the halting unit's initial bias (tensor2tensor's act_halting_bias_init)")
+    act_state: str = setting(
+        "accumulated", "the output: accumulated, sum_t w_t T_t (Graves's; tensor2tensor's act_type accumulated), or "
+        "interpolated, o_t = w_t T_t + (1 - w_t) o_{t-1} (its act_type basic, precedence fixed)",
+        choices=ACT_STATES,
+    )  # fmt: skip
+    step_embedding: str = setting(
+        "sinusoidal", "the step's embedding added before each step: sinusoidal (the paper's) or learned "
+        "(tensor2tensor's default)", choices=STEP_EMBEDDINGS,
+    )  # fmt: skip
+    position_signal: bool = setting(
+        True, "the position's sinusoid added before every step with the step's (the paper's coordinate embedding; "
+        "embedding.position none then); false: positions from embedding.position",
+    )  # fmt: skip
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+        if not 0 < self.act_threshold <= 1:
+            raise ValueError(f"stack.act_threshold is 1 - ε, in (0, 1]; got {self.act_threshold}")
+        defaults = {"act_threshold": 0.99, "ponder_weight": 0.01, "halting_bias": 1.0, "act_state": "accumulated"}
+        given = {n: getattr(self, n) for n, v in defaults.items() if getattr(self, n) != v}
+        if given and not self.act:
+            raise ValueError(f"stack {given} configure ACT halting: set act true; got act false")
+
+
 STACK_COMPONENTS: dict[str, type] = {
     cls.kind: cls
     for cls in (  # type: ignore[attr-defined]
@@ -633,11 +754,12 @@ STACK_COMPONENTS: dict[str, type] = {
         TransformerXLStack,
         CompressiveStack,
         *(LiteStack, DelightStack, EvolvedStack),
+        UniversalStack,
     )
 }
 StackConfig = (
     TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack
-    | LiteStack | DelightStack | EvolvedStack
+    | LiteStack | DelightStack | EvolvedStack | UniversalStack
 )  # fmt: skip
 RECURRENT_STACKS = ("transformer_xl", "compressive")
 ENCODER_OR_LM = ("classify", "retrieval", "lm")
@@ -649,6 +771,7 @@ STACKS = {
     "perceiver": ("pre", ("classify", "retrieval"), "latent array cross-attending the input (Jaegle et al. 2021)"),
     "transformer_xl": ("post", ("lm",), "segment-level recurrence, relative positions (Dai et al. 2019)"),
     "compressive": ("post", ("lm",), "Transformer-XL plus a compressed memory (Rae et al. 2020)"),
+    "universal": ("post", ("classify", "lm"), "a shared block applied recurrently, ACT halting (Dehghani et al. 2019)"),
 }
 # The whole-model designs whose blocks take the model's attention (jxformers.nn.cells),
 # each with its config's check_model and blocks (jxformers.nn.lite, .delight, .evolved).

@@ -44,6 +44,7 @@ from jxformers.nn.config.components import (
     SoftmaxHead,
     StackConfig,
     TransformerStack,
+    UniversalStack,
     component,
     to_value,
 )
@@ -148,6 +149,7 @@ class ModelConfig:
         check_fields(self, "model.")
         if self.embedding.position is None:  # CPE or a LocalRNN alone where set (CPVT's, R-Transformer's models)
             local = self.embedding.cpe is not None or getattr(self.stack, "local_rnn", None) is not None
+            local = local or getattr(self.stack, "position_signal", False)  # the Universal Transformer's own
             position = "none" if self.stack.kind in RECURRENT_STACKS or local else "sinusoidal"
             set_("embedding", dataclasses.replace(self.embedding, position=position))
         if self.norm.placement is None:  # the paper's: the all-attention layer (ffn none) is post-norm
@@ -162,6 +164,7 @@ class ModelConfig:
         self._check_local()
         set_("_bound", self._bind())
         self._check_attentions()
+        self._check_adaptive()
 
     # ------------------------------------------------------------------ io
 
@@ -358,6 +361,8 @@ class ModelConfig:
             raise ValueError(f"stack {kind!r} serves tasks {list(tasks)}; got task {self.task!r}")
         if isinstance(stack, TransformerStack):
             self._check_transformer_stack(stack)
+            return
+        if isinstance(stack, UniversalStack):  # blocks of the named attention: _check_adaptive
             return
         if kind in CELL_STACKS:
             self._check_cell_stack()
@@ -742,3 +747,89 @@ class ModelConfig:
                         f"queries and unpooled keys, which {spec.name!r} cannot; use one of "
                         f"{registry.names(supports_cross=True)} there (stack.layer_overrides)"
                     )
+
+    def _check_adaptive(self):
+        """The adaptive-computation models (`jxformers.nn.adaptive`): the Universal
+        Transformer's shared step, CCT's gated sub-layers and the early exits run plain
+        blocks of one sequence, so what reshapes the sequence, wires blocks otherwise or
+        keeps per-step state outside the blocks is refused."""
+        stack = self.stack
+        universal = isinstance(stack, UniversalStack)
+        exits = getattr(stack, "early_exit", None)
+        cct = getattr(stack, "cct", None)
+        if not (universal or exits is not None or cct is not None):
+            return
+        name = "stack 'universal'" if universal else ("stack.early_exit" if exits is not None else "stack.cct")
+        if exits is not None and cct is not None:
+            raise ValueError("stack.early_exit and stack.cct each drive the blocks' depth: choose one")
+        if self.task not in ("classify", "lm"):
+            raise ValueError(f"{name} serves tasks classify and lm; got task {self.task!r}")
+        if isinstance(stack, TransformerStack):
+            why = {
+                "layer_overrides": bool(stack.layer_overrides) and cct is not None,
+                "reversible": stack.reversible,
+                "filters": bool(stack.filters),
+                "token_learner": stack.token_learner is not None,
+                "attention_maps": stack.attention_maps != "none",
+                "local_rnn": stack.local_rnn is not None and cct is not None,
+            }
+            refused = sorted(n for n, on in why.items() if on)
+            if refused:
+                raise ValueError(
+                    f"{name} runs plain blocks of one sequence, one after another; refused with stack settings "
+                    f"{refused}"
+                )
+        if self.embedding.cpe is not None or self.embedding.extra_tokens:
+            raise ValueError(
+                f"{name}: no conditional positions (embedding.cpe) or extra tokens between or beside its blocks; got "
+                f"cpe={self.embedding.cpe}, extra_tokens={self.embedding.extra_tokens}"
+            )
+        position = self.embedding.position
+        if position in (*SCORE_KINDS, *INPUT_KINDS) and (universal or cct is not None):
+            raise ValueError(
+                f"{name}: positions computed inside each attention ({sorted({*SCORE_KINDS, *INPUT_KINDS})}) are "
+                f"refused; use added, rotary or bias positions; got {position!r}"
+            )
+        bad = sorted({b.spec.name for b in self._bound if b.spec.updates_arrays})
+        if universal and bad:
+            raise ValueError(
+                f"stack 'universal' runs its shared step under a scan: attentions that move arrays outside the "
+                f"gradient (k-means centroids) are refused; got {bad}"
+            )
+        if cct is not None and (self.norm.placement != "pre" or isinstance(self.ffn, NoFeedForward)):
+            raise ValueError(
+                f"stack.cct gates x + g f(N(x)), skipping to the residual stream: norm.placement 'pre' and an FFN; "
+                f"got placement {self.norm.placement!r}, ffn {self.ffn.kind!r}"
+            )
+        if universal:
+            if stack.position_signal and position != "none":
+                raise ValueError(
+                    f"stack 'universal' adds the position's sinusoid before every step (position_signal): set "
+                    f"embedding.position none, or position_signal false to use {position!r}"
+                )
+            return
+        if exits is None:
+            return
+        rule = exits.rule or ("confidence" if self.task == "lm" else "patience")
+        training = exits.training or ("aligned" if self.task == "lm" else "weighted")
+        if self.task == "lm" and rule == "patience":
+            raise ValueError(
+                "stack.early_exit.rule 'patience' is PABEE's, over a classifier's internal predictions: task "
+                "classify; a language model exits by confidence"
+            )
+        if self.task == "classify" and training == "mixed":
+            raise ValueError(
+                "stack.early_exit.training 'mixed' draws an exit per token of a sequence (Elbayad et al.): task lm; "
+                "a classifier trains aligned or weighted"
+            )
+        if getattr(self.head, "kind", None) == "pma":
+            raise ValueError("stack.early_exit: internal classifiers pool by cls or mean; got head 'pma'")
+        if self.num_layers < 2:
+            raise ValueError(f"stack.early_exit needs blocks to exit between: num_layers >= 2; got {self.num_layers}")
+        given = {
+            "threshold": (exits.threshold != 0.9, rule == "confidence"),
+            "patience": (exits.patience != 2, rule == "patience"),
+        }
+        foreign = sorted(n for n, (set_, used) in given.items() if set_ and not used)
+        if foreign:
+            raise ValueError(f"stack.early_exit {foreign} belong to another rule than {rule!r}")
