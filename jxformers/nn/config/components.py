@@ -620,6 +620,22 @@ class CompressiveStack:
             )
 
 
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class FeedbackStack:
+    """The Feedback Transformer (Fan et al. 2020, `jxformers.nn.feedback`): every layer at
+    position t attends to one memory of the softmax-weighted sum of all layers' states at
+    the earlier positions; trained position after position (a causal lm)."""
+
+    kind: str = setting("feedback", "the Feedback Transformer", choices=("feedback",))
+    span: int | None = setting(
+        None, "earlier positions each position reads (None: all; the authors' --attn-lim)", limits=1
+    )
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+
+
 STACK_COMPONENTS: dict[str, type] = {
     cls.kind: cls
     for cls in (  # type: ignore[attr-defined]
@@ -629,9 +645,12 @@ STACK_COMPONENTS: dict[str, type] = {
         PerceiverStack,
         TransformerXLStack,
         CompressiveStack,
+        FeedbackStack,
     )
 }
-StackConfig = TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack
+StackConfig = (
+    TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack | FeedbackStack
+)
 RECURRENT_STACKS = ("transformer_xl", "compressive")
 # stack kind -> (the norm placement its paper uses, the tasks it serves, what it is)
 STACKS = {
@@ -641,6 +660,7 @@ STACKS = {
     "perceiver": ("pre", ("classify", "retrieval"), "latent array cross-attending the input (Jaegle et al. 2021)"),
     "transformer_xl": ("post", ("lm",), "segment-level recurrence, relative positions (Dai et al. 2019)"),
     "compressive": ("post", ("lm",), "Transformer-XL plus a compressed memory (Rae et al. 2020)"),
+    "feedback": ("pre", ("lm",), "every layer attends to a memory of all layers' states (Fan et al. 2020)"),
 }
 
 
@@ -658,6 +678,11 @@ class DecoderConfig:
         True,
         'an FFN sublayer in each decoder block; false drops it (Yang et al. 2020, "On the Sub-Layer '
         "Functionalities of Transformer Decoder\": the decoder's FFNs can go with little loss)",
+    )
+    transparent: bool = setting(
+        False,
+        "transparent attention (Bapna et al. 2018): each decoder block cross-attends its own learned "
+        "softmax-weighted sum of every encoder layer's output, the embeddings included (jxformers.nn.transparent)",
     )
 
     def __post_init__(self):
