@@ -235,3 +235,23 @@ def test_a_2x2x2_mesh_trains_with_the_losses_of_one_device():
     assert out[True][0][-1] < out[True][0][0]
     """
     )
+
+
+def test_the_cost_script_compares_the_same_sizes_and_writes_its_table(tmp_path):
+    """scripts/bench_feedback.py: both sides one size but the stack, and its table (no
+    timing here: the numbers are made up)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
+    import bench_feedback as bench
+
+    args = bench.parse_args(["--lengths", "16", "32", "--out", str(tmp_path / "cost.md")])
+    plain, feedback = (bench.config(s, 16, args) for s in bench.STACKS)
+    assert {k: v for k, v in plain.items() if k != "stack"} == {k: v for k, v in feedback.items() if k != "stack"}
+    row = {"params": 10, "compile": 1.0, "step": 2.0, "gflop": 0.5, "temp": 1.0}
+    rows = {(s, n): row | {"step": 2.0 * (1 + 9 * (s == "feedback"))} for s in bench.STACKS for n in (16, 32)}
+    text = bench.table(rows, args, "python scripts/bench_feedback.py")
+    assert "loses the transformer's parallelism" in text and "| 16 | 10 | 10 | 2.0 | 20.0 | 10.0x |" in text
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--lengths", "1"])
