@@ -36,6 +36,9 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
                   stack evolved)
     tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig stack.token_learner)
     transformer_xl.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
+    feedback.py   FeedbackLM (the Feedback Transformer: one memory of all layers' states, trained position by position)
+    transparent.py  transparent attention: each decoder block of an EncoderDecoder reads its own mix of
+                  every encoder layer
     recurrent.py  deprecated name of transformer_xl.py
     reversible.py  reversible residual blocks (Reformer's wiring)
     adaptive.py   adaptive computation: the Universal Transformer's ACT stack, CCT's gated

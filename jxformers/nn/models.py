@@ -48,6 +48,7 @@ from jxformers.nn.relative import SharedTerms
 from jxformers.nn.reversible import reversible_apply, reversible_decode_step
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
+from jxformers.nn.transparent import combine_layers, transparent_weights
 from jxformers.ops import fourier_downsample, fourier_downsample_padded, funnel_pool
 
 DOWNSAMPLE_KINDS = ("fourier", "fourier_rescaled", "funnel")
@@ -382,7 +383,8 @@ class Encoder(eqx.Module):
         upsample_sum: bool = False,
         token_types: Int[Array, " seq"] | None = None,
         readout: Any = None,
-    ) -> tuple[tuple[Float[Array, "out d_model"], Bool[Array, " out"]], Produced]:
+        layers: bool = False,
+    ) -> tuple[tuple[Float[Array, "*sources out d_model"], Bool[Array, " out"]], Produced]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens (padding at the end
                 when downsampling, which keeps the real prefix). Without a mask the
@@ -399,6 +401,10 @@ class Encoder(eqx.Module):
                 embedding with a token-type table.
             readout: an early-exit stack's exits, `(block, hidden, mask) -> logits`
                 (`jxformers.nn.adaptive.ExitStack`; the `Classifier` passes its heads).
+            layers: return every layer's output instead of the last, stacked
+                `[num_layers + 1, out, d_model]`: the embeddings (block 0's input) first,
+                each through the final norm (transparent attention, `jxformers.nn.transparent`;
+                one length throughout: no filters, token learner or reversible wiring).
 
         Returns:
             `((hidden [out, d_model], mask [out]), Produced)`; `out` = seq (+1 for the CLS
@@ -422,6 +428,9 @@ class Encoder(eqx.Module):
         assert mask is not None
         condition = self.embedding.positions.condition  # CPE's PEGs: the rows before the first token pass by
         x = condition(-1, x, mask, skip=first)
+        if layers and (self.reversible or self.filters or self.token_learner is not None or upsample_sum):
+            raise ValueError("Encoder.apply(layers=True) needs one length and plain wiring throughout")
+        states = [x]  # every layer's output (layers=True)
         if self.reversible:
             bias = self.embedding.positions.grid_bias(x.shape[0])
             blocks = cast(tuple[Block, ...], self.blocks)  # _check_reversible: all Blocks
@@ -478,6 +487,10 @@ class Encoder(eqx.Module):
                 x, mask = self._learn_tokens(learn.learner(i), x, mask)
                 pos = self._positions(x.shape[0], spacing)
                 ids = None  # learned tokens: no token ids from here on
+            states.append(x)
+        if layers:
+            outputs = [self._drop_registers(self._final(h, mask), mask)[0] for h in states]
+            return (jnp.stack(outputs), self._drop_registers(x, mask)[1]), produced
         if upsample_sum:
             outputs.append(_upsample(x, mask, input_mask))
             return self._drop_registers(self._final(sum(outputs[1:], outputs[0]), input_mask), input_mask), produced
@@ -750,14 +763,15 @@ class LanguageModel(eqx.Module):
         tokens: Int[Array, " seq"],
         mask: Bool[Array, " seq"] | None = None,
         *,
-        context: Float[Array, "ctx d_model"] | None = None,
+        context: Float[Array, "*blocks ctx d_model"] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, "seq vocab"], Produced]:
         """Arguments:
             tokens: `[seq]` ids; mask: `[seq]` True for real tokens.
-            context, context_mask: encoder output for cross-attention blocks.
+            context, context_mask: encoder output for cross-attention blocks (or, stacked
+                `[blocks, ctx, d_model]`, one per block: transparent attention).
 
         Returns:
             `([seq, vocab] float32 logits, Produced)`; row i predicts token i + 1; the
@@ -792,7 +806,7 @@ class LanguageModel(eqx.Module):
                     kv_mask=mask,
                     bias=bias,
                     positions=positions,
-                    context=context,
+                    context=context if context is None or context.ndim == 2 else context[i],
                     context_mask=context_mask,
                     token_ids=ids,
                     key=k,
@@ -890,25 +904,34 @@ class LanguageModel(eqx.Module):
 class EncoderDecoder(eqx.Module):
     """Encoder-decoder (seq2seq): `model(source, target)` -> `[target_len, vocab]`; the
     decoder's blocks cross-attend to the encoder output. `model.conditioned(source)` is a
-    decoder bound to one source, which `jxformers.generate` can decode."""
+    decoder bound to one source, which `jxformers.generate` can decode.
+
+    `transparent=True`: transparent attention (Bapna et al. 2018, `jxformers.nn.transparent`),
+    decoder block j cross-attends its own learned mix of every encoder layer's output
+    (`layer_weights`, W `[encoder layers + 1, decoder blocks]`; None without)."""
 
     encoder: Encoder
     decoder: LanguageModel
+    layer_weights: Float[Array, "sources targets"] | None
     upsample_sum: bool = eqx.field(static=True)
 
-    def __init__(self, encoder: Encoder, decoder: LanguageModel):
+    def __init__(self, encoder: Encoder, decoder: LanguageModel, *, transparent: bool = False):
         self.encoder, self.decoder = encoder, decoder
         self.upsample_sum = bool(encoder.filters)
+        self.layer_weights = transparent_weights(encoder, decoder) if transparent else None
 
     @property
     def max_len(self) -> int:
         return self.decoder.max_len
 
     def encode(self, source, source_mask=None, *, key=None, inference=False):
-        """The encoder's (output, mask) that the decoder reads."""
+        """The encoder's (output, mask) that the decoder reads (transparent: one output per decoder block)."""
         return self._encode(source, source_mask, key=key, inference=inference)[0]
 
     def _encode(self, source, source_mask=None, *, key=None, inference=False):
+        if self.layer_weights is not None:  # transparent: every block's own mix of the layers
+            (states, mask), made = self.encoder.apply(source, source_mask, key=key, inference=inference, layers=True)
+            return (combine_layers(self.layer_weights, states), mask), made
         return self.encoder.apply(source, source_mask, key=key, inference=inference, upsample_sum=self.upsample_sum)
 
     def __call__(self, source: Int[Array, " src"], target: Int[Array, " tgt"], *args, **kwargs):
@@ -945,7 +968,7 @@ class ConditionedDecoder(eqx.Module):
     model over the target (parallel `__call__`, `init_decode_state`, `decode_step`)."""
 
     decoder: LanguageModel
-    memory: Float[Array, "ctx d_model"]
+    memory: Float[Array, "*blocks ctx d_model"]  # [blocks, ctx, d_model]: one per block (transparent attention)
     memory_mask: Bool[Array, " ctx"]
 
     @property
@@ -963,8 +986,12 @@ class ConditionedDecoder(eqx.Module):
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         state = self.decoder.init_decode_state(max_len)
-        blocks = cast(tuple[Block, ...], self.decoder.blocks)  # a seq2seq decoder's: cross-attending Blocks
-        state["context_kv"] = tuple(b.cross_attention.project_context(self.memory) for b in blocks)
+        context_kv = []
+        for i, block in enumerate(self.decoder.blocks):
+            assert isinstance(block, Block) and block.cross_attention is not None  # a seq2seq decoder's
+            memory = self.memory if self.memory.ndim == 2 else self.memory[i]  # one per block: transparent
+            context_kv.append(block.cross_attention.project_context(memory))
+        state["context_kv"] = tuple(context_kv)
         return state
 
     def decode_step(

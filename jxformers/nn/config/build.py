@@ -19,6 +19,7 @@ from jxformers.nn.config.components import (
     HEAD_OPTIONS,
     AttentionConfig,
     CompressiveStack,
+    FeedbackStack,
     FeedForwardConfig,
     FFNConfig,
     ISABStack,
@@ -34,6 +35,7 @@ from jxformers.nn.config.components import (
 )
 from jxformers.nn.config.model import ModelConfig
 from jxformers.nn.cross_layer import Evolve, map_role
+from jxformers.nn.feedback import FeedbackLayer, FeedbackLM
 from jxformers.nn.layers import FeedForward, Linear, make_norm
 from jxformers.nn.local import LocalRNN
 from jxformers.nn.luna import LunaStack as LunaModule
@@ -483,12 +485,16 @@ def _assemble(config: ModelConfig, key: jax.Array):
             dtype=config.dtype,
             key=keys[4],
         )
+    if isinstance(stack, FeedbackStack):
+        return _feedback(config, embedding(keys[3], True), key=keys[4])
     if config.task == "lm":
         return decoder(config.num_layers, cross=False)
     if config.task == "seq2seq":
         source = encoder(False)
-        assert isinstance(source, Encoder)  # seq2seq: a transformer stack (STACKS)
-        return EncoderDecoder(source, decoder(config.decoder_layers, cross=True))
+        assert isinstance(source, Encoder) and config.decoder is not None  # seq2seq: a transformer stack (STACKS)
+        return EncoderDecoder(
+            source, decoder(config.decoder_layers, cross=True), transparent=config.decoder.transparent
+        )
     assert isinstance(config.head, PooledHead)  # ModelConfig gives encoder tasks a pooled head
     tower = Classifier(
         encoder(config.head.kind == "cls"),
@@ -501,3 +507,21 @@ def _assemble(config: ModelConfig, key: jax.Array):
     if config.task == "classify":
         return tower
     return DualClassifier(tower, config.num_classes, key=keys[7])
+
+
+def _feedback(config: ModelConfig, embedding: Embedding, *, key) -> FeedbackLM:
+    """The Feedback Transformer of a config's `stack: {kind: feedback}` (Fan et al. 2020)."""
+    stack = config.stack
+    assert isinstance(stack, FeedbackStack)
+    dense = _dense(config)
+    kl, ko = jax.random.split(key)
+    layers = [
+        FeedbackLayer(config.d_model, config.num_heads, d_ff=dense["d_ff"], ffn=dense["ffn"], norm=dense["norm"],
+                      pre_norm=dense["pre_norm"], dropout=config.dropout, key=k)
+        for k in jax.random.split(kl, config.num_layers)
+    ]  # fmt: skip
+    final = make_norm(config.norm.kind, config.d_model) if dense["pre_norm"] else None  # the authors' out_norm
+    return FeedbackLM(
+        embedding, layers, final, max_len=config.max_len, span=stack.span,
+        tie=getattr(config.head, "tie_embeddings", True), dropout=config.dropout, key=ko,
+    )  # fmt: skip

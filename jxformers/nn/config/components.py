@@ -744,6 +744,22 @@ class UniversalStack:
             raise ValueError(f"stack {given} configure ACT halting: set act true; got act false")
 
 
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class FeedbackStack:
+    """The Feedback Transformer (Fan et al. 2020, `jxformers.nn.feedback`): every layer at
+    position t attends to one memory of the softmax-weighted sum of all layers' states at
+    the earlier positions; trained position after position (a causal lm)."""
+
+    kind: str = setting("feedback", "the Feedback Transformer", choices=("feedback",))
+    span: int | None = setting(
+        None, "earlier positions each position reads (None: all; the authors' --attn-lim)", limits=1
+    )
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+
+
 STACK_COMPONENTS: dict[str, type] = {
     cls.kind: cls
     for cls in (  # type: ignore[attr-defined]
@@ -755,11 +771,12 @@ STACK_COMPONENTS: dict[str, type] = {
         CompressiveStack,
         *(LiteStack, DelightStack, EvolvedStack),
         UniversalStack,
+        FeedbackStack,
     )
 }
 StackConfig = (
     TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack
-    | LiteStack | DelightStack | EvolvedStack | UniversalStack
+    | LiteStack | DelightStack | EvolvedStack | UniversalStack | FeedbackStack
 )  # fmt: skip
 RECURRENT_STACKS = ("transformer_xl", "compressive")
 ENCODER_OR_LM = ("classify", "retrieval", "lm")
@@ -772,6 +789,7 @@ STACKS = {
     "transformer_xl": ("post", ("lm",), "segment-level recurrence, relative positions (Dai et al. 2019)"),
     "compressive": ("post", ("lm",), "Transformer-XL plus a compressed memory (Rae et al. 2020)"),
     "universal": ("post", ("classify", "lm"), "a shared block applied recurrently, ACT halting (Dehghani et al. 2019)"),
+    "feedback": ("pre", ("lm",), "every layer attends to a memory of all layers' states (Fan et al. 2020)"),
 }
 # The whole-model designs whose blocks take the model's attention (jxformers.nn.cells),
 # each with its config's check_model and blocks (jxformers.nn.lite, .delight, .evolved).
@@ -798,6 +816,11 @@ class DecoderConfig:
         True,
         'an FFN sublayer in each decoder block; false drops it (Yang et al. 2020, "On the Sub-Layer '
         "Functionalities of Transformer Decoder\": the decoder's FFNs can go with little loss)",
+    )
+    transparent: bool = setting(
+        False,
+        "transparent attention (Bapna et al. 2018): each decoder block cross-attends its own learned "
+        "softmax-weighted sum of every encoder layer's output, the embeddings included (jxformers.nn.transparent)",
     )
 
     def __post_init__(self):

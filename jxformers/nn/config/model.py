@@ -162,6 +162,7 @@ class ModelConfig:
         self._check_norm_placement()
         self._check_embedding()
         self._check_local()
+        self._check_cross_block()
         set_("_bound", self._bind())
         self._check_attentions()
         self._check_adaptive()
@@ -833,3 +834,21 @@ class ModelConfig:
         foreign = sorted(n for n, (set_, used) in given.items() if set_ and not used)
         if foreign:
             raise ValueError(f"stack.early_exit {foreign} belong to another rule than {rule!r}")
+
+    def _check_cross_block(self):
+        """The cross-block connections (Lin et al. 2021, section 6.2): transparent attention
+        reads every encoder layer's output at one length; the Feedback Transformer's norms
+        run per position inside its scan."""
+        if self.decoder is not None and self.decoder.transparent:
+            filters = getattr(self.stack, "filters", {})
+            if filters:  # seq2seq takes no token learner or reversible wiring (_check_transformer_stack)
+                raise ValueError(
+                    f"decoder.transparent sums every encoder layer's output row by row, which needs one length "
+                    f"throughout; stack.filters {filters} shorten the sequence between layers"
+                )
+        if self.stack.kind == "feedback" and self.norm.kind == "powernorm":
+            raise ValueError(
+                "stack 'feedback' with norm.kind 'powernorm': PowerNorm counts its running statistics over the "
+                "rows of each call, and the Feedback Transformer's norms also normalise the memory at every "
+                "position, which would count it; use layernorm, rmsnorm, scalenorm or adanorm"
+            )
