@@ -759,7 +759,8 @@ class ModelConfig:
         if stack.sharing != "none":
             spec = [self._bound[i].spec.name for i in range(self._blocks()) if self._bound[i].spec.updates_arrays]
             why = [
-                (ordered, "stack.order / sandwich (its blocks differ in their sublayers)"),
+                (ordered and stack.sharing != "attention", "stack.order / sandwich (its blocks differ in their FFN "
+                 "sublayers; sharing 'attention' takes them)"),
                 (stack.attention_maps != "none", f"stack.attention_maps {stack.attention_maps!r} (its blocks differ: "
                  "the first computes maps, the others reuse or convolve them)"),
                 (self.embedding.position == "floater", "position 'floater' (each block reads its own row of the "
