@@ -450,6 +450,8 @@ def test_the_settings_reach_the_modules_from_yaml():
         (dict(stack={"cct": {"budget": 0.3}}), "one of budgets"),
         (dict(stack={"cct": {"budgets": [0.5, 1.5]}}), "distinct fractions"),
         (dict(stack={"cct": {}}, embedding={"extra_tokens": 2}), "extra tokens"),
+        (dict(stack={"cct": {}, "sharing": "all"}), r"\['sharing'\]"),
+        (dict(stack={"early_exit": {}, "layerdrop": 0.2, "macaron": True}), r"\['layerdrop', 'macaron'\]"),
     ],
 )
 def test_config_refusals_name_the_setting_and_the_values(values, match):

@@ -20,6 +20,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     local.py      positions from a token's neighbours: CPE's PEG (a depthwise convolution,
                   ModelConfig embedding.cpe) and R-Transformer's LocalRNN (stack.local_rnn)
     blocks.py     Block (its residual branches and their norms)
+    layouts.py    sublayer orders (Sandwich), Macaron's half-step FFNs, ALBERT's cross-layer sharing,
+                  LayerDrop and its pruning (StackPlan; ModelConfig stack.order, macaron, sharing, layerdrop)
     residual.py   the norm placements beyond pre/post: sandwich, NormFormer, ReZero,
                   T-Fixup, DeepNorm (their constants and initialisations)
     cross_layer.py  attention maps carried between blocks (RealFormer's residual scores,

@@ -19,6 +19,7 @@ from jxformers.kernels.alibi import Alibi
 from jxformers.nn import cross_layer, residual
 from jxformers.nn.attention import Attention
 from jxformers.nn.layers import FeedForward, Norm, make_norm, normalise
+from jxformers.nn.layouts import FeedForwardSublayer, run_sublayers
 from jxformers.nn.local import LocalRNN, LocalState
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
@@ -56,6 +57,11 @@ class Block(eqx.Module):
     `local` (a `LocalRNN`, default None): R-Transformer's LocalRNN sublayers (Wang et al.
     2019), run on x before the self-attention branch, each with its own residual and
     norm; the decoding state then is a `LocalState` around the attention's.
+
+    `pre_ffns`, `post_ffns` (tuples of `layouts.FeedForwardSublayer`, default empty): FFN
+    sublayers of their own before the self-attention branch and after the block's FFN
+    (or after its attention, `ffn` None): Macaron's half steps (Lu et al. 2019), the
+    f's of a reordered stack (Press et al. 2020; `jxformers.nn.layouts`).
     """
 
     attention: Attention
@@ -70,6 +76,8 @@ class Block(eqx.Module):
     dropout: eqx.nn.Dropout
     evolve: cross_layer.Evolve | None
     local: LocalRNN | None
+    pre_ffns: tuple[FeedForwardSublayer, ...]
+    post_ffns: tuple[FeedForwardSublayer, ...]
     placement: str = eqx.field(static=True)
     alpha: float = eqx.field(static=True)  # deepnorm: the residual's scale
     maps: str = eqx.field(static=True)
@@ -90,6 +98,8 @@ class Block(eqx.Module):
         placement: str | None = None,
         alpha: float = 1.0,
         local: LocalRNN | None = None,
+        pre_ffns: tuple[FeedForwardSublayer, ...] = (),
+        post_ffns: tuple[FeedForwardSublayer, ...] = (),
     ):
         placement = placement or ("pre" if pre_norm else "post")
         if placement not in residual.PLACEMENTS:
@@ -116,6 +126,7 @@ class Block(eqx.Module):
         if evolve is not None and maps != "predictive":
             raise ValueError(f"evolve is the predictive maps' convolution; got it with {maps=}")
         self.maps, self.evolve, self.local = maps, evolve, local
+        self.pre_ffns, self.post_ffns = tuple(pre_ffns), tuple(post_ffns)
         self.attention, self.cross_attention, self.ffn = attention, cross_attention, ffn
         branches = 1 + (cross_attention is not None) + (ffn is not None)
         normed = 0 if placement in residual.NORM_FREE else branches
@@ -333,6 +344,10 @@ class Block(eqx.Module):
                 )
             k_local = None if key is None else jax.random.fold_in(key, 7)
             x = self.local(x, kv_mask, key=k_local, inference=inference)
+        if self.pre_ffns:
+            if source is not None:
+                raise ValueError("a block with FFN sublayers before its attention takes no source (Funnel pooling)")
+            x = run_sublayers(self.pre_ffns, x, kv_mask, key=key, inference=inference, salt=11)
         if self.maps == "none":
             out, produced = self.attention_branch(
                 x,
@@ -362,11 +377,12 @@ class Block(eqx.Module):
             out, more = self._branch(attend, 1, x, k_cross, inference, rows)
             produced = produced + more.under("cross_attention") + self._moments(x, out, 1, rows)
             x = self._residual(x, out, 1, rows)
-        if self.ffn is None:  # the all-attention layer: no FFN sublayer
-            return x, produced, maps
-        out, more = self.ffn_branch(x, mask=rows, token_ids=token_ids, key=k_ffn, inference=inference)
-        more = more + self._moments(x, out, self._ffn_index, rows)
-        return self._residual(x, out, self._ffn_index, rows), produced + more, maps
+        if self.ffn is not None:  # else the all-attention layer (or a reordered stack's s): no FFN sublayer
+            out, more = self.ffn_branch(x, mask=rows, token_ids=token_ids, key=k_ffn, inference=inference)
+            produced = produced + more + self._moments(x, out, self._ffn_index, rows)
+            x = self._residual(x, out, self._ffn_index, rows)
+        x = run_sublayers(self.post_ffns, x, rows, key=key, inference=inference, salt=31)
+        return x, produced, maps
 
     def init_decode_state(self, max_len: int, dtype) -> decoding.State | LocalState:
         """The self-attention's empty decoding state (fixed shape); a layer that reuses
@@ -416,6 +432,7 @@ class Block(eqx.Module):
             x, windows = self.local.step(x, state.windows)
             inner = state.inner
         assert not isinstance(inner, LocalState)
+        x = run_sublayers(self.pre_ffns, x, inference=True)
 
         def attend(h):
             if self.maps == "none":
@@ -436,5 +453,6 @@ class Block(eqx.Module):
         if self.ffn is not None:
             ids = None if token_id is None else token_id[None]
             x = self._residual(x, self.ffn_branch(x[None], token_ids=ids, inference=True)[0][0], self._ffn_index)
+        x = run_sublayers(self.post_ffns, x, inference=True)
         state = out["state"] if windows is None else LocalState(windows, out["state"])
         return x, state, out["maps"]

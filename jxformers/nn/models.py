@@ -24,6 +24,7 @@ softmax and attention normalisers work in float32; logits come back in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, cast
 
@@ -38,6 +39,7 @@ from jxformers.nn.blocks import Block
 from jxformers.nn.delight import DelightBlock
 from jxformers.nn.evolved import EvolvedDecoderCell, EvolvedEncoderCell
 from jxformers.nn.layers import AdaNorm, Linear, Norm, check_tokens, lookup, normalise
+from jxformers.nn.layouts import StackPlan
 from jxformers.nn.lite import LiteBlock
 from jxformers.nn.luna import LunaStack
 from jxformers.nn.mixture import MixtureOfLogistics
@@ -116,13 +118,20 @@ class Embedding(eqx.Module):
     authors' DINOv2 code inserts them, dropped at the output). Both sit in front of the
     tokens, so padding at the end never moves them. They enter as they are (no scale,
     no absolute position: a learned vector absorbs one) and occupy positions 0.. of the
-    sequence's grid (relative positions see them); the tokens follow them."""
+    sequence's grid (relative positions see them); the tokens follow them.
 
-    table: Float[Array, "vocab d_model"]
+    `factorized` = E (None: none): ALBERT's factorised embedding (Lan et al. 2020, section
+    3.1): a `[vocab, E]` table, then `project`, a linear map E -> d_model (with a bias, as
+    the authors' embedding_hidden_mapping_in); the token types, added positions and the
+    norm act in E, before it, as in the authors' code (`positions` built with dim E).
+    The tied readout is the product of both, logits = (x P^T) table^T."""
+
+    table: Float[Array, "vocab width"]
     positions: Positions
-    types: Float[Array, "types d_model"] | None
+    types: Float[Array, "types width"] | None
     norm: Norm | None
     extra: Float[Array, "extra d_model"] | None
+    project: Linear | None  # ALBERT's E -> d_model map of a factorised embedding
     dtype: str = eqx.field(static=True)
     scale: bool = eqx.field(static=True)
     extra_kind: str = eqx.field(static=True)
@@ -139,17 +148,25 @@ class Embedding(eqx.Module):
         norm: Norm | None = None,
         extra_tokens: int = 0,
         extra_kind: str = "memory",
+        factorized: int | None = None,
         key: PRNGKeyArray,
     ):
         if extra_kind not in EXTRA_TOKEN_KINDS or isinstance(extra_tokens, bool) or extra_tokens < 0:
             raise ValueError(f"extra_tokens >= 0 of a kind in {EXTRA_TOKEN_KINDS}; got {extra_tokens=}, {extra_kind=}")
         kt, ky = jax.random.split(key)
-        self.table = jax.random.normal(kt if type_vocab_size else key, (vocab_size, d_model)) / math.sqrt(d_model)
-        self.types = 0.02 * jax.random.normal(ky, (type_vocab_size, d_model)) if type_vocab_size else None
+        width = factorized or d_model
+        self.table = jax.random.normal(kt if type_vocab_size else key, (vocab_size, width)) / math.sqrt(width)
+        self.types = 0.02 * jax.random.normal(ky, (type_vocab_size, width)) if type_vocab_size else None
+        self.project = None if factorized is None else Linear(width, d_model, key=jax.random.fold_in(key, 3))
         self.positions, self.dtype, self.scale, self.norm = positions, dtype, scale, norm
         extra_key = jax.random.fold_in(key, 2)
         self.extra = 0.02 * jax.random.normal(extra_key, (extra_tokens, d_model)) if extra_tokens else None
         self.extra_kind = extra_kind
+
+    @property
+    def d_model(self) -> int:
+        """The width of the vectors the embedding gives (the table's, or its projection's)."""
+        return self.table.shape[1] if self.project is None else self.project.weight.shape[0]
 
     @property
     def num_extra(self) -> int:
@@ -195,9 +212,13 @@ class Embedding(eqx.Module):
             raise ValueError("token_types given, but this embedding has no token-type table (type_vocab_size 0)")
         if self.norm is not None:
             x = self.norm(x)
+        if self.project is not None:
+            x = self.project(x)
         return x.astype(self.dtype)
 
     def logits(self, x: Float[Array, "*n d_model"]) -> Float[Array, "*n vocab"]:
+        if self.project is not None:  # the factorised table W = table P read out: x P^T, then the table
+            x = x @ self.project.weight.astype(x.dtype)
         return (x @ self.table.T.astype(x.dtype)).astype(jnp.float32)
 
 
@@ -260,6 +281,7 @@ class Encoder(eqx.Module):
     downsample: str = eqx.field(static=True)
     max_len: int = eqx.field(static=True)
     reversible: bool = eqx.field(static=True)
+    plan: StackPlan = eqx.field(static=True)  # sharing, LayerDrop, pruning (jxformers.nn.layouts)
 
     def __init__(
         self,
@@ -273,6 +295,7 @@ class Encoder(eqx.Module):
         downsample: str = "fourier",
         reversible: bool = False,
         token_learner: TokenLearnerStage | None = None,
+        plan: StackPlan | None = None,
         key: PRNGKeyArray,
     ):
         if downsample not in DOWNSAMPLE_KINDS:
@@ -318,8 +341,9 @@ class Encoder(eqx.Module):
                 f"token learner; got {filters=}, token_learner={token_learner is not None}"
             )
         self.reversible, self.token_learner = reversible, token_learner
-        self.embedding, self.blocks, self.norm = embedding, tuple(blocks), norm
-        self.cls = 0.02 * jax.random.normal(key, (embedding.table.shape[1],)) if use_cls else None
+        self.plan = plan or StackPlan()
+        self.embedding, self.blocks, self.norm = embedding, self.plan.hollow(blocks), norm
+        self.cls = 0.02 * jax.random.normal(key, (embedding.d_model,)) if use_cls else None
         self.filters, self.downsample, self.max_len = tuple(sorted(filters.items())), downsample, max_len
 
     def _shorten(self, x, mask, spacing, ratio, padded):
@@ -433,7 +457,7 @@ class Encoder(eqx.Module):
         states = [x]  # every layer's output (layers=True)
         if self.reversible:
             bias = self.embedding.positions.grid_bias(x.shape[0])
-            blocks = cast(tuple[Block, ...], self.blocks)  # _check_reversible: all Blocks
+            blocks = cast(tuple[Block, ...], self.plan.filled(self.blocks))  # _check_reversible: all Blocks
             x, produced = reversible_apply(blocks, x, kv_mask=mask, bias=bias, key=key, inference=inference)
             return self._drop_registers(self._final(x, mask), mask), produced.under("blocks")
         input_mask, filters, outputs, produced = mask, dict(self.filters), [], Produced()
@@ -441,7 +465,9 @@ class Encoder(eqx.Module):
         pos = self._positions(x.shape[0], spacing)
         on_grid = True  # positions 0..n-1 until a filter resamples them
         maps = None  # the attention maps one block hands the next (jxformers.nn.cross_layer)
-        for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)), strict=True)):
+        blocks, plan = self.plan.filled(self.blocks), self.plan
+        gates = plan.gates(len(blocks), key, inference)  # LayerDrop's, in training
+        for i, (block, k) in enumerate(zip(blocks, _split(key, len(blocks)), strict=True)):
             source = {}
             if i in filters:
                 if upsample_sum and i > 0:
@@ -462,18 +488,14 @@ class Encoder(eqx.Module):
             made = Produced()
             if learn is not None and learn.fuse and i > learn.after_layer:
                 x, made = self._fused_block(block, i, x, mask, key=k, inference=inference)
-            elif isinstance(block, BLOCK_LIKE):
-                x, made, maps = block.apply_maps(
-                    x,
-                    maps,
-                    kv_mask=kv_mask,
-                    bias=bias,
-                    positions=pos,
-                    token_ids=ids,
-                    key=k,
-                    inference=inference,
-                    **source,
-                )
+            elif isinstance(block, BLOCK_LIKE) and plan.runs(i, inference):
+                apply = functools.partial(
+                    block.apply_maps, kv_mask=kv_mask, bias=bias, positions=pos, token_ids=ids, key=k,
+                    inference=inference, **source,
+                )  # fmt: skip
+                x, made, maps = plan.run(gates, i, apply, x, maps)
+            elif isinstance(block, BLOCK_LIKE):  # pruned at inference (keep_layers)
+                pass
             elif isinstance(block, ADAPTIVE_STACKS):  # one adaptive stack (ModelConfig: no filters)
                 x, made = block.apply(
                     x, kv_mask=kv_mask, bias=bias, positions=pos, token_ids=ids, readout=readout, key=k,
@@ -563,7 +585,7 @@ class Classifier(eqx.Module):
         if (pooling == "pma") != (pma is not None):
             raise ValueError(f"pooling='pma' needs a PMA module (and no other pooling takes one); got {pooling=}")
         self.encoder, self.pooling, self.pma = encoder, pooling, pma
-        width = encoder.embedding.table.shape[1] * (1 if pma is None else pma.seeds.shape[0])
+        width = encoder.embedding.d_model * (1 if pma is None else pma.seeds.shape[0])
         self.head = Linear(width, num_classes, key=key)
         if exits and pma is not None:
             raise ValueError("internal classifiers pool each block's output by cls or mean; got pooling 'pma'")
@@ -706,6 +728,7 @@ class LanguageModel(eqx.Module):
     head: MixtureOfLogistics | None  # an output distribution of its own instead of the vocab softmax
     max_len: int = eqx.field(static=True)
     reversible: bool = eqx.field(static=True)
+    plan: StackPlan = eqx.field(static=True)  # sharing, LayerDrop, pruning (jxformers.nn.layouts)
 
     def __init__(
         self,
@@ -717,6 +740,7 @@ class LanguageModel(eqx.Module):
         tie: bool,
         reversible: bool = False,
         head: MixtureOfLogistics | None = None,
+        plan: StackPlan | None = None,
         key: PRNGKeyArray,
     ):
         """`head`: an output head whose "logits" are normalised log-probabilities (the
@@ -727,8 +751,9 @@ class LanguageModel(eqx.Module):
                 f"a causal language model takes memory tokens (prepended); got {embedding.extra_kind=}: registers "
                 "follow the real tokens, which the causal mask keeps from ever attending them"
             )
-        vocab, d = embedding.table.shape
-        self.embedding, self.blocks, self.max_len = embedding, tuple(blocks), max_len
+        vocab, d = embedding.table.shape[0], embedding.d_model
+        self.plan = plan or StackPlan()
+        self.embedding, self.blocks, self.max_len = embedding, self.plan.hollow(blocks), max_len
         tie = tie and head is None
         self.norm = _quiet_readout(norm, d) if tie else norm
         self.reversible = reversible
@@ -788,7 +813,7 @@ class LanguageModel(eqx.Module):
         x = condition(-1, x, mask, skip=m)
         if self.reversible:
             x, produced = reversible_apply(
-                cast(tuple[Block, ...], self.blocks),  # _check_reversible: all Blocks
+                cast(tuple[Block, ...], self.plan.filled(self.blocks)),  # _check_reversible: all Blocks
                 x,
                 kv_mask=mask,
                 bias=bias,
@@ -798,20 +823,18 @@ class LanguageModel(eqx.Module):
             )
             return self._logits(x[m:], None if mask is None else mask[m:]), produced.under("blocks")
         produced, maps = Produced(), None  # maps: what one block hands the next (nn.cross_layer)
-        for i, (block, k) in enumerate(zip(self.blocks, _split(key, len(self.blocks)), strict=True)):
-            if isinstance(block, BLOCK_LIKE):
-                x, made, maps = block.apply_maps(
-                    x,
-                    maps,
-                    kv_mask=mask,
-                    bias=bias,
-                    positions=positions,
+        blocks, plan = self.plan.filled(self.blocks), self.plan
+        gates = plan.gates(len(blocks), key, inference)  # LayerDrop's, in training
+        for i, (block, k) in enumerate(zip(blocks, _split(key, len(blocks)), strict=True)):
+            if isinstance(block, BLOCK_LIKE) and not plan.runs(i, inference):
+                pass  # pruned at inference (keep_layers)
+            elif isinstance(block, BLOCK_LIKE):
+                apply = functools.partial(
+                    block.apply_maps, kv_mask=mask, bias=bias, positions=positions,
                     context=context if context is None or context.ndim == 2 else context[i],
-                    context_mask=context_mask,
-                    token_ids=ids,
-                    key=k,
-                    inference=inference,
-                )
+                    context_mask=context_mask, token_ids=ids, key=k, inference=inference,
+                )  # fmt: skip
+                x, made, maps = plan.run(gates, i, apply, x, maps)
                 produced = produced + made.under("blocks", i)
             elif isinstance(block, ADAPTIVE_STACKS):  # one adaptive stack (ModelConfig: no memory tokens)
                 x, made = block.apply(
@@ -832,7 +855,7 @@ class LanguageModel(eqx.Module):
         _check_length(max_len + m, self.max_len, "decoding", extra=m)
         dtype = jnp.dtype(self.embedding.dtype)
         state = {
-            "layers": tuple(b.init_decode_state(max_len + m, dtype) for b in self.blocks),
+            "layers": tuple(b.init_decode_state(max_len + m, dtype) for b in self.plan.filled(self.blocks)),
             "length": jnp.zeros((), jnp.int32),
         }
         floater = self.embedding.positions.floater
@@ -879,12 +902,14 @@ class LanguageModel(eqx.Module):
         x = condition(-1, x)
         kept = {"pegs": pegs} if "pegs" in state else {}
         if self.reversible:
-            x, states = reversible_decode_step(self.blocks, x, state["layers"], bias_fn=bias_fn)
+            x, states = reversible_decode_step(self.plan.filled(self.blocks), x, state["layers"], bias_fn=bias_fn)
             return self._logits(x), {"layers": states, "length": state["length"] + 1} | kept | advanced
         maps = None  # this token's row of the maps one block hands the next (nn.cross_layer)
-        for i, (block, layer_state) in enumerate(zip(self.blocks, state["layers"], strict=True)):
+        for i, (block, layer_state) in enumerate(zip(self.plan.filled(self.blocks), state["layers"], strict=True)):
             kv = None if context_kv is None else context_kv[i]
-            if isinstance(block, BLOCK_LIKE):
+            if isinstance(block, BLOCK_LIKE) and not self.plan.runs(i, True):
+                pass  # pruned at inference (keep_layers): its state stays as it is
+            elif isinstance(block, BLOCK_LIKE):
                 x, layer_state, maps = block.decode_step_maps(
                     x, layer_state, maps, bias_fn=bias_fn, context_kv=kv, context_mask=context_mask, token_id=token_id
                 )
@@ -987,7 +1012,7 @@ class ConditionedDecoder(eqx.Module):
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         state = self.decoder.init_decode_state(max_len)
         context_kv = []
-        for i, block in enumerate(self.decoder.blocks):
+        for i, block in enumerate(self.decoder.plan.filled(self.decoder.blocks)):
             assert isinstance(block, Block) and block.cross_attention is not None  # a seq2seq decoder's
             memory = self.memory if self.memory.ndim == 2 else self.memory[i]  # one per block: transparent
             context_kv.append(block.cross_attention.project_context(memory))

@@ -47,6 +47,7 @@ import numpy as np
 import optax
 
 from jxformers.nn import Produced, has_statistics, statistics, update_arrays, update_statistics, updates_arrays
+from jxformers.nn.layouts import BATCH_AXIS
 from jxformers.nn.moe import aux_loss, layer_metrics, reduce_aux
 from jxformers.train.sharding import ShardingPlan, jit_train_step
 from jxformers.train.state import TrainState, carries_memory, empty_memories, split_model
@@ -86,7 +87,8 @@ def _forward(model, batch, memory, key, inference) -> tuple[jax.Array, Produced]
         carried = {} if mem is None else {"memory": mem}
         return model.apply(t, m, key=k, inference=inference, **carried)
 
-    logits, produced = jax.vmap(one)(tokens, mask, memory, keys)
+    # named, so that LayerDrop's "batch" unit can share one draw over it (jxformers.nn.layouts)
+    logits, produced = jax.vmap(one, axis_name=BATCH_AXIS)(tokens, mask, memory, keys)
     return logits, _over_batch(produced)
 
 

@@ -420,9 +420,15 @@ def _overrides_for_saved(saved: dict[str, Any], overrides: Sequence[str]) -> lis
     return kept
 
 
+# Model settings that evaluation and generation may change: they choose what runs at
+# inference, not the parameters (LayerDrop's pruning, jxformers.nn.layouts).
+INFERENCE_SETTINGS = frozenset({"model.stack.keep_layers", "model.stack.prune"})
+
+
 def load_run_experiment(workdir: pathlib.Path, overrides: Sequence[str] = ()) -> Experiment:
     """The experiment of the run in `workdir` (its config.yaml), with `overrides` that
-    leave the model alone (eval sizes, batch size); one that changes the model is refused."""
+    leave the model alone (eval sizes, batch size; or `INFERENCE_SETTINGS`); one that
+    changes the model is refused."""
     saved = saved_config(workdir)
     if saved is None:
         raise ValueError(
@@ -430,7 +436,8 @@ def load_run_experiment(workdir: pathlib.Path, overrides: Sequence[str] = ()) ->
             f"from before config.yaml was saved, name its experiment: CONFIG --workdir {workdir}"
         )
     experiment = load_experiment(_base_config(saved), _overrides_for_saved(saved, overrides))
-    changed = differences(saved, experiment.raw, section="model")
+    changed = {k: v for k, v in differences(saved, experiment.raw, section="model").items()
+               if k not in INFERENCE_SETTINGS}  # fmt: skip
     if changed:
         raise ValueError(
             f"--set would change the model the checkpoints in {workdir} were trained with "

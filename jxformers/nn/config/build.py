@@ -37,6 +37,7 @@ from jxformers.nn.config.model import ModelConfig
 from jxformers.nn.cross_layer import Evolve, map_role
 from jxformers.nn.feedback import FeedbackLayer, FeedbackLM
 from jxformers.nn.layers import FeedForward, Linear, make_norm
+from jxformers.nn.layouts import FeedForwardSublayer, StackPlan, every_other, group_order, sandwich_order
 from jxformers.nn.local import LocalRNN
 from jxformers.nn.luna import LunaStack as LunaModule
 from jxformers.nn.mixture import MixtureOfLogistics
@@ -44,7 +45,7 @@ from jxformers.nn.models import Classifier, DualClassifier, Embedding, Encoder, 
 from jxformers.nn.moe import MoE, MoEConfig
 from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import PKMConfig, ProductKeyMemory
-from jxformers.nn.positions import Positions
+from jxformers.nn.positions import ADDED_KINDS, Positions
 from jxformers.nn.relative import INPUT_KINDS, SCORE_KINDS, RelativeTerms
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
@@ -183,9 +184,10 @@ def _blocks(
             )
         # a seq2seq decoder's blocks without FFNs (decoder.ffn false: Yang et al. 2020)
         without_ffn = cross and config.decoder is not None and not config.decoder.ffn
+        pre_ffns, own_ffn, post_ffns = _sublayers(config, i, count, key=jax.random.fold_in(k, 8))
         block = Block(
             attention,
-            None if without_ffn else _ffn(config, config.layer(i).ffn, key=kf),
+            None if without_ffn or not own_ffn else _ffn(config, config.layer(i).ffn, key=kf),
             d_model=config.d_model,
             norm=config.norm.kind,
             placement=config.norm.placement,
@@ -196,6 +198,8 @@ def _blocks(
             maps=role,
             evolve=_evolve(config, i, key=jax.random.fold_in(k, 3)),
             local=_local_rnn(config, key=jax.random.fold_in(k, 6)),
+            pre_ffns=pre_ffns,
+            post_ffns=post_ffns,
         )
         if config.norm.placement == "deepnorm":
             block = residual.deepnorm_init(block, beta, key=jax.random.fold_in(k, 4))
@@ -359,7 +363,8 @@ def _assemble(config: ModelConfig, key: jax.Array):
         memory = embed.extra_tokens if extra and embed.extra_kind == "memory" else 0
         positions = Positions(
             embed.position,
-            dim=config.d_model,
+            # a factorised embedding adds its positions in E, before the projection (ALBERT's)
+            dim=embed.factorized if embed.factorized and embed.position in ADDED_KINDS else config.d_model,
             heads=config.num_heads,
             max_len=config.max_len,
             causal=causal,
@@ -377,7 +382,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
             cpe_after=() if embed.cpe is None else embed.cpe.after,
         )
         kt, _ = jax.random.split(k)
-        embed_norm = make_norm(norm.kind, config.d_model, norm.eps) if embed.norm else None
+        embed_norm = make_norm(norm.kind, embed.factorized or config.d_model, norm.eps) if embed.norm else None
         made = Embedding(
             config.vocab_size,
             config.d_model,
@@ -388,6 +393,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
             norm=embed_norm,
             extra_tokens=embed.extra_tokens if extra else 0,
             extra_kind=embed.extra_kind,
+            factorized=embed.factorized,
             key=kt,
         )
         if norm.placement != "tfixup":
@@ -441,6 +447,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
             downsample=transformer.downsample,
             reversible=transformer.reversible,
             token_learner=token_learner(),
+            plan=_plan(config, config.num_layers),
             key=keys[2],
         )
 
@@ -464,6 +471,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
             tie=getattr(config.head, "tie_embeddings", True),
             reversible=getattr(stack, "reversible", False),
             head=head,
+            plan=_plan(config, layers),
             key=keys[5],
         )
 
@@ -525,3 +533,37 @@ def _feedback(config: ModelConfig, embedding: Embedding, *, key) -> FeedbackLM:
         embedding, layers, final, max_len=config.max_len, span=stack.span,
         tie=getattr(config.head, "tie_embeddings", True), dropout=config.dropout, key=ko,
     )  # fmt: skip
+
+
+def _sublayers(config: ModelConfig, index: int, count: int, *, key) -> tuple[tuple, bool, tuple]:
+    """Block `index`'s FFN sublayers by the stack's layout (`jxformers.nn.layouts`): (those
+    before its attention, whether it has its own FFN, those after it). Macaron: a half
+    step before and one after, no FFN of its own; an order (stack.order, stack.sandwich):
+    the f's around the block's s, the first after it the block's own FFN."""
+    stack = config.stack
+    if not isinstance(stack, TransformerStack) or not (stack.macaron or stack.order or stack.sandwich):
+        return (), True, ()
+    made = iter(jax.random.split(key, 64))
+
+    def sublayer(scale):
+        ffn = _ffn(config, config.layer(index).ffn, key=next(made))
+        assert isinstance(ffn, FeedForward)  # ModelConfig: dense FFNs with an order or Macaron
+        return FeedForwardSublayer(
+            ffn, d_model=config.d_model, norm=config.norm.kind,
+            pre_norm=config.norm.placement == "pre", dropout=config.dropout, norm_eps=config.norm.eps, scale=scale,
+        )  # fmt: skip
+
+    if stack.macaron:  # Lu et al. 2019, eq. 14: x + FFN(x)/2, then the attention, then + FFN(.)/2
+        return (sublayer(0.5),), False, (sublayer(0.5),)
+    order = stack.order or sandwich_order(count, stack.sandwich)
+    before, after = group_order(order)[index]
+    return tuple(sublayer(1.0) for _ in range(before)), after > 0, tuple(sublayer(1.0) for _ in range(after - 1))
+
+
+def _plan(config: ModelConfig, layers: int) -> StackPlan:
+    """How a model of `layers` blocks shares them, drops them in training and prunes them at inference."""
+    stack = config.stack
+    if not isinstance(stack, TransformerStack):
+        return StackPlan()
+    keep = stack.keep_layers if stack.prune is None else every_other(layers, stack.prune)
+    return StackPlan(sharing=stack.sharing, layerdrop=stack.layerdrop, drop_unit=stack.layerdrop_unit, keep_layers=keep)

@@ -33,6 +33,7 @@ from jxformers.nn.evolved import EvolvedStack
 from jxformers.nn.floater import FLOATER_DELTA, FLOATER_STEPS
 from jxformers.nn.heads import DISAGREEMENTS, HEAD_AGGREGATIONS
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
+from jxformers.nn.layouts import DROP_UNITS, SHARINGS
 from jxformers.nn.lite import LiteStack
 from jxformers.nn.local import CELLS
 from jxformers.nn.models import DOWNSAMPLE_KINDS, EXTRA_TOKEN_KINDS, POOLING_KINDS
@@ -244,6 +245,12 @@ class EmbeddingConfig:
         "conditional positional encodings: PEGs after chosen blocks (Chu et al. 2021; {} for CPVT's); "
         "with position None, CPE alone",
     )
+    factorized: int | None = setting(
+        None,
+        "E of ALBERT's factorised embedding (Lan et al. 2020): a vocab x E table then an E x d_model map; "
+        "token types, added positions and the embedding norm act in E (None: a vocab x d_model table)",
+        limits=1,
+    )
     extra_kind: str = setting(
         "memory",
         "memory: [mem; CLS; x], kept in the encoder's output (Burtsev et al. 2020, Memory Transformer; "
@@ -285,6 +292,11 @@ class EmbeddingConfig:
         if floater and self.position != "floater":
             raise ValueError(f"embedding settings {floater} solve FLOATER's ODE: they need position 'floater'; got "
                              f"{self.position!r}")  # fmt: skip
+        if self.factorized is not None and self.position == "complex":
+            raise ValueError(
+                f"embedding.factorized={self.factorized} with position 'complex': the complex embedding turns the "
+                "d_model token features by position, which a factorised table has not; use another position"
+            )
         if self.tupe_relative and self.position != "tupe":
             raise ValueError(f"embedding.tupe_relative is TUPE-R: it needs position 'tupe'; got {self.position!r}")
         if (self.rope_scaling == "none") != (self.rope_factor == 1):
@@ -564,6 +576,41 @@ class TransformerStack:
     cct: CCTConfig | None = setting(
         None, "gated sub-layers under a computation budget (Bapna et al. 2020's CCT; {} for its defaults)"
     )
+    # Layouts, sharing and LayerDrop (jxformers.nn.layouts; Lin et al. 2021 section 6.5 and around it)
+    order: str | None = setting(
+        None,
+        "the sublayer order, a string of s (self-attention) and f (FFN), as Press et al. 2020's 'sfsfff...' "
+        "(None: (sf)^num_layers); one s per block, so num_layers s's",
+    )
+    sandwich: int = setting(
+        0, "k of the Sandwich Transformer (Press et al. 2020): the order s^k (sf)^(n-k) f^k, n = num_layers "
+        "(0: none)", limits=0,
+    )  # fmt: skip
+    macaron: bool = setting(
+        False, "Macaron Net's blocks (Lu et al. 2019): FFN/2, attention, FFN/2, each FFN's output times 1/2"
+    )
+    sharing: str = setting(
+        "none",
+        "ALBERT's cross-layer sharing (Lan et al. 2020): all (every block is block 0), attention (its "
+        "attention sublayer), ffn (its FFN sublayers); one array, trained as one",
+        choices=SHARINGS,
+    )
+    layerdrop: float = setting(
+        0.0, "LayerDrop's p (Fan et al. 2020): each block skipped whole with this probability in training",
+        limits=Limits(minimum=0, below=1),
+    )  # fmt: skip
+    layerdrop_unit: str = setting(
+        "batch", "batch: one draw per block for the batch (the authors' code); example: one per example",
+        choices=DROP_UNITS,
+    )  # fmt: skip
+    keep_layers: tuple[int, ...] | None = setting(
+        None, "the blocks evaluation and generation run (LayerDrop's pruning; None: all); may change after "
+        "training", limits=0,
+    )  # fmt: skip
+    prune: float | None = setting(
+        None, "LayerDrop's 'every other' pruning at rate p: blocks at depth d = 1..L with d = 0 mod floor(1/p) "
+        "skipped at inference (0.5: keep 0, 2, 4...); may change after training", limits=Limits(above=0, below=1),
+    )  # fmt: skip
 
     def __post_init__(self):
         overrides = {}
@@ -612,6 +659,29 @@ class TransformerStack:
         for index, ratio in self.filters.items():
             if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1):
                 raise ValueError(f"stack.filters maps a block index to a keep ratio in (0, 1]; got {index}: {ratio!r}")
+        self._check_layouts()
+
+    def _check_layouts(self):
+        """The sublayer order, Macaron, sharing and LayerDrop settings among themselves."""
+        if self.order is not None and (not self.order or set(self.order) - {"s", "f"} or "s" not in self.order):
+            raise ValueError(f"stack.order is a string of s and f with at least one s (e.g. 'sfsfff'); got "
+                             f"{self.order!r}")  # fmt: skip
+        layouts = {n: getattr(self, n) for n in ("order", "sandwich", "macaron") if getattr(self, n)}
+        if len(layouts) > 1:
+            raise ValueError(f"stack.order, sandwich and macaron each set the blocks' sublayers: give one; got "
+                             f"{layouts}")  # fmt: skip
+        if self.keep_layers is not None and self.prune is not None:
+            raise ValueError(f"stack.keep_layers and stack.prune both choose the blocks run at inference: give one; "
+                             f"got keep_layers={list(self.keep_layers)}, prune={self.prune}")  # fmt: skip
+        if self.keep_layers is not None and (
+            not self.keep_layers or len(set(self.keep_layers)) < len(self.keep_layers)
+        ):
+            raise ValueError(f"stack.keep_layers lists distinct block indices (at least one); got {self.keep_layers}")
+        if self.sharing != "none" and self.layer_overrides:
+            raise ValueError(
+                f"stack.sharing={self.sharing!r} runs one set of shared sublayers in every block; "
+                f"stack.layer_overrides {sorted(self.layer_overrides)} would make blocks differ"
+            )
 
 
 @typing.no_type_check

@@ -166,6 +166,7 @@ class ModelConfig:
         set_("_bound", self._bind())
         self._check_attentions()
         self._check_adaptive()
+        self._check_layouts()
 
     # ------------------------------------------------------------------ io
 
@@ -773,6 +774,14 @@ class ModelConfig:
                 "token_learner": stack.token_learner is not None,
                 "attention_maps": stack.attention_maps != "none",
                 "local_rnn": stack.local_rnn is not None and cct is not None,
+                # the layouts of jxformers.nn.layouts arrange a stack of Blocks; these stacks are one module
+                "order": stack.order is not None,
+                "sandwich": stack.sandwich > 0,
+                "macaron": stack.macaron,
+                "sharing": stack.sharing != "none",
+                "layerdrop": stack.layerdrop > 0,
+                "keep_layers": stack.keep_layers is not None,
+                "prune": stack.prune is not None,
             }
             refused = sorted(n for n, on in why.items() if on)
             if refused:
@@ -852,3 +861,85 @@ class ModelConfig:
                 "rows of each call, and the Feedback Transformer's norms also normalise the memory at every "
                 "position, which would count it; use layernorm, rmsnorm, scalenorm or adanorm"
             )
+
+    def _check_layouts(self):
+        """The sublayer orders (Sandwich), Macaron, ALBERT's sharing and factorised
+        embedding, and LayerDrop fit the model (`jxformers.nn.layouts`)."""
+        stack = self.stack
+        if not isinstance(stack, TransformerStack):
+            return
+        layers = (self.num_layers, self.decoder_layers) if self.task == "seq2seq" else (self.num_layers,)
+        if stack.sandwich and stack.sandwich >= min(layers):
+            raise ValueError(
+                f"stack.sandwich k orders s^k (sf)^(n-k) f^k: it needs k < num_layers (n); got k={stack.sandwich}, "
+                f"num_layers={min(layers)}"
+            )
+        if stack.order is not None and stack.order.count("s") != self.num_layers:
+            raise ValueError(
+                f"stack.order has one s per block: {stack.order!r} has {stack.order.count('s')}, num_layers is "
+                f"{self.num_layers}"
+            )
+        ordered = stack.order is not None or stack.sandwich > 0
+        if ordered and self.task == "seq2seq":
+            raise ValueError(
+                "stack.order and stack.sandwich order a stack of s and f sublayers; a seq2seq decoder's blocks hold a "
+                "third (cross-attention) the order does not place: tasks classify, retrieval, lm"
+            )
+        if ordered or stack.macaron:
+            what = "stack.macaron" if stack.macaron else "stack.order" if stack.order else "stack.sandwich"
+            ffns = sorted({self.layer(i).ffn.kind for i in range(self._blocks())} - set(FFN_KINDS))
+            why = [
+                (self.norm.placement not in ("pre", "post"), f"norm.placement {self.norm.placement!r} (pre or post: "
+                 "each FFN sublayer has its own norm)"),
+                (bool(ffns), f"ffn {ffns} (a dense FFN: its FFN sublayers are dense)"),
+                (stack.reversible, "stack.reversible (it pairs one attention with one FFN)"),
+                (stack.local_rnn is not None, "stack.local_rnn (R-Transformer's block is LocalRNN, attention, FFN)"),
+                (stack.downsample == "funnel" and bool(stack.filters), "funnel filters (the pooled keys would skip "
+                 "the FFNs before an attention)"),
+                (self.decoder is not None and not self.decoder.ffn, "decoder.ffn false (Macaron's decoder keeps its "
+                 "two half FFNs)"),
+            ]  # fmt: skip
+            refused = [reason for on, reason in why if on]
+            if refused:
+                raise ValueError(f"{what} is refused with {'; '.join(refused)}")
+        if stack.sharing != "none":
+            spec = [self._bound[i].spec.name for i in range(self._blocks()) if self._bound[i].spec.updates_arrays]
+            why = [
+                (ordered and stack.sharing != "attention", "stack.order / sandwich (its blocks differ in their FFN "
+                 "sublayers; sharing 'attention' takes them)"),
+                (stack.attention_maps != "none", f"stack.attention_maps {stack.attention_maps!r} (its blocks differ: "
+                 "the first computes maps, the others reuse or convolve them)"),
+                (self.embedding.position == "floater", "position 'floater' (each block reads its own row of the "
+                 "ODE's solution)"),
+                (self.norm.placement == "admin", "norm.placement 'admin' (its profile sets each block's own skip "
+                 "weights)"),
+                (self.norm.kind == "powernorm", "norm.kind 'powernorm' (its running statistics are one block's)"),
+                (bool(spec), f"attention {spec[:1]} (it updates per-layer arrays outside the gradient)"),
+            ]  # fmt: skip
+            refused = [reason for on, reason in why if on]
+            if refused:
+                raise ValueError(f"stack.sharing={stack.sharing!r} is refused with {'; '.join(refused)}")
+        pruned = stack.keep_layers is not None or stack.prune is not None
+        if stack.layerdrop or pruned:
+            bad = [i for i in stack.keep_layers or () if i >= min(layers)]
+            if bad:
+                raise ValueError(f"stack.keep_layers names blocks in [0, {min(layers)}); got {bad}")
+            updating = [self._bound[i].spec.name for i in range(self._blocks()) if self._bound[i].spec.updates_arrays]
+            tl = stack.token_learner
+            why = [
+                (stack.reversible, "stack.reversible (its backward recomputes every block from the next)"),
+                (stack.attention_maps != "none", f"stack.attention_maps {stack.attention_maps!r} (a skipped block "
+                 "would leave the next without its maps)"),
+                (tl is not None and tl.fuse, "stack.token_learner with fuse (each later block is its own "
+                 "TokenLearner, TokenFuser pair)"),
+                (bool(stack.layerdrop) and self.norm.placement == "admin", "norm.placement 'admin' (its profile "
+                 "reads every branch)"),
+                (bool(stack.layerdrop) and self.norm.kind == "powernorm", "norm.kind 'powernorm' (a skipped "
+                 "block's statistics would be updated from nothing)"),
+                (bool(stack.layerdrop) and bool(updating), f"attention {updating[:1]} (its k-means centroids are "
+                 "updated from every block's inputs)"),
+            ]  # fmt: skip
+            refused = [reason for on, reason in why if on]
+            if refused:
+                what = "stack.layerdrop" if stack.layerdrop else "stack.keep_layers / prune"
+                raise ValueError(f"{what} is refused with {'; '.join(refused)}")
