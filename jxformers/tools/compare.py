@@ -11,8 +11,11 @@ candidate by its overrides (`--model albert model.stack.sharing=all`; `--model p
 the experiment as configured), and `--seeds N` trains each candidate from N seeds (the
 experiment's seed and the next ones; the table gives mean ± standard deviation). The
 table then also has each model's trainable parameters, its train step's FLOPs per token
-position (XLA's count of the compiled forward and backward over batch × max_len) and any
-other evaluation metric the model logs (`eval_avg_depth` of adaptive-depth models).
+position (XLA's count of the compiled forward and backward over batch × max_len; XLA
+counts a loop's body once, so a model that runs a `lax.scan` or `while_loop` over its
+positions or steps, the Feedback and Universal Transformers, is undercounted) and any other
+evaluation metric the model logs (`eval_act_steps`, `eval_exit_depth` of adaptive-depth
+models).
 
 Each candidate trains in WORKDIR/NAME (WORKDIR/NAME/seedS with several seeds; a rerun
 resumes or reuses finished runs). A candidate that does not fit the task (it cannot
