@@ -606,9 +606,13 @@ def test_a_flipped_bit_in_an_array_file_is_found_and_falls_back(trained, tmp_pat
     run = _copy(run, tmp_path)
     data = max((run / "checkpoints" / "12" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
-    raw[1000] ^= 0x10  # inside an array's values (the file is uncompressed)
+    raw[1000] ^= 0x10  # inside the stored arrays
     data.write_bytes(bytes(raw))
-    with pytest.warns(UserWarning, match=r"step 12 could not be restored \(.*checksum of .* differs: saved 0x"):
+    # Our checksum finds a flip in values that reach the restore; in some runs OCDBT lays the
+    # file out so that this byte belongs to a record its own check refuses (DATA_LOSS):
+    # damage found either way, and the previous checkpoint used.
+    found = r"checksum of .* differs: saved 0x|DATA_LOSS|Error reading"
+    with pytest.warns(UserWarning, match=rf"step 12 could not be restored \(.*({found})"):
         _, step = restore_model(load_run_experiment(run), run)
     assert step == 8
 
