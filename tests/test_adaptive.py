@@ -505,36 +505,16 @@ def test_a_2x2x2_mesh_trains_the_adaptive_models_like_one_device():
     run_script(
         PRELUDE
         + """
-    import optax
-    from jxformers import build_model
-    from jxformers.train.sharding import make_mesh, plan_sharding
-    from jxformers.train.state import TrainState, split_model
-    from jxformers.train.step import make_train_step
+    from mesh_runs import lm_batch, same_losses, train_both
 
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 31, (8, 16)).astype(np.int32)
-    mask = np.arange(16)[None, :] < rng.integers(8, 17, (8, 1))
-    batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
-    optimizer = optax.adamw(3e-3)
     for stack in ({"kind": "universal", "max_steps": 3}, {"cct": {}}, {"early_exit": {"threshold": 0.5}}):
         config = dict(task="lm", vocab_size=31, num_layers=2, d_model=16, num_heads=2, max_len=16,
                       ffn={"d_ff": 32}, stack=stack)
-        out = {}
-        for sharded in (False, True):
-            params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
-            state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
-            mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-            plan = plan_sharding(state, static, mesh, batch_size=8) if sharded else None
-            if plan is not None:
-                state = plan.place_state(state)
-            step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
-            losses, depths = [], []
-            for _ in range(3):
-                state, m = step(state, batch if plan is None else plan.place_batch(batch))
-                losses.append(float(m["loss"]))
-                depths.append(float(m[[k for k in m if k in ("act_steps", "cct_depth", "exit_depth")][0]]))
-            out[sharded] = losses, depths
-        np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
-        np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-5)
+        runs = train_both(config, lm_batch())
+        same_losses(runs, learns=False)  # the ponder, budget and exit losses are part of it
+        depth = lambda run: [[v for k, v in m.items() if k in ("act_steps", "cct_depth", "exit_depth")]
+                             for m in run.metrics]
+        np.testing.assert_allclose(depth(runs[True]), depth(runs[False]), rtol=1e-5)
+        assert all(len(d) == 1 for d in depth(runs[True]))
     """
     )

@@ -203,36 +203,13 @@ def test_a_2x2x2_mesh_trains_with_the_losses_of_one_device():
     run_script(
         PRELUDE
         + """
-    import optax
-    from jxformers import build_model
-    from jxformers.train.sharding import make_mesh, plan_sharding
-    from jxformers.train.state import TrainState, split_model
-    from jxformers.train.step import make_train_step
+    from mesh_runs import lm_batch, same_leaves, same_losses, train_both
 
     config = dict(task="lm", vocab_size=31, num_layers=2, d_model=16, num_heads=2, max_len=12,
                   ffn={"d_ff": 32}, stack={"kind": "feedback", "span": 6})
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 31, (8, 12)).astype(np.int32)
-    mask = np.arange(12)[None, :] < rng.integers(6, 13, (8, 1))
-    batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
-    optimizer = optax.adamw(3e-3)
-    out = {}
-    for sharded in (False, True):
-        params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
-        state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
-        plan = plan_sharding(state, static, make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), batch_size=8)
-        plan = plan if sharded else None
-        if plan is not None:
-            state = plan.place_state(state)
-        step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
-        losses = []
-        for _ in range(3):
-            state, m = step(state, batch if plan is None else plan.place_batch(batch))
-            losses.append(float(m["loss"]))
-        out[sharded] = losses, np.asarray(state.params.layer_weights)
-    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
-    np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-4, atol=1e-6)
-    assert out[True][0][-1] < out[True][0][0]
+    runs = train_both(config, lm_batch(length=12, shortest=6))
+    same_losses(runs)
+    same_leaves(runs[True].state.params.layer_weights, runs[False].state.params.layer_weights)
     """
     )
 

@@ -417,40 +417,18 @@ def test_a_2x2x2_mesh_trains_like_one_device():
     run_script(
         PRELUDE
         + """
-    import optax
-    from jxformers import build_model
-    from jxformers.train.sharding import make_mesh, plan_sharding
-    from jxformers.train.state import TrainState, split_model
-    from jxformers.train.step import make_train_step
+    from mesh_runs import lm_batch, same_leaves, same_losses, train_both
 
     configs = [
         dict(stack={"sharing": "all", "layerdrop": 0.5, "macaron": True}, embedding={"factorized": 8}),
         dict(stack={"sharing": "attention", "layerdrop": 0.4, "layerdrop_unit": "example", "sandwich": 1}),
     ]
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 31, (8, 16)).astype(np.int32)
-    mask = np.arange(16)[None, :] < rng.integers(8, 17, (8, 1))
-    batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
-    optimizer = optax.adamw(3e-3)
     for extra in configs:
         config = dict(task="lm", vocab_size=31, num_layers=3, d_model=16, num_heads=2, max_len=16,
                       ffn={"d_ff": 32}) | extra
-        out = {}
-        for sharded in (False, True):
-            params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
-            state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
-            mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-            plan = plan_sharding(state, static, mesh, batch_size=8) if sharded else None
-            if plan is not None:
-                state = plan.place_state(state)
-            step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
-            losses = []
-            for _ in range(4):
-                state, m = step(state, batch if plan is None else plan.place_batch(batch))
-                losses.append(float(m["loss"]))
-            out[sharded] = losses, [np.asarray(x) for x in jax.tree.leaves(state.params)]
-        np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
-        for a, b in zip(out[True][1], out[False][1], strict=True):
-            np.testing.assert_allclose(a, b, atol=1e-4)  # Adam scales a float rounding of a tiny gradient up
+        runs = train_both(config, lm_batch(), steps=4)
+        same_losses(runs, learns=False)  # each step drops other layers
+        # Adam scales a float rounding of a tiny gradient up
+        same_leaves(runs[True].state.params, runs[False].state.params, rtol=0, atol=1e-4)
     """
     )

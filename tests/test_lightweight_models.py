@@ -434,35 +434,12 @@ def test_a_2x2x2_mesh_trains_each_model_with_the_losses_of_one_device():
     run_script(
         PRELUDE
         + """
-    import optax
-    from jxformers import build_model
-    from jxformers.train.sharding import make_mesh, plan_sharding
-    from jxformers.train.state import TrainState, split_model
-    from jxformers.train.step import make_train_step
+    from mesh_runs import lm_batch, same_losses, train_both
 
     stacks = [{"kind": "lite", "kernel_sizes": 3}, {"kind": "delight", "min_depth": 2, "max_depth": 3},
               {"kind": "evolved", "wide_heads": 4}]
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 31, (8, 16)).astype(np.int32)
-    mask = np.arange(16)[None, :] < rng.integers(8, 17, (8, 1))
-    batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
     for stack in stacks:
         config = dict(task="lm", vocab_size=31, num_layers=2, d_model=32, num_heads=2, max_len=16, stack=stack)
-        out = {}
-        for sharded in (False, True):
-            params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
-            optimizer = optax.adamw(3e-3)
-            state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
-            plan = None
-            if sharded:
-                plan = plan_sharding(state, static, make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), batch_size=8)
-                state = plan.place_state(state)
-            step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
-            losses = []
-            for _ in range(3):
-                state, m = step(state, batch if plan is None else plan.place_batch(batch))
-                losses.append(float(m["loss"]))
-            out[sharded] = losses
-        np.testing.assert_allclose(out[True], out[False], rtol=1e-5)
+        same_losses(train_both(config, lm_batch()))
     """
     )

@@ -173,7 +173,7 @@ def test_stacked_sublayers_each_read_their_own_window_and_decode_alike():
     for cell in local.cells:
         h = h + _local_rnn_reference(cell, "lstm", _layer_norm(h), 4)
     assert_close(local(x), h, atol=1e-5)
-    state, rows = local.init_state(jnp.float32), []
+    state, rows = local.init_state(N, jnp.float32), []
     for i in range(N):
         y, state = local.step(x[i], state)
         rows.append(y)

@@ -246,3 +246,60 @@ def test_one_training_step_of_each_variant():
     state, losses = train_steps(classifier, tokens, mask)
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
     np.testing.assert_array_equal(state.drawn.encoder.blocks[0].ffn.table, classifier.encoder.blocks[0].ffn.table)
+
+
+# ----------------------------------------------------------------------------- placement: GShard, Switch, GLaM
+
+
+def test_experts_every_other_block_are_the_layer_overrides_written_out():
+    # `ffn.every: 2` is shorthand for experts in blocks 0, 2, ... and a dense FFN between:
+    # the same model, block for block and output for output, as the overrides written out
+    sizes = dict(task="lm", vocab_size=19, num_layers=4, d_model=D, num_heads=2, max_len=8)
+    moe = {"kind": "moe", "d_ff": FF, "num_experts": 4, "top_k": 2, "ffn": "gelu"}
+    short = ModelConfig(**sizes, ffn=moe | {"every": 2, "dense_ffn": "geglu"})
+    written = ModelConfig(
+        **sizes, ffn={"kind": "geglu", "d_ff": FF}, stack={"layer_overrides": {0: {"ffn": moe}, 2: {"ffn": moe}}}
+    )
+    assert [short.layer(i).ffn.kind for i in range(4)] == ["moe", "geglu", "moe", "geglu"]
+    a, b = build_model(short, key=jax.random.key(0)), build_model(written, key=jax.random.key(0))
+    assert [type(x.ffn).__name__ for x in a.blocks] == ["MoE", "FeedForward", "MoE", "FeedForward"]
+    assert eqx.tree_equal(eqx.filter(a.blocks, eqx.is_array), eqx.filter(b.blocks, eqx.is_array))
+    tokens = jnp.array([1, 5, 2, 7, 3, 3, 0])
+    np.testing.assert_allclose(a(tokens), b(tokens), atol=1e-6)
+    # without dense_ffn the blocks between take the experts' kind and width
+    plain = ModelConfig(**sizes, ffn=moe | {"every": 3})
+    assert [plain.layer(i).ffn.kind for i in range(4)] == ["moe", "gelu", "gelu", "moe"]
+    assert plain.layer(1).ffn.d_ff == FF and ModelConfig.from_dict(short.to_dict()) == short
+
+
+def test_experts_every_k_blocks_refusals():
+    sizes = dict(task="lm", vocab_size=19, num_layers=2, d_model=D, num_heads=2, max_len=8)
+    with pytest.raises(ValueError, match="moe.dense_ffn .* set every > 1"):
+        ModelConfig(**sizes, ffn={"kind": "moe", "dense_ffn": "geglu"})
+    with pytest.raises(ValueError, match="moe.every must be >= 1; got 0"):
+        ModelConfig(**sizes, ffn={"kind": "moe", "every": 0})
+    with pytest.raises(ValueError, match=r"drop every from stack.layer_overrides of blocks \[1\]"):
+        ModelConfig(**sizes, stack={"layer_overrides": {1: {"ffn": {"kind": "moe", "every": 2}}}})
+
+
+def test_the_glam_experiment_is_the_papers_design_at_its_sizes(tmp_path):
+    from jxformers.train import load_experiment
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(8):
+        (texts / f"play{i}_gut.txt").write_bytes(b"to be or not to be " * 1100)
+    for preset in ("tiny", "paper"):
+        m = load_experiment("glam", [f"preset={preset}", f"data.settings.path={texts}"]).model
+        experts, dense = m.layer(0).ffn, m.layer(1).ffn
+        assert (experts.kind, experts.top_k, experts.ffn, dense.kind) == ("moe", 2, "gelu", "geglu")
+        assert [m.layer(i).ffn.kind for i in range(m.num_layers)] == ["moe", "geglu"] * (m.num_layers // 2)
+        assert (m.embedding.position, m.norm.kind, m.norm.placement, m.head.tie_embeddings) == (
+            "t5",
+            "rmsnorm",
+            "pre",
+            True,
+        )
+    # GLaM 64B/64E: 64 blocks (32 with experts), d_model 8192, 64 heads of 128, d_ff 32768, 64 experts
+    sizes = (m.num_layers, m.d_model, m.num_heads, m.head_size(m.attention), experts.d_ff, experts.num_experts)
+    assert sizes == (64, 8192, 64, 128, 32768, 64) and experts.capacity_factor == 2.0 and dense.d_ff == 32768

@@ -233,38 +233,17 @@ def test_a_2x2x2_mesh_trains_with_the_losses_and_statistics_of_one_device():
     run_script(
         PRELUDE
         + """
-    import equinox as eqx, optax
-    from jxformers import build_model
+    import equinox as eqx
     from jxformers.nn import statistics
-    from jxformers.train.sharding import make_mesh, plan_sharding
-    from jxformers.train.state import TrainState, split_model
-    from jxformers.train.step import make_train_step
+    from mesh_runs import lm_batch, same_leaves, same_losses, train_both
 
     config = dict(task="lm", vocab_size=31, num_layers=2, d_model=16, num_heads=2, max_len=16,
                   ffn={"d_ff": 32}, norm={"kind": "powernorm"})
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 31, (8, 16)).astype(np.int32)
-    mask = np.arange(16)[None, :] < rng.integers(8, 17, (8, 1))
-    batch = {"tokens": tokens, "mask": mask, "loss_mask": mask}
-    optimizer = optax.adamw(3e-3)
-    out = {}
-    for sharded in (False, True):
-        params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
-        state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
-        mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-        plan = plan_sharding(state, static, mesh, batch_size=8) if sharded else None
-        if plan is not None:
-            state = plan.place_state(state)
-        step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
-        losses = []
-        for _ in range(3):
-            state, m = step(state, batch if plan is None else plan.place_batch(batch))
-            losses.append(float(m["loss"]))
-        held = eqx.filter(state.drawn, statistics(state.drawn))
-        out[sharded] = losses, [np.asarray(x) for x in jax.tree.leaves(held)]
-    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
-    for a, b in zip(out[True][1], out[False][1], strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
-    assert float(out[True][1][-1]) == 3 * mask.sum()  # the final norm's count: real tokens of 3 steps
+    batch = lm_batch()
+    runs = train_both(config, batch)
+    same_losses(runs)
+    held = {s: eqx.filter(runs[s].state.drawn, statistics(runs[s].state.drawn)) for s in runs}
+    same_leaves(held[True], held[False], atol=1e-7)
+    assert float(jax.tree.leaves(held[True])[-1]) == 3 * batch["mask"].sum()  # the final norm's count: 3 steps
     """
     )

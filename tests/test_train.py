@@ -62,7 +62,7 @@ def losses(workdir):
 # ----------------------------------------------------------------------------- configs
 
 
-REAL_DATA = {"fmnist_classify", "fmnist_generate", "shakespeare_lm", "shakespeare_moe", "shakespeare_txl"}
+REAL_DATA = {"fmnist_classify", "fmnist_generate", "glam", "shakespeare_lm", "shakespeare_moe", "shakespeare_txl"}
 
 
 def test_every_shipped_experiment_and_preset_validates(tmp_path):
@@ -111,6 +111,7 @@ def _real_data_fixtures(tmp_path):
         "fmnist_generate": fm,
         "shakespeare_lm": texts,
         "shakespeare_moe": texts,
+        "glam": streams,  # the paper preset reads 1025-byte records
         "shakespeare_txl": streams,
     }
 

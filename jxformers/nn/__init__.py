@@ -19,6 +19,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
                   DeBERTa's disentangled attention (RelativeTerms per layer, SharedTerms per model)
     local.py      positions from a token's neighbours: CPE's PEG (a depthwise convolution,
                   ModelConfig embedding.cpe) and R-Transformer's LocalRNN (stack.local_rnn)
+    mask_attention.py  Mask Attention Networks' DMAN, a dynamic mask attention sublayer before a
+                  block's attention (Fan et al. 2021; ModelConfig stack.dman)
     blocks.py     Block (its residual branches and their norms)
     layouts.py    sublayer orders (Sandwich), Macaron's half-step FFNs, ALBERT's cross-layer sharing,
                   LayerDrop and its pruning (StackPlan; ModelConfig stack.order, macaron, sharing, layerdrop)

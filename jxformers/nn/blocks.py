@@ -21,6 +21,7 @@ from jxformers.nn.attention import Attention
 from jxformers.nn.layers import FeedForward, Norm, make_norm, normalise
 from jxformers.nn.layouts import FeedForwardSublayer, run_sublayers
 from jxformers.nn.local import LocalRNN, LocalState
+from jxformers.nn.mask_attention import DynamicMaskAttention
 from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.produced import Produced, ResidualMoments
@@ -54,9 +55,11 @@ class Block(eqx.Module):
     through `apply_maps` and `decode_step_maps`, which take the previous block's maps
     and return its own.
 
-    `local` (a `LocalRNN`, default None): R-Transformer's LocalRNN sublayers (Wang et al.
-    2019), run on x before the self-attention branch, each with its own residual and
-    norm; the decoding state then is a `LocalState` around the attention's.
+    `local` (default None): sublayers run on x before the self-attention branch, each
+    with its own residual and norm: R-Transformer's LocalRNN sublayers (a `LocalRNN`,
+    Wang et al. 2019) or Mask Attention Networks' dynamic mask attention (a
+    `DynamicMaskAttention`, Fan et al. 2021: the block is DMAN -> SAN -> FFN); the
+    decoding state then is a `LocalState` around the attention's.
 
     `pre_ffns`, `post_ffns` (tuples of `layouts.FeedForwardSublayer`, default empty): FFN
     sublayers of their own before the self-attention branch and after the block's FFN
@@ -75,7 +78,7 @@ class Block(eqx.Module):
     scales: Float[Array, " branches"] | None  # fixup: each branch's scalar multiplier on its output
     dropout: eqx.nn.Dropout
     evolve: cross_layer.Evolve | None
-    local: LocalRNN | None
+    local: LocalRNN | DynamicMaskAttention | None
     pre_ffns: tuple[FeedForwardSublayer, ...]
     post_ffns: tuple[FeedForwardSublayer, ...]
     placement: str = eqx.field(static=True)
@@ -97,7 +100,7 @@ class Block(eqx.Module):
         evolve: cross_layer.Evolve | None = None,
         placement: str | None = None,
         alpha: float = 1.0,
-        local: LocalRNN | None = None,
+        local: LocalRNN | DynamicMaskAttention | None = None,
         pre_ffns: tuple[FeedForwardSublayer, ...] = (),
         post_ffns: tuple[FeedForwardSublayer, ...] = (),
     ):
@@ -340,7 +343,8 @@ class Block(eqx.Module):
         if self.local is not None:
             if source is not None:
                 raise ValueError(
-                    "a block with LocalRNN sublayers takes no source (Funnel pooling): its keys would skip them"
+                    "a block with sublayers before its attention (LocalRNN, DMAN) takes no source (Funnel pooling): "
+                    "its keys would skip them"
                 )
             k_local = None if key is None else jax.random.fold_in(key, 7)
             x = self.local(x, kv_mask, key=k_local, inference=inference)
@@ -386,13 +390,14 @@ class Block(eqx.Module):
 
     def init_decode_state(self, max_len: int, dtype) -> decoding.State | LocalState:
         """The self-attention's empty decoding state (fixed shape); a layer that reuses
-        the maps caches its values alone; LocalRNN sublayers add their windows."""
+        the maps caches its values alone; sublayers before the attention add theirs (LocalRNN
+        windows, DMAN's key/value cache)."""
         if self.maps == "reuse":
             a = self.attention
             inner = cross_layer.values_cache(max_len, a.kv_heads, a.d_head, dtype)
         else:
             inner = self.attention.init_decode_state(max_len, dtype)
-        return inner if self.local is None else LocalState(self.local.init_state(dtype), inner)
+        return inner if self.local is None else LocalState(self.local.init_state(max_len, dtype), inner)
 
     def decode_step(
         self,

@@ -259,8 +259,10 @@ class LocalRNN(eqx.Module):
     def _last(self, cell: RNNCell) -> Callable[[Array], Array]:
         return lambda padded: cell.last_of_windows(padded, self.window)
 
-    def init_state(self, dtype: Any) -> tuple[Float[Array, "m1 d"], ...]:
-        """The decoding state: each sublayer's last M - 1 inputs, zeros at the start."""
+    def init_state(self, max_len: int, dtype: Any) -> tuple[Float[Array, "m1 d"], ...]:
+        """The decoding state: each sublayer's last M - 1 inputs, zeros at the start
+        (`max_len` unused: the windows' width is M - 1 at any length; the argument is the
+        pre-attention sublayers' common protocol, `Block`'s `local`)."""
         return tuple(jnp.zeros((self.window - 1, c.w_ih.shape[1]), dtype) for c in self.cells)
 
     def step(self, x: Float[Array, " d"], state: tuple[Array, ...]) -> tuple[Float[Array, " d"], tuple[Array, ...]]:
@@ -278,8 +280,9 @@ class LocalRNN(eqx.Module):
 
 
 class LocalState(eqx.Module):
-    """A block's decoding state when it has LocalRNN sublayers: their windows and the
-    self-attention's own state (`inner`)."""
+    """A block's decoding state when it has sublayers before its attention (LocalRNN's,
+    or Mask Attention Networks' DMAN): theirs (`windows`: the LocalRNN windows, the
+    DMAN's key/value cache) and the self-attention's own state (`inner`)."""
 
-    windows: tuple[Array, ...]
+    windows: Any
     inner: Any

@@ -573,9 +573,21 @@ class MoEConfig:
     shared_expert: bool = setting(False, "add a FeedForward every token goes through")
     balance_weight: float = setting(0.01, "weight of the load-balancing loss (Switch: 0.01; hash and base have none)")
     z_loss_weight: float = setting(0.001, "weight of the router z-loss (ST-MoE: 0.001; hash and base have none)")
+    every: int = setting(
+        1, "the model's ffn only: experts in blocks 0, k, 2k, ... and a dense FFN of the experts' kind and d_ff in "
+        "the others (GShard, Switch and GLaM's 'every other layer': 2); 1: experts in every block", limits=1,
+    )  # fmt: skip
+    dense_ffn: str | None = setting(
+        None, "with every > 1: the kind of the dense FFN in the blocks between (None: the experts' kind; GLaM: "
+        "geglu, its gated GELU outside the experts)", choices=(*FFN_KINDS, None),
+    )  # fmt: skip
 
     def __post_init__(self):
         check_fields(self, "moe.")
+        if self.dense_ffn is not None and self.every == 1:
+            raise ValueError(
+                f"moe.dense_ffn ({self.dense_ffn!r}) is the FFN of the blocks between experts: set every > 1 too"
+            )
         if self.d_ff is not None and self.d_ff < 1:
             raise ValueError(f"moe.d_ff must be >= 1 or None (4 d_model); got {self.d_ff}")
         if self.num_experts < 1:
@@ -631,8 +643,10 @@ class MoEConfig:
             )
 
     def settings(self) -> dict:
-        """The `MoE` constructor's keywords (everything but kind and d_ff)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("kind", "d_ff")}
+        """The `MoE` constructor's keywords (everything but kind, d_ff and the placement:
+        `every`, `dense_ffn`)."""
+        placement = ("kind", "d_ff", "every", "dense_ffn")
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in placement}
 
 
 # The MoE constructor's defaults, read from MoEConfig.

@@ -40,6 +40,7 @@ from jxformers.nn.layers import FeedForward, Linear, make_norm
 from jxformers.nn.layouts import FeedForwardSublayer, StackPlan, every_other, group_order, sandwich_order
 from jxformers.nn.local import LocalRNN
 from jxformers.nn.luna import LunaStack as LunaModule
+from jxformers.nn.mask_attention import DynamicMaskAttention
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.models import Classifier, DualClassifier, Embedding, Encoder, EncoderDecoder, LanguageModel
 from jxformers.nn.moe import MoE, MoEConfig
@@ -197,7 +198,7 @@ def _blocks(
             norm_eps=config.norm.eps,
             maps=role,
             evolve=_evolve(config, i, key=jax.random.fold_in(k, 3)),
-            local=_local_rnn(config, key=jax.random.fold_in(k, 6)),
+            local=_local(config, causal=causal, key=jax.random.fold_in(k, 6)),
             pre_ffns=pre_ffns,
             post_ffns=post_ffns,
         )
@@ -248,10 +249,18 @@ def _evolve(config: ModelConfig, index: int, *, key) -> Evolve | None:
     return Evolve(config.num_heads, alpha=stack.map_alpha, beta=stack.map_beta, key=key)
 
 
-def _local_rnn(config: ModelConfig, *, key) -> LocalRNN | None:
-    """A block's LocalRNN sublayers (R-Transformer), or None."""
+def _local(config: ModelConfig, *, causal: bool, key) -> LocalRNN | DynamicMaskAttention | None:
+    """A block's sublayers before its attention: LocalRNN's (R-Transformer), DMAN
+    (Mask Attention Networks), or None."""
     stack = config.stack
-    if not isinstance(stack, TransformerStack) or stack.local_rnn is None:
+    if not isinstance(stack, TransformerStack):
+        return None
+    if stack.dman:
+        return DynamicMaskAttention(
+            config.d_model, config.num_heads, max_len=config.max_len, causal=causal, norm=config.norm.kind,
+            norm_eps=config.norm.eps, pre_norm=config.norm.placement == "pre", dropout=config.dropout, key=key,
+        )  # fmt: skip
+    if stack.local_rnn is None:
         return None
     local = stack.local_rnn
     return LocalRNN(

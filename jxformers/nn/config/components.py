@@ -551,6 +551,11 @@ class TransformerStack:
     local_rnn: LocalRNNConfig | None = setting(
         None, "R-Transformer's LocalRNN before every block's attention (Wang et al. 2019; {} for its defaults)"
     )
+    dman: bool = setting(
+        False, "Mask Attention Networks (Fan et al. 2021): a dynamic mask attention sublayer (DMAN: softmax "
+        "attention times a learned mask sigmoid(x_t w + P[s - t] + U_h)) before every block's attention, so each "
+        "block is DMAN -> SAN -> FFN (jxformers.nn.mask_attention)",
+    )  # fmt: skip
     # Cross-layer attention maps (jxformers.nn.cross_layer): a setting of the stack, since they
     # pass between its blocks; every block's attention must be the dense softmax.
     attention_maps: str = setting(

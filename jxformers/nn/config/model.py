@@ -206,10 +206,14 @@ class ModelConfig:
         return max(self.num_layers, self.decoder_layers if self.task == "seq2seq" else 0)
 
     def layer(self, index: int) -> BlockConfig:
-        """Block `index`'s attention and FFN, overrides applied."""
+        """Block `index`'s attention and FFN, overrides applied; with experts every k-th
+        block (`ffn.every`), the blocks between have a dense FFN of the experts' kind and width."""
         override = self.stack.layer_overrides.get(index) if isinstance(self.stack, TransformerStack) else None
+        ffn = self.ffn
+        if isinstance(ffn, MoEConfig) and index % ffn.every:
+            ffn = FeedForwardConfig(kind=ffn.dense_ffn or ffn.ffn, d_ff=ffn.d_ff)
         return BlockConfig(
-            attention=(override and override.attention) or self.attention, ffn=(override and override.ffn) or self.ffn
+            attention=(override and override.attention) or self.attention, ffn=(override and override.ffn) or ffn
         )
 
     def head_size(self, attention: AttentionConfig) -> int:
@@ -512,6 +516,13 @@ class ModelConfig:
                 f" got {self.ffn.kind!r}"
             )
         self._check_all_attention(ffns)
+        overrides = getattr(self.stack, "layer_overrides", {})
+        placed = sorted(i for i, o in overrides.items() if isinstance(o.ffn, MoEConfig) and o.ffn.every != 1)
+        if placed:
+            raise ValueError(
+                f"ffn.every places the model's experts every k-th block; a block override's ffn is that block's "
+                f"alone: drop every from stack.layer_overrides of blocks {placed}"
+            )
         sparse = [f for f in ffns if isinstance(f, (MoEConfig, PKMConfig))]
         if not sparse:
             return
@@ -637,9 +648,10 @@ class ModelConfig:
 
     def _check_local(self):
         """CPE's PEGs sit between transformer blocks of one token grid, and R-Transformer's
-        LocalRNN runs before each block's attention: where either would read rows that
-        are no grid (learned tokens), skip a block's keys (Funnel) or break the wiring
-        (reversible), they are refused (`jxformers.nn.local`)."""
+        LocalRNN or Mask Attention Networks' DMAN runs before each block's attention: where
+        any would read rows that are no grid (learned tokens), skip a block's keys (Funnel)
+        or break the wiring (reversible), they are refused (`jxformers.nn.local`,
+        `jxformers.nn.mask_attention`)."""
         stack, cpe = self.stack, self.embedding.cpe
         if not isinstance(stack, TransformerStack):
             return  # cpe: _check_embedding refuses it there; local_rnn is the transformer stack's
@@ -671,23 +683,29 @@ class ModelConfig:
                     f"(after < {tl.after_layer})"
                 )
         local = stack.local_rnn
-        if local is None:
+        if local is None and not stack.dman:
             return
+        name = "stack.local_rnn" if local is not None else "stack.dman"
+        if local is not None and stack.dman:
+            raise ValueError(
+                "stack.local_rnn and stack.dman each put sublayers before every block's attention (R-Transformer's "
+                "LocalRNN, Mask Attention Networks' DMAN): choose one"
+            )
         if self.norm.placement not in ("pre", "post"):
             raise ValueError(
-                f"stack.local_rnn's sublayers are R-Transformer's: a norm on their input (pre, the authors' code) or "
-                f"after their residual sum (post, the paper's); got norm.placement {self.norm.placement!r}"
+                f"{name}'s sublayers have their own norm: on their input (pre) or after their residual sum "
+                f"(post, both papers'); got norm.placement {self.norm.placement!r}"
             )
         why = [
             (stack.reversible, "reversible", "reversible wiring runs each block as one attention and one FFN"),
             (stack.token_learner is not None, "token_learner", "the learned tokens are a set, with no window of "
-             "preceding positions"),
+             "preceding positions nor distances between them"),
             (stack.downsample == "funnel" and bool(stack.filters), "funnel", "Funnel's pooling block takes its keys "
-             "from the unpooled stream, which its LocalRNN would not see"),
+             "from the unpooled stream, which its sublayers before the attention would not see"),
         ]  # fmt: skip
-        refused = {name: reason for on, name, reason in why if on}
+        refused = {setting: reason for on, setting, reason in why if on}
         if refused:
-            raise ValueError(f"stack.local_rnn is refused with {sorted(refused)}: {'; '.join(refused.values())}")
+            raise ValueError(f"{name} is refused with {sorted(refused)}: {'; '.join(refused.values())}")
 
     def _check_heads(self, attention: AttentionConfig, spec: registry.AttentionSpec, where: str) -> None:
         """The improved multi-heads (`jxformers.nn.heads`) fit the attention they are set on."""
@@ -774,6 +792,7 @@ class ModelConfig:
                 "token_learner": stack.token_learner is not None,
                 "attention_maps": stack.attention_maps != "none",
                 "local_rnn": stack.local_rnn is not None and cct is not None,
+                "dman": stack.dman and cct is not None,
                 # the layouts of jxformers.nn.layouts arrange a stack of Blocks; these stacks are one module
                 "order": stack.order is not None,
                 "sandwich": stack.sandwich > 0,
@@ -894,6 +913,7 @@ class ModelConfig:
                 (bool(ffns), f"ffn {ffns} (a dense FFN: its FFN sublayers are dense)"),
                 (stack.reversible, "stack.reversible (it pairs one attention with one FFN)"),
                 (stack.local_rnn is not None, "stack.local_rnn (R-Transformer's block is LocalRNN, attention, FFN)"),
+                (stack.dman, "stack.dman (Mask Attention Networks' block is DMAN, SAN, FFN)"),
                 (stack.downsample == "funnel" and bool(stack.filters), "funnel filters (the pooled keys would skip "
                  "the FFNs before an attention)"),
                 (self.decoder is not None and not self.decoder.ffn, "decoder.ffn false (Macaron's decoder keeps its "
