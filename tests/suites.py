@@ -519,3 +519,33 @@ def train_losses(model, *, steps: int = 4, vocab: int = 11, lr: float = 3e-3):
     tokens = jax.random.randint(jax.random.key(2), (4, 8), 0, vocab)
     state, losses = train_steps(model, tokens, jnp.ones((4, 8), bool), steps=steps, lr=lr)
     return losses, state.params
+
+
+def mesh_losses(config, batch, *, steps: int = 3, mesh=None) -> dict[bool, list[float]]:
+    """{sharded: the losses of `steps` AdamW steps (lr 3e-3) of the model of `config` on
+    one `batch` (numpy)}, unsharded (False) and on `mesh` (True; default 2 x 2 x 2 over
+    data, fsdp, tensor): run in a process of 8 simulated devices (test_sharding's
+    `run_script`)."""
+    import optax
+
+    from jxformers.train.sharding import make_mesh, plan_sharding
+    from jxformers.train.state import TrainState, split_model
+    from jxformers.train.step import make_train_step
+
+    out = {}
+    for sharded in (False, True):
+        params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
+        optimizer = optax.adamw(3e-3)
+        state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
+        plan = None
+        if sharded:
+            shape = mesh or {"data": 2, "fsdp": 2, "tensor": 2}
+            plan = plan_sharding(state, static, make_mesh(shape), batch_size=len(batch["tokens"]))
+            state = plan.place_state(state)
+        step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)
+        losses = []
+        for _ in range(steps):
+            state, metrics = step(state, batch if plan is None else plan.place_batch(batch))
+            losses.append(float(metrics["loss"]))
+        out[sharded] = losses
+    return out
