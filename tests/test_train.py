@@ -62,7 +62,10 @@ def losses(workdir):
 # ----------------------------------------------------------------------------- configs
 
 
-REAL_DATA = {"fmnist_classify", "fmnist_generate", "glam", "shakespeare_lm", "shakespeare_moe", "shakespeare_txl"}
+REAL_DATA = {
+    "fmnist_classify", "fmnist_generate", "glam", "shakespeare_lm", "shakespeare_moe", "shakespeare_txl",
+    "shakespeare_scene",
+}  # fmt: skip
 
 
 def test_every_shipped_experiment_and_preset_validates(tmp_path):
@@ -106,7 +109,14 @@ def _real_data_fixtures(tmp_path):
     streams.mkdir()
     for i in range(8):
         (streams / f"play{i}_gut.txt").write_bytes(b"to be or not to be " * 1100)
+    from jxformers.data.genre import PLAY_GENRE
+
+    scenes = tmp_path / "scenes"  # every Folio play, one scene of two speeches
+    scenes.mkdir()
+    for play in PLAY_GENRE:
+        (scenes / f"{play}_gut.txt").write_text("Scene I. A room.\n\nHam.\nTo be.\n\nOph.\nOr not.\n")
     return {
+        "shakespeare_scene": scenes,
         "fmnist_classify": fm,
         "fmnist_generate": fm,
         "shakespeare_lm": texts,

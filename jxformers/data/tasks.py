@@ -7,6 +7,9 @@ Record layouts (numpy, one example):
   tokens; padding is never inferred from a token value), `label int32`.
 * language modelling: `tokens`, `mask` and `loss_mask [max_len] bool`: position i's
   prediction of token i + 1 counts in the loss where `loss_mask[i]` is True.
+* documents (classification by hierarchical encoders): `tokens [sentences, max_len]
+  int32` and `mask [sentences, max_len] bool`, one row per sentence (a padded sentence's
+  row all False), `label int32`.
 
 `TASKS` maps a task name to its source class; each class says its vocabulary size,
 number of classes (classification) and model task.
@@ -19,7 +22,7 @@ import dataclasses
 import numpy as np
 
 from jxformers.data import listops, pathfinder
-from jxformers.data.genre import ShakespeareGenre
+from jxformers.data.genre import ShakespeareGenre, ShakespeareScene, document_record
 from jxformers.data.real import FashionMNIST, ShakespeareBytes, ShakespeareStream
 
 
@@ -193,6 +196,62 @@ class Pathfinder:
         ]  # kept alone does not keep its whole batch
 
 
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """Generated documents of sentences for hierarchical encoders: each sentence is about
+    one of `topics` topics (its words drawn from that topic's `band` word ids, each word
+    instead drawn from all topics' words with probability `noise`); the label is the
+    topic most sentences are about (a tie goes to the one that comes first in the
+    document), so every sentence counts and none alone decides. Sentences: between
+    `min_sentences` and `sentences`, each of 1 to max_len - 1 words, then EOS. Ids: 0
+    padding, 1 EOS, 2.. words (topic t's: 2 + t band ..). Record layout: the module
+    docstring's documents; its majority-class baseline is `baselines.majority_class`."""
+
+    seed: int
+    size: int
+    sentences: int = 8
+    max_len: int = 16
+    min_sentences: int = 3
+    topics: int = 4
+    band: int = 8
+    noise: float = 0.25
+
+    model_task = "classify"
+
+    @property
+    def vocab_size(self) -> int:
+        return 2 + self.topics * self.band
+
+    @property
+    def num_classes(self) -> int:
+        return self.topics
+
+    def __post_init__(self):
+        if not (1 <= self.min_sentences <= self.sentences and self.max_len >= 2 and self.topics >= 2
+                and self.band >= 1 and 0 <= self.noise <= 1 and self.size >= 1):  # fmt: skip
+            raise ValueError(
+                f"documents: need 1 <= min_sentences <= sentences, max_len >= 2, topics >= 2, band >= 1, "
+                f"0 <= noise <= 1, size >= 1; got {self.min_sentences=}, {self.sentences=}, {self.max_len=}, "
+                f"{self.topics=}, {self.band=}, {self.noise=}, {self.size=}"
+            )
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, int(index)])
+        topics = rng.integers(self.topics, size=int(rng.integers(self.min_sentences, self.sentences + 1)))
+        rows = []
+        for t in topics:
+            n = int(rng.integers(1, self.max_len))
+            own = 2 + t * self.band + rng.integers(self.band, size=n)
+            anywhere = 2 + rng.integers(self.topics * self.band, size=n)
+            rows.append(np.append(np.where(rng.random(n) < self.noise, anywhere, own), 1))
+        counts = np.bincount(topics, minlength=self.topics)
+        label = next(int(t) for t in topics if counts[t] == counts.max())  # ties: the first in the document
+        return document_record(rows, self.sentences, self.max_len, label)
+
+
 TASKS = {
     "listops": ListOps,
     "pathfinder": Pathfinder,
@@ -202,6 +261,8 @@ TASKS = {
     "shakespeare": ShakespeareBytes,
     "shakespeare_stream": ShakespeareStream,
     "shakespeare_genre": ShakespeareGenre,
+    "documents": Documents,
+    "shakespeare_scene": ShakespeareScene,
 }
 
 

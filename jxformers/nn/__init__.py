@@ -38,6 +38,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     delight.py    DelightBlock, DExTra, GroupLinear, block-wise scaling (DeLighT; stack delight)
     evolved.py    EvolvedEncoderCell, EvolvedDecoderCell, SeparableConv (the Evolved Transformer;
                   stack evolved)
+    hierarchical.py  HierarchicalEncoder: HIBERT and Hi-Transformer over documents of sentences
+                  (tokens [sentences, words]; stacks hibert, hi_transformer)
     tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig stack.token_learner)
     transformer_xl.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
     feedback.py   FeedbackLM (the Feedback Transformer: one memory of all layers' states, trained position by position)

@@ -555,7 +555,8 @@ def _upsample(x, mask, target_mask):
 
 
 class Classifier(eqx.Module):
-    """Sequence classification: encoder (an `Encoder`, or a `PerceiverEncoder`), CLS,
+    """Sequence classification: encoder (an `Encoder`, a `PerceiverEncoder`, or a
+    `jxformers.nn.hierarchical.HierarchicalEncoder` of documents `[sentences, words]`), CLS,
     masked-mean or PMA pooling (Set Transformer's PMA_k; its k pooled vectors are
     concatenated), linear head."""
 
@@ -625,21 +626,22 @@ class Classifier(eqx.Module):
         return (jnp.sum(h.astype(jnp.float32) * w, 0) / jnp.maximum(w.sum(), 1.0)).astype(h.dtype)
 
     def __call__(
-        self, tokens: Int[Array, " seq"], mask: Bool[Array, " seq"] | None = None, **kwargs
+        self, tokens: Int[Array, "*seq"], mask: Bool[Array, "*seq"] | None = None, **kwargs
     ) -> Float[Array, " num_classes"]:
         """`apply(...)`'s output alone (the arguments are `apply`'s)."""
         return self.apply(tokens, mask, **kwargs)[0]
 
     def apply(
         self,
-        tokens: Int[Array, " seq"],
-        mask: Bool[Array, " seq"] | None = None,
+        tokens: Int[Array, "*seq"],
+        mask: Bool[Array, "*seq"] | None = None,
         *,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, " num_classes"], Produced]:
-        """`tokens [seq]` (and a padding mask) -> (class logits `[num_classes]` (float32),
-        what the encoder produced: MoE aux, k-means inputs)."""
+        """`tokens [seq]` (a hierarchical encoder's: `[sentences, words]`) and a padding
+        mask of their shape -> (class logits `[num_classes]` (float32), what the encoder
+        produced: MoE aux, k-means inputs)."""
         pooled, produced = self.pool(tokens, mask, key=key, inference=inference)
         if produced.exits is not None:  # early exit: the exit's logits (the last block's in training)
             return produced.exits.output, produced

@@ -17,6 +17,7 @@ from jxformers.nn.blocks import Block
 from jxformers.nn.config.components import (
     CELL_STACK_TYPES,
     HEAD_OPTIONS,
+    HIERARCHICAL_STACK_TYPES,
     AttentionConfig,
     CompressiveStack,
     FeedbackStack,
@@ -36,6 +37,7 @@ from jxformers.nn.config.components import (
 from jxformers.nn.config.model import ModelConfig
 from jxformers.nn.cross_layer import Evolve, map_role
 from jxformers.nn.feedback import FeedbackLayer, FeedbackLM
+from jxformers.nn.hierarchical import HierarchicalEncoder
 from jxformers.nn.layers import FeedForward, Linear, make_norm
 from jxformers.nn.layouts import FeedForwardSublayer, StackPlan, every_other, group_order, sandwich_order
 from jxformers.nn.local import LocalRNN
@@ -428,6 +430,8 @@ def _assemble(config: ModelConfig, key: jax.Array):
         )
 
     def encoder(use_cls):
+        if isinstance(stack, HIERARCHICAL_STACK_TYPES):
+            return _hierarchical(config, embedding(keys[0], False), keys[1])
         if isinstance(stack, PerceiverStack):
             dense = _dense(config)
             return PerceiverEncoder(
@@ -524,6 +528,30 @@ def _assemble(config: ModelConfig, key: jax.Array):
     if config.task == "classify":
         return tower
     return DualClassifier(tower, config.num_classes, key=keys[7])
+
+
+def _hierarchical(config: ModelConfig, embedding: Embedding, key) -> HierarchicalEncoder:
+    """The encoder of a config's `stack: {kind: hibert}` or `{kind: hi_transformer}`:
+    transformer blocks of the model's attention over the sentences and over the document."""
+    stack = config.stack
+    assert isinstance(stack, HIERARCHICAL_STACK_TYPES)
+    sentences, documents = stack.layers(config)
+    ks, kd, ke = jax.random.split(key, 3)
+    final = make_norm(config.norm.kind, config.d_model, config.norm.eps) if config.norm.final else None
+    hibert = stack.kind == "hibert"
+    return HierarchicalEncoder(
+        embedding,
+        _blocks(config, sentences, causal=False, cross=False, key=ks),
+        _blocks(config, documents, causal=False, cross=False, key=kd),
+        final,
+        kind=stack.kind,
+        pooling=stack.pooling,
+        sentence_position=stack.sentence_position,
+        max_sentences=stack.max_sentences,
+        max_len=config.max_len,
+        sentence_norm=make_norm(config.norm.kind, config.d_model, config.norm.eps) if hibert and final else None,
+        key=ke,
+    )
 
 
 def _feedback(config: ModelConfig, embedding: Embedding, *, key) -> FeedbackLM:

@@ -32,6 +32,7 @@ from jxformers.nn.delight import DelightStack
 from jxformers.nn.evolved import EvolvedStack
 from jxformers.nn.floater import FLOATER_DELTA, FLOATER_STEPS
 from jxformers.nn.heads import DISAGREEMENTS, HEAD_AGGREGATIONS
+from jxformers.nn.hierarchical import HibertStack, HiTransformerStack
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.layouts import DROP_UNITS, SHARINGS
 from jxformers.nn.lite import LiteStack
@@ -847,11 +848,13 @@ STACK_COMPONENTS: dict[str, type] = {
         *(LiteStack, DelightStack, EvolvedStack),
         UniversalStack,
         FeedbackStack,
+        HibertStack,
+        HiTransformerStack,
     )
 }
 StackConfig = (
     TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack
-    | LiteStack | DelightStack | EvolvedStack | UniversalStack | FeedbackStack
+    | LiteStack | DelightStack | EvolvedStack | UniversalStack | FeedbackStack | HibertStack | HiTransformerStack
 )  # fmt: skip
 RECURRENT_STACKS = ("transformer_xl", "compressive")
 ENCODER_OR_LM = ("classify", "retrieval", "lm")
@@ -874,6 +877,12 @@ STACKS |= {
     "lite": ("post", ENCODER_OR_LM, "Lite Transformer's long-short range attention (Wu et al. 2020)"),
     "delight": ("post", ENCODER_OR_LM, "DeLighT's DExTra blocks, scaled block-wise (Mehta et al. 2021)"),
     "evolved": ("pre", ENCODER_OR_LM, "the Evolved Transformer's searched cells (So et al. 2019)"),
+}
+# The hierarchical document encoders (jxformers.nn.hierarchical): records of sentences, tokens [S, W].
+HIERARCHICAL_STACK_TYPES = (HibertStack, HiTransformerStack)
+STACKS |= {
+    "hibert": ("post", ("classify",), "a sentence encoder, then a document encoder (Zhang et al. 2019)"),
+    "hi_transformer": ("post", ("classify",), "sentence and document blocks interacting (Wu et al. 2021)"),
 }
 
 

@@ -28,6 +28,7 @@ from jxformers.nn.config.components import (
     FFN_COMPONENTS,
     HEAD_COMPONENTS,
     HEAD_OPTIONS,
+    HIERARCHICAL_STACK_TYPES,
     RECURRENT_STACKS,
     STACK_COMPONENTS,
     STACKS,
@@ -145,7 +146,9 @@ class ModelConfig:
         if self.head is not None:
             set_("head", component(self.head, HEAD_COMPONENTS, "model.head"))
         elif isinstance(self.task, str):
-            set_("head", PooledHead() if self.task in ENCODER_TASKS else SoftmaxHead())
+            # a hierarchical stack has no CLS token: its sentence vectors are averaged
+            pooled = PooledHead("mean" if isinstance(self.stack, HIERARCHICAL_STACK_TYPES) else "cls")
+            set_("head", pooled if self.task in ENCODER_TASKS else SoftmaxHead())
         check_fields(self, "model.")
         if self.embedding.position is None:  # CPE or a LocalRNN alone where set (CPVT's, R-Transformer's models)
             local = self.embedding.cpe is not None or getattr(self.stack, "local_rnn", None) is not None
@@ -165,6 +168,8 @@ class ModelConfig:
         self._check_cross_block()
         set_("_bound", self._bind())
         self._check_attentions()
+        if isinstance(self.stack, HIERARCHICAL_STACK_TYPES):  # after binding: it reads the attentions' specs
+            self.stack.check_model(self)
         self._check_adaptive()
         self._check_layouts()
 
@@ -203,7 +208,8 @@ class ModelConfig:
         return self.task in ("lm", "seq2seq")
 
     def _blocks(self) -> int:
-        return max(self.num_layers, self.decoder_layers if self.task == "seq2seq" else 0)
+        document = getattr(self.stack, "document_layers", None) or 0  # HIBERT's document encoder may be deeper
+        return max(self.num_layers, self.decoder_layers if self.task == "seq2seq" else 0, document)
 
     def layer(self, index: int) -> BlockConfig:
         """Block `index`'s attention and FFN, overrides applied; with experts every k-th
@@ -362,6 +368,8 @@ class ModelConfig:
 
     def _check_stack(self):
         kind, stack = self.stack.kind, self.stack
+        if isinstance(stack, HIERARCHICAL_STACK_TYPES):  # transformer Blocks of the named attention: checked bound
+            return
         tasks = STACKS[kind][1]
         if self.task not in tasks:
             raise ValueError(f"stack {kind!r} serves tasks {list(tasks)}; got task {self.task!r}")
