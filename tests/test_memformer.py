@@ -343,10 +343,8 @@ def test_a_2x2x2_mesh_trains_memformer_and_ernie_doc_with_the_losses_of_one_devi
     stacks = [{"kind": "memformer", "num_slots": 2, "segment_len": 4},
               {"kind": "ernie_doc", "mem_len": 4, "retrospective": True, "segment_len": 4}]
     rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(3):
-        tokens = rng.integers(0, 31, (8, 9)).astype(np.int32)
-        batches.append({"tokens": tokens, "mask": np.ones((8, 9), bool), "loss_mask": np.ones((8, 9), bool)})
+    tokens = rng.integers(0, 31, (8, 9)).astype(np.int32)
+    batches = [{"tokens": tokens, "mask": np.ones((8, 9), bool), "loss_mask": np.ones((8, 9), bool)}] * 3
     optimizer = optax.adamw(3e-3)
     for stack in stacks:
         out = {}

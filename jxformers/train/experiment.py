@@ -353,8 +353,9 @@ def _read(source: str | os.PathLike | Mapping) -> dict:
 def _check_stream_source(model_config: ModelConfig, source, *, batch_size: int) -> None:
     """An architecture carrying a memory between segments (Transformer-XL, compressive,
     ERNIE-Doc, Memformer) needs a stream source with one row per batch row, (compressive)
-    segments of a multiple of the rate and (segment_len) records of whole segments. (`grad_accum` is checked by TrainConfig: it divides the batch,
-    and each micro-batch takes its rows' memories.)"""
+    segments of a multiple of the rate and (segment_len) records of whole segments.
+    (`grad_accum` is checked by TrainConfig: it divides the batch, and each micro-batch
+    takes its rows' memories.)"""
     arch = model_config.stack.kind
     if arch not in MEMORY_ARCHITECTURES:
         return
