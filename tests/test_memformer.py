@@ -277,16 +277,6 @@ def test_ernie_doc_decodes_one_segment_as_the_parallel_call():
 # ----------------------------------------------------------------------------- training
 
 
-@pytest.fixture
-def texts(tmp_path):
-    root = tmp_path / "texts"
-    root.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(8):
-        (root / f"play{i}_gut.txt").write_bytes(bytes(rng.integers(97, 101, 1500).astype(np.uint8)))
-    return root
-
-
 def test_train_resume_exactly_with_the_memory_from_the_command_line(texts, tmp_path, capsys):
     """`jxformers train` on a stream with Memformer (two segments per record, MRBP): the
     memory is carried in the state and checkpointed, and a run resumed from step 4's
