@@ -261,3 +261,15 @@ def plain_reversible(blocks, x, bias):
         x1 = x1 + b.attention(b.norms[0](x2), bias=bias)
         x2 = x2 + b.ffn(b.norms[-1](x1))
     return (x1 + x2) / 2
+
+
+@pytest.fixture
+def texts(tmp_path):
+    """Eight tiny "plays" of random bytes a-d, as the Shakespeare stream source reads them
+    (the streams of Transformer-XL, Memformer, ERNIE-Doc)."""
+    root = tmp_path / "texts"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        (root / f"play{i}_gut.txt").write_bytes(bytes(rng.integers(97, 101, 3000).astype(np.uint8)))
+    return root

@@ -19,7 +19,7 @@ import optax
 
 from jxformers import build_model
 from jxformers.train.sharding import make_mesh, plan_sharding
-from jxformers.train.state import TrainState, split_model
+from jxformers.train.state import TrainState, empty_memories, split_model
 from jxformers.train.step import make_train_step
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
@@ -49,13 +49,16 @@ class Run:
 
 def train_both(config: dict | Any, batch: dict, *, steps: int = 3, learning_rate: float = 3e-3) -> dict[bool, Run]:
     """{False: the one-device run, True: the 2x2x2 mesh's} of `steps` AdamW steps on
-    `batch` from the same initial model (key 0) and train key (1)."""
+    `batch` from the same initial model (key 0) and train key (1); a model with a memory
+    (Transformer-XL and kin) starts from empty ones and carries them from step to step."""
     optimizer = optax.adamw(learning_rate)
-    runs = {}
+    rows, runs = len(batch["tokens"]), {}
     for sharded in (False, True):
-        params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
-        state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
-        plan = plan_sharding(state, static, make_mesh(MESH), batch_size=len(batch["tokens"])) if sharded else None
+        model = build_model(config, key=jax.random.key(0))
+        params, drawn, static = split_model(model)
+        state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1),
+                           memory=empty_memories(model, rows))  # fmt: skip
+        plan = plan_sharding(state, static, make_mesh(MESH), batch_size=rows) if sharded else None
         if plan is not None:
             state = plan.place_state(state)
         step = make_train_step(static, optimizer, grad_accum=1, sharding=plan)

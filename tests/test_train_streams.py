@@ -23,16 +23,6 @@ from jxformers.train import (
 from jxformers.train.step import evaluate, loss_and_metrics, make_eval_step
 
 
-@pytest.fixture
-def texts(tmp_path):
-    root = tmp_path / "texts"
-    root.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(8):
-        (root / f"play{i}_gut.txt").write_bytes(bytes(rng.integers(97, 101, 3000).astype(np.uint8)))
-    return root
-
-
 def experiment(texts, *extra):
     return load_experiment(
         "shakespeare_txl",

@@ -41,7 +41,10 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     hierarchical.py  HierarchicalEncoder: HIBERT and Hi-Transformer over documents of sentences
                   (tokens [sentences, words]; stacks hibert, hi_transformer)
     tokenlearner.py  TokenLearner, TokenFuser, TokenLearnerStage (Ryoo et al. 2021; ModelConfig stack.token_learner)
-    transformer_xl.py  RecurrentLM (Transformer-XL, Compressive Transformer: memories carried between segments)
+    transformer_xl.py  RecurrentLM (Transformer-XL, Compressive Transformer, ERNIE-Doc: memories carried between
+                  segments)
+    memformer.py  MemformerLM, MemoryWriter (Memformer: a memory of slots read by every layer, written
+                  per segment; memory replay back-propagation)
     feedback.py   FeedbackLM (the Feedback Transformer: one memory of all layers' states, trained position by position)
     transparent.py  transparent attention: each decoder block of an EncoderDecoder reads its own mix of
                   every encoder layer
@@ -66,6 +69,7 @@ from jxformers.nn.blocks import Block
 from jxformers.nn.config import ModelConfig, build_model
 from jxformers.nn.layers import FeedForward, LayerNorm, Linear, RMSNorm, ScaleNorm
 from jxformers.nn.luna import LunaBlock, LunaStack
+from jxformers.nn.memformer import MemformerLM, MemoryWriter
 from jxformers.nn.models import (
     Classifier,
     ConditionedDecoder,
@@ -112,6 +116,8 @@ __all__ = [
     "LunaBlock",
     "LunaStack",
     "MAB",
+    "MemformerLM",
+    "MemoryWriter",
     "MoE",
     "ModelConfig",
     "PMA",

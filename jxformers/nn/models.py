@@ -804,6 +804,24 @@ class LanguageModel(eqx.Module):
             `([seq, vocab] float32 logits, Produced)`; row i predicts token i + 1; the
             `Produced` holds what the blocks made (MoE aux, k-means inputs).
         """
+        x, mask, produced = self.features(
+            tokens, mask, context=context, context_mask=context_mask, key=key, inference=inference
+        )
+        return self._logits(x, mask), produced
+
+    def features(
+        self,
+        tokens: Int[Array, " seq"],
+        mask: Bool[Array, " seq"] | None = None,
+        *,
+        context: Float[Array, "*blocks ctx d_model"] | None = None,
+        context_mask: Bool[Array, " ctx"] | None = None,
+        key: PRNGKeyArray | None = None,
+        inference: bool = False,
+    ) -> tuple[Float[Array, "seq d_model"], Bool[Array, " seq"] | None, Produced]:
+        """`apply` up to the last block: (its output for the real tokens `[seq, d_model]`,
+        before the final norm and the readout; their mask; Produced). Memformer's memory
+        writer reads these states (`jxformers.nn.memformer`)."""
         n, m = check_tokens(tokens, mask), self.embedding.num_extra
         _check_length(n + m, self.max_len, extra=m)
         x = self.embedding(tokens, jnp.arange(m, m + n))
@@ -823,7 +841,7 @@ class LanguageModel(eqx.Module):
                 key=key,
                 inference=inference,
             )
-            return self._logits(x[m:], None if mask is None else mask[m:]), produced.under("blocks")
+            return x[m:], None if mask is None else mask[m:], produced.under("blocks")
         produced, maps = Produced(), None  # maps: what one block hands the next (nn.cross_layer)
         blocks, plan = self.plan.filled(self.blocks), self.plan
         gates = plan.gates(len(blocks), key, inference)  # LayerDrop's, in training
@@ -847,7 +865,7 @@ class LanguageModel(eqx.Module):
             else:  # a LunaStack (causal Luna): no bias, positions or cross-attention to pass
                 x = block(x, kv_mask=mask, key=k, inference=inference)
             x = condition(i, x, mask, skip=m)
-        return self._logits(x[m:], None if mask is None else mask[m:]), produced
+        return x[m:], None if mask is None else mask[m:], produced
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         """Per-layer decoding states for up to `max_len` tokens (fixed shapes): empty, or
@@ -883,10 +901,34 @@ class LanguageModel(eqx.Module):
         x = self.embedding(token[None], state["length"][None])[0]
         return self._step(x, state, token_id=token, context_kv=context_kv, context_mask=context_mask)
 
+    def decode_features(
+        self,
+        token: Int[Array, ""],
+        state: dict[str, Any],
+        *,
+        context_kv: tuple[tuple[Array, Array], ...] | None = None,
+        context_mask: Bool[Array, " ctx"] | None = None,
+    ) -> tuple[Float[Array, " d_model"], dict[str, Any]]:
+        """`decode_step` up to the last block: (its output `[d_model]`, before the final
+        norm and the readout, which `logits` applies; the new state)."""
+        x = self.embedding(token[None], state["length"][None])[0]
+        return self._step_features(x, state, token_id=token, context_kv=context_kv, context_mask=context_mask)
+
+    def logits(self, x: Float[Array, "*n d_model"]) -> Float[Array, "*n vocab"]:
+        """The readout (final norm, then the tied table, the unembedding or the head) of
+        the last block's output (`features`, `decode_features`)."""
+        return self._logits(x)
+
     def _step(self, x, state, *, token_id, context_kv=None, context_mask=None, memory=False):
         """`decode_step` from the input vector x `[d_model]` on (a token's embedding or a
         memory token, `memory`: which the PEGs pass by); `token_id` is its token's id
         (`NO_TOKEN` for a memory token)."""
+        x, state = self._step_features(
+            x, state, token_id=token_id, context_kv=context_kv, context_mask=context_mask, memory=memory
+        )
+        return self._logits(x), state
+
+    def _step_features(self, x, state, *, token_id, context_kv=None, context_mask=None, memory=False):
         bias_fn, layers, positions = _bias_fn(self.embedding.positions), [], self.embedding.positions
         floater, advanced = positions.floater, {}
         if floater is not None:  # this position's p^(n): the rows the parallel forward's grid has here
@@ -905,7 +947,7 @@ class LanguageModel(eqx.Module):
         kept = {"pegs": pegs} if "pegs" in state else {}
         if self.reversible:
             x, states = reversible_decode_step(self.plan.filled(self.blocks), x, state["layers"], bias_fn=bias_fn)
-            return self._logits(x), {"layers": states, "length": state["length"] + 1} | kept | advanced
+            return x, {"layers": states, "length": state["length"] + 1} | kept | advanced
         maps = None  # this token's row of the maps one block hands the next (nn.cross_layer)
         for i, (block, layer_state) in enumerate(zip(self.plan.filled(self.blocks), state["layers"], strict=True)):
             kv = None if context_kv is None else context_kv[i]
@@ -925,7 +967,7 @@ class LanguageModel(eqx.Module):
             layers.append(layer_state)
             x = condition(i, x)
         kept = {"pegs": pegs} if "pegs" in state else {}
-        return self._logits(x), {"layers": tuple(layers), "length": state["length"] + 1} | kept | advanced
+        return x, {"layers": tuple(layers), "length": state["length"] + 1} | kept | advanced
 
 
 class EncoderDecoder(eqx.Module):

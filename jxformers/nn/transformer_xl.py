@@ -36,6 +36,21 @@ attention weights stopped: attn(h, m) = softmax((h W_q)(m W_k)^T / sqrt(d_head))
 content only, per head; here the mean squared error over the evicted valid states,
 averaged over the layers. The LM loss never reaches f_c (compressed memories are used only
 by later segments, through a stop-gradient).
+
+**ERNIE-Doc** (Ding et al. 2021, "ERNIE-Doc: A Retrospective Long-Document Modeling
+Transformer", section 3.2, eq. 1): the enhanced recurrence. Layer n of segment τ+1 reads
+concat(SG(h^n_τ), h^{n-1}_{τ+1}): its memory holds the same layer's *outputs* of the earlier
+segments, where Transformer-XL's holds the layer below's (h^{n-1}_τ); information then
+climbs no layers to reach a later segment, and the context reach is no longer bounded by
+the depth times mem_len. The retrospective feed (section 3.1): a document of segments
+S_1 .. S_T is read twice, [S_1 .. S_T] (skimming: the memory collects the whole document)
+then [S_1 .. S_T] again (retrospective: every segment reads that memory), and only the
+retrospective pass's outputs are trained. On a stream the document is a training record
+(`segment_len` cuts it into segments, None: one segment); the retrospective pass reads
+memories of the whole record, its own targets included, so it is no causal predictor:
+such a model refuses to decode (`init_decode_state`). Decoding otherwise reads the
+current segment's layer inputs, which is what the parallel call does within one segment,
+so the same-layer memory does not enter one segment's decoding.
 """
 
 from __future__ import annotations
@@ -52,7 +67,7 @@ from jxformers.nn.layers import FeedForward, Linear, Norm, check_tokens, lookup,
 from jxformers.nn.produced import Produced
 from jxformers.nn.relative import distance_term, relative_sinusoid
 
-MEMORY_ARCHITECTURES = ("transformer_xl", "compressive")
+MEMORY_ARCHITECTURES = ("transformer_xl", "compressive", "ernie_doc", "memformer")  # carried by the train step
 COMPRESSIONS = ("conv", "mean", "max")
 
 
@@ -270,6 +285,9 @@ class RecurrentLM(eqx.Module):
     rate: int = eqx.field(static=True)
     max_len: int = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
+    same_layer: bool = eqx.field(static=True)  # ERNIE-Doc: layer l remembers its own outputs
+    retrospective: bool = eqx.field(static=True)  # ERNIE-Doc: each record read twice, the second trained
+    segment_len: int | None = eqx.field(static=True)  # segments within a record (None: the record)
 
     def __init__(
         self,
@@ -291,8 +309,16 @@ class RecurrentLM(eqx.Module):
         max_len: int,
         tie: bool = True,
         dtype: str = "float32",
+        same_layer: bool = False,
+        retrospective: bool = False,
+        segment_len: int | None = None,
         key: PRNGKeyArray,
     ):
+        if segment_len is not None and not 1 <= segment_len <= max_len:
+            raise ValueError(f"segment_len must be None or in [1, max_len = {max_len}]; got {segment_len}")
+        if (same_layer or retrospective or segment_len is not None) and cmem_len:
+            raise ValueError("ERNIE-Doc's recurrence and retrospective feed take no compressed memory (cmem_len 0)")
+        self.same_layer, self.retrospective, self.segment_len = same_layer, retrospective, segment_len
         for name, value, low in (
             ("mem_len", mem_len, 0),
             ("cmem_len", cmem_len, 0),
@@ -376,6 +402,7 @@ class RecurrentLM(eqx.Module):
         mask: Bool[Array, " n"] | None = None,
         attend: Bool[Array, "n n"] | None = None,
         update: bool = True,
+        same_layer: bool | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, "n vocab"], dict[str, Array], Float[Array, ""]]:
@@ -388,6 +415,8 @@ class RecurrentLM(eqx.Module):
             attend: `[n, n]` an extra restriction of which current positions each query
                 reads (ANDed with causality; for tests of the equivalent one-pass mask).
             update: compute the new memory (False: return `memory` as it is).
+            same_layer: remember each layer's outputs (ERNIE-Doc) rather than its inputs
+                (None: the model's; decoding keeps the inputs, see the module docstring).
         """
         n = check_tokens(tokens, mask)
         if n > self.max_len:
@@ -411,15 +440,16 @@ class RecurrentLM(eqx.Module):
         keys = split_key(key, len(self.layers) + 1)
         x = (lookup(self.table, tokens) * math.sqrt(self.table.shape[1])).astype(self.dtype)
         x = self.dropout(x, key=keys[-1], inference=inference)
-        inputs = []
+        remembered, same_layer = [], self.same_layer if same_layer is None else same_layer
         for i, layer in enumerate(self.layers):
-            inputs.append(x)
             context = jnp.concatenate([compressed[i], hidden[i]])
-            x = layer(x, context, allowed, self.u, self.v, key=keys[i], inference=inference)
+            h = layer(x, context, allowed, self.u, self.v, key=keys[i], inference=inference)
+            remembered.append(h if same_layer else x)  # ERNIE-Doc's h^n_τ, Transformer-XL's h^{n-1}_τ
+            x = h
         logits = self._logits(x)
         if not update:
             return logits, _without_empty(memory), jnp.zeros((), jnp.float32)
-        new, recon = self._update(memory, jnp.stack(inputs), n)
+        new, recon = self._update(memory, jnp.stack(remembered), n)
         return logits, _without_empty(new), recon
 
     def _update(self, memory, inputs, n):
@@ -467,22 +497,51 @@ class RecurrentLM(eqx.Module):
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, "seq vocab"], Produced]:
-        """One segment after `memory` (None: an empty one, and no memory comes out), as
-        the train step calls every model: (logits `[seq, vocab]`, Produced) with the
-        memory after the segment (`Produced.memory`) and, for a compressive model, its
-        attention-reconstruction loss (`Produced.losses["reconstruction_loss"]`)."""
-        if memory is None:
+        """A record after `memory`, as the train step calls every model: (logits
+        `[seq, vocab]`, Produced) with the memory after it (`Produced.memory`) and, for a
+        compressive model, its attention-reconstruction loss
+        (`Produced.losses["reconstruction_loss"]`). The record is one segment, or
+        (ERNIE-Doc) segments of `segment_len`, read twice with the retrospective feed.
+        `memory` None: one segment from an empty memory, and no memory comes out (the
+        retrospective feed: the record read twice from an empty memory)."""
+        if memory is None and not self.retrospective:  # one segment (decoding's parallel twin)
             logits, _, _ = self.forward(
                 tokens, self.init_memory(0, 0), mask=mask, update=False, key=key, inference=inference
             )
             return logits, Produced()
-        logits, new, recon = self.forward(tokens, memory, mask=mask, key=key, inference=inference)
+        logits, new, recon = self._read(tokens, self.init_memory() if memory is None else memory, mask, key, inference)
+        if memory is None:
+            return logits, Produced()
         losses = {"reconstruction_loss": recon} if self.compressive else {}
         return logits, Produced(losses=losses, memory=new)
+
+    def _read(self, tokens, memory, mask, key, inference):
+        """A record after `memory`: its segments (`segment_len`) in order, twice with the
+        retrospective feed (the second pass's logits returned); (logits, memory, mean
+        reconstruction loss)."""
+        n, size = tokens.shape[0], self.segment_len or tokens.shape[0]
+        if n % size:
+            raise ValueError(f"a record of {n} tokens is no whole number of segments of segment_len {size}")
+        passes = 2 if self.retrospective else 1
+        starts = [(p, s) for p in range(passes) for s in range(0, n, size)]
+        keys, recon, logits = split_key(key, len(starts)), [], []
+        for (p, s), k in zip(starts, keys, strict=True):
+            part = None if mask is None else mask[s : s + size]
+            out, memory, r = self.forward(tokens[s : s + size], memory, mask=part, key=k, inference=inference)
+            recon.append(r)
+            if p == passes - 1:  # the last pass: the one trained
+                logits.append(out)
+        return jnp.concatenate(logits), memory, jnp.mean(jnp.stack(recon))
 
     def init_decode_state(self, max_len: int) -> dict[str, Any]:
         """Decoding state for up to `max_len` tokens: a memory of max_len slots (no
         compression), so token t reads every earlier token, as the parallel call does."""
+        if self.retrospective:
+            raise ValueError(
+                "ERNIE-Doc's retrospective feed cannot generate: its trained (second) pass reads the memory of the "
+                "whole record, so every position reads the tokens after it; train with stack.retrospective false "
+                "for a causal language model"
+            )
         if max_len > self.max_len:
             raise ValueError(f"decoding length {max_len} exceeds the model's max_len {self.max_len}")
         return {"memory": self.init_memory(max_len, 0), "length": jnp.zeros((), jnp.int32)}
@@ -497,7 +556,7 @@ class RecurrentLM(eqx.Module):
     ) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
         """Feed one token (a segment of one after the memory); the next-token logits and
         the new state."""
-        logits, memory, _ = self.forward(token[None], state["memory"], inference=True)
+        logits, memory, _ = self.forward(token[None], state["memory"], same_layer=False, inference=True)
         return logits[0], {"memory": memory, "length": state["length"] + 1}
 
 

@@ -351,10 +351,11 @@ def _read(source: str | os.PathLike | Mapping) -> dict:
 
 
 def _check_stream_source(model_config: ModelConfig, source, *, batch_size: int) -> None:
-    """An architecture carrying a memory between segments (Transformer-XL, compressive)
-    needs a stream source with one row per batch row and (compressive) segments of a
-    multiple of the rate. (`grad_accum` is checked by TrainConfig: it divides the batch,
-    and each micro-batch takes its rows' memories.)"""
+    """An architecture carrying a memory between segments (Transformer-XL, compressive,
+    ERNIE-Doc, Memformer) needs a stream source with one row per batch row, (compressive)
+    segments of a multiple of the rate and (segment_len) records of whole segments.
+    (`grad_accum` is checked by TrainConfig: it divides the batch, and each micro-batch
+    takes its rows' memories.)"""
     arch = model_config.stack.kind
     if arch not in MEMORY_ARCHITECTURES:
         return
@@ -373,6 +374,12 @@ def _check_stream_source(model_config: ModelConfig, source, *, batch_size: int) 
         raise ValueError(
             f"stack 'compressive': segments of data max_len - 1 = {segment} tokens must be a multiple "
             f"of compression_rate ({stack.compression_rate})"
+        )
+    size = getattr(stack, "segment_len", None)  # Memformer's, ERNIE-Doc's segments within a record
+    if size is not None and segment % size:
+        raise ValueError(
+            f"stack {arch!r} reads each record as segments of segment_len ({size}): data max_len - 1 = "
+            f"{segment} tokens must be a multiple of it"
         )
 
 

@@ -8,7 +8,7 @@ arrays (attention's drawn features / random blocks / rotations and PRNG keys ins
 model: non-trainable, replaced by `redraw`; and norms' running statistics, which the
 train step updates), the optimizer state, the step (an int32
 array), the run's PRNG key, and, for a model with a memory carried from step to step
-(Transformer-XL, the Compressive Transformer), that `memory` (one per batch row, which
+(Transformer-XL, the Compressive Transformer, ERNIE-Doc, Memformer), that `memory` (one per batch row, which
 the train step threads; None otherwise). The static rest of the model (activation functions,
 shapes, bound attentions) is kept outside, as `static`.
 
@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from jxformers.nn import RecurrentLM, build_model, trainable
+from jxformers.nn import MemformerLM, RecurrentLM, build_model, trainable
 from jxformers.train.optim import make_optimizer
 
 
@@ -50,7 +50,7 @@ class TrainState(eqx.Module):
 
 def carries_memory(model) -> bool:
     """True for a model (or its static part) with a memory carried between segments."""
-    return isinstance(model, RecurrentLM)
+    return isinstance(model, (RecurrentLM, MemformerLM))
 
 
 def empty_memories(model, rows: int, mem_len: int | None = None) -> PyTree:

@@ -14,17 +14,20 @@ import jax.numpy as jnp
 from jxformers.nn import adaptive, residual
 from jxformers.nn.attention import Attention
 from jxformers.nn.blocks import Block
+from jxformers.nn.config.binding import bind_attention
 from jxformers.nn.config.components import (
     CELL_STACK_TYPES,
     HEAD_OPTIONS,
     HIERARCHICAL_STACK_TYPES,
     AttentionConfig,
     CompressiveStack,
+    ErnieDocStack,
     FeedbackStack,
     FeedForwardConfig,
     FFNConfig,
     ISABStack,
     LunaStack,
+    MemformerStack,
     MixtureHead,
     NoFeedForward,
     PerceiverStack,
@@ -43,6 +46,7 @@ from jxformers.nn.layouts import FeedForwardSublayer, StackPlan, every_other, gr
 from jxformers.nn.local import LocalRNN
 from jxformers.nn.luna import LunaStack as LunaModule
 from jxformers.nn.mask_attention import DynamicMaskAttention
+from jxformers.nn.memformer import MemformerLM, MemoryWriter
 from jxformers.nn.mixture import MixtureOfLogistics
 from jxformers.nn.models import Classifier, DualClassifier, Embedding, Encoder, EncoderDecoder, LanguageModel
 from jxformers.nn.moe import MoE, MoEConfig
@@ -172,17 +176,21 @@ def _blocks(
             )
         cross_attention = None
         if cross:
-            assert config.decoder is not None  # cross-attending blocks are a seq2seq decoder's
+            # a seq2seq decoder's cross-attention, or Memformer's memory reader (softmax, eq. 1-3)
+            reader = config.decoder.cross_attention if config.decoder is not None else AttentionConfig()
+            assert config.decoder is not None or isinstance(stack, MemformerStack)
             cross_attention = Attention(
-                config.bound_cross_attention(),
+                config.bound_cross_attention()
+                if config.decoder is not None
+                else bind_attention(reader, config.max_len),
                 config.d_model,
                 config.num_heads,
                 kv_heads=config.kv_heads,
                 cross=True,
-                d_head=config.decoder.cross_attention.d_head,
-                qk_norm=config.decoder.cross_attention.qk_norm,
+                d_head=reader.d_head,
+                qk_norm=reader.qk_norm,
                 qk_norm_length=config.max_len,
-                **{n: getattr(config.decoder.cross_attention, n) for n in HEAD_OPTIONS},
+                **{n: getattr(reader, n) for n in HEAD_OPTIONS},
                 key=kc,
             )
         # a seq2seq decoder's blocks without FFNs (decoder.ffn false: Yang et al. 2020)
@@ -488,8 +496,16 @@ def _assemble(config: ModelConfig, key: jax.Array):
             key=keys[5],
         )
 
-    if isinstance(stack, (TransformerXLStack, CompressiveStack)):
+    if isinstance(stack, MemformerStack):
+        writer = MemoryWriter(
+            stack.num_slots, config.d_model, config.num_heads, temperature=stack.write_temperature,
+            key=jax.random.fold_in(keys[4], 1),
+        )  # fmt: skip
+        lm = decoder(config.num_layers, cross=True)
+        return MemformerLM(lm, writer, segment_len=stack.segment_len, replay=stack.replay)
+    if isinstance(stack, (TransformerXLStack, CompressiveStack, ErnieDocStack)):
         compressive = stack if isinstance(stack, CompressiveStack) else None
+        ernie = stack if isinstance(stack, ErnieDocStack) else None
         return RecurrentLM(
             config.vocab_size,
             config.d_model,
@@ -501,6 +517,9 @@ def _assemble(config: ModelConfig, key: jax.Array):
             cmem_len=compressive.cmem_len if compressive else 0,
             compression=compressive.compression if compressive else "conv",
             rate=compressive.compression_rate if compressive else 1,
+            same_layer=ernie is not None,
+            retrospective=ernie.retrospective if ernie else False,
+            segment_len=ernie.segment_len if ernie else None,
             max_len=config.max_len,
             tie=getattr(config.head, "tie_embeddings", True),
             dtype=config.dtype,

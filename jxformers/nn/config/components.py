@@ -779,6 +779,56 @@ class CompressiveStack:
 
 @typing.no_type_check
 @dataclasses.dataclass(frozen=True)
+class ErnieDocStack:
+    """ERNIE-Doc's recurrence (Ding et al. 2021, `jxformers.nn.transformer_xl`): Transformer-XL
+    whose layer l remembers its own outputs of earlier segments (the enhanced, same-layer
+    recurrence), optionally with the retrospective feed (each record read twice)."""
+
+    kind: str = setting("ernie_doc", "ERNIE-Doc", choices=("ernie_doc",))
+    mem_len: int = setting(16, "hidden states each layer remembers (its own outputs)")
+    eval_mem_len: int | None = setting(None, "the memory in evaluation (None: mem_len)")
+    retrospective: bool = setting(
+        False, "the retrospective feed: each record (the document) read twice, a skimming pass then a "
+        "retrospective pass whose loss is trained; it reads the memory of the whole record, targets included, "
+        "so it is no next-token predictor and cannot generate",
+    )  # fmt: skip
+    segment_len: int | None = setting(
+        None, "tokens per segment within a record (None: the record is one segment)", limits=1
+    )
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+        check_at_least(self, "stack.", 1, "mem_len")
+        check_at_least(self, "stack.", 0, "eval_mem_len")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class MemformerStack:
+    """Memformer (Wu et al. 2020, `jxformers.nn.memformer`): blocks of the named causal
+    attention, each reading a memory of `num_slots` slots by cross-attention; the memory
+    written by slot attention with biased normalisation after every segment."""
+
+    kind: str = setting("memformer", "Memformer", choices=("memformer",))
+    num_slots: int = setting(8, "k, the memory's slots", limits=1)
+    segment_len: int = setting(
+        16, "tokens read between two memory writes; a training record (data max_len - 1 tokens) is a whole "
+        "number of segments, back-propagated through together", limits=1,
+    )  # fmt: skip
+    write_temperature: float = setting(
+        0.5, "τ of the writer's softmax (eq. 7, τ < 1 sharpens it; the paper gives no value)", limits=Limits(above=0)
+    )
+    replay: bool = setting(
+        True, "memory replay back-propagation: each segment's step under jax.checkpoint, the backward keeping "
+        "only the memories and replaying the segments; false: every activation kept",
+    )  # fmt: skip
+
+    def __post_init__(self):
+        check_fields(self, "stack.")
+
+
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
 class UniversalStack:
     """The Universal Transformer (Dehghani et al. 2019, "Universal Transformers"): one
     shared step of `num_layers` blocks of the named attention (the paper's: 1) applied
@@ -845,6 +895,8 @@ STACK_COMPONENTS: dict[str, type] = {
         PerceiverStack,
         TransformerXLStack,
         CompressiveStack,
+        ErnieDocStack,
+        MemformerStack,
         *(LiteStack, DelightStack, EvolvedStack),
         UniversalStack,
         FeedbackStack,
@@ -854,9 +906,10 @@ STACK_COMPONENTS: dict[str, type] = {
 }
 StackConfig = (
     TransformerStack | ISABStack | LunaStack | PerceiverStack | TransformerXLStack | CompressiveStack
-    | LiteStack | DelightStack | EvolvedStack | UniversalStack | FeedbackStack | HibertStack | HiTransformerStack
+    | ErnieDocStack | MemformerStack | LiteStack | DelightStack | EvolvedStack | UniversalStack | FeedbackStack
+    | HibertStack | HiTransformerStack
 )  # fmt: skip
-RECURRENT_STACKS = ("transformer_xl", "compressive")
+RECURRENT_STACKS = ("transformer_xl", "compressive", "ernie_doc")  # built as transformer_xl.RecurrentLM
 ENCODER_OR_LM = ("classify", "retrieval", "lm")
 # stack kind -> (the norm placement its paper uses, the tasks it serves, what it is)
 STACKS = {
@@ -866,6 +919,8 @@ STACKS = {
     "perceiver": ("pre", ("classify", "retrieval"), "latent array cross-attending the input (Jaegle et al. 2021)"),
     "transformer_xl": ("post", ("lm",), "segment-level recurrence, relative positions (Dai et al. 2019)"),
     "compressive": ("post", ("lm",), "Transformer-XL plus a compressed memory (Rae et al. 2020)"),
+    "ernie_doc": ("post", ("lm",), "same-layer recurrence, retrospective feed (Ding et al. 2021)"),
+    "memformer": ("pre", ("lm",), "a memory of slots read by every layer, written per segment (Wu et al. 2020)"),
     "universal": ("post", ("classify", "lm"), "a shared block applied recurrently, ACT halting (Dehghani et al. 2019)"),
     "feedback": ("pre", ("lm",), "every layer attends to a memory of all layers' states (Fan et al. 2020)"),
 }

@@ -38,6 +38,7 @@ from jxformers.nn.config.components import (
     FeedForwardConfig,
     FFNConfig,
     HeadConfig,
+    MemformerStack,
     MixtureHead,
     NoFeedForward,
     NormConfig,
@@ -172,6 +173,7 @@ class ModelConfig:
             self.stack.check_model(self)
         self._check_adaptive()
         self._check_layouts()
+        self._check_memformer()
 
     # ------------------------------------------------------------------ io
 
@@ -377,6 +379,8 @@ class ModelConfig:
             self._check_transformer_stack(stack)
             return
         if isinstance(stack, UniversalStack):  # blocks of the named attention: _check_adaptive
+            return
+        if isinstance(stack, MemformerStack):  # blocks of the named attention: _check_memformer
             return
         if kind in CELL_STACKS:
             self._check_cell_stack()
@@ -887,6 +891,32 @@ class ModelConfig:
                 "stack 'feedback' with norm.kind 'powernorm': PowerNorm counts its running statistics over the "
                 "rows of each call, and the Feedback Transformer's norms also normalise the memory at every "
                 "position, which would count it; use layernorm, rmsnorm, scalenorm or adanorm"
+            )
+
+    def _check_memformer(self):
+        """Memformer's blocks run once per segment inside a scan (`jxformers.nn.memformer`):
+        what a block makes besides its output must reduce over the segments, and the
+        segment must fit the positions."""
+        stack = self.stack
+        if not isinstance(stack, MemformerStack):
+            return
+        if stack.segment_len > self.max_len:
+            raise ValueError(f"stack.segment_len ({stack.segment_len}) must be <= max_len ({self.max_len})")
+        updating = [b.name for b in self._bound if b.spec.updates_arrays]
+        if updating:
+            raise ValueError(
+                f"stack 'memformer' runs its blocks once per segment inside a scan; attention {updating[0]!r} "
+                "moves its k-means centroids from every call's inputs, which the scan does not hand out"
+            )
+        if self.norm.kind == "powernorm":
+            raise ValueError(
+                "stack 'memformer' with norm.kind 'powernorm': its running statistics are threaded by the "
+                "transformer stack alone; use layernorm, rmsnorm, scalenorm or adanorm"
+            )
+        if self.embedding.extra_tokens:
+            raise ValueError(
+                f"stack 'memformer' keeps its memory in its slots; embedding.extra_tokens "
+                f"({self.embedding.extra_tokens}) would be a second memory: set 0"
             )
 
     def _check_layouts(self):
