@@ -259,6 +259,13 @@ def test_generated_documents_records_and_their_baseline():
         labels.append(int(r["label"]))
     np.testing.assert_array_equal(source[7]["tokens"], source[7]["tokens"])
     assert majority_class({"label": np.array(labels)}) < 0.4  # no constant answer comes near a model
+    # flat: the same documents as one sequence, for a flat encoder on the same examples
+    flat = make_source("documents", seed=0, size=200, sentences=6, max_len=10, min_sentences=3, flat=True)
+    for i in (0, 7, 199):
+        r, f = source[i], flat[i]
+        assert f["tokens"].shape == f["mask"].shape == (60,) and int(f["label"]) == int(r["label"])
+        np.testing.assert_array_equal(f["tokens"][f["mask"]], r["tokens"][r["mask"]])
+        assert f["mask"].sum() == r["mask"].sum() and np.all(f["mask"][: f["mask"].sum()])
 
 
 def _scene_texts(root: pathlib.Path) -> pathlib.Path:

@@ -205,7 +205,10 @@ class Documents:
     document), so every sentence counts and none alone decides. Sentences: between
     `min_sentences` and `sentences`, each of 1 to max_len - 1 words, then EOS. Ids: 0
     padding, 1 EOS, 2.. words (topic t's: 2 + t band ..). Record layout: the module
-    docstring's documents; its majority-class baseline is `baselines.majority_class`."""
+    docstring's documents; its majority-class baseline is `baselines.majority_class`.
+    With `flat`, the same documents as one sequence (each sentence's words and EOS one
+    after another, then padding, `sentences * max_len` ids) for a flat encoder to be
+    compared with the hierarchical ones on the same examples."""
 
     seed: int
     size: int
@@ -215,6 +218,7 @@ class Documents:
     topics: int = 4
     band: int = 8
     noise: float = 0.25
+    flat: bool = False
 
     model_task = "classify"
 
@@ -249,6 +253,9 @@ class Documents:
             rows.append(np.append(np.where(rng.random(n) < self.noise, anywhere, own), 1))
         counts = np.bincount(topics, minlength=self.topics)
         label = next(int(t) for t in topics if counts[t] == counts.max())  # ties: the first in the document
+        if self.flat:
+            record = document_record([np.concatenate(rows)], 1, self.sentences * self.max_len, label)
+            return record | {"tokens": record["tokens"][0], "mask": record["mask"][0]}
         return document_record(rows, self.sentences, self.max_len, label)
 
 
