@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.layers import Linear, _lift
-from jxformers.validate import Limits, check_fields, setting
+from jxformers.validate import Limits, check_fields, defaults, setting
 
 # How an attention module makes its queries, keys and values (the `Attention` setting `projection`).
 PROJECTIONS = ("dense", "sparse")
@@ -102,11 +102,20 @@ class SparseFFNConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("kind", "d_ff")}
 
 
+# The SparseFeedForward constructor's defaults (read from SparseFFNConfig).
+_DEFAULTS = defaults(SparseFFNConfig)
+
+
+def rank_of(d_ff: int, block_size: int, controller_rank: int | None) -> int:
+    """The controller's rank r: as given, or d_ff / N (the authors' code)."""
+    return controller_rank or d_ff // block_size
+
+
 def sparse_ffn_flops(d_model: int, d_ff: int, block_size: int, controller_rank: int | None = None) -> dict[str, int]:
     """Multiply-adds x 2 per token: the dense FFN's (W1 and W2, 4 d_model d_ff), and the
     sparse FFN's at inference, controller (2 r (d_model + d_ff)) plus the chosen units
     (4 d_model d_ff / N), with r = d_ff / N unless given."""
-    rank = controller_rank or d_ff // block_size
+    rank = rank_of(d_ff, block_size, controller_rank)
     chosen = 4 * d_model * (d_ff // block_size)
     controller = 2 * rank * (d_model + d_ff)
     return {"dense": 4 * d_model * d_ff, "sparse": controller + chosen, "controller": controller, "units": chosen}
@@ -143,10 +152,10 @@ class SparseFeedForward(eqx.Module):
         d_model: int,
         d_ff: int,
         *,
-        block_size: int = 32,
-        controller_rank: int | None = None,
-        temperature: float = 0.1,
-        hard_fraction: float = 1.0,
+        block_size: int = _DEFAULTS["block_size"],
+        controller_rank: int | None = _DEFAULTS["controller_rank"],
+        temperature: float = _DEFAULTS["temperature"],
+        hard_fraction: float = _DEFAULTS["hard_fraction"],
         dropout: float = 0.0,
         key: PRNGKeyArray,
     ):
@@ -157,7 +166,7 @@ class SparseFeedForward(eqx.Module):
                 f"temperature must be >= 0 and hard_fraction in (0, 1]; got {temperature}, {hard_fraction}"
             )
         blocks = d_ff // block_size
-        rank = controller_rank or blocks
+        rank = rank_of(d_ff, block_size, controller_rank)
         k1, k2, k3, k4, k5, k6 = jax.random.split(key, 6)
         bound_in, bound_out = 1 / math.sqrt(d_model), 1 / math.sqrt(d_ff)  # as Linear's, for the dense layer's sizes
         shape = (blocks, block_size, d_model)
