@@ -519,3 +519,49 @@ def train_losses(model, *, steps: int = 4, vocab: int = 11, lr: float = 3e-3):
     tokens = jax.random.randint(jax.random.key(2), (4, 8), 0, vocab)
     state, losses = train_steps(model, tokens, jnp.ones((4, 8), bool), steps=steps, lr=lr)
     return losses, state.params
+
+
+def command_line_round_trip(tmp_path, capsys, model: dict, *, steps: int = 8) -> dict[int, float]:
+    """A whole model through the command line (tests/test_train.py's tiny copy task with
+    `model` as its model section): trains `steps` steps, loses its last checkpoint (as if
+    killed after step steps / 2's) and resumes to the same losses, evaluates, and
+    generates 3 tokens after a 2-token prompt. Returns the losses by step."""
+    import json
+    import shutil
+
+    from test_train import losses, write_config
+
+    from jxformers.tools import cli
+
+    config = write_config(tmp_path, model=model, train={"steps": steps, "eval_every": steps})
+    run = str(tmp_path / "run")
+    train = ["train", str(config), "--workdir", run, "--no-progress", "--set", "checkpoint.async_save=false"]
+    assert cli.main(train) == 0
+    straight = losses(run)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / str(steps))
+    assert cli.main(train) == 0
+    assert losses(run) == straight
+    capsys.readouterr()
+    assert cli.main(["eval", str(config), "--workdir", run]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == steps
+    assert cli.main(["generate", str(config), "--workdir", run, "--prompt", "1 3", "--steps", "3"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()[-1].split()) == 5
+    return straight
+
+
+def mesh_trains_like_one_device(*configs: dict, vocab: int, length: int) -> None:
+    """Each language model config trains 3 AdamW steps on a 2x2x2 mesh of simulated
+    devices (its own process) with the losses of one device, on one batch of 8 padded
+    rows of `length` tokens below `vocab` (`mesh_runs.train_both`)."""
+    from test_sharding import PRELUDE, run_script
+
+    run_script(
+        PRELUDE
+        + f"""
+    from mesh_runs import lm_batch, same_losses, train_both
+
+    batch = lm_batch(length={length}, vocab={vocab}, shortest={length} // 2)
+    for config in {list(configs)!r}:
+        same_losses(train_both(config, batch), learns=False)
+    """
+    )

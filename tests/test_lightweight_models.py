@@ -22,7 +22,6 @@ start; the decoder FFN without its hidden norm; a decoding step not shifting its
 from __future__ import annotations
 
 import math
-import shutil
 
 import equinox as eqx
 import jax
@@ -30,7 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close
-from suites import decode_all, finite_grads, forward_and_grad, train_steps
+from suites import (
+    command_line_round_trip,
+    decode_all,
+    finite_grads,
+    forward_and_grad,
+    mesh_trains_like_one_device,
+    train_steps,
+)
 
 from jxformers import ModelConfig, build_model, registry
 from jxformers.nn.delight import DExTra, GroupLinear, block_scaling, dextra_sizes, glt_groups, mix
@@ -404,42 +410,15 @@ def test_config_refusals_name_the_setting_and_the_values(values, match):
 
 
 def test_the_command_line_trains_evaluates_generates_and_resumes_exactly(tmp_path, capsys):
-    import json
-
-    from test_train import losses, write_config
-
-    from jxformers.tools import cli
-
-    model = {"attention": "softmax", "d_model": 32, "stack": {"kind": "lite", "kernel_sizes": 3}, "ffn": None}
-    model = {k: v for k, v in model.items() if v is not None}
-    config = write_config(tmp_path, model=model, train={"steps": 8, "eval_every": 8})
-    run = str(tmp_path / "run")
-    train = ["train", str(config), "--workdir", run, "--no-progress", "--set", "checkpoint.async_save=false"]
-    assert cli.main(train) == 0
-    straight = losses(run)
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "8")  # as if killed after step 4's checkpoint
-    assert cli.main(train) == 0
-    assert losses(run) == straight
-    capsys.readouterr()
-    assert cli.main(["eval", str(config), "--workdir", run]) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 8
-    assert cli.main(["generate", str(config), "--workdir", run, "--prompt", "1 3", "--steps", "3"]) == 0
-    assert len(capsys.readouterr().out.strip().splitlines()[-1].split()) == 5
+    command_line_round_trip(
+        tmp_path, capsys, {"attention": "softmax", "d_model": 32, "stack": STACKS["lite"] | {"kernel_sizes": 3}}
+    )
 
 
 @pytest.mark.multidevice
 def test_a_2x2x2_mesh_trains_each_model_with_the_losses_of_one_device():
-    from test_sharding import PRELUDE, run_script
-
-    run_script(
-        PRELUDE
-        + """
-    from mesh_runs import lm_batch, same_losses, train_both
-
-    stacks = [{"kind": "lite", "kernel_sizes": 3}, {"kind": "delight", "min_depth": 2, "max_depth": 3},
-              {"kind": "evolved", "wide_heads": 4}]
-    for stack in stacks:
-        config = dict(task="lm", vocab_size=31, num_layers=2, d_model=32, num_heads=2, max_len=16, stack=stack)
-        same_losses(train_both(config, lm_batch()))
-    """
-    )
+    stacks = [STACKS["lite"] | {"kernel_sizes": 3}, STACKS["delight"], STACKS["evolved"]]
+    configs = [
+        dict(task="lm", vocab_size=31, num_layers=2, d_model=32, num_heads=2, max_len=16, stack=s) for s in stacks
+    ]
+    mesh_trains_like_one_device(*configs, vocab=31, length=16)

@@ -11,6 +11,8 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     moe.py        MoE (token-choice, expert-choice, hash, BASE and prototype routers, capacity
                   and dropless dispatch)
     pkm.py        ProductKeyMemory (product-key lookup over a large value table)
+    scaling.py    the Scaling Transformer's sparse layers (Jaszczur et al. 2021): SparseFeedForward
+                  (ModelConfig ffn kind sparse) and SparseQKV (attention projection sparse)
     positions.py  sinusoidal (and FLASH's scaled), learned, rotary (Rotary: RoPE, its context
                   scaling, xPos), ALiBi, T5 relative buckets, TUPE's untied positional correlation,
                   complex word embeddings (Wang et al. 2020)

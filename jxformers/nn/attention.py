@@ -37,10 +37,13 @@ from jxformers.nn.layers import LayerNorm, Linear
 from jxformers.nn.positions import Rotary
 from jxformers.nn.produced import AttentionInputs, Produced
 from jxformers.nn.relative import INPUT_KINDS, RelativeTerms, SharedTerms, check_relative
+from jxformers.nn.scaling import OUTPUT_PROJECTIONS, PROJECTIONS, SparseQKV, SparseQKVState, check_sparse_qkv
 from jxformers.ops._priors import SPAN_LOSS_WEIGHT, span_loss
 
 # How queries and keys are normalised before the core (see `Attention`).
 QK_NORMS = ("none", "l2", "layernorm")
+# The decoding state of an `Attention`: its core's, or that wrapped with a sparse QKV layer's window.
+AttentionState = decoding.State | SparseQKVState
 
 
 def check_qk_norm(qk_norm: str, spec: registry.AttentionSpec, length: int | None) -> None:
@@ -55,6 +58,30 @@ def check_qk_norm(qk_norm: str, spec: registry.AttentionSpec, length: int | None
         )
     if qk_norm == "l2" and (length is None or length < 2):
         raise ValueError(f"qk_norm='l2' starts its scale at log2(L^2 - L): give qk_norm_length >= 2; got {length}")
+
+
+def _check_projection(projection: str, output_projection: str, *, cross: bool, collaborative, aan: bool,
+                      **sizes) -> int | None:  # fmt: skip
+    """S, the modules of a sparse QKV layer (None for dense projections), after
+    ValueErrors for what it cannot serve: cross-attention (its convolutions run over the
+    query sequence's positions), collaborative heads and the average attention network
+    (their own projections), and the sizes `check_sparse_qkv` refuses."""
+    if projection not in PROJECTIONS or output_projection not in OUTPUT_PROJECTIONS:
+        raise ValueError(
+            f"projection must be one of {PROJECTIONS} and output_projection one of {OUTPUT_PROJECTIONS}; got "
+            f"{projection!r}, {output_projection!r}"
+        )
+    if projection == "dense":
+        if output_projection != "dense":
+            raise ValueError("output_projection 'none' drops W_O after a sparse QKV layer: set projection 'sparse'")
+        return None
+    given = {"cross": cross, "collaborative": collaborative is not None, "aan": aan}
+    if any(given.values()):
+        raise ValueError(
+            f"projection 'sparse' (the sparse QKV layer) convolves one sequence's positions into its q, k and v: "
+            f"no cross-attention, collaborative heads or aan; got {[n for n, on in given.items() if on]}"
+        )
+    return check_sparse_qkv(**sizes)
 
 
 def attention_modules(model) -> list[Attention]:
@@ -101,6 +128,14 @@ class Attention(eqx.Module):
             Improved Transformer Pretraining with Extra Normalization", section 2): each
             head's output (each output capsule with routing) times a learned scalar
             started at 1, before the output projection.
+        projection: how q, k, v are made: "dense" (W_Q, W_K, W_V) or "sparse", the
+            Scaling Transformer's sparse QKV layer (Jaszczur et al. 2021, section 3.2;
+            `jxformers.nn.scaling.SparseQKV`): a multiplicative layer of `modules` S
+            modules (None: num_heads), then a convolution per q, k, v of kernel
+            `conv_length` (causal, over the positions) x `conv_modules` (over the modules);
+            heads of d_model / num_heads, no grouped keys, self-attention only.
+            `output_projection` "none" drops W_O after a sparse QKV layer (the authors'
+            code's default): the heads' concatenation is the output.
         relative: this layer's part of a relative position scheme (`jxformers.nn.relative`:
             Shaw et al., Transformer-XL's, DeBERTa's score terms, TUPE's content scale),
             for a self-attention whose core takes a bias and compares q with k
@@ -128,10 +163,11 @@ class Attention(eqx.Module):
     rope: Rotary | None = eqx.field(static=True)
     relative: RelativeTerms | None
     qk_norm: str = eqx.field(static=True)
-    q_proj: Linear | None  # None: a layer that reuses another's maps (nn.cross_layer), or aan
+    q_proj: Linear | None  # None: a layer that reuses another's maps (nn.cross_layer), aan, or a sparse QKV layer
     k_proj: Linear | None
     v_proj: Linear | None  # None: the average attention network (aan), which averages x itself
-    o_proj: Linear | None
+    o_proj: Linear | None  # None: aan, or a sparse QKV layer without W_O
+    qkv: SparseQKV | None  # the Scaling Transformer's sparse QKV layer in place of W_Q, W_K, W_V
     arrays: dict[str, Array]
     drawn: dict[str, Array]
     token_params: dict[str, Array]
@@ -167,6 +203,11 @@ class Attention(eqx.Module):
         aan_d_ff: int | None = None,
         head_scale: bool = False,
         relative: RelativeTerms | None = None,
+        projection: str = "dense",
+        modules: int | None = None,
+        conv_length: int = 3,
+        conv_modules: int = 3,
+        output_projection: str = "dense",
         key: PRNGKeyArray,
     ):
         if isinstance(attention, str):
@@ -201,6 +242,11 @@ class Attention(eqx.Module):
                     f"{num_heads} heads of {d_head}"
                 )
         self.relative = relative
+        sparse = _check_projection(
+            projection, output_projection, d_model=d_model, num_heads=num_heads, kv_heads=kv_heads, d_head=d_head,
+            cross=cross, collaborative=collaborative, aan=aan_d_ff is not None, modules=modules,
+            conv_length=conv_length, conv_modules=conv_modules,
+        )  # fmt: skip
         self.disagreement, self.disagreement_weight = tuple(disagreement), disagreement_weight
         heads.check_head_options(
             attention.spec, collaborative=collaborative, disagreement=self.disagreement,
@@ -233,6 +279,15 @@ class Attention(eqx.Module):
         if aan_d_ff is not None:
             self.aan = AverageNetwork(d_model, aan_d_ff, key=jax.random.fold_in(ko, 2))
             self.q_proj = self.k_proj = self.v_proj = self.o_proj = None
+        self.qkv = None
+        if sparse is not None:
+            self.qkv = SparseQKV(
+                d_model, modules=sparse, conv_length=conv_length, conv_modules=conv_modules,
+                shared_qk=attention.spec.shared_qk, key=jax.random.fold_in(kq, 1),
+            )  # fmt: skip
+            self.q_proj = self.k_proj = self.v_proj = None
+            if output_projection == "none":
+                self.o_proj = None
         self.token_params = attention.init_token_params(
             kt, d_model=d_model, heads=num_heads, kv_heads=kv_heads, d_k=d_key, d_v=d_head, causal=causal
         )
@@ -300,12 +355,29 @@ class Attention(eqx.Module):
         return self._normed(self._heads(source, self.k_proj, self.kv_heads), "k")
 
     def _out(self, out, x):
-        assert self.o_proj is not None, "the average attention network (aan) has no output projection"
+        assert self.aan is None, "the average attention network (aan) has no output projection"
         if self.routing is not None:  # output capsules in place of the heads
             out = self.routing(out)
         if self.head_scale is not None:
             out = out * self.head_scale.astype(out.dtype)[None, :, None]
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype))
+        out = out.reshape(x.shape[0], self.num_heads * self.d_head).astype(x.dtype)
+        return out if self.o_proj is None else self.o_proj(out)  # None: a sparse QKV layer without W_O
+
+    def _projected(self, x, source, kv_mask=None):
+        """(q, k, v) of the heads, normalised (qk_norm): from W_Q, W_K, W_V, or from the
+        sparse QKV layer (self-attention; its padded rows `kv_mask` zeroed before the
+        convolutions; a shared-QK core gets k = q, which it does not read)."""
+        if self.qkv is None:
+            q, k = self._queries(x), self._keys(source)
+            return q, k, self._heads(source, self.v_proj, self.kv_heads)
+        return self._split_qkv(*self.qkv(x, kv_mask))
+
+    def _split_qkv(self, q, k, v):
+        """The sparse QKV layer's `[n, d_model]` outputs as heads, q and k normalised."""
+        n = q.shape[0]
+        q = self._normed(q.reshape(n, self.num_heads, self.d_head), "q")
+        k = q if k is None else self._normed(k.reshape(n, self.kv_heads, self.d_head), "k")
+        return q, k, v.reshape(n, self.kv_heads, self.d_head)
 
     def _relative(self, q, k, q_pos, k_pos, given):
         """(the core's queries, its bias, its extra arrays) under this module's relative
@@ -367,8 +439,7 @@ class Attention(eqx.Module):
             if self.relative is not None and self.relative.kind in INPUT_KINDS:  # FLOATER: x + p^(n)
                 x, bias = self.relative.inputs(x, bias if isinstance(bias, SharedTerms) else None), None
             source = x if context is None else context
-            q, k = self._queries(x), self._keys(source)
-            v = self._heads(source, self.v_proj, self.kv_heads)
+            q, k, v = self._projected(x, source, kv_mask)
             if self.rope is not None or self.relative is not None:
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
                 if context_positions is None:
@@ -420,11 +491,12 @@ class Attention(eqx.Module):
 
     # ------------------------------------------------------------------ decoding
 
-    def init_decode_state(self, max_len: int, dtype=jnp.float32) -> decoding.State:
-        """Empty decoding state (a cache, ring buffer or recurrent state; fixed shape)."""
+    def init_decode_state(self, max_len: int, dtype=jnp.float32) -> AttentionState:
+        """Empty decoding state (a cache, ring buffer or recurrent state; fixed shape),
+        with a sparse QKV layer's window around it."""
         if not self.causal:
             raise ValueError("only causal self-attention decodes incrementally")
-        return self.core.init_state(
+        inner = self.core.init_state(
             max_len=max_len,
             kv_heads=self.kv_heads,
             d_k=self.d_key,
@@ -432,14 +504,15 @@ class Attention(eqx.Module):
             arrays=self._core_arrays(),
             dtype=dtype,
         )
+        return inner if self.qkv is None else SparseQKVState(self.qkv.init_window(dtype), inner)
 
     def decode_step(
         self,
         x: Float[Array, " d_model"],
-        state: decoding.State,
+        state: AttentionState,
         *,
         bias_fn: decoding.BiasFn | SharedTerms | None = None,
-    ) -> tuple[Float[Array, " d_model"], decoding.State]:
+    ) -> tuple[Float[Array, " d_model"], AttentionState]:
         """One token through causal self-attention: `x [d_model]` at position
         `state.length`; returns the output `[d_model]` and the new state. `bias_fn`: the
         position bias of the step's row from the positions (ALiBi, T5, TUPE), or the
@@ -451,8 +524,15 @@ class Attention(eqx.Module):
             if self.relative is not None and self.relative.kind in INPUT_KINDS:  # FLOATER: x + p^(n)(t_pos)
                 given = bias_fn if isinstance(bias_fn, SharedTerms) else None
                 x, bias_fn = self.relative.inputs(x[None], given)[0], None
-            q, k = self._queries(x[None]), self._keys(x[None])
-            v = self._heads(x[None], self.v_proj, self.kv_heads)
+            window = None
+            if self.qkv is not None:  # the convolutions read the window of earlier positions
+                if not isinstance(state, SparseQKVState):
+                    raise ValueError(f"a sparse QKV layer decodes with a SparseQKVState; got {type(state).__name__}")
+                made, window = self.qkv.step(x, state.window)
+                (q, k, v), state = self._split_qkv(*made), state.inner
+            else:
+                q, k, v = self._projected(x[None], x[None])
+            assert not isinstance(state, SparseQKVState), "dense projections decode with their core's state alone"
             if self.rope is not None:  # the cache keeps keys turned at their own position
                 pos = state.length[None]
                 q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
@@ -462,6 +542,8 @@ class Attention(eqx.Module):
                 arrays = arrays | extra
             assert not isinstance(bias_fn, SharedTerms)  # only relative terms read it
             out, state = self.core.decode_step(q[0], k[0], v[0], state, arrays=arrays, bias_fn=bias_fn)
+            if window is not None:
+                state = SparseQKVState(window, state)
             return self._out(out[None], x[None])[0], state
 
     def _relative_step(self, q, k, v, state, given):
@@ -528,6 +610,8 @@ class Attention(eqx.Module):
         those probabilities, used with this layer's values, and come back unchanged;
         "predictive": `combine(own, maps)` (`cross_layer.Evolve`) makes this layer's
         logits from its own scores and the previous layer's, and they come back."""
+        if self.qkv is not None:
+            raise ValueError("attention maps carried between layers are formed from dense projections, not sparse QKV")
         with jax.named_scope(self.name):
             v = self._heads(x, self.v_proj, self.kv_heads)
             if role == "reuse":

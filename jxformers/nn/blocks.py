@@ -17,7 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 from jxformers import decoding
 from jxformers.kernels.alibi import Alibi
 from jxformers.nn import cross_layer, residual
-from jxformers.nn.attention import Attention
+from jxformers.nn.attention import Attention, AttentionState
 from jxformers.nn.layers import FeedForward, Norm, make_norm, normalise
 from jxformers.nn.layouts import FeedForwardSublayer, run_sublayers
 from jxformers.nn.local import LocalRNN, LocalState
@@ -26,6 +26,7 @@ from jxformers.nn.moe import MoE
 from jxformers.nn.pkm import ProductKeyMemory
 from jxformers.nn.produced import Produced, ResidualMoments
 from jxformers.nn.relative import SharedTerms, check_relative
+from jxformers.nn.scaling import SparseFeedForward
 
 NORM_PLACEMENTS = residual.PLACEMENTS
 
@@ -40,11 +41,12 @@ class Block(eqx.Module):
     overrides `pre_norm`: admin's skip weights start at 1 until `residual.admin_profile`,
     fixup's scalar biases at 0 and multipliers at 1), `dropout` (once on each residual branch's
     output; the attention modules hold none), `norm_eps` (None: the norm's default).
-    The FFN may be a FeedForward, a mixture of experts (`MoE`) or a `ProductKeyMemory`;
-    the latter two see the token mask. `ffn` None drops the FFN sublayer (and its norm):
-    with persistent key/value vectors in the attention (`persistent_kv`) the block is the
-    all-attention layer of Sukhbaatar et al. 2019 ("Augmenting Self-attention with
-    Persistent Memory", section 4), LN(x + A(x)) with post-norm. `apply` returns `(output, Produced)`: an MoE's
+    The FFN may be a FeedForward, the Scaling Transformer's `SparseFeedForward`, a
+    mixture of experts (`MoE`) or a `ProductKeyMemory`; the latter two see the token mask.
+    `ffn` None drops the FFN sublayer (and its norm): with persistent key/value vectors
+    in the attention (`persistent_kv`) the block is the all-attention layer of Sukhbaatar
+    et al. 2019 ("Augmenting Self-attention with Persistent Memory", section 4), LN(x + A(x))
+    with post-norm. `apply` returns `(output, Produced)`: an MoE's
     aux dict and the k-means inputs of an attention that updates arrays
     (`jxformers.nn.produced`); `__call__` returns the output alone.
 
@@ -69,7 +71,7 @@ class Block(eqx.Module):
 
     attention: Attention
     cross_attention: Attention | None
-    ffn: FeedForward | MoE | ProductKeyMemory | None
+    ffn: FeedForward | SparseFeedForward | MoE | ProductKeyMemory | None
     norms: tuple[Norm, ...]  # one per branch: on its input (pre, sandwich) or after its sum (post, deepnorm)
     out_norms: tuple[Norm | None, ...]  # on each branch's output: sandwich's, normformer's (self-attention)
     resweight: Float[Array, ""] | None  # rezero: the block's residual scalar
@@ -88,7 +90,7 @@ class Block(eqx.Module):
     def __init__(
         self,
         attention: Attention,
-        ffn: FeedForward | MoE | ProductKeyMemory | None,
+        ffn: FeedForward | SparseFeedForward | MoE | ProductKeyMemory | None,
         *,
         d_model: int,
         norm: str = "layernorm",
@@ -269,7 +271,7 @@ class Block(eqx.Module):
             raise ValueError("this block has no FFN sublayer (ffn none): it has no FFN branch")
 
         def feed(h):
-            if isinstance(ffn, FeedForward):
+            if isinstance(ffn, (FeedForward, SparseFeedForward)):
                 return ffn(h, key=k_hidden, inference=inference), Produced()
             if isinstance(ffn, ProductKeyMemory):
                 return ffn(h, mask=mask, key=k_hidden, inference=inference), Produced()
@@ -388,7 +390,7 @@ class Block(eqx.Module):
         x = run_sublayers(self.post_ffns, x, rows, key=key, inference=inference, salt=31)
         return x, produced, maps
 
-    def init_decode_state(self, max_len: int, dtype) -> decoding.State | LocalState:
+    def init_decode_state(self, max_len: int, dtype) -> AttentionState | LocalState:
         """The self-attention's empty decoding state (fixed shape); a layer that reuses
         the maps caches its values alone; sublayers before the attention add theirs (LocalRNN
         windows, DMAN's key/value cache)."""
@@ -402,7 +404,7 @@ class Block(eqx.Module):
     def decode_step(
         self,
         x: Float[Array, " d_model"],
-        state: decoding.State | LocalState,
+        state: AttentionState | LocalState,
         *,
         bias_fn: decoding.BiasFn | SharedTerms | None = None,
         context_kv: tuple[Array, Array] | None = None,
@@ -420,7 +422,7 @@ class Block(eqx.Module):
     def decode_step_maps(
         self,
         x: Float[Array, " d_model"],
-        state: decoding.State | LocalState,
+        state: AttentionState | LocalState,
         maps: cross_layer.Maps | None,
         *,
         bias_fn: decoding.BiasFn | SharedTerms | None = None,

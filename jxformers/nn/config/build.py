@@ -19,6 +19,7 @@ from jxformers.nn.config.components import (
     CELL_STACK_TYPES,
     HEAD_OPTIONS,
     HIERARCHICAL_STACK_TYPES,
+    SPARSE_QKV_OPTIONS,
     AttentionConfig,
     CompressiveStack,
     ErnieDocStack,
@@ -54,6 +55,7 @@ from jxformers.nn.perceiver import PerceiverEncoder
 from jxformers.nn.pkm import PKMConfig, ProductKeyMemory
 from jxformers.nn.positions import ADDED_KINDS, Positions
 from jxformers.nn.relative import INPUT_KINDS, SCORE_KINDS, RelativeTerms
+from jxformers.nn.scaling import SparseFeedForward, SparseFFNConfig
 from jxformers.nn.set_transformer import ISAB, PMA
 from jxformers.nn.tokenlearner import TokenLearnerStage
 from jxformers.nn.transformer_xl import RecurrentLM
@@ -70,7 +72,7 @@ def as_config(config: ModelConfig | Mapping[str, Any] | str | os.PathLike) -> Mo
 
 
 def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
-    """A block's FFN: a FeedForward, an MoE, a product-key memory, or None (ffn none)."""
+    """A block's FFN: a FeedForward, a sparse FFN, an MoE, a product-key memory, or None (ffn none)."""
     if isinstance(ffn, NoFeedForward):
         return None
     if isinstance(ffn, MoEConfig):
@@ -85,6 +87,10 @@ def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
         )
     if isinstance(ffn, PKMConfig):
         return ProductKeyMemory(config.d_model, **ffn.settings(), dropout=config.dropout, key=key)
+    if isinstance(ffn, SparseFFNConfig):
+        return SparseFeedForward(
+            config.d_model, d_ff(ffn, config.d_model), **ffn.settings(), dropout=config.dropout, key=key
+        )
     return FeedForward(
         config.d_model,
         d_ff(ffn, config.d_model),
@@ -164,6 +170,7 @@ def _blocks(
             aan_d_ff=_aan_d_ff(config.layer(i).attention, config.layer(i).ffn, config.d_model),
             head_scale=config.norm.placement == "normformer",
             relative=relative,
+            **{n: getattr(config.layer(i).attention, n) for n in SPARSE_QKV_OPTIONS},
             key=ka,
         )
         role = map_role(maps_kind, i, lazy_block)

@@ -42,6 +42,7 @@ from jxformers.nn.moe import MoEConfig
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import POSITION_KINDS, ROPE_SCALINGS, ROTARY_KINDS, Rotary
 from jxformers.nn.relative import SHAW_MAX_DISTANCE
+from jxformers.nn.scaling import OUTPUT_PROJECTIONS, PROJECTIONS, SparseFFNConfig
 from jxformers.nn.tokenlearner import TokenLearnerConfig
 from jxformers.nn.transformer_xl import COMPRESSIONS
 from jxformers.validate import Limits, check_at_least, check_fields, setting
@@ -93,6 +94,27 @@ class AttentionConfig:
     aan_ffn: bool = setting(
         True, "with aan: the FFN on the average (eq. 1); false: the authors' recommended variant without it"
     )
+    # The Scaling Transformer's sparse QKV layer (Jaszczur et al. 2021, section 3.2; jxformers.nn.scaling)
+    projection: str = setting(
+        "dense",
+        "how q, k, v are made: dense (W_Q, W_K, W_V) or sparse, the Scaling Transformer's sparse QKV layer "
+        "(Jaszczur et al. 2021): a multiplicative layer of S modules, then a convolution per q, k, v over "
+        "(positions, causal; modules); self-attention, heads of d_model / num_heads",
+        choices=PROJECTIONS,
+    )
+    modules: int | None = setting(None, "projection sparse: S, the modules of d_model (None: num_heads)", limits=1)
+    conv_length: int = setting(
+        3, "projection sparse: the convolutions' kernel over the positions (this one and the ones before)", limits=1
+    )
+    conv_modules: int = setting(
+        3,
+        "projection sparse: the convolutions' kernel over the modules (odd, centred)",
+        limits=Limits(minimum=1, odd=True),
+    )
+    output_projection: str = setting(
+        "dense", "projection sparse: W_O after the heads (dense), or none (the authors' code's default)",
+        choices=OUTPUT_PROJECTIONS,
+    )  # fmt: skip
 
     def __post_init__(self):
         if isinstance(self.disagreement, str):  # one term: `--set model.attention.disagreement=position`
@@ -109,6 +131,11 @@ class AttentionConfig:
         if self.aan:
             check_aan(self.name, d_head=self.d_head, collaborative=self.collaborative,
                       disagreement=self.disagreement, head_aggregation=self.head_aggregation)  # fmt: skip
+        sparse = {n: getattr(self, n) for n in _SPARSE_QKV if getattr(self, n) != _SPARSE_QKV[n]}
+        if sparse and self.projection != "sparse":
+            raise ValueError(
+                f"attention {sorted(sparse)} size the sparse QKV layer: set projection 'sparse'; got {sparse}"
+            )
         for name in _MODULE:
             if name in self.hyper_parameters:
                 raise ValueError(f"attention: give {name} as the component's {name}, not among its hyper-parameters")
@@ -138,6 +165,9 @@ class AttentionConfig:
 
 # The settings of the module around the op: every field but the op's name and hyper-parameters.
 _MODULE = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ("name", "hyper_parameters"))
+# The sparse QKV layer's settings, passed to the module as they are; the sizes' defaults (projection 'sparse' only).
+SPARSE_QKV_OPTIONS = ("projection", "modules", "conv_length", "conv_modules", "output_projection")
+_SPARSE_QKV = {f.name: f.default for f in dataclasses.fields(AttentionConfig) if f.name in SPARSE_QKV_OPTIONS[1:]}
 # Those of the improved multi-heads (`jxformers.nn.heads`), passed to the module as they are.
 HEAD_OPTIONS = ("collaborative", "disagreement", "disagreement_weight", "head_aggregation", "routing_iterations")
 
@@ -410,9 +440,10 @@ class NoFeedForward:
 FFN_COMPONENTS: dict[str, type] = {kind: FeedForwardConfig for kind in FFN_KINDS} | {
     "moe": MoEConfig,
     "pkm": PKMConfig,
+    "sparse": SparseFFNConfig,
     "none": NoFeedForward,
 }
-FFNConfig = FeedForwardConfig | MoEConfig | PKMConfig | NoFeedForward
+FFNConfig = FeedForwardConfig | MoEConfig | PKMConfig | SparseFFNConfig | NoFeedForward
 
 
 def d_ff(ffn: FFNConfig, d_model: int) -> int:

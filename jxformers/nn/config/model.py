@@ -59,6 +59,7 @@ from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import ADDED_KINDS, BIAS_KINDS, ROTARY_KINDS, xpos_max_len
 from jxformers.nn.relative import INPUT_KINDS, RELATIVE_KINDS, SCORE_KINDS, check_relative
 from jxformers.nn.residual import NORM_FREE, OUTPUT_NORMED
+from jxformers.nn.scaling import SparseFFNConfig, check_sparse_qkv
 from jxformers.validate import check_at_least, check_fields, setting
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
@@ -520,12 +521,12 @@ class ModelConfig:
             )
 
     def _check_ffns(self):
-        """Dense FFNs go anywhere; moe and pkm in transformer blocks of classify and lm."""
+        """Dense FFNs go anywhere; the sparse FFN in transformer blocks; moe and pkm in
+        transformer blocks of classify and lm, without reversible wiring."""
         ffns = [self.layer(i).ffn for i in range(self._blocks())]
         if not isinstance(self.ffn, FeedForwardConfig) and not isinstance(self.stack, TransformerStack):
             raise ValueError(
-                f"stack {self.stack.kind!r} takes a dense ffn ({sorted(set(FFN_COMPONENTS) - {'moe', 'pkm', 'none'})});"
-                f" got {self.ffn.kind!r}"
+                f"stack {self.stack.kind!r} takes a dense ffn ({sorted(FFN_KINDS)}); got {self.ffn.kind!r}"
             )
         self._check_all_attention(ffns)
         overrides = getattr(self.stack, "layer_overrides", {})
@@ -535,13 +536,14 @@ class ModelConfig:
                 f"ffn.every places the model's experts every k-th block; a block override's ffn is that block's "
                 f"alone: drop every from stack.layer_overrides of blocks {placed}"
             )
-        sparse = [f for f in ffns if isinstance(f, (MoEConfig, PKMConfig))]
+        sparse = [f for f in ffns if isinstance(f, (MoEConfig, PKMConfig, SparseFFNConfig))]
         if not sparse:
             return
-        kind, reversible = sparse[0].kind, getattr(self.stack, "reversible", False)
-        if reversible or self.task not in ("classify", "lm"):
+        routed = [f for f in sparse if not isinstance(f, SparseFFNConfig)]
+        reversible = getattr(self.stack, "reversible", False)
+        if routed and (reversible or self.task not in ("classify", "lm")):
             raise ValueError(
-                f"ffn {kind!r} needs stack 'transformer', task classify or lm, and no reversible "
+                f"ffn {routed[0].kind!r} needs stack 'transformer', task classify or lm, and no reversible "
                 f"wiring; got task {self.task!r}, reversible {reversible}"
             )
         if not isinstance(self.ffn, FeedForwardConfig) and getattr(self.head, "kind", None) == "pma":
@@ -555,6 +557,8 @@ class ModelConfig:
                 ffn.check_causal(self.causal)
             elif isinstance(ffn, PKMConfig):
                 ffn.check_model(d_model=self.d_model, causal=self.causal)
+            else:
+                ffn.check_model(d_model=self.d_model)
         self._check_token_ids(ffns)
 
     def _check_token_ids(self, ffns: list[FFNConfig]):
@@ -725,8 +729,41 @@ class ModelConfig:
         rope = self.embedding.position in ROTARY_KINDS
         check_head_options(spec, qk_norm=attention.qk_norm, rope=rope, where=where, **options)
 
+    def _check_sparse_qkv(self):
+        """The sparse QKV layer (`attention.projection: sparse`, `jxformers.nn.scaling`)
+        makes the self-attention of one sequence's blocks of the transformer stack: its
+        sizes fit the model, and what reads or feeds the projections otherwise is refused."""
+        stack = self.stack
+        for where, attention in self._attention_configs():
+            if attention.projection != "sparse":
+                continue
+            check_sparse_qkv(
+                d_model=self.d_model, num_heads=self.num_heads, kv_heads=self.kv_heads, d_head=attention.d_head,
+                modules=attention.modules, conv_length=attention.conv_length, conv_modules=attention.conv_modules,
+                where=where,
+            )  # fmt: skip
+            refused = {
+                "decoder.cross_attention": where == "decoder.cross_attention",
+                f"stack {stack.kind!r} (the transformer stack's blocks only)": not isinstance(stack, TransformerStack),
+                "attention.aan or collaborative heads (projections of their own)": bool(
+                    attention.aan or attention.collaborative
+                ),
+            }
+            if isinstance(stack, TransformerStack):
+                refused["stack.attention_maps (formed from dense projections)"] = stack.attention_maps != "none"
+                refused["stack.downsample 'funnel' (pooled queries, unpooled keys)"] = (
+                    stack.downsample == "funnel" and bool(stack.filters)
+                )
+            bad = [n for n, on in refused.items() if on]
+            if bad:
+                raise ValueError(
+                    f"{where}: projection 'sparse' (the sparse QKV layer) convolves one sequence's positions into "
+                    f"its q, k and v; refused with {bad}"
+                )
+
     def _check_attentions(self):
         """The capability contracts of every bound attention."""
+        self._check_sparse_qkv()
         for index in range(self._blocks()):
             self._check_attention(self._bound[index])
             check_qk_norm(self.layer(index).attention.qk_norm, self._bound[index].spec, self.max_len)
