@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from jxformers import decoding
-from jxformers.nn.attention import Attention
+from jxformers.nn.attention import Attention, AttentionState
 from jxformers.nn.cells import sublayer
 from jxformers.nn.layers import Norm, make_norm
 from jxformers.nn.produced import Produced
@@ -130,11 +129,11 @@ class DynamicMaskAttention(eqx.Module):
 
         return self._branch(x, attend, key, inference, mask)
 
-    def init_state(self, max_len: int, dtype: Any) -> decoding.State:
+    def init_state(self, max_len: int, dtype: Any) -> AttentionState:
         """The decoding state: the attention's key/value cache for `max_len` tokens."""
         return self.attention.init_decode_state(max_len, dtype)
 
-    def step(self, x: Float[Array, " d"], state: decoding.State) -> tuple[Float[Array, " d"], decoding.State]:
+    def step(self, x: Float[Array, " d"], state: AttentionState) -> tuple[Float[Array, " d"], AttentionState]:
         """One token through the sublayer (inference): (its output, the new state)."""
         out = {}
 
