@@ -5,7 +5,8 @@
     pathfinder_check.py  Pathfinder's shortcut baselines (features a model should not need)
     real.py     Fashion-MNIST (idx files) and Shakespeare (texts) readers; Shakespeare as row streams
 genre.py    Shakespeare's speeches labelled by their play's genre (comedy, tragedy, history)
-    tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, FashionMNIST, ShakespeareBytes, ShakespeareStream
+    tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, Transduction (seq2seq),
+                FashionMNIST, ShakespeareBytes, ShakespeareStream
     loader.py   grain DataLoader: seeded shuffle, per-process sharding, worker processes, batching
     baselines.py  what an accuracy means: majority class, ListOps' root operator, Pathfinder's shortcut
     cache.py    built splits: records written once to ArrayRecord files and read back
@@ -18,7 +19,8 @@ from jxformers.data.tasks import (
     Copy,
     ListOps,
     Pathfinder,
+    Transduction,
     make_source,
 )
 
-__all__ = ["TASKS", "AssociativeRecall", "Copy", "ListOps", "Pathfinder", "make_loader", "make_source"]
+__all__ = ["TASKS", "AssociativeRecall", "Copy", "ListOps", "Pathfinder", "Transduction", "make_loader", "make_source"]
