@@ -4,8 +4,10 @@
     state, metrics = train_step(state, batch)        # state donated; metrics are arrays
     stats = make_eval_step(static)(state, batch)     # (loss sum, correct, count, rows right, rows)
 
-The forward is the model's `apply`, which returns what the model made besides its
-logits as a value (`jxformers.nn.Produced`); the step threads each part explicitly:
+The forward is the model's `apply` on the batch's inputs (`model_inputs`: an
+encoder-decoder's batch, with a `target`, is read teacher-forced), which returns what the
+model made besides its logits as a value (`jxformers.nn.Produced`); the step threads each
+part explicitly:
 
 - the MoE layers' auxiliary losses are added to the objective and their load, drops and
   entropy logged (`moe{j}/...` metrics);
