@@ -6,8 +6,8 @@ pathfinder_check.py  Pathfinder's shortcut baselines (features a model should no
 real.py     Fashion-MNIST (idx files) and Shakespeare (texts) readers; Shakespeare as row streams
 genre.py    Shakespeare's speeches, and windows of a scene's speeches (documents), labelled by
             their play's genre (comedy, tragedy, history)
-tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, Documents, FashionMNIST,
-            ShakespeareBytes, ShakespeareStream
+tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, Documents, Transduction
+            (seq2seq), FashionMNIST, ShakespeareBytes, ShakespeareStream
 loader.py   grain DataLoader: seeded shuffle, per-process sharding, worker processes, batching
 baselines.py  what an accuracy means: majority class, ListOps' root operator, Pathfinder's shortcut
 cache.py    built splits: records written once to ArrayRecord files and read back
@@ -20,7 +20,8 @@ from jxformers.data.tasks import (
     Copy,
     ListOps,
     Pathfinder,
+    Transduction,
     make_source,
 )
 
-__all__ = ["TASKS", "AssociativeRecall", "Copy", "ListOps", "Pathfinder", "make_loader", "make_source"]
+__all__ = ["TASKS", "AssociativeRecall", "Copy", "ListOps", "Pathfinder", "Transduction", "make_loader", "make_source"]

@@ -10,6 +10,12 @@ Record layouts (numpy, one example):
 * documents (classification by hierarchical encoders): `tokens [sentences, max_len]
   int32` and `mask [sentences, max_len] bool`, one row per sentence (a padded sentence's
   row all False), `label int32`.
+* sequence to sequence (model task seq2seq): `tokens`, `mask` the source (what the
+  encoder reads; no BOS or EOS), `target [max_len] int32` = `BOS y_1 .. y_m EOS` padded
+  and `target_mask [max_len] bool`. The decoder reads `target[:-1]` (teacher forcing)
+  and its row i predicts `target[i + 1]`, counted in the loss where `target_mask[i + 1]`
+  is True: every y_j and the EOS, never the BOS. Ids 0 (padding), `BOS` (1) and `EOS` (2)
+  are the same in every seq2seq task (a source's `bos_id`, `eos_id`).
 
 `TASKS` maps a task name to its source class; each class says its vocabulary size,
 number of classes (classification) and model task.
@@ -24,6 +30,8 @@ import numpy as np
 from jxformers.data import listops, pathfinder
 from jxformers.data.genre import ShakespeareGenre, ShakespeareScene, document_record
 from jxformers.data.real import FashionMNIST, ShakespeareBytes, ShakespeareStream
+
+BOS, EOS = 1, 2  # a seq2seq target's first and last token (0 pads)
 
 
 def _pad(ids: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -259,11 +267,105 @@ class Documents:
         return document_record(rows, self.sentences, self.max_len, label)
 
 
+TRANSDUCTIONS = ("reverse", "sort", "add")
+
+
+@dataclasses.dataclass(frozen=True)
+class Transduction:
+    """String transduction, a sequence-to-sequence task (model task seq2seq) in one of
+    three `operation`s on a source x of n symbols, n uniform in [min_symbols,
+    max_symbols]:
+
+    * `reverse`: y = x reversed;
+    * `sort`: y = x sorted ascending;
+    * `add`: x = `a + b`, two numbers in base `symbols` (each of n digits, n drawn per
+      operand; no leading zero unless n = 1), most significant digit first; y = the
+      digits of a + b, most significant first (n or n + 1 of them).
+
+    Ids: 0 padding, 1 BOS, 2 EOS (`BOS`, `EOS`), 3 .. 2 + symbols the symbols (add: digit
+    d is 3 + d), and for add 3 + symbols the `+`. The record (module docstring): the
+    source as `tokens`/`mask`, `target` = BOS y EOS with `target_mask`, both padded to
+    `max_len` (the model's max_len: the encoder reads max_len tokens, the decoder
+    max_len - 1). `max_symbols` defaults to the longest that fits: max_len - 2 (reverse,
+    sort: BOS y EOS), (max_len - 1) // 2 (add: a + b)."""
+
+    seed: int
+    size: int
+    max_len: int = 16
+    operation: str = "reverse"
+    symbols: int = 10
+    min_symbols: int = 1
+    max_symbols: int | None = None
+
+    model_task = "seq2seq"
+    bos_id, eos_id = BOS, EOS
+
+    @property
+    def vocab_size(self) -> int:
+        return 3 + self.symbols + (self.operation == "add")
+
+    def _max_symbols(self) -> int:
+        if self.max_symbols is not None:
+            return self.max_symbols
+        return (self.max_len - 1) // 2 if self.operation == "add" else self.max_len - 2
+
+    def __post_init__(self):
+        if self.operation not in TRANSDUCTIONS:
+            raise ValueError(f"transduction: operation must be one of {TRANSDUCTIONS}; got {self.operation!r}")
+        if self.symbols < 2 or self.size < 1:
+            raise ValueError(f"transduction: need symbols >= 2 and size >= 1; got {self.symbols}, {self.size}")
+        n = self._max_symbols()
+        # the longest source and target (BOS y EOS) must fit max_len
+        source, target = (2 * n + 1, n + 3) if self.operation == "add" else (n, n + 2)
+        if not 1 <= self.min_symbols <= n or max(source, target) > self.max_len:
+            raise ValueError(
+                f"transduction ({self.operation}): need 1 <= min_symbols <= max_symbols and a source of "
+                f"{source} and a target of {target} tokens (max_symbols {n}) to fit max_len; got min_symbols "
+                f"{self.min_symbols}, max_symbols {n}, max_len {self.max_len}"
+            )
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, int(index)])
+        draw = lambda: int(rng.integers(self.min_symbols, self._max_symbols() + 1))  # noqa: E731
+        if self.operation == "add":
+            a, b = (self._number(rng, draw()) for _ in range(2))
+            source = [*a, self.symbols, *b]
+            y = self._digits(self._value(a) + self._value(b))
+        else:
+            source = rng.integers(0, self.symbols, size=draw()).tolist()
+            y = source[::-1] if self.operation == "reverse" else sorted(source)
+        tokens, mask = _pad(np.asarray(source, np.int32) + 3, self.max_len)  # symbol s is id 3 + s
+        target, target_mask = _pad(np.asarray([BOS, *(3 + d for d in y), EOS], np.int32), self.max_len)
+        return {"tokens": tokens, "mask": mask, "target": target, "target_mask": target_mask}
+
+    def _number(self, rng, n: int) -> list[int]:
+        """n digits in base `symbols`, the first nonzero unless n = 1."""
+        first = int(rng.integers(1 if n > 1 else 0, self.symbols))
+        return [first, *rng.integers(0, self.symbols, size=n - 1).tolist()]
+
+    def _value(self, digits: list[int]) -> int:
+        value = 0
+        for d in digits:
+            value = value * self.symbols + d
+        return value
+
+    def _digits(self, value: int) -> list[int]:
+        out = [value % self.symbols]
+        while value >= self.symbols:
+            value //= self.symbols
+            out.append(value % self.symbols)
+        return out[::-1]
+
+
 TASKS = {
     "listops": ListOps,
     "pathfinder": Pathfinder,
     "copy": Copy,
     "recall": AssociativeRecall,
+    "transduction": Transduction,
     "fashion_mnist": FashionMNIST,
     "shakespeare": ShakespeareBytes,
     "shakespeare_stream": ShakespeareStream,

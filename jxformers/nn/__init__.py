@@ -58,7 +58,7 @@ any registered attention, the transformer block, models, and `ModelConfig`/`buil
     models.py     Encoder, Classifier, DualClassifier, LanguageModel, EncoderDecoder
     mixture.py    the discretized mixture of logistics output head (PixelCNN++)
     moe_sharded.py  expert parallelism for MoE with `jax.shard_map`
-    generation.py  generate: sampling a continuation with `lax.scan`
+    generation.py  generate: sampling a continuation with `lax.scan`; transduce: an EncoderDecoder's target
     trainable.py  which leaves an optimizer updates; redrawing or updating the drawn arrays
     produced.py   Produced: what a forward makes beside its output (MoE aux, k-means inputs,
                   a recurrent memory), returned by every module's `apply`

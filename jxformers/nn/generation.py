@@ -1,12 +1,13 @@
 """Generation: sampling a continuation from a language model with `lax.scan`, one token
 at a time through the model's incremental decoding state (or, as the baseline, by
-rerunning the parallel forward at every step)."""
+rerunning the parallel forward at every step); `transduce` writes an encoder-decoder's
+target for a source the same way, through its decoder bound to the source."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from jxformers.nn.layers import check_ids
 
@@ -102,3 +103,43 @@ def generate(
 
     _, new = jax.lax.scan(step, (logits[-1], state), keys[:steps])
     return jnp.concatenate([prompt, new])
+
+
+def transduce(
+    model,
+    source: Int[Array, " src"],
+    source_mask: Bool[Array, " src"] | None = None,
+    *,
+    steps: int,
+    bos: int,
+    eos: int,
+    key: PRNGKeyArray | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    use_cache: bool = True,
+) -> Int[Array, " total"]:
+    """The target an encoder-decoder (`jxformers.nn.EncoderDecoder`, task seq2seq) writes
+    for `source`: its decoder bound to the encoded source (`model.conditioned`) continues
+    `[bos]` by `steps` tokens through `generate` (greedy by default; cached decoding, or
+    the parallel decoder rerun with `use_cache=False`), and every token after the first
+    `eos` is set to 0 (padding): the shape stays fixed, so a batch of sources vmaps.
+
+    Arguments:
+        model: an `EncoderDecoder`.
+        source: `[src]` token ids; source_mask: `[src]` True for real tokens (None: all).
+        steps: target tokens to write after the BOS (1 + steps <= the model's max_len).
+        bos, eos: the target's first and last token (`jxformers.data.tasks.BOS`, `EOS`).
+        key: PRNG key for sampling (None: a fixed one; greedy decoding does not read it).
+        temperature, top_k, use_cache: as `generate`'s.
+
+    Returns:
+        `[1 + steps]`: `bos`, the target, `eos` (if written), then zeros.
+    """
+    decoder = model.conditioned(source, source_mask)
+    key = jax.random.key(0) if key is None else key
+    out = generate(
+        decoder, jnp.array([bos], jnp.int32), steps, key=key, temperature=temperature, top_k=top_k, use_cache=use_cache
+    )
+    is_eos = (out == eos).at[0].set(False)  # the BOS slot never ends the target (even where bos == eos)
+    after = (jnp.cumsum(is_eos) - is_eos) > 0
+    return jnp.where(after, 0, out)

@@ -23,7 +23,8 @@ commands:
   train     train an experiment: jxformers train CONFIG --workdir DIR [--set key=value ...]; without CONFIG
             the run in DIR goes on with its own config.yaml
   eval      evaluate the newest (--best: the best) checkpoint of a work directory: eval --workdir DIR
-  generate  sample from a trained language model: generate --workdir DIR --prompt ...
+  generate  sample from a trained language model (seq2seq: write the target of a source): generate --workdir DIR
+            --prompt ...
   plot      draw the curves of several work directories into one PNG
   data      build an experiment's generated splits on disk: data build CONFIG --out DIR [--split train|eval]
   demo      train softmax, linear and Fourier-Transformer models on tiny ListOps and compare
@@ -344,14 +345,20 @@ def _print_generated(experiment, rows) -> None:
 
 
 def _generate(rest: list[str]) -> int:
-    p = _experiment_parser("jxformers generate", "continue a prompt with a trained language model", run_config=True)
+    p = _experiment_parser(
+        "jxformers generate",
+        "continue a prompt with a trained language model, or write a seq2seq model's target for a source",
+        run_config=True,
+    )
     p.add_argument(
         "--prompt",
         required=True,
-        help="space-separated token ids, e.g. '1 5 7'; text for a "
+        help="space-separated token ids, e.g. '1 5 7' (task seq2seq: the source); text for a "
         f"byte-level text model ({', '.join(TEXT_TASKS)}), e.g. 'ROMEO:'",
     )
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument(
+        "--steps", type=int, default=None, help="tokens to generate (default 32; seq2seq: the model's max_len - 1)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -371,52 +378,61 @@ def _generate(rest: list[str]) -> int:
         'Katharopoulos et al. 2020 ("Transformers are RNNs", arXiv 2006.16236)',
     )
     args = p.parse_args(rest)
-    if args.count < 1 or args.steps < 0:
-        p.error("--count must be >= 1 and --steps >= 0")
     experiment = _load_run(p, args)
-    if experiment.model.task != "lm":
-        p.error(f"generate needs a language-model experiment; {experiment.name} is {experiment.model.task!r}")
+    assert experiment is not None  # _load_run exits with its error
+    task = experiment.model.task
+    if task not in ("lm", "seq2seq"):
+        p.error(f"generate needs a language-model or seq2seq experiment; {experiment.name} is {task!r}")
+    steps = args.steps if args.steps is not None else (experiment.model.max_len - 1 if task == "seq2seq" else 32)
+    if args.count < 1 or steps < 0:
+        p.error("--count must be >= 1 and --steps >= 0")
     prompt = _prompt_ids(p, experiment, args.prompt)
+    if task == "seq2seq" and len(prompt) > experiment.model.max_len:
+        p.error(f"--prompt: a source of {len(prompt)} tokens exceeds the model's max_len {experiment.model.max_len}")
     import time
 
     import jax
     import jax.numpy as jnp
 
-    from jxformers.nn.generation import generate
+    from jxformers.nn.generation import generate, transduce
     from jxformers.train import restore_model
 
     try:
         model, _ = restore_model(experiment, args.workdir, best=args.best)
         prompt_ids = jnp.asarray(prompt, jnp.int32)
-
-        def many(keys):
-            return jax.vmap(
-                lambda k: generate(
-                    model,
-                    prompt_ids,
-                    args.steps,
-                    key=k,
-                    temperature=args.temperature,
-                    top_k=args.top_k,
-                    use_cache=not args.recompute,
-                )
-            )(keys)
-
+        sampling = dict(temperature=args.temperature, top_k=args.top_k, use_cache=not args.recompute)
+        eos = None  # seq2seq: the target after BOS (the data task's ids), up to its EOS
+        if task == "seq2seq":
+            source = experiment.sources(generated=True)[0]
+            eos = source.eos_id
+            ends = dict(bos=source.bos_id, eos=eos)
+            one = lambda k: transduce(model, prompt_ids, steps=steps, key=k, **ends, **sampling)  # noqa: E731
+        else:
+            one = lambda k: generate(model, prompt_ids, steps, key=k, **sampling)  # noqa: E731
         keys = jax.random.split(jax.random.key(args.seed), args.count)
-        compiled = jax.jit(many).lower(keys).compile()
+        compiled = jax.jit(jax.vmap(one)).lower(keys).compile()
     except ValueError as e:
         p.error(str(e))
     start = time.perf_counter()
     out = jax.block_until_ready(compiled(keys))
     seconds = time.perf_counter() - start
-    _print_generated(experiment, out)
+    _print_generated(experiment, out if eos is None else _targets(out, eos))
     print(
-        f"generated {args.count} sequences of {args.steps} new tokens in {seconds:.3f} s: "
-        f"{args.count / seconds:.2f} sequences/s, {args.count * args.steps / seconds:.0f} tokens/s "
+        f"generated {args.count} sequences of {steps} new tokens in {seconds:.3f} s: "
+        f"{args.count / seconds:.2f} sequences/s, {args.count * steps / seconds:.0f} tokens/s "
         f"(after compilation)",
         file=sys.stderr,
     )
     return 0
+
+
+def _targets(rows, eos: int) -> list[list[int]]:
+    """Each `transduce` row's target: the tokens after its BOS, up to (not with) its EOS."""
+    out = []
+    for row in rows.tolist():
+        target = row[1:]
+        out.append(target[: target.index(eos)] if eos in target else target)
+    return out
 
 
 def _plot(rest: list[str]) -> int:

@@ -164,7 +164,9 @@ class CheckpointConfig(_Section):
     every: int = setting(500, "save every this many steps")
     keep: int = setting(3, "the latest checkpoints kept (the best is kept too)")
     best_metric: str = setting(
-        "eval_accuracy", "the metric that picks the best checkpoint", choices=("eval_accuracy", "eval_loss")
+        "eval_accuracy",
+        "the metric that picks the best checkpoint (eval_sequence_accuracy: task seq2seq)",
+        choices=("eval_accuracy", "eval_loss", "eval_sequence_accuracy"),
     )
     best_mode: str = setting("max", "whether the best is the highest or the lowest", choices=("max", "min"))
     async_save: bool = setting(True, "save in the background while training goes on")
@@ -527,6 +529,11 @@ def load_experiment(
         _check_given_model(model, train_source, data.task)
     _warn_if_grid_is_not_the_image(model, train_source)
     _check_stream_source(model, train_source, batch_size=train.batch_size)
+    if ckpt.best_metric == "eval_sequence_accuracy" and model.task != "seq2seq":
+        raise ValueError(
+            f"checkpoint.best_metric 'eval_sequence_accuracy' is measured for task seq2seq; data task {data.task!r} "
+            f"trains task {model.task!r}: use eval_accuracy or eval_loss"
+        )
     raw = {
         "name": config.get("name", "experiment"),
         "preset": preset,

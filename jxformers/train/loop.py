@@ -56,7 +56,7 @@ from jxformers.train.checkpoint import Checkpointer, CheckpointMismatch, compare
 from jxformers.train.experiment import Experiment
 from jxformers.train.sharding import ShardingPlan, make_mesh, plan_sharding
 from jxformers.train.state import TrainState, init_train_state, load_state_dict, split_model, state_dict
-from jxformers.train.step import evaluate, make_eval_step, make_train_step
+from jxformers.train.step import evaluate, make_eval_step, make_train_step, model_inputs
 from jxformers.train.tensorboard import EventWriter
 from jxformers.train.workdir import (
     CHECKPOINTS,
@@ -164,7 +164,7 @@ def evaluate_checkpoint(
     n = min(wanted, len(eval_source) // batch)
     metrics = {
         "step": int(state.step),
-        **evaluate(make_eval_step(static), state, loader, n, language_model=experiment.model.task == "lm"),
+        **evaluate(make_eval_step(static), state, loader, n, **_eval_kind(experiment)),
     }
     if experiment.model.task != "classify":
         return metrics
@@ -172,6 +172,16 @@ def evaluate_checkpoint(
         "eval_examples": n * batch,
         "baselines": baselines(train_source, eval_source, records=n * batch, workers=workers),
     }
+
+
+def _eval_kind(experiment: Experiment) -> dict[str, bool]:
+    """`evaluate`'s extra metrics for the experiment's task: bits per token (lm), sequence accuracy (seq2seq)."""
+    return {"language_model": experiment.model.task == "lm", "sequences": experiment.model.task == "seq2seq"}
+
+
+def _real_tokens(batch) -> int:
+    """The real tokens of a batch: its masks' (a seq2seq batch's source and target)."""
+    return int(batch["mask"].sum()) + int(batch["target_mask"].sum() if "target_mask" in batch else 0)
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -206,9 +216,7 @@ def _admin_profiled(state: TrainState, static, optimizer, batch, plan: ShardingP
             f"norm.placement 'admin' profiles the first batch in one process; this run has {jax.process_count()} "
             "processes, whose rows differ (and so would their weights): train it in one process"
         )
-    model = residual.admin_profile(
-        state.model(static), batch["tokens"], batch["mask"], key=jax.random.fold_in(state.rng, 0)
-    )
+    model = residual.admin_profile(state.model(static), *model_inputs(batch), key=jax.random.fold_in(state.rng, 0))
     params, _, _ = split_model(model)
     state = dataclasses.replace(state, params=params, opt_state=optimizer.init(params))
     return state if plan is None else plan.place_state(state)
@@ -357,7 +365,7 @@ class _Evaluator:
         self.source, self.step, self.plan = eval_source, make_eval_step(static), plan
         count = jax.process_count()  # each process reads its own rows of the eval batches
         self.batch = max(min(experiment.train.batch_size, len(eval_source)) // count, 1)
-        self.batches, self.lm = experiment.train.eval_batches, experiment.model.task == "lm"
+        self.batches, self.kind = experiment.train.eval_batches, _eval_kind(experiment)
         self.workers, self.kept = experiment.data.workers, None
 
     def __call__(self, state: TrainState) -> dict[str, float]:
@@ -368,7 +376,7 @@ class _Evaluator:
             self.kept = list(itertools.islice(loader, self.batches))
             if self.plan is not None:
                 self.kept = [self.plan.place_batch(b) for b in self.kept]
-        return evaluate(self.step, state, self.kept, self.batches, language_model=self.lm)
+        return evaluate(self.step, state, self.kept, self.batches, **self.kind)
 
 
 class _Signals:
@@ -664,7 +672,8 @@ def train(
         log = stack.enter_context(contextlib.closing(_MetricsLog(workdir) if distributed.is_main() else _NoLog()))
         if changes:  # a rerun changed resumable settings: the log says from which step
             log({"step": start, "config_changed": {k: list(v) for k, v in changes.items()}})
-        report = _StepReport(log, experiment, schedule, start, t.batch_size * train_source.max_len, checkpointer.steps)
+        padded = t.batch_size * train_source.max_len * (2 if experiment.model.task == "seq2seq" else 1)  # + targets
+        report = _StepReport(log, experiment, schedule, start, padded, checkpointer.steps)
         show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress and distributed.is_main())))
         if start >= t.steps:  # a rerun of a finished run: say so rather than summarise nothing
             return {
@@ -703,7 +712,7 @@ def train(
                 state = _redraw_if_due(state, static, t.redraw_every, plan)
                 if int(state.step) == 0 and experiment.model.norm.placement == "admin":
                     state = _admin_profiled(state, static, optimizer, batch, plan)
-                tokens = int(batch["mask"].sum()) * jax.process_count()  # this process's rows, scaled
+                tokens = _real_tokens(batch) * jax.process_count()  # this process's rows, scaled
                 state, m, elapsed = run_step(state, batch if plan is None else plan.place_batch(batch))
                 step, report.step_temp_bytes = int(state.step), run_step.temp_bytes
                 consistent = True

@@ -2,10 +2,12 @@
 
     train_step = make_train_step(static, optimizer, grad_accum=2)
     state, metrics = train_step(state, batch)        # state donated; metrics are arrays
-    stats = make_eval_step(static)(state, batch)     # (loss sum, correct, count)
+    stats = make_eval_step(static)(state, batch)     # (loss sum, correct, count, rows right, rows)
 
-The forward is the model's `apply`, which returns what the model made besides its
-logits as a value (`jxformers.nn.Produced`); the step threads each part explicitly:
+The forward is the model's `apply` on the batch's inputs (`model_inputs`: an
+encoder-decoder's batch, with a `target`, is read teacher-forced), which returns what the
+model made besides its logits as a value (`jxformers.nn.Produced`); the step threads each
+part explicitly:
 
 - the MoE layers' auxiliary losses are added to the objective and their load, drops and
   entropy logged (`moe{j}/...` metrics);
@@ -57,6 +59,7 @@ class LossAux(NamedTuple):
     """What `loss_and_metrics` returns beside the objective."""
 
     stats: tuple  # (loss sum, correct, count) of the cross-entropy alone
+    sequences: tuple  # (rows whose every counted prediction is right, rows with one counted at least)
     produced: Produced  # over the batch: MoE aux and named losses reduced, k-means inputs and memories per row
 
 
@@ -75,20 +78,30 @@ def _over_batch(produced: Produced, axis: int = 0) -> Produced:
     )
 
 
+def model_inputs(batch) -> tuple:
+    """The positional arguments of `model.apply` for a batch (each with a leading batch
+    axis): (tokens, mask); for a seq2seq batch (`target`, `jxformers.data.tasks`) (source,
+    target[:-1], source mask, target_mask[:-1]): the decoder reads the target but its last
+    token (teacher forcing)."""
+    if "target" in batch:
+        return batch["tokens"], batch["target"][:, :-1], batch["mask"], batch["target_mask"][:, :-1]
+    return batch["tokens"], batch["mask"]
+
+
 def _forward(model, batch, memory, key, inference) -> tuple[jax.Array, Produced]:
     """(Batched logits, what the model produced over the batch). With `memory` (one per
     row), the model reads all but each record's last token after its row's memory."""
-    tokens, mask = batch["tokens"], batch["mask"]
+    inputs = model_inputs(batch)
     if memory is not None:
-        tokens, mask = tokens[:, :-1], mask[:, :-1]
-    keys = None if key is None else jax.random.split(key, tokens.shape[0])  # None vmaps as an empty tree
+        inputs = tuple(x[:, :-1] for x in inputs)
+    keys = None if key is None else jax.random.split(key, inputs[0].shape[0])  # None vmaps as an empty tree
 
-    def one(t, m, mem, k):
+    def one(row, mem, k):
         carried = {} if mem is None else {"memory": mem}
-        return model.apply(t, m, key=k, inference=inference, **carried)
+        return model.apply(*row, key=k, inference=inference, **carried)
 
     # named, so that LayerDrop's "batch" unit can share one draw over it (jxformers.nn.layouts)
-    logits, produced = jax.vmap(one, axis_name=BATCH_AXIS)(tokens, mask, memory, keys)
+    logits, produced = jax.vmap(one, axis_name=BATCH_AXIS)(inputs, memory, keys)
     return logits, _over_batch(produced)
 
 
@@ -97,23 +110,35 @@ def loss_and_metrics(
 ) -> tuple[jax.Array, LossAux]:
     """Mean cross-entropy, plus the auxiliary losses the model produced (its MoE layers'
     weighted losses and its named losses, each a batch mean), and its `LossAux`, for a
-    classification batch (`label`) or a language-modelling batch (`loss_mask`); with
-    `memory` (a model carrying one), each row's segment is read after its memory."""
+    classification batch (`label`), a sequence-to-sequence batch (`target`: teacher-forced,
+    the loss on each target token after the BOS where `target_mask`) or a
+    language-modelling batch (`loss_mask`); with `memory` (a model carrying one), each
+    row's segment is read after its memory."""
     logits, produced = _forward(model, batch, memory, key, inference)
     if "label" in batch:
         labels, weights = batch["label"], jnp.ones(batch["label"].shape, jnp.float32)
+    elif "target" in batch:  # the decoder's row i read target[: i + 1] and predicts target[i + 1]
+        labels, weights = batch["target"][:, 1:], batch["target_mask"][:, 1:].astype(jnp.float32)
     else:  # position i predicts token i + 1 (with a memory, the last token was not read)
         logits = logits if memory is not None else logits[:, :-1]
         labels, weights = batch["tokens"][:, 1:], batch["loss_mask"][:, :-1].astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     count = jnp.maximum(weights.sum(), 1.0)
-    correct = ((jnp.argmax(logits, -1) == labels) * weights).sum()
+    right = jnp.argmax(logits, -1) == labels
+    correct = (right * weights).sum()
     total = (losses * weights).sum()
+    # a row is right when all its counted predictions are (teacher-forced: greedy decoding then
+    # reproduces its target exactly, EOS included)
+    row_weights = weights.reshape(weights.shape[0], -1)
+    counted = row_weights.sum(1) > 0
+    wrong = ((~right).reshape(row_weights.shape) * row_weights).sum(1)
+    sequences = ((counted & (wrong == 0)).sum().astype(jnp.float32), counted.sum().astype(jnp.float32))
     named = (*produced.losses.values(), *produced.layer_losses.values())
     objective = total / count if produced.exits is None else _exits_loss(produced.exits, labels, weights, count)
     objective = objective + aux_loss(produced.moe) + sum(named, jnp.zeros((), jnp.float32))
     # the exits' logits [batch, exits, ...] served the objective: not kept (nor stacked by micro-batches)
-    return objective, LossAux((total, correct, weights.sum()), dataclasses.replace(produced, exits=None))
+    stats = (total, correct, weights.sum())
+    return objective, LossAux(stats, sequences, dataclasses.replace(produced, exits=None))
 
 
 def _exits_loss(exits, labels, weights, count) -> jax.Array:
@@ -160,7 +185,7 @@ def make_train_step(
     def step(state: TrainState, batch):
         params, key = state.params, jax.random.fold_in(state.rng, 2 * state.step)
         if grad_accum == 1:
-            loss, (stats, produced), (grads, sums) = micro_grads(params, state.drawn, batch, state.memory, key)
+            loss, (stats, _, produced), (grads, sums) = micro_grads(params, state.drawn, batch, state.memory, key)
         else:
             split = lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:])  # noqa: E731
             rows = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731 - micro-batches back to one batch
@@ -230,7 +255,7 @@ def _mean(tally: jax.Array) -> jax.Array:
 
 
 class EvalStep:
-    """(state, batch) -> (loss sum, correct, count) in inference mode (on a sharded state
+    """(state, batch) -> (loss sum, correct, count, rows right, rows) in inference mode (on a sharded state
     and batch, it runs where they are). A model carrying a memory starts from an empty
     one of `eval_mem_len` slots per row and carries it from batch to batch; `reset()`
     empties it (`evaluate` does, before every evaluation). The model's tallies (the depth
@@ -243,7 +268,7 @@ class EvalStep:
         @jax.jit
         def run(state, batch, memory):
             _, aux = loss_and_metrics(state.model(static), batch, None, inference=True, memory=memory)
-            return aux.stats, aux.produced.memory, aux.produced.tallies
+            return (*aux.stats, *aux.sequences), aux.produced.memory, aux.produced.tallies
 
         self.run = run
 
@@ -267,17 +292,24 @@ def make_eval_step(static) -> EvalStep:
     return EvalStep(static)
 
 
-def evaluate(eval_step, state: TrainState, loader, batches: int, *, language_model: bool = False) -> dict[str, float]:
+def evaluate(
+    eval_step, state: TrainState, loader, batches: int, *, language_model: bool = False, sequences: bool = False
+) -> dict[str, float]:
     """Mean loss and accuracy over `batches` batches; for language models also the loss
-    in bits per predicted token (bits per dimension for pixels, per byte for text); and
-    each tally the model keeps, as `eval_<name>` (`EvalStep.tallies`)."""
-    total = correct = count = 0.0
+    in bits per predicted token (bits per dimension for pixels, per byte for text); with
+    `sequences` (task seq2seq) `eval_sequence_accuracy`, the share of rows whose every
+    target token (EOS included) is predicted right, teacher-forced, which is the share
+    greedy decoding reproduces exactly; and each tally the model keeps, as
+    `eval_<name>` (`EvalStep.tallies`)."""
+    sums = np.zeros(5)  # loss sum, correct, count, rows right, rows
     if hasattr(eval_step, "reset"):  # a step carrying memory starts each evaluation empty
         eval_step.reset()
     for _, batch in zip(range(batches), loader, strict=False):
-        t, c, n = (float(x) for x in eval_step(state, batch))
-        total, correct, count = total + t, correct + c, count + n
+        sums += [float(x) for x in eval_step(state, batch)]
+    total, correct, count, rows_right, rows = sums.tolist()
     out = {"eval_loss": total / max(count, 1.0), "eval_accuracy": correct / max(count, 1.0)}
+    if sequences:
+        out["eval_sequence_accuracy"] = rows_right / max(rows, 1.0)
     for name, (summed, n) in getattr(eval_step, "tallies", {}).items():  # the depth an adaptive model used
         out[f"eval_{name}"] = float(summed) / max(float(n), 1.0)
     if language_model:
