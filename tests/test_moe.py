@@ -386,7 +386,7 @@ def test_config_pkm_classifier_and_config_errors():
         (dict(ffn="pkm", pkm={"top_k": 2}), r"needs \['num_keys'\]"),
         (dict(ffn="moe", reversible=True), "needs stack 'transformer'"),
         (dict(ffn="moe", moe={"num_experts": 2, "top_k": 3}), r"top_k must be in \[1, num_experts=2\]"),
-        (dict(layer_overrides={0: {"ffn": "sparse"}}), r"stack.layer_overrides\[0\].ffn kind must be one of"),
+        (dict(layer_overrides={0: {"ffn": "sparsest"}}), r"stack.layer_overrides\[0\].ffn kind must be one of"),
     ]
     for kwargs, match in errors:
         with pytest.raises(ValueError, match=match):
