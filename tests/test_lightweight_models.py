@@ -6,10 +6,12 @@ Each part is checked against a numpy reference written from the paper (and its a
 code) in float64: LSRA's channel split and its dynamic / lightweight convolution
 (GLU, a per-position softmax kernel per head), DExTra's group linear transformations with
 feature shuffling and its input mixer, the group and width schedules and block-wise
-scaling (eq. 2 and 4), GLT parameter counts (N M / g), the ET cells branch by branch and
-their parameter counts; then as models: decoding parity (the convolutions' last k - 1
-inputs in the state), padding that cannot leak, gradients, another registered attention,
-YAML, training steps, a command-line run resumed exactly, the refusals, and a 2x2x2 mesh.
+scaling (eq. 2 and 4), GLT parameter counts (N M / g), the ET cells branch by branch (the
+decoder cell's attend-to-encoder branches too) and their parameter counts; then as
+models: decoding parity (the convolutions' last k - 1 inputs in the state), padding that
+cannot leak, gradients, another registered attention, YAML, training steps, a
+command-line run resumed exactly, the refusals, and a 2x2x2 mesh. (The ET's
+encoder-decoder as a model: tests/test_seq2seq.py.)
 
 Mutations the references are written to catch (not each tried by hand yet): the LSRA halves swapped
 (convolution on the first half); the dynamic kernel's softmax over the heads instead of
@@ -83,13 +85,17 @@ def _silu(z):
     return z / (1 + np.exp(-z))
 
 
-def _attention(att, x, causal=False, mask=None, out=None):
+def _attention(att, x, causal=False, mask=None, out=None, context=None):
     """Multi-head softmax attention with the module's projections (`out`: the output
-    projection when it is not the module's), numpy."""
+    projection when it is not the module's; keys and values from `context` when given,
+    `mask` then its padding), numpy."""
     n, h, dh = x.shape[0], att.num_heads, att.d_head
-    q, k, v = (_linear(p, x).reshape(n, h, dh) for p in (att.q_proj, att.k_proj, att.v_proj))
+    kv = x if context is None else _np(context)
+    m = kv.shape[0]
+    q = _linear(att.q_proj, x).reshape(n, h, dh)
+    k, v = (_linear(p, kv).reshape(m, h, dh) for p in (att.k_proj, att.v_proj))
     s = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(dh)
-    allowed = np.ones((n, n), bool) if mask is None else np.broadcast_to(np.asarray(mask)[None], (n, n)).copy()
+    allowed = np.ones((n, m), bool) if mask is None else np.broadcast_to(np.asarray(mask)[None], (n, m)).copy()
     if causal:
         allowed &= np.tril(np.ones((n, n), bool))
     s = np.where(allowed[None], s, -np.inf)
@@ -303,26 +309,45 @@ def test_evolved_encoder_cell_against_numpy_branch_by_branch():
     assert _params(cell) == sum(counts.values())
 
 
-def test_evolved_decoder_cell_against_numpy_and_decodes_its_convolutions():
+@pytest.mark.parametrize("encoder", [False, True], ids=["lm", "seq2seq"])
+def test_evolved_decoder_cell_against_numpy_and_decodes_its_convolutions(encoder):
+    """The lm cell; with an encoder (seq2seq), its attend-to-encoder branches too: the
+    first beside the wide self-attention on the same N_0(x), the second after the
+    self-attention with its own norm, both reading the encoder's real rows only."""
     d = 16
-    cell = EvolvedDecoderCell(registry.get("softmax").bind(), d, 2, wide_heads=8, key=jax.random.key(16))
+    softmax = registry.get("softmax").bind()
+    cell = EvolvedDecoderCell(
+        softmax, d, 2, wide_heads=8, cross_attention=softmax if encoder else None, key=jax.random.key(16)
+    )
     x0 = _x(17, 12, d)
+    context, context_mask = _x(18, 7, d), jnp.arange(7) < 5
+    kw = dict(context=context.at[5:].set(jnp.nan), context_mask=context_mask) if encoder else {}
     x = _np(x0)
-    N = [lambda v, i=i: _layernorm(v, cell.norms[i]) for i in range(6)]
-    assert cell.wide.num_heads == 8
-    x = x + _attention(cell.wide, N[0](x), causal=True)
+    N = [lambda v, i=i: _layernorm(v, cell.norms[i]) for i in range(len(cell.norms))]
+    assert cell.wide.num_heads == 8 and len(cell.norms) == 6 + encoder
+    assert (cell.first_encoder is not None) == (cell.second_encoder is not None) == encoder
+    h = N[0](x)
+    x = x + _attention(cell.wide, h, causal=True)
+    if encoder:  # beside the wide self-attention, on the same normalised input
+        x = x + _attention(cell.first_encoder, h, mask=context_mask, context=context)
     h = N[1](x)
     s = np.maximum(_sep_reference(cell.sep11, h, True), 0) + _pad(_sep_reference(cell.sep7, h, True), 2 * d)
     x = x + _sep_reference(cell.sep7_out, N[2](s), True)
     x = x + _attention(cell.attention, N[3](x), causal=True)
+    if encoder:  # after the self-attention, its own norm N_6
+        x = x + _attention(cell.second_encoder, N[6](x), mask=context_mask, context=context)
     x = x + _linear(cell.ffn_out, N[5](_silu(_linear(cell.ffn_in, N[4](x)))))
-    assert_close(cell(x0), x, atol=1e-4)
+    assert_close(cell(x0, **kw), x, atol=1e-4)
 
     @eqx.filter_jit
     def decoded(cell, rows):
-        return jax.lax.scan(lambda s, r: cell.decode_step(r, s)[::-1], cell.init_decode_state(12, jnp.float32), rows)[1]
+        kv = None if not encoder else cell.project_context(kw["context"])
+        step = lambda s, r: cell.decode_step(r, s, context_kv=kv, context_mask=kw.get("context_mask"))[::-1]  # noqa: E731
+        return jax.lax.scan(step, cell.init_decode_state(12, jnp.float32), rows)[1]
 
     assert_close(decoded(cell, x0), x, atol=1e-4)
+    with pytest.raises(ValueError, match="attends to an encoder: pass a context" if encoder else "takes no context"):
+        cell(x0, **({} if encoder else {"context": context}))
 
 
 # ----------------------------------------------------------------------------- models
@@ -402,6 +427,20 @@ def test_settings_reach_the_modules_from_yaml():
         ({"stack": "evolved", "ffn": "relu"}, "own FFNs"),
         ({"stack": "evolved", "task": "lm", "d_model": 24, "num_heads": 2}, "wide_heads"),
         ({"stack": "evolved", "kv_heads": 1}, "grouped-query"),
+        ({"stack": "evolved", "task": "seq2seq", "d_model": 24, "num_heads": 2}, "wide_heads"),
+        ({"stack": "evolved", "task": "seq2seq", "decoder": {"ffn": False}}, "searched structure"),
+        (
+            {"stack": "evolved", "task": "seq2seq", "decoder": {"cross_attention": {"name": "softmax", "d_head": 8}}},
+            "module options .* of decoder.cross_attention",
+        ),
+        (
+            {
+                "stack": "evolved",
+                "task": "seq2seq",
+                "decoder": {"cross_attention": {"name": "block_local", "block_size": 4}},
+            },
+            "cannot cross-attend",
+        ),
     ],
 )
 def test_config_refusals_name_the_setting_and_the_values(values, match):

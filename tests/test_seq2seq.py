@@ -1,8 +1,9 @@
 """Task seq2seq end to end: the `transduction` data task's records (reverse, sort, add)
 against independent references, the teacher-forced loss and its metrics against numpy,
 greedy decoding (cached, recomputed) against the parallel decoder's argmax with and
-without transparent attention, the command line's train / eval / generate with an exact
-resume, and a 2x2x2 mesh against one device."""
+without transparent attention and for the Evolved Transformer's encoder-decoder (So et al.
+2019, `stack: evolved`) with its training steps, the command line's train / eval /
+generate with an exact resume, and a 2x2x2 mesh against one device."""
 
 from __future__ import annotations
 
@@ -129,27 +130,41 @@ CONFIG = dict(
 )  # fmt: skip
 
 
+# the Evolved Transformer (So et al. 2019) as its paper's encoder-decoder: its cells hold their own FFNs
+EVOLVED = {k: v for k, v in CONFIG.items() if k != "ffn"} | {
+    "num_layers": 1, "decoder": {"num_layers": 1}, "stack": {"kind": "evolved", "wide_heads": 4},
+}  # fmt: skip
+# per stack: (the seed of the noise `tiny` adds, an end token the noised model writes for both test sources)
+NOISE = {"transformer": (5, 8), "evolved": (16, 7)}
+
+
 @functools.cache
-def tiny(transparent: bool) -> EncoderDecoder:
+def tiny(transparent: bool, stack: str = "transformer") -> EncoderDecoder:
     """A tiny model whose every parameter is moved by N(0, 1) noise (W off its uniform
     start too): at its initialisation greedy decoding writes one token over and over,
     whatever the source, which would make a weak test."""
-    config = CONFIG | {"decoder": {"num_layers": 2, "transparent": transparent}}
+    config = EVOLVED if stack == "evolved" else CONFIG
+    config = config | {"decoder": config["decoder"] | {"transparent": transparent}}
     model = build_model(config, key=jax.random.key(1))
     assert isinstance(model, EncoderDecoder) and (model.layer_weights is not None) == transparent
     params, static = eqx.partition(model, eqx.is_inexact_array)
     leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(5), len(leaves))
+    keys = jax.random.split(jax.random.key(NOISE[stack][0]), len(leaves))
     leaves = [x + jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
     return eqx.combine(jax.tree.unflatten(tree, leaves), static)
 
 
-@pytest.mark.parametrize("transparent", [False, True])
-def test_greedy_decoding_is_the_parallel_decoders_argmax(transparent):
-    model = tiny(transparent)
+@pytest.mark.parametrize(
+    "transparent,stack", [(False, "transformer"), (True, "transformer"), (False, "evolved")]
+)  # fmt: skip
+def test_greedy_decoding_is_the_parallel_decoders_argmax(transparent, stack):
+    """Cached greedy decoding (an Evolved Transformer's: its conv windows, self-attention
+    caches and both attend-to-encoder branches' projected keys) writes the parallel
+    decoder's argmax."""
+    model = tiny(transparent, stack)
     source = jnp.array([[3, 7, 4, 8, 5, 6, 0, 0], [4, 4, 4, 4, 0, 0, 0, 0]])
     mask = source > 0
-    steps, eos = 9, 8  # 1 + steps = max_len; an end the random models write (they never write EOS, 2)
+    steps, eos = 9, NOISE[stack][1]  # 1 + steps = max_len; an end the random model writes
 
     @eqx.filter_jit
     def run(model, source, mask):
@@ -178,6 +193,32 @@ def test_greedy_decoding_is_the_parallel_decoders_argmax(transparent):
     batch = {"tokens": source, "mask": mask, "target": targets, "target_mask": written}
     _, aux = eqx.filter_jit(lambda m, b: loss_and_metrics(m, b, None, inference=True))(model, batch)
     assert [float(x) for x in aux.sequences] == [1.0, 2.0]
+
+
+def test_an_evolved_transformer_trains_on_the_transduction_task_through_its_config():
+    """`stack: evolved`, task seq2seq (the paper's encoder-decoder), dropout on: AdamW steps
+    of the training loop's step on a transduction batch lower the teacher-forced loss."""
+    import optax
+
+    from jxformers import ModelConfig
+    from jxformers.data import make_loader
+    from jxformers.train.state import TrainState, split_model
+    from jxformers.train.step import make_train_step
+
+    config = ModelConfig(**EVOLVED | {"dropout": 0.1})
+    source = make_source("transduction", seed=0, size=8, max_len=10, operation="reverse", symbols=6)
+    assert source.vocab_size == config.vocab_size
+    batch = next(iter(make_loader(source, batch_size=8, seed=0, shuffle=False)))
+    params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))
+    optimizer = optax.adamw(1e-2)
+    state = TrainState(params, drawn, optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.key(1))
+    step = make_train_step(static, optimizer, grad_accum=1)
+    losses = []
+    for _ in range(4):
+        state, metrics = step(state, batch)
+        assert bool(metrics["finite"])
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0], losses
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -236,12 +277,14 @@ def test_a_2x2x2_mesh_trains_with_the_losses_of_one_device():
     from jxformers.train.sharding import make_mesh, plan_sharding
     from jxformers.train.state import TrainState, split_model
     from jxformers.train.step import evaluate, make_eval_step, make_train_step
-    from test_seq2seq import CONFIG
+    from test_seq2seq import CONFIG, EVOLVED
 
     source = make_source("transduction", seed=0, size=8, max_len=10, operation="sort", symbols=6)
     batch = next(iter(make_loader(source, batch_size=8, seed=0, shuffle=False)))
-    for transparent in (False, True):
-        config = CONFIG | {"dropout": 0.1, "decoder": {"num_layers": 2, "transparent": transparent}}
+    # plain and transparent decoders of transformer blocks and of the Evolved Transformer's cells
+    configs = [c | {"decoder": c["decoder"] | {"transparent": t}} for c in (CONFIG, EVOLVED) for t in (False, True)]
+    for config in configs:
+        config = config | {"dropout": 0.1}
         out = {}
         for sharded in (False, True):
             params, drawn, static = split_model(build_model(config, key=jax.random.key(0)))

@@ -210,6 +210,13 @@ class Block(eqx.Module):
     def _ffn_index(self) -> int:
         return 1 + (self.cross_attention is not None)
 
+    def project_context(self, context: Float[Array, "ctx d_model"]) -> tuple[Array, Array]:
+        """The keys and values its cross-attention reads of a context, computed once for
+        decoding (`decode_step`'s `context_kv`)."""
+        if self.cross_attention is None:
+            raise ValueError("this block does not cross-attend: it has no context to project")
+        return self.cross_attention.project_context(context)
+
     def attention_branch(
         self,
         x: Float[Array, "seq d_model"],

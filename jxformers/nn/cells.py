@@ -76,13 +76,33 @@ class Cell(eqx.Module):
     """A block of a whole-model design, called as the models call a transformer `Block`
     (`apply_maps`, `init_decode_state`, `decode_step_maps`) and carrying no attention
     maps; subclasses give `_forward` (the parallel pass over `[n, d_model]`), and, when
-    causal, `init_decode_state` and `_step` (one token). Cross-attention (seq2seq) and
-    Funnel's pooled keys are not theirs: given a context or a source, they raise."""
+    causal, `init_decode_state` and `_step` (one token). A cell that reads an encoder's
+    output (a seq2seq decoder's: `cross_attention` not None) gives `_forward_with_context`,
+    `_step_with_context` and `project_context` instead; the others raise when given a
+    context. Funnel's pooled keys are no cell's: given a source, they raise."""
 
     @property
-    def cross_attention(self) -> None:
-        """None: a cell reads no context (task seq2seq is refused for its stacks)."""
+    def cross_attention(self) -> Any:
+        """The cell's attention to an encoder's output, or None: a cell reads no context
+        unless it overrides this (the Evolved Transformer's decoder cell)."""
         return None
+
+    def project_context(self, context: Float[Array, "ctx d_model"]) -> Any:
+        """What a decoding step reads of an encoder's output (its keys and values, computed once)."""
+        raise ValueError(f"{type(self).__name__} reads no context: it has no keys and values to project")
+
+    def _forward_with_context(
+        self, x: Array, mask: Array | None, context: Array | None, context_mask: Array | None, *,
+        key: PRNGKeyArray | None, inference: bool,
+    ) -> tuple[Array, Produced]:  # fmt: skip
+        """`_forward` reading the encoder's output `context` `[ctx, d_model]` (`context_mask` its padding)."""
+        raise ValueError(f"{type(self).__name__} reads no context")
+
+    def _step_with_context(
+        self, x: Array, state: Any, context_kv: Any, context_mask: Array | None
+    ) -> tuple[Array, Any]:
+        """`_step` reading `project_context`'s keys and values."""
+        raise ValueError(f"{type(self).__name__} reads no context")
 
     @abc.abstractmethod
     def _forward(
@@ -95,6 +115,14 @@ class Cell(eqx.Module):
 
     def init_decode_state(self, max_len: int, dtype) -> Any:
         raise ValueError(f"{type(self).__name__} is not causal: it has no decoding state")
+
+    def _check_context(self, given: bool, what: str) -> None:
+        """ValueError unless an encoder's output (`what`) is given exactly to a cell that reads one."""
+        name = type(self).__name__
+        if given and self.cross_attention is None:
+            raise ValueError(f"{name} takes no context (seq2seq): it has no attention to an encoder; got {what}")
+        if not given and self.cross_attention is not None:
+            raise ValueError(f"{name} attends to an encoder: pass {what}")
 
     def __call__(self, x: Float[Array, "seq d_model"], **kwargs) -> Float[Array, "seq d_model"]:
         """`apply(...)`'s output alone."""
@@ -122,14 +150,21 @@ class Cell(eqx.Module):
         inference: bool = False,
     ) -> tuple[Float[Array, "seq d_model"], Produced, Any]:
         """`Block.apply_maps`'s arguments: x `[seq, d_model]`, kv_mask `[seq]` True for
-        real rows (padded rows are read as zeros by the convolutions); `bias`, `positions`
-        and `token_ids` are not read (ModelConfig allows positions added to the
-        embeddings only). Returns (`[seq, d_model]`, Produced, `maps` unchanged)."""
-        if context is not None or source is not None:
-            raise ValueError(f"{type(self).__name__} takes no context (seq2seq) and no source (Funnel pooling)")
+        real rows (padded rows are read as zeros by the convolutions); context `[ctx,
+        d_model]` and context_mask `[ctx]`, the encoder's output, exactly for a cell that
+        reads one; `bias`, `positions` and `token_ids` are not read (ModelConfig allows
+        positions added to the embeddings only). Returns (`[seq, d_model]`, Produced,
+        `maps` unchanged)."""
+        name = type(self).__name__
+        if source is not None:
+            raise ValueError(f"{name} takes no source (Funnel pooling)")
+        self._check_context(context is not None, "a context")
         if bias is not None:
-            raise ValueError(f"{type(self).__name__} takes no logit bias: positions added to the embeddings only")
-        y, produced = self._forward(x, kv_mask, key=key, inference=inference)
+            raise ValueError(f"{name} takes no logit bias: positions added to the embeddings only")
+        if context is None:
+            y, produced = self._forward(x, kv_mask, key=key, inference=inference)
+        else:
+            y, produced = self._forward_with_context(x, kv_mask, context, context_mask, key=key, inference=inference)
         return y, produced, maps
 
     def decode_step(self, x: Float[Array, " d_model"], state: Any, **kwargs) -> tuple[Float[Array, " d_model"], Any]:
@@ -147,10 +182,16 @@ class Cell(eqx.Module):
         context_mask: Any = None,
         token_id: Any = None,
     ) -> tuple[Float[Array, " d_model"], Any, Any]:
-        """One token (inference): (output `[d_model]`, the new state, `maps` unchanged)."""
-        if context_kv is not None or bias_fn is not None:
-            raise ValueError(f"{type(self).__name__} decodes without a context and without a position bias")
-        y, state = self._step(x, state)
+        """One token (inference): (output `[d_model]`, the new state, `maps` unchanged);
+        `context_kv`: `project_context`'s keys and values, exactly for a cell that reads
+        an encoder's output."""
+        if bias_fn is not None:
+            raise ValueError(f"{type(self).__name__} decodes without a position bias")
+        self._check_context(context_kv is not None, "its projected keys and values (context_kv)")
+        if context_kv is None:
+            y, state = self._step(x, state)
+        else:
+            y, state = self._step_with_context(x, state, context_kv, context_mask)
         return y, state, maps
 
 

@@ -893,7 +893,7 @@ class LanguageModel(eqx.Module):
         token: Int[Array, ""],
         state: dict[str, Any],
         *,
-        context_kv: tuple[tuple[Array, Array], ...] | None = None,
+        context_kv: tuple[Any, ...] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
     ) -> tuple[Float[Array, " vocab"], dict[str, Any]]:
         """Feed one token at position `state["length"]`; returns the next-token logits
@@ -906,7 +906,7 @@ class LanguageModel(eqx.Module):
         token: Int[Array, ""],
         state: dict[str, Any],
         *,
-        context_kv: tuple[tuple[Array, Array], ...] | None = None,
+        context_kv: tuple[Any, ...] | None = None,
         context_mask: Bool[Array, " ctx"] | None = None,
     ) -> tuple[Float[Array, " d_model"], dict[str, Any]]:
         """`decode_step` up to the last block: (its output `[d_model]`, before the final
@@ -1034,7 +1034,10 @@ class EncoderDecoder(eqx.Module):
 
 class ConditionedDecoder(eqx.Module):
     """The decoder of an encoder-decoder model bound to one encoded source: a language
-    model over the target (parallel `__call__`, `init_decode_state`, `decode_step`)."""
+    model over the target (parallel `__call__`, `init_decode_state`, `decode_step`). Its
+    decoding state holds what each block reads of the memory, projected once
+    (`project_context`: a transformer block's cross-attention keys and values, or both
+    attend-to-encoder branches' of an Evolved Transformer cell)."""
 
     decoder: LanguageModel
     memory: Float[Array, "*blocks ctx d_model"]  # [blocks, ctx, d_model]: one per block (transparent attention)
@@ -1057,9 +1060,10 @@ class ConditionedDecoder(eqx.Module):
         state = self.decoder.init_decode_state(max_len)
         context_kv = []
         for i, block in enumerate(self.decoder.plan.filled(self.decoder.blocks)):
-            assert isinstance(block, Block) and block.cross_attention is not None  # a seq2seq decoder's
+            # a seq2seq decoder's: transformer blocks, or Evolved Transformer cells with attend-to-encoder branches
+            assert isinstance(block, (Block, EvolvedDecoderCell)) and block.cross_attention is not None
             memory = self.memory if self.memory.ndim == 2 else self.memory[i]  # one per block: transparent
-            context_kv.append(block.cross_attention.project_context(memory))
+            context_kv.append(block.project_context(memory))  # what its decoding step reads
         state["context_kv"] = tuple(context_kv)
         return state
 

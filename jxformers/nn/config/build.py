@@ -40,6 +40,7 @@ from jxformers.nn.config.components import (
 )
 from jxformers.nn.config.model import ModelConfig
 from jxformers.nn.cross_layer import Evolve, map_role
+from jxformers.nn.evolved import EvolvedStack
 from jxformers.nn.feedback import FeedbackLayer, FeedbackLM
 from jxformers.nn.hierarchical import HierarchicalEncoder
 from jxformers.nn.layers import FeedForward, Linear, make_norm
@@ -485,11 +486,13 @@ def _assemble(config: ModelConfig, key: jax.Array):
             head = MixtureOfLogistics(
                 config.d_model, config.vocab_size, config.head.components, key=jax.random.fold_in(keys[5], 1)
             )
-        blocks: list[Any] = (
-            _blocks(config, layers, causal=True, cross=True, key=keys[4])
-            if cross
-            else _stack(config, causal=True, key=keys[4])
-        )
+        blocks: list[Any]
+        if cross and isinstance(stack, EvolvedStack):  # decoder cells with their attend-to-encoder branches
+            blocks = stack.blocks(config, causal=True, key=keys[4], count=layers, cross=True)
+        elif cross:
+            blocks = _blocks(config, layers, causal=True, cross=True, key=keys[4])
+        else:
+            blocks = _stack(config, causal=True, key=keys[4])
         return LanguageModel(
             # seq2seq: the encoder holds the extra tokens (the paper's MemTransformer)
             embedding(keys[3], True, extra=not cross, layers=layers),
@@ -538,7 +541,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
         return decoder(config.num_layers, cross=False)
     if config.task == "seq2seq":
         source = encoder(False)
-        assert isinstance(source, Encoder) and config.decoder is not None  # seq2seq: a transformer stack (STACKS)
+        assert isinstance(source, Encoder) and config.decoder is not None  # seq2seq: transformer or evolved (STACKS)
         return EncoderDecoder(
             source, decoder(config.decoder_layers, cross=True), transparent=config.decoder.transparent
         )

@@ -962,7 +962,7 @@ CELL_STACKS = {cls.kind: cls for cls in CELL_STACK_TYPES}  # type: ignore[attr-d
 STACKS |= {
     "lite": ("post", ENCODER_OR_LM, "Lite Transformer's long-short range attention (Wu et al. 2020)"),
     "delight": ("post", ENCODER_OR_LM, "DeLighT's DExTra blocks, scaled block-wise (Mehta et al. 2021)"),
-    "evolved": ("pre", ENCODER_OR_LM, "the Evolved Transformer's searched cells (So et al. 2019)"),
+    "evolved": ("pre", (*ENCODER_OR_LM, "seq2seq"), "the Evolved Transformer's searched cells (So et al. 2019)"),
 }
 # The hierarchical document encoders (jxformers.nn.hierarchical): records of sentences, tokens [S, W].
 HIERARCHICAL_STACK_TYPES = (HibertStack, HiTransformerStack)

@@ -419,17 +419,22 @@ class ModelConfig:
         (`jxformers.nn.cells`): the attention module's options are the transformer
         stack's, and its norms are the blocks' own (layernorm, rmsnorm, scalenorm, adanorm)."""
         stack, plain = self.stack, AttentionConfig()
-        given = {
-            f.name: getattr(self.attention, f.name)
-            for f in dataclasses.fields(AttentionConfig)
-            if f.name not in ("name", "hyper_parameters", "impl")
-            and getattr(self.attention, f.name) != getattr(plain, f.name)
-        }
-        if given:
-            raise ValueError(
-                f"stack {stack.kind!r} builds its attentions at its own widths and head counts: an attention's name, "
-                f"hyper-parameters and impl; the module options {given} are stack 'transformer''s"
-            )
+        attentions = {"model.attention": self.attention}
+        if self.decoder is not None:  # a seq2seq decoder's cells build their attend-to-encoder branches from it
+            attentions["decoder.cross_attention"] = self.decoder.cross_attention
+        for where, attention in attentions.items():
+            given = {
+                f.name: getattr(attention, f.name)
+                for f in dataclasses.fields(AttentionConfig)
+                if f.name not in ("name", "hyper_parameters", "impl")
+                and getattr(attention, f.name) != getattr(plain, f.name)
+            }
+            if given:
+                raise ValueError(
+                    f"stack {stack.kind!r} builds its attentions at its own widths and head counts: an attention's "
+                    f"name, hyper-parameters and impl; the module options {given} of {where} are stack "
+                    "'transformer''s"
+                )
         if self.norm.kind == "powernorm":
             raise ValueError(
                 f"stack {stack.kind!r}: norm 'powernorm' keeps running statistics that only the "
