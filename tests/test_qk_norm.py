@@ -143,6 +143,11 @@ def test_the_config_round_trips_and_the_cross_attention_has_its_own():
         "routing_iterations": 3,
         "aan": False,
         "aan_ffn": True,
+        "projection": "dense",
+        "modules": None,
+        "conv_length": 3,
+        "conv_modules": 3,
+        "output_projection": "dense",
     }
     assert ModelConfig.from_dict(config.to_dict()) == config  # the YAML form keeps both
     model = build_model(config, key=jax.random.key(5))
