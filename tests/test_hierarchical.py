@@ -300,6 +300,7 @@ def test_scene_records_are_windows_of_one_scene_split_by_play(tmp_path):
         make_source("shakespeare_scene", path=str(tmp_path / "absent"))
 
 
+@pytest.mark.heavy
 def test_the_command_line_trains_evaluates_and_resumes_exactly(tmp_path, capsys):
     from test_train import losses
 

@@ -381,6 +381,7 @@ def test_refusals_say_why(settings, message):
 # ----------------------------------------------------------------------------- the command line
 
 
+@pytest.mark.heavy
 def test_train_resume_eval_pruned_and_generate_from_the_command_line(tmp_path, capsys):
     import json
     import shutil

@@ -448,6 +448,7 @@ def test_config_refusals_name_the_setting_and_the_values(values, match):
         ModelConfig(**{"task": "lm", **TINY, **values})
 
 
+@pytest.mark.heavy
 def test_the_command_line_trains_evaluates_generates_and_resumes_exactly(tmp_path, capsys):
     command_line_round_trip(
         tmp_path, capsys, {"attention": "softmax", "d_model": 32, "stack": STACKS["lite"] | {"kernel_sizes": 3}}

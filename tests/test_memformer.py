@@ -277,6 +277,7 @@ def test_ernie_doc_decodes_one_segment_as_the_parallel_call():
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.heavy
 def test_train_resume_exactly_with_the_memory_from_the_command_line(texts, tmp_path, capsys):
     """`jxformers train` on a stream with Memformer (two segments per record, MRBP): the
     memory is carried in the state and checkpointed, and a run resumed from step 4's

@@ -263,9 +263,8 @@ def test_experts_every_other_block_are_the_layer_overrides_written_out():
     assert [short.layer(i).ffn.kind for i in range(4)] == ["moe", "geglu", "moe", "geglu"]
     a, b = build_model(short, key=jax.random.key(0)), build_model(written, key=jax.random.key(0))
     assert [type(x.ffn).__name__ for x in a.blocks] == ["MoE", "FeedForward", "MoE", "FeedForward"]
-    assert eqx.tree_equal(eqx.filter(a.blocks, eqx.is_array), eqx.filter(b.blocks, eqx.is_array))
-    tokens = jnp.array([1, 5, 2, 7, 3, 3, 0])
-    np.testing.assert_allclose(a(tokens), b(tokens), atol=1e-6)
+    # one model: the same modules, settings and arrays (so the same outputs)
+    assert bool(eqx.tree_equal(a, b))
     # without dense_ffn the blocks between take the experts' kind and width
     plain = ModelConfig(**sizes, ffn=moe | {"every": 3})
     assert [plain.layer(i).ffn.kind for i in range(4)] == ["moe", "gelu", "gelu", "moe"]

@@ -224,6 +224,7 @@ def test_what_the_layers_cannot_serve_is_refused(changes, words):
         ModelConfig(**TINY | changes)
 
 
+@pytest.mark.heavy
 def test_the_terraformer_trains_evaluates_generates_and_resumes_exactly_from_the_command_line(tmp_path, capsys):
     model = {k: v for k, v in TERRAFORMER.items() if k not in ("task", "vocab_size", "max_len")}
     losses = command_line_round_trip(tmp_path, capsys, model)  # exact: the Gumbel draws come from each step's key

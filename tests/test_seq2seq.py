@@ -234,6 +234,7 @@ EXPERIMENT = {
 }  # fmt: skip
 
 
+@pytest.mark.heavy
 def test_the_command_line_trains_evaluates_generates_and_resumes_exactly(tmp_path, capsys):
     import yaml
     from test_train import losses
