@@ -277,6 +277,41 @@ def test_ernie_doc_decodes_one_segment_as_the_parallel_call():
 # ----------------------------------------------------------------------------- training
 
 
+def _stream_run(texts) -> list[str]:
+    """The overrides of a tiny 8-step run of shakespeare_txl on the `texts` fixture,
+    checkpointed every 4 steps."""
+    return [
+        "preset=tiny", f"data.settings.path={texts}", "data.settings.max_len=9", "data.settings.rows=2",
+        "data.train_size=32", "data.eval_size=4", "train.batch_size=2", "model.num_layers=1", "model.d_model=16",
+        "model.num_heads=2", "model.ffn.d_ff=32", "model.max_len=16", "train.steps=8", "train.warmup_steps=2",
+        "train.eval_every=8", "train.eval_batches=1", "train.log_every=1", "checkpoint.every=4",
+        "checkpoint.async_save=false",
+    ]  # fmt: skip
+
+
+@pytest.mark.heavy
+def test_ernie_doc_resumes_exactly_with_its_same_layer_memory_from_the_command_line(texts, tmp_path):
+    """`jxformers train` with ERNIE-Doc's retrospective feed: the same-layer memory is
+    checkpointed, and a run resumed from step 4's checkpoint logs the same losses."""
+    from jxformers.tools import cli
+
+    overrides = [
+        *_stream_run(texts), "model.embedding.position=none",
+        "model.stack={kind: ernie_doc, mem_len: 8, retrospective: true, segment_len: 4}",
+    ]  # fmt: skip
+    run = tmp_path / "run"
+    argv = ["train", "shakespeare_txl", "--workdir", str(run), "--no-progress"]
+    argv += [x for o in overrides for x in ("--set", o)]
+    assert cli.main(argv) == 0
+    straight = losses(run)
+    memory = restore_train_state(load_experiment("shakespeare_txl", overrides), run)[0].memory
+    shutil.rmtree(run / "checkpoints" / "8")  # as if killed after step 4's checkpoint
+    assert cli.main(argv) == 0
+    assert losses(run) == straight and len(straight) == 8
+    resumed = restore_train_state(load_experiment("shakespeare_txl", overrides), run)[0].memory
+    assert all(bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(memory), jax.tree.leaves(resumed), strict=True))
+
+
 @pytest.mark.heavy
 def test_train_resume_exactly_with_the_memory_from_the_command_line(texts, tmp_path, capsys):
     """`jxformers train` on a stream with Memformer (two segments per record, MRBP): the
@@ -285,13 +320,7 @@ def test_train_resume_exactly_with_the_memory_from_the_command_line(texts, tmp_p
     same experiment; generation decodes."""
     from jxformers.tools import cli
 
-    common = [
-        "preset=tiny", f"data.settings.path={texts}", "data.settings.max_len=9", "data.settings.rows=2",
-        "data.train_size=32", "data.eval_size=4", "train.batch_size=2", "model.num_layers=1", "model.d_model=16",
-        "model.num_heads=2", "model.ffn.d_ff=32", "model.max_len=16", "train.steps=8", "train.warmup_steps=2",
-        "train.eval_every=8", "train.eval_batches=1", "train.log_every=1", "checkpoint.every=4",
-        "checkpoint.async_save=false",
-    ]  # fmt: skip
+    common = _stream_run(texts)
     stack = "model.stack={kind: memformer, num_slots: 2, segment_len: 4}"
     run = tmp_path / "run"
     argv = ["train", "shakespeare_txl", "--workdir", str(run), "--no-progress"]
