@@ -17,7 +17,7 @@ Hyper-parameters are the op's keyword-only arguments that take static Python val
 A registration writes by hand only what a signature cannot say, and everything other
 modules need to know about the attention: a doc line, the allowed choices and numbers
 (`limits`) of each hyper-parameter, the capabilities, the decoder, the hyper-parameter
-that must cover a model's length (`covers_length`), its row of the README's op table
+that must cover a model's length (`covers_length`), its row of the op table of docs/guide/ops.md
 (`summary`, `complexity`: `markdown_table()`), how far one query reaches (`dense_width`,
 for the warning where it is dense) and the width of the grid it reads (`grid_width`).
 Unknown names, unknown, ill-typed or out-of-range hyper-parameters and unsupported
@@ -257,7 +257,7 @@ class AttentionSpec:
             kv_len, kv_heads, d_k], *, kv_mask [batch, kv_len] or None, <hyper-parameters>)
             -> {name: new array}` gives new values of drawn arrays from a batch of the
             module's inputs; the train step calls it after each step (`nn.update_arrays`).
-        summary: what it computes, in one line (the README's op table: for a pattern,
+        summary: what it computes, in one line (the op table of docs/guide/ops.md: for a pattern,
             when query i attends key j).
         dense_width: `(words, fn)`: how far one query reaches, in keys (or, for the
             low-rank and kernelized ones, the rows or features it summarises the keys
@@ -692,11 +692,11 @@ def describe(name: str) -> str:
 
 
 def markdown_table(shipped_only: bool = True) -> str:
-    """The README's op table, rendered from the registrations (op, `summary`, causal,
-    `complexity`), in registration order. tests/test_readme.py keeps README.md's copy
+    """The op table of docs/guide/ops.md, rendered from the registrations (op, `summary`, causal,
+    `complexity`), in registration order. tests/test_registration.py keeps the copy in docs/guide/ops.md
     current; regenerate it with `jxformers list --markdown` (or `python -c "from
     jxformers import registry; print(registry.markdown_table())"`) and paste it between
-    the `attention-ops` markers. `shipped_only`: leave out attentions registered outside
+    the `attention-table` markers. `shipped_only`: leave out attentions registered outside
     the package (tests' toys)."""
 
     def cell(text: str) -> str:

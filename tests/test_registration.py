@@ -1,6 +1,6 @@
 """What an attention's registration declares is what the rest of the package reads: its
 hyper-parameters' allowed values (checked once, by `jxformers.validate.check_value`, when
-it is bound: a config is refused before any model is built), the README's op table
+it is bound: a config is refused before any model is built), the op table of docs/guide/ops.md
 (rendered from the registrations), and the names `jxformers.ops` exports (each family
 file's `__all__`)."""
 
@@ -14,7 +14,7 @@ from jxformers import ModelConfig, ops, registry
 from jxformers.ops import _common
 from jxformers.validate import Limits, check_value
 
-README = pathlib.Path(__file__).parents[1] / "README.md"
+OPS_GUIDE = pathlib.Path(__file__).parents[1] / "docs" / "guide" / "ops.md"
 
 # (attention, hyper-parameters, the words the error must hold). Each was accepted by
 # `bind` before the registrations declared their limits, and failed at the first call.
@@ -109,18 +109,18 @@ def test_one_validator_for_configs_and_hyper_parameters():
         _common.check_positive("window", -1, minimum=0)
 
 
-# ----------------------------------------------------------------------------- the README's table
+# ----------------------------------------------------------------------------- the op table of docs/guide/ops.md
 
 
 def readme_table() -> str:
-    text = README.read_text()
-    section = text[text.index("[start:attention-ops]") : text.index("[end:attention-ops]")]
+    text = OPS_GUIDE.read_text()
+    section = text[text.index("attention-table:start") : text.index("attention-table:end")]
     return "\n".join(line for line in section.splitlines() if line.startswith("|"))
 
 
 def test_the_readme_op_table_is_the_one_rendered_from_the_registrations():
     assert readme_table() == registry.markdown_table(), (
-        "README.md's op table (between the attention-ops markers) is not the registry's: replace it with the "
+        "docs/guide/ops.md's op table (between the attention-table markers) is not the registry's: replace it with the "
         "output of `jxformers list --markdown` (registry.markdown_table(); the rows' text is each registration's "
         "summary= and complexity=)"
     )
