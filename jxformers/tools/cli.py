@@ -622,9 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             nargs="?",
             help="one attention: its hyper-parameters (type, default, allowed values, doc) and what it can do",
         )
-        parser.add_argument(
-            "--markdown", action="store_true", help="the op table (Markdown) of docs/guide/ops.md"
-        )
+        parser.add_argument("--markdown", action="store_true", help="the op table (Markdown) of docs/guide/ops.md")
         args = parser.parse_args(rest)
         from jxformers import registry
         from jxformers.nn.config import architectures_table
