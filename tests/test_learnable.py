@@ -516,6 +516,29 @@ def test_sinkhorn_sorts_and_its_sorting_network_gets_a_gradient():
             assert float(jnp.abs(grads[name]).max()) > 0, f"{name} got no gradient (causal={causal})"
 
 
+def test_sinkhorn_sorting_network_reads_the_key_block_sums():
+    # The stated difference: R = relu(psi(K) W1 + b1) W2 + b2 from the keys' block sums
+    # (psi(K) = psi(X) W_K: the paper's network on psi(X) with its first layer factored
+    # through d_k), in numpy; the same network on the queries' sums fails.
+    n, b = 24, 6
+    q, k, v = qkv(12, n)
+    a = {name: np.asarray(x, np.float64) for name, x in arrays_for("sinkhorn", block_size=b, max_len=32).items()}
+    kh = np.repeat(np.asarray(k, np.float64), HEADS // KV_HEADS, axis=1)  # per query head
+
+    def network(x):  # x [n, heads, d] -> logits [heads, blocks, blocks]
+        sums = x.reshape(n // b, b, HEADS, D_K).sum(1).transpose(1, 0, 2)  # [heads, blocks, d]
+        hidden = np.maximum(np.einsum("hnd,hde->hne", sums, a["sort_w1"]) + a["sort_b1"][:, None], 0)
+        blocks = n // b
+        logits = np.einsum("hne,hem->hnm", hidden, a["sort_w2"][:, :, :blocks]) + a["sort_b2"][:, None, :blocks]
+        return jnp.asarray(logits)
+
+    hp = dict(block_size=b, max_len=32, sinkhorn_iters=3)
+    out = call(ops.sinkhorn_attention, q, k, v, **hp, **arrays_for("sinkhorn", block_size=b, max_len=32))
+    assert_close(out, call(ops.sinkhorn_attention, q, k, v, **hp, sort_logits=network(kh)), atol=2e-5)
+    other = call(ops.sinkhorn_attention, q, k, v, **hp, sort_logits=network(np.asarray(q, np.float64)))
+    assert not np.allclose(out, other, atol=1e-4)
+
+
 def test_sinkhorn_adds_gumbel_noise_in_training_only():
     # LRA never adds Gumbel noise: here a training key perturbs the sort, one key twice the same, inference none.
     n, b = 24, 6
@@ -588,11 +611,16 @@ def test_clusterformer_attends_within_chunks_of_the_cluster_sorted_order():
     centroids = jax.random.normal(jax.random.key(16), (1, clusters, q.shape[2]))
     out = call(ops.clusterformer_attention, q, k, v, n_clusters=clusters, chunk_size=chunk, centroids=centroids)
     # Reference from the paper's definition, in numpy: nearest centroid, sort by (cluster, position), chunk.
-    qn = np.asarray(q[:, 0]) / np.linalg.norm(np.asarray(q[:, 0]), axis=1, keepdims=True)
+    # The stated difference: the per-head queries are clustered (not the hidden states, nor the keys).
     cn = np.asarray(centroids[0]) / np.linalg.norm(np.asarray(centroids[0]), axis=1, keepdims=True)
-    cluster = np.argmax(qn @ cn.T, axis=1)
-    order = sorted(range(n), key=lambda i: (cluster[i], i))
-    chunk_of = np.empty(n, int)
-    chunk_of[order] = np.arange(n) // chunk
-    mask = chunk_of[:, None] == chunk_of[None, :]
+
+    def chunks_of(x):
+        cluster = np.argmax((x / np.linalg.norm(x, axis=1, keepdims=True)) @ cn.T, axis=1)
+        order = sorted(range(n), key=lambda i: (cluster[i], i))
+        chunk_of = np.empty(n, int)
+        chunk_of[order] = np.arange(n) // chunk
+        return chunk_of[:, None] == chunk_of[None, :]
+
+    mask = chunks_of(np.asarray(q[:, 0]))
+    assert not np.array_equal(mask, chunks_of(np.asarray(k[:, 0])))  # clustering the keys would fail
     assert_close(out, softmax_attention(q, k, v, mask=jnp.asarray(mask)), atol=2e-5)

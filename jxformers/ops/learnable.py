@@ -820,7 +820,10 @@ def sinkhorn_attention(
     """Sparse Sinkhorn attention (Tay et al., 2020).
 
     The sequence is cut into contiguous blocks of `block_size`. A sorting network reads
-    each block's key sum and gives block-to-block logits R `[blocks, blocks]`; in
+    each block's key sum and gives block-to-block logits R `[blocks, blocks]` (the paper
+    reads the layer input's block sums psi(X); psi(K) = psi(X) W_K + bias, so this is its
+    network with the first layer factored through the key projection, and the op stays
+    a function of q, k, v whose decoder caches keys only); in
     training Gumbel noise is added (`gumbel_key`, passed by the module on every training
     call; none at inference); Sinkhorn balancing of R / temperature (`sinkhorn_iters`
     rounds) makes a soft permutation P; the sorted key and value blocks are
@@ -1026,9 +1029,12 @@ def clusterformer_attention(
     their nearest k-means centroid, sorted by (cluster, position), cut into chunks of
     `chunk_size`, and attend within their chunk (so a chunk holds one cluster's tokens,
     or the end of one and the start of the next). Tokens are clustered by their unit-
-    normalised query vectors, one assignment per head; the centroids are state moved by
-    online k-means in training (`clusterformer_update`), not by the gradient. The paper
-    interleaves these layers with sliding-window ones (ModelConfig `stack.layer_overrides`).
+    normalised query vectors, one assignment per head (the paper clusters the hidden
+    states; the training-time update sees the module's queries and keys only); the
+    centroids are state moved by online k-means in training (`clusterformer_update`, a
+    moving average per batch where the paper reruns k-means on stored states every few
+    epochs), not by the gradient. The paper interleaves these layers with sliding-window
+    ones (ModelConfig `stack.layer_overrides`).
 
     Arguments:
         q, k, v: self-attention inputs of one length `seq` (any length).
