@@ -180,13 +180,15 @@ FACTS: dict[str, Facts] = {
         growth=Growth("linear", lambda n: {"n_buckets": 16, "chunk_size": 32}),
     ),
     "routing": Facts(
-        variants=({"n_clusters": 3, "local_heads": 2, "local_window": 3},),  # 2 local and 2 routing query heads
+        # 2 local and 2 routing query heads; a causal window of ceil(40 / 3) keys
+        variants=({"n_clusters": 3, "local_heads": 2, "local_window": 3, "max_len": 40},),
         errors=(
+            ({"max_len": 0}, "max_len"),
             ({"local_heads": 1}, "local_heads"),
             ({"n_clusters": 0}, "n_clusters"),
             ({"local_window": -1}, "local_window"),
         ),
-        growth=Growth("n sqrt n", lambda n: {"n_clusters": math.isqrt(n), "local_heads": 0}),
+        growth=Growth("n sqrt n", lambda n: {"n_clusters": math.isqrt(n), "local_heads": 0, "max_len": n}),
     ),
     "sinkhorn": Facts(  # SortCut cannot be causal: tests/test_learnable.py checks it
         variants=({"block_size": 5, "max_len": 40, "sinkhorn_iters": 4},),

@@ -155,6 +155,63 @@ def test_lsh_any_length_padding_and_bf16():
     assert half.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(half.astype(jnp.float32))))
 
 
+def lsh_union_reference(q, v, rotations, *, chunk, causal):
+    """Reformer's appendix, from the paper, one head in numpy: with duplicates counted,
+    the hash rounds' log-sum-exp combination is one softmax over every key a query finds
+    in any round. Not causal: each round's positions sorted by (bucket, position), the
+    rounds concatenated (trax's layout), cut into chunks; a query finds its chunk and the
+    one before in the concatenation (the first wrapping to the last). Causal: the chunk + 1
+    most recent earlier keys of its bucket in each round. Shared keys q/|q|, logits over
+    sqrt(d), no self unless alone. Returns (out, the union, the union without the wrap
+    and cross-round look-back, how many times each pair was found)."""
+    q, v, rotations = (np.asarray(x, np.float64) for x in (q, v, rotations))
+    n, d = q.shape
+    rotated = np.einsum("ld,rdh->rlh", q, rotations)
+    buckets = np.argmax(np.concatenate([rotated, -rotated], -1), -1)
+    found = np.zeros((n, n), int)
+    within = np.zeros((n, n), bool)  # each round's chunks alone, the first chunk looking at nothing before
+    if causal:
+        for b in buckets:
+            for i in range(n):
+                mine = [j for j in range(i + 1) if b[j] == b[i]][-(chunk + 1) :]
+                found[i, mine] += 1
+    else:
+        chunks = np.concatenate([np.argsort(b, kind="stable") for b in buckets]).reshape(-1, chunk)
+        per_round = n // chunk
+        for c, members in enumerate(chunks):
+            window = np.concatenate([chunks[c - 1], members])  # chunks[-1]: the wrap
+            for i in members:
+                np.add.at(found[i], window, 1)
+                within[i, members] = True
+                if c % per_round:
+                    within[i, chunks[c - 1]] = True
+    allowed = found > 0
+    others = (allowed & ~np.eye(n, dtype=bool)).any(1, keepdims=True)
+    allowed &= ~np.eye(n, dtype=bool) | ~others
+    keys = q / np.linalg.norm(q, axis=-1, keepdims=True)
+    logits = np.where(allowed, q @ keys.T / np.sqrt(d), -np.inf)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    return (p / p.sum(1, keepdims=True)) @ v, allowed, within, found
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lsh_rounds_look_across_and_count_duplicate_keys_as_the_appendix(causal):
+    # One softmax over the union of the rounds' windows: fails without the log N_ij
+    # correction (some pair is found twice) and, not causal, without the look-back from
+    # a round's first chunk to the previous round's last (the union differs without it).
+    n, chunk = 16, 3 if causal else 4
+    q, _, v = qkv(9, n)
+    q, v = q[:, :1], v[:, :1]
+    rotations = jax.random.normal(jax.random.key(5), (1, 2, D_K, 2))
+    hp = dict(n_buckets=4, n_hashes=2, chunk_size=chunk, causal=causal)
+    out = call(ops.lsh_attention, q, q, v, **hp, rotations=rotations)
+    expected, allowed, within, found = lsh_union_reference(q[:, 0], v[:, 0], rotations[0], chunk=chunk, causal=causal)
+    assert (found > 1).any()
+    if not causal:
+        assert (allowed & ~within).any()
+    assert_close(out[:, 0], expected, atol=2e-5)
+
+
 def test_lsh_errors_name_the_value():
     q, k, v = qkv(0, 8)
     with pytest.raises(ValueError, match="n_buckets=3"):
@@ -266,6 +323,51 @@ def test_routing_queries_attend_only_within_their_cluster():
     centroids = jnp.stack([base, -base])[None]
     out = call(ops.routing_attention, qk, qk, v, n_clusters=2, local_heads=0, centroids=centroids)
     assert_close(out, jnp.broadcast_to(side, out.shape), atol=1e-6)
+
+
+def test_routing_a_query_no_centroid_picks_gets_zeros_from_its_routing_heads():
+    # The authors' code scatters each cluster's outputs back and divides by the count of
+    # centroids that picked the query (plus 1e-2): a query no centroid picks gets zeros.
+    # Here 3 centroids take their top-3 of 9 queries; the query pointing away from all
+    # three is last for every centroid, so no one picks it.
+    d, eye = D_K, jnp.eye(D_K)
+    near = [0, 0, 0, 0, 1, 1, 1, 2]  # the nearest centroid of the 8 others
+    noise = 0.01 * jax.random.normal(jax.random.key(3), (8, d))
+    vectors = jnp.concatenate([eye[jnp.array(near)] + noise, -(eye[0] + eye[1] + eye[2])[None]])[:, None]
+    v = jax.random.normal(jax.random.key(4), (9, 1, 3))
+    out = call(ops.routing_attention, vectors, vectors, v, n_clusters=3, local_heads=0, centroids=eye[None, :3])
+    assert_close(out[8], jnp.zeros_like(out[8]), atol=0)
+    assert bool(jnp.all(jnp.abs(out[4:8]).sum(-1) > 0))  # centroids 1 and 2 surely pick their own
+
+
+ROUTING_LM = dict(vocab_size=31, num_layers=1, d_model=16, num_heads=4, kv_heads=2, d_ff=24, max_len=64)
+
+
+@pytest.fixture(scope="module")
+def routing_lm():
+    attention = {"name": "routing", "n_clusters": 4, "local_heads": 2, "local_window": 3}
+    return build_model(ModelConfig(task="lm", attention=attention, **ROUTING_LM), key=jax.random.key(0))
+
+
+def test_routing_decodes_like_its_causal_forward_at_every_prefix_length(routing_lm):
+    # The causal window w = ceil(max_len / n_clusters) is fixed by the model's max_len, so
+    # the parallel forward of a prefix of any length is the decoder's (it was w =
+    # ceil(n / n_clusters) of the call's length: 3.6e-2 apart at 24 of 64 tokens).
+    from suites import forward, tokens
+
+    x = tokens(11, ROUTING_LM["max_len"])
+
+    @eqx.filter_jit
+    def decoded(model, x):
+        def step(state, token):
+            logits, state = model.decode_step(token, state)
+            return state, logits
+
+        return jax.lax.scan(step, model.init_decode_state(ROUTING_LM["max_len"]), x)[1]
+
+    cached = decoded(routing_lm, x)
+    for n in (1, 7, 24, 64):
+        assert_close(cached[:n], forward(routing_lm, x[:n]), atol=3e-5, rtol=1e-4)
 
 
 def test_kmeans_centroids_move_towards_the_data():
@@ -414,6 +516,29 @@ def test_sinkhorn_sorts_and_its_sorting_network_gets_a_gradient():
             assert float(jnp.abs(grads[name]).max()) > 0, f"{name} got no gradient (causal={causal})"
 
 
+def test_sinkhorn_sorting_network_reads_the_key_block_sums():
+    # The stated difference: R = relu(psi(K) W1 + b1) W2 + b2 from the keys' block sums
+    # (psi(K) = psi(X) W_K: the paper's network on psi(X) with its first layer factored
+    # through d_k), in numpy; the same network on the queries' sums fails.
+    n, b = 24, 6
+    q, k, v = qkv(12, n)
+    a = {name: np.asarray(x, np.float64) for name, x in arrays_for("sinkhorn", block_size=b, max_len=32).items()}
+    kh = np.repeat(np.asarray(k, np.float64), HEADS // KV_HEADS, axis=1)  # per query head
+
+    def network(x):  # x [n, heads, d] -> logits [heads, blocks, blocks]
+        sums = x.reshape(n // b, b, HEADS, D_K).sum(1).transpose(1, 0, 2)  # [heads, blocks, d]
+        hidden = np.maximum(np.einsum("hnd,hde->hne", sums, a["sort_w1"]) + a["sort_b1"][:, None], 0)
+        blocks = n // b
+        logits = np.einsum("hne,hem->hnm", hidden, a["sort_w2"][:, :, :blocks]) + a["sort_b2"][:, None, :blocks]
+        return jnp.asarray(logits)
+
+    hp = dict(block_size=b, max_len=32, sinkhorn_iters=3)
+    out = call(ops.sinkhorn_attention, q, k, v, **hp, **arrays_for("sinkhorn", block_size=b, max_len=32))
+    assert_close(out, call(ops.sinkhorn_attention, q, k, v, **hp, sort_logits=network(kh)), atol=2e-5)
+    other = call(ops.sinkhorn_attention, q, k, v, **hp, sort_logits=network(np.asarray(q, np.float64)))
+    assert not np.allclose(out, other, atol=1e-4)
+
+
 def test_sinkhorn_adds_gumbel_noise_in_training_only():
     # LRA never adds Gumbel noise: here a training key perturbs the sort, one key twice the same, inference none.
     n, b = 24, 6
@@ -486,11 +611,16 @@ def test_clusterformer_attends_within_chunks_of_the_cluster_sorted_order():
     centroids = jax.random.normal(jax.random.key(16), (1, clusters, q.shape[2]))
     out = call(ops.clusterformer_attention, q, k, v, n_clusters=clusters, chunk_size=chunk, centroids=centroids)
     # Reference from the paper's definition, in numpy: nearest centroid, sort by (cluster, position), chunk.
-    qn = np.asarray(q[:, 0]) / np.linalg.norm(np.asarray(q[:, 0]), axis=1, keepdims=True)
+    # The stated difference: the per-head queries are clustered (not the hidden states, nor the keys).
     cn = np.asarray(centroids[0]) / np.linalg.norm(np.asarray(centroids[0]), axis=1, keepdims=True)
-    cluster = np.argmax(qn @ cn.T, axis=1)
-    order = sorted(range(n), key=lambda i: (cluster[i], i))
-    chunk_of = np.empty(n, int)
-    chunk_of[order] = np.arange(n) // chunk
-    mask = chunk_of[:, None] == chunk_of[None, :]
+
+    def chunks_of(x):
+        cluster = np.argmax((x / np.linalg.norm(x, axis=1, keepdims=True)) @ cn.T, axis=1)
+        order = sorted(range(n), key=lambda i: (cluster[i], i))
+        chunk_of = np.empty(n, int)
+        chunk_of[order] = np.arange(n) // chunk
+        return chunk_of[:, None] == chunk_of[None, :]
+
+    mask = chunks_of(np.asarray(q[:, 0]))
+    assert not np.array_equal(mask, chunks_of(np.asarray(k[:, 0])))  # clustering the keys would fail
     assert_close(out, softmax_attention(q, k, v, mask=jnp.asarray(mask)), atol=2e-5)

@@ -8,9 +8,10 @@ Cluster-Former (Wang et al., 2020).
 Each op works per head on one example. The bucketed ones (LSH, Cluster-Former, causal
 Routing) sort the positions by (bucket, position), so every bucket is a run of the
 sorted sequence in position order, and attend inside fixed-size chunks of that order
-(`_sorted_chunks`) or, when causal, to the most recent keys of the query's own bucket
-(`_recent_in_bucket`: the chunk boundaries of the sorted order depend on how many later
-tokens fall into lower buckets, so a causal chunked form would read the future).
+(`_sorted_chunks`; LSH's rounds concatenated, `_lsh_sorted_rounds`) or, when causal, to
+the most recent keys of the query's own bucket (`_recent_keys`: the chunk boundaries of
+the sorted order depend on how many later tokens fall into lower buckets, so a causal
+chunked form would read the future).
 Padded positions go to a bucket after every real one, so they never move a real token.
 
 Their drawn arrays follow the registry: LSH's random rotations are drawn from a key and
@@ -36,7 +37,6 @@ from jxformers.ops._common import (
     check_positive,
     check_self,
     default_scale,
-    neighbour_blocks,
     out_dtype,
     pad_to,
     positions,
@@ -115,30 +115,27 @@ def _unless_alone(mask: Array, is_self: Array) -> Array:
     return mask & (~is_self | ~others)
 
 
-def _sorted_chunks(q, k, v, bucket, real, *, chunk: int, before: int, self_mask: bool, scale: float):
+def _sorted_chunks(q, k, v, bucket, real, *, chunk: int, scale: float):
     """One head: sort positions by (bucket, position), cut the order into chunks of
-    `chunk`, and let each query attend to the keys of its own chunk and of the `before`
-    chunks behind it (Reformer's P~_i). q, k `[L, d]`, v `[L, dv]`, bucket, real `[L]`
-    (L a multiple of chunk). Returns (out `[L, dv]`, log-sum-exp `[L]`) in position order."""
+    `chunk`, and let each query attend to the keys of its own chunk (Cluster-Former).
+    q, k `[L, d]`, v `[L, dv]`, bucket, real `[L]` (L a multiple of chunk). Returns out
+    `[L, dv]` in position order."""
     length = q.shape[0]
     order = jnp.argsort(bucket, stable=True)  # stable: positions ascend within a bucket
-    qb, qp = to_blocks(q[order], chunk), to_blocks(order, chunk)
-    kb, vb, rb, kp = (neighbour_blocks(to_blocks(x[order], chunk), before, 0) for x in (k, v, real, positions(length)))
+    qb, kb, vb, rb = (to_blocks(x[order], chunk) for x in (q, k, v, real))
     s = jnp.einsum("ncd,nkd->nck", qb, kb) * scale
     m = jnp.broadcast_to(rb[:, None, :], s.shape)
-    if self_mask:
-        m = _unless_alone(m, qp[:, :, None] == kp[:, None, :])
-    p, lse = _softmax_lse(s, m)
+    p = _joint_softmax([(s, m)])[0]
     out = read_values("nck,nkd->ncd", p, vb, reads=m).reshape(length, -1)
-    return jnp.zeros_like(out).at[order].set(out), jnp.zeros((length,), lse.dtype).at[order].set(lse.reshape(-1))
+    return jnp.zeros_like(out).at[order].set(out)
 
 
-def _recent_in_bucket(q, k, v, q_bucket, k_bucket, real, *, window: int, self_mask: bool, scale: float):
-    """One head, causal: query i attends to the `window + 1` most recent keys j <= i whose
-    bucket is the query's (itself included). Which keys those are depends on earlier
-    tokens only. Gathered from the keys sorted by (bucket, position): O(L * window * d).
-    Returns (out `[L, dv]`, log-sum-exp `[L]`)."""
-    length = q.shape[0]
+def _recent_keys(q_bucket, k_bucket, real, *, window: int, self_mask: bool):
+    """One head, causal: for each query i, the `window + 1` most recent keys j <= i whose
+    bucket is the query's (itself included), gathered from the keys sorted by (bucket,
+    position). Which keys those are depends on earlier tokens only. Returns (key
+    positions `[L, window + 1]`, which of them are attended `[L, window + 1]`)."""
+    length = q_bucket.shape[0]
     pos = positions(length)
     order = jnp.argsort(k_bucket, stable=True)
     sorted_key = k_bucket[order] * length + pos[order]  # ascending
@@ -146,11 +143,74 @@ def _recent_in_bucket(q, k, v, q_bucket, k_bucket, real, *, window: int, self_ma
     slot = end[:, None] - 1 - jnp.arange(window + 1)[None, :]
     j = order[jnp.clip(slot, 0, length - 1)]  # [L, window + 1] key positions
     m = (slot >= 0) & (k_bucket[j] == q_bucket[:, None]) & real[j]
-    s = jnp.einsum("ld,lwd->lw", q, k[j]) * scale
     if self_mask:
         m = _unless_alone(m, j == pos[:, None])
+    return j, m
+
+
+def _attend_gathered(q, k, v, j, m, *, scale: float, log_count=None):
+    """Each query i attends to its gathered keys j `[L, w]` where m; `log_count` (if
+    given, `[L, w]`) is subtracted from the logits. Returns (out `[L, dv]`, lse `[L]`)."""
+    s = jnp.einsum("ld,lwd->lw", q, k[j]) * scale
+    if log_count is not None:
+        s = s - log_count
     p, lse = _softmax_lse(s, m)
     return read_values("lw,lwd->ld", p, v[j], reads=m), lse
+
+
+def _recent_in_bucket(q, k, v, q_bucket, k_bucket, real, *, window: int, self_mask: bool, scale: float):
+    """One head, causal: query i attends to `_recent_keys` (the `window + 1` most recent
+    keys j <= i of its bucket): O(L * window * d). Returns (out `[L, dv]`, lse `[L]`)."""
+    j, m = _recent_keys(q_bucket, k_bucket, real, window=window, self_mask=self_mask)
+    return _attend_gathered(q, k, v, j, m, scale=scale)
+
+
+def _log_duplicates(j: Int[Array, "r L w"], m: Bool[Array, "r L w"]) -> Float[Array, "r L w"]:
+    """log N_ij of Reformer's appendix: how many times query i attends key j over all its
+    hash rounds' windows (each round's gathered keys `j`, attended where `m`)."""
+    rounds, length, width = j.shape
+    all_j = jnp.moveaxis(j, 0, 1).reshape(length, rounds * width)  # query i's keys in every round
+    all_m = jnp.moveaxis(m, 0, 1).reshape(length, rounds * width)
+    count = jnp.sum((j[..., None] == all_j[None, :, None, :]) & all_m[None, :, None, :], axis=-1)
+    return jnp.log(jnp.maximum(count, 1).astype(jnp.float32))
+
+
+def _lsh_sorted_rounds(q, keys, v, buckets, real, *, chunk: int, scale: float):
+    """One head, not causal: Reformer's chunked attention over the hash rounds as the
+    authors' trax code lays it out. Each round sorts the positions by (bucket, position);
+    the rounds' orders are concatenated and cut into chunks of `chunk` (a round is a whole
+    number of chunks); each chunk attends to itself and the chunk before it in the
+    concatenation, so a round's first chunk sees the previous round's last one (round
+    0's, the last round's: trax's `look_adjacent` wraps). A token never attends to itself
+    unless it has nothing else. A key found n times among a query's windows of all rounds
+    has log n subtracted from its logits (the appendix's correction), so the rounds'
+    log-sum-exp combination is one softmax over the keys the query found. q, keys `[L, d]`,
+    v `[L, dv]`, buckets `[r, L]`, real `[L]`. Returns (out `[r, L, dv]`, lse `[r, L]`)."""
+    rounds, length = buckets.shape
+    order = jax.vmap(lambda b: jnp.argsort(b, stable=True))(buckets)  # [r, L], positions ascend in a bucket
+    n_chunks = rounds * length // chunk
+    qp = order.reshape(n_chunks, chunk)  # the positions in each chunk of the concatenation
+    kp = jnp.concatenate([jnp.roll(qp, 1, axis=0), qp], axis=1)  # the chunk before, then its own
+    s = jnp.einsum("ncd,nkd->nck", q[qp], keys[kp]) * scale
+    m, is_self = jnp.broadcast_to(real[kp][:, None, :], s.shape), qp[:, :, None] == kp[:, None, :]
+    has_other = jnp.zeros((length,), bool).at[qp].max(jnp.any(m & ~is_self, axis=-1))  # in any round
+    m = m & (~is_self | ~has_other[qp][..., None])
+    # The chunk holding each position in each round, then N_ij: the occurrences of key j
+    # (in any round's order) in the chunks query i reads in each round (its own and the one
+    # before). The self key (attended only by a query with nothing else) counts once.
+    rank = jnp.zeros((rounds, length), jnp.int32).at[positions(rounds)[:, None], order].set(positions(length)[None])
+    where = (positions(rounds)[:, None] * length + rank) // chunk  # [r, L]
+    read_q = where[:, qp]  # [r', n, c]: query i's chunk in round r'
+    at_k = where[:, kp]  # [r'', n, 2c]: key j's chunk in round r''
+    own = read_q[:, None, :, :, None] == at_k[None, :, :, None, :]  # [r', r'', n, c, 2c]
+    before = (read_q[:, None, :, :, None] - 1) % n_chunks == at_k[None, :, :, None, :]
+    count = jnp.sum(own | before, axis=(0, 1))
+    count = jnp.where(qp[:, :, None] == kp[:, None, :], 1, count)
+    p, lse = _softmax_lse(s - jnp.log(jnp.maximum(count, 1).astype(jnp.float32)), m)
+    out = read_values("nck,nkd->ncd", p, v[kp], reads=m).reshape(rounds, length, -1)
+    lse = lse.reshape(rounds, length)
+    unsort = lambda x, o: jnp.zeros_like(x).at[o].set(x)  # noqa: E731
+    return jax.vmap(unsort)(out, order), jax.vmap(unsort)(lse, order)
 
 
 def _combine_rounds(outs: Float[Array, "r *L dv"], lses: Float[Array, " r *L"]) -> Float[Array, "*L dv"]:
@@ -166,15 +226,22 @@ def _combine_rounds(outs: Float[Array, "r *L dv"], lses: Float[Array, " r *L"]) 
 # ----------------------------------------------------------------------------- decoding
 
 
-def _recent_step(q, keys, values, buckets, bucket, filled, t, *, window: int, self_mask: bool, scale: float):
-    """One query at position t against the cache: `_recent_in_bucket`'s keys (the
-    window + 1 most recent of its bucket up to t) by counting, in position order, the
-    same-bucket keys after each slot. Returns (out [dv], log-sum-exp [])."""
+def _recent_mask(buckets, bucket, filled, t, *, window: int, self_mask: bool):
+    """The cache slots `_recent_keys` gives the query at position t (the window + 1 most
+    recent of its bucket up to t), found by counting, in position order, the same-bucket
+    keys after each slot."""
     same = filled & (buckets == bucket)
     after = jnp.cumsum(same[::-1].astype(jnp.int32))[::-1] - same.astype(jnp.int32)
     m = same & (after <= window)
     if self_mask:
-        m = _unless_alone(m, positions(keys.shape[0]) == t)
+        m = _unless_alone(m, positions(buckets.shape[0]) == t)
+    return m
+
+
+def _recent_step(q, keys, values, buckets, bucket, filled, t, *, window: int, self_mask: bool, scale: float):
+    """One query at position t against the cache, attending to `_recent_mask`'s slots.
+    Returns (out [dv], log-sum-exp [])."""
+    m = _recent_mask(buckets, bucket, filled, t, window=window, self_mask=self_mask)
     p, lse = _softmax_lse(keys @ q * scale, m)
     return p @ values, lse
 
@@ -291,16 +358,21 @@ def lsh_attention(
     `k` is not `q` warns (`SharedQKWarning`, once per call site) unless `warn_unused_k`
     is False. The registry's binding passes False (`register(..., shared_qk=True)` says
     it), so models never warn; their key projection is unused. Each of `n_hashes` rounds hashes every position with
-    h(x) = argmax([xR; -xR]) for its random rotation R, sorts the positions by (bucket,
-    position), cuts the order into chunks of `chunk_size`, and lets each query attend to
-    its own chunk and the chunk before, never to itself unless it has nothing else. The
-    rounds' outputs are combined by their log-sum-exp weights,
-    o_i = sum_r exp(z_i^r - z_i) o_i^r. Logits are divided by sqrt(d_k).
+    h(x) = argmax([xR; -xR]) for its random rotation R and sorts the positions by
+    (bucket, position); as the authors' trax code, the rounds' orders are concatenated
+    and cut into chunks of `chunk_size`, and each query attends to its own chunk and the
+    chunk before it in the concatenation (a round's first chunk sees the previous round's
+    last, round 0's the last round's), never to itself unless it has nothing else in
+    any round. A key a query finds N_ij times over its rounds has log N_ij subtracted
+    from its logits (the paper's appendix), and the rounds' outputs are combined by
+    their log-sum-exp weights, o_i = sum_r exp(z_i^r - z_i) o_i^r: together one softmax
+    over the keys found in any round. Logits are divided by sqrt(d_k).
 
     Causal: the paper's chunks of the sorted order would let later tokens move the chunk
     boundaries (how many of them fall into lower buckets), reading the future; here a
-    query attends to the `chunk_size` most recent earlier positions of its own bucket
-    (plus itself when alone), which depends on the past only.
+    query attends, in each round, to the `chunk_size` most recent earlier positions of
+    its own bucket (plus itself when alone in every round), which depends on the past
+    only; duplicates are counted as above.
 
     Arguments:
         q, k, v: self-attention inputs of one length `seq` (any length; grouped values).
@@ -359,12 +431,15 @@ def lsh_attention(
     def head(q_h, key_h, v_h, rot_h):
         buckets = jnp.where(real[None], lsh_buckets(q_h, rot_h, n_buckets), n_buckets)  # padding sorts last
 
-        def round_(b):
-            if causal:
-                return _recent_in_bucket(q_h, key_h, v_h, b, b, real, window=chunk, self_mask=True, scale=scale)
-            return _sorted_chunks(q_h, key_h, v_h, b, real, chunk=chunk, before=1, self_mask=True, scale=scale)
-
-        return _combine_rounds(*jax.vmap(round_)(buckets))  # rounds [R, L, dv], [R, L]
+        if not causal:
+            return _combine_rounds(*_lsh_sorted_rounds(q_h, key_h, v_h, buckets, real, chunk=chunk, scale=scale))
+        j, m = jax.vmap(lambda b: _recent_keys(b, b, real, window=chunk, self_mask=False))(buckets)
+        is_self = j == positions(length)[None, :, None]
+        has_other = jnp.any(m & ~is_self, axis=(0, 2))  # in any round
+        m = m & (~is_self | ~has_other[None, :, None])
+        log_count = _log_duplicates(j, m)
+        attend = lambda j, m, c: _attend_gathered(q_h, key_h, v_h, j, m, scale=scale, log_count=c)  # noqa: E731
+        return _combine_rounds(*jax.vmap(attend)(j, m, log_count))  # rounds [R, L, dv], [R, L]
 
     out = jax.vmap(head)(qh, keys, vh, jnp.asarray(rotations))
     return _to_output(out, n, out_dtype(q, k, v))
@@ -383,7 +458,8 @@ def _lsh_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtype) -
 def _lsh_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn):
     """The causal form, one token: its key (its own query, normalised) and buckets join
     the cache; each round attends to the chunk_size most recent earlier keys of the
-    query's bucket (itself only when alone); rounds combine by log-sum-exp."""
+    query's bucket (itself only when alone in every round), a key found in N rounds with
+    log N subtracted from its logits; rounds combine by log-sum-exp."""
     hp = hyper_parameters
     t, rotations = state.length, arrays["rotations"]
     qf = jnp.asarray(q, jnp.float32)
@@ -396,19 +472,15 @@ def _lsh_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn)
     scale = default_scale(q.shape[1], None)
 
     def head(h):
-        one = lambda r: _recent_step(  # noqa: E731
-            qf[h],
-            state.k[:, h],
-            state.v[:, h // group],
-            state.buckets[:, h, r],
-            buckets[h, r],
-            filled,
-            t,
-            window=hp["chunk_size"],
-            self_mask=True,
-            scale=scale,
-        )
-        return _combine_rounds(*jax.vmap(one)(jnp.arange(buckets.shape[1])))
+        masks = jax.vmap(
+            lambda cached, b: _recent_mask(cached, b, filled, t, window=hp["chunk_size"], self_mask=False),
+            in_axes=(1, 0),
+        )(state.buckets[:, h], buckets[h])  # [R, slots]
+        masks = _unless_alone(masks.any(0), positions(masks.shape[1]) == t)[None] & masks  # self unless alone in all
+        # log N_ij: the rounds in which the query attends slot j (the appendix's correction)
+        s = state.k[:, h] @ qf[h] * scale - jnp.log(jnp.maximum(masks.sum(0), 1).astype(jnp.float32))
+        p, lse = jax.vmap(lambda m: _softmax_lse(s, m))(masks)
+        return _combine_rounds(p @ state.v[:, h // group], lse)
 
     return jax.vmap(head)(jnp.arange(q.shape[0])).astype(q.dtype), state
 
@@ -430,9 +502,9 @@ register(
         "chunk_size": "c, tokens per chunk of the sorted order (keys behind when causal)",
     },
     summary=(
-        "Reformer: shared-QK keys q/‖q‖ hashed by random rotations in r rounds (combined by log-sum-exp), "
-        "sorted by (bucket, position), own + previous chunk, self-mask; causal: the chunk_size latest keys of"
-        " the own bucket"
+        "Reformer: shared-QK keys q/‖q‖ hashed by random rotations in r rounds (combined by log-sum-exp, "
+        "duplicates counted), sorted by (bucket, position), own + previous chunk of the concatenated rounds, "
+        "self-mask; causal: the chunk_size latest keys of the own bucket"
     ),
     limits={
         "n_buckets": Limits(minimum=1, rule=(lambda n: n == 1 or n % 2 == 0, "1 or even")),
@@ -468,6 +540,7 @@ def routing_attention(
     n_clusters: int = 4,
     local_heads: int | None = None,
     local_window: int = 32,
+    max_len: int = 1024,
     centroids: Float[ArrayLike, "heads n_clusters _d_k"] | None = None,
     causal: bool = False,
     kv_mask: Bool[ArrayLike, " _seq"] | None = None,
@@ -488,7 +561,11 @@ def routing_attention(
 
     Causal: a top-w among keys would let a later key push an earlier one out of the
     cluster (reading the future), so each query attends to the w + 1 most recent keys
-    j <= i routed to its own nearest centroid (each token routed to its nearest centroid).
+    j <= i routed to its own nearest centroid (each token routed to its nearest centroid),
+    with w = ceil(max_len / n_clusters) fixed by the model's length, not by the length of
+    the call: a query's keys then depend on its past only, so a prefix of any length gives
+    the outputs that cached decoding gives (the authors' code also fixes the window,
+    `sparsity_cluster_attention_window`).
 
     Arguments:
         q, k, v: self-attention inputs of one length `seq`.
@@ -496,6 +573,8 @@ def routing_attention(
         local_heads: query heads doing local attention, a multiple of heads // kv_heads;
             default half the kv heads' groups.
         local_window: keys each side (behind when causal) of the local heads.
+        max_len: the longest sequence (models fill in theirs); the causal window is
+            w = ceil(max_len / n_clusters).
         centroids: `[heads, n_clusters, d_k]` (`kmeans_centroids`).
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens (padded keys are never chosen
@@ -506,12 +585,14 @@ def routing_attention(
         `[seq, heads, d_v]`.
 
     Time and memory O(seq * w * d) per routing head, O(seq^1.5) at n_clusters = sqrt(seq).
-    Decodes its causal form against a cache of every key and its cluster, with
-    w = ceil(max_len / n_clusters) (the parallel form's w at length max_len).
+    Decodes its causal form against a cache of every key and its cluster, with the same
+    w = ceil(max_len / n_clusters): cached decoding equals the causal forward at every
+    prefix length.
     """
     k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("n_clusters", n_clusters)
     check_positive("local_window", local_window, minimum=0)
+    check_positive("max_len", max_len)
     check_self(q, k, v, kv_mask)
     heads, kv_heads, d_k = q.shape[1], k.shape[1], q.shape[2]
     _check_centroids("routing_attention", centroids, heads, n_clusters, d_k)
@@ -539,14 +620,15 @@ def routing_attention(
         real = valid_keys(kv_mask, n, n)
         qh, kh, vh = _heads_first(q[:, n_local:], k[:, kv_local:], v[:, kv_local:], n)
         mu = jnp.asarray(centroids, jnp.float32)[n_local:]
-        width = ceil_div(n, n_clusters)
+        width = ceil_div(n, n_clusters)  # balanced clusters of this sequence (not causal)
         sc = default_scale(d_k, scale)
 
         def head(q_h, k_h, v_h, mu_h):
-            if causal:
+            if causal:  # a window fixed by max_len: the decoder's at every prefix
                 qc = _nearest(q_h, mu_h)
                 kc = jnp.where(real, _nearest(k_h, mu_h), n_clusters)
-                out, _ = _recent_in_bucket(q_h, k_h, v_h, qc, kc, real, window=width, self_mask=False, scale=sc)
+                window = min(ceil_div(max_len, n_clusters), n)  # more than n keys are never there
+                out, _ = _recent_in_bucket(q_h, k_h, v_h, qc, kc, real, window=window, self_mask=False, scale=sc)
                 return out
             # Each centroid's top-w queries and top-w keys (padding last).
             score_q = jnp.where(real[:, None], _unit(q_h) @ _unit(mu_h).T, -jnp.inf)
@@ -593,7 +675,8 @@ def _routing_init(*, hyper_parameters, arrays, max_len, kv_heads, d_k, d_v, dtyp
 def _routing_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias_fn):
     """The causal form, one token: local heads attend to the last local_window + 1 keys;
     a routing head attends to the w + 1 most recent keys routed to its query's nearest
-    centroid, w = ceil(max_len / n_clusters) (the parallel form's w at length max_len)."""
+    centroid, w = ceil(max_len / n_clusters) with the hyper-parameter max_len (the
+    parallel causal form's w at every length)."""
     hp = hyper_parameters
     t, mu = state.length, jnp.asarray(arrays["centroids"], jnp.float32)
     heads, kv_heads, slots = q.shape[0], k.shape[0], state.k.shape[0]
@@ -617,7 +700,7 @@ def _routing_step(q, k, v, state: TaggedCache, *, hyper_parameters, arrays, bias
             softmax_attention(qf[None, :n_local], state.k[:, :kv_local], state.v[:, :kv_local], kv_mask=near)[0]
         )
     if n_local < heads:
-        width = ceil_div(slots, hp["n_clusters"])
+        width = min(ceil_div(hp["max_len"], hp["n_clusters"]), slots)
 
         def head(h):
             cluster = _nearest(qf[h][None], mu[h])[0]
@@ -649,18 +732,20 @@ register(
     drawn=("centroids",),
     redrawn=False,
     update_arrays=routing_update,
+    covers_length="max_len",
     decoder=Decoder("tagged cache", _routing_init, _routing_step),
     docs={
         "n_clusters": "k-means clusters k per routing head (about sqrt(N))",
         "local_heads": "query heads doing local attention (default half)",
         "local_window": "keys each side of the local heads",
+        "max_len": "longest sequence; the causal window is ceil(max_len / n_clusters)",
         "decay": "EMA decay of the centroids in training",
     },
     summary=(
         "Routing Transformer: online k-means centroids (EMA in training), balanced top-w clusters of queries "
-        "and keys, plus local heads; causal: the w latest keys of the query's cluster"
+        "and keys, plus local heads; causal: the w = max_len / k latest keys of the query's cluster"
     ),
-    limits={"n_clusters": 1, "local_heads": 0, "local_window": 0, "decay": Limits(minimum=0, below=1)},
+    limits={"n_clusters": 1, "local_heads": 0, "local_window": 0, "max_len": 1, "decay": Limits(minimum=0, below=1)},
     dense_width=("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
 )
 
@@ -735,7 +820,10 @@ def sinkhorn_attention(
     """Sparse Sinkhorn attention (Tay et al., 2020).
 
     The sequence is cut into contiguous blocks of `block_size`. A sorting network reads
-    each block's key sum and gives block-to-block logits R `[blocks, blocks]`; in
+    each block's key sum and gives block-to-block logits R `[blocks, blocks]` (the paper
+    reads the layer input's block sums psi(X); psi(K) = psi(X) W_K + bias, so this is its
+    network with the first layer factored through the key projection, and the op stays
+    a function of q, k, v whose decoder caches keys only); in
     training Gumbel noise is added (`gumbel_key`, passed by the module on every training
     call; none at inference); Sinkhorn balancing of R / temperature (`sinkhorn_iters`
     rounds) makes a soft permutation P; the sorted key and value blocks are
@@ -941,9 +1029,12 @@ def clusterformer_attention(
     their nearest k-means centroid, sorted by (cluster, position), cut into chunks of
     `chunk_size`, and attend within their chunk (so a chunk holds one cluster's tokens,
     or the end of one and the start of the next). Tokens are clustered by their unit-
-    normalised query vectors, one assignment per head; the centroids are state moved by
-    online k-means in training (`clusterformer_update`), not by the gradient. The paper
-    interleaves these layers with sliding-window ones (ModelConfig `stack.layer_overrides`).
+    normalised query vectors, one assignment per head (the paper clusters the hidden
+    states; the training-time update sees the module's queries and keys only); the
+    centroids are state moved by online k-means in training (`clusterformer_update`, a
+    moving average per batch where the paper reruns k-means on stored states every few
+    epochs), not by the gradient. The paper interleaves these layers with sliding-window
+    ones (ModelConfig `stack.layer_overrides`).
 
     Arguments:
         q, k, v: self-attention inputs of one length `seq` (any length).
@@ -973,7 +1064,7 @@ def clusterformer_attention(
 
     def head(q_h, k_h, v_h, mu_h):
         cluster = jnp.where(real, _nearest(q_h, mu_h), n_clusters)
-        return _sorted_chunks(q_h, k_h, v_h, cluster, real, chunk=chunk, before=0, self_mask=False, scale=sc)[0]
+        return _sorted_chunks(q_h, k_h, v_h, cluster, real, chunk=chunk, scale=sc)
 
     out = jax.vmap(head)(qh, kh, vh, jnp.asarray(centroids, jnp.float32))
     return _to_output(out, n, out_dtype(q, k, v))
