@@ -123,6 +123,9 @@ def test_star_equals_the_numpy_cycle(inputs, relay):
     q, k, v, real = inputs
     out = jit(ops.star_attention, relay=relay)(q, k, v, kv_mask=jnp.asarray(real))
     assert_close(out[real], star_reference(q, k, v, real, relay)[real], atol=2e-5)
+    # Whatever the padding holds (the relay's query pools the queries too), real rows keep.
+    nan_padding = [jnp.where(jnp.asarray(real)[:, None, None], x, jnp.nan) for x in (q, k, v)]
+    assert_close(jit(ops.star_attention, relay=relay)(*nan_padding, kv_mask=jnp.asarray(real))[real], out[real])
 
 
 def test_star_causal_relay_is_the_cumulative_mean(inputs):
@@ -196,6 +199,25 @@ def test_bp_nodes_partition_the_sequence(neighbours):
             assert sorted(near, reverse=True)[: min(i, neighbours)] == list(
                 range(i - 1, i - 1 - min(i, neighbours), -1)
             )
+
+
+def test_bp_nodes_follow_the_papers_rule_by_hand():
+    # 16 tokens, token 5. k = 1, left: token 4; at level 1 span [2, 4); 0 is then a left
+    # child (its parent [0, 4) would overlap), so level 2's slot takes span [0, 2).
+    # Right: token 6; 7 is a right child, so level 1's slot takes token 7; level 2: [8, 12);
+    # level 3's slot: [12, 16), the uncovered half of [8, 16).
+    def as_spans(nodes):
+        return [(lv, lo, hi) for lv, lo, hi in nodes]
+
+    k1 = spans(16, 1, False)[5]
+    assert as_spans(k1) == [(0, 5, 6), (0, 4, 5), (1, 2, 4), (1, 0, 2), (0, 6, 7), (0, 7, 8), (2, 8, 12), (2, 12, 16)]
+    # k = 2: tokens 4, 3; 2 is a left child: level 1 takes it, then [0, 2). Right: 6, 7;
+    # level 1: [8, 10), [10, 12); level 2: [12, 16).
+    k2 = spans(16, 2, False)[5]
+    assert as_spans(k2) == [
+        (0, 5, 6), (0, 4, 5), (0, 3, 4), (0, 2, 3), (1, 0, 2), (0, 6, 7), (0, 7, 8), (1, 8, 10), (1, 10, 12), (2, 12, 16)
+    ]  # fmt: skip
+    assert spans(16, 2, True)[5] == k2[:5]  # causal: the left side alone
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -1,8 +1,8 @@
 """BP-Transformer attention (Ye, Guo, Gan, Qiu & Zhang 2019, "BP-Transformer: Modelling
 Long-Range Context via Binary Partitioning"): a binary partition tree over the tokens,
 whose span nodes (level l: 2^l consecutive tokens) carry keys and values pooled from
-their tokens; each token attends itself and, at every level, the few nodes next to what
-the finer levels already cover: fine-grained near, coarse far, O(k N log N).
+their tokens; each token attends itself and, at every level, k nodes next to what the
+finer levels already cover: fine-grained near, coarse far, O(k N log N).
 
 The nodes a token attends form a partition of the sequence (of the past when causal), so
 every token is reached exactly once, through a span of size growing with its distance.
@@ -49,22 +49,26 @@ def _levels(n: int) -> int:
     return max(0, (n - 1).bit_length())
 
 
-def _side(start: int, step: int, n: int, neighbours: int) -> list[tuple[int, int]]:
-    """The nodes (level, index) one side of a token, from the boundary `start` (the first
-    uncovered position) going `step` (-1 left, +1 right): at each level k nodes, one more
-    where the boundary is not yet aligned to the next level's span, until the end."""
-    nodes, level, edge = [], 0, start
-    while (edge > 0) if step < 0 else (edge < n):
-        taken = 0
-        while ((edge > 0) if step < 0 else (edge < n)) and (taken < neighbours or (edge >> level) & 1):
-            if step < 0:
-                nodes.append((level, (edge >> level) - 1))
-                edge -= 1 << level
-            else:
-                nodes.append((level, edge >> level))
-                edge += 1 << level
-            taken += 1
-        level += 1
+def _side(i: int, step: int, n: int, neighbours: int) -> list[tuple[int, int]]:
+    """The nodes (level, index) on one side of token i (`step` -1: left, +1: right) in a
+    tree of 2^levels leaves, by the paper's rule with k = `neighbours`: at each level, k
+    slots going outwards from the next uncovered node; when that node's parent would
+    overlap nodes already taken (left: it is a left child; right: a right child), the
+    next level's first slot takes that node itself instead, at its own level. Nodes that
+    start past the sequence's end (padding alone) are left out."""
+    levels = _levels(n)
+    nodes, ptr, overlap = [], i + step, False
+    for level in range(levels + 1):
+        for _ in range(neighbours):
+            if 0 <= ptr < (1 << levels) >> level:
+                # the alignment node: the uncovered child of this level's node
+                node = (level - 1, 2 * ptr + (step > 0)) if overlap else (level, ptr)
+                if node[1] << node[0] < n:
+                    nodes.append(node)
+                overlap = False
+            ptr += step
+        overlap = overlap or (ptr % 2 == (0 if step < 0 else 1))
+        ptr >>= 1  # floor: a left pointer past the start stays negative
     return nodes
 
 
@@ -75,9 +79,10 @@ def bp_nodes(n: int, neighbours: int, causal: bool) -> tuple[np.ndarray, np.ndar
     Node (l, m) spans the tokens [m 2^l, (m + 1) 2^l); its id in the node table of
     `bp_attention` is `offset(l) + m` with levels stacked from the tokens up (level l
     holds 2^(levels - l) nodes). Token i attends itself, then on its left, from i - 1
-    outwards, `neighbours` (k) nodes of level 0, k of level 1, ..., each level taking one
-    more where the boundary is not aligned to the next level's span (so that no span
-    overlaps another), until the sequence's start; the same on its right (not when
+    outwards, k = `neighbours` nodes a level, level 0 (tokens) first, then spans of 2,
+    4, ...; where a level's next node would overlap the nodes taken, the next level's
+    first slot takes its uncovered child instead (`_side`: the rule of the authors'
+    graph builder), until the sequence's start; the same on its right (not when
     `causal`). Every other token lies in exactly one attended node.
 
     Returns `(ids [n, slots], levels [n, slots])` as numpy int32, -1 past a row's nodes.
@@ -88,7 +93,7 @@ def bp_nodes(n: int, neighbours: int, causal: bool) -> tuple[np.ndarray, np.ndar
     for i in range(n):
         nodes = [(0, i), *_side(i, -1, n, neighbours)]
         if not causal:
-            nodes += _side(i + 1, +1, n, neighbours)
+            nodes += _side(i, +1, n, neighbours)
         rows.append(nodes)
     slots = max(len(r) for r in rows)
     ids = np.full((n, slots), -1, np.int32)
@@ -177,7 +182,7 @@ register(
     summary="itself and k nodes a side a level of a binary partition tree (span keys/values: means)",
     limits={"neighbours": 1},
     dense_width=(
-        "its partition nodes (1 + 2 (k + 1) log2 max_len)",
-        lambda hp, n: 1 + 2 * (hp["neighbours"] + 1) * max(1, (n - 1).bit_length()),
+        "its partition nodes (1 + 2 k (log2 max_len + 1))",
+        lambda hp, n: 1 + 2 * hp["neighbours"] * ((n - 1).bit_length() + 1),
     ),
 )

@@ -72,7 +72,8 @@ def _relay(qg, k, v, real, *, relay: str, causal: bool, scale: float):
     if relay == "mean":
         rk, rv = (jnp.broadcast_to(x[:, None], (h, g, x.shape[-1])) for x in (mean_k, mean_v))
     else:
-        relay_q = einsum_f32("n,nhgd->hgd", w, qg)  # s0's query (mean of the queries)
+        # s0's query, the mean of the real queries (a padded query may hold anything: 0 * NaN is NaN)
+        relay_q = einsum_f32("n,nhgd->hgd", w, jnp.where(real[:, None, None, None], qg, 0))
         to_self = (einsum_f32("hgd,hd->hg", relay_q, mean_k) * scale)[:, :, None, None]
         to_tokens = (einsum_f32("hgd,nhd->hgn", relay_q, k) * scale)[:, :, None, :]
         p_self, p_tokens = softmax_parts(
