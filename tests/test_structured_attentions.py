@@ -206,18 +206,14 @@ def test_bp_nodes_follow_the_papers_rule_by_hand():
     # child (its parent [0, 4) would overlap), so level 2's slot takes span [0, 2).
     # Right: token 6; 7 is a right child, so level 1's slot takes token 7; level 2: [8, 12);
     # level 3's slot: [12, 16), the uncovered half of [8, 16).
-    def as_spans(nodes):
-        return [(lv, lo, hi) for lv, lo, hi in nodes]
-
     k1 = spans(16, 1, False)[5]
-    assert as_spans(k1) == [(0, 5, 6), (0, 4, 5), (1, 2, 4), (1, 0, 2), (0, 6, 7), (0, 7, 8), (2, 8, 12), (2, 12, 16)]
+    assert k1 == [(0, 5, 6), (0, 4, 5), (1, 2, 4), (1, 0, 2), (0, 6, 7), (0, 7, 8), (2, 8, 12), (2, 12, 16)]
     # k = 2: tokens 4, 3; 2 is a left child: level 1 takes it, then [0, 2). Right: 6, 7;
     # level 1: [8, 10), [10, 12); level 2: [12, 16).
     k2 = spans(16, 2, False)[5]
-    assert as_spans(k2) == [
-        (0, 5, 6), (0, 4, 5), (0, 3, 4), (0, 2, 3), (1, 0, 2), (0, 6, 7), (0, 7, 8), (1, 8, 10), (1, 10, 12), (2, 12, 16)
-    ]  # fmt: skip
-    assert spans(16, 2, True)[5] == k2[:5]  # causal: the left side alone
+    left = [(0, 5, 6), (0, 4, 5), (0, 3, 4), (0, 2, 3), (1, 0, 2)]  # itself first
+    assert k2 == left + [(0, 6, 7), (0, 7, 8), (1, 8, 10), (1, 10, 12), (2, 12, 16)]
+    assert spans(16, 2, True)[5] == left  # causal: the left side alone
 
 
 @pytest.mark.parametrize("causal", [False, True])
