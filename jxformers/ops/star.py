@@ -164,6 +164,9 @@ register(
     decoder=kv_cache(causal_row_attend(star_attention), forward=("relay",)),
     exact=False,
     choices={"relay": RELAYS},
-    docs={"relay": "attended (s0 = mean, one attention step over the tokens) or mean (s0; causal: cumulative)"},
+    docs={
+        "relay": "attended (s0 = the mean, then one attention step over the tokens; not causal) "
+        "or mean (s0; causal: the cumulative mean)"
+    },
     summary="ring neighbours i-1, i, i+1 and a relay node pooled from every token, one softmax",
 )
