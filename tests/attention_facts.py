@@ -120,11 +120,46 @@ FACTS: dict[str, Facts] = {
         errors=(({"block_size": 0}, "block_size"), ({"num_window_blocks": 2}, "num_window_blocks")),
         growth=Growth("linear", lambda n: {"block_size": 32}),
     ),
+    # One draw shared by the heads (a dense mask is one for every head); the per-head
+    # draw: tests/test_structured_attentions.py.
+    "random": Facts(
+        variants=(
+            {"block_size": 4, "num_random_blocks": 2, "per_head": False},
+            {
+                "block_size": 4,
+                "num_random_blocks": 2,
+                "num_window_blocks": 3,
+                "num_global_blocks": 2,
+                "per_head": False,
+            },
+        ),
+        mask=masks.random,
+        errors=(({"block_size": 0}, "block_size"), ({"num_window_blocks": 2}, "num_window_blocks")),
+        growth=Growth("linear", lambda n: {"block_size": 32, "num_random_blocks": 2, "per_head": False}),
+    ),
     "axial": Facts(
         variants=({"width": 6}, {"width": 5, "order": "column"}),
         mask=masks.axial,
         errors=(({"width": 0}, "width"), ({"order": "diagonal"}, "order")),
         growth=Growth("n sqrt n", lambda n: {"width": math.isqrt(n)}),
+    ),
+    "criss_cross": Facts(
+        # recurrence=2 cannot be causal, so it is not a variant here: tests/test_structured_attentions.py
+        variants=({"width": 6}, {"width": 5}),
+        mask=masks.criss_cross,
+        errors=(({"width": 0}, "width"), ({"recurrence": 0}, "recurrence")),
+        growth=Growth("n sqrt n", lambda n: {"width": math.isqrt(n)}),
+    ),
+    # The attended relay has no causal form: tests/test_structured_attentions.py checks it.
+    "star": Facts(
+        variants=({"relay": "mean"},),
+        errors=(({"relay": "max"}, "relay"),),
+        growth=Growth("linear", lambda n: {"relay": "mean"}),
+    ),
+    "bp": Facts(
+        variants=({"neighbours": 2}, {"neighbours": 1}),
+        errors=(({"neighbours": 0}, "neighbours"),),
+        growth=Growth("linear", lambda n: {"neighbours": 2}),  # N log N: 2.2x from 2048 to 4096
     ),
     "memory_compressed": Facts(
         variants=({"stride": 3},),

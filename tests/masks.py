@@ -134,3 +134,39 @@ def etc(n, hp, arrays, causal):
     m[g:, :g] = own if hp["hard_l2g"] else True
     m[g:, g:] = abs(long_[:, None] - long_[None, :]) <= r
     return [m]
+
+
+def criss_cross(n, hp, arrays, causal):
+    """CCNet (Huang et al. 2019, section 3.1): a grid position's row and column, itself
+    once (a mask has no multiplicity); R applications of the same map are R masks."""
+    i, j = _grid(n)
+    w = hp["width"]
+    m = ((i // w == j // w) | (i % w == j % w)) & _causal(n, causal)
+    return [m] * hp.get("recurrence", 1)
+
+
+def random(n, hp, arrays, causal):
+    """BigBird's random part alone (Zaheer et al. 2020): query block a reads the key blocks
+    drawn for it (one draw shared by the heads: `per_head=False`), nothing else."""
+    assert not causal and not hp["per_head"], "one mask for every head: the shared draw"
+    b = hp["block_size"]
+    nb = -(-n // b)
+    rnd = np.asarray(
+        ops.random_attention_blocks(
+            arrays["key"],
+            n,
+            heads=1,
+            block_size=b,
+            num_random_blocks=hp["num_random_blocks"],
+            num_window_blocks=hp["num_window_blocks"],
+            num_global_blocks=hp["num_global_blocks"],
+            per_head=False,
+        )
+    )[0]
+    blocks = np.zeros((nb, nb), bool)
+    for a in range(nb):
+        for c in rnd[a]:
+            if c >= 0:
+                blocks[a, c] = True
+    i, j = _grid(n)
+    return [blocks[i // b, j // b]]

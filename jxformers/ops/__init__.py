@@ -13,8 +13,12 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
                    their helpers in the private jxformers.ops._scores)
     local.py       fixed windows: local_attention, block_local_attention, dilated_attention,
                    image_local_2d_attention (Image Transformer's 2-D blocks, block_raster_order)
-    sparse.py      fixed patterns: sparse_transformer_attention, longformer_attention, bigbird_attention
+    sparse.py      fixed patterns: sparse_transformer_attention, longformer_attention, bigbird_attention,
+                   random_attention (BigBird's random blocks alone)
     axial.py       axial_attention
+    criss_cross.py criss_cross_attention (CCNet: a grid position's row and column in one softmax)
+    star.py        star_attention (Star-Transformer: ring neighbours and a relay node)
+    bp.py          bp_attention (BP-Transformer: tokens and binary-partition spans, k nodes a level)
     compressed.py  memory_compressed_attention
     kernelized.py  linear_attention, performer_attention, rfa_attention (and their features)
     lowrank.py     linformer_attention, synthesizer_attention, nystrom_attention
@@ -38,6 +42,9 @@ from jxformers.ops import softmax as _softmax
 from jxformers.ops import local as _local
 from jxformers.ops import sparse as _sparse
 from jxformers.ops import axial as _axial
+from jxformers.ops import criss_cross as _criss_cross
+from jxformers.ops import star as _star
+from jxformers.ops import bp as _bp
 from jxformers.ops import compressed as _compressed
 from jxformers.ops import kernelized as _kernelized
 from jxformers.ops import lowrank as _lowrank
@@ -53,6 +60,9 @@ from jxformers.ops.softmax import *  # noqa: F403
 from jxformers.ops.local import *  # noqa: F403
 from jxformers.ops.sparse import *  # noqa: F403
 from jxformers.ops.axial import *  # noqa: F403
+from jxformers.ops.criss_cross import *  # noqa: F403
+from jxformers.ops.star import *  # noqa: F403
+from jxformers.ops.bp import *  # noqa: F403
 from jxformers.ops.compressed import *  # noqa: F403
 from jxformers.ops.kernelized import *  # noqa: F403
 from jxformers.ops.lowrank import *  # noqa: F403
@@ -71,6 +81,9 @@ __all__ += _softmax.__all__
 __all__ += _local.__all__
 __all__ += _sparse.__all__
 __all__ += _axial.__all__
+__all__ += _criss_cross.__all__
+__all__ += _star.__all__
+__all__ += _bp.__all__
 __all__ += _compressed.__all__
 __all__ += _kernelized.__all__
 __all__ += _lowrank.__all__

@@ -475,3 +475,26 @@ def causal_never_reads_non_finite_future(*, keys_from_q: bool = False):
         return cast(_Op, guarded)
 
     return decorate
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def causal_row_attend(op: Callable) -> Callable:
+    """An `Attend` for `jxformers.decoding.kv_cache` made from a causal-capable
+    self-attention op whose row t reads only positions <= t (a pattern that is not a
+    softmax under one mask: pooled spans, a cumulative relay, a grid's row and column).
+    Each step runs the op causally over the whole cache (slot p holds position p; the
+    slots not yet written are masked as padding) with the step's query at row t, the
+    newest position, and returns row t: one parallel forward per step, so the decoder
+    is the op itself and cannot drift from it."""
+
+    def attend(q, k, v, *, kv_mask, bias=None, **hyper_parameters):
+        if bias is not None:
+            raise ValueError("this attention takes no bias (its registration says takes_bias=False)")
+        t = jnp.sum(kv_mask.astype(jnp.int32)) - 1
+        rows = jnp.zeros((k.shape[0], *q.shape[1:]), q.dtype).at[t].set(q[0])
+        out = op(rows, k, v, causal=True, kv_mask=kv_mask, **hyper_parameters)
+        return jax.lax.dynamic_slice_in_dim(out, t, 1)
+
+    return attend

@@ -1,7 +1,7 @@
 """Fixed sparse patterns that combine several sub-patterns into one softmax:
 Sparse Transformer (strided and fixed), Longformer (dilated window + global tokens, with
-its separate global projections) and BigBird (sliding blocks + global blocks + random
-blocks).
+its separate global projections), BigBird (sliding blocks + global blocks + random
+blocks) and BigBird's random blocks alone.
 
 Each sub-pattern is gathered in the layout that makes it cheap (blocks, residue
 classes, a shared set of global keys) and the softmax is taken jointly over the union,
@@ -56,6 +56,8 @@ __all__ = [
     "bigbird_global_blocks",
     "bigbird_random_blocks",
     "longformer_attention",
+    "random_attention",
+    "random_attention_blocks",
     "sparse_transformer_attention",
 ]
 
@@ -739,5 +741,169 @@ register(
     dense_width=(
         "its blocks (block_size x (window + global + random blocks) keys)",
         lambda hp, n: hp["block_size"] * (hp["num_window_blocks"] + hp["num_global_blocks"] + hp["num_random_blocks"]),
+    ),
+)
+
+
+# ----------------------------------------------------------------------------- random blocks alone
+
+
+def random_attention_blocks(
+    key: PRNGKeyArray,
+    seq_len: int,
+    *,
+    heads: int,
+    block_size: int,
+    num_random_blocks: int = 3,
+    num_window_blocks: int = 0,
+    num_global_blocks: int = 0,
+    per_head: bool = True,
+) -> Int[Array, "heads num_blocks num_random_blocks"]:
+    """BigBird's random key blocks (`bigbird_random_blocks`), one draw per query head
+    (`per_head`, as the paper's code draws them) or one shared by every head (as
+    `bigbird_attention` takes them: with the same key and settings, the same blocks).
+
+    `num_window_blocks` and `num_global_blocks` are the blocks the draw avoids, as a
+    BigBird with those settings avoids its window and global blocks; 0 and 0 (the
+    random pattern alone) draw from every block, the query's own included.
+
+    Returns `[heads, ceil(seq_len / block_size), num_random_blocks]` block indices, -1
+    for none (a slot with no block left to draw; the rows of avoided global blocks)."""
+    # bigbird_random_blocks avoids |a - b| <= num_window_blocks // 2; -1 // 2 = -1 avoids none.
+    draw = dict(
+        block_size=block_size,
+        num_random_blocks=num_random_blocks,
+        num_window_blocks=num_window_blocks if num_window_blocks else -1,
+        num_global_blocks=num_global_blocks,
+    )
+    if not per_head:
+        shared = bigbird_random_blocks(key, seq_len, **draw)
+        return jnp.broadcast_to(shared, (heads, *shared.shape))
+    return jax.vmap(lambda kk: bigbird_random_blocks(kk, seq_len, **draw))(jax.random.split(key, heads))
+
+
+def random_attention(
+    q: Float[ArrayLike, "seq heads d_k"],
+    k: Float[ArrayLike, "_seq kv_heads _d_k"],
+    v: Float[ArrayLike, "_seq _kv_heads d_v"],
+    *,
+    block_size: int = 64,
+    random_blocks: Int[ArrayLike, "_heads _num_blocks _r"] | None = None,
+    key: PRNGKeyArray | None = None,
+    num_random_blocks: int = 3,
+    num_window_blocks: int = 0,
+    num_global_blocks: int = 0,
+    per_head: bool = True,
+    kv_mask: Bool[ArrayLike, " _seq"] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "seq heads d_v"]:
+    """BigBird's random attention alone (Zaheer et al., 2020): a fixed random pattern of
+    key blocks, so BigBird's parts (window: `block_local` / `local`; global; random)
+    can be compared one by one.
+
+    The sequence is cut into blocks of `block_size`; query block a of head h attends
+    the key blocks `random_blocks[h, a]` (each counted once; -1 for none) and nothing
+    else, one softmax. The blocks are given, or drawn from `key` by
+    `random_attention_blocks` (fixed per key: a model draws the key once per layer and
+    keeps it for the run, as BigBird's). A row whose blocks hold no real key (all -1,
+    or all padding) is zero. Not causal, as BigBird: its random blocks are drawn from
+    the whole sequence, the future included.
+
+    Arguments:
+        q, k, v: self-attention inputs of one length `seq` (any length; the last block
+            is padded and masked).
+        block_size: tokens per block, int >= 1.
+        random_blocks: `[heads, num_blocks, r]` block indices, -1 for none.
+        key: PRNG key to draw `random_blocks` when they are not given.
+        num_random_blocks: r, random key blocks per query block (and head).
+        num_window_blocks: 0, or the odd BigBird window whose blocks the draw avoids.
+        num_global_blocks: BigBird global blocks the draw avoids (their query rows draw none).
+        per_head: a draw per query head (True, BigBird's code) or one for all heads.
+        kv_mask: optional `[seq]`, True for real tokens.
+        scale: default `1 / sqrt(d_k)`.
+
+    Returns:
+        `[seq, heads, d_v]`.
+
+    Time and memory O(seq * block_size * r * d).
+    """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
+    check_positive("block_size", block_size)
+    check_positive("num_random_blocks", num_random_blocks)
+    check_positive("num_window_blocks", num_window_blocks, minimum=0)
+    if num_window_blocks % 2 == 0 and num_window_blocks:
+        raise ValueError(f"num_window_blocks must be 0 or odd (a centred window); got {num_window_blocks}")
+    check_positive("num_global_blocks", num_global_blocks, minimum=0)
+    length, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block_size)
+    n, heads = q.shape[:2]
+    nb, b = length // block_size, block_size
+    if random_blocks is None:
+        if key is None:
+            raise ValueError("random_attention needs `key` (or `random_blocks`) to draw its random blocks")
+        random_blocks = random_attention_blocks(
+            key,
+            n,
+            heads=heads,
+            block_size=b,
+            num_random_blocks=num_random_blocks,
+            num_window_blocks=num_window_blocks,
+            num_global_blocks=num_global_blocks,
+            per_head=per_head,
+        )
+    if random_blocks.ndim != 3 or random_blocks.shape[:2] != (heads, nb):
+        raise ValueError(
+            f"random_blocks must have shape [heads={heads}, num_blocks={nb}, r] for seq={n}, "
+            f"block_size={b}; got {tuple(random_blocks.shape)}"
+        )
+    scale = default_scale(q.shape[2], scale)
+    h, g = qg.shape[1:3]
+    r = random_blocks.shape[2]
+    rnd = random_blocks.astype(jnp.int32).reshape(h, g, nb, r)
+    safe = jnp.clip(rnd, 0, nb - 1)
+    usable = (rnd >= 0) & (rnd < nb) & jax.vmap(jax.vmap(jax.vmap(first_occurrence)))(rnd)
+    kb, vb, rb = to_blocks(kp, b), to_blocks(vp, b), to_blocks(real, b)
+
+    def one_head(q_head, kv_head, blocks, ok):  # one query head: [nb, b, d] against its r blocks
+        r_k = kb[:, :, kv_head][blocks].reshape(nb, r * b, 1, -1)
+        r_v = vb[:, :, kv_head][blocks].reshape(nb, r * b, 1, -1)
+        r_real = (rb[blocks] & ok[:, :, None]).reshape(nb, r * b)
+        part = block_part(
+            to_blocks(q_head, b)[:, :, None, None], r_k, r_v, jnp.broadcast_to(r_real[:, None], (nb, b, r * b)), scale
+        )
+        return attend_parts([part])[:, 0, 0]  # [length, dv]
+
+    kv_heads = jnp.repeat(positions(h), g)
+    out = jax.vmap(one_head, in_axes=(1, 0, 0, 0), out_axes=1)(
+        qg.reshape(length, h * g, -1), kv_heads, safe.reshape(h * g, nb, r), usable.reshape(h * g, nb, r)
+    )
+    return out[:n].astype(out_dtype(q, k, v))
+
+
+register(
+    "random",
+    random_attention,
+    family="fixed pattern",
+    paper="Zaheer et al. 2020",
+    complexity="O(N b r)",
+    init_arrays=bigbird_arrays,  # the same drawn array: the key its blocks are drawn from
+    drawn=("key",),
+    redrawn=False,
+    docs={
+        "block_size": "tokens per block",
+        "num_random_blocks": "random key blocks per query block and head",
+        "num_window_blocks": "0, or a BigBird window (odd) the draw avoids",
+        "num_global_blocks": "BigBird global blocks the draw avoids",
+        "per_head": "a draw per query head (BigBird's code) or one shared",
+    },
+    summary="BigBird's random key blocks alone: r blocks per query block and head",
+    limits={
+        "block_size": 1,
+        "num_random_blocks": 1,
+        "num_window_blocks": Limits(minimum=0, rule=(lambda w: w == 0 or w % 2 == 1, "0 or odd")),
+        "num_global_blocks": 0,
+    },
+    dense_width=(
+        "its random blocks (block_size x num_random_blocks keys)",
+        lambda hp, n: hp["block_size"] * hp["num_random_blocks"],
     ),
 )
