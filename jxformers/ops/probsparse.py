@@ -48,7 +48,7 @@ def probsparse_arrays(key: PRNGKeyArray) -> dict[str, PRNGKeyArray]:
     return {"key": key}
 
 
-def probsparse_samples(key: PRNGKeyArray, real: Bool[ArrayLike, " L"], samples: int) -> Array:
+def probsparse_samples(key: PRNGKeyArray, real: Bool[ArrayLike, " L"], *, samples: int) -> Array:
     """`[L, samples]` key positions for each query, drawn uniformly with replacement
     among the real keys (as Informer's `torch.randint`; the same draw for every head)."""
     real = jnp.asarray(real)
@@ -108,7 +108,7 @@ def probsparse_attention(
     sc = default_scale(d_k, scale)
     real = jnp.ones((n,), bool) if kv_mask is None else jnp.asarray(kv_mask)
     pos = positions(n)
-    sampled = probsparse_samples(key, real, probsparse_counts(n, factor))  # [L, U]
+    sampled = probsparse_samples(key, real, samples=probsparse_counts(n, factor))  # [L, U]
     top = probsparse_counts(n, factor)
     qg = jnp.moveaxis(group_heads(jnp.asarray(q), k.shape[1]), 0, -2)  # [h, g, L, d]
     kh, vh = jnp.moveaxis(jnp.asarray(k), 0, 1), jnp.moveaxis(jnp.asarray(v), 0, 1)  # [h, L, d]
@@ -119,7 +119,9 @@ def probsparse_attention(
     if masked:
         lazy = guarded_divide(jnp.cumsum(vr, axis=1), jnp.cumsum(real.astype(jnp.float32))[None, :])
     else:
-        lazy = jnp.broadcast_to(guarded_divide(vr.sum(1, keepdims=True), jnp.sum(real.astype(jnp.float32)).reshape(1, 1)), vr.shape)
+        lazy = jnp.broadcast_to(
+            guarded_divide(vr.sum(1, keepdims=True), jnp.sum(real.astype(jnp.float32)).reshape(1, 1)), vr.shape
+        )
 
     def head(q_h, k_h, v_h, lazy_h):
         qf = q_h.astype(jnp.float32)
