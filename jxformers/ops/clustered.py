@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from jxformers._arrays import group_heads, guarded_divide, read_values
+from jxformers._arrays import guarded_divide, read_values
 from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
     check_positive,
@@ -27,6 +27,7 @@ from jxformers.ops._common import (
     default_scale,
     logits,
     out_dtype,
+    per_query_head,
     softmax_parts,
     zero_padded,
 )
@@ -117,21 +118,16 @@ def _check(op: str, q, k, v, kv_mask, planes, *, clusters: int, iterations: int,
         raise ValueError(f"planes must have shape {want} for bits={bits}, d_k={q.shape[2]}; got {tuple(planes.shape)}")
 
 
-def _per_query_head(head_fn, q, k, v, kv_mask, planes, *, clusters: int, iterations: int):
+def _clustered_heads(head_fn, q, k, v, kv_mask, planes, *, clusters: int, iterations: int):
     """Run `head_fn(q_h [L, d], k_h [L, d], v_h [L, dv], cluster [L], real [L]) -> [L, dv]`
-    for every query head (its kv head's keys and values), clustering that head's queries.
-    Returns `[L, heads, dv]` in float32."""
-    n = q.shape[0]
-    real = jnp.ones((n,), bool) if kv_mask is None else jnp.asarray(kv_mask)
-    qg = jnp.moveaxis(group_heads(jnp.asarray(q), k.shape[1]), 0, -2)  # [h, g, L, d]
-    kh, vh = jnp.moveaxis(jnp.asarray(k), 0, 1), jnp.moveaxis(jnp.asarray(v), 0, 1)  # [h, L, d]
+    for every query head, clustering that head's queries. Returns `[L, heads, dv]`."""
+    real = jnp.ones((q.shape[0],), bool) if kv_mask is None else jnp.asarray(kv_mask)
 
     def head(q_h, k_h, v_h):
         cluster = hamming_clusters(q_h, planes, real, clusters=clusters, iterations=iterations)
         return head_fn(q_h, k_h, v_h, cluster, real)
 
-    out = jax.vmap(jax.vmap(head, in_axes=(0, None, None)))(qg, kh, vh)  # [h, g, L, dv]
-    return jnp.moveaxis(out, 2, 0).reshape(n, q.shape[1], -1)
+    return per_query_head(head, q, k, v)
 
 
 def _centroid_softmax(qc, k_h, real, scale):
@@ -186,7 +182,7 @@ def clustered_attention(
         _, a = _centroid_softmax(qc, k_h, real, sc)
         return read_values("ck,kd->cd", a, v_h, reads=jnp.broadcast_to(real, a.shape))[cluster]
 
-    out = _per_query_head(head, q, k, v, kv_mask, planes, clusters=clusters, iterations=iterations)
+    out = _clustered_heads(head, q, k, v, kv_mask, planes, clusters=clusters, iterations=iterations)
     return out.astype(out_dtype(q, k, v))
 
 
@@ -251,7 +247,7 @@ def improved_clustered_attention(
         p = softmax_parts([(s_top[None, None], reads[None, None])])[0][0, 0] * mass[cluster][:, None]
         return read_values("lt,ltd->ld", p, v_h[keys], reads=reads) + bottom[cluster]
 
-    out = _per_query_head(head, q, k, v, kv_mask, planes, clusters=clusters, iterations=iterations)
+    out = _clustered_heads(head, q, k, v, kv_mask, planes, clusters=clusters, iterations=iterations)
     return out.astype(out_dtype(q, k, v))
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from jxformers._arrays import group_heads, guarded_divide, nan_where, read_values
+from jxformers._arrays import guarded_divide, nan_where, read_values
 from jxformers._typing import ArrayLike
 from jxformers.ops._common import (
     check_positive,
@@ -25,6 +25,7 @@ from jxformers.ops._common import (
     default_scale,
     einsum_f32,
     out_dtype,
+    per_query_head,
     positions,
     softmax_parts,
     zero_padded,
@@ -104,14 +105,13 @@ def probsparse_attention(
     check_self(q, k, v, kv_mask)
     if key is None:
         raise ValueError("probsparse_attention needs `key` to draw its key samples (probsparse_arrays(key))")
-    n, heads, d_k = q.shape
+    n, _, d_k = q.shape
     sc = default_scale(d_k, scale)
     real = jnp.ones((n,), bool) if kv_mask is None else jnp.asarray(kv_mask)
     pos = positions(n)
-    sampled = probsparse_samples(key, real, samples=probsparse_counts(n, factor))  # [L, U]
-    top = probsparse_counts(n, factor)
-    qg = jnp.moveaxis(group_heads(jnp.asarray(q), k.shape[1]), 0, -2)  # [h, g, L, d]
-    kh, vh = jnp.moveaxis(jnp.asarray(k), 0, 1), jnp.moveaxis(jnp.asarray(v), 0, 1)  # [h, L, d]
+    top = probsparse_counts(n, factor)  # U keys sampled per query and u queries selected: L_K = L_Q
+    sampled = probsparse_samples(key, real, samples=top)  # [L, U]
+    vh = jnp.moveaxis(jnp.asarray(v), 0, 1)  # [h, L, dv]
 
     # The lazy rows: mean(V) over the real keys (masked: over the real keys up to i).
     # Sums, not a weight matrix: O(L), and a non-finite value reaches the rows summing it.
@@ -136,8 +136,7 @@ def probsparse_attention(
         out = lazy_h.at[chosen].set(jnp.where(real[chosen][:, None], active, lazy_h[chosen]))
         return nan_where(jnp.broadcast_to(broken, (n,)), out)
 
-    out = jax.vmap(jax.vmap(head, in_axes=(0, None, None, None)))(qg, kh, vh, lazy)  # [h, g, L, dv]
-    return jnp.moveaxis(out, 2, 0).reshape(n, heads, -1).astype(out_dtype(q, k, v))
+    return per_query_head(head, q, k, v, lazy).astype(out_dtype(q, k, v))
 
 
 register(
