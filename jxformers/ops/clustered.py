@@ -291,5 +291,6 @@ register(
         "the centroid's mass on them, the centroid's weights elsewhere; not causal"
     ),
     limits=_LIMITS | {"topk": 1},
-    dense_width=("its top keys (topk)", lambda hp, n: hp["topk"]),
+    # C centroid rows attend every key: as costly as softmax once C reaches the length, as are k top keys
+    dense_width=("its clusters or top keys (max(C, topk))", lambda hp, n: max(hp["clusters"], hp["topk"])),
 )
