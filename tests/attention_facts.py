@@ -313,4 +313,23 @@ FACTS: dict[str, Facts] = {
         ),
         growth=Growth("linear", lambda n: {"num_global": 4, "local_radius": 32, "global_every": 64}),
     ),
+    # tests/test_clustered.py checks the formulas against numpy (the clustering reproduced)
+    "clustered": Facts(
+        variants=({"clusters": 4, "bits": 8, "iterations": 3},),
+        errors=(({"clusters": 0}, "clusters"), ({"bits": 64}, "bits"), ({"iterations": 0}, "iterations")),
+        growth=Growth("linear", lambda n: {"clusters": 16, "bits": 16, "iterations": 3}),
+    ),
+    "improved_clustered": Facts(
+        variants=({"clusters": 4, "bits": 8, "iterations": 3, "topk": 5},),
+        errors=(({"topk": 0}, "topk"), ({"clusters": 0}, "clusters")),
+        growth=Growth("linear", lambda n: {"clusters": 16, "bits": 16, "iterations": 3, "topk": 32}),
+    ),
+    # tests/test_probsparse.py checks the formula against numpy, and why neither form is causal.
+    # The query selection is discrete: at a near-tie of the u-th measurement bf16's rounding
+    # flips it (factor 2 at test_bf16_close_to_float32's inputs); 3 selects 12 of 37 queries.
+    "probsparse": Facts(
+        variants=({"factor": 3}, {"factor": 3, "masked": True}),
+        errors=(({"factor": 0}, "factor"),),
+        growth=Growth("linear", lambda n: {"factor": 2}),  # N ceil(ln N): 2.25x from 2048 to 4096
+    ),
 }

@@ -33,6 +33,9 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     local_pooling.py  poolingformer_attention (window, then pooled keys of a larger window)
     prior_only.py  hard_gaussian_attention, average_attention (weights by position alone; the logit priors
                    are score options of softmax.py, helpers in jxformers.ops._priors)
+    clustered.py   clustered_attention and improved_clustered_attention (Vyas et al.: queries clustered
+                   by K-means on LSH codes; hamming_clusters, clustered_arrays)
+    probsparse.py  probsparse_attention (Informer's top-u queries by sparsity measurement; its pieces)
 """
 
 # The order below is the registry's order (and `jxformers list`'s, and the README table's).
@@ -56,6 +59,8 @@ from jxformers.ops import entmax as _entmax
 from jxformers.ops import local_lowrank as _local_lowrank
 from jxformers.ops import local_pooling as _local_pooling
 from jxformers.ops import prior_only as _prior_only
+from jxformers.ops import clustered as _clustered
+from jxformers.ops import probsparse as _probsparse
 from jxformers.ops.softmax import *  # noqa: F403
 from jxformers.ops.local import *  # noqa: F403
 from jxformers.ops.sparse import *  # noqa: F403
@@ -74,6 +79,8 @@ from jxformers.ops.entmax import *  # noqa: F403
 from jxformers.ops.local_lowrank import *  # noqa: F403
 from jxformers.ops.local_pooling import *  # noqa: F403
 from jxformers.ops.prior_only import *  # noqa: F403
+from jxformers.ops.clustered import *  # noqa: F403
+from jxformers.ops.probsparse import *  # noqa: F403
 # isort: on
 
 __all__ = []
@@ -95,3 +102,5 @@ __all__ += _entmax.__all__
 __all__ += _local_lowrank.__all__
 __all__ += _local_pooling.__all__
 __all__ += _prior_only.__all__
+__all__ += _clustered.__all__
+__all__ += _probsparse.__all__

@@ -352,6 +352,18 @@ def first_occurrence(idx: Int[ArrayLike, " m"]) -> Bool[Array, " m"]:
 MIN_BLOCK = 16  # small windows still get blocks big enough to keep the matmuls busy
 
 
+def per_query_head(head: Callable[..., Array], q: ArrayLike, k: ArrayLike, v: ArrayLike, *per_kv_head: Array) -> Array:
+    """`head(q_h [L, d], k_h [S, d], v_h [S, dv], *x_h) -> [L, dv]` for every query head,
+    with its kv head's keys, values and slices `x_h` of `per_kv_head` (arrays whose first
+    axis is the kv head): for ops whose per-head work is not one einsum (a clustering, a
+    selection). Returns `[L, heads, dv]`."""
+    qg = jnp.moveaxis(group_heads(jnp.asarray(q), k.shape[1]), 0, -2)  # [h, g, L, d]
+    kh, vh = jnp.moveaxis(jnp.asarray(k), 0, 1), jnp.moveaxis(jnp.asarray(v), 0, 1)  # [h, S, d]
+    shared = (None,) * (2 + len(per_kv_head))  # a kv head's arrays serve each query head of its group
+    out = jax.vmap(jax.vmap(head, in_axes=(0, *shared)))(qg, kh, vh, *per_kv_head)  # [h, g, L, dv]
+    return jnp.moveaxis(out, 2, 0).reshape(q.shape[0], q.shape[1], -1)
+
+
 def check_self(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_mask: ArrayLike | None) -> None:
     """Validate self-attention inputs (one length, kv_mask of that length)."""
     check_qkv(q, k, v, self_attention=True)
