@@ -224,6 +224,9 @@ class AttentionSpec:
         paper: citation. complexity: time complexity in N (sequence length).
         hyper_parameters: from the op's (and the array initialiser's) signature.
         supports_causal: the op can mask the future (`causal=True`).
+        causal_refusal: `fn(hyper_parameters) -> reason or None`: settings under which an
+            op that supports causal cannot be (Star-Transformer's attended relay pools
+            every token), so models refuse them at config time, not at the first call.
         supports_kv_mask: padded keys (`kv_mask`) never change real outputs.
         supports_cross: queries and keys may have different lengths (cross-attention).
         takes_bias: the op adds a logit bias (ALiBi, T5 relative positions).
@@ -293,6 +296,7 @@ class AttentionSpec:
     summary: str = ""
     dense_width: tuple[str, Callable[[Mapping[str, Any], int], int]] | None = None
     grid_width: str | None = None
+    causal_refusal: Callable[[Mapping[str, Any]], str | None] | None = None
 
     @property
     def updates_arrays(self) -> bool:
@@ -376,9 +380,16 @@ class BoundAttention:
         only = {p.name for p in self.spec.hyper_parameters if p.arrays_only}
         return {n: v for n, v in self.hyper if n not in only}
 
+    def causal_refused(self) -> str | None:
+        """Why these hyper-parameters cannot be causal (the spec's `causal_refusal`), or None."""
+        refusal = self.spec.causal_refusal
+        return None if refusal is None else refusal(self.hyper_parameters)
+
     def check_call(self, *, causal: bool = False, kv_mask=None, bias=None, cross: bool = False) -> None:
         """ValueError (naming the ones that can) when asked for what this attention cannot do."""
         s = self.spec
+        if causal and s.supports_causal and (why := self.causal_refused()):
+            raise ValueError(f"{s.name} attention cannot be causal with these settings: {why}")
         for wanted, able, what, flag in (
             (causal, s.supports_causal, "causal=True: it cannot be causal", "supports_causal"),
             (kv_mask is not None, s.supports_kv_mask, "kv_mask (padding)", "supports_kv_mask"),
@@ -517,6 +528,7 @@ def register(
     summary: str = "",
     dense_width: tuple[str, Callable[[Mapping[str, Any], int], int]] | None = None,
     grid_width: str | None = None,
+    causal_refusal: Callable[[Mapping[str, Any]], str | None] | None = None,
 ) -> AttentionSpec:
     """Register `op` under `name`; hyper-parameters come from its keyword-only signature
     (and `init_arrays`'s). Capabilities default to what the signature shows (`causal`,
@@ -594,6 +606,7 @@ def register(
         summary=summary,
         dense_width=dense_width,
         grid_width=grid_width,
+        causal_refusal=causal_refusal,
         **resolved,
     )
     for p in params:  # the defaults themselves must pass the checks

@@ -5,6 +5,7 @@ Star-Transformer (Guo et al. 2019), the BP-Transformer (Ye et al. 2019) and BigB
 random attention alone (Zaheer et al. 2020)."""
 
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -270,3 +271,17 @@ def test_random_shared_draw_is_bigbirds_random_part():
     # Alone (no window or global blocks avoided), every block may be drawn, the own one too.
     alone = np.asarray(jit(ops.random_attention_blocks, seq_len=40, heads=8, block_size=4, num_random_blocks=2)(key))
     assert (alone >= 0).all() and any((alone[h, a] == a).any() for h in range(8) for a in range(10))
+
+
+@pytest.mark.parametrize(
+    "name, refused, allowed, words",
+    [("star", {}, {"relay": "mean"}, "relay='attended'"), ("criss_cross", {"recurrence": 2}, {}, "recurrence=1")],
+)
+def test_causal_models_refuse_settings_that_cannot_be_causal_at_config_time(name, refused, allowed, words):
+    """The registration's causal_refusal: a language model is refused when configured,
+    before any model is built, and the same settings pass in an encoder."""
+    tiny = dict(vocab_size=11, max_len=16, d_model=8, num_heads=2, num_layers=1)
+    with pytest.raises(ValueError, match=f"cannot be causal.*{re.escape(words)}"):
+        ModelConfig(task="lm", attention=name, attention_kwargs=refused, **tiny)
+    ModelConfig(task="classify", num_classes=2, attention=name, attention_kwargs=refused, **tiny)
+    ModelConfig(task="lm", attention=name, attention_kwargs=allowed, **tiny)

@@ -105,12 +105,8 @@ def criss_cross_attention(
     k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("width", width)
     check_positive("recurrence", recurrence)
-    if causal and recurrence > 1:
-        raise ValueError(
-            f"causal criss-cross attention takes recurrence=1 (got {recurrence}): the next application "
-            "reads earlier positions' outputs, which a decoder's key/value cache cannot rebuild; "
-            "stack causal layers instead"
-        )
+    if causal and (why := _causal_refusal({"recurrence": recurrence})):
+        raise ValueError(why)
     n = q.shape[0]
     rows = -(-n // width)
     _, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, rows * width)
@@ -128,6 +124,17 @@ def criss_cross_attention(
     return rows_to_output(out, n, out_dtype(q, k, v))
 
 
+def _causal_refusal(hp) -> str | None:
+    """Why a recurrence cannot be causal (the registration's `causal_refusal`), or None."""
+    if hp["recurrence"] == 1:
+        return None
+    return (
+        f"causal criss-cross attention takes recurrence=1 (got {hp['recurrence']}): the next application "
+        "reads earlier positions' outputs, which a decoder's key/value cache cannot rebuild; "
+        "stack causal layers instead"
+    )
+
+
 register(
     "criss_cross",
     criss_cross_attention,
@@ -140,4 +147,5 @@ register(
     limits={"width": 1, "recurrence": 1},
     dense_width=("its row and column (width + max_len / width keys)", lambda hp, n: hp["width"] + -(-n // hp["width"])),
     grid_width="width",
+    causal_refusal=_causal_refusal,
 )

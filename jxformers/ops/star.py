@@ -128,11 +128,8 @@ def star_attention(
     check_self(q, k, v, kv_mask)
     if relay not in RELAYS:
         raise ValueError(f"relay must be one of {RELAYS}; got {relay!r}")
-    if causal and relay != "mean":
-        raise ValueError(
-            f"relay={relay!r} cannot be causal: it pools every token with one query (the future "
-            "included); use relay='mean' (the cumulative mean of the past)"
-        )
+    if causal and (why := _causal_refusal({"relay": relay})):
+        raise ValueError(why)
     n = q.shape[0]
     scale = default_scale(q.shape[2], scale)
     qg = group_heads(q, k.shape[1])  # [n, h, g, d]
@@ -155,6 +152,16 @@ def star_attention(
     return rows_to_output(out, n, out_dtype(q, k, v))
 
 
+def _causal_refusal(hp) -> str | None:
+    """Why a relay cannot be causal (the registration's `causal_refusal`), or None."""
+    if hp["relay"] == "mean":
+        return None
+    return (
+        f"relay={hp['relay']!r} cannot be causal: it pools every token with one query (the future "
+        "included); use relay='mean' (the cumulative mean of the past)"
+    )
+
+
 register(
     "star",
     star_attention,
@@ -168,5 +175,6 @@ register(
         "relay": "attended (s0 = the mean, then one attention step over the tokens; not causal) "
         "or mean (s0; causal: the cumulative mean)"
     },
+    causal_refusal=_causal_refusal,
     summary="ring neighbours i-1, i, i+1 and a relay node pooled from every token, one softmax",
 )

@@ -308,6 +308,8 @@ class ModelConfig:
                 f"task {self.task!r} needs causal attention; {spec.name!r} is not causal. "
                 f"Causal attentions: {registry.names(supports_causal=True)}"
             )
+        if self.causal and (why := bound.causal_refused()):
+            raise ValueError(f"task {self.task!r} needs causal attention; {spec.name!r} cannot be causal: {why}")
         position = self.embedding.position
         if position in BIAS_KINDS and position not in SCORE_KINDS and not spec.takes_bias:  # tupe: _check_relative
             raise ValueError(
