@@ -18,7 +18,9 @@ from jxformers import registry
 from jxformers.ops import delta_attention, delta_rule, dpfp_features, gated_delta_attention, linear_attention
 from jxformers.ops.delta import beta_params, gated_delta_gates, gated_delta_params
 
-N, HEADS, KV_HEADS, D_K, D_V = 13, 4, 2, 6, 5  # 13 tokens: chunks of 5 leave a tail of 3
+# 13 tokens: chunks of 5 leave a tail of 3; grouped queries (two query heads per key head)
+# against the numpy references, which read each key head's state from its query heads.
+N, HEADS, KV_HEADS, D_K, D_V = 13, 4, 2, 6, 5
 
 
 def inputs(seed, n=N, heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V):
@@ -119,7 +121,7 @@ def test_dpfp_is_the_papers_projection():
 
 def test_linear_attention_takes_dpfp():
     q, k, v, _, _ = inputs(1)
-    out = linear_attention(q, k, v, feature_map="dpfp")
+    out = jitted(linear_attention, feature_map="dpfp")(q, k, v)
     pq = np_dpfp(q, 2)
     pk = np.repeat(np_dpfp(k, 2), 2, axis=1)
     vv = np.repeat(v, 2, axis=1)
@@ -154,17 +156,16 @@ def test_chunked_equals_recurrent_under_strong_decay_and_full_writes():
 
 
 def test_gradients_are_finite_and_agree_between_forms():
+    # (the plain rule's gradients: the generic suite's jit/vmap/grad test)
     q, k, v, beta, alpha = inputs(6)
 
     def loss(q, k, v, b, a):
         recurrent, chunked = both_forms(gated_delta_attention, chunk_size=5)(q, k, v, beta=b, log_alpha=a)
-        delta = delta_attention(q, k, v, beta=b, feature_map="dpfp", chunk_size=5)
-        return jnp.sum(jnp.sin(recurrent)), jnp.sum(jnp.sin(chunked)), jnp.sum(jnp.sin(delta))
+        return jnp.sum(jnp.sin(recurrent)), jnp.sum(jnp.sin(chunked))
 
     grads = jax.jit(jax.jacrev(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, beta, np.log(alpha))
-    for i, (recurrent, chunked, delta) in enumerate(zip(*grads, strict=True)):
-        for g in (chunked, delta) if i < 4 else (chunked,):  # the plain rule has no alpha
-            assert np.all(np.isfinite(np.asarray(g))) and float(jnp.abs(g).max()) > 0
+    for recurrent, chunked in zip(*grads, strict=True):
+        assert np.all(np.isfinite(np.asarray(chunked))) and float(jnp.abs(chunked).max()) > 0
         assert_close(chunked, recurrent, atol=1e-4, rtol=1e-4)
 
 
@@ -190,39 +191,31 @@ def test_bf16_chunked_stays_close_to_the_float32_recurrence_at_16k_tokens():
         )(*rounded)
     )
     err = np.abs(got - want)
-    assert err.max() < 3e-2 * max(1.0, np.abs(want).max()), f"max error {err.max()} at 16K tokens"
+    # Outputs reach |3|, where a bfloat16 half-ulp is 0.0078: float32 states leave the
+    # output's rounding alone (mean 5e-4); states rounded to bfloat16 each step give a
+    # mean of 2e-3 and a max of 2.5e-2 on these inputs.
+    assert err.max() < 1e-2 and err.mean() < 1e-3, f"error max {err.max()}, mean {err.mean()} at 16K tokens"
     assert err[-1024:].mean() < 2 * err[:1024].mean() + 1e-3, "the error grows along the sequence"
 
 
 # ----------------------------------------------------------------------------- padding, GQA, refusals
 
 
-@pytest.mark.parametrize("form", ["recurrent", "chunked"])
-def test_padded_positions_never_write(form):
-    """Padding in the middle: the real rows equal the op on the real tokens alone."""
+def test_padded_positions_never_write():
+    """Padding in the middle: the real rows equal the op on the real tokens alone (the
+    gated rule in both forms, the plain one chunked)."""
     q, k, v, beta, alpha = inputs(8)
     real = np.ones(N, bool)
     real[[2, 6, 7]] = False
     k_pad, v_pad = k.copy(), v.copy()
     k_pad[~real], v_pad[~real] = np.nan, 1e4
     la = np.log(alpha)
-    gated, plain = (
-        jitted(gated_delta_attention, form=form, chunk_size=5),
-        jitted(delta_attention, form=form, chunk_size=5),
-    )
-    out = gated(q, k_pad, v_pad, beta=beta, log_alpha=la, kv_mask=real)
+    gated, plain = both_forms(gated_delta_attention, chunk_size=5), jitted(delta_attention, chunk_size=5)
     alone = gated(q[real], k[real], v[real], beta=beta[real], log_alpha=la[real])
-    assert_close(np.asarray(out)[real], alone, atol=1e-5)
+    for out, want in zip(gated(q, k_pad, v_pad, beta=beta, log_alpha=la, kv_mask=real), alone, strict=True):
+        assert_close(np.asarray(out)[real], want, atol=1e-5)
     out = plain(q, k_pad, v_pad, beta=beta, kv_mask=real)
     assert_close(np.asarray(out)[real], plain(q[real], k[real], v[real], beta=beta[real]), atol=1e-5)
-
-
-def test_query_heads_of_a_group_read_their_key_heads_state():
-    q, k, v, beta, _ = inputs(9)
-    op = jitted(delta_attention, chunk_size=5)
-    # The same as the key heads repeated for each query head (GQA = MHA with shared K, V, beta).
-    rep = [np.repeat(x, 2, axis=1) for x in (k, v, beta)]
-    assert_close(op(q, k, v, beta=beta), op(q, *rep[:2], beta=rep[2]), atol=1e-6)
 
 
 def test_non_causal_use_is_refused_with_a_reason():
@@ -262,11 +255,12 @@ def test_gates_follow_the_papers_parametrisation():
     assert np.all(np.asarray(got["log_alpha"]) < 0)
 
 
-@pytest.mark.parametrize("name", ["delta", "gated_delta"])
-def test_decoding_with_the_gates_equals_every_prefix_of_the_parallel_forward(name):
+def test_decoding_with_the_gates_equals_every_prefix_of_the_parallel_forward():
+    # (the plain rule decodes with its beta in the generic suite's language model)
+    name = "gated_delta"
     q, k, v, beta, alpha = inputs(13)
     bound = registry.bind(name, chunk_size=4)
-    gates = {"beta": beta} | ({"log_alpha": np.log(alpha)} if name == "gated_delta" else {})
+    gates = {"beta": beta, "log_alpha": np.log(alpha)}
     state = bound.init_state(max_len=N, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
     step = jax.jit(lambda q, k, v, state, gates: bound.decode_step(q, k, v, state, arrays=gates))
     forward = jax.jit(lambda q, k, v, gates: bound(q, k, v, arrays=gates, causal=True))
@@ -276,6 +270,6 @@ def test_decoding_with_the_gates_equals_every_prefix_of_the_parallel_forward(nam
         decoded.append(out)
     full = forward(q, k, v, gates)
     assert_close(jnp.stack(decoded), full, atol=2e-5, rtol=2e-4)
-    for p in (1, 6, 11):  # a prefix forward (its own chunking) ends where decoding was
-        prefix = forward(q[:p], k[:p], v[:p], {n: g[:p] for n, g in gates.items()})
-        assert_close(prefix[-1], decoded[p - 1], atol=2e-5, rtol=2e-4)
+    # A prefix's own forward (its own chunking: a tail of 2) ends where decoding was then.
+    prefix = forward(q[:6], k[:6], v[:6], {n: g[:6] for n, g in gates.items()})
+    assert_close(prefix, decoded[:6], atol=2e-5, rtol=2e-4)

@@ -29,6 +29,7 @@ the state.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -63,6 +64,8 @@ L2_EPS = 1e-6  # flash-linear-attention's l2norm: x / sqrt(|x|^2 + eps)
 # ----------------------------------------------------------------------------- the recurrence
 
 
+# The forms are compiled whole (an eager call would compile each of their primitives alone).
+@jax.jit
 def _recurrent(q, k, v, beta, log_alpha):
     """q [n, h, g, m], k [n, h, m], v [n, h, dv], beta and log_alpha [n, h], float32 ->
     (outputs [n, h, g, dv], final state [h, m, dv]); the state S is stored as S^T
@@ -80,6 +83,7 @@ def _recurrent(q, k, v, beta, log_alpha):
     return out, final
 
 
+@functools.partial(jax.jit, static_argnums=5)
 def _chunked(q, k, v, beta, log_alpha, chunk):
     """`_recurrent` chunk by chunk (WY representation). Inside chunk c, with S_0 the
     state before it, gamma_t = prod_{s<=t} alpha_s and A[t, s] = beta_t gamma_t/gamma_s
