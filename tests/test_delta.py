@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close
+from suites import forward_and_grad
 
-from jxformers import registry
+from jxformers import ModelConfig, build_model, registry
 from jxformers.ops import delta_attention, delta_rule, dpfp_features, gated_delta_attention, linear_attention
 from jxformers.ops.delta import beta_params, gated_delta_gates, gated_delta_params
 
@@ -273,3 +275,16 @@ def test_decoding_with_the_gates_equals_every_prefix_of_the_parallel_forward():
     # A prefix's own forward (its own chunking: a tail of 2) ends where decoding was then.
     prefix = forward(q[:6], k[:6], v[:6], {n: g[:6] for n, g in gates.items()})
     assert_close(prefix, decoded[:6], atol=2e-5, rtol=2e-4)
+
+
+def test_a_language_model_from_its_config_trains_its_gates():
+    """`attention: {name: gated_delta, ...}` in a config: the loss's gradient reaches the
+    gates' parameters (w_beta, w_alpha, A, b), finite and non-zero."""
+    config = ModelConfig(
+        task="lm", vocab_size=11, num_layers=1, d_model=16, num_heads=2, kv_heads=1, max_len=8, dropout=0.0,
+        attention={"name": "gated_delta", "chunk_size": 4},
+    )  # fmt: skip
+    model = build_model(config, key=jax.random.key(0))
+    _, grads = eqx.filter_jit(forward_and_grad)(model, jnp.arange(8) % 11)
+    for name, g in grads.blocks[0].attention.token_params.items():
+        assert np.all(np.isfinite(g)) and float(jnp.abs(g).max()) > 0, f"{name}: no gradient"
