@@ -154,7 +154,11 @@ FACTS: dict[str, Facts] = {
     # tests/test_delta.py checks the recurrences, the forms and the token inputs.
     "delta": Facts(
         variants=({"chunk_size": 5, "feature_map": "dpfp"},),
-        errors=(({"chunk_size": 0}, "chunk_size"), ({"dpfp_nu": 0}, "dpfp_nu")),
+        errors=(
+            ({"chunk_size": 0}, "chunk_size"),
+            ({"dpfp_nu": 0}, "dpfp_nu"),
+            ({"feature_map": "elu", "dpfp_nu": 3}, "feature_map='dpfp'"),
+        ),
     ),
     "gated_delta": Facts(variants=({"chunk_size": 5},), errors=(({"chunk_size": 0}, "chunk_size"),)),
     "linformer": Facts(

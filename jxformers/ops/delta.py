@@ -241,7 +241,8 @@ def delta_attention(
         kv_mask: optional `[n]`; padded positions get beta = 0, so they never write.
         feature_map: f: "elu" (elu + 1, the paper's main setting), "dpfp"
             (`dpfp_features` of order `dpfp_nu`) or "relu".
-        dpfp_nu: DPFP's order nu (used with feature_map "dpfp").
+        dpfp_nu: DPFP's order nu (feature_map "dpfp" only: another value with another
+            map is refused).
         chunk_size, form: as `delta_rule`.
 
     Returns:
@@ -255,6 +256,8 @@ def delta_attention(
     check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
     _check_gate_shape("beta", beta, k.shape[0], k.shape[1])
     check_positive("dpfp_nu", dpfp_nu)
+    if dpfp_nu != DPFP_NU and feature_map != "dpfp":
+        raise ValueError(f"dpfp_nu={dpfp_nu} is DPFP's order: it needs feature_map='dpfp'; got {feature_map!r}")
     _refuse_non_causal("delta attention", causal)
     b, _ = _masked_gates(beta, None, kv_mask, k.shape[0], k.shape[1])
     fq, fk = delta_features(q, feature_map, dpfp_nu), delta_features(k, feature_map, dpfp_nu)
