@@ -227,6 +227,9 @@ class AttentionSpec:
         causal_refusal: `fn(hyper_parameters) -> reason or None`: settings under which an
             op that supports causal cannot be (Star-Transformer's attended relay pools
             every token), so models refuse them at config time, not at the first call.
+        causal_only: it is defined only as causal self-attention (the delta rule's fast
+            weights are written token by token): `causal=False` is refused, so it serves
+            language models alone.
         supports_kv_mask: padded keys (`kv_mask`) never change real outputs.
         supports_cross: queries and keys may have different lengths (cross-attention).
         takes_bias: the op adds a logit bias (ALiBi, T5 relative positions).
@@ -282,6 +285,7 @@ class AttentionSpec:
     supports_kv_mask: bool
     supports_cross: bool
     takes_bias: bool
+    causal_only: bool = False
     decoder: Decoder | None = None
     init_arrays_fn: Callable[..., dict[str, Any]] | None = None
     drawn: tuple[str, ...] = ()
@@ -390,6 +394,12 @@ class BoundAttention:
         s = self.spec
         if causal and s.supports_causal and (why := self.causal_refused()):
             raise ValueError(f"{s.name} attention cannot be causal with these settings: {why}")
+        if s.causal_only and not causal:
+            raise ValueError(
+                f"{s.name} attention is causal only (it has no non-causal form): call it with causal=True, "
+                "in a language model; attentions that can be non-causal: "
+                f"{names(causal_only=False)}"
+            )
         for wanted, able, what, flag in (
             (causal, s.supports_causal, "causal=True: it cannot be causal", "supports_causal"),
             (kv_mask is not None, s.supports_kv_mask, "kv_mask (padding)", "supports_kv_mask"),
@@ -489,7 +499,7 @@ class BoundAttention:
         included); returns `(out [heads, d_v], state)`. `bias_fn(q_pos [1], kv_pos [slots])
         -> [heads, 1, slots]` adds a position bias (attentions that take one)."""
         decoder = self._decoder()
-        self.check_call(bias=None if bias_fn is None else True)
+        self.check_call(causal=True, bias=None if bias_fn is None else True)
         return decoder.step(
             q, k, v, state, hyper_parameters=self.hyper_parameters, arrays=dict(arrays or {}), bias_fn=bias_fn
         )
@@ -511,6 +521,7 @@ def register(
     supports_kv_mask: bool | None = None,
     supports_cross: bool = False,
     takes_bias: bool | None = None,
+    causal_only: bool = False,
     decoder: Decoder | None = None,
     init_arrays: Callable[..., dict[str, Any]] | None = None,
     drawn: tuple[str, ...] = (),
@@ -584,6 +595,8 @@ def register(
         if given and argument not in op_params:
             raise ValueError(f"{name}: {flag}=True but its op takes no {argument!r} argument")
         resolved[flag] = argument in op_params if given is None else given
+    if causal_only and not resolved["supports_causal"]:
+        raise ValueError(f"{name}: causal_only=True but it cannot be causal (its op takes no 'causal' argument)")
     spec = AttentionSpec(
         name,
         op,
@@ -592,6 +605,7 @@ def register(
         complexity,
         params,
         supports_cross=supports_cross,
+        causal_only=causal_only,
         decoder=decoder,
         init_arrays_fn=init_arrays,
         drawn=tuple(drawn),
@@ -653,11 +667,19 @@ def bind(name: str, **hyper_parameters) -> BoundAttention:
 # ----------------------------------------------------------------------------- listing
 
 
+def _causal_word(spec: AttentionSpec, no: str = "-") -> str:
+    """The causal column of the tables: "yes", "only" (causal-only) or `no`."""
+    return "only" if spec.causal_only else "yes" if spec.supports_causal else no
+
+
 def models(spec: AttentionSpec) -> str:
     """The model types an attention can serve in (`jxformers.ModelConfig.task`):
     every attention fits an encoder (classify, retrieval); causal ones also a language
-    model and an encoder-decoder; "+decode" when it decodes incrementally."""
+    model and an encoder-decoder; a causal-only one a language model alone; "+decode"
+    when it decodes incrementally."""
     kinds = ["classify", "retrieval"] + (["lm", "seq2seq"] if spec.supports_causal else [])
+    if spec.causal_only:
+        kinds = ["lm"]
     return " ".join(kinds) + (" +decode" if spec.decodes else "")
 
 
@@ -678,7 +700,7 @@ def table() -> str:
     rows = [head]
     for s in _REGISTRY.values():
         hp = ", ".join(p.name if p.required else f"{p.name}={p.default!r}" for p in s.hyper_parameters) or "-"
-        flags = ("yes" if f else "-" for f in (s.supports_causal, s.supports_kv_mask, s.supports_cross, s.takes_bias))
+        flags = (_causal_word(s), *("yes" if f else "-" for f in (s.supports_kv_mask, s.supports_cross, s.takes_bias)))
         rows.append((s.name, s.family, *flags, s.decoder.kind if s.decoder else "-", models(s), s.complexity, hp))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -719,7 +741,5 @@ def markdown_table(shipped_only: bool = True) -> str:
     for s in _REGISTRY.values():
         if shipped_only and not s.op.__module__.startswith("jxformers."):
             continue
-        lines.append(
-            f"| `{s.op.__name__}` | {cell(s.summary)} | {'yes' if s.supports_causal else 'no'} | {cell(s.complexity)} |"
-        )
+        lines.append(f"| `{s.op.__name__}` | {cell(s.summary)} | {_causal_word(s, 'no')} | {cell(s.complexity)} |")
     return "\n".join(lines)

@@ -185,6 +185,17 @@ FACTS: dict[str, Facts] = {
         errors=(({"num_features": 0}, "num_features"), ({"sigma": 0.0}, "sigma")),
         growth=Growth("linear", lambda n: {"num_features": 64}),
     ),
+    # Causal only, and their causal forms scan over chunks: no FLOP count (see Growth).
+    # tests/test_delta.py checks the recurrences, the forms and the token inputs.
+    "delta": Facts(
+        variants=({"chunk_size": 5, "feature_map": "dpfp"},),
+        errors=(
+            ({"chunk_size": 0}, "chunk_size"),
+            ({"dpfp_nu": 0}, "dpfp_nu"),
+            ({"feature_map": "elu", "dpfp_nu": 3}, "feature_map='dpfp'"),
+        ),
+    ),
+    "gated_delta": Facts(variants=({"chunk_size": 5},), errors=(({"chunk_size": 0}, "chunk_size"),)),
     "linformer": Facts(
         variants=({"proj_len": 8, "max_len": 64},),
         errors=(({"max_len": 8}, "max_len"), ({"proj_len": 0}, "proj_len")),

@@ -71,7 +71,8 @@ def cases(names, **capabilities):
 
 
 def causal_modes(name):
-    return [False, True] if registry.get(name).supports_causal else [False]
+    spec = registry.get(name)
+    return [True] if spec.causal_only else [False, True] if spec.supports_causal else [False]
 
 
 def score_options(hyper_parameters, arrays) -> dict:
@@ -95,8 +96,10 @@ def _compiled(name, hp_items, causal):
     return jax.jit(f)
 
 
-def run(name, hp, q, k, v, *, causal=False, kv_mask=None, seed=0):
-    """The registered op under jit (one compilation per shape keeps the suites fast)."""
+def run(name, hp, q, k, v, *, causal=None, kv_mask=None, seed=0):
+    """The registered op under jit (one compilation per shape keeps the suites fast);
+    `causal` None: non-causal, unless the attention is causal only."""
+    causal = registry.get(name).causal_only if causal is None else causal
     return _compiled(name, tuple(sorted(hp.items())), causal)(q, k, v, kv_mask, jax.random.key(seed + 1))
 
 
@@ -450,6 +453,7 @@ class ModelSuite(_Parametrized):
     """Each attention inside tiny models: an encoder classifier (forward, grad, padding)
     and, when causal, a language model (causality, training gradients, decoding)."""
 
+    @needs(causal_only=False)
     def test_classifier_forward_grad_and_padding(self, name):
         model = build_model(suite_config(name, "classify", **facts(name).model), key=jax.random.key(0))
         x = tokens(1)
@@ -482,6 +486,11 @@ class ModelSuite(_Parametrized):
     def test_language_model_needs_causal_attention(self, name):
         with pytest.raises(ValueError, match="causal"):
             model_config(name, "lm")
+
+    @needs(causal_only=True)
+    def test_a_causal_only_attention_refuses_an_encoder(self, name):
+        with pytest.raises(ValueError, match="causal only"):
+            model_config(name, "classify")
 
     @needs(decodes=True)
     def test_decoding_parity_with_the_parallel_forward(self, name):

@@ -20,7 +20,9 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     star.py        star_attention (Star-Transformer: ring neighbours and a relay node)
     bp.py          bp_attention (BP-Transformer: tokens and binary-partition spans, k nodes a level)
     compressed.py  memory_compressed_attention
-    kernelized.py  linear_attention, performer_attention, rfa_attention (and their features)
+    kernelized.py  linear_attention, performer_attention, rfa_attention (and their features, DPFP's too)
+    delta.py       delta_attention (fast weight programmers), gated_delta_attention, and their
+                   shared delta_rule (recurrent and chunked WY forms)
     lowrank.py     linformer_attention, synthesizer_attention, nystrom_attention
     memory.py      induced_attention, latent_attention, luna_causal_pack (Luna's causal pack),
                    funnel_pool and funnel_attention
@@ -50,6 +52,7 @@ from jxformers.ops import star as _star
 from jxformers.ops import bp as _bp
 from jxformers.ops import compressed as _compressed
 from jxformers.ops import kernelized as _kernelized
+from jxformers.ops import delta as _delta
 from jxformers.ops import lowrank as _lowrank
 from jxformers.ops import memory as _memory
 from jxformers.ops import fourier as _fourier
@@ -70,6 +73,7 @@ from jxformers.ops.star import *  # noqa: F403
 from jxformers.ops.bp import *  # noqa: F403
 from jxformers.ops.compressed import *  # noqa: F403
 from jxformers.ops.kernelized import *  # noqa: F403
+from jxformers.ops.delta import *  # noqa: F403
 from jxformers.ops.lowrank import *  # noqa: F403
 from jxformers.ops.memory import *  # noqa: F403
 from jxformers.ops.fourier import *  # noqa: F403
@@ -93,6 +97,7 @@ __all__ += _star.__all__
 __all__ += _bp.__all__
 __all__ += _compressed.__all__
 __all__ += _kernelized.__all__
+__all__ += _delta.__all__
 __all__ += _lowrank.__all__
 __all__ += _memory.__all__
 __all__ += _fourier.__all__

@@ -1,7 +1,8 @@
 """Kernelized attention: softmax(q k^T) replaced by phi(q) phi(k)^T, so that
 (phi(Q) phi(K)^T) V = phi(Q) (phi(K)^T V) costs O(N) (Katharopoulos et al., 2020, eq. 4-6).
 
-* `linear_attention`: deterministic feature maps (elu + 1, relu, identity, a callable).
+* `linear_attention`: deterministic feature maps (elu + 1, relu, identity, DPFP
+  `dpfp_features`, a callable).
 * `performer_attention`: FAVOR+ positive orthogonal random features for the softmax
   kernel, and the generalised ReLU kernel (Choromanski et al., 2021).
 * `rfa_attention`: random Fourier features with a learned scale and an optional
@@ -55,6 +56,7 @@ __all__ = [
     "performer_attention",
     "performer_features",
     "performer_projection",
+    "dpfp_features",
     "rfa_attention",
     "rfa_features",
 ]
@@ -277,10 +279,37 @@ def _kernel_path(phi_q, phi_k, v, kv_mask, causal, gate, key_log_scale, scale_ch
 
 # ----------------------------------------------------------------------------- linear attention
 
+# DPFP's order nu: the authors' code's default (`--dpfp_n_roll 2`); their experiments
+# vary it over 1, 2 and 3 (Schlag et al. 2021).
+DPFP_NU = 2
+
+
+def dpfp_features(x: Float[ArrayLike, "*lead d"], nu: int = DPFP_NU) -> Float[Array, "*lead two_d_nu"]:
+    """DPFP, the deterministic parameter-free projection of Schlag, Irie & Schmidhuber
+    2021 ("Linear Transformers Are Secretly Fast Weight Programmers"): with
+    r(x) = [relu(x), relu(-x)] in R^(2d), phi(x) holds the products r_i(x) r_(i+j)(x)
+    (indices mod 2d) for j = 1 .. nu: 2 d nu non-negative features, nearly orthogonal for
+    different inputs. (The authors' code multiplies by a roll the other way, r_i r_(i-j):
+    the same products in another order, so the same dot products.)
+
+    Arguments:
+        x: `[..., d]`.
+        nu: the order (number of rolls), >= 1.
+
+    Returns:
+        `[..., 2 d nu]`, in float32.
+    """
+    check_positive("nu", nu)
+    xf = jnp.asarray(x).astype(jnp.float32)
+    r = jnp.concatenate([jax.nn.relu(xf), jax.nn.relu(-xf)], axis=-1)
+    return jnp.concatenate([r * jnp.roll(r, -j, axis=-1) for j in range(1, nu + 1)], axis=-1)
+
+
 FEATURE_MAPS: dict[str, Callable[[Array], Array]] = {
     "elu": lambda x: jax.nn.elu(x) + 1.0,
     "relu": jax.nn.relu,
     "identity": lambda x: x,
+    "dpfp": dpfp_features,  # order DPFP_NU; another order: functools.partial(dpfp_features, nu=3)
 }
 
 
@@ -301,7 +330,8 @@ def linear_attention(
 
     Arguments:
         q, k, v: as `softmax_attention` (grouped-query heads allowed).
-        feature_map: "elu" (elu(x) + 1, the paper's), "relu", "identity" or a callable
+        feature_map: "elu" (elu(x) + 1, the paper's), "relu", "identity", "dpfp"
+            (`dpfp_features` of order `DPFP_NU`, Schlag et al. 2021) or a callable
             applied elementwise-or-not to `[len, heads, d_k]` arrays.
         causal: prefix-sum (autoregressive) attention; self-attention only.
         kv_mask: optional `[kv_len]`, True for real tokens.
@@ -364,7 +394,7 @@ register(
     decoder=recurrent(_linear_features),
     choices={"feature_map": tuple(FEATURE_MAPS), **_FORMS},
     docs={"feature_map": "phi", **_FORM_DOCS},
-    summary="phi(q) . phi(k), phi = elu + 1, relu, identity or yours; causal as chunked / scan / quadratic",
+    summary="phi(q) . phi(k), phi = elu + 1, relu, identity, DPFP or yours; causal as chunked / scan / quadratic",
     limits={"chunk_size": 1},
 )
 

@@ -439,14 +439,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def causal_names(names: list[str], *, named: bool) -> tuple[list[str], list[str]]:
-    """(those of `names` that can be causal, those that cannot). Names the user gave
-    (`named`) that cannot be causal are an error rather than left out silently."""
-    cannot = [n for n in names if not registry.get(n).supports_causal]
+def causal_names(names: list[str], *, named: bool, causal: bool = True) -> tuple[list[str], list[str]]:
+    """(those of `names` that can run `causal` or not, those that cannot: non-causal
+    attentions in a causal run, causal-only ones in a bidirectional run). Names the user
+    gave (`named`) that cannot are an error rather than left out silently."""
+    if causal:
+        cannot = [n for n in names if not registry.get(n).supports_causal]
+        what, able = "cannot be causal", registry.names(supports_causal=True)
+    else:
+        cannot = [n for n in names if registry.get(n).causal_only]
+        what, able = "are causal only (run them with --causal)", registry.names(causal_only=False)
     if cannot and named:
         raise ValueError(
-            f"--causal: {', '.join(cannot)} cannot be causal; attentions that can: "
-            f"{', '.join(registry.names(supports_causal=True))}"
+            f"{'--causal: ' if causal else ''}{', '.join(cannot)} {what}; attentions that can: {', '.join(able)}"
         )
     return [n for n in names if n not in cannot], cannot
 
@@ -468,19 +473,18 @@ def main(argv=None) -> int:
         p.error("--lengths must be positive")
     repeats = args.repeats if args.repeats is not None else (1 if args.short else 3)
     shapes = dict(batch=args.batch, heads=args.heads, d=args.dim)
-    left_out = []
-    if args.causal:
-        try:
-            names, left_out = causal_names(names, named=bool(args.names))
-        except ValueError as e:
-            p.error(str(e))
+    try:
+        names, left_out = causal_names(names, named=bool(args.names), causal=args.causal)
+    except ValueError as e:
+        p.error(str(e))
     entries = [Entry(n, n, causal=args.causal) for n in names]
     rows = run(entries, lengths, repeats=repeats, **shapes)
     command = " ".join(["jxformers bench", *(argv if argv is not None else sys.argv[1:])])
     mode = "causal" if args.causal else "bidirectional"
     text = header(command, **shapes) + f"\n### Every attention against softmax ({mode})\n\n" + table(rows) + "\n"
     if left_out:
-        text += f"\nLeft out (they cannot be causal): {', '.join(left_out)}.\n"
+        why = "they cannot be causal" if args.causal else "they are causal only"
+        text += f"\nLeft out ({why}): {', '.join(left_out)}.\n"
     form_lengths = None
     if args.linear_forms is not None:
         form_lengths = tuple(args.linear_forms or (256, 1024, 4096))

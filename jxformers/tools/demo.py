@@ -219,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
     for name in args.attentions:
         try:
-            registry.get(name)
+            spec = registry.get(name)
         except ValueError as e:
             p.error(str(e))
+        if spec.causal_only:  # before any model trains
+            p.error(f"--attention {name}: it is causal only, and the demo trains classifiers (ListOps encoders)")
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1; got {args.seeds}")
     root = pathlib.Path(args.workdir)

@@ -310,6 +310,12 @@ class ModelConfig:
             )
         if self.causal and (why := bound.causal_refused()):
             raise ValueError(f"task {self.task!r} needs causal attention; {spec.name!r} cannot be causal: {why}")
+        if spec.causal_only and self.task != "lm":
+            raise ValueError(
+                f"task {self.task!r} has non-causal attention (an encoder); {spec.name!r} is causal only "
+                f"(it has no non-causal form): use it with task 'lm', or another attention here: "
+                f"{registry.names(causal_only=False)}"
+            )
         position = self.embedding.position
         if position in BIAS_KINDS and position not in SCORE_KINDS and not spec.takes_bias:  # tupe: _check_relative
             raise ValueError(
