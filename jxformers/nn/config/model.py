@@ -774,6 +774,13 @@ class ModelConfig:
             check_qk_norm(self.layer(index).attention.qk_norm, self._bound[index].spec, self.max_len)
             self._check_heads(self.layer(index).attention, self._bound[index].spec, f"block {index}'s attention")
         self._check_relative()
+        tied = sorted({b.name for b in self._bound if b.layer_shared})
+        if tied and not isinstance(self.stack, TransformerStack):
+            raise ValueError(
+                f"attention {tied} shares its arrays across layers (Linformer's sharing 'layerwise'), which the "
+                f"transformer stack's layers hold once; stack {self.stack.kind!r} holds its layers otherwise: use "
+                "sharing 'kv' or 'headwise' there"
+            )
         if self.decoder is not None:
             spec = self._bound[-1].spec
             check_qk_norm(self.decoder.cross_attention.qk_norm, spec, self.max_len)
