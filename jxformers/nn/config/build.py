@@ -526,6 +526,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
             eval_mem_len=stack.eval_mem_len,
             cmem_len=compressive.cmem_len if compressive else 0,
             compression=compressive.compression if compressive else "conv",
+            compression_loss=compressive.compression_loss if compressive else "attention",
             rate=compressive.compression_rate if compressive else 1,
             same_layer=ernie is not None,
             retrospective=ernie.retrospective if ernie else False,

@@ -44,7 +44,7 @@ from jxformers.nn.positions import POSITION_KINDS, ROPE_SCALINGS, ROTARY_KINDS, 
 from jxformers.nn.relative import SHAW_MAX_DISTANCE
 from jxformers.nn.scaling import OUTPUT_PROJECTIONS, PROJECTIONS, SparseFFNConfig
 from jxformers.nn.tokenlearner import TokenLearnerConfig
-from jxformers.nn.transformer_xl import COMPRESSIONS
+from jxformers.nn.transformer_xl import COMPRESSION_LOSSES, COMPRESSIONS
 from jxformers.validate import Limits, check_at_least, check_fields, setting
 
 # The output heads of a language model (the pooled heads of an encoder are POOLING_KINDS).
@@ -782,14 +782,25 @@ class TransformerXLStack:
 @dataclasses.dataclass(frozen=True)
 class CompressiveStack:
     """Transformer-XL plus a compressed memory (Rae et al. 2020): evicted memories are
-    compressed at `compression_rate`, trained by the attention-reconstruction loss."""
+    compressed at `compression_rate` by `compression`, trained by `compression_loss`."""
 
     kind: str = setting("compressive", "the Compressive Transformer", choices=("compressive",))
     mem_len: int = setting(18, "hidden states each layer remembers (a multiple of compression_rate)")
     eval_mem_len: int | None = setting(None, "the memory in evaluation (None: mem_len)")
     cmem_len: int = setting(6, "compressed memory slots")
-    compression: str = setting("conv", "how windows are compressed", choices=COMPRESSIONS)
+    compression: str = setting(
+        "conv",
+        "the compression function f_c (Rae et al. 2020, section 3.1): conv (kernel and stride c), mean or max "
+        "pooling, dilated_conv (kernel c, dilation n / c), most_used (the states that received the most attention)",
+        choices=COMPRESSIONS,
+    )
     compression_rate: int = setting(3, "states per compressed slot")
+    compression_loss: str = setting(
+        "attention",
+        "what trains f_c (section 3.2): attention (the attention-reconstruction loss) or autoencoding (the "
+        "evicted states reconstructed from their compression by a learned g)",
+        choices=COMPRESSION_LOSSES,
+    )
 
     def __post_init__(self):
         check_fields(self, "stack.")
