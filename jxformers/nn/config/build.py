@@ -462,6 +462,9 @@ def _assemble(config: ModelConfig, key: jax.Array):
                 pre_norm=dense["pre_norm"],
                 dropout=config.dropout,
                 max_len=config.max_len,
+                fourier_bands=stack.fourier_bands,
+                fourier_grid=stack.fourier_grid,
+                fourier_max_freq=stack.fourier_max_freq,
                 key=keys[2],
             )
         transformer = stack if isinstance(stack, TransformerStack) else TransformerStack()  # isab, luna: none

@@ -756,10 +756,22 @@ class PerceiverStack:
     kind: str = setting("perceiver", "a Perceiver encoder", choices=("perceiver",))
     num_latents: int = setting(16, "rows of the latent array")
     cross_attends: int = setting(1, "cross-attentions to the input, each followed by the latent tower")
+    fourier_bands: int = setting(
+        0,
+        "K > 0: the paper's Fourier position features, [x_d, sin(f_k π x_d), cos(f_k π x_d)] with K bands "
+        "f_k from 1 to μ/2, concatenated to each input row (embedding.position 'none'); 0: none",
+    )
+    fourier_grid: tuple[int, ...] | None = setting(
+        None, "the grid the input positions lie on, row-major (None: (max_len,); an image: [H, W], H W = max_len)"
+    )
+    fourier_max_freq: tuple[float, ...] | None = setting(
+        None, "μ per grid dimension (None: the grid's sizes, each dimension's sampling rate)"
+    )
 
     def __post_init__(self):
         check_fields(self, "stack.")
         check_at_least(self, "stack.", 1, "num_latents", "cross_attends")
+        check_at_least(self, "stack.", 0, "fourier_bands")
 
 
 @typing.no_type_check

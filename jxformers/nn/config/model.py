@@ -42,6 +42,7 @@ from jxformers.nn.config.components import (
     MixtureHead,
     NoFeedForward,
     NormConfig,
+    PerceiverStack,
     PooledHead,
     SoftmaxHead,
     StackConfig,
@@ -55,6 +56,7 @@ from jxformers.nn.heads import check_head_options
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.mixture import PIXEL_VALUES
 from jxformers.nn.moe import MoEConfig
+from jxformers.nn.perceiver import check_fourier
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import ADDED_KINDS, BIAS_KINDS, ROTARY_KINDS, xpos_max_len
 from jxformers.nn.relative import INPUT_KINDS, RELATIVE_KINDS, SCORE_KINDS, check_relative
@@ -413,6 +415,13 @@ class ModelConfig:
             raise ValueError(
                 "a perceiver has no CLS token: pool its latents with head 'mean' (the paper's average) or 'pma'"
             )
+        if isinstance(stack, PerceiverStack):
+            check_fourier(stack.fourier_bands, stack.fourier_grid, stack.fourier_max_freq, self.max_len)
+            if stack.fourier_bands and position != "none":
+                raise ValueError(
+                    f"stack.fourier_bands ({stack.fourier_bands}) gives the Perceiver its positions as Fourier "
+                    f"features, concatenated: set embedding.position 'none' (got {position!r})"
+                )
 
     def _check_cell_stack(self):
         """A whole-model design whose blocks take the model's attention at their own widths
