@@ -969,7 +969,11 @@ ENCODER_OR_LM = ("classify", "retrieval", "lm")
 STACKS = {
     "transformer": ("pre", ("classify", "retrieval", "lm", "seq2seq"), "blocks of the named attention"),
     "isab": ("post", ("classify", "retrieval"), "Set Transformer's ISAB blocks (Lee et al. 2019)"),
-    "luna": ("post", ("classify", "retrieval", "lm"), "Luna layers carrying a packed sequence (Ma et al. 2021)"),
+    "luna": (
+        "post",
+        ("classify", "retrieval", "lm", "seq2seq"),
+        "Luna layers carrying a packed sequence (Ma et al. 2021)",
+    ),
     "perceiver": ("pre", ("classify", "retrieval"), "latent array cross-attending the input (Jaegle et al. 2021)"),
     "transformer_xl": ("post", ("lm",), "segment-level recurrence, relative positions (Dai et al. 2019)"),
     "compressive": ("post", ("lm",), "Transformer-XL plus a compressed memory (Rae et al. 2020)"),

@@ -392,6 +392,18 @@ class ModelConfig:
                 f"stack {kind!r} builds its own softmax attentions; leave model.attention at its "
                 f"default (got {self.attention.to_value()!r})"
             )
+        decoder = self.decoder
+        if kind == "luna" and decoder is not None:
+            given = {
+                "cross_attention": decoder.cross_attention != AttentionConfig(),
+                "ffn false": not decoder.ffn,
+                "transparent": decoder.transparent,
+            }
+            if any(given.values()):
+                raise ValueError(
+                    f"stack 'luna' builds its decoder's encoder attention (Luna's pack and unpack) and FFN itself; "
+                    f"leave decoder's {sorted(n for n, on in given.items() if on)} at their defaults"
+                )
         if self.kv_heads not in (None, self.num_heads):
             raise ValueError(
                 f"stack {kind!r} has no grouped-query attention; kv_heads ({self.kv_heads}) must equal "
