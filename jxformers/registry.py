@@ -273,6 +273,9 @@ class AttentionSpec:
         grid_width: the hyper-parameter giving the row width of the 2-D grid the op reads
             the sequence as (axial's and Image Transformer's `width`); an experiment on
             images warns when it is not the images' width.
+        layer_shared: `fn(hyper_parameters) -> names` of the arrays from `init_arrays`
+            that one model holds once for all its layers (Linformer's layerwise E), or
+            None: each module holds its own (`BoundAttention.layer_shared`).
     """
 
     name: str
@@ -301,6 +304,7 @@ class AttentionSpec:
     dense_width: tuple[str, Callable[[Mapping[str, Any], int], int]] | None = None
     grid_width: str | None = None
     causal_refusal: Callable[[Mapping[str, Any]], str | None] | None = None
+    layer_shared: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
 
     @property
     def updates_arrays(self) -> bool:
@@ -379,6 +383,13 @@ class BoundAttention:
         if self.spec.dense_width is None:
             return None
         return self.spec.dense_width[1](self.hyper_parameters, max_len)
+
+    @property
+    def layer_shared(self) -> tuple[str, ...]:
+        """The names of its arrays that a model holds once for all its layers (its
+        spec's `layer_shared`; `jxformers.nn.layouts.StackPlan` ties them)."""
+        fn = self.spec.layer_shared
+        return () if fn is None else tuple(fn(self.hyper_parameters))
 
     def _op_kwargs(self) -> dict[str, Any]:
         only = {p.name for p in self.spec.hyper_parameters if p.arrays_only}
@@ -540,6 +551,7 @@ def register(
     dense_width: tuple[str, Callable[[Mapping[str, Any], int], int]] | None = None,
     grid_width: str | None = None,
     causal_refusal: Callable[[Mapping[str, Any]], str | None] | None = None,
+    layer_shared: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None,
 ) -> AttentionSpec:
     """Register `op` under `name`; hyper-parameters come from its keyword-only signature
     (and `init_arrays`'s). Capabilities default to what the signature shows (`causal`,
@@ -548,7 +560,8 @@ def register(
     line, the allowed values of a string one, the allowed numbers of a numeric one (a
     `jxformers.validate.Limits`, or a bare number: the minimum). Every int or float
     hyper-parameter declares its limits, so that `bind` refuses what the op would refuse
-    at its first call. `summary`, `dense_width` and `grid_width`: see `AttentionSpec`."""
+    at its first call. `summary`, `dense_width`, `grid_width` and `layer_shared`: see
+    `AttentionSpec`."""
     if name in _REGISTRY:
         raise ValueError(f"attention {name!r} is already registered")
     op_params = inspect.signature(op).parameters
@@ -621,6 +634,7 @@ def register(
         dense_width=dense_width,
         grid_width=grid_width,
         causal_refusal=causal_refusal,
+        layer_shared=layer_shared,
         **resolved,
     )
     for p in params:  # the defaults themselves must pass the checks

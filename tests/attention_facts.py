@@ -198,7 +198,7 @@ FACTS: dict[str, Facts] = {
     "gated_delta": Facts(variants=({"chunk_size": 5},), errors=(({"chunk_size": 0}, "chunk_size"),)),
     "linformer": Facts(
         variants=({"proj_len": 8, "max_len": 64},),
-        errors=(({"max_len": 8}, "max_len"), ({"proj_len": 0}, "proj_len")),
+        errors=(({"max_len": 8}, "max_len"), ({"proj_len": 0}, "proj_len"), ({"sharing": "per_layer"}, "sharing")),
         growth=Growth("linear", lambda n: {"proj_len": 32, "max_len": n}),
     ),
     "synthesizer": Facts(

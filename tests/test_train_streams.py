@@ -113,14 +113,17 @@ def test_compressive_trains_on_the_stream(texts, tmp_path):
         "model.cmem_len=4",
         "model.compression_rate=2",
         "model.eval_mem_len=8",
+        "model.stack.compression=most_used",  # its usage is memory too: carried, saved and restored
+        "model.stack.compression_loss=autoencoding",
         "train.steps=4",
         "data.settings.max_len=9",
     )
     train(e, tmp_path / "run", progress=False)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("reconstruction_loss", 0) > 0 for r in records)
+    assert any(r.get("autoencoding_loss", 0) > 0 for r in records)
     memory = restore_train_state(e, tmp_path / "run")[0].memory
     assert (np.asarray(memory["compressed_length"]) == 4).all()  # 4 segments of 8 through a memory of 6
+    assert memory["usage"].shape == memory["hidden"].shape[:3] and float(np.asarray(memory["usage"]).sum()) > 0
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,8 @@ class Attention(eqx.Module):
             (grouped-query when fewer; default num_heads); d_head: default d_model // num_heads.
         causal: mask the future (self-attention only).
         cross: keys and values come from a `context` sequence (encoder-decoder).
+        d_context: the context's width, read by W_K and W_V (cross-attention only;
+            None: d_model). Perceiver's input with Fourier features concatenated.
         rope: rotate q and k by position before the core: a `Rotary` (RoPE with its
             base and context scaling, or xPos, which needs `causal`), True for plain
             RoPE (`Rotary()`), False for none.
@@ -191,6 +193,7 @@ class Attention(eqx.Module):
         d_head: int | None = None,
         causal: bool = False,
         cross: bool = False,
+        d_context: int | None = None,
         rope: bool | Rotary = False,
         attention_kwargs: dict[str, Any] | None = None,
         qk_norm: str = "none",
@@ -264,8 +267,11 @@ class Attention(eqx.Module):
         self.num_heads, self.kv_heads, self.d_head = num_heads, kv_heads, d_head
         self.causal, self.cross, self.rope = causal, cross, rotary
         self.q_proj = Linear(d_model, num_heads * d_head if collaborative is None else d_key, key=kq)
-        self.k_proj = Linear(d_model, kv_heads * d_head if collaborative is None else d_key, key=kk)
-        self.v_proj = Linear(d_model, kv_heads * d_head, key=kv)
+        if d_context is not None and not cross:
+            raise ValueError(f"d_context ({d_context}) is the width of a cross-attention's context; cross is False")
+        d_kv_in = d_model if d_context is None else d_context
+        self.k_proj = Linear(d_kv_in, kv_heads * d_head if collaborative is None else d_key, key=kk)
+        self.v_proj = Linear(d_kv_in, kv_heads * d_head, key=kv)
         self.o_proj = Linear(num_heads * d_head, d_model, key=ko)
         made = attention.init_arrays(ka, heads=num_heads, kv_heads=kv_heads, d_k=d_key, d_v=d_head)
         drawn = attention.spec.drawn
@@ -401,7 +407,7 @@ class Attention(eqx.Module):
     def apply(
         self,
         x: Float[Array, "seq d_model"],
-        context: Float[Array, "ctx d_model"] | None = None,
+        context: Float[Array, "ctx d_context"] | None = None,
         *,
         kv_mask: Bool[Array, " kv"] | None = None,
         bias: Float[Array, "heads seq kv"] | Alibi | SharedTerms | None = None,
@@ -412,7 +418,8 @@ class Attention(eqx.Module):
     ) -> tuple[Float[Array, "seq d_model"], Produced]:
         """Arguments:
             x: `[seq, d_model]` queries (and keys/values for self-attention).
-            context: `[ctx, d_model]` keys/values for cross-attention.
+            context: `[ctx, d_context]` keys/values for cross-attention (d_context: d_model
+                unless the module was built with another).
             kv_mask: `[kv]` True for real keys (padding mask).
             bias: `[heads, seq, kv]` additive logit bias (ALiBi, T5, TUPE), or the shared
                 part of this module's relative terms (`SharedTerms`: Transformer-XL's u, v;
@@ -585,7 +592,7 @@ class Attention(eqx.Module):
             out = self.core(q, k, v, arrays=self._core_arrays(x[None], None), kv_mask=kv_mask)
             return self._out(out, x[None])[0]
 
-    def project_context(self, context: Float[Array, "ctx d_model"]) -> tuple[Array, Array]:
+    def project_context(self, context: Float[Array, "ctx d_context"]) -> tuple[Array, Array]:
         """The keys and values of a cross-attention context, computed once for decoding."""
         k = self._keys(context)
         return k, self._heads(context, self.v_proj, self.kv_heads)

@@ -15,7 +15,10 @@ Transformers", arXiv 2106.04554, section 6.5 and around it):
   (`StackPlan.hollow`); a model fills them in before running (`StackPlan.filled`), so a
   shared array is one leaf of the model, one array in a checkpoint, and its gradient is
   the sum over the layers that use it (ALBERT's factorised embedding is
-  `jxformers.nn.models.Embedding`'s `project`);
+  `jxformers.nn.models.Embedding`'s `project`); the same holding-once ties an attention
+  core's arrays that its registration shares across layers (`BoundAttention.layer_shared`:
+  Linformer's layerwise E, Wang et al. 2020, section 4): the first attention module
+  holding one keeps it, the later ones with the same core hold None there;
 - LayerDrop (Fan, Grave & Joulin 2020, "Reducing Transformer Depth on Demand with
   Structured Dropout"): in training each block is skipped whole with probability p, one
   draw per block for the batch (the authors' fairseq code) or per example
@@ -40,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from jxformers.nn.attention import attention_modules
 from jxformers.nn.layers import FeedForward, Norm, make_norm, normalise
 
 # Who shares what across the layers (ALBERT's Table 4): nothing, the whole block, the
@@ -176,6 +180,31 @@ def _is_none(x) -> bool:
     return x is None
 
 
+def _tied_arrays(blocks: Sequence[Any]) -> list[tuple[tuple[int, int, str], tuple[int, int, str]]]:
+    """(holder, user) pairs of the core arrays held once across the layers: each as (block
+    index, the attention module's index within the block, array name). The holder is the
+    first module (in block order) whose core shares that array across layers; a later
+    module with the same bound attention uses it. Decided on the structure alone."""
+    first, pairs = {}, []
+    for b, block in enumerate(blocks):
+        for a, module in enumerate(attention_modules(block) if block is not None else ()):
+            for name in module.core.layer_shared:
+                place = (b, a, name)
+                holder = first.setdefault((module.core, name), place)
+                if holder != place:
+                    pairs.append((holder, place))
+    return pairs
+
+
+def _with_arrays(block, changes: dict[tuple[int, str], Any]):
+    """`block` with the core arrays at (module index, name) replaced by `changes`' values."""
+    if not changes:
+        return block
+    keys = sorted(changes)
+    where = lambda b: [attention_modules(b)[a].arrays[n] for a, n in keys]  # noqa: E731
+    return eqx.tree_at(where, block, [changes[k] for k in keys], is_leaf=_is_none)
+
+
 @dataclasses.dataclass(frozen=True)
 class StackPlan:
     """How a model runs its blocks beyond one after another (static, hashable): ALBERT's
@@ -201,7 +230,9 @@ class StackPlan:
         """`blocks` as a model holds them: the shared sublayers in block 0 only (None in
         the others; with "all", the other blocks are None). Refused where the blocks'
         shared parts differ in their static structure."""
-        blocks = tuple(blocks)
+        return self._hollow_arrays(self._hollow_sublayers(tuple(blocks)))
+
+    def _hollow_sublayers(self, blocks: tuple) -> tuple:
         if self.sharing == "none" or len(blocks) < 2:
             return blocks
         if self.sharing == "all":
@@ -212,10 +243,27 @@ class StackPlan:
             raise ValueError(f"sharing {self.sharing!r} needs blocks whose shared sublayers are built alike")
         return (blocks[0],) + tuple(eqx.tree_at(where, b, [None] * len(where(b))) for b in blocks[1:])
 
+    @staticmethod
+    def _hollow_arrays(blocks: tuple) -> tuple:
+        """The layer-shared core arrays (`_tied_arrays`) left in their holder only."""
+        users: dict[int, dict] = {}
+        for _, (b, a, name) in _tied_arrays(blocks):
+            users.setdefault(b, {})[(a, name)] = None
+        return tuple(_with_arrays(block, users.get(b, {})) for b, block in enumerate(blocks))
+
+    @staticmethod
+    def _filled_arrays(blocks: tuple) -> tuple:
+        """The layer-shared core arrays put back from their holder (the same array)."""
+        filled: dict[int, dict] = {}
+        for (hb, ha, name), (b, a, _) in _tied_arrays(blocks):
+            filled.setdefault(b, {})[(a, name)] = attention_modules(blocks[hb])[ha].arrays[name]
+        return tuple(_with_arrays(block, filled.get(b, {})) for b, block in enumerate(blocks))
+
     def filled(self, blocks: Sequence[Any]) -> tuple:
         """The blocks to run: `hollow`'s blocks with block 0's shared sublayers put back
-        in (the same arrays, so their gradients add up in block 0's)."""
-        blocks = tuple(blocks)
+        in (the same arrays, so their gradients add up in block 0's), and the layer-shared
+        core arrays put back from their holder."""
+        blocks = self._filled_arrays(tuple(blocks))
         if self.sharing == "none" or len(blocks) < 2:
             return blocks
         if self.sharing == "all":

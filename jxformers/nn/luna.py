@@ -17,8 +17,18 @@ single packed output for the whole sequence, so P is not updated: every layer pa
 the learned P (as the authors' decoder, whose P only the encoder attention updates).
 Decoding is recurrent: each layer keeps its running pack sum, O(l d) per token.
 
+Encoder-decoder Luna (the paper's machine translation model, section 4.1; its layer as
+the authors' fairseq-apollo `LunaDecoderLayer`): each decoder layer runs the causal Luna
+self-attention above with the current P, then Luna's attention over the encoder output C,
+
+    Y_PC = Attn_pack(P, C),  X' = LayerNorm(X + Attn_unpack(X, Y_PC)),  P' = LayerNorm(P + Y_PC),
+
+then the FFN; P' is the next layer's P, so P is updated by the encoder attention only.
+Decoding precomputes every layer's P and Y_PC from the encoder output (they do not depend
+on the target) and keeps the causal running sums.
+
 `LunaStack` is one element of an `Encoder`'s or `LanguageModel`'s blocks (ModelConfig
-stack "luna").
+stack "luna"; a seq2seq decoder's with `cross`).
 """
 
 from __future__ import annotations
@@ -75,13 +85,17 @@ class LunaBlock(eqx.Module):
     """One Luna layer: `(x [n, d], p [l, d]) -> (x', p')` (see the module docstring).
 
     Arguments (constructor): `d_model`, `num_heads`, `d_ff`, `ffn`, `norm`, `pre_norm`,
-    `causal`, `dropout` (on each branch's output), `key`.
+    `causal`, `dropout` (on each branch's output), `cross` (a decoder layer: Luna's
+    attention over the encoder output after the self-attention), `key`.
     """
 
     pack: Pack
     unpack: Attention
     ffn: FeedForward
     norms: tuple[Norm, Norm, Norm]  # x after attention, p, x after FFN
+    cross_pack: Pack | None  # a decoder layer's: P's queries read the encoder output
+    cross_unpack: Attention | None
+    cross_norms: tuple[Norm, Norm] | None  # x and p after the encoder attention
     dropout: eqx.nn.Dropout
     pre_norm: bool = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
@@ -97,13 +111,17 @@ class LunaBlock(eqx.Module):
         pre_norm: bool = False,
         causal: bool = False,
         dropout: float = 0.0,
+        cross: bool = False,
         key: PRNGKeyArray,
     ):
-        kp, ku, kf = jax.random.split(key, 3)
+        kp, ku, kf, kcp, kcu = jax.random.split(key, 5)
         self.pack = Pack(d_model, num_heads, key=kp)
         self.unpack = Attention("softmax", d_model, num_heads, cross=True, key=ku)
         self.ffn = FeedForward(d_model, d_ff, ffn, dropout=dropout, key=kf)
         self.norms = tuple(make_norm(norm, d_model) for _ in range(3))
+        self.cross_pack = Pack(d_model, num_heads, key=kcp) if cross else None
+        self.cross_unpack = Attention("softmax", d_model, num_heads, cross=True, key=kcu) if cross else None
+        self.cross_norms = (make_norm(norm, d_model), make_norm(norm, d_model)) if cross else None
         self.dropout = eqx.nn.Dropout(dropout)
         self.pre_norm, self.causal = pre_norm, causal
 
@@ -119,18 +137,46 @@ class LunaBlock(eqx.Module):
         out = self.dropout(out, key=key, inference=inference)
         return x + out if self.pre_norm else norm(x + out)
 
+    def cross_packed(
+        self, p: Float[Array, "l d_model"], context: Float[Array, "ctx d_model"], context_mask=None
+    ) -> Float[Array, "l d_model"]:
+        """A decoder layer's Y_PC = Attn_pack(P, C) over the encoder output (padding unread)."""
+        assert self.cross_pack is not None and self.cross_norms is not None
+        pn = self.cross_norms[1](p) if self.pre_norm else p
+        return self.cross_pack(pn, context, kv_mask=context_mask)
+
+    def next_packed(self, p: Float[Array, "l d_model"], packed: Float[Array, "l d_model"]) -> Float[Array, "l d_model"]:
+        """A decoder layer's P' = LayerNorm(P + Y_PC) (at inference: no dropout)."""
+        assert self.cross_norms is not None
+        return self._residual(p, packed, self.cross_norms[1], None, True)
+
+    def _encoder_attention(self, x, p, packed, key, inference):
+        """(x, p) after the encoder attention, given its Y_PC `packed`."""
+        assert self.cross_unpack is not None and self.cross_norms is not None
+        kx, kp = split_key(key, 2)
+        xn = self.cross_norms[0](x) if self.pre_norm else x
+        one = xn.ndim == 1  # a decoding step's row
+        y_x = self.cross_unpack(xn[None] if one else xn, packed)
+        x = self._residual(x, y_x[0] if one else y_x, self.cross_norms[0], kx, inference)
+        return x, self._residual(p, packed, self.cross_norms[1], kp, inference)
+
     def __call__(
         self,
         x: Float[Array, "n d_model"],
         p: Float[Array, "l d_model"],
         *,
         kv_mask: Bool[Array, " n"] | None = None,
+        context: Float[Array, "ctx d_model"] | None = None,
+        context_mask: Bool[Array, " ctx"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, "n d_model"], Float[Array, "l d_model"]]:
         """Returns `(x', p')`; padded rows of x (kv_mask False) are never packed. Causal:
-        p' is p (see the module docstring)."""
-        kx, kp, kf, kh = split_key(key, 4)
+        the self-attention leaves p as it is (see the module docstring); a decoder layer
+        (`cross`) then reads `context` (the encoder output; `context_mask`: its real rows)."""
+        if (context is None) != (self.cross_pack is None):
+            raise ValueError("a Luna decoder layer (cross) reads the encoder output as context; other layers do not")
+        kx, kp, kf, kh, kc = split_key(key, 5)
         xn = self.norms[0](x) if self.pre_norm else x
         pn = self.norms[1](p) if self.pre_norm else p
         if self.causal:
@@ -140,19 +186,28 @@ class LunaBlock(eqx.Module):
             y_x = self.unpack(xn, y_p)
             p = self._residual(p, y_p, self.norms[1], kp, inference)
         x = self._residual(x, y_x, self.norms[0], kx, inference)
+        if context is not None:
+            x, p = self._encoder_attention(x, p, self.cross_packed(p, context, context_mask), kc, inference)
         ffn_in = self.norms[2](x) if self.pre_norm else x
         return self._residual(x, self.ffn(ffn_in, key=kh, inference=inference), self.norms[2], kf, inference), p
 
     def decode_step(
-        self, x: Float[Array, " d_model"], p: Float[Array, "l d_model"], state: dict[str, Array]
+        self,
+        x: Float[Array, " d_model"],
+        p: Float[Array, "l d_model"],
+        state: dict[str, Array],
+        packed: Float[Array, "l d_model"] | None = None,
     ) -> tuple[Float[Array, " d_model"], dict[str, Array]]:
-        """Causal Luna, one token: add its pack to the running sum, unpack from the mean."""
+        """Causal Luna, one token: add its pack to the running sum, unpack from the mean;
+        a decoder layer then unpacks from its Y_PC `packed` (`cross_packed`, computed once)."""
         xn = self.norms[0](x) if self.pre_norm else x
         pn = self.norms[1](p) if self.pre_norm else p
         one = self.pack.prefixes(pn, xn[None])[0]  # this token's own pack term
         state = {"sum": state["sum"] + one.astype(jnp.float32), "count": state["count"] + 1}
         y_x = self.unpack_one(xn, (state["sum"] / state["count"]).astype(x.dtype))
         x = self._residual(x, y_x, self.norms[0], None, True)
+        if packed is not None:
+            x, _ = self._encoder_attention(x, p, packed, None, True)
         ffn_in = self.norms[2](x) if self.pre_norm else x
         return self._residual(x, self.ffn(ffn_in[None], inference=True)[0], self.norms[2], None, True), state
 
@@ -169,6 +224,7 @@ class LunaStack(eqx.Module):
     packed: Float[Array, "l d_model"]
     blocks: tuple[LunaBlock, ...]
     causal: bool = eqx.field(static=True)
+    cross: bool = eqx.field(static=True)  # a seq2seq decoder's layers: each reads the encoder output
 
     def __init__(
         self,
@@ -183,6 +239,7 @@ class LunaStack(eqx.Module):
         pre_norm: bool = False,
         causal: bool = False,
         dropout: float = 0.0,
+        cross: bool = False,
         key: PRNGKeyArray,
     ):
         if packed_len < 1 or num_layers < 1:
@@ -199,25 +256,29 @@ class LunaStack(eqx.Module):
                 pre_norm=pre_norm,
                 causal=causal,
                 dropout=dropout,
+                cross=cross,
                 key=k,
             )
             for k in jax.random.split(kb, num_layers)
         )
-        self.causal = causal
+        self.causal, self.cross = causal, cross
 
     def layers(
         self,
         x: Float[Array, "n d_model"],
         *,
         kv_mask: Bool[Array, " n"] | None = None,
+        context: Float[Array, "ctx d_model"] | None = None,
+        context_mask: Bool[Array, " ctx"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> tuple[Float[Array, "n d_model"], list[Float[Array, "l d_model"]]]:
-        """The output and the packed sequence each layer read (`[P_0, P_1, ...]`, one per layer)."""
+        """The output and the packed sequence each layer read (`[P_0, P_1, ...]`, one per
+        layer); a decoder's (`cross`) layers read the encoder output `context`."""
         p, seen = self.packed.astype(x.dtype), []
         for block, k in zip(self.blocks, split_key(key, len(self.blocks)), strict=True):
             seen.append(p)
-            x, p = block(x, p, kv_mask=kv_mask, key=k, inference=inference)
+            x, p = block(x, p, kv_mask=kv_mask, context=context, context_mask=context_mask, key=k, inference=inference)
         return x, seen
 
     def __call__(
@@ -227,12 +288,29 @@ class LunaStack(eqx.Module):
         kv_mask: Bool[Array, " n"] | None = None,
         bias: None = None,
         positions: Int[Array, " n"] | None = None,
-        context: None = None,
-        context_mask: None = None,
+        context: Float[Array, "ctx d_model"] | None = None,
+        context_mask: Bool[Array, " ctx"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
     ) -> Float[Array, "n d_model"]:
-        return self.layers(x, kv_mask=kv_mask, key=key, inference=inference)[0]
+        return self.layers(
+            x, kv_mask=kv_mask, context=context, context_mask=context_mask, key=key, inference=inference
+        )[0]
+
+    def project_context(
+        self, context: Float[Array, "ctx d_model"], context_mask: Bool[Array, " ctx"] | None = None
+    ) -> tuple[Float[Array, "layers l d_model"], Float[Array, "layers l d_model"]]:
+        """What a decoder's layers read of the encoder output, computed once for decoding:
+        every layer's P and its Y_PC (neither depends on the target)."""
+        if not self.cross:
+            raise ValueError("only a Luna decoder (cross) reads an encoder output")
+        p, ps, packs = self.packed.astype(context.dtype), [], []
+        for block in self.blocks:
+            packed = block.cross_packed(p, context, context_mask)
+            ps.append(p)
+            packs.append(packed)
+            p = block.next_packed(p, packed)
+        return jnp.stack(ps), jnp.stack(packs)
 
     def init_decode_state(self, max_len: int, dtype=jnp.float32) -> tuple[dict[str, Array], ...]:
         """Per layer, the running pack sum `[l, d_model]` (float32) and its count: a fixed
@@ -248,11 +326,16 @@ class LunaStack(eqx.Module):
         state: tuple[dict[str, Array], ...],
         *,
         bias_fn: Any = None,
-        context_kv: None = None,
-        context_mask: None = None,
+        context_kv: tuple[Array, Array] | None = None,
+        context_mask: Bool[Array, " ctx"] | None = None,
     ) -> tuple[Float[Array, " d_model"], tuple[dict[str, Array], ...]]:
-        p, states = self.packed.astype(x.dtype), []
-        for block, layer_state in zip(self.blocks, state, strict=True):
-            x, layer_state = block.decode_step(x, p, layer_state)
+        """One token through the layers; a decoder's `context_kv` is `project_context`'s."""
+        if (context_kv is None) == self.cross:
+            raise ValueError("a Luna decoder (cross) decodes with its project_context; other stacks without")
+        states = []
+        for i, (block, layer_state) in enumerate(zip(self.blocks, state, strict=True)):
+            p = self.packed.astype(x.dtype) if context_kv is None else context_kv[0][i].astype(x.dtype)
+            packed = None if context_kv is None else context_kv[1][i].astype(x.dtype)
+            x, layer_state = block.decode_step(x, p, layer_state, packed)
             states.append(layer_state)
         return x, tuple(states)

@@ -862,8 +862,8 @@ class LanguageModel(eqx.Module):
                     inference=inference,
                 )  # fmt: skip
                 produced = produced + made.under("blocks", i)
-            else:  # a LunaStack (causal Luna): no bias, positions or cross-attention to pass
-                x = block(x, kv_mask=mask, key=k, inference=inference)
+            else:  # a LunaStack (causal Luna; a seq2seq decoder's reads the encoder output): no bias or positions
+                x = block(x, kv_mask=mask, context=context, context_mask=context_mask, key=k, inference=inference)
             x = condition(i, x, mask, skip=m)
         return x[m:], None if mask is None else mask[m:], produced
 
@@ -961,9 +961,9 @@ class LanguageModel(eqx.Module):
                 x, layer_state = block.decode_step(
                     x, layer_state, bias_fn=bias_fn, token_id=token_id, readout=self._readout
                 )
-            else:  # a LunaStack (ISABs serve encoders): no bias or cross-attention
+            else:  # a LunaStack (ISABs serve encoders): no bias; a decoder's reads its projected context
                 assert isinstance(block, LunaStack), type(block)
-                x, layer_state = block.decode_step(x, layer_state)
+                x, layer_state = block.decode_step(x, layer_state, context_kv=kv, context_mask=context_mask)
             layers.append(layer_state)
             x = condition(i, x)
         kept = {"pegs": pegs} if "pegs" in state else {}
@@ -1060,9 +1060,13 @@ class ConditionedDecoder(eqx.Module):
         state = self.decoder.init_decode_state(max_len)
         context_kv = []
         for i, block in enumerate(self.decoder.plan.filled(self.decoder.blocks)):
-            # a seq2seq decoder's: transformer blocks, or Evolved Transformer cells with attend-to-encoder branches
-            assert isinstance(block, (Block, EvolvedDecoderCell)) and block.cross_attention is not None
+            # a seq2seq decoder's: transformer blocks, Evolved Transformer cells with attend-to-encoder branches,
+            # or one Luna decoder stack (every layer's P and packed encoder output)
             memory = self.memory if self.memory.ndim == 2 else self.memory[i]  # one per block: transparent
+            if isinstance(block, LunaStack):
+                context_kv.append(block.project_context(memory, self.memory_mask))
+                continue
+            assert isinstance(block, (Block, EvolvedDecoderCell)) and block.cross_attention is not None
             context_kv.append(block.project_context(memory))  # what its decoding step reads
         state["context_kv"] = tuple(context_kv)
         return state

@@ -14,6 +14,7 @@ pooling (ModelConfig head "pma"). `pre_norm=True` moves each LayerNorm to the br
 
 from __future__ import annotations
 
+import functools
 import math
 
 import equinox as eqx
@@ -29,9 +30,10 @@ class MAB(eqx.Module):
     with a residual and a norm (after it as the paper; before it with `pre_norm`).
 
     Arguments (constructor): `d_model`, `num_heads`, `d_ff`, `ffn` (kind), `norm`,
-    `pre_norm`, `dropout` (on each branch's output), `key`.
+    `pre_norm`, `dropout` (on each branch's output), `d_y` (the width of `y`; None:
+    d_model), `key`.
 
-    `mab(x [nx, d_model], y [ny, d_model], *, y_mask [ny]) -> [nx, d_model]`; padded
+    `mab(x [nx, d_model], y [ny, d_y], *, y_mask [ny]) -> [nx, d_model]`; padded
     rows of `y` (y_mask False) are never read. O(nx * ny * d).
     """
 
@@ -51,10 +53,11 @@ class MAB(eqx.Module):
         norm: str = "layernorm",
         pre_norm: bool = False,
         dropout: float = 0.0,
+        d_y: int | None = None,
         key: PRNGKeyArray,
     ):
         ka, kf = jax.random.split(key)
-        self.attention = Attention("softmax", d_model, num_heads, cross=True, key=ka)
+        self.attention = Attention("softmax", d_model, num_heads, cross=True, d_context=d_y, key=ka)
         self.ffn = FeedForward(d_model, d_ff, ffn, dropout=dropout, key=kf)
         self.norms = (make_norm(norm, d_model), make_norm(norm, d_model))
         self.dropout = eqx.nn.Dropout(dropout)
@@ -68,7 +71,7 @@ class MAB(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "nx d_model"],
-        y: Float[Array, "ny d_model"],
+        y: Float[Array, "ny d_y"],
         *,
         y_mask: Bool[Array, " ny"] | None = None,
         key: PRNGKeyArray | None = None,
@@ -108,10 +111,12 @@ class ISAB(eqx.Module):
         if num_inducing < 1:
             raise ValueError(f"ISAB needs num_inducing >= 1; got {num_inducing}")
         ki, k1, k2 = jax.random.split(key, 3)
-        mab = dict(d_ff=d_ff, ffn=ffn, norm=norm, pre_norm=pre_norm, dropout=dropout)
+        mab = functools.partial(
+            MAB, d_model, num_heads, d_ff=d_ff, ffn=ffn, norm=norm, pre_norm=pre_norm, dropout=dropout
+        )
         self.inducing = jax.random.normal(ki, (num_inducing, d_model)) / math.sqrt(d_model)
-        self.mab_in = MAB(d_model, num_heads, **mab, key=k1)
-        self.mab_out = MAB(d_model, num_heads, **mab, key=k2)
+        self.mab_in = mab(key=k1)
+        self.mab_out = mab(key=k2)
 
     def __call__(
         self,

@@ -68,7 +68,10 @@ from jxformers.nn.produced import Produced
 from jxformers.nn.relative import distance_term, relative_sinusoid
 
 MEMORY_ARCHITECTURES = ("transformer_xl", "compressive", "ernie_doc", "memformer")  # carried by the train step
-COMPRESSIONS = ("conv", "mean", "max")
+# The compression functions f_c of Rae et al. 2020, section 3.1 (see `Compressor`).
+COMPRESSIONS = ("conv", "mean", "max", "dilated_conv", "most_used")
+# What trains f_c (section 3.2): the attention-reconstruction loss, or the auto-encoding loss.
+COMPRESSION_LOSSES = ("attention", "autoencoding")
 
 
 def relative_attention(
@@ -80,7 +83,8 @@ def relative_attention(
     vb: Float[Array, "heads d"],
     *,
     mask: Bool[Array, "n m"],
-) -> Float[Array, "n heads dv"]:
+    received: bool = False,
+) -> Float[Array, "n heads dv"] | tuple[Float[Array, "n heads dv"], Float[Array, " m"]]:
     """Transformer-XL attention of n queries over m keys, the queries being the last n
     positions of the m (query i sits at position m - n + i, key j at j).
 
@@ -89,6 +93,8 @@ def relative_attention(
         r: W_{k,R} R_d for the distances d = 0 .. m - 1 (row d).
         u, vb: the global content and position biases (the paper's u and v).
         mask: True where query i may read key j (j after i must be False).
+        received: also return the attention each key received, averaged over the heads
+            and the queries (`[m]`, the most-used compression's usage).
     """
     n, m = q.shape[0], k.shape[0]
     if n > m:
@@ -103,7 +109,8 @@ def relative_attention(
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     weights = jnp.exp(scores - top)
     weights = weights / jnp.maximum(weights.sum(-1, keepdims=True), 1e-30)
-    return jnp.einsum("hnm,mhd->nhd", weights, f32(v)).astype(v.dtype)
+    out = jnp.einsum("hnm,mhd->nhd", weights, f32(v)).astype(v.dtype)
+    return (out, weights.mean((0, 1))) if received else out
 
 
 def content_attention(h, m, valid, q_proj: Linear, k_proj: Linear, v_proj: Linear, heads: int):
@@ -123,33 +130,74 @@ def content_attention(h, m, valid, q_proj: Linear, k_proj: Linear, v_proj: Linea
 
 
 class Compressor(eqx.Module):
-    """The compression function f_c at rate c: [n, d] -> [n / c, d]. "conv": a 1-D
-    convolution of kernel size and stride c (one Linear over each window of c states,
-    which is exactly that convolution); "mean", "max": pooling over each window."""
+    """The compression function f_c at rate c: [n, d] -> [n / c, d] (Rae et al. 2020,
+    section 3.1), over windows of c states. "conv": a 1-D convolution of kernel size and
+    stride c (one Linear over each window of c consecutive states, which is exactly that
+    convolution); "mean", "max": pooling over each window; "dilated_conv": a 1-D
+    convolution of kernel c and dilation n / c (stride 1, no padding: the n / c outputs,
+    output j reading states j, j + n/c, ..., j + (c-1) n/c); "most_used": the n / c states
+    that received the most attention (`usage`), in their order (no parameters).
+
+    With `autoencoding` it also holds the auto-encoding loss's decoder g: [n / c, d] ->
+    [n, d], a Linear from each compressed slot to the c states of its window (the
+    transposed convolution of the windows above; `decode`)."""
 
     kind: str = eqx.field(static=True)
     rate: int = eqx.field(static=True)
     conv: Linear | None
+    decoder: Linear | None  # the auto-encoding loss's g
 
-    def __init__(self, kind: str, rate: int, d_model: int, *, key: PRNGKeyArray):
+    def __init__(self, kind: str, rate: int, d_model: int, *, autoencoding: bool = False, key: PRNGKeyArray):
         if kind not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}; got {kind!r}")
         if rate < 1:
             raise ValueError(f"compression rate must be >= 1; got {rate}")
+        kc, kd = jax.random.split(key)
         self.kind, self.rate = kind, rate
-        self.conv = Linear(rate * d_model, d_model, key=key) if kind == "conv" else None
+        self.conv = Linear(rate * d_model, d_model, key=kc) if kind in ("conv", "dilated_conv") else None
+        self.decoder = Linear(d_model, rate * d_model, key=kd) if autoencoding else None
 
-    def __call__(self, x: Float[Array, "n d"]) -> Float[Array, "nc d"]:
+    def _windows(self, x: Float[Array, "n d"]) -> Float[Array, "nc c d"]:
+        """The windows of c states each slot compresses: consecutive ones, or (dilated)
+        states n / c apart."""
         n, d = x.shape
         if n % self.rate:
             raise ValueError(f"compression at rate {self.rate} needs a multiple of {self.rate} states; got {n}")
-        windows = x.reshape(n // self.rate, self.rate, d)
+        if self.kind == "dilated_conv":
+            return x.reshape(self.rate, n // self.rate, d).transpose(1, 0, 2)
+        return x.reshape(n // self.rate, self.rate, d)
+
+    def __call__(
+        self, x: Float[Array, "n d"], usage: Float[Array, " n"] | None = None, keep: Int[Array, ""] | None = None
+    ) -> Float[Array, "nc d"]:
+        """x `[n, d]` -> `[n / c, d]`. "most_used" reads `usage` `[n]` (the attention each
+        state received; -inf: not a state to keep) and keeps the `keep` (default n / c)
+        most used, in their order, right-aligned (the slots before them repeat state 0)."""
+        windows = self._windows(x)
         if self.kind == "mean":
             return windows.mean(1)
         if self.kind == "max":
             return windows.max(1)
+        if self.kind == "most_used":
+            if usage is None:
+                raise ValueError("the most_used compression needs the states' usage")
+            n, slots = x.shape[0], windows.shape[0]
+            rank = jnp.argsort(jnp.argsort(-usage))  # 0: the most used
+            chosen = rank < (slots if keep is None else keep)
+            kept = jnp.sort(jnp.where(chosen, jnp.arange(n), -1))[n - slots :]
+            return x[jnp.maximum(kept, 0)]
         assert self.conv is not None
-        return self.conv(windows.reshape(n // self.rate, self.rate * d))
+        return self.conv(windows.reshape(windows.shape[0], -1))
+
+    def decode(self, y: Float[Array, "nc d"]) -> Float[Array, "n d"]:
+        """g: the auto-encoding loss's reconstruction of the n states from their n / c
+        compressions, each slot giving its window's c states where they came from."""
+        assert self.decoder is not None
+        nc, d = y.shape
+        windows = self.decoder(y).reshape(nc, self.rate, d)
+        if self.kind == "dilated_conv":
+            windows = windows.transpose(1, 0, 2)
+        return windows.reshape(nc * self.rate, d)
 
 
 class RecurrentLayer(eqx.Module):
@@ -182,6 +230,7 @@ class RecurrentLayer(eqx.Module):
         dropout: float,
         compression: str | None = None,
         rate: int = 1,
+        autoencoding: bool = False,
         key: PRNGKeyArray,
     ):
         kq, kk, kv, kr, ko, kf, kc = jax.random.split(key, 7)
@@ -193,7 +242,9 @@ class RecurrentLayer(eqx.Module):
         self.ffn = FeedForward(d_model, d_ff, ffn, dropout=dropout, key=kf)
         self.norms = (make_norm(norm, d_model), make_norm(norm, d_model))
         self.dropout = eqx.nn.Dropout(dropout)
-        self.compressor = None if compression is None else Compressor(compression, rate, d_model, key=kc)
+        self.compressor = (
+            None if compression is None else Compressor(compression, rate, d_model, autoencoding=autoencoding, key=kc)
+        )
         self.heads, self.pre_norm = heads, pre_norm
 
     def __call__(
@@ -206,9 +257,11 @@ class RecurrentLayer(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
         inference: bool = False,
-    ) -> Float[Array, "n d"]:
+        received: bool = False,
+    ) -> Float[Array, "n d"] | tuple[Float[Array, "n d"], Float[Array, " kv"]]:
         """h: the segment's inputs to this layer; memory: what it reads before them;
-        mask [n, mem + n]: what each query may read."""
+        mask [n, mem + n]: what each query may read. `received`: also return the
+        attention each key received (`relative_attention`'s), `[mem + n]`."""
         n, d = h.shape
         dh = d // self.heads
         k1, k2, k3 = split_key(key, 3)
@@ -219,13 +272,25 @@ class RecurrentLayer(eqx.Module):
         k = self.k_proj(c).reshape(total, self.heads, dh)
         v = self.v_proj(c).reshape(total, self.heads, dh)
         r = self.r_proj(relative_sinusoid(jnp.arange(total), d).astype(h.dtype)).reshape(total, self.heads, dh)
-        a = relative_attention(q, k, v, r, u.astype(h.dtype), vb.astype(h.dtype), mask=mask)
+        a = relative_attention(q, k, v, r, u.astype(h.dtype), vb.astype(h.dtype), mask=mask, received=received)
+        a, usage = a if isinstance(a, tuple) else (a, None)
         a = self.dropout(self.out_proj(a.reshape(n, d)), key=k1, inference=inference)
         h = h + a if self.pre_norm else self.norms[0](h + a)
         f = self.dropout(
             self.ffn(self.norms[1](h) if self.pre_norm else h, key=k2, inference=inference), key=k3, inference=inference
         )
-        return h + f if self.pre_norm else self.norms[1](h + f)
+        out = h + f if self.pre_norm else self.norms[1](h + f)
+        return out if usage is None else (out, jax.lax.stop_gradient(usage))
+
+    def autoencoding_loss(self, old, old_valid, compressed) -> Array:
+        """The lossless auto-encoding loss (Rae et al. 2020, section 3.2): the mean squared
+        difference of the evicted states and g(f_c(them)) over the valid ones, the states
+        stopped (f_c and g learn from it); 0 when no valid state was evicted."""
+        assert self.compressor is not None
+        old = jax.lax.stop_gradient(old).astype(jnp.float32)
+        made = self.compressor.decode(compressed.astype(jnp.float32))
+        squared = jnp.where(old_valid[:, None], jnp.square(old - made), 0.0)
+        return squared.sum() / jnp.maximum(old_valid.sum() * old.shape[1], 1)
 
     def reconstruction_loss(self, h, old, old_valid, compressed, compressed_valid) -> Array:
         """Mean squared difference of the content attention of h over the evicted states
@@ -253,7 +318,7 @@ def _with_compressed(memory):
 def _without_empty(memory):
     if memory["compressed"].shape[1]:
         return memory
-    return {k: v for k, v in memory.items() if k not in ("compressed", "compressed_length")}
+    return {k: v for k, v in memory.items() if k not in ("compressed", "compressed_length", "usage")}
 
 
 def _right_aligned(size: int, length) -> Bool[Array, " size"]:
@@ -283,6 +348,8 @@ class RecurrentLM(eqx.Module):
     eval_mem_len: int = eqx.field(static=True)
     cmem_len: int = eqx.field(static=True)
     rate: int = eqx.field(static=True)
+    compression: str = eqx.field(static=True)
+    compression_loss: str = eqx.field(static=True)  # what trains f_c: one of COMPRESSION_LOSSES
     max_len: int = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
     same_layer: bool = eqx.field(static=True)  # ERNIE-Doc: layer l remembers its own outputs
@@ -305,6 +372,7 @@ class RecurrentLM(eqx.Module):
         eval_mem_len: int | None = None,
         cmem_len: int = 0,
         compression: str = "conv",
+        compression_loss: str = "attention",
         rate: int = 1,
         max_len: int,
         tie: bool = True,
@@ -329,6 +397,8 @@ class RecurrentLM(eqx.Module):
                 raise ValueError(f"{name} must be >= {low}; got {value}")
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        if compression_loss not in COMPRESSION_LOSSES:
+            raise ValueError(f"compression_loss must be one of {COMPRESSION_LOSSES}; got {compression_loss!r}")
         if cmem_len and mem_len % rate:
             raise ValueError(
                 f"the compressive memory needs mem_len ({mem_len}) to be a multiple of the compression rate ({rate})"
@@ -347,6 +417,7 @@ class RecurrentLM(eqx.Module):
                 dropout=dropout,
                 compression=compression if cmem_len else None,
                 rate=rate,
+                autoencoding=compression_loss == "autoencoding",
                 key=k,
             )
             for k in jax.random.split(kl, num_layers)
@@ -358,6 +429,7 @@ class RecurrentLM(eqx.Module):
         self.dropout = eqx.nn.Dropout(dropout)
         self.mem_len, self.cmem_len, self.rate, self.max_len, self.dtype = mem_len, cmem_len, rate, max_len, dtype
         self.eval_mem_len = mem_len if eval_mem_len is None else eval_mem_len
+        self.compression, self.compression_loss = compression, compression_loss
 
     @property
     def compressive(self) -> bool:
@@ -367,7 +439,10 @@ class RecurrentLM(eqx.Module):
         """An empty memory: `hidden [layers, mem_len, d]` (per layer, that layer's inputs
         of the last mem_len positions, right-aligned), `length` (valid slots), and
         `compressed [layers, cmem_len, d]` with `compressed_length` (only when
-        cmem_len > 0: checkpoints refuse empty arrays)."""
+        cmem_len > 0: checkpoints refuse empty arrays), and for the most-used compression
+        `usage [layers, mem_len]`, the attention each remembered state has received in
+        the segments since it came (summed over them; each segment's the mean over its
+        heads and queries)."""
         mem_len = self.mem_len if mem_len is None else mem_len
         cmem_len = self.cmem_len if cmem_len is None else cmem_len
         if mem_len < 0 or cmem_len < 0 or (cmem_len and not self.compressive):
@@ -385,6 +460,8 @@ class RecurrentLM(eqx.Module):
                 "compressed": jnp.zeros((layers, cmem_len, d), dtype),
                 "compressed_length": jnp.zeros((), jnp.int32),
             }
+            if self.compression == "most_used":
+                memory["usage"] = jnp.zeros((layers, mem_len), jnp.float32)
         return memory
 
     def _logits(self, x):
@@ -441,19 +518,25 @@ class RecurrentLM(eqx.Module):
         x = (lookup(self.table, tokens) * math.sqrt(self.table.shape[1])).astype(self.dtype)
         x = self.dropout(x, key=keys[-1], inference=inference)
         remembered, same_layer = [], self.same_layer if same_layer is None else same_layer
+        track, received = "usage" in memory, []
         for i, layer in enumerate(self.layers):
             context = jnp.concatenate([compressed[i], hidden[i]])
-            h = layer(x, context, allowed, self.u, self.v, key=keys[i], inference=inference)
+            h = layer(x, context, allowed, self.u, self.v, key=keys[i], inference=inference, received=track)
+            if isinstance(h, tuple):  # the most-used compression: what each memory slot and state received
+                h, usage = h
+                received.append(usage[cmem_len:])
             remembered.append(h if same_layer else x)  # ERNIE-Doc's h^n_τ, Transformer-XL's h^{n-1}_τ
             x = h
         logits = self._logits(x)
         if not update:
             return logits, _without_empty(memory), jnp.zeros((), jnp.float32)
-        new, recon = self._update(memory, jnp.stack(remembered), n)
+        new, recon = self._update(memory, jnp.stack(remembered), n, jnp.stack(received) if track else None)
         return logits, _without_empty(new), recon
 
-    def _update(self, memory, inputs, n):
-        """The memory after a segment whose layer inputs are `inputs [layers, n, d]`."""
+    def _update(self, memory, inputs, n, received=None):
+        """The memory after a segment whose layer inputs are `inputs [layers, n, d]`;
+        `received [layers, mem + n]`: the attention the memory and the segment's states
+        received in it (the most-used compression's usage)."""
         hidden, compressed = memory["hidden"], memory["compressed"]
         mem_len, cmem_len = hidden.shape[1], compressed.shape[1]
         joined = jnp.concatenate([hidden, jax.lax.stop_gradient(inputs).astype(hidden.dtype)], 1)
@@ -470,12 +553,19 @@ class RecurrentLM(eqx.Module):
         count = jnp.maximum(memory["length"] + n - mem_len, 0)
         old_valid = _right_aligned(n, count)
         new_valid = _right_aligned(n // self.rate, count // self.rate)
+        usage = None
+        if received is not None:  # each state's usage so far: the memory's plus this segment's
+            summed = jnp.concatenate([memory["usage"], jnp.zeros((len(self.layers), n), jnp.float32)], 1) + received
+            new["usage"], usage = summed[:, n:], jnp.where(old_valid[None], summed[:, :n], -jnp.inf)
         squeezed, losses = [], []
         for i, layer in enumerate(self.layers):
             assert layer.compressor is not None
-            made = layer.compressor(evicted[i])
+            made = layer.compressor(evicted[i], None if usage is None else usage[i], count // self.rate)
             squeezed.append(made)
-            losses.append(layer.reconstruction_loss(inputs[i], evicted[i], old_valid, made, new_valid))
+            if self.compression_loss == "autoencoding":
+                losses.append(layer.autoencoding_loss(evicted[i], old_valid, made))
+            else:
+                losses.append(layer.reconstruction_loss(inputs[i], evicted[i], old_valid, made, new_valid))
         joined_c = jnp.concatenate([compressed, jax.lax.stop_gradient(jnp.stack(squeezed)).astype(compressed.dtype)], 1)
         new["compressed"] = joined_c[:, n // self.rate :]
         new["compressed_length"] = jnp.minimum(memory["compressed_length"] + count // self.rate, cmem_len)
@@ -512,7 +602,8 @@ class RecurrentLM(eqx.Module):
         logits, new, recon = self._read(tokens, self.init_memory() if memory is None else memory, mask, key, inference)
         if memory is None:
             return logits, Produced()
-        losses = {"reconstruction_loss": recon} if self.compressive else {}
+        name = "reconstruction_loss" if self.compression_loss == "attention" else "autoencoding_loss"
+        losses = {name: recon} if self.compressive else {}
         return logits, Produced(losses=losses, memory=new)
 
     def _read(self, tokens, memory, mask, key, inference):

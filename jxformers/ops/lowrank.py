@@ -5,6 +5,8 @@ Synthesizer (Tay et al., 2021) and Nystromformer's landmarks (Xiong et al., 2021
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +50,7 @@ def linformer_attention(
     v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
     *,
     e_proj: Float[ArrayLike, "proj_len max_len"],
-    f_proj: Float[ArrayLike, "_proj_len _max_len"],
+    f_proj: Float[ArrayLike, "_proj_len _max_len"] | None = None,
     kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     causal: bool = False,
     scale: float | None = None,
@@ -58,8 +60,11 @@ def linformer_attention(
 
     Arguments:
         q, k, v: as `softmax_attention`; `kv_len <= max_len`.
-        e_proj, f_proj: `[proj_len, max_len]` length projections (learned parameters;
-            shared across heads, the paper's "headwise sharing"). Sequences shorter than
+        e_proj, f_proj: `[proj_len, max_len]` length projections of the keys and the
+            values (learned parameters, shared across heads: the paper's "headwise
+            sharing"); f_proj None projects the values by E too (the paper's "key-value
+            sharing", E = F; its "layerwise sharing" is that with one E held by the
+            model for every layer: `linformer_arrays`' `sharing`). Sequences shorter than
             `max_len` use the first `kv_len` columns, so one model serves every length up
             to `max_len` (and proj_len may exceed kv_len).
         kv_mask: optional `[kv_len]`; padded keys and values are zeroed before the
@@ -82,6 +87,8 @@ def linformer_attention(
         )
     check_qkv(q, k, v)
     check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
+    if f_proj is None:  # key-value sharing: F = E
+        f_proj = e_proj
     if e_proj.shape != f_proj.shape:
         raise ValueError(f"e_proj and f_proj must have the same shape; got {e_proj.shape} and {f_proj.shape}")
     kv_len = k.shape[0]
@@ -98,19 +105,34 @@ def linformer_attention(
     return out
 
 
+# Linformer's parameter sharing (Wang et al. 2020, section 4, "Additional Efficiency
+# Techniques"): E and F per layer shared by its heads; E = F per layer; one E = F for every
+# layer of the model.
+LINFORMER_SHARINGS = ("headwise", "kv", "layerwise")
+
+
 def linformer_arrays(
-    key: PRNGKeyArray, *, proj_len: int = 256, max_len: int = 4096
+    key: PRNGKeyArray, *, proj_len: int = 256, max_len: int = 4096, sharing: str = "headwise"
 ) -> dict[str, Float[Array, "proj_len max_len"]]:
-    """Linformer's learned length projections E and F, at nn.Linear(max_len, proj_len)'s
-    scale (as the paper's code)."""
+    """Linformer's learned length projections at nn.Linear(max_len, proj_len)'s scale (as
+    the paper's code): E and F with `sharing` "headwise", E alone (F = E) with "kv" and
+    "layerwise" (one of LINFORMER_SHARINGS). With "layerwise" a model holds the E of its
+    first such layer once for all of them (`linformer_layer_shared`)."""
     check_positive("proj_len", proj_len)
     check_positive("max_len", max_len)
+    if sharing not in LINFORMER_SHARINGS:
+        raise ValueError(f"linformer sharing must be one of {LINFORMER_SHARINGS}; got {sharing!r}")
     ke, kf = jax.random.split(key)
     std = 1.0 / math.sqrt(max_len)
-    return {
-        "e_proj": std * jax.random.normal(ke, (proj_len, max_len)),
-        "f_proj": std * jax.random.normal(kf, (proj_len, max_len)),
-    }
+    arrays = {"e_proj": std * jax.random.normal(ke, (proj_len, max_len))}
+    if sharing == "headwise":
+        arrays["f_proj"] = std * jax.random.normal(kf, (proj_len, max_len))
+    return arrays
+
+
+def linformer_layer_shared(hyper_parameters: Mapping[str, Any]) -> tuple[str, ...]:
+    """The arrays a model holds once for all its Linformer layers: E with layerwise sharing."""
+    return ("e_proj",) if hyper_parameters["sharing"] == "layerwise" else ()
 
 
 register(
@@ -123,8 +145,14 @@ register(
     supports_cross=True,
     exact=False,
     init_arrays=linformer_arrays,
+    layer_shared=linformer_layer_shared,
     covers_length="max_len",
-    docs={"proj_len": "projected length k", "max_len": "longest sequence the projections cover"},
+    docs={
+        "proj_len": "projected length k",
+        "max_len": "longest sequence the projections cover",
+        "sharing": "headwise: E, F per layer; kv: E = F per layer; layerwise: one E = F for every layer",
+    },
+    choices={"sharing": LINFORMER_SHARINGS},
     summary="keys/values projected along the length by E, F",
     limits={"proj_len": 1, "max_len": 1},
     dense_width=("its projected length (proj_len)", lambda hp, n: hp["proj_len"]),

@@ -299,19 +299,18 @@ def _stack(config: ModelConfig, *, causal: bool, key, pooled: frozenset[int] = f
             for k in jax.random.split(key, config.num_layers)
         ]
     if isinstance(stack, LunaStack):
-        return [
-            LunaModule(
-                config.d_model,
-                config.num_heads,
-                num_layers=config.num_layers,
-                packed_len=stack.packed_len,
-                causal=causal,
-                **_dense(config),
-                key=key,
-            )
-        ]
+        return [_luna(config, config.num_layers, causal=causal, key=key)]
     blocks = _blocks(config, config.num_layers, causal=causal, cross=False, key=key, pooled=pooled)
     return _adaptive(config, blocks, causal=causal, key=jax.random.fold_in(key, 11))
+
+
+def _luna(config: ModelConfig, layers: int, *, causal: bool, cross: bool = False, key) -> LunaModule:
+    """The config's Luna layers as one stack (`cross`: a seq2seq decoder's)."""
+    assert isinstance(config.stack, LunaStack)
+    return LunaModule(
+        config.d_model, config.num_heads, num_layers=layers, packed_len=config.stack.packed_len, causal=causal,
+        cross=cross, **_dense(config), key=key,
+    )  # fmt: skip
 
 
 def _adaptive(config: ModelConfig, blocks: list[Block], *, causal: bool, key) -> list:
@@ -462,6 +461,9 @@ def _assemble(config: ModelConfig, key: jax.Array):
                 pre_norm=dense["pre_norm"],
                 dropout=config.dropout,
                 max_len=config.max_len,
+                fourier_bands=stack.fourier_bands,
+                fourier_grid=stack.fourier_grid,
+                fourier_max_freq=stack.fourier_max_freq,
                 key=keys[2],
             )
         transformer = stack if isinstance(stack, TransformerStack) else TransformerStack()  # isab, luna: none
@@ -489,6 +491,8 @@ def _assemble(config: ModelConfig, key: jax.Array):
         blocks: list[Any]
         if cross and isinstance(stack, EvolvedStack):  # decoder cells with their attend-to-encoder branches
             blocks = stack.blocks(config, causal=True, key=keys[4], count=layers, cross=True)
+        elif cross and isinstance(stack, LunaStack):  # Luna's decoder: causal Luna, then Luna over the encoder
+            blocks = [_luna(config, layers, causal=True, cross=True, key=keys[4])]
         elif cross:
             blocks = _blocks(config, layers, causal=True, cross=True, key=keys[4])
         else:
@@ -526,6 +530,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
             eval_mem_len=stack.eval_mem_len,
             cmem_len=compressive.cmem_len if compressive else 0,
             compression=compressive.compression if compressive else "conv",
+            compression_loss=compressive.compression_loss if compressive else "attention",
             rate=compressive.compression_rate if compressive else 1,
             same_layer=ernie is not None,
             retrospective=ernie.retrospective if ernie else False,
@@ -541,7 +546,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
         return decoder(config.num_layers, cross=False)
     if config.task == "seq2seq":
         source = encoder(False)
-        assert isinstance(source, Encoder) and config.decoder is not None  # seq2seq: transformer or evolved (STACKS)
+        assert isinstance(source, Encoder) and config.decoder is not None  # seq2seq: transformer, evolved or luna
         return EncoderDecoder(
             source, decoder(config.decoder_layers, cross=True), transparent=config.decoder.transparent
         )

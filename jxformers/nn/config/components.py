@@ -44,7 +44,7 @@ from jxformers.nn.positions import POSITION_KINDS, ROPE_SCALINGS, ROTARY_KINDS, 
 from jxformers.nn.relative import SHAW_MAX_DISTANCE
 from jxformers.nn.scaling import OUTPUT_PROJECTIONS, PROJECTIONS, SparseFFNConfig
 from jxformers.nn.tokenlearner import TokenLearnerConfig
-from jxformers.nn.transformer_xl import COMPRESSIONS
+from jxformers.nn.transformer_xl import COMPRESSION_LOSSES, COMPRESSIONS
 from jxformers.validate import Limits, check_at_least, check_fields, setting
 
 # The output heads of a language model (the pooled heads of an encoder are POOLING_KINDS).
@@ -756,10 +756,22 @@ class PerceiverStack:
     kind: str = setting("perceiver", "a Perceiver encoder", choices=("perceiver",))
     num_latents: int = setting(16, "rows of the latent array")
     cross_attends: int = setting(1, "cross-attentions to the input, each followed by the latent tower")
+    fourier_bands: int = setting(
+        0,
+        "K > 0: the paper's Fourier position features, [x_d, sin(f_k π x_d), cos(f_k π x_d)] with K bands "
+        "f_k from 1 to μ/2, concatenated to each input row (embedding.position 'none'); 0: none",
+    )
+    fourier_grid: tuple[int, ...] | None = setting(
+        None, "the grid the input positions lie on, row-major (None: (max_len,); an image: [H, W], H W = max_len)"
+    )
+    fourier_max_freq: tuple[float, ...] | None = setting(
+        None, "μ per grid dimension (None: the grid's sizes, each dimension's sampling rate)"
+    )
 
     def __post_init__(self):
         check_fields(self, "stack.")
         check_at_least(self, "stack.", 1, "num_latents", "cross_attends")
+        check_at_least(self, "stack.", 0, "fourier_bands")
 
 
 @typing.no_type_check
@@ -782,14 +794,25 @@ class TransformerXLStack:
 @dataclasses.dataclass(frozen=True)
 class CompressiveStack:
     """Transformer-XL plus a compressed memory (Rae et al. 2020): evicted memories are
-    compressed at `compression_rate`, trained by the attention-reconstruction loss."""
+    compressed at `compression_rate` by `compression`, trained by `compression_loss`."""
 
     kind: str = setting("compressive", "the Compressive Transformer", choices=("compressive",))
     mem_len: int = setting(18, "hidden states each layer remembers (a multiple of compression_rate)")
     eval_mem_len: int | None = setting(None, "the memory in evaluation (None: mem_len)")
     cmem_len: int = setting(6, "compressed memory slots")
-    compression: str = setting("conv", "how windows are compressed", choices=COMPRESSIONS)
+    compression: str = setting(
+        "conv",
+        "the compression function f_c (Rae et al. 2020, section 3.1): conv (kernel and stride c), mean or max "
+        "pooling, dilated_conv (kernel c, dilation n / c), most_used (the states that received the most attention)",
+        choices=COMPRESSIONS,
+    )
     compression_rate: int = setting(3, "states per compressed slot")
+    compression_loss: str = setting(
+        "attention",
+        "what trains f_c (section 3.2): attention (the attention-reconstruction loss) or autoencoding (the "
+        "evicted states reconstructed from their compression by a learned g)",
+        choices=COMPRESSION_LOSSES,
+    )
 
     def __post_init__(self):
         check_fields(self, "stack.")
@@ -946,7 +969,11 @@ ENCODER_OR_LM = ("classify", "retrieval", "lm")
 STACKS = {
     "transformer": ("pre", ("classify", "retrieval", "lm", "seq2seq"), "blocks of the named attention"),
     "isab": ("post", ("classify", "retrieval"), "Set Transformer's ISAB blocks (Lee et al. 2019)"),
-    "luna": ("post", ("classify", "retrieval", "lm"), "Luna layers carrying a packed sequence (Ma et al. 2021)"),
+    "luna": (
+        "post",
+        ("classify", "retrieval", "lm", "seq2seq"),
+        "Luna layers carrying a packed sequence (Ma et al. 2021)",
+    ),
     "perceiver": ("pre", ("classify", "retrieval"), "latent array cross-attending the input (Jaegle et al. 2021)"),
     "transformer_xl": ("post", ("lm",), "segment-level recurrence, relative positions (Dai et al. 2019)"),
     "compressive": ("post", ("lm",), "Transformer-XL plus a compressed memory (Rae et al. 2020)"),

@@ -42,6 +42,7 @@ from jxformers.nn.config.components import (
     MixtureHead,
     NoFeedForward,
     NormConfig,
+    PerceiverStack,
     PooledHead,
     SoftmaxHead,
     StackConfig,
@@ -55,6 +56,7 @@ from jxformers.nn.heads import check_head_options
 from jxformers.nn.layers import FFN_KINDS, NORM_KINDS
 from jxformers.nn.mixture import PIXEL_VALUES
 from jxformers.nn.moe import MoEConfig
+from jxformers.nn.perceiver import check_fourier
 from jxformers.nn.pkm import PKMConfig
 from jxformers.nn.positions import ADDED_KINDS, BIAS_KINDS, ROTARY_KINDS, xpos_max_len
 from jxformers.nn.relative import INPUT_KINDS, RELATIVE_KINDS, SCORE_KINDS, check_relative
@@ -398,6 +400,18 @@ class ModelConfig:
                 f"stack {kind!r} builds its own softmax attentions; leave model.attention at its "
                 f"default (got {self.attention.to_value()!r})"
             )
+        decoder = self.decoder
+        if kind == "luna" and decoder is not None:
+            given = {
+                "cross_attention": decoder.cross_attention != AttentionConfig(),
+                "ffn false": not decoder.ffn,
+                "transparent": decoder.transparent,
+            }
+            if any(given.values()):
+                raise ValueError(
+                    f"stack 'luna' builds its decoder's encoder attention (Luna's pack and unpack) and FFN itself; "
+                    f"leave decoder's {sorted(n for n, on in given.items() if on)} at their defaults"
+                )
         if self.kv_heads not in (None, self.num_heads):
             raise ValueError(
                 f"stack {kind!r} has no grouped-query attention; kv_heads ({self.kv_heads}) must equal "
@@ -421,6 +435,13 @@ class ModelConfig:
             raise ValueError(
                 "a perceiver has no CLS token: pool its latents with head 'mean' (the paper's average) or 'pma'"
             )
+        if isinstance(stack, PerceiverStack):
+            check_fourier(stack.fourier_bands, stack.fourier_grid, stack.fourier_max_freq, self.max_len)
+            if stack.fourier_bands and position != "none":
+                raise ValueError(
+                    f"stack.fourier_bands ({stack.fourier_bands}) gives the Perceiver its positions as Fourier "
+                    f"features, concatenated: set embedding.position 'none' (got {position!r})"
+                )
 
     def _check_cell_stack(self):
         """A whole-model design whose blocks take the model's attention at their own widths
@@ -782,6 +803,13 @@ class ModelConfig:
             check_qk_norm(self.layer(index).attention.qk_norm, self._bound[index].spec, self.max_len)
             self._check_heads(self.layer(index).attention, self._bound[index].spec, f"block {index}'s attention")
         self._check_relative()
+        tied = sorted({b.name for b in self._bound if b.layer_shared})
+        if tied and not isinstance(self.stack, TransformerStack):
+            raise ValueError(
+                f"attention {tied} shares its arrays across layers (Linformer's sharing 'layerwise'), which the "
+                f"transformer stack's layers hold once; stack {self.stack.kind!r} holds its layers otherwise: use "
+                "sharing 'kv' or 'headwise' there"
+            )
         if self.decoder is not None:
             spec = self._bound[-1].spec
             check_qk_norm(self.decoder.cross_attention.qk_norm, spec, self.max_len)
