@@ -159,6 +159,7 @@ def recurrent(
     features: Features,
     query_features: Callable[[Array, Arrays, HyperParameters], Array] | None = None,
     gate: Callable[[Array, Arrays, HyperParameters], Array] | None = None,
+    magnitude: Callable[[Array, Arrays, HyperParameters], Array | None] | None = None,
 ) -> Decoder:
     """The RNN form of kernelized attention, built from the op's own feature maps.
 
@@ -174,6 +175,10 @@ def recurrent(
             or None for no decay this step: S_t = g_t S_{t-1} + phi(k_t) v_t^T (gated
             linear attention; RFA's gate, which the module computes from the token and
             passes in `arrays`, its key features carrying the (1 - g_t)).
+        magnitude: `(k [kv_heads, d_k], arrays, hyper_parameters) -> [kv_heads]` or None:
+            the log of a positive per-head factor of the key features (plain features,
+            not log-features: Performer's trigonometric h(k) = exp(|k'|^2 / 2)), applied
+            here as exp(magnitude - running max) with the same per-head stabiliser.
     """
 
     def query(q, arrays, hp):
@@ -196,12 +201,19 @@ def recurrent(
 
     def step(q, k, v, state: RecurrentState, *, hyper_parameters, arrays, bias_fn):
         phi_k, log_max = features(k, arrays, hyper_parameters)
+        log_mag = None if magnitude is None else magnitude(k, arrays, hyper_parameters)
         s, z, log_scale = state.s, state.z, state.log_scale
-        if log_max is not None:  # phi_k holds log-features: shift by the running max
-            new_scale = jnp.maximum(log_scale, jax.lax.stop_gradient(log_max))
+        # Log-features (log_max) or plain features times exp(log_mag): shift by the running
+        # per-head max, shrinking the state when it grows.
+        running = log_max if log_max is not None else log_mag
+        if running is not None:
+            new_scale = jnp.maximum(log_scale, jax.lax.stop_gradient(running))
             shrink = jnp.exp(log_scale - new_scale)
             s, z, log_scale = s * shrink[:, None, None], z * shrink[:, None], new_scale
-            phi_k = jnp.exp(phi_k - new_scale[:, None]) / math.sqrt(phi_k.shape[-1])
+        if log_max is not None:
+            phi_k = jnp.exp(phi_k - log_scale[:, None]) / math.sqrt(phi_k.shape[-1])
+        elif log_mag is not None:
+            phi_k = phi_k * jnp.exp(log_mag - log_scale)[:, None]
         phi_k = phi_k.astype(jnp.float32)
         g = None if gate is None else gate(k, arrays, hyper_parameters)
         if g is not None:

@@ -3,11 +3,14 @@
 
 * `linear_attention`: deterministic feature maps (elu + 1, relu, identity, a callable).
 * `performer_attention`: FAVOR+ positive orthogonal random features for the softmax
-  kernel, and the generalised ReLU kernel (Choromanski et al., 2021).
+  kernel, its trigonometric (sin/cos) features, and the generalised ReLU kernel
+  (Choromanski et al., 2021).
+* `efficient_attention`: Efficient Attention's softmax over query features and over key
+  positions, rho_q(Q) (rho_k(K)^T V) (Shen et al., 2021).
 * `rfa_attention`: random Fourier features with a learned scale and an optional
   recurrent gate computed from the layer input (Peng et al., 2021).
 
-All three share one core (`kernel_attention`): non-causal by associativity; causal as
+Linear, Performer and RFA share one core (`kernel_attention`): non-causal by associativity; causal as
 the prefix sums S_i = sum_{j<=i} phi(k_j) v_j^T, Z_i = sum_{j<=i} phi(k_j) in one of three
 forms that agree to float32 rounding: "quadratic" (the masked N x N reference), "scan"
 (the RNN S_i = S_{i-1} + phi(k_i) v_i^T of Katharopoulos et al. 2020, "Transformers are
@@ -50,11 +53,13 @@ from jxformers.validate import Limits
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
+    "efficient_attention",
     "kernel_attention",
     "linear_attention",
     "performer_attention",
     "performer_features",
     "performer_projection",
+    "performer_trig_parts",
     "rfa_attention",
     "rfa_features",
 ]
@@ -397,6 +402,8 @@ def performer_projection(
 
 # The generalised kernel's additive epsilon (`kernel_epsilon` of the official code).
 RELU_EPSILON = 1e-3
+# Performer's kernels: FAVOR+ positive softmax features, trigonometric softmax features, ReLU.
+PERFORMER_KERNELS = ("softmax", "trig", "relu")
 
 
 def performer_features(
@@ -405,13 +412,17 @@ def performer_features(
     *,
     kernel: str = "softmax",
     shift: Float[ArrayLike, " ..."] | float = 0.0,
-) -> Float[Array, "n heads m"]:
-    """FAVOR+ features with E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) ("softmax") or the
-    generalised ReLU kernel ("relu").
+) -> Float[Array, "n heads features"]:
+    """FAVOR+ features with E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) ("softmax", positive;
+    "trig", trigonometric) or the generalised ReLU kernel ("relu").
 
     "softmax": phi(x) = exp(W x' - |x'|^2 / 2 - shift) / sqrt(m) with x' = x d^(-1/4);
     `shift` (broadcast to `[n, heads, 1]` or a scalar) is the stabiliser: it cancels
     between numerator and denominator when constant over the keys (or per query row).
+    "trig": phi(x) = exp(|x'|^2 / 2 - shift) [sin(W x'), cos(W x')] / sqrt(m), 2m features
+    (`performer_trig_parts`); E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) too, but the
+    features are not positive, so the estimated normaliser can be near zero or negative
+    (why the paper prefers the positive ones).
     "relu": phi(x) = relu(W x) + RELU_EPSILON, exactly the official JAX code's
     generalised kernel (no input scaling, the epsilon added to the unscaled features:
     a common factor such as 1/sqrt(m) would cancel, but an epsilon added after it would
@@ -420,9 +431,24 @@ def performer_features(
     if kernel == "relu":
         wx = jnp.einsum("nhd,md->nhm", x.astype(jnp.float32), projection.astype(jnp.float32))
         return jax.nn.relu(wx) + RELU_EPSILON
+    if kernel == "trig":
+        unit, log_magnitude = performer_trig_parts(x, projection)
+        return unit * jnp.exp(log_magnitude - shift)[..., None] / math.sqrt(projection.shape[0])
     if kernel != "softmax":
-        raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
+        raise ValueError(f"kernel must be one of {PERFORMER_KERNELS}; got {kernel!r}")
     return jnp.exp(performer_log_features(x, projection) - shift) / math.sqrt(projection.shape[0])
+
+
+def performer_trig_parts(
+    x: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]
+) -> tuple[Float[Array, "n heads two_m"], Float[Array, "n heads"]]:
+    """The trigonometric softmax-kernel features (Choromanski et al. 2021, §2.3, Lemma 1's
+    h(x) = exp(|x|^2 / 2) with [sin(W x), cos(W x)]) in two parts, x' = x d^(-1/4):
+    `([sin(W x'), cos(W x')] [n, heads, 2m], |x'|^2 / 2 [n, heads])`, in float32. The
+    features are exp(second) * first / sqrt(m); kept apart so the magnitude can be
+    stabilised (a per-query factor cancels; keys take a shift shared by the keys)."""
+    wx, xs = _projected(x, projection)
+    return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1), 0.5 * jnp.sum(xs * xs, axis=-1)
 
 
 def _projected(x, projection):
@@ -476,7 +502,9 @@ def performer_attention(
         q, k, v: as `softmax_attention`.
         projection: `[num_features, d_k]` from `performer_projection(key, ...)`; redraw it
             with a new key to resample the features.
-        kernel: "softmax" (FAVOR+) or "relu" (generalised ReLU kernel).
+        kernel: "softmax" (FAVOR+ positive features), "trig" (the paper's trigonometric
+            softmax features, `performer_trig_parts`: 2 num_features features, not
+            positive) or "relu" (generalised ReLU kernel).
         causal: prefix-sum form (chunked by default, as `linear_attention`).
         kv_mask: optional `[kv_len]`, True for real tokens.
         chunk_size, form, impl: as `linear_attention`.
@@ -497,19 +525,31 @@ def performer_attention(
         return kernel_attention(
             fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype, impl=impl
         )
-    if kernel != "softmax":
-        raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
+    if kernel not in PERFORMER_KERNELS:
+        raise ValueError(f"kernel must be one of {PERFORMER_KERNELS}; got {kernel!r}")
     m = projection.shape[0]
-    fq, lk = performer_query_features(q, projection), performer_log_features(k, projection)
     real = jnp.ones((k.shape[0],), bool) if kv_mask is None else kv_mask
+    if kernel == "softmax":
+        fq, lk = performer_query_features(q, projection), performer_log_features(k, projection)
+        key_log = jnp.max(lk, axis=2)  # [kv_len, kv_heads]: each key's largest log-feature
+
+        def key_features(shift):  # shift [kv_len or 1, kv_heads]
+            return jnp.exp(lk - shift[:, :, None]) / math.sqrt(m)
+
+    else:  # trig: h(q) is a factor of the query's row (it cancels), h(k) is shifted as above
+        fq = performer_trig_parts(q, projection)[0] / math.sqrt(m)
+        unit_k, key_log = performer_trig_parts(k, projection)
+
+        def key_features(shift):
+            return unit_k * jnp.exp(key_log - shift)[:, :, None] / math.sqrt(m)
+
     # The key stabiliser is per head: a maximum shared by the heads would let one head
     # with large norms shift another's features into underflow, coupling the heads.
-    key_max = jnp.max(jnp.where(real[:, None, None], lk, -jnp.inf), axis=2)  # [kv_len, kv_heads]
-    key_max = jax.lax.stop_gradient(key_max)
+    key_max = jax.lax.stop_gradient(jnp.where(real[:, None], key_log, -jnp.inf))  # [kv_len, kv_heads]
     if not causal or form != "chunked":
         shift = jnp.max(key_max, axis=0)
         shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
-        fk = jnp.exp(lk - shift[None, :, None]) / math.sqrt(m)
+        fk = key_features(shift[None, :])
         return kernel_attention(
             fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype, impl=impl
         )
@@ -520,7 +560,7 @@ def performer_attention(
     running = jax.lax.cummax(chunk_max, axis=0)  # never decreases: the state only shrinks when rescaled
     running = jnp.where(jnp.isfinite(running), running, 0.0)
     per_token = jnp.repeat(running, chunk, axis=0)[: k.shape[0]]
-    fk = jnp.exp(lk - per_token[:, :, None]) / math.sqrt(m)
+    fk = key_features(per_token)
     return kernel_attention(
         fq,
         fk,
@@ -543,18 +583,34 @@ def performer_arrays(
 
 
 def _performer_key_features(k, arrays, hyper_parameters):
-    """Plain features (ReLU kernel) or log-features and each head's max (softmax kernel),
-    which the recurrent decoder shifts by its running per-head stabiliser as the chunked
-    form does."""
-    if hyper_parameters["kernel"] == "relu":
+    """Plain features (ReLU kernel), log-features and each head's max (softmax kernel),
+    or the unit trigonometric features (trig kernel; their magnitude is
+    `_performer_key_magnitude`), which the recurrent decoder shifts by its running
+    per-head stabiliser as the chunked form does."""
+    kernel = hyper_parameters["kernel"]
+    if kernel == "relu":
         return performer_features(k[None], arrays["projection"], kernel="relu")[0], None
+    if kernel == "trig":
+        return performer_trig_parts(k[None], arrays["projection"])[0][0] / math.sqrt(
+            arrays["projection"].shape[0]
+        ), None
     log_k = performer_log_features(k[None], arrays["projection"])[0]
     return log_k, jnp.max(log_k, axis=-1)
 
 
+def _performer_key_magnitude(k, arrays, hyper_parameters):
+    """log h(k) = |k'|^2 / 2 per head for the trig kernel (None for the others)."""
+    if hyper_parameters["kernel"] != "trig":
+        return None
+    return performer_trig_parts(k[None], arrays["projection"])[1][0]
+
+
 def _performer_query_features(q, arrays, hyper_parameters):
-    if hyper_parameters["kernel"] == "relu":
+    kernel = hyper_parameters["kernel"]
+    if kernel == "relu":
         return performer_features(q[None], arrays["projection"], kernel="relu")[0]
+    if kernel == "trig":  # h(q) is a factor of the query's row: it cancels
+        return performer_trig_parts(q[None], arrays["projection"])[0][0] / math.sqrt(arrays["projection"].shape[0])
     return performer_query_features(q[None], arrays["projection"])[0]
 
 
@@ -568,17 +624,80 @@ register(
     exact=False,
     init_arrays=performer_arrays,
     drawn=("projection",),
-    decoder=recurrent(_performer_key_features, query_features=_performer_query_features),
-    choices={"kernel": ("softmax", "relu"), **_FORMS},
+    decoder=recurrent(
+        _performer_key_features, query_features=_performer_query_features, magnitude=_performer_key_magnitude
+    ),
+    choices={"kernel": PERFORMER_KERNELS, **_FORMS},
     docs={
         "num_features": "random features m",
         "orthogonal": "orthogonal random features",
-        "kernel": "softmax (FAVOR+) or relu",
+        "kernel": "softmax (FAVOR+ positive features), trig (sin/cos features) or relu",
         **_FORM_DOCS,
     },
-    summary="FAVOR+ positive orthogonal random features (or ReLU kernel), stabilised",
+    summary="FAVOR+ positive (or sin/cos) orthogonal random features, or a ReLU kernel, stabilised",
     limits={"chunk_size": 1, "num_features": 1},
     dense_width=("its random features (num_features)", lambda hp, n: hp["num_features"]),
+)
+
+
+# ----------------------------------------------------------------------------- Efficient Attention
+
+
+def efficient_attention(
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
+    *,
+    causal: bool = False,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
+) -> Float[Array, "q_len heads d_v"]:
+    """Efficient Attention (Shen, Zhang, Zhao, Yi & Li 2021, eq. 2 with the softmax
+    normalisation): E = rho_q(Q) (rho_k(K)^T V), rho_q a softmax over each query's d_k
+    features, rho_k a softmax over the positions of each key feature (per head). Each of
+    the d_k "global context vectors" rho_k(K)[:, f]^T V is a softmax-weighted mean of
+    the values; a query mixes them by its own feature softmax. No 1/sqrt(d_k) (the
+    paper's and its code's).
+
+    Arguments:
+        q, k, v: as `softmax_attention` (grouped-query heads allowed; cross lengths too).
+        causal: not supported: rho_k normalises each feature over every position, so
+            every output reads every key (the paper has no causal form). True raises.
+        kv_mask: optional `[kv_len]`; rho_k's softmax runs over the real positions only.
+
+    Returns:
+        `[q_len, heads, d_v]`; zeros when every key is padded.
+
+    Time O(N * d_k * d_v), memory O(d_k * d_v) per head; in float32.
+    """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
+    if causal:
+        raise ValueError(
+            "efficient_attention cannot be causal: rho_k's softmax over positions normalises each key "
+            "feature by every key, the future included; use linear_attention or performer_attention"
+        )
+    check_qkv(q, k, v)
+    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
+    real = jnp.ones((k.shape[0],), bool) if kv_mask is None else jnp.asarray(kv_mask)
+    rho_q = jax.nn.softmax(q.astype(jnp.float32), axis=-1)
+    logits_k = jnp.where(real[:, None, None], k.astype(jnp.float32), -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(logits_k, axis=0, keepdims=True))
+    weights = jnp.where(real[:, None, None], jnp.exp(logits_k - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    # d_k global context vectors per head: rho_k(K)^T V, normalised after the sum
+    context = guarded_divide(einsum_f32("khf,khd->hfd", weights, v), jnp.sum(weights, axis=0))
+    out = jnp.einsum("qhgf,hfd->qhgd", group_heads(rho_q, k.shape[1]), context)
+    return out.reshape(q.shape[0], q.shape[1], v.shape[2]).astype(out_dtype(q, k, v))
+
+
+register(
+    "efficient",
+    efficient_attention,
+    family="kernelized",
+    paper="Shen et al. 2021",
+    complexity="O(N d^2)",
+    supports_causal=False,
+    supports_cross=True,
+    exact=False,
+    summary="softmax over each query's features times softmax-over-positions keys^T V",
 )
 
 
