@@ -16,7 +16,10 @@ with its own pieces; nothing here knows any attention by name.
   S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j): the transformer as an RNN, O(m * d)
   per step and O(1) memory in the length. Log-features (Performer's) are stabilised by a
   running max per head that rescales (S, Z) when it grows, as the chunked form does; an
-  optional gate decays the state, S_t = g_t S_{t-1} + phi(k_t) v_t^T.
+  optional gate decays the state, S_t = g_t S_{t-1} + phi(k_t) v_t^T. Given the rotation
+  tables `q_rotation`, `k_rotation` in its arrays (RoPE with linear attention, RoFormer
+  eq. 19), S sums the turned features R_t phi(k_t) and the query's turned features read
+  it, while Z and the denominator keep the plain ones.
 
 Parity (tested for every registered decoder): decoding a sequence token by token gives
 the causal parallel forward's outputs to float32 rounding.
@@ -33,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jxformers._arrays import group_heads, guarded_divide
+from jxformers._arrays import group_heads, guarded_divide, rotate_pairs
 from jxformers.registry import Decoder
 
 _NO_SCALE = -1e30  # the stabiliser before any key: exp(_NO_SCALE - x) == 0
@@ -219,10 +222,15 @@ def recurrent(
         if g is not None:
             g = g.astype(jnp.float32)
             s, z = s * g[:, None, None], z * g[:, None]
-        s = s + jnp.einsum("hm,hd->hmd", phi_k, v.astype(jnp.float32))
+        phi_q = query(q, arrays, hyper_parameters)
+        num_k, num_q = phi_k, phi_q
+        if "k_rotation" in arrays:  # RoFormer eq. 19: the numerator's features turned by position
+            num_k = rotate_pairs(phi_k[None], arrays["k_rotation"])[0]
+            num_q = rotate_pairs(phi_q[None], arrays["q_rotation"])[0]
+        s = s + jnp.einsum("hm,hd->hmd", num_k, v.astype(jnp.float32))
         z = z + phi_k
-        phi_q = group_heads(query(q, arrays, hyper_parameters)[None], k.shape[0])[0]  # [kv_heads, g, m]
-        out = guarded_divide(jnp.einsum("hgm,hmd->hgd", phi_q, s), jnp.einsum("hgm,hm->hg", phi_q, z))
+        phi_q, num_q = (group_heads(x[None], k.shape[0])[0] for x in (phi_q, num_q))  # [kv_heads, g, m]
+        out = guarded_divide(jnp.einsum("hgm,hmd->hgd", num_q, s), jnp.einsum("hgm,hm->hg", phi_q, z))
         return out.reshape(q.shape[0], v.shape[-1]).astype(q.dtype), RecurrentState(s, z, log_scale, state.length + 1)
 
     return Decoder("recurrent", init, step)

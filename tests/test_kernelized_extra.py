@@ -121,3 +121,52 @@ def test_efficient_attention_is_eq_2_with_padding_grouped_heads_and_cross_length
     assert_close(out, efficient_reference(q, k, v, kv_mask), atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="causal"):
         kernelized.efficient_attention(q, k, v, causal=True)
+
+
+# ----------------------------------------------------------------------------- RoPE with linear attention
+
+
+def eq19_reference(q, k, v, q_pos, k_pos, causal, base=10000.0):
+    """RoFormer eq. 19 in numpy: sum_j (R_i phi(q_i))^T (R_j phi(k_j)) v_j / sum_j phi(q_i)^T phi(k_j),
+    phi = elu + 1, R turning the pairs (i, i + d/2) by p base^(-2i/d)."""
+    phi = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))  # noqa: E731
+    fq, fk = phi(np.asarray(q, np.float64)), phi(np.asarray(k, np.float64))
+    d = fq.shape[-1]
+    freq = base ** (-np.arange(d // 2) * 2 / d)
+
+    def turn(x, pos):
+        angle = np.asarray(pos, np.float64)[:, None, None] * freq
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x1 * np.sin(angle) + x2 * np.cos(angle)], -1)
+
+    rep = q.shape[1] // k.shape[1]
+    rq, rk = turn(fq, q_pos), np.repeat(turn(fk, k_pos), rep, axis=1)
+    fk, v = np.repeat(fk, rep, axis=1), np.repeat(np.asarray(v, np.float64), rep, axis=1)
+    mask = np.tril(np.ones((q.shape[0], k.shape[0]))) if causal else np.ones((q.shape[0], k.shape[0]))
+    num = np.einsum("qhm,khm,qk,khd->qhd", rq, rk, mask, v)
+    den = np.einsum("qhm,khm,qk->qh", fq, fk, mask)
+    return num / den[:, :, None]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_attention_with_rope_is_roformer_eq_19_and_depends_on_offsets_only(causal):
+    from jxformers.nn import Attention, Rotary
+
+    n = 12
+    q, k, v = qkv(9, n)
+    pos = jnp.arange(n) + 3.0
+    rope = Rotary()
+    tables = {"q_rotation": rope.table(pos, 8, keys=False), "k_rotation": rope.table(pos, 8, keys=True)}
+    linear = jax.jit(kernelized.linear_attention, static_argnames=("causal", "form", "chunk_size"))
+    for form in ("chunked", "scan", "quadratic") if causal else ("chunked",):
+        out = linear(q, k, v, causal=causal, form=form, chunk_size=5, **tables)
+        assert_close(out, eq19_reference(q, k, v, pos, pos, causal), atol=2e-5, rtol=2e-5)
+    # the module passes the tables: shifting every position leaves the output unchanged
+    layer = Attention("linear", 16, 2, rope=True, causal=causal, key=jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (n, 16))
+    apply = jax.jit(lambda p: layer.apply(x, positions=p)[0])
+    base, shifted = apply(jnp.arange(n)), apply(jnp.arange(n) + 37)
+    assert_close(base, shifted, atol=2e-5, rtol=2e-5)
+    # turning q and k before phi (what the module did before) moves with the shift
+    before = jax.jit(lambda p: kernelized.linear_attention(rope.queries(q, p), rope.keys(k, p), v, causal=causal))
+    assert not np.allclose(before(pos), before(pos + 37), atol=1e-3)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from jxformers._arrays import group_heads, guarded_divide
+from jxformers._arrays import group_heads, guarded_divide, rotate_pairs
 from jxformers._typing import ArrayLike
 from jxformers.decoding import recurrent
 from jxformers.kernels import linear as linear_kernels
@@ -65,47 +65,57 @@ __all__ = [
 ]
 
 FORMS = ("chunked", "scan", "quadratic")
+# An op taking this argument (and "k_rotation") turns its features after its feature map
+# (RoFormer eq. 19): a module with rope passes it the tables instead of turning q and k.
+ROTATION_ARGUMENT = "q_rotation"
 DEFAULT_CHUNK = 64
 IMPL_DOC = {"impl": "one of jxformers.kernels.IMPLS (chunked linear-attention kernel; no cuDNN route)"}
 
 # ----------------------------------------------------------------------------- core
 
 
-def _noncausal(fq, fk, v):
-    """fq [q, h, g, m], fk [k, h, m], v [k, h, dv] -> [q, h, g, dv]."""
-    state = einsum_f32("khm,khd->hmd", fk, v)
+def _noncausal(fq, fk, v, nq=None, nk=None):
+    """fq [q, h, g, m], fk [k, h, m], v [k, h, dv] -> [q, h, g, dv]; nq, nk: the
+    numerator's features where they differ (RoFormer eq. 19's rotated ones), as in every
+    form below."""
+    if nq is None or nk is None:
+        nq, nk = fq, fk
+    state = einsum_f32("khm,khd->hmd", nk, v)
     norm = jnp.sum(fk, axis=0, dtype=jnp.float32)
-    num = jnp.einsum("qhgm,hmd->qhgd", fq, state)
+    num = jnp.einsum("qhgm,hmd->qhgd", nq, state)
     den = jnp.einsum("qhgm,hm->qhg", fq, norm)
     return guarded_divide(num, den)
 
 
-def _quadratic(fq, fk, v, decay):
-    a = einsum_f32("qhgm,khm->hgqk", fq, fk)
+def _quadratic(fq, fk, v, decay, nq=None, nk=None):
     n = fq.shape[0]
-    a = jnp.where(jnp.tril(jnp.ones((n, n), bool)), a, 0.0)
-    if decay is not None:
-        a = a * _decay_matrix(decay)[:, None]
-    num = jnp.einsum("hgqk,khd->qhgd", a, v.astype(jnp.float32))
-    return guarded_divide(num, jnp.moveaxis(a.sum(-1), -1, 0))
+    weights = []
+    pairs = [(fq, fk)] if nq is None or nk is None else [(fq, fk), (nq, nk)]  # the denominator's, the numerator's
+    for left, right in pairs:
+        a = jnp.where(jnp.tril(jnp.ones((n, n), bool)), einsum_f32("qhgm,khm->hgqk", left, right), 0.0)
+        weights.append(a if decay is None else a * _decay_matrix(decay)[:, None])
+    num = jnp.einsum("hgqk,khd->qhgd", weights[-1], v.astype(jnp.float32))
+    return guarded_divide(num, jnp.moveaxis(weights[0].sum(-1), -1, 0))
 
 
-def _scan(fq, fk, v, decay):
+def _scan(fq, fk, v, decay, nq=None, nk=None):
     h, m, dv = fk.shape[1], fk.shape[2], v.shape[2]
+    if nq is None or nk is None:
+        nq, nk = fq, fk
 
     def step(carry, xs):
         state, norm = carry
-        q_t, k_t, v_t, g_t = xs
+        q_t, k_t, v_t, g_t, nq_t, nk_t = xs
         if decay is not None:  # gated: S_t = g_t S_{t-1} + phi(k_t) v_t^T
             state, norm = state * g_t[:, None, None], norm * g_t[:, None]
-        state = state + einsum_f32("hm,hd->hmd", k_t, v_t)
+        state = state + einsum_f32("hm,hd->hmd", nk_t, v_t)
         norm = norm + k_t.astype(jnp.float32)
-        out = guarded_divide(jnp.einsum("hgm,hmd->hgd", q_t, state), jnp.einsum("hgm,hm->hg", q_t, norm))
+        out = guarded_divide(jnp.einsum("hgm,hmd->hgd", nq_t, state), jnp.einsum("hgm,hm->hg", q_t, norm))
         return (state, norm), out
 
     init = (jnp.zeros((h, m, dv), jnp.float32), jnp.zeros((h, m), jnp.float32))
     gates = decay if decay is not None else jnp.ones(fk.shape[:2], jnp.float32)
-    _, out = jax.lax.scan(step, init, (fq, fk, v, gates))
+    _, out = jax.lax.scan(step, init, (fq, fk, v, gates, nq, nk))
     return out
 
 
@@ -118,7 +128,7 @@ def _decay_matrix(gate: ArrayLike) -> Array:
     return jnp.where(jnp.tril(jnp.ones((n, n), bool)), jnp.exp(jnp.minimum(diff, 0.0)), 0.0)
 
 
-def _chunked(fq, fk, v, decay, chunk, key_log_scale):
+def _chunked(fq, fk, v, decay, chunk, key_log_scale, nq=None, nk=None):
     """One scan step per chunk (a chunkwise-parallel variant with an associative scan
     over chunk states was measured 1.5x slower on CPU: its chunk matmuls are small).
     `key_log_scale` [n_chunks, h] (Performer's stabiliser) says that chunk c's key
@@ -128,35 +138,41 @@ def _chunked(fq, fk, v, decay, chunk, key_log_scale):
     dv = v.shape[2]
     nc = ceil_div(n, chunk)
     qc, kc, vc = (to_blocks(pad_to(x, nc * chunk), chunk) for x in (fq, fk, v))
+    rotated = nq is not None and nk is not None
+    nqc, nkc = (qc, kc)
+    if nq is not None and nk is not None:
+        nqc, nkc = (to_blocks(pad_to(x, nc * chunk), chunk) for x in (nq, nk))
     gates = None if decay is None else to_blocks(pad_to(decay, nc * chunk, value=1.0), chunk)
     scales = jnp.zeros((nc, h), jnp.float32) if key_log_scale is None else key_log_scale
     tril = jnp.tril(jnp.ones((chunk, chunk), bool))
 
     def step(carry, xs):
         state, norm, prev_scale = carry
-        q_c, k_c, v_c, g_c, scale = xs
+        q_c, k_c, v_c, g_c, scale, nq_c, nk_c = xs
         rescale = jnp.exp(prev_scale - scale)  # [h], <= 1: earlier chunks were shifted less
         state, norm = state * rescale[:, None, None], norm * rescale[:, None]
-        a = einsum_f32("qhgm,khm->hgqk", q_c, k_c)
-        a = jnp.where(tril, a, 0.0)
-        inter_q = q_c.astype(jnp.float32)
+        a = jnp.where(tril, einsum_f32("qhgm,khm->hgqk", q_c, k_c), 0.0)
+        a_num = jnp.where(tril, einsum_f32("qhgm,khm->hgqk", nq_c, nk_c), 0.0) if rotated else a
+        inter_q, inter_nq = q_c.astype(jnp.float32), nq_c.astype(jnp.float32)
         if g_c is not None:
-            a = a * _decay_matrix(g_c)[:, None]
+            a, a_num = a * _decay_matrix(g_c)[:, None], a_num * _decay_matrix(g_c)[:, None]
             c = jnp.cumsum(jnp.log(jnp.clip(g_c.astype(jnp.float32), 1e-30, 1.0)), axis=0)  # [chunk, h]
             inter_q = inter_q * jnp.exp(c)[:, :, None, None]  # the state decays up to each query
-        num = jnp.einsum("hgqk,khd->qhgd", a, v_c.astype(jnp.float32)) + jnp.einsum("qhgm,hmd->qhgd", inter_q, state)
+            inter_nq = inter_nq * jnp.exp(c)[:, :, None, None]
+        num = jnp.einsum("hgqk,khd->qhgd", a_num, v_c.astype(jnp.float32))
+        num = num + jnp.einsum("qhgm,hmd->qhgd", inter_nq, state)
         den = jnp.moveaxis(a.sum(-1), -1, 0) + jnp.einsum("qhgm,hm->qhg", inter_q, norm)
-        k_f = k_c.astype(jnp.float32)
+        k_f, nk_f = k_c.astype(jnp.float32), nk_c.astype(jnp.float32)
         if g_c is not None:  # each key decays from its position to the chunk's end
             tail = jnp.exp(c[-1][None, :] - c)  # [chunk, h]
             state, norm = state * jnp.exp(c[-1])[:, None, None], norm * jnp.exp(c[-1])[:, None]
-            k_f = k_f * tail[:, :, None]
-        state = state + jnp.einsum("khm,khd->hmd", k_f, v_c.astype(jnp.float32))
+            k_f, nk_f = k_f * tail[:, :, None], nk_f * tail[:, :, None]
+        state = state + jnp.einsum("khm,khd->hmd", nk_f, v_c.astype(jnp.float32))
         norm = norm + k_f.sum(0)
         return (state, norm, scale), guarded_divide(num, den)
 
     init = (jnp.zeros((h, m, dv), jnp.float32), jnp.zeros((h, m), jnp.float32), scales[0])
-    _, out = jax.lax.scan(step, init, (qc, kc, vc, gates, scales))
+    _, out = jax.lax.scan(step, init, (qc, kc, vc, gates, scales, nqc, nkc))
     return out.reshape(nc * chunk, h, g, dv)[:n]
 
 
@@ -171,6 +187,7 @@ def kernel_attention(
     chunk_size: int | None = None,
     gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
     key_log_scale: Float[ArrayLike, "_chunks _kv_heads"] | None = None,
+    numerator: tuple[Float[ArrayLike, "_q_len _heads _m"], Float[ArrayLike, "_kv_len _kv_heads _m"]] | None = None,
     dtype: jnp.dtype | None = None,
     impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
@@ -187,6 +204,9 @@ def kernel_attention(
             S_i = g_i S_{i-1} + phi(k_i) v_i^T (RFA's gated recurrence).
         key_log_scale: internal (Performer's per-chunk, per-head stabiliser), "chunked"
             form only.
+        numerator: optional `(phi_q', phi_k')`, other features for the numerator only:
+            sum_j (phi_q'_i . phi_k'_j) v_j / sum_j (phi_q_i . phi_k_j) (RoFormer eq. 19's
+            rotated features; XLA forms only).
         dtype: of the result (default: the inputs' promoted dtype). The XLA forms compute
             features, values and states in float32 whatever the input dtype; the kernel
             takes features and values in `dtype` when it is bfloat16 or float16 (float32
@@ -215,7 +235,9 @@ def kernel_attention(
     dtype = out_dtype(phi_q, phi_k, v) if dtype is None else dtype
     choice = choose_kernel(
         impl,
-        unsupported=_kernel_unsupported(impl, causal, form, chunk),
+        unsupported="a separate numerator (RoFormer eq. 19)"
+        if numerator is not None
+        else _kernel_unsupported(impl, causal, form, chunk),
         what="kernelized (linear) attention",
         q_len=phi_q.shape[0],
     )
@@ -224,18 +246,24 @@ def kernel_attention(
             phi_q, phi_k, v, kv_mask, causal, gate, key_log_scale, min(chunk, phi_q.shape[0]), chunk, dtype, choice
         )
     phi_q, phi_k, v = (x.astype(jnp.float32) for x in (phi_q, phi_k, v))
+    if numerator is not None and (numerator[0].shape != phi_q.shape or numerator[1].shape != phi_k.shape):
+        shapes = tuple(tuple(x.shape) for x in numerator)
+        raise ValueError(f"numerator features must have the shapes of phi_q and phi_k; got {shapes}")
+    nq, nk = (None, None) if numerator is None else (x.astype(jnp.float32) for x in numerator)
     if kv_mask is not None:
         phi_k = jnp.where(kv_mask[:, None, None], phi_k, 0)
+        nk = None if nk is None else jnp.where(kv_mask[:, None, None], nk, 0)
         v = jnp.where(kv_mask[:, None, None], v, 0)
     fq = group_heads(phi_q, phi_k.shape[1])
+    nq = None if nq is None else group_heads(nq, phi_k.shape[1])
     if not causal:
-        out = _noncausal(fq, phi_k, v)
+        out = _noncausal(fq, phi_k, v, nq, nk)
     elif form == "quadratic":
-        out = _quadratic(fq, phi_k, v, gate)
+        out = _quadratic(fq, phi_k, v, gate, nq, nk)
     elif form == "scan":
-        out = _scan(fq, phi_k, v, gate)
+        out = _scan(fq, phi_k, v, gate, nq, nk)
     else:
-        out = _chunked(fq, phi_k, v, gate, min(chunk, phi_q.shape[0]), key_log_scale)
+        out = _chunked(fq, phi_k, v, gate, min(chunk, phi_q.shape[0]), key_log_scale, nq, nk)
     return out.reshape(phi_q.shape[0], phi_q.shape[1], v.shape[2]).astype(dtype)
 
 
@@ -301,6 +329,8 @@ def linear_attention(
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
     impl: str = "auto",
+    q_rotation: Float[ArrayLike, "q_len 2 _half"] | None = None,
+    k_rotation: Float[ArrayLike, "_kv_len 2 _half"] | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Linear attention (Katharopoulos et al., 2020): sim(q, k) = phi(q) . phi(k).
 
@@ -316,6 +346,12 @@ def linear_attention(
         impl: one of `jxformers.kernels.IMPLS`, no cuDNN route: the
             chunked Pallas kernel (`jxformers.kernels.linear`) for the "chunked" form
             and the non-causal reduction.
+        q_rotation, k_rotation: RoPE with linear attention as RoFormer's eq. 19 (Su et
+            al. 2021): the (cos, sin) tables `[len, 2, m/2]` of each position's angles
+            (`nn.Rotary.table`; the module passes them when it has rope) turn the
+            features after phi, in the numerator only:
+            sum_j (R_i phi(q_i)) . (R_j phi(k_j)) v_j / sum_j phi(q_i) . phi(k_j), so the
+            output depends on relative positions alone. Both or neither; XLA forms only.
 
     Returns:
         `[q_len, heads, d_v]`. A row whose denominator is zero (every key padded) is zero.
@@ -334,14 +370,21 @@ def linear_attention(
     else:
         raise ValueError(f"feature_map must be a name or a callable; got {feature_map!r}")
     check_qkv(q, k, v, self_attention=causal)
+    fq, fk = phi(jnp.asarray(q)), phi(jnp.asarray(k))
+    if (q_rotation is None) != (k_rotation is None):
+        raise ValueError("q_rotation and k_rotation go together (RoFormer eq. 19 turns both features)")
+    numerator = None
+    if q_rotation is not None and k_rotation is not None:
+        numerator = (rotate_pairs(fq, q_rotation), rotate_pairs(fk, k_rotation))
     return kernel_attention(
-        phi(q),
-        phi(k),
+        fq,
+        fk,
         v,
         causal=causal,
         kv_mask=kv_mask,
         form=form,
         chunk_size=chunk_size,
+        numerator=numerator,
         dtype=out_dtype(q, k, v),
         impl=impl,
     )

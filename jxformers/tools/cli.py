@@ -623,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
             help="one attention: its hyper-parameters (type, default, allowed values, doc) and what it can do",
         )
         parser.add_argument(
-            "--markdown", action="store_true", help="the op table of docs/guide/ops.md (Markdown), rendered from the registrations"
+            "--markdown",
+            action="store_true",
+            help="the op table of docs/guide/ops.md (Markdown), rendered from the registrations",
         )
         args = parser.parse_args(rest)
         from jxformers import registry
