@@ -1,8 +1,10 @@
 """Array helpers shared by the attention ops (`jxformers.ops`) and the decoders
 (`jxformers.decoding`) and kernels (`jxformers.kernels`), which sit below the ops: grouped
 query heads, the division that gives an empty row (every key masked) zeros instead of NaN,
-padded keys zeroed before any weight meets them, and the weights-times-values product
-through which a non-finite value reaches only the rows that weigh it."""
+padded keys zeroed before any weight meets them, the weights-times-values product
+through which a non-finite value reaches only the rows that weigh it, and the rotation of
+feature pairs by a table of angles (RoPE's, which `jxformers.nn.positions` makes and
+kernelized ops apply after their feature map)."""
 
 from __future__ import annotations
 
@@ -91,3 +93,18 @@ def poison_keys(k: ArrayLike, v: ArrayLike) -> tuple[Array, Array]:
 def nan_where(reached: ArrayLike, out: Array) -> Array:
     """`out` with NaN in the rows `reached` marks (`reached` lacks out's feature axis)."""
     return jnp.where(jnp.asarray(reached)[..., None], jnp.asarray(jnp.nan, out.dtype), out)
+
+
+def rotate_pairs(x: Float[ArrayLike, "n heads d"], rotation: Float[ArrayLike, "n 2 half"]) -> Float[Array, "n heads d"]:
+    """Turn each feature pair (i, i + d/2) of every head by the table `rotation [n, 2,
+    d/2]` = (cos, sin) of its angles (times a scale, for xPos): RoFormer's rotation in
+    the "rotate half" layout, in float32."""
+    d = x.shape[-1]
+    if rotation.shape != (x.shape[0], 2, d // 2) or d % 2:
+        raise ValueError(
+            f"a rotation table [n, 2, d/2] = {(x.shape[0], 2, d // 2)} turns features of even size d; "
+            f"got features {tuple(x.shape)} and a table {tuple(rotation.shape)}"
+        )
+    cos, sin = rotation[:, None, 0].astype(jnp.float32), rotation[:, None, 1].astype(jnp.float32)
+    x1, x2 = jnp.split(jnp.asarray(x, jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)

@@ -16,7 +16,10 @@ with its own pieces; nothing here knows any attention by name.
   S = sum_j phi(k_j) v_j^T and Z = sum_j phi(k_j): the transformer as an RNN, O(m * d)
   per step and O(1) memory in the length. Log-features (Performer's) are stabilised by a
   running max per head that rescales (S, Z) when it grows, as the chunked form does; an
-  optional gate decays the state, S_t = g_t S_{t-1} + phi(k_t) v_t^T.
+  optional gate decays the state, S_t = g_t S_{t-1} + phi(k_t) v_t^T. Given the rotation
+  tables `q_rotation`, `k_rotation` in its arrays (RoPE with linear attention, RoFormer
+  eq. 19), S sums the turned features R_t phi(k_t) and the query's turned features read
+  it, while Z and the denominator keep the plain ones.
 
 Parity (tested for every registered decoder): decoding a sequence token by token gives
 the causal parallel forward's outputs to float32 rounding.
@@ -33,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jxformers._arrays import group_heads, guarded_divide
+from jxformers._arrays import group_heads, guarded_divide, rotate_pairs
 from jxformers.registry import Decoder
 
 _NO_SCALE = -1e30  # the stabiliser before any key: exp(_NO_SCALE - x) == 0
@@ -159,6 +162,7 @@ def recurrent(
     features: Features,
     query_features: Callable[[Array, Arrays, HyperParameters], Array] | None = None,
     gate: Callable[[Array, Arrays, HyperParameters], Array] | None = None,
+    magnitude: Callable[[Array, Arrays, HyperParameters], Array | None] | None = None,
 ) -> Decoder:
     """The RNN form of kernelized attention, built from the op's own feature maps.
 
@@ -174,6 +178,10 @@ def recurrent(
             or None for no decay this step: S_t = g_t S_{t-1} + phi(k_t) v_t^T (gated
             linear attention; RFA's gate, which the module computes from the token and
             passes in `arrays`, its key features carrying the (1 - g_t)).
+        magnitude: `(k [kv_heads, d_k], arrays, hyper_parameters) -> [kv_heads]` or None:
+            the log of a positive per-head factor of the key features (plain features,
+            not log-features: Performer's trigonometric h(k) = exp(|k'|^2 / 2)), applied
+            here as exp(magnitude - running max) with the same per-head stabiliser.
     """
 
     def query(q, arrays, hp):
@@ -196,21 +204,33 @@ def recurrent(
 
     def step(q, k, v, state: RecurrentState, *, hyper_parameters, arrays, bias_fn):
         phi_k, log_max = features(k, arrays, hyper_parameters)
+        log_mag = None if magnitude is None else magnitude(k, arrays, hyper_parameters)
         s, z, log_scale = state.s, state.z, state.log_scale
-        if log_max is not None:  # phi_k holds log-features: shift by the running max
-            new_scale = jnp.maximum(log_scale, jax.lax.stop_gradient(log_max))
+        # Log-features (log_max) or plain features times exp(log_mag): shift by the running
+        # per-head max, shrinking the state when it grows.
+        running = log_max if log_max is not None else log_mag
+        if running is not None:
+            new_scale = jnp.maximum(log_scale, jax.lax.stop_gradient(running))
             shrink = jnp.exp(log_scale - new_scale)
             s, z, log_scale = s * shrink[:, None, None], z * shrink[:, None], new_scale
-            phi_k = jnp.exp(phi_k - new_scale[:, None]) / math.sqrt(phi_k.shape[-1])
+        if log_max is not None:
+            phi_k = jnp.exp(phi_k - log_scale[:, None]) / math.sqrt(phi_k.shape[-1])
+        elif log_mag is not None:
+            phi_k = phi_k * jnp.exp(log_mag - log_scale)[:, None]
         phi_k = phi_k.astype(jnp.float32)
         g = None if gate is None else gate(k, arrays, hyper_parameters)
         if g is not None:
             g = g.astype(jnp.float32)
             s, z = s * g[:, None, None], z * g[:, None]
-        s = s + jnp.einsum("hm,hd->hmd", phi_k, v.astype(jnp.float32))
+        phi_q = query(q, arrays, hyper_parameters)
+        num_k, num_q = phi_k, phi_q
+        if "k_rotation" in arrays:  # RoFormer eq. 19: the numerator's features turned by position
+            num_k = rotate_pairs(phi_k[None], arrays["k_rotation"])[0]
+            num_q = rotate_pairs(phi_q[None], arrays["q_rotation"])[0]
+        s = s + jnp.einsum("hm,hd->hmd", num_k, v.astype(jnp.float32))
         z = z + phi_k
-        phi_q = group_heads(query(q, arrays, hyper_parameters)[None], k.shape[0])[0]  # [kv_heads, g, m]
-        out = guarded_divide(jnp.einsum("hgm,hmd->hgd", phi_q, s), jnp.einsum("hgm,hm->hg", phi_q, z))
+        phi_q, num_q = (group_heads(x[None], k.shape[0])[0] for x in (phi_q, num_q))  # [kv_heads, g, m]
+        out = guarded_divide(jnp.einsum("hgm,hmd->hgd", num_q, s), jnp.einsum("hgm,hm->hg", phi_q, z))
         return out.reshape(q.shape[0], v.shape[-1]).astype(q.dtype), RecurrentState(s, z, log_scale, state.length + 1)
 
     return Decoder("recurrent", init, step)

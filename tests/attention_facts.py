@@ -176,10 +176,13 @@ FACTS: dict[str, Facts] = {
         growth=Growth("linear", causal=(False,)),
     ),
     "performer": Facts(
+        # kernel="trig": its normaliser can near zero, where bf16 inputs move the output
+        # far (the estimator, not the code): tests/test_kernelized_extra.py checks it
         variants=({"num_features": 32, "chunk_size": 8}, {"num_features": 16, "kernel": "relu", "form": "quadratic"}),
         errors=(({"kernel": "gelu"}, "kernel"), ({"num_features": 0}, "num_features")),
         growth=Growth("linear", lambda n: {"num_features": 64}),
     ),
+    "efficient": Facts(growth=Growth("linear")),  # tests/test_kernelized_extra.py: eq. 2
     "rfa": Facts(
         variants=({"num_features": 16, "chunk_size": 5},),
         errors=(({"num_features": 0}, "num_features"), ({"sigma": 0.0}, "sigma")),
@@ -284,6 +287,17 @@ FACTS: dict[str, Facts] = {
     ),
     "average": Facts(growth=Growth("linear")),  # tests/test_average_attention.py checks eq. 1-4
     "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
+    # tests/test_mixers.py checks their formulas against numpy
+    "mixer": Facts(
+        variants=({"hidden": 8, "max_len": 40},),
+        errors=(({"max_len": 8}, "max_len"), ({"hidden": 0}, "hidden")),
+        growth=Growth("linear", lambda n: {"hidden": 16, "max_len": n}, causal=(False,)),
+    ),
+    "gmlp": Facts(
+        variants=({"max_len": 40},),
+        errors=(({"max_len": 8}, "max_len"), ({"max_len": 0}, "max_len")),
+        growth=Growth("quadratic", lambda n: {"max_len": n}),
+    ),
     "image_local_2d": Facts(
         variants=(
             {"width": 6, "query_height": 2, "query_width": 3, "memory_height": 2, "memory_width": 1},

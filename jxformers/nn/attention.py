@@ -21,6 +21,7 @@ the gradient (`nn.update_arrays`).
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -39,6 +40,7 @@ from jxformers.nn.produced import AttentionInputs, Produced
 from jxformers.nn.relative import INPUT_KINDS, RelativeTerms, SharedTerms, check_relative
 from jxformers.nn.scaling import OUTPUT_PROJECTIONS, PROJECTIONS, SparseQKV, SparseQKVState, check_sparse_qkv
 from jxformers.ops._priors import SPAN_LOSS_WEIGHT, span_loss
+from jxformers.ops.kernelized import ROTATION_ARGUMENT
 
 # How queries and keys are normalised before the core (see `Attention`).
 QK_NORMS = ("none", "l2", "layernorm")
@@ -330,6 +332,17 @@ class Attention(eqx.Module):
             return arrays
         return arrays | self.core.token_arrays(self.token_params, queries, keys)
 
+    def _turned(self, q, k, q_positions, k_positions) -> tuple[Array, Array, dict[str, Array]]:
+        """RoPE: q and k turned by position before the core, or, for a core that turns its
+        features after its feature map (`linear`, RoFormer eq. 19: it takes `q_rotation`),
+        q and k as they are and the tables it turns them with (for its arrays)."""
+        assert self.rope is not None
+        if ROTATION_ARGUMENT in inspect.signature(self.core.spec.op).parameters:
+            d = q.shape[-1]
+            return q, k, {"q_rotation": self.rope.table(q_positions, d, keys=False),
+                          "k_rotation": self.rope.table(k_positions, d, keys=True)}  # fmt: skip
+        return self.rope.queries(q, q_positions), self.rope.keys(k, k_positions), {}
+
     def _normed(self, x: Float[Array, "n heads d"], which: str) -> Float[Array, "n heads d"]:
         """Queries (`which` "q") or keys ("k") after the module's qk_norm."""
         if self.qk_norm == "none":
@@ -451,10 +464,11 @@ class Attention(eqx.Module):
                 positions = jnp.arange(x.shape[0]) if positions is None else positions
                 if context_positions is None:
                     context_positions = positions if context is None else jnp.arange(source.shape[0])
+            turn = {}
             if self.rope is not None:
                 assert positions is not None and context_positions is not None
-                q, k = self.rope.queries(q, positions), self.rope.keys(k, context_positions)
-            arrays = self._core_arrays(x, source)
+                q, k, turn = self._turned(q, k, positions, context_positions)
+            arrays = self._core_arrays(x, source) | turn
             if self.relative is not None and self.relative.kind not in INPUT_KINDS:
                 assert positions is not None and context_positions is not None
                 q, bias, extra = self._relative(q, k, positions, context_positions, bias)
@@ -540,10 +554,11 @@ class Attention(eqx.Module):
             else:
                 q, k, v = self._projected(x[None], x[None])
             assert not isinstance(state, SparseQKVState), "dense projections decode with their core's state alone"
+            turn = {}
             if self.rope is not None:  # the cache keeps keys turned at their own position
                 pos = state.length[None]
-                q, k = self.rope.queries(q, pos), self.rope.keys(k, pos)
-            arrays = self._core_arrays(x[None], x[None])
+                q, k, turn = self._turned(q, k, pos, pos)
+            arrays = self._core_arrays(x[None], x[None]) | turn
             if self.relative is not None and self.relative.kind not in INPUT_KINDS:
                 q, bias_fn, extra = self._relative_step(q, k, v, state, bias_fn)
                 arrays = arrays | extra

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Real
 
+from jxformers._arrays import rotate_pairs
 from jxformers.kernels.alibi import Alibi
 from jxformers.nn.floater import FLOATER_DELTA, FLOATER_STEPS, Floater
 from jxformers.nn.layers import Linear, lookup
@@ -82,7 +83,11 @@ def rotary(
 
 def _rotate(x, positions, base, scale=None):
     """`rotary`, each rotated pair then multiplied by `scale` `[n, d/2]` (xPos) if given."""
-    d = x.shape[-1]
+    return rotate_pairs(x, _rotation_table(positions, x.shape[-1], base, scale)).astype(x.dtype)
+
+
+def _rotation_table(positions, d, base, scale=None):
+    """(cos, sin) `[n, 2, d/2]` of the angles p * base^(-2i/d), times `scale` if given."""
     if d % 2:
         raise ValueError(f"rope needs an even head size; got d_head = {d}")
     freq = base ** (-jnp.arange(d // 2, dtype=jnp.float32) * 2 / d)
@@ -90,9 +95,7 @@ def _rotate(x, positions, base, scale=None):
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     if scale is not None:  # scaling cos and sin scales the rotated pair (torchscale's apply_rotary_pos_emb)
         cos, sin = cos * scale, sin * scale
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+    return jnp.stack([cos, sin], axis=1)
 
 
 def xpos_zeta(d: int, gamma: float = 0.4) -> Float[Array, " half"]:
@@ -123,11 +126,14 @@ def xpos(
     same logits for a whole sequence at once; a decoding cache needs one fixed origin.
     Layout: pairs (i, i + d/2) as `rotary` (torchscale pairs adjacent features, a fixed
     permutation of head features that the learned projections absorb)."""
-    d = x.shape[-1]
+    return _rotate(x, positions, base, _xpos_scale(x.shape[-1], positions, downscale, gamma, scale_base))
+
+
+def _xpos_scale(d, positions, downscale, gamma, scale_base):
+    """ζ_i^(±p/B) `[n, d/2]` (keys: `downscale`, the minus sign)."""
     sign = -1.0 if downscale else 1.0
     power = sign * positions.astype(jnp.float32) / scale_base  # [n]
-    scale = jnp.exp(power[:, None] * jnp.log(xpos_zeta(d, gamma))[None, :])  # ζ^power, [n, d/2]
-    return _rotate(x, positions, base, scale)
+    return jnp.exp(power[:, None] * jnp.log(xpos_zeta(d, gamma))[None, :])  # ζ^power, [n, d/2]
 
 
 def xpos_max_len(dtype, *, gamma: float = 0.4, scale_base: float = 512.0) -> int:
@@ -209,12 +215,16 @@ class Rotary:
         return positions / self.factor if self.scaling == "linear" else positions
 
     def _turn(self, x, positions, downscale: bool):
+        return rotate_pairs(x, self.table(positions, x.shape[-1], keys=downscale)).astype(x.dtype)
+
+    def table(self, positions: Real[Array, " n"], d: int, *, keys: bool) -> Float[Array, "n 2 half"]:
+        """The (cos, sin) table `[n, 2, d/2]` that `queries` (or `keys`) turns features of
+        size d with (`jxformers._arrays.rotate_pairs`), xPos's scale included: what a
+        kernelized op takes to turn its features after the feature map (RoFormer eq. 19)."""
         if self.kind == "xpos":
-            return xpos(
-                x, positions, downscale=downscale, base=self.base, gamma=self.xpos_gamma,
-                scale_base=self.xpos_scale_base,
-            )  # fmt: skip
-        return rotary(x, self._positions(positions), self._base(x.shape[-1]))
+            scale = _xpos_scale(d, positions, keys, self.xpos_gamma, self.xpos_scale_base)
+            return _rotation_table(positions, d, self.base, scale)
+        return _rotation_table(self._positions(positions), d, self._base(d))
 
     def queries(self, x: Float[Array, "n heads d"], positions: Real[Array, " n"]) -> Float[Array, "n heads d"]:
         """Queries turned (and, for xPos, scaled by ζ^(p/B))."""

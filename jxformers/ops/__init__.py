@@ -27,6 +27,8 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     memory.py      induced_attention, latent_attention, luna_causal_pack (Luna's causal pack),
                    funnel_pool and funnel_attention
     fourier.py     dct, idct, fourier_downsample(_padded), nearest_upsample, fnet_mixing, fnet_attention
+    mixers.py      mixer_attention (MLP-Mixer's token MLP), gmlp_attention (gMLP's spatial gating unit,
+                   spatial_gating)
     learnable.py   lsh_attention (Reformer), routing_attention, sinkhorn_attention, clusterformer_attention,
                    and their pieces (lsh_buckets, kmeans_update, sinkhorn_balance)
     global_local.py  etc_attention (ETC's g2g, g2l, l2g, l2l with relative position labels)
@@ -56,6 +58,7 @@ from jxformers.ops import delta as _delta
 from jxformers.ops import lowrank as _lowrank
 from jxformers.ops import memory as _memory
 from jxformers.ops import fourier as _fourier
+from jxformers.ops import mixers as _mixers
 from jxformers.ops import learnable as _learnable
 from jxformers.ops import global_local as _global_local
 from jxformers.ops import entmax as _entmax
@@ -77,6 +80,7 @@ from jxformers.ops.delta import *  # noqa: F403
 from jxformers.ops.lowrank import *  # noqa: F403
 from jxformers.ops.memory import *  # noqa: F403
 from jxformers.ops.fourier import *  # noqa: F403
+from jxformers.ops.mixers import *  # noqa: F403
 from jxformers.ops.learnable import *  # noqa: F403
 from jxformers.ops.global_local import *  # noqa: F403
 from jxformers.ops.entmax import *  # noqa: F403
@@ -101,6 +105,7 @@ __all__ += _delta.__all__
 __all__ += _lowrank.__all__
 __all__ += _memory.__all__
 __all__ += _fourier.__all__
+__all__ += _mixers.__all__
 __all__ += _learnable.__all__
 __all__ += _global_local.__all__
 __all__ += _entmax.__all__

@@ -4,11 +4,14 @@
 * `linear_attention`: deterministic feature maps (elu + 1, relu, identity, DPFP
   `dpfp_features`, a callable).
 * `performer_attention`: FAVOR+ positive orthogonal random features for the softmax
-  kernel, and the generalised ReLU kernel (Choromanski et al., 2021).
+  kernel, its trigonometric (sin/cos) features, and the generalised ReLU kernel
+  (Choromanski et al., 2021).
+* `efficient_attention`: Efficient Attention's softmax over query features and over key
+  positions, rho_q(Q) (rho_k(K)^T V) (Shen et al., 2021).
 * `rfa_attention`: random Fourier features with a learned scale and an optional
   recurrent gate computed from the layer input (Peng et al., 2021).
 
-All three share one core (`kernel_attention`): non-causal by associativity; causal as
+Linear, Performer and RFA share one core (`kernel_attention`): non-causal by associativity; causal as
 the prefix sums S_i = sum_{j<=i} phi(k_j) v_j^T, Z_i = sum_{j<=i} phi(k_j) in one of three
 forms that agree to float32 rounding: "quadratic" (the masked N x N reference), "scan"
 (the RNN S_i = S_{i-1} + phi(k_i) v_i^T of Katharopoulos et al. 2020, "Transformers are
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from jxformers._arrays import group_heads, guarded_divide
+from jxformers._arrays import group_heads, guarded_divide, rotate_pairs
 from jxformers._typing import ArrayLike
 from jxformers.decoding import recurrent
 from jxformers.kernels import linear as linear_kernels
@@ -51,58 +54,70 @@ from jxformers.validate import Limits
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
+    "efficient_attention",
     "kernel_attention",
     "linear_attention",
     "performer_attention",
     "performer_features",
     "performer_projection",
     "dpfp_features",
+    "performer_trig_parts",
     "rfa_attention",
     "rfa_features",
 ]
 
 FORMS = ("chunked", "scan", "quadratic")
+# An op taking this argument (and "k_rotation") turns its features after its feature map
+# (RoFormer eq. 19): a module with rope passes it the tables instead of turning q and k.
+ROTATION_ARGUMENT = "q_rotation"
 DEFAULT_CHUNK = 64
 IMPL_DOC = {"impl": "one of jxformers.kernels.IMPLS (chunked linear-attention kernel; no cuDNN route)"}
 
 # ----------------------------------------------------------------------------- core
 
 
-def _noncausal(fq, fk, v):
-    """fq [q, h, g, m], fk [k, h, m], v [k, h, dv] -> [q, h, g, dv]."""
-    state = einsum_f32("khm,khd->hmd", fk, v)
+def _noncausal(fq, fk, v, nq=None, nk=None):
+    """fq [q, h, g, m], fk [k, h, m], v [k, h, dv] -> [q, h, g, dv]; nq, nk: the
+    numerator's features where they differ (RoFormer eq. 19's rotated ones), as in every
+    form below."""
+    if nq is None or nk is None:
+        nq, nk = fq, fk
+    state = einsum_f32("khm,khd->hmd", nk, v)
     norm = jnp.sum(fk, axis=0, dtype=jnp.float32)
-    num = jnp.einsum("qhgm,hmd->qhgd", fq, state)
+    num = jnp.einsum("qhgm,hmd->qhgd", nq, state)
     den = jnp.einsum("qhgm,hm->qhg", fq, norm)
     return guarded_divide(num, den)
 
 
-def _quadratic(fq, fk, v, decay):
-    a = einsum_f32("qhgm,khm->hgqk", fq, fk)
+def _quadratic(fq, fk, v, decay, nq=None, nk=None):
     n = fq.shape[0]
-    a = jnp.where(jnp.tril(jnp.ones((n, n), bool)), a, 0.0)
-    if decay is not None:
-        a = a * _decay_matrix(decay)[:, None]
-    num = jnp.einsum("hgqk,khd->qhgd", a, v.astype(jnp.float32))
-    return guarded_divide(num, jnp.moveaxis(a.sum(-1), -1, 0))
+    weights = []
+    pairs = [(fq, fk)] if nq is None or nk is None else [(fq, fk), (nq, nk)]  # the denominator's, the numerator's
+    for left, right in pairs:
+        a = jnp.where(jnp.tril(jnp.ones((n, n), bool)), einsum_f32("qhgm,khm->hgqk", left, right), 0.0)
+        weights.append(a if decay is None else a * _decay_matrix(decay)[:, None])
+    num = jnp.einsum("hgqk,khd->qhgd", weights[-1], v.astype(jnp.float32))
+    return guarded_divide(num, jnp.moveaxis(weights[0].sum(-1), -1, 0))
 
 
-def _scan(fq, fk, v, decay):
+def _scan(fq, fk, v, decay, nq=None, nk=None):
     h, m, dv = fk.shape[1], fk.shape[2], v.shape[2]
+    if nq is None or nk is None:
+        nq, nk = fq, fk
 
     def step(carry, xs):
         state, norm = carry
-        q_t, k_t, v_t, g_t = xs
+        q_t, k_t, v_t, g_t, nq_t, nk_t = xs
         if decay is not None:  # gated: S_t = g_t S_{t-1} + phi(k_t) v_t^T
             state, norm = state * g_t[:, None, None], norm * g_t[:, None]
-        state = state + einsum_f32("hm,hd->hmd", k_t, v_t)
+        state = state + einsum_f32("hm,hd->hmd", nk_t, v_t)
         norm = norm + k_t.astype(jnp.float32)
-        out = guarded_divide(jnp.einsum("hgm,hmd->hgd", q_t, state), jnp.einsum("hgm,hm->hg", q_t, norm))
+        out = guarded_divide(jnp.einsum("hgm,hmd->hgd", nq_t, state), jnp.einsum("hgm,hm->hg", q_t, norm))
         return (state, norm), out
 
     init = (jnp.zeros((h, m, dv), jnp.float32), jnp.zeros((h, m), jnp.float32))
     gates = decay if decay is not None else jnp.ones(fk.shape[:2], jnp.float32)
-    _, out = jax.lax.scan(step, init, (fq, fk, v, gates))
+    _, out = jax.lax.scan(step, init, (fq, fk, v, gates, nq, nk))
     return out
 
 
@@ -115,7 +130,7 @@ def _decay_matrix(gate: ArrayLike) -> Array:
     return jnp.where(jnp.tril(jnp.ones((n, n), bool)), jnp.exp(jnp.minimum(diff, 0.0)), 0.0)
 
 
-def _chunked(fq, fk, v, decay, chunk, key_log_scale):
+def _chunked(fq, fk, v, decay, chunk, key_log_scale, nq=None, nk=None):
     """One scan step per chunk (a chunkwise-parallel variant with an associative scan
     over chunk states was measured 1.5x slower on CPU: its chunk matmuls are small).
     `key_log_scale` [n_chunks, h] (Performer's stabiliser) says that chunk c's key
@@ -125,35 +140,41 @@ def _chunked(fq, fk, v, decay, chunk, key_log_scale):
     dv = v.shape[2]
     nc = ceil_div(n, chunk)
     qc, kc, vc = (to_blocks(pad_to(x, nc * chunk), chunk) for x in (fq, fk, v))
+    rotated = nq is not None and nk is not None
+    nqc, nkc = (qc, kc)
+    if nq is not None and nk is not None:
+        nqc, nkc = (to_blocks(pad_to(x, nc * chunk), chunk) for x in (nq, nk))
     gates = None if decay is None else to_blocks(pad_to(decay, nc * chunk, value=1.0), chunk)
     scales = jnp.zeros((nc, h), jnp.float32) if key_log_scale is None else key_log_scale
     tril = jnp.tril(jnp.ones((chunk, chunk), bool))
 
     def step(carry, xs):
         state, norm, prev_scale = carry
-        q_c, k_c, v_c, g_c, scale = xs
+        q_c, k_c, v_c, g_c, scale, nq_c, nk_c = xs
         rescale = jnp.exp(prev_scale - scale)  # [h], <= 1: earlier chunks were shifted less
         state, norm = state * rescale[:, None, None], norm * rescale[:, None]
-        a = einsum_f32("qhgm,khm->hgqk", q_c, k_c)
-        a = jnp.where(tril, a, 0.0)
-        inter_q = q_c.astype(jnp.float32)
+        a = jnp.where(tril, einsum_f32("qhgm,khm->hgqk", q_c, k_c), 0.0)
+        a_num = jnp.where(tril, einsum_f32("qhgm,khm->hgqk", nq_c, nk_c), 0.0) if rotated else a
+        inter_q, inter_nq = q_c.astype(jnp.float32), nq_c.astype(jnp.float32)
         if g_c is not None:
-            a = a * _decay_matrix(g_c)[:, None]
+            a, a_num = a * _decay_matrix(g_c)[:, None], a_num * _decay_matrix(g_c)[:, None]
             c = jnp.cumsum(jnp.log(jnp.clip(g_c.astype(jnp.float32), 1e-30, 1.0)), axis=0)  # [chunk, h]
             inter_q = inter_q * jnp.exp(c)[:, :, None, None]  # the state decays up to each query
-        num = jnp.einsum("hgqk,khd->qhgd", a, v_c.astype(jnp.float32)) + jnp.einsum("qhgm,hmd->qhgd", inter_q, state)
+            inter_nq = inter_nq * jnp.exp(c)[:, :, None, None]
+        num = jnp.einsum("hgqk,khd->qhgd", a_num, v_c.astype(jnp.float32))
+        num = num + jnp.einsum("qhgm,hmd->qhgd", inter_nq, state)
         den = jnp.moveaxis(a.sum(-1), -1, 0) + jnp.einsum("qhgm,hm->qhg", inter_q, norm)
-        k_f = k_c.astype(jnp.float32)
+        k_f, nk_f = k_c.astype(jnp.float32), nk_c.astype(jnp.float32)
         if g_c is not None:  # each key decays from its position to the chunk's end
             tail = jnp.exp(c[-1][None, :] - c)  # [chunk, h]
             state, norm = state * jnp.exp(c[-1])[:, None, None], norm * jnp.exp(c[-1])[:, None]
-            k_f = k_f * tail[:, :, None]
-        state = state + jnp.einsum("khm,khd->hmd", k_f, v_c.astype(jnp.float32))
+            k_f, nk_f = k_f * tail[:, :, None], nk_f * tail[:, :, None]
+        state = state + jnp.einsum("khm,khd->hmd", nk_f, v_c.astype(jnp.float32))
         norm = norm + k_f.sum(0)
         return (state, norm, scale), guarded_divide(num, den)
 
     init = (jnp.zeros((h, m, dv), jnp.float32), jnp.zeros((h, m), jnp.float32), scales[0])
-    _, out = jax.lax.scan(step, init, (qc, kc, vc, gates, scales))
+    _, out = jax.lax.scan(step, init, (qc, kc, vc, gates, scales, nqc, nkc))
     return out.reshape(nc * chunk, h, g, dv)[:n]
 
 
@@ -168,6 +189,7 @@ def kernel_attention(
     chunk_size: int | None = None,
     gate: Float[ArrayLike, "_kv_len _kv_heads"] | None = None,
     key_log_scale: Float[ArrayLike, "_chunks _kv_heads"] | None = None,
+    numerator: tuple[Float[ArrayLike, "_q_len _heads _m"], Float[ArrayLike, "_kv_len _kv_heads _m"]] | None = None,
     dtype: jnp.dtype | None = None,
     impl: str = "auto",
 ) -> Float[Array, "q_len heads d_v"]:
@@ -184,6 +206,9 @@ def kernel_attention(
             S_i = g_i S_{i-1} + phi(k_i) v_i^T (RFA's gated recurrence).
         key_log_scale: internal (Performer's per-chunk, per-head stabiliser), "chunked"
             form only.
+        numerator: optional `(phi_q', phi_k')`, other features for the numerator only:
+            sum_j (phi_q'_i . phi_k'_j) v_j / sum_j (phi_q_i . phi_k_j) (RoFormer eq. 19's
+            rotated features; XLA forms only).
         dtype: of the result (default: the inputs' promoted dtype). The XLA forms compute
             features, values and states in float32 whatever the input dtype; the kernel
             takes features and values in `dtype` when it is bfloat16 or float16 (float32
@@ -212,7 +237,9 @@ def kernel_attention(
     dtype = out_dtype(phi_q, phi_k, v) if dtype is None else dtype
     choice = choose_kernel(
         impl,
-        unsupported=_kernel_unsupported(impl, causal, form, chunk),
+        unsupported="a separate numerator (RoFormer eq. 19)"
+        if numerator is not None
+        else _kernel_unsupported(impl, causal, form, chunk),
         what="kernelized (linear) attention",
         q_len=phi_q.shape[0],
     )
@@ -221,18 +248,24 @@ def kernel_attention(
             phi_q, phi_k, v, kv_mask, causal, gate, key_log_scale, min(chunk, phi_q.shape[0]), chunk, dtype, choice
         )
     phi_q, phi_k, v = (x.astype(jnp.float32) for x in (phi_q, phi_k, v))
+    if numerator is not None and (numerator[0].shape != phi_q.shape or numerator[1].shape != phi_k.shape):
+        shapes = tuple(tuple(x.shape) for x in numerator)
+        raise ValueError(f"numerator features must have the shapes of phi_q and phi_k; got {shapes}")
+    nq, nk = (None, None) if numerator is None else (x.astype(jnp.float32) for x in numerator)
     if kv_mask is not None:
         phi_k = jnp.where(kv_mask[:, None, None], phi_k, 0)
+        nk = None if nk is None else jnp.where(kv_mask[:, None, None], nk, 0)
         v = jnp.where(kv_mask[:, None, None], v, 0)
     fq = group_heads(phi_q, phi_k.shape[1])
+    nq = None if nq is None else group_heads(nq, phi_k.shape[1])
     if not causal:
-        out = _noncausal(fq, phi_k, v)
+        out = _noncausal(fq, phi_k, v, nq, nk)
     elif form == "quadratic":
-        out = _quadratic(fq, phi_k, v, gate)
+        out = _quadratic(fq, phi_k, v, gate, nq, nk)
     elif form == "scan":
-        out = _scan(fq, phi_k, v, gate)
+        out = _scan(fq, phi_k, v, gate, nq, nk)
     else:
-        out = _chunked(fq, phi_k, v, gate, min(chunk, phi_q.shape[0]), key_log_scale)
+        out = _chunked(fq, phi_k, v, gate, min(chunk, phi_q.shape[0]), key_log_scale, nq, nk)
     return out.reshape(phi_q.shape[0], phi_q.shape[1], v.shape[2]).astype(dtype)
 
 
@@ -325,6 +358,8 @@ def linear_attention(
     chunk_size: int = DEFAULT_CHUNK,
     form: str = "chunked",
     impl: str = "auto",
+    q_rotation: Float[ArrayLike, "q_len 2 _half"] | None = None,
+    k_rotation: Float[ArrayLike, "_kv_len 2 _half"] | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Linear attention (Katharopoulos et al., 2020): sim(q, k) = phi(q) . phi(k).
 
@@ -341,6 +376,12 @@ def linear_attention(
         impl: one of `jxformers.kernels.IMPLS`, no cuDNN route: the
             chunked Pallas kernel (`jxformers.kernels.linear`) for the "chunked" form
             and the non-causal reduction.
+        q_rotation, k_rotation: RoPE with linear attention as RoFormer's eq. 19 (Su et
+            al. 2021): the (cos, sin) tables `[len, 2, m/2]` of each position's angles
+            (`nn.Rotary.table`; the module passes them when it has rope) turn the
+            features after phi, in the numerator only:
+            sum_j (R_i phi(q_i)) . (R_j phi(k_j)) v_j / sum_j phi(q_i) . phi(k_j), so the
+            output depends on relative positions alone. Both or neither; XLA forms only.
 
     Returns:
         `[q_len, heads, d_v]`. A row whose denominator is zero (every key padded) is zero.
@@ -359,14 +400,21 @@ def linear_attention(
     else:
         raise ValueError(f"feature_map must be a name or a callable; got {feature_map!r}")
     check_qkv(q, k, v, self_attention=causal)
+    fq, fk = phi(jnp.asarray(q)), phi(jnp.asarray(k))
+    if (q_rotation is None) != (k_rotation is None):
+        raise ValueError("q_rotation and k_rotation go together (RoFormer eq. 19 turns both features)")
+    numerator = None
+    if q_rotation is not None and k_rotation is not None:
+        numerator = (rotate_pairs(fq, q_rotation), rotate_pairs(fk, k_rotation))
     return kernel_attention(
-        phi(q),
-        phi(k),
+        fq,
+        fk,
         v,
         causal=causal,
         kv_mask=kv_mask,
         form=form,
         chunk_size=chunk_size,
+        numerator=numerator,
         dtype=out_dtype(q, k, v),
         impl=impl,
     )
@@ -427,6 +475,8 @@ def performer_projection(
 
 # The generalised kernel's additive epsilon (`kernel_epsilon` of the official code).
 RELU_EPSILON = 1e-3
+# Performer's kernels: FAVOR+ positive softmax features, trigonometric softmax features, ReLU.
+PERFORMER_KERNELS = ("softmax", "trig", "relu")
 
 
 def performer_features(
@@ -435,13 +485,17 @@ def performer_features(
     *,
     kernel: str = "softmax",
     shift: Float[ArrayLike, " ..."] | float = 0.0,
-) -> Float[Array, "n heads m"]:
-    """FAVOR+ features with E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) ("softmax") or the
-    generalised ReLU kernel ("relu").
+) -> Float[Array, "n heads features"]:
+    """FAVOR+ features with E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) ("softmax", positive;
+    "trig", trigonometric) or the generalised ReLU kernel ("relu").
 
     "softmax": phi(x) = exp(W x' - |x'|^2 / 2 - shift) / sqrt(m) with x' = x d^(-1/4);
     `shift` (broadcast to `[n, heads, 1]` or a scalar) is the stabiliser: it cancels
     between numerator and denominator when constant over the keys (or per query row).
+    "trig": phi(x) = exp(|x'|^2 / 2 - shift) [sin(W x'), cos(W x')] / sqrt(m), 2m features
+    (`performer_trig_parts`); E[phi(q) . phi(k)] = exp(q . k / sqrt(d)) too, but the
+    features are not positive, so the estimated normaliser can be near zero or negative
+    (why the paper prefers the positive ones).
     "relu": phi(x) = relu(W x) + RELU_EPSILON, exactly the official JAX code's
     generalised kernel (no input scaling, the epsilon added to the unscaled features:
     a common factor such as 1/sqrt(m) would cancel, but an epsilon added after it would
@@ -450,9 +504,24 @@ def performer_features(
     if kernel == "relu":
         wx = jnp.einsum("nhd,md->nhm", x.astype(jnp.float32), projection.astype(jnp.float32))
         return jax.nn.relu(wx) + RELU_EPSILON
+    if kernel == "trig":
+        unit, log_magnitude = performer_trig_parts(x, projection)
+        return unit * jnp.exp(log_magnitude - shift)[..., None] / math.sqrt(projection.shape[0])
     if kernel != "softmax":
-        raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
+        raise ValueError(f"kernel must be one of {PERFORMER_KERNELS}; got {kernel!r}")
     return jnp.exp(performer_log_features(x, projection) - shift) / math.sqrt(projection.shape[0])
+
+
+def performer_trig_parts(
+    x: Float[ArrayLike, "n heads d_k"], projection: Float[ArrayLike, "m _d_k"]
+) -> tuple[Float[Array, "n heads two_m"], Float[Array, "n heads"]]:
+    """The trigonometric softmax-kernel features (Choromanski et al. 2021, §2.3, Lemma 1's
+    h(x) = exp(|x|^2 / 2) with [sin(W x), cos(W x)]) in two parts, x' = x d^(-1/4):
+    `([sin(W x'), cos(W x')] [n, heads, 2m], |x'|^2 / 2 [n, heads])`, in float32. The
+    features are exp(second) * first / sqrt(m); kept apart so the magnitude can be
+    stabilised (a per-query factor cancels; keys take a shift shared by the keys)."""
+    wx, xs = _projected(x, projection)
+    return jnp.concatenate([jnp.sin(wx), jnp.cos(wx)], axis=-1), 0.5 * jnp.sum(xs * xs, axis=-1)
 
 
 def _projected(x, projection):
@@ -506,7 +575,9 @@ def performer_attention(
         q, k, v: as `softmax_attention`.
         projection: `[num_features, d_k]` from `performer_projection(key, ...)`; redraw it
             with a new key to resample the features.
-        kernel: "softmax" (FAVOR+) or "relu" (generalised ReLU kernel).
+        kernel: "softmax" (FAVOR+ positive features), "trig" (the paper's trigonometric
+            softmax features, `performer_trig_parts`: 2 num_features features, not
+            positive) or "relu" (generalised ReLU kernel).
         causal: prefix-sum form (chunked by default, as `linear_attention`).
         kv_mask: optional `[kv_len]`, True for real tokens.
         chunk_size, form, impl: as `linear_attention`.
@@ -527,19 +598,31 @@ def performer_attention(
         return kernel_attention(
             fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype, impl=impl
         )
-    if kernel != "softmax":
-        raise ValueError(f"kernel must be 'softmax' or 'relu'; got {kernel!r}")
+    if kernel not in PERFORMER_KERNELS:
+        raise ValueError(f"kernel must be one of {PERFORMER_KERNELS}; got {kernel!r}")
     m = projection.shape[0]
-    fq, lk = performer_query_features(q, projection), performer_log_features(k, projection)
     real = jnp.ones((k.shape[0],), bool) if kv_mask is None else kv_mask
+    if kernel == "softmax":
+        fq, lk = performer_query_features(q, projection), performer_log_features(k, projection)
+        key_log = jnp.max(lk, axis=2)  # [kv_len, kv_heads]: each key's largest log-feature
+
+        def key_features(shift):  # shift [kv_len or 1, kv_heads]
+            return jnp.exp(lk - shift[:, :, None]) / math.sqrt(m)
+
+    else:  # trig: h(q) is a factor of the query's row (it cancels), h(k) is shifted as above
+        fq = performer_trig_parts(q, projection)[0] / math.sqrt(m)
+        unit_k, key_log = performer_trig_parts(k, projection)
+
+        def key_features(shift):
+            return unit_k * jnp.exp(key_log - shift)[:, :, None] / math.sqrt(m)
+
     # The key stabiliser is per head: a maximum shared by the heads would let one head
     # with large norms shift another's features into underflow, coupling the heads.
-    key_max = jnp.max(jnp.where(real[:, None, None], lk, -jnp.inf), axis=2)  # [kv_len, kv_heads]
-    key_max = jax.lax.stop_gradient(key_max)
+    key_max = jax.lax.stop_gradient(jnp.where(real[:, None], key_log, -jnp.inf))  # [kv_len, kv_heads]
     if not causal or form != "chunked":
         shift = jnp.max(key_max, axis=0)
         shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
-        fk = jnp.exp(lk - shift[None, :, None]) / math.sqrt(m)
+        fk = key_features(shift[None, :])
         return kernel_attention(
             fq, fk, v, causal=causal, kv_mask=kv_mask, form=form, chunk_size=chunk_size, dtype=dtype, impl=impl
         )
@@ -550,7 +633,7 @@ def performer_attention(
     running = jax.lax.cummax(chunk_max, axis=0)  # never decreases: the state only shrinks when rescaled
     running = jnp.where(jnp.isfinite(running), running, 0.0)
     per_token = jnp.repeat(running, chunk, axis=0)[: k.shape[0]]
-    fk = jnp.exp(lk - per_token[:, :, None]) / math.sqrt(m)
+    fk = key_features(per_token)
     return kernel_attention(
         fq,
         fk,
@@ -573,18 +656,34 @@ def performer_arrays(
 
 
 def _performer_key_features(k, arrays, hyper_parameters):
-    """Plain features (ReLU kernel) or log-features and each head's max (softmax kernel),
-    which the recurrent decoder shifts by its running per-head stabiliser as the chunked
-    form does."""
-    if hyper_parameters["kernel"] == "relu":
+    """Plain features (ReLU kernel), log-features and each head's max (softmax kernel),
+    or the unit trigonometric features (trig kernel; their magnitude is
+    `_performer_key_magnitude`), which the recurrent decoder shifts by its running
+    per-head stabiliser as the chunked form does."""
+    kernel = hyper_parameters["kernel"]
+    if kernel == "relu":
         return performer_features(k[None], arrays["projection"], kernel="relu")[0], None
+    if kernel == "trig":
+        return performer_trig_parts(k[None], arrays["projection"])[0][0] / math.sqrt(
+            arrays["projection"].shape[0]
+        ), None
     log_k = performer_log_features(k[None], arrays["projection"])[0]
     return log_k, jnp.max(log_k, axis=-1)
 
 
+def _performer_key_magnitude(k, arrays, hyper_parameters):
+    """log h(k) = |k'|^2 / 2 per head for the trig kernel (None for the others)."""
+    if hyper_parameters["kernel"] != "trig":
+        return None
+    return performer_trig_parts(k[None], arrays["projection"])[1][0]
+
+
 def _performer_query_features(q, arrays, hyper_parameters):
-    if hyper_parameters["kernel"] == "relu":
+    kernel = hyper_parameters["kernel"]
+    if kernel == "relu":
         return performer_features(q[None], arrays["projection"], kernel="relu")[0]
+    if kernel == "trig":  # h(q) is a factor of the query's row: it cancels
+        return performer_trig_parts(q[None], arrays["projection"])[0][0] / math.sqrt(arrays["projection"].shape[0])
     return performer_query_features(q[None], arrays["projection"])[0]
 
 
@@ -598,17 +697,80 @@ register(
     exact=False,
     init_arrays=performer_arrays,
     drawn=("projection",),
-    decoder=recurrent(_performer_key_features, query_features=_performer_query_features),
-    choices={"kernel": ("softmax", "relu"), **_FORMS},
+    decoder=recurrent(
+        _performer_key_features, query_features=_performer_query_features, magnitude=_performer_key_magnitude
+    ),
+    choices={"kernel": PERFORMER_KERNELS, **_FORMS},
     docs={
         "num_features": "random features m",
         "orthogonal": "orthogonal random features",
-        "kernel": "softmax (FAVOR+) or relu",
+        "kernel": "softmax (FAVOR+ positive features), trig (sin/cos features) or relu",
         **_FORM_DOCS,
     },
-    summary="FAVOR+ positive orthogonal random features (or ReLU kernel), stabilised",
+    summary="FAVOR+ positive (or sin/cos) orthogonal random features, or a ReLU kernel, stabilised",
     limits={"chunk_size": 1, "num_features": 1},
     dense_width=("its random features (num_features)", lambda hp, n: hp["num_features"]),
+)
+
+
+# ----------------------------------------------------------------------------- Efficient Attention
+
+
+def efficient_attention(
+    q: Float[ArrayLike, "q_len heads d_k"],
+    k: Float[ArrayLike, "kv_len kv_heads _d_k"],
+    v: Float[ArrayLike, "_kv_len _kv_heads d_v"],
+    *,
+    causal: bool = False,
+    kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
+) -> Float[Array, "q_len heads d_v"]:
+    """Efficient Attention (Shen, Zhang, Zhao, Yi & Li 2021, eq. 2 with the softmax
+    normalisation): E = rho_q(Q) (rho_k(K)^T V), rho_q a softmax over each query's d_k
+    features, rho_k a softmax over the positions of each key feature (per head). Each of
+    the d_k "global context vectors" rho_k(K)[:, f]^T V is a softmax-weighted mean of
+    the values; a query mixes them by its own feature softmax. No 1/sqrt(d_k) (the
+    paper's and its code's).
+
+    Arguments:
+        q, k, v: as `softmax_attention` (grouped-query heads allowed; cross lengths too).
+        causal: not supported: rho_k normalises each feature over every position, so
+            every output reads every key (the paper has no causal form). True raises.
+        kv_mask: optional `[kv_len]`; rho_k's softmax runs over the real positions only.
+
+    Returns:
+        `[q_len, heads, d_v]`; zeros when every key is padded.
+
+    Time O(N * d_k * d_v), memory O(d_k * d_v) per head; in float32.
+    """
+    k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
+    if causal:
+        raise ValueError(
+            "efficient_attention cannot be causal: rho_k's softmax over positions normalises each key "
+            "feature by every key, the future included; use linear_attention or performer_attention"
+        )
+    check_qkv(q, k, v)
+    check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
+    real = jnp.ones((k.shape[0],), bool) if kv_mask is None else jnp.asarray(kv_mask)
+    rho_q = jax.nn.softmax(q.astype(jnp.float32), axis=-1)
+    logits_k = jnp.where(real[:, None, None], k.astype(jnp.float32), -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(logits_k, axis=0, keepdims=True))
+    weights = jnp.where(real[:, None, None], jnp.exp(logits_k - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    # d_k global context vectors per head: rho_k(K)^T V, normalised after the sum
+    context = guarded_divide(einsum_f32("khf,khd->hfd", weights, v), jnp.sum(weights, axis=0))
+    out = jnp.einsum("qhgf,hfd->qhgd", group_heads(rho_q, k.shape[1]), context)
+    return out.reshape(q.shape[0], q.shape[1], v.shape[2]).astype(out_dtype(q, k, v))
+
+
+register(
+    "efficient",
+    efficient_attention,
+    family="kernelized",
+    paper="Shen et al. 2021",
+    complexity="O(N d^2)",
+    supports_causal=False,
+    supports_cross=True,
+    exact=False,
+    summary="softmax over each query's features times softmax-over-positions keys^T V",
 )
 
 
