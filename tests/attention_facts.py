@@ -164,9 +164,9 @@ FACTS: dict[str, Facts] = {
         ),
         errors=(({"max_len": 8}, "max_len"), ({"kind": "learned"}, "kind")),
     ),
-    "nystrom": Facts(
-        variants=({"num_landmarks": 5},),
-        errors=(({"num_landmarks": 0}, "num_landmarks"),),
+    "nystrom": Facts(  # the first variant serves cross-attention, which takes no convolution skip
+        variants=({"num_landmarks": 5, "conv_kernel_size": 0}, {"num_landmarks": 5, "conv_kernel_size": 3}),
+        errors=(({"num_landmarks": 0}, "num_landmarks"), ({"conv_kernel_size": 4}, "conv_kernel_size")),
         growth=Growth("linear", lambda n: {"num_landmarks": 32}),
     ),
     "induced": Facts(
