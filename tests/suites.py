@@ -204,14 +204,14 @@ class AttentionSuite(_Parametrized):
         q, k, v = qkv(seed, n)
         kv_mask = (jnp.arange(n) < n - 5) if padded else None
         arrays = bound.init_arrays(jax.random.key(seed + 1), heads=HEADS, kv_heads=KV_HEADS, d_k=D_K, d_v=D_V)
+        options = score_options(bound.hyper_parameters, arrays)  # the same options on the reference
+
+        def attend(m, values):
+            keys = jnp.repeat(k, values.shape[1] // k.shape[1], axis=1)  # values may be per query head
+            return ops.softmax_attention(q, keys, values, mask=jnp.asarray(m), kv_mask=kv_mask, **options)
+
         for causal in causal_modes(name):
             out = run(name, hp, q, k, v, causal=causal, kv_mask=kv_mask, seed=seed)
-            options = score_options(bound.hyper_parameters, arrays)  # the same options on the reference
-
-            def attend(m, values):
-                keys = jnp.repeat(k, values.shape[1] // k.shape[1], axis=1)  # values may be per query head
-                return ops.softmax_attention(q, keys, values, mask=jnp.asarray(m), kv_mask=kv_mask, **options)
-
             expected = v
             for m in facts(name).mask(n, bound.hyper_parameters, arrays, causal):
                 expected = m(attend, expected) if callable(m) else attend(m, expected)

@@ -108,5 +108,61 @@ def test_causal_axial_reaches_the_whole_past_and_nothing_after():
     assert (reach[j > i] == 0).all()
     assert (reach[j <= i] > 0).all()
     # the passes alone reach only up and to the left: (1, 0) never sees (0, 1)
-    column = jax.jit(jax.jacobian(lambda x: ops.axial_attention(x, x, x, width=width, order="column", causal=True)[width]))(x)
+    column_pass = jax.jacobian(lambda x: ops.axial_attention(x, x, x, width=width, order="column", causal=True)[width])
+    column = jax.jit(column_pass)(x)
     assert float(jnp.abs(column[..., 1, :, :]).sum()) == 0
+
+
+# ----------------------------------------------------------------------------- Sparse Transformer, fixed
+
+
+def _masked_softmax(q, k, v, mask):
+    s = q @ k.T / np.sqrt(q.shape[-1])
+    s = np.where(mask, s, -np.inf)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return (p / p.sum(axis=1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sparse_transformer_fixed_heads_take_distinct_summary_cells(causal):
+    """Child et al. 2019, section 4.3: head h reads its own block and, in every block, its
+    own length-c sub-block (head 0 the last c cells, head 1 the c before, ...)."""
+    n, s, c, heads = 13, 4, 2, 3  # s // c = 2 sub-blocks: head 2 reuses head 0's
+    q, k, v = _qkv(4, n, heads=heads, kv_heads=1)
+    kv_mask = np.arange(n) < n - 2
+    out = jax.jit(
+        lambda q, k, v, m: ops.sparse_transformer_attention(
+            q, k, v, stride=s, pattern="fixed", num_summary=c, distinct_summaries=True, causal=causal, kv_mask=m
+        )
+    )(q, k, np.where(kv_mask[:, None, None], v, np.nan), kv_mask)
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    for h in range(heads):
+        u = h % (s // c)
+        mask = ((i // s == j // s) | ((j % s >= s - (u + 1) * c) & (j % s < s - u * c))) & kv_mask[None, :]
+        if causal:
+            mask &= j <= i
+        expected = _masked_softmax(q[:, h], k[:, 0], v[:, 0], mask)
+        assert_close(out[:, h], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="distinct_summaries"):
+        ops.sparse_transformer_attention(q, k, v, stride=s, distinct_summaries=True)
+
+
+# ----------------------------------------------------------------------------- blockwise permutations
+
+
+def test_blockwise_heads_attend_their_permuted_block():
+    """Qiu et al. 2020: head h's query block a attends key block pi_h(a) = (a + shift_h) mod n_b."""
+    n, b, shifts = 14, 4, (0, 1, 3)  # 4 blocks, the last one short (padded)
+    q, k, v = _qkv(5, n, heads=3, kv_heads=1)
+    kv_mask = np.arange(n) < n - 1
+    out = jax.jit(lambda q, k, v, m: ops.block_local_attention(q, k, v, block_size=b, head_shifts=shifts, kv_mask=m))(
+        q, k, np.where(kv_mask[:, None, None], v, np.nan), kv_mask
+    )
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    for h, shift in enumerate(shifts):
+        mask = ((i // b + shift) % 4 == j // b) & kv_mask[None, :]
+        assert_close(out[:, h], _masked_softmax(q[:, h], k[:, 0], v[:, 0], mask), atol=1e-5)
+    with pytest.raises(ValueError, match="cannot be causal"):
+        ops.block_local_attention(q, k, v, block_size=b, head_shifts=shifts, causal=True)
+    with pytest.raises(ValueError, match="one shift >= 0 per query head"):
+        ops.block_local_attention(q, k, v, block_size=b, head_shifts=(0, 1))
