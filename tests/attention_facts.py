@@ -235,7 +235,8 @@ FACTS: dict[str, Facts] = {
         growth=Growth("quadratic"),
     ),
     "average": Facts(growth=Growth("linear")),  # tests/test_average_attention.py checks eq. 1-4
-    "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
+    # no [CLS] token can gather what FNet mixes; a parameter-free sublayer has no heads to group
+    "fnet": Facts(model={"pooling": "mean", "kv_heads": None}),
     "image_local_2d": Facts(
         variants=(
             {"width": 6, "query_height": 2, "query_width": 3, "memory_height": 2, "memory_width": 1},

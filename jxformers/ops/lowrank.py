@@ -480,7 +480,10 @@ def _value_convolution(
     taps, n = weight.shape[0], v.shape[0]
     padded = jnp.pad(v.astype(jnp.float32), ((taps // 2, taps // 2), (0, 0), (0, 0)))
     w = weight.astype(jnp.float32)
-    return sum(w[None, t, :, None] * padded[t : t + n] for t in range(taps))
+    out = jnp.zeros(padded[:n].shape, jnp.float32)
+    for t in range(taps):
+        out = out + w[None, t, :, None] * padded[t : t + n]
+    return out
 
 
 def nystrom_arrays(key: PRNGKeyArray, *, kv_heads: int, conv_kernel_size: int = 35) -> dict[str, Array]:
