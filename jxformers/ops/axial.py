@@ -81,16 +81,15 @@ def axial_attention(
     if order not in ("row", "column", "row_then_column"):
         raise ValueError(f"order must be 'row', 'column' or 'row_then_column'; got {order!r}")
     rows = ceil_div(q.shape[0], width)
-    common = dict(causal=causal, kv_mask=kv_mask, scale=scale)
     if order == "row_then_column" and causal:
         return _causal_composition(q, k, v, width=width, rows=rows, kv_mask=kv_mask, scale=scale)
     if order in ("row", "row_then_column"):
-        v = block_local_attention(q, k, v, block_size=width, **common)
+        v = block_local_attention(q, k, v, block_size=width, causal=causal, kv_mask=kv_mask, scale=scale)
         if order == "row":
             return v
         # The row pass gives one value per *query* head; the column pass needs keys to match.
         k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
-    return dilated_attention(q, k, v, window=rows, dilation=width, **common)
+    return dilated_attention(q, k, v, window=rows, dilation=width, causal=causal, kv_mask=kv_mask, scale=scale)
 
 
 def _causal_composition(q, k, v, *, width: int, rows: int, kv_mask, scale):
