@@ -18,7 +18,7 @@ USAGE = """usage: jxformers COMMAND [ARGS]   (jxformers --version prints the ver
 
 commands:
   list      print the attention registry (names, capabilities, hyper-parameters) and the model architectures;
-            `list NAME`: one attention's hyper-parameters and allowed values; `list --markdown`: the op table of docs/guide/ops.md
+            `list NAME`: one attention's hyper-parameters and allowed values; `list --markdown`: the docs' op table
   bench     time and measure every attention against softmax (--help for options)
   train     train an experiment: jxformers train CONFIG --workdir DIR [--set key=value ...]; without CONFIG
             the run in DIR goes on with its own config.yaml
@@ -622,9 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             nargs="?",
             help="one attention: its hyper-parameters (type, default, allowed values, doc) and what it can do",
         )
-        parser.add_argument(
-            "--markdown", action="store_true", help="the op table of docs/guide/ops.md (Markdown), rendered from the registrations"
-        )
+        parser.add_argument("--markdown", action="store_true", help="the op table (Markdown) of docs/guide/ops.md")
         args = parser.parse_args(rest)
         from jxformers import registry
         from jxformers.nn.config import architectures_table
