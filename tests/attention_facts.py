@@ -215,9 +215,9 @@ FACTS: dict[str, Facts] = {
         # Causal: every query attends the projections of all earlier segments, O(N^2 r / l).
         growth=Growth("linear", lambda n: {"window": 32, "rank": 16}, causal=(False,)),
     ),
-    "poolingformer": Facts(  # not causal: tests/test_local_pooling.py checks the refusal
+    "poolingformer": Facts(  # not causal: tests/test_local_pooling.py checks the refusal and mean pooling
         variants=(
-            {"window": 2, "pool_window": 8, "pool_size": 3, "pool_stride": 2},
+            {"window": 2, "pool_window": 8, "pool_size": 3, "pool_stride": 2, "pooling": "dynamic"},
             {"window": 1, "pool_window": 5, "pool_size": 2, "pool_stride": 2, "pooling": "max"},
         ),
         errors=(
