@@ -299,7 +299,10 @@ def _one_key_per_query(name, bound, arrays, causal) -> bool:
     mask = facts(name).mask
     if mask is None:
         return False
-    return all(int(np.asarray(m).sum(-1).max()) <= 1 for m in mask(24, bound.hyper_parameters, arrays, causal))
+    built = mask(24, bound.hyper_parameters, arrays, causal)
+    if any(callable(m) for m in built):  # a composed step (axial's causal form) reaches several keys
+        return False
+    return all(int(np.asarray(m).sum(-1).max()) <= 1 for m in built)
 
 
 def _op_of(name, hp):
