@@ -247,6 +247,10 @@ class AttentionSpec:
             paper draws them once and keeps them for the run (BigBird's random pattern).
         exact: equals `softmax_attention` under some explicit mask (tested).
         content_based: the weights depend on q and k (False for FNet, Synthesizer).
+        mixes_input: the op transforms the layer's input itself, with no projections
+            (FNet's parameter-free Fourier sublayer): `nn.Attention` makes no W_Q, W_K,
+            W_V, W_O and calls the op with the input `[seq, d_model]` as one head of
+            width d_model in q, k and v (it reads v).
         covers_length: the hyper-parameter that bounds the sequence length (position-
             indexed weights: Linformer's, Synthesizer's `max_len`); models fill it with
             their own max_len and refuse a smaller one.
@@ -296,6 +300,7 @@ class AttentionSpec:
     redrawn: bool = True
     exact: bool = True
     content_based: bool = True
+    mixes_input: bool = False
     covers_length: str | None = None
     shared_qk: bool = False
     noise_key: str | None = None
@@ -540,6 +545,7 @@ def register(
     redrawn: bool = True,
     exact: bool = True,
     content_based: bool = True,
+    mixes_input: bool = False,
     covers_length: str | None = None,
     shared_qk: bool = False,
     noise_key: str | None = None,
@@ -626,6 +632,7 @@ def register(
         redrawn=redrawn,
         exact=exact,
         content_based=content_based,
+        mixes_input=mixes_input,
         covers_length=covers_length,
         shared_qk=shared_qk,
         noise_key=noise_key,

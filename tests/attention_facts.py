@@ -213,9 +213,9 @@ FACTS: dict[str, Facts] = {
         ),
         errors=(({"max_len": 8}, "max_len"), ({"kind": "learned"}, "kind")),
     ),
-    "nystrom": Facts(
-        variants=({"num_landmarks": 5},),
-        errors=(({"num_landmarks": 0}, "num_landmarks"),),
+    "nystrom": Facts(  # the first variant serves cross-attention, which takes no convolution skip
+        variants=({"num_landmarks": 5, "conv_kernel_size": 0}, {"num_landmarks": 5, "conv_kernel_size": 3}),
+        errors=(({"num_landmarks": 0}, "num_landmarks"), ({"conv_kernel_size": 4}, "conv_kernel_size")),
         growth=Growth("linear", lambda n: {"num_landmarks": 32}),
     ),
     "induced": Facts(
@@ -266,9 +266,9 @@ FACTS: dict[str, Facts] = {
         # Causal: every query attends the projections of all earlier segments, O(N^2 r / l).
         growth=Growth("linear", lambda n: {"window": 32, "rank": 16}, causal=(False,)),
     ),
-    "poolingformer": Facts(  # not causal: tests/test_local_pooling.py checks the refusal
+    "poolingformer": Facts(  # not causal: tests/test_local_pooling.py checks the refusal and mean pooling
         variants=(
-            {"window": 2, "pool_window": 8, "pool_size": 3, "pool_stride": 2},
+            {"window": 2, "pool_window": 8, "pool_size": 3, "pool_stride": 2, "pooling": "dynamic"},
             {"window": 1, "pool_window": 5, "pool_size": 2, "pool_stride": 2, "pooling": "max"},
         ),
         errors=(
@@ -286,7 +286,6 @@ FACTS: dict[str, Facts] = {
         growth=Growth("quadratic"),
     ),
     "average": Facts(growth=Growth("linear")),  # tests/test_average_attention.py checks eq. 1-4
-    "fnet": Facts(model={"pooling": "mean"}),  # no [CLS] token can gather what FNet mixes
     # tests/test_mixers.py checks their formulas against numpy
     "mixer": Facts(
         variants=({"hidden": 8, "max_len": 40},),
@@ -298,6 +297,8 @@ FACTS: dict[str, Facts] = {
         errors=(({"max_len": 8}, "max_len"), ({"max_len": 0}, "max_len")),
         growth=Growth("quadratic", lambda n: {"max_len": n}),
     ),
+    # no [CLS] token can gather what FNet mixes; a parameter-free sublayer has no heads to group
+    "fnet": Facts(model={"pooling": "mean", "kv_heads": None}),
     "image_local_2d": Facts(
         variants=(
             {"width": 6, "query_height": 2, "query_width": 3, "memory_height": 2, "memory_width": 1},

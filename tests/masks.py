@@ -1,8 +1,11 @@
 """Dense masks of the exact patterns, written from the papers' definitions with numpy
 and independently of the ops (which never build an N x N mask). Each builder returns the
 list of masks whose masked softmax attentions, applied in sequence to the values, equal
-the op (one mask for every pattern but axial's row-then-column)."""
+the op (one mask for every pattern but axial's row-then-column). An entry may instead be a
+step `step(attend, values) -> values`, `attend(mask, values)` the reference masked
+softmax, for a composition that is not a plain sequence (axial's causal one)."""
 
+import jax.numpy as jnp
 import numpy as np
 
 from jxformers import ops
@@ -91,6 +94,14 @@ def axial(n, hp, arrays, causal):
     row = (i // w == j // w) & _causal(n, causal)
     col = (i % w == j % w) & _causal(n, causal)
     order = hp.get("order", "row_then_column")
+    if causal and order == "row_then_column":  # Ho et al. 2019, sections 3-4
+        above = (i % w == j % w) & (j // w < i // w)  # the column, rows above only (the shift down one row)
+
+        def axial_transformer(attend, values):
+            context = attend(above, attend(i // w == j // w, values))  # the unmasked row, then the rows above
+            return attend(row, jnp.repeat(values, context.shape[1] // values.shape[1], axis=1) + context)
+
+        return [axial_transformer]
     return {"row": [row], "column": [col], "row_then_column": [row, col]}[order]
 
 

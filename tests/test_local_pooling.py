@@ -48,12 +48,24 @@ def poolingformer_np(q, k, v, arrays, *, window, pool_window, pool_size, pool_st
     flat = y.reshape(n, -1)
     q2, k2, v2 = (np.einsum("nc,chd->nhd", flat, a[name]) for name in ("level2_q", "level2_k", "level2_v"))
     starts = np.arange(0, n, pool_stride)
-    pool = np.mean if pooling == "mean" else np.max
     slots = []  # (start, pooled key [heads, d], pooled value [heads, dv]) of slots holding a real token
     for s in starts:
         idx = np.arange(s, min(s + pool_size, n))
         idx = idx[real[idx]]
-        if len(idx):
+        if not len(idx):
+            continue
+        if pooling == "dynamic":
+            # Wu et al.'s dynamic convolution as strided pooling: the kernel [heads, pool_size] is
+            # a linear map of the input at the window's centre (zeros when that is padding or past
+            # the end), softmax over the window's real taps, one kernel per head for keys and values.
+            c = s + (pool_size - 1) // 2
+            centre = flat[c] if c < n and real[c] else np.zeros(flat.shape[1])
+            kernel = np.einsum("c,chs->hs", centre, a["level2_pool"])[:, idx - s]  # [heads, taps]
+            e = np.exp(kernel - kernel.max(axis=1, keepdims=True))
+            w = e / e.sum(axis=1, keepdims=True)
+            slots.append((s, np.einsum("ht,thd->hd", w, k2[idx]), np.einsum("ht,thd->hd", w, v2[idx])))
+        else:
+            pool = np.mean if pooling == "mean" else np.max
             slots.append((s, pool(k2[idx], axis=0), pool(v2[idx], axis=0)))
     z = np.zeros_like(y)
     for i in range(n):
@@ -73,13 +85,14 @@ def poolingformer_np(q, k, v, arrays, *, window, pool_window, pool_size, pool_st
         dict(window=2, pool_window=8, pool_size=3, pool_stride=2, pooling="mean"),
         dict(window=1, pool_window=20, pool_size=4, pool_stride=3, pooling="max"),
         dict(window=3, pool_window=5, pool_size=5, pool_stride=5, pooling="mean"),
+        dict(window=1, pool_window=9, pool_size=4, pool_stride=2, pooling="dynamic"),
     ],
-    ids=["mean", "max-wide", "kernel=stride"],
+    ids=["mean", "max-wide", "kernel=stride", "dynamic"],
 )
 def test_poolingformer_equals_the_papers_two_levels(hp):
     n = 29
     q, k, v = qkv(10, n)
-    arrays = arrays_for("poolingformer")
+    arrays = arrays_for("poolingformer", pool_size=hp["pool_size"], pooling=hp["pooling"])
     kv_mask = jnp.arange(n) < 25
     out = call(ops.poolingformer_attention, q, k, v, **hp, kv_mask=kv_mask, **arrays)
     expected = poolingformer_np(q, k, v, arrays, **hp, kv_mask=kv_mask)
@@ -122,6 +135,8 @@ def test_poolingformer_refuses_causal_and_names_its_arrays():
         )
     with pytest.raises(ValueError, match="level2_q"):
         ops.poolingformer_attention(q, k, v, window=2, pool_window=8)
+    with pytest.raises(ValueError, match="level2_pool.*pooling='dynamic'"):  # its kernel predictor missing
+        ops.poolingformer_attention(q, k, v, window=2, pool_window=8, pooling="dynamic", **arrays_for("poolingformer"))
     with pytest.raises(ValueError, match="level2_v"):
         ops.poolingformer_attention(
             q, k, v, window=2, pool_window=8, **(arrays_for("poolingformer") | {"level2_v": jnp.zeros((3, 4, 6))})

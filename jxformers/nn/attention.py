@@ -62,6 +62,45 @@ def check_qk_norm(qk_norm: str, spec: registry.AttentionSpec, length: int | None
         raise ValueError(f"qk_norm='l2' starts its scale at log2(L^2 - L): give qk_norm_length >= 2; got {length}")
 
 
+def check_input_mixer(
+    spec: registry.AttentionSpec,
+    *,
+    cross: bool = False,
+    num_heads: int,
+    kv_heads: int | None = None,
+    d_head: int | None = None,
+    rope: bool = False,
+    head_scale: bool = False,
+    projection: str = "dense",
+    head_options: dict[str, Any] | None = None,
+    where: str = "attention",
+) -> None:
+    """ValueError when `spec` transforms the layer input itself (`spec.mixes_input`,
+    FNet) and a setting asks for what such a layer lacks: heads (kv_heads, d_head, head
+    options, NormFormer's head scale), queries and keys (rotary positions), projections
+    (the sparse QKV layer) or a context (cross-attention). Nothing for other attentions."""
+    if not spec.mixes_input:
+        return
+    defaults = {"collaborative": None, "disagreement": (), "disagreement_weight": 1.0, "head_aggregation": "concat",
+                "routing_iterations": 3}  # fmt: skip
+    given = {n: v for n, v in (head_options or {}).items() if v != defaults.get(n, v)}
+    wanted = {
+        "cross-attention": cross,
+        f"kv_heads={kv_heads}": kv_heads not in (None, num_heads),
+        f"d_head={d_head}": d_head is not None,
+        "rotary positions (rope, xpos)": rope,
+        "head_scale (norm.placement normformer)": head_scale,
+        f"projection={projection!r}": projection != "dense",
+        f"head options {given}": bool(given),
+    }
+    refused = [what for what, on in wanted.items() if on]
+    if refused:
+        raise ValueError(
+            f"{where}: {spec.name!r} transforms the layer input itself, with no heads, projections, queries or "
+            f"keys (a parameter-free sublayer); refused with {refused}"
+        )
+
+
 def _check_projection(projection: str, output_projection: str, *, cross: bool, collaborative, aan: bool,
                       **sizes) -> int | None:  # fmt: skip
     """S, the modules of a sparse QKV layer (None for dense projections), after
@@ -223,6 +262,14 @@ class Attention(eqx.Module):
             check_aan(attention.name, cross=cross, d_head=d_head, collaborative=collaborative,
                       disagreement=tuple(disagreement), head_aggregation=head_aggregation)  # fmt: skip
             num_heads, kv_heads, d_head = 1, 1, d_model  # the average of x itself: one head of width d_model
+        check_input_mixer(
+            attention.spec, cross=cross, num_heads=num_heads, kv_heads=kv_heads, d_head=d_head, rope=bool(rope),
+            head_scale=head_scale, projection=projection, head_options={"collaborative": collaborative,
+            "disagreement": tuple(disagreement), "disagreement_weight": disagreement_weight,
+            "head_aggregation": head_aggregation, "routing_iterations": routing_iterations},
+        )  # fmt: skip
+        if attention.spec.mixes_input:  # FNet: the op transforms x itself, one "head" of width d_model
+            num_heads, kv_heads, d_head = 1, 1, d_model
         kv_heads = num_heads if kv_heads is None else kv_heads
         d_head = d_model // num_heads if d_head is None else d_head
         if num_heads < 1 or kv_heads < 1 or num_heads % kv_heads:
@@ -286,6 +333,8 @@ class Attention(eqx.Module):
         self.aan = None
         if aan_d_ff is not None:
             self.aan = AverageNetwork(d_model, aan_d_ff, key=jax.random.fold_in(ko, 2))
+            self.q_proj = self.k_proj = self.v_proj = self.o_proj = None
+        if attention.spec.mixes_input:  # a parameter-free sublayer: no W_Q, W_K, W_V, W_O
             self.q_proj = self.k_proj = self.v_proj = self.o_proj = None
         self.qkv = None
         if sparse is not None:
@@ -456,6 +505,9 @@ class Attention(eqx.Module):
                 y = x[:, None, :]
                 average = self.core(y, y, y, causal=self.causal, kv_mask=kv_mask, bias=bias)[:, 0]  # bias: refused
                 return self.aan(x, average), Produced()
+            if self.core.spec.mixes_input:  # FNet: the op on x itself, no projections
+                y = x[:, None, :]
+                return self.core(y, y, y, kv_mask=kv_mask, bias=bias)[:, 0].astype(x.dtype), Produced()
             if self.relative is not None and self.relative.kind in INPUT_KINDS:  # FLOATER: x + p^(n)
                 x, bias = self.relative.inputs(x, bias if isinstance(bias, SharedTerms) else None), None
             source = x if context is None else context

@@ -155,6 +155,16 @@ def logits(
     return einsum_f32("...qhgd,...khd->...hgqk", q, k) * jnp.float32(scale)
 
 
+def masked_softmax_over(s: Array, real: Array, axis: int) -> Array:
+    """Softmax along `axis` over entries where `real` (broadcast) is True; all-masked
+    slices give zeros."""
+    s = jnp.where(real, s, -jnp.inf)
+    top = jnp.max(s, axis=axis, keepdims=True)
+    e = jnp.where(real, jnp.exp(s - jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))), 0.0)
+    total = jnp.sum(e, axis=axis, keepdims=True)
+    return e / jnp.where(total > 0, total, 1.0)
+
+
 def softmax_parts(
     parts: list[tuple[Float[ArrayLike, "*n h g q _k"], Bool[ArrayLike, "*#n #h #g #q _k"]]],
 ) -> list[Float[Array, "*n h g q _k"]]:

@@ -4,7 +4,11 @@
 Row attention is `block_local_attention` with blocks of one row; column attention is
 full attention inside each residue class mod `width`, i.e. `dilated_attention` with a
 window covering every row. Both are exact masked softmax patterns; composed, every
-position reaches every other in two hops at O(N * (rows + width)) cost.
+position reaches every other in two hops at O(N * (rows + width)) cost. The causal
+composition is the Axial Transformer's autoregressive one (Ho et al. 2019, sections 3-4):
+an unmasked row pass and a column pass over the rows above (the outer context, its input
+shifted down one row), added to the values of a masked row pass (the inner decoder), so
+every position reaches its whole causal past.
 """
 
 from __future__ import annotations
@@ -48,8 +52,15 @@ def axial_attention(
     * "column": query (r, c) attends every key (r', c) of its column;
     * "row_then_column": the column attention applied to the row attention's output,
       `A_col @ (A_row @ v)` with the same q and k: full receptive field in two hops.
-    `causal=True` keeps only earlier positions in raster order in each pass (c' <= c in
-    a row, r' <= r in a column), so the composition never reads the future either.
+    `causal=True` keeps only earlier positions in raster order in "row" (c' <= c) and
+    "column" (r' <= r). "row_then_column" under `causal` is the Axial Transformer's
+    construction (Ho et al. 2019, sections 3-4): the outer context
+    `ctx = A_col<(A_row v)`, an unmasked row pass whose output the column pass reads
+    only from the rows above (r' < r: the paper's shift down by one row), and then the
+    masked row pass over the values plus that context, `A_row<= (v + ctx)` (the inner
+    decoder reading its embedding plus the context). Query (r, c) thus reaches every
+    earlier position: (r, c' <= c) directly and every position of rows r' < r through
+    the context. The first row has no context (zero).
 
     Arguments:
         q, k, v: self-attention inputs of one length `seq`.
@@ -70,14 +81,33 @@ def axial_attention(
     if order not in ("row", "column", "row_then_column"):
         raise ValueError(f"order must be 'row', 'column' or 'row_then_column'; got {order!r}")
     rows = ceil_div(q.shape[0], width)
-    common = dict(causal=causal, kv_mask=kv_mask, scale=scale)
+    if order == "row_then_column" and causal:
+        return _causal_composition(q, k, v, width=width, rows=rows, kv_mask=kv_mask, scale=scale)
     if order in ("row", "row_then_column"):
-        v = block_local_attention(q, k, v, block_size=width, **common)
+        v = block_local_attention(q, k, v, block_size=width, causal=causal, kv_mask=kv_mask, scale=scale)
         if order == "row":
             return v
         # The row pass gives one value per *query* head; the column pass needs keys to match.
         k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
-    return dilated_attention(q, k, v, window=rows, dilation=width, **common)
+    return dilated_attention(q, k, v, window=rows, dilation=width, causal=causal, kv_mask=kv_mask, scale=scale)
+
+
+def _causal_composition(q, k, v, *, width: int, rows: int, kv_mask, scale):
+    """The Axial Transformer's causal composition (see `axial_attention`)."""
+    n, group = q.shape[0], q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # the passes give per-query-head values
+    whole_rows = block_local_attention(q, k, v, block_size=width, kv_mask=kv_mask, scale=scale)
+
+    def down_one_row(x):  # position (r, c) holds (r - 1, c); the first row holds nothing
+        return jnp.concatenate([jnp.zeros((width, *x.shape[1:]), x.dtype), x])[:n]
+
+    real = jnp.ones((n,), bool) if kv_mask is None else jnp.asarray(kv_mask)
+    context = dilated_attention(
+        q, down_one_row(k), down_one_row(whole_rows), window=rows, dilation=width, causal=True,
+        kv_mask=down_one_row(real), scale=scale,
+    )  # fmt: skip
+    return block_local_attention(q, k, v + context.astype(v.dtype), block_size=width, causal=True, kv_mask=kv_mask,
+                                 scale=scale)  # fmt: skip
 
 
 register(
@@ -88,7 +118,8 @@ register(
     complexity="O(N (W + N/W))",
     choices={"order": ("row", "column", "row_then_column")},
     docs={"width": "grid columns", "order": "passes"},
-    summary="same row, then same column of a `width`-column grid",
+    summary="same row, then same column of a `width`-column grid (causal: the Axial Transformer's shifted "
+    "outer context, then the masked row)",
     limits={"width": 1},
     dense_width=("its row and column (width + max_len / width keys)", lambda hp, n: hp["width"] + -(-n // hp["width"])),
     grid_width="width",

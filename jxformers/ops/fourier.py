@@ -249,10 +249,21 @@ def fnet_attention(
     *,
     kv_mask: Bool[ArrayLike, " _seq"] | None = None,
 ) -> Float[Array, "seq heads d_v"]:
-    """FNet as a drop-in attention: `fnet_mixing` of the values flattened to
-    `[seq, kv_heads * d_v]` (q and k are ignored; FNet has no attention weights).
-    Padded positions are zeroed before mixing, so their content never reaches the
-    output (the real outputs still depend on the padded length, as FNet's do)."""
+    """FNet's Fourier sublayer (Lee-Thorp et al. 2021) as a registered attention:
+    `fnet_mixing` of the values flattened to `[seq, kv_heads * d_v]` (q and k are
+    ignored; FNet has no attention weights). Registered with `mixes_input`, so
+    `nn.Attention` makes no projections and passes the layer input `[seq, 1, d_model]`
+    as v: the layer is the paper's parameter-free Re(FFT_seq(FFT_hidden(X))). Padded
+    positions are zeroed before mixing, so their content never reaches the output (the
+    real outputs still depend on the padded length, as FNet's do).
+
+    Arguments:
+        q, k: read for their shapes only. v: `[seq, kv_heads, d_v]`.
+        kv_mask: optional `[seq]`, True for real tokens.
+
+    Returns:
+        `[seq, heads, d_v]`, each query head the mixing of its kv head's group.
+    """
     k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_qkv(q, k, v, self_attention=True)
     check_mask_shape("kv_mask", kv_mask, (k.shape[0],))
@@ -271,5 +282,6 @@ register(
     complexity="O(N log N)",
     exact=False,
     content_based=False,
-    summary="Re(FFT2) token mixing of the values (FNet)",
+    mixes_input=True,
+    summary="Re(FFT2) token mixing of the layer input (FNet), no parameters",
 )

@@ -28,13 +28,16 @@ from jxformers.ops._common import (
     check_positive,
     check_self,
     default_scale,
+    logits,
     out_dtype,
     pad_to,
     prepare_self,
     rows_to_output,
     sliding_window_part,
+    softmax_parts,
     to_blocks,
     valid_keys,
+    weighted_values,
     window_block,
     zero_padded,
 )
@@ -134,19 +137,29 @@ def block_local_attention(
     v: Float[ArrayLike, "_seq _kv_heads d_v"],
     *,
     block_size: int = 128,
+    head_shifts: tuple[int, ...] = (),
     causal: bool = False,
     kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
     impl: str = "auto",
 ) -> Float[Array, "seq heads d_v"]:
     """Blockwise attention over non-overlapping contiguous blocks (Image Transformer's
-    local 1-D blocks; Qiu et al.'s blockwise attention with the identity permutation).
+    local 1-D blocks; Qiu et al. 2020's blockwise attention, with its per-head block
+    permutations through `head_shifts`).
 
-    Query i attends key j iff i // block_size == j // block_size (and j <= i if causal).
+    Query i attends key j iff i // block_size == j // block_size (and j <= i if causal);
+    with `head_shifts`, head h's query block a attends key block (a + shift_h) mod n_b.
 
     Arguments:
         q, k, v: self-attention inputs of one length `seq`.
         block_size: tokens per block, int >= 1; the last block may be shorter.
+        head_shifts: one shift per query head (empty: 0 for all, the identity):
+            Qiu, Ma, Levy, Yih, Wang & Tang 2020 ("Blockwise Self-Attention for Long
+            Document Understanding") give each head a permutation pi of the blocks, the
+            query block a attending key block pi(a), the shifts pi(a) = (a + shift) mod
+            n_b (BlockBERT's permutations for n_b blocks; e.g. 2 blocks: heads split
+            between shifts 0 and 1). Not causal unless every shift is 0 (a shifted block
+            lies in the future); XLA only.
         causal: restrict to the past within the block.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
@@ -160,6 +173,10 @@ def block_local_attention(
     k, v = zero_padded(k, v, kv_mask)  # padding's values never reach real outputs
     check_positive("block_size", block_size)
     check_self(q, k, v, kv_mask)
+    if any(head_shifts):
+        return _permuted_blocks(
+            q, k, v, block_size, head_shifts, causal=causal, kv_mask=kv_mask, scale=scale, impl=impl
+        )
     choice = choose_kernel(impl, what="block-local attention", q_len=q.shape[0])
     if choice is not None:
         pattern = block_local_pattern(block_size, causal=causal, q_len=q.shape[0], kv_len=k.shape[0])
@@ -175,6 +192,34 @@ def block_local_attention(
     return rows_to_output(attend_parts([part]), q.shape[0], out_dtype(q, k, v))
 
 
+def _permuted_blocks(q, k, v, block_size: int, head_shifts: tuple[int, ...], *, causal, kv_mask, scale, impl):
+    """Block-local attention where head h's query block a reads key block (a + shift_h) mod n_b."""
+    heads = q.shape[1]
+    if len(head_shifts) != heads or any(s < 0 for s in head_shifts):
+        raise ValueError(f"head_shifts must give one shift >= 0 per query head ({heads}); got {head_shifts}")
+    if causal:
+        raise ValueError(f"block_local with head_shifts {head_shifts} reads later blocks: it cannot be causal")
+    if impl == "pallas":
+        raise ValueError("block_local's head_shifts give each head its own pattern: impl 'pallas' has one; use 'xla'")
+    group = heads // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # each query head its own blocks
+    block = min(block_size, q.shape[0])
+    _, qg, kp, vp, real = prepare_self(q, k, v, kv_mask, block)
+    shifts = np.asarray(head_shifts)
+    nb = real.shape[0] // block
+    take = (np.arange(nb)[:, None] + shifts[None, :]) % nb  # [query block, head] -> key block
+
+    def permuted(x):  # [L, heads, ...] -> [nb, block, heads, ...]: head h's key block for each query block
+        blocks = to_blocks(x, block)
+        return blocks[take, :, np.arange(heads)[None, :]].swapaxes(1, 2)
+
+    reads = jnp.broadcast_to(to_blocks(real, block)[take][:, :, None, None, :], (nb, heads, 1, block, block))
+    scores = logits(to_blocks(qg, block), permuted(kp), default_scale(q.shape[2], scale))  # [nb, heads, 1, b, b]
+    (p,) = softmax_parts([(scores, reads)])
+    out = weighted_values(p, permuted(vp), reads=reads)  # [nb, b, heads, 1, dv]
+    return rows_to_output(out.reshape(nb * block, heads, 1, -1), q.shape[0], out_dtype(q, k, v))
+
+
 register(
     "block_local",
     block_local_attention,
@@ -182,9 +227,10 @@ register(
     paper="Parmar et al. 2018; Qiu et al. 2019",
     complexity="O(N b)",
     choices={"impl": IMPLS},
-    docs={"block_size": "tokens per block"} | IMPL_DOC,
-    summary="i // b == j // b (contiguous blocks)",
-    limits={"block_size": 1},
+    docs={"block_size": "tokens per block", "head_shifts": "per-head block shift (Qiu et al.'s permutations)"}
+    | IMPL_DOC,
+    summary="i // b == j // b (contiguous blocks); per head, (i // b + shift) mod n_b == j // b",
+    limits={"block_size": 1, "head_shifts": 0},
     dense_width=("its block (block_size keys)", lambda hp, n: hp["block_size"]),
 )
 

@@ -35,6 +35,7 @@ from jxformers.ops._common import (
     einsum_f32,
     head_mask,
     logits,
+    masked_softmax_over,
     neighbour_blocks,
     out_dtype,
     pad_to,
@@ -73,16 +74,6 @@ def dual_layer_norm(
     return y * params[0] + params[1]
 
 
-def _masked_softmax_over(s: Array, real: Array, axis: int) -> Array:
-    """Softmax along `axis` over entries where `real` (broadcast) is True; all-masked
-    slices give zeros."""
-    s = jnp.where(real, s, -jnp.inf)
-    top = jnp.max(s, axis=axis, keepdims=True)
-    e = jnp.where(real, jnp.exp(s - jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))), 0.0)
-    total = jnp.sum(e, axis=axis, keepdims=True)
-    return e / jnp.where(total > 0, total, 1.0)
-
-
 def dynamic_projection(
     k: Float[ArrayLike, "seg l kv_heads d_k"],
     v: Float[ArrayLike, "seg l kv_heads d_v"],
@@ -92,7 +83,7 @@ def dynamic_projection(
     """Transformer-LS's dynamic projection of each segment: P = softmax(K W_P) over the
     segment's (real) positions `[l, rank]` per head, K_bar = P^T K and V_bar = P^T V."""
     s = einsum_f32("slhd,hdr->slhr", k, proj_w)
-    p = _masked_softmax_over(s, jnp.asarray(real)[:, :, None, None], axis=1)
+    p = masked_softmax_over(s, jnp.asarray(real)[:, :, None, None], axis=1)
     return einsum_f32("slhr,slhd->srhd", p, k), einsum_f32("slhr,slhd->srhd", p, v)
 
 

@@ -2,10 +2,13 @@
 survey, Table 1: "FP + M"): Poolingformer (Zhang et al. 2021, "Poolingformer: Long
 Document Modeling with Pooling Attention", arXiv 2105.04371).
 
-    pool_keys                mean or max pooling along the length, over real tokens only
+    pool_keys                mean, max or dynamic-convolution pooling along the length,
+                             over real tokens only
+    dynamic_pool_logits      the dynamic convolution's kernels, predicted from the input
     poolingformer_attention  two levels: window, then pooled window over the first's output
 
-The second level's projections come from `init_arrays` and are trained with the module.
+The second level's projections (and the dynamic pooling's kernel predictor) come from
+`init_arrays` and are trained with the module.
 Poolingformer is not causal: no decoding.
 """
 
@@ -27,6 +30,7 @@ from jxformers.ops._common import (
     check_self,
     default_scale,
     einsum_f32,
+    masked_softmax_over,
     neighbour_blocks,
     out_dtype,
     pad_to,
@@ -41,12 +45,13 @@ from jxformers.registry import register
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
+    "dynamic_pool_logits",
     "pool_keys",
     "poolingformer_arrays",
     "poolingformer_attention",
 ]
 
-POOLINGS = ("mean", "max")
+POOLINGS = ("mean", "max", "dynamic")
 
 
 def pool_keys(
@@ -56,10 +61,13 @@ def pool_keys(
     size: int,
     stride: int,
     pooling: str = "mean",
+    logits: Float[ArrayLike, "m size h"] | None = None,
 ) -> tuple[Float[Array, "m h d"], Bool[Array, " m"]]:
     """Pool `x` along its length with kernel `size` and `stride`: slot m covers positions
-    [m * stride, m * stride + size), its mean or max over the real ones among them
-    (m < ceil(L / stride)). Returns the pooled slots and whether each holds a real position."""
+    [m * stride, m * stride + size), pooled over the real ones among them
+    (m < ceil(L / stride)): their mean, their max, or (`pooling` "dynamic") the sum of
+    its taps weighted by softmax(`logits[m, :, h]`) over the real taps, per head h
+    (`dynamic_pool_logits`). Returns the pooled slots and whether each holds a real position."""
     length = x.shape[0]
     slots = ceil_div(length, stride)
     idx = positions(slots)[:, None] * stride + positions(size)[None, :]  # [m, size]
@@ -71,10 +79,47 @@ def pool_keys(
     w = use[:, :, None, None]
     if pooling == "mean":
         pooled = jnp.sum(jnp.where(w, xs, 0.0), axis=1) / jnp.maximum(count, 1)[:, None, None].astype(jnp.float32)
-    else:
+    elif pooling == "max":
         pooled = jnp.max(jnp.where(w, xs, -jnp.inf), axis=1)
         pooled = jnp.where((count > 0)[:, None, None], pooled, 0.0)
+    else:
+        if logits is None:
+            raise ValueError("pool_keys: pooling 'dynamic' needs logits [slots, size, heads] (dynamic_pool_logits)")
+        # softmax over the real taps only: a slot cut by padding or the end renormalises
+        p = masked_softmax_over(jnp.asarray(logits).astype(jnp.float32), use[:, :, None], axis=1)
+        pooled = jnp.einsum("msh,mshd->mhd", p, jnp.where(w, xs, 0.0))
     return pooled, count > 0
+
+
+def dynamic_pool_logits(
+    x: Float[ArrayLike, "L c"],
+    real: Bool[ArrayLike, " L"],
+    weight: Float[ArrayLike, "c h size"],
+    *,
+    stride: int,
+) -> Float[Array, "m size h"]:
+    """The dynamic convolution's kernels (Wu et al. 2019, "Pay Less Attention with
+    Lightweight and Dynamic Convolutions": DynamicConv predicts a position's kernel from
+    that position's input, one kernel of `size` taps per head, by a linear map without
+    bias) for the strided pooling: slot m (positions [m * stride, m * stride + size)) takes
+    the logits x_c W at its centre c = m * stride + (size - 1) // 2; a padded or
+    out-of-range centre reads zeros (equal logits: the mean of the slot's real taps).
+
+    Arguments:
+        x: `[L, c]` the pooling's input rows (the first level's output, all heads).
+        real: `[L]` True for real positions.
+        weight: `[c, heads, size]` the kernel predictor W (`level2_pool`).
+        stride: the pooling stride.
+
+    Returns `[ceil(L / stride), size, heads]` logits (softmax-normalised by `pool_keys`).
+    """
+    length = x.shape[0]
+    size = weight.shape[-1]
+    centre = positions(ceil_div(length, stride)) * stride + (size - 1) // 2
+    known = centre < length
+    centre = jnp.minimum(centre, length - 1)
+    rows = jnp.where((known & jnp.asarray(real)[centre])[:, None], jnp.asarray(x)[centre], 0.0)
+    return einsum_f32("mc,chs->msh", rows, weight)
 
 
 def poolingformer_attention(
@@ -90,6 +135,7 @@ def poolingformer_attention(
     level2_q: Float[ArrayLike, "_c _heads _d_k"] | None = None,
     level2_k: Float[ArrayLike, "_c _heads _d_k"] | None = None,
     level2_v: Float[ArrayLike, "_c _heads _d_v"] | None = None,
+    level2_pool: Float[ArrayLike, "_c _heads _pool_size"] | None = None,
     kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "seq heads d_v"]:
@@ -100,7 +146,10 @@ def poolingformer_attention(
     Level 2, stacked on level 1: from Y (all heads concatenated, `[seq, heads * d_v]`)
     new queries, keys and values Y W'_Q, Y W'_K, Y W'_V (the learned `level2_*`
     `[heads * d_v, heads, d]`); the keys and values are pooled along the length (kernel
-    `pool_size`, stride `pool_stride`, `pooling` = mean or max over real tokens), and
+    `pool_size`, stride `pool_stride`, `pooling` = mean or max over real tokens, or
+    "dynamic": the paper's dynamic-convolution pooling after Wu et al. 2019, each slot's
+    kernel predicted from Y at its centre by the learned `level2_pool`, softmax over its
+    real taps, one kernel per head shared by keys and values), and
     query i attends, in its own softmax, the pooled slots lying inside its larger
     window |i - j| <= `pool_window`: z_i. The output is y_i + z_i.
 
@@ -108,8 +157,10 @@ def poolingformer_attention(
         q, k, v: self-attention inputs of one length (grouped-query heads allowed).
         window: level-1 keys each side, int >= 0. pool_window: level-2 keys each side,
             int >= pool_size. pool_size, pool_stride: the pooling kernel and stride, >= 1.
-        pooling: "mean" or "max".
+        pooling: "mean", "max" or "dynamic".
         level2_q, level2_k, level2_v: the second level's projections (`poolingformer_arrays`).
+        level2_pool: `[heads * d_v, heads, pool_size]`, the dynamic pooling's kernel
+            predictor (`pooling` "dynamic" only).
         kv_mask: `[seq]`, True for real tokens (padding never enters a window or a pool).
 
     Returns `[seq, heads, d_v]`. Time O(N * (window + pool_window / pool_stride) * d).
@@ -136,6 +187,17 @@ def poolingformer_attention(
             raise ValueError(
                 f"{name} must have shape [heads * d_v={heads * d_v}, heads={heads}, {d}]; got {tuple(w.shape)}"
             )
+    if (pooling == "dynamic") != (level2_pool is not None):
+        raise ValueError(
+            "level2_pool [heads * d_v, heads, pool_size] is the kernel predictor of pooling 'dynamic' and only "
+            f"of it; got pooling={pooling!r} with level2_pool "
+            f"{None if level2_pool is None else tuple(level2_pool.shape)}"
+        )
+    if level2_pool is not None and tuple(level2_pool.shape) != (heads * d_v, heads, pool_size):
+        raise ValueError(
+            f"level2_pool must have shape [heads * d_v={heads * d_v}, heads={heads}, pool_size={pool_size}]; "
+            f"got {tuple(level2_pool.shape)}"
+        )
     y = local_attention(q, k, v, window=window, kv_mask=kv_mask, scale=scale, impl="xla").astype(jnp.float32)
     flat = y.reshape(n, heads * d_v)
     assert level2_q is not None and level2_k is not None and level2_v is not None  # checked above; for the checker
@@ -146,8 +208,13 @@ def poolingformer_attention(
     block = min(block, pool_stride * ceil_div(n, pool_stride))
     length = ceil_div(n, block) * block
     real = valid_keys(kv_mask, n, length)
-    kp, ok = pool_keys(pad_to(k2, length), real, size=pool_size, stride=pool_stride, pooling=pooling)
-    vp, _ = pool_keys(pad_to(v2, length), real, size=pool_size, stride=pool_stride, pooling=pooling)
+    logits = (
+        None
+        if level2_pool is None
+        else dynamic_pool_logits(pad_to(flat, length), real, level2_pool, stride=pool_stride)
+    )
+    kp, ok = pool_keys(pad_to(k2, length), real, size=pool_size, stride=pool_stride, pooling=pooling, logits=logits)
+    vp, _ = pool_keys(pad_to(v2, length), real, size=pool_size, stride=pool_stride, pooling=pooling, logits=logits)
     per = block // pool_stride  # slots starting in one query block
     kb, vb, okb = (neighbour_blocks(to_blocks(x, per), 1, 1) for x in (kp, vp, ok))
     nb = length // block
@@ -165,16 +232,23 @@ def poolingformer_attention(
     return (y + z).astype(out_dtype(q, k, v))
 
 
-def poolingformer_arrays(key: PRNGKeyArray, *, heads: int, d_k: int, d_v: int) -> dict[str, Array]:
+def poolingformer_arrays(
+    key: PRNGKeyArray, *, heads: int, d_k: int, d_v: int, pool_size: int = 5, pooling: str = "mean"
+) -> dict[str, Array]:
     """The second level's learned projections W'_Q, W'_K `[heads * d_v, heads, d_k]` and
-    W'_V `[heads * d_v, heads, d_v]` of the first level's output (normal, 1/sqrt(heads * d_v))."""
+    W'_V `[heads * d_v, heads, d_v]` of the first level's output, and with `pooling`
+    "dynamic" the kernel predictor `level2_pool` `[heads * d_v, heads, pool_size]` (all
+    normal, 1/sqrt(heads * d_v))."""
     c = heads * d_v
-    kq, kk, kv = jax.random.split(key, 3)
-    return {
+    kq, kk, kv, kp = jax.random.split(key, 4)
+    arrays = {
         "level2_q": jax.random.normal(kq, (c, heads, d_k)) / math.sqrt(c),
         "level2_k": jax.random.normal(kk, (c, heads, d_k)) / math.sqrt(c),
         "level2_v": jax.random.normal(kv, (c, heads, d_v)) / math.sqrt(c),
     }
+    if pooling == "dynamic":
+        arrays["level2_pool"] = jax.random.normal(kp, (c, heads, pool_size)) / math.sqrt(c)
+    return arrays
 
 
 register(
@@ -191,8 +265,8 @@ register(
         "pool_window": "level 2: keys each side (pooled)",
         "pool_size": "pooling kernel",
         "pool_stride": "pooling stride",
-        "pooling": "mean or max",
+        "pooling": "mean, max, or dynamic (the paper's dynamic-convolution pooling, kernels predicted from the input)",
     },
-    summary="Poolingformer: window attention, then its output attends mean/max-pooled keys of a larger window; y + z",
+    summary="Poolingformer: window attention, then its output attends pooled keys of a larger window; y + z",
     limits={"window": 0, "pool_window": 1, "pool_size": 1, "pool_stride": 1},
 )

@@ -430,10 +430,12 @@ def nystrom_attention(
     num_landmarks: int = 64,
     kv_mask: Bool[ArrayLike, " _kv_len"] | None = None,
     pinv_iterations: int = 6,
+    conv_weight: Float[ArrayLike, "conv_kernel_size kv_heads"] | None = None,
     scale: float | None = None,
 ) -> Float[Array, "q_len heads d_v"]:
     """Nystromformer attention: softmax(Q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ K^T) V,
-    with landmarks Q~, K~ the means of `num_landmarks` contiguous segments.
+    with landmarks Q~, K~ the means of `num_landmarks` contiguous segments, plus the
+    authors' skip connection: a depthwise convolution of V along the sequence.
 
     Arguments:
         q, k, v: as `softmax_attention` (cross attention allowed).
@@ -442,11 +444,17 @@ def nystrom_attention(
             softmax(Q~ K^T) never sees a padded key. (Query landmarks of self-attention
             pass the same mask when q_len == kv_len.)
         pinv_iterations: iterations of `iterative_pinv` (6 in the paper).
+        conv_weight: optional `[K, kv_heads]` (K odd), the skip connection of the
+            authors' code (mlpen/Nystromformer, `conv_kernel_size`): each head's values
+            convolved along the sequence by its own K-tap filter, the same for every
+            feature, zero-padded K // 2 each side (a depthwise `Conv2d` with kernel
+            (K, 1), no bias), added to the output; padded values are zeros there too.
+            Self-attention only (q_len == kv_len). None: no skip connection.
         scale: default `1 / sqrt(d_k)`.
 
     Returns:
-        `[q_len, heads, d_v]`. With m equal to the length (one token per segment) and a
-        converged pseudo-inverse this is exactly softmax attention.
+        `[q_len, heads, d_v]`. With m equal to the length (one token per segment), a
+        converged pseudo-inverse and no `conv_weight` this is exactly softmax attention.
 
     Time and memory O(N * m * d + m^3). Not causal.
     """
@@ -456,6 +464,14 @@ def nystrom_attention(
     check_positive("pinv_iterations", pinv_iterations, minimum=0)
     kv_len = k.shape[0]
     check_mask_shape("kv_mask", kv_mask, (kv_len,))
+    if conv_weight is not None and q.shape[0] != kv_len:
+        raise ValueError(
+            f"nystrom's convolution skip adds each position's convolved values to its own output: self-attention "
+            f"only (q_len == kv_len); got q_len {q.shape[0]}, kv_len {kv_len}: use conv_kernel_size=0 for "
+            "cross-attention"
+        )
+    if conv_weight is not None and (conv_weight.shape[0] % 2 == 0 or conv_weight.shape[1] != k.shape[1]):
+        raise ValueError(f"conv_weight must be [odd K, kv_heads {k.shape[1]}]; got {list(conv_weight.shape)}")
     scale = default_scale(q.shape[2], scale)
     real = valid_keys(kv_mask, kv_len, kv_len)
     q_real = real if q.shape[0] == kv_len else None
@@ -479,7 +495,36 @@ def nystrom_attention(
     out = jnp.moveaxis(out, 2, 0).reshape(q.shape[0], q.shape[1], v.shape[2])
     if kv_mask is not None:
         out = jnp.where(jnp.any(kv_mask), out, 0.0)
+    if conv_weight is not None:
+        out = out + jnp.repeat(_value_convolution(v, conv_weight), q.shape[1] // kv_heads, axis=1)
     return out.astype(out_dtype(q, k, v))
+
+
+def _value_convolution(
+    v: Float[ArrayLike, "n kv_heads d_v"], weight: Float[ArrayLike, "taps kv_heads"]
+) -> Float[Array, "n kv_heads d_v"]:
+    """Nystromformer's skip connection: `out[i, h] = sum_t weight[t, h] v[i + t - K // 2, h]`
+    (zeros outside the sequence), in float32."""
+    taps, n = weight.shape[0], v.shape[0]
+    padded = jnp.pad(v.astype(jnp.float32), ((taps // 2, taps // 2), (0, 0), (0, 0)))
+    w = weight.astype(jnp.float32)
+    out = jnp.zeros(padded[:n].shape, jnp.float32)
+    for t in range(taps):
+        out = out + w[None, t, :, None] * padded[t : t + n]
+    return out
+
+
+def nystrom_arrays(key: PRNGKeyArray, *, kv_heads: int, conv_kernel_size: int = 35) -> dict[str, Array]:
+    """The learned filters of the convolution skip, `conv_weight` `[K, kv_heads]`, drawn
+    as PyTorch's Conv2d does (U(+-1/sqrt(K)): a depthwise filter's fan-in is K); none
+    when K is 0. K = 35: the authors' LRA configurations (every "nystrom-m" entry)."""
+    check_positive("conv_kernel_size", conv_kernel_size, minimum=0)
+    if conv_kernel_size == 0:
+        return {}
+    if conv_kernel_size % 2 == 0:
+        raise ValueError(f"conv_kernel_size must be odd (a centred filter) or 0 (no skip); got {conv_kernel_size}")
+    bound = 1.0 / math.sqrt(conv_kernel_size)
+    return {"conv_weight": jax.random.uniform(key, (conv_kernel_size, kv_heads), minval=-bound, maxval=bound)}
 
 
 register(
@@ -490,8 +535,13 @@ register(
     complexity="O(N m + m^3)",
     supports_cross=True,
     exact=False,
-    docs={"num_landmarks": "landmarks m", "pinv_iterations": "pseudo-inverse iterations"},
-    summary="Nystrom landmarks (segment means) and an iterative pseudo-inverse",
-    limits={"num_landmarks": 1, "pinv_iterations": 0},
+    init_arrays=nystrom_arrays,
+    docs={
+        "num_landmarks": "landmarks m",
+        "pinv_iterations": "pseudo-inverse iterations",
+        "conv_kernel_size": "taps of the depthwise convolution skip on V (odd; 0: none, and for cross-attention)",
+    },
+    summary="Nystrom landmarks (segment means), an iterative pseudo-inverse and a convolution skip on V",
+    limits={"num_landmarks": 1, "pinv_iterations": 0, "conv_kernel_size": 0},
     dense_width=("its landmarks (num_landmarks)", lambda hp, n: hp["num_landmarks"]),
 )

@@ -24,6 +24,7 @@ from jxformers.kernels import IMPLS, choose_kernel
 from jxformers.kernels import pattern as kp
 from jxformers.kernels.flash import BlockSizes, merge_attentions, pattern_attention
 from jxformers.ops._common import (
+    Part,
     attend_parts,
     block_part,
     causal_never_reads_non_finite_future,
@@ -33,6 +34,7 @@ from jxformers.ops._common import (
     default_scale,
     dense_part,
     first_occurrence,
+    logits,
     neighbour_blocks,
     out_dtype,
     pad_to,
@@ -42,6 +44,7 @@ from jxformers.ops._common import (
     sliding_window_part,
     to_blocks,
     valid_keys,
+    weighted_values,
     window_block,
     zero_padded,
 )
@@ -73,6 +76,7 @@ def sparse_transformer_attention(
     stride: int = 64,
     pattern: str = "strided",
     num_summary: int = 1,
+    distinct_summaries: bool = False,
     causal: bool = False,
     kv_mask: Bool[ArrayLike, " _seq"] | None = None,
     scale: float | None = None,
@@ -91,6 +95,13 @@ def sparse_transformer_attention(
         stride: s >= 1 (the paper uses about sqrt(seq)).
         pattern: "strided" (images, periodic data) or "fixed" (text).
         num_summary: c, 1 <= c <= stride; used by "fixed" only.
+        distinct_summaries: "fixed" only: head h takes its own length-c sub-block of
+            every block as summary cells, j mod s in [s - (u + 1) c, s - u c) with
+            u = h mod (s // c) (head 0 the last c cells; heads cycle once the s // c
+            sub-blocks are used), as the paper suggests (section 4.3: "we found that
+            letting different heads attend to distinct sub-blocks of length c within
+            the block of size l was preferable"). False: every head uses the last c.
+            Runs on XLA (the kernel has one pattern for all heads).
         causal: restrict to the past.
         kv_mask: optional `[seq]`, True for real tokens.
         scale: default `1 / sqrt(d_k)`.
@@ -116,9 +127,13 @@ def sparse_transformer_attention(
     check_positive("num_summary", num_summary)
     if num_summary > stride:
         raise ValueError(f"num_summary must be <= stride ({stride}); got {num_summary}")
+    if distinct_summaries and pattern != "fixed":
+        raise ValueError(f"distinct_summaries chooses the summary cells of pattern 'fixed'; got pattern {pattern!r}")
+    if distinct_summaries and impl == "pallas":
+        raise ValueError("distinct_summaries gives each head its own pattern: impl 'pallas' has one for all; use 'xla'")
     n = q.shape[0]
     check_self(q, k, v, kv_mask)
-    choice = choose_kernel(impl, what="sparse_transformer attention", q_len=n)
+    choice = None if distinct_summaries else choose_kernel(impl, what="sparse_transformer attention", q_len=n)
     if choice is not None and pattern == "strided":
         out = _strided_kernel(q, k, v, choice, stride=stride, causal=causal, kv_mask=kv_mask, scale=scale)
         return out.astype(out_dtype(q, k, v))
@@ -155,16 +170,26 @@ def sparse_transformer_attention(
         kb, vb, rb = to_blocks(kp, s), to_blocks(vp, s), to_blocks(real, s)
         within = jnp.ones((s, s), bool) if not causal else jnp.tril(jnp.ones((s, s), bool))
         block = block_part(q_blocks, kb, vb, within[None] & rb[:, None, :], scale)
-        # Summary keys: the last c positions of every block, shared by all queries;
-        # those in the query's own block are already in the block part.
-        sum_k = kb[:, s - c :].reshape(nb * c, *kb.shape[2:])
-        sum_v = vb[:, s - c :].reshape(nb * c, *vb.shape[2:])
-        sum_real = rb[:, s - c :].reshape(nb * c)
-        sum_pos = to_blocks(pos, s)[:, s - c :].reshape(nb * c)
+        # Summary keys: the last c positions of every block (with distinct summaries, the
+        # last c of each of the sub-blocks the heads use), shared by all queries; those
+        # in the query's own block are already in the block part.
+        used = min(q.shape[1], s // c) if distinct_summaries else 1  # sub-blocks of length c
+        width = c * used
+        sum_k = kb[:, s - width :].reshape(nb * width, *kb.shape[2:])
+        sum_v = vb[:, s - width :].reshape(nb * width, *vb.shape[2:])
+        sum_real = rb[:, s - width :].reshape(nb * width)
+        sum_pos = to_blocks(pos, s)[:, s - width :].reshape(nb * width)
         mask = (sum_pos[None, :] // s != pos[:, None] // s) & sum_real[None, :]
         if causal:
             mask = mask & (sum_pos[None, :] <= pos[:, None])
-        out = attend_parts([block, dense_part(qg, sum_k, sum_v, mask, scale)])
+        if distinct_summaries:  # query head h (= kv head * group + member) reads sub-block h mod (s // c)
+            sub_block = (s - 1 - sum_pos % s) // c
+            heads = positions(q.shape[1]).reshape(qg.shape[1], qg.shape[2]) % (s // c)
+            mask = mask[None, None] & (sub_block[None, None, :] == heads[:, :, None])[:, :, None, :]
+            summary = Part(logits(qg, sum_k, scale), mask, lambda p: weighted_values(p, sum_v, reads=mask))
+        else:
+            summary = dense_part(qg, sum_k, sum_v, mask, scale)
+        out = attend_parts([block, summary])
     return rows_to_output(out, n, out_dtype(q, k, v))
 
 
@@ -268,6 +293,7 @@ register(
         "stride": "s, about sqrt(N)",
         "pattern": "strided or fixed",
         "num_summary": "c, summary positions per block (fixed)",
+        "distinct_summaries": "each head its own length-c sub-block of summary cells (fixed)",
     }
     | IMPL_DOC,
     summary="strided: |i - j| < s or (i - j) % s == 0; fixed: j // s == i // s or j % s >= s - c",

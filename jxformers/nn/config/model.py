@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from jxformers import registry
-from jxformers.nn.attention import check_qk_norm
+from jxformers.nn.attention import check_input_mixer, check_qk_norm
 from jxformers.nn.config import legacy
 from jxformers.nn.config.binding import bind_attention
 from jxformers.nn.config.components import (
@@ -762,6 +762,11 @@ class ModelConfig:
         options = {n: getattr(attention, n) for n in HEAD_OPTIONS}
         rope = self.embedding.position in ROTARY_KINDS
         check_head_options(spec, qk_norm=attention.qk_norm, rope=rope, where=where, **options)
+        check_input_mixer(
+            spec, cross=where == "decoder.cross_attention", num_heads=self.num_heads, kv_heads=self.kv_heads,
+            d_head=attention.d_head, rope=rope, head_scale=self.norm.placement == "normformer",
+            projection=attention.projection, head_options=options, where=where,
+        )  # fmt: skip
 
     def _check_sparse_qkv(self):
         """The sparse QKV layer (`attention.projection: sparse`, `jxformers.nn.scaling`)
