@@ -291,6 +291,7 @@ FACTS: dict[str, Facts] = {
         variants=({"hidden": 8, "max_len": 40},),
         errors=(({"max_len": 8}, "max_len"), ({"hidden": 0}, "hidden")),
         growth=Growth("linear", lambda n: {"hidden": 16, "max_len": n}, causal=(False,)),
+        model={"pooling": "mean", "kv_heads": None},  # no heads (mixes_input); the paper pools by the mean
     ),
     "gmlp": Facts(
         variants=({"max_len": 40},),

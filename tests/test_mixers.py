@@ -5,6 +5,7 @@ The generic suite (tests/test_generic.py) checks the rest."""
 
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,3 +149,18 @@ def test_gmlp_decodes_row_by_row_as_its_causal_forward():
 
     decoded = jax.jit(lambda s: jax.lax.scan(step, s, (q, k, v))[1])(state)
     assert_close(decoded, parallel, atol=2e-5, rtol=2e-4)
+
+
+def test_the_mixer_layer_is_the_token_mlp_on_the_layer_input():
+    """Tolstikhin et al. 2021, eq. 1: U = X + W2 GELU(W1 LayerNorm(X)) over positions; in the
+    attention slot (pre-norm) the layer maps the normalised input itself: no W_Q, W_K, W_V, W_O."""
+    from jxformers.nn import Attention
+
+    layer = Attention(registry.get("mixer").bind(hidden=5, max_len=6), 8, 2, key=jax.random.key(0))
+    assert (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj) == (None,) * 4
+    x = np.random.default_rng(4).normal(size=(6, 8)).astype(np.float32)
+    a = {name: np.asarray(w) for name, w in layer.arrays.items()}
+    z = a["w1"] @ x + a["b1"][:, None]  # [hidden, channels]
+    gelu = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+    expected = a["w2"] @ gelu + a["b2"][:, None]
+    assert_close(eqx.filter_jit(lambda m, x: m(x))(layer, jnp.asarray(x)), expected, atol=1e-4)

@@ -507,7 +507,7 @@ class Attention(eqx.Module):
                 return self.aan(x, average), Produced()
             if self.core.spec.mixes_input:  # FNet: the op on x itself, no projections
                 y = x[:, None, :]
-                return self.core(y, y, y, kv_mask=kv_mask, bias=bias)[:, 0].astype(x.dtype), Produced()
+                return self.core(y, y, y, arrays=self._core_arrays(), kv_mask=kv_mask, bias=bias)[:, 0].astype(x.dtype), Produced()
             if self.relative is not None and self.relative.kind in INPUT_KINDS:  # FLOATER: x + p^(n)
                 x, bias = self.relative.inputs(x, bias if isinstance(bias, SharedTerms) else None), None
             source = x if context is None else context

@@ -136,10 +136,11 @@ register(
     supports_causal=False,
     exact=False,
     content_based=False,
+    mixes_input=True,  # the paper's token MLP reads the (normalised) layer input: no W_Q, W_K, W_V, W_O
     init_arrays=mixer_arrays,
     covers_length="max_len",
     docs={"hidden": "the token MLP's hidden width D_S", "max_len": "longest sequence the token MLP covers"},
-    summary="MLP-Mixer's token-mixing MLP over positions, per value channel",
+    summary="MLP-Mixer's token-mixing MLP over positions, per channel of the layer input",
     limits={"hidden": 1, "max_len": 1},
 )
 
