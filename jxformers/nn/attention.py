@@ -505,9 +505,10 @@ class Attention(eqx.Module):
                 y = x[:, None, :]
                 average = self.core(y, y, y, causal=self.causal, kv_mask=kv_mask, bias=bias)[:, 0]  # bias: refused
                 return self.aan(x, average), Produced()
-            if self.core.spec.mixes_input:  # FNet: the op on x itself, no projections
+            if self.core.spec.mixes_input:  # FNet, MLP-Mixer: the op on x itself, no projections
                 y = x[:, None, :]
-                return self.core(y, y, y, arrays=self._core_arrays(), kv_mask=kv_mask, bias=bias)[:, 0].astype(x.dtype), Produced()
+                out = self.core(y, y, y, arrays=self._core_arrays(), kv_mask=kv_mask, bias=bias)
+                return out[:, 0].astype(x.dtype), Produced()
             if self.relative is not None and self.relative.kind in INPUT_KINDS:  # FLOATER: x + p^(n)
                 x, bias = self.relative.inputs(x, bias if isinstance(bias, SharedTerms) else None), None
             source = x if context is None else context
