@@ -107,7 +107,10 @@ def test_a_delta_classifier_trains_one_step_through_the_config(causal_delta):
         (dict(task="seq2seq", attention="delta"), "task 'seq2seq' has a non-causal encoder"),
         (dict(causal=True, stack="isab"), "stack 'isab' \\(its blocks are built bidirectional"),
         (dict(causal=True, stack={"filters": {0: 0.5}}), "stack.filters \\{0: 0.5\\} \\(Funnel"),
-        (dict(causal=True, attention={"name": "nystrom", "num_landmarks": 4}), "model.causal true \\(task 'classify'\\) needs causal attention"),
+        (
+            dict(causal=True, attention={"name": "nystrom", "num_landmarks": 4}),
+            "model.causal true \\(task 'classify'\\) needs causal attention",
+        ),
         (dict(causal=True, stack={"attention_maps": "predictive"}), "got task 'classify', model.causal true"),
     ],
 )

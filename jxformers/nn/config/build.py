@@ -81,7 +81,7 @@ def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
             config.d_model,
             d_ff(ffn, config.d_model),
             **ffn.settings(),
-            causal=config.causal,
+            causal=bool(config.causal),  # resolved from the task when None
             vocab_size=config.vocab_size,  # router "hash": its table over the token ids
             dropout=config.dropout,
             key=key,

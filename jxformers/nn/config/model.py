@@ -618,9 +618,9 @@ class ModelConfig:
             )
         for ffn in sparse:
             if isinstance(ffn, MoEConfig):
-                ffn.check_causal(self.causal)
+                ffn.check_causal(bool(self.causal))
             elif isinstance(ffn, PKMConfig):
-                ffn.check_model(d_model=self.d_model, causal=self.causal)
+                ffn.check_model(d_model=self.d_model, causal=bool(self.causal))
             else:
                 ffn.check_model(d_model=self.d_model)
         self._check_token_ids(ffns)
