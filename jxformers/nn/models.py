@@ -54,7 +54,9 @@ from jxformers.nn.transparent import combine_layers, transparent_weights
 from jxformers.ops import fourier_downsample, fourier_downsample_padded, funnel_pool
 
 DOWNSAMPLE_KINDS = ("fourier", "fourier_rescaled", "funnel")
-POOLING_KINDS = ("cls", "mean", "pma")
+# The pooled heads' readouts: the CLS token, the masked mean, PMA, or the last real token
+# (a unidirectional encoder's natural readout: the only state that has seen every token).
+POOLING_KINDS = ("cls", "mean", "pma", "last")
 # Learned tokens beside the input (`Embedding.extra`): memory (Burtsev et al. 2020) is
 # prepended and kept at the output; registers (Darcet et al. 2023) follow the CLS token
 # (if any) and are dropped at the output.
@@ -546,6 +548,13 @@ def _learned(encoder, learner, x, mask):
     )
 
 
+def last_real(mask: Bool[Array, " n"]) -> Int[Array, ""]:
+    """The index of the last True of `mask` (the last real token, wherever the padding
+    sits); 0 when there is none."""
+    n = mask.shape[0]
+    return jnp.where(mask.any(), n - 1 - jnp.argmax(mask[::-1]), 0)
+
+
 def _upsample(x, mask, target_mask):
     """Nearest-neighbour upsampling of the real prefix of x (mask.sum() rows) onto the
     real prefix of the target (target_mask.sum() rows): row j takes floor(j * m / L)."""
@@ -557,8 +566,8 @@ def _upsample(x, mask, target_mask):
 class Classifier(eqx.Module):
     """Sequence classification: encoder (an `Encoder`, a `PerceiverEncoder`, or a
     `jxformers.nn.hierarchical.HierarchicalEncoder` of documents `[sentences, words]`), CLS,
-    masked-mean or PMA pooling (Set Transformer's PMA_k; its k pooled vectors are
-    concatenated), linear head."""
+    masked-mean, PMA pooling (Set Transformer's PMA_k; its k pooled vectors are
+    concatenated) or the last real token's state (a causal encoder's), linear head."""
 
     encoder: eqx.Module
     pma: PMA | None
@@ -619,6 +628,8 @@ class Classifier(eqx.Module):
         h, m = h[skip:], m[skip:]
         if self.pooling == "cls":
             return h[0]
+        if self.pooling == "last":
+            return h[last_real(m)]
         if self.pma is not None:
             k_pool = None if key is None else jax.random.fold_in(key, 1)
             return self.pma(h, m, key=k_pool, inference=inference).reshape(-1)

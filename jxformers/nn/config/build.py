@@ -81,7 +81,7 @@ def _ffn(config: ModelConfig, ffn: FFNConfig, *, key):
             config.d_model,
             d_ff(ffn, config.d_model),
             **ffn.settings(),
-            causal=config.causal,
+            causal=bool(config.causal),  # resolved from the task when None
             vocab_size=config.vocab_size,  # router "hash": its table over the token ids
             dropout=config.dropout,
             key=key,
@@ -137,7 +137,8 @@ def _blocks(
     if config.norm.placement == "deepnorm":  # DeepNet's constants for this side of the model
         encoder = 0 if config.task == "lm" else config.num_layers
         decoder = {"lm": config.num_layers, "seq2seq": config.decoder_layers}.get(config.task, 0)
-        alpha, beta = residual.deepnorm_constants(encoder, decoder, "decoder" if causal else "encoder")
+        part = "decoder" if causal and not config.causal_encoder else "encoder"  # a causal encoder: the encoder's
+        alpha, beta = residual.deepnorm_constants(encoder, decoder, part)
     maps_kind, lazy_block = "none", 2
     if isinstance(stack, TransformerStack):
         maps_kind, lazy_block = stack.attention_maps, stack.lazy_block
@@ -445,6 +446,7 @@ def _assemble(config: ModelConfig, key: jax.Array):
         )
 
     def encoder(use_cls):
+        causal = config.causal_encoder  # model.causal true on classify / retrieval (ModelConfig: stack transformer)
         if isinstance(stack, HIERARCHICAL_STACK_TYPES):
             return _hierarchical(config, embedding(keys[0], False), keys[1])
         if isinstance(stack, PerceiverStack):
@@ -469,8 +471,8 @@ def _assemble(config: ModelConfig, key: jax.Array):
         transformer = stack if isinstance(stack, TransformerStack) else TransformerStack()  # isab, luna: none
         pooled = frozenset(transformer.filters) if transformer.downsample == "funnel" else frozenset()
         return Encoder(
-            embedding(keys[0], False, cls=use_cls),
-            _stack(config, causal=False, key=keys[1], pooled=pooled),
+            embedding(keys[0], causal, cls=use_cls),
+            _stack(config, causal=causal, key=keys[1], pooled=pooled),
             make_norm(norm.kind, config.d_model, norm.eps) if norm.final else None,
             max_len=config.max_len,
             use_cls=use_cls,

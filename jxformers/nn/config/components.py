@@ -1037,7 +1037,10 @@ class PooledHead:
     """A classifier's pooling and linear head (tasks classify, retrieval)."""
 
     kind: str = setting(
-        "cls", "cls (a prepended token), mean, or pma (Set Transformer's pooling by attention)", choices=POOLING_KINDS
+        "cls",
+        "cls (a prepended token), mean, pma (Set Transformer's pooling by attention), or last (the last real "
+        "token's state: a causal encoder's readout)",
+        choices=POOLING_KINDS,
     )
     pma_seeds: int = setting(1, "PMA's learned seeds (kind pma)")
 

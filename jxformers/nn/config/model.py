@@ -66,6 +66,7 @@ from jxformers.validate import check_at_least, check_fields, setting
 
 TASKS = ("classify", "retrieval", "lm", "seq2seq")
 ENCODER_TASKS = ("classify", "retrieval")
+CAUSAL_TASKS = ("lm", "seq2seq")  # causal by the task: the language model, the seq2seq decoder
 DTYPES = ("float32", "bfloat16", "float16")
 _NORMS = {kind: NormConfig for kind in NORM_KINDS}
 
@@ -106,6 +107,12 @@ class ModelConfig:
     max_len: int = setting(512, "longest sequence, the CLS token included")
     dropout: float = setting(0.0, "dropout on residual branches and FFN hidden units")
     dtype: str = setting("float32", "compute dtype (parameters stay float32)", choices=DTYPES)
+    causal: bool | None = setting(
+        None,
+        "causal attention (None: the task's, causal for lm and seq2seq's decoder); true on classify or "
+        "retrieval makes the encoder unidirectional (causal-only attentions, head last); false is refused on lm "
+        "and seq2seq",
+    )
     embedding: EmbeddingConfig = setting(factory=EmbeddingConfig, doc="token embeddings and positions")
     attention: AttentionConfig = setting(factory=AttentionConfig, doc="every block's self-attention")
     norm: NormConfig = setting(factory=NormConfig, doc="every norm")
@@ -138,6 +145,8 @@ class ModelConfig:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if self.causal is None:  # the task's: every check below reads the resolved value
+            set_("causal", self.task in CAUSAL_TASKS)
         set_("embedding", component(self.embedding, {None: EmbeddingConfig}, "model.embedding"))
         set_("attention", AttentionConfig.from_value(self.attention, "model.attention"))
         set_("norm", component(self.norm, _NORMS, "model.norm", default_kind="layernorm"))
@@ -150,8 +159,10 @@ class ModelConfig:
         if self.head is not None:
             set_("head", component(self.head, HEAD_COMPONENTS, "model.head"))
         elif isinstance(self.task, str):
-            # a hierarchical stack has no CLS token: its sentence vectors are averaged
-            pooled = PooledHead("mean" if isinstance(self.stack, HIERARCHICAL_STACK_TYPES) else "cls")
+            # a hierarchical stack has no CLS token: its sentence vectors are averaged; a causal
+            # encoder's CLS token (position 0) would see nothing: it reads its last real token
+            kind = "mean" if isinstance(self.stack, HIERARCHICAL_STACK_TYPES) else "cls"
+            pooled = PooledHead("last" if self.causal is True else kind)
             set_("head", pooled if self.task in ENCODER_TASKS else SoftmaxHead())
         check_fields(self, "model.")
         if self.embedding.position is None:  # CPE or a LocalRNN alone where set (CPVT's, R-Transformer's models)
@@ -163,6 +174,7 @@ class ModelConfig:
             placement = "post" if isinstance(self.ffn, NoFeedForward) else STACKS[self.stack.kind][0]
             set_("norm", dataclasses.replace(self.norm, placement=placement))
         self._check_sizes()
+        self._check_causal()
         self._check_stack()
         self._check_head()
         self._check_ffns()
@@ -209,8 +221,9 @@ class ModelConfig:
         return self.num_layers if self.decoder is None or self.decoder.num_layers is None else self.decoder.num_layers
 
     @property
-    def causal(self) -> bool:
-        return self.task in ("lm", "seq2seq")
+    def causal_encoder(self) -> bool:
+        """An encoder task (classify, retrieval) with `causal: true`: a unidirectional encoder."""
+        return bool(self.causal) and self.task in ENCODER_TASKS
 
     def _blocks(self) -> int:
         document = getattr(self.stack, "document_layers", None) or 0  # HIBERT's document encoder may be deeper
@@ -305,17 +318,26 @@ class ModelConfig:
 
     def _check_attention(self, bound: registry.BoundAttention) -> None:
         spec = bound.spec
+        needs = f"task {self.task!r}" if self.task in CAUSAL_TASKS else f"model.causal true (task {self.task!r})"
         if self.causal and not spec.supports_causal:
             raise ValueError(
-                f"task {self.task!r} needs causal attention; {spec.name!r} is not causal. "
+                f"{needs} needs causal attention; {spec.name!r} is not causal. "
                 f"Causal attentions: {registry.names(supports_causal=True)}"
             )
         if self.causal and (why := bound.causal_refused()):
-            raise ValueError(f"task {self.task!r} needs causal attention; {spec.name!r} cannot be causal: {why}")
-        if spec.causal_only and self.task != "lm":
+            raise ValueError(f"{needs} needs causal attention; {spec.name!r} cannot be causal: {why}")
+        if spec.causal_only and self.task == "seq2seq":
             raise ValueError(
-                f"task {self.task!r} has non-causal attention (an encoder); {spec.name!r} is causal only "
-                f"(it has no non-causal form): use it with task 'lm', or another attention here: "
+                f"task 'seq2seq' has a non-causal encoder (its blocks share the attention with the decoder); "
+                f"{spec.name!r} is causal only (it has no non-causal form): use it with task 'lm', or with "
+                f"classify / retrieval and model.causal: true, or another attention: "
+                f"{registry.names(causal_only=False)}"
+            )
+        if spec.causal_only and not self.causal:
+            raise ValueError(
+                f"task {self.task!r} has non-causal attention (a bidirectional encoder: model.causal "
+                f"{self.causal}); {spec.name!r} is causal only (it has no non-causal form): set model.causal: true "
+                f"(a unidirectional encoder, read by head last or mean), or use another attention here: "
                 f"{registry.names(causal_only=False)}"
             )
         position = self.embedding.position
@@ -378,6 +400,35 @@ class ModelConfig:
                 "positions; a filtered token mixes many positions and sits at a fractional one",
             }[position]
             raise ValueError(f"position {position!r} with stack.filters {stack.filters}: refused, {why}")
+
+    def _check_causal(self):
+        """`causal` false is refused where the task is causal; true on an encoder task
+        (a unidirectional encoder) takes the plain transformer stack, whose blocks and
+        sublayers are built causal, without what mixes positions outside the attention."""
+        if self.causal is False and self.task in CAUSAL_TASKS:
+            raise ValueError(
+                f"model.causal false: task {self.task!r} is causal (a language model; seq2seq's decoder); "
+                f"leave model.causal unset (None) or true"
+            )
+        if not self.causal_encoder:
+            return
+        stack, head = self.stack, self.head
+        why = [
+            (not isinstance(stack, TransformerStack), f"stack {stack.kind!r} (its blocks are built bidirectional; "
+             "a unidirectional encoder takes stack 'transformer')"),
+            (bool(getattr(stack, "filters", None)), f"stack.filters {getattr(stack, 'filters', None)} (Funnel "
+             "pooling and the Fourier filter mix later positions into each kept token)"),
+            (getattr(stack, "token_learner", None) is not None, "stack.token_learner (its learned tokens are "
+             "weighted sums over the whole sequence)"),
+            (getattr(head, "kind", None) == "cls", "head 'cls' (the CLS token at position 0 would see no token: "
+             "use head last, the last real token, or mean)"),
+        ]  # fmt: skip
+        refused = [reason for on, reason in why if on]
+        if refused:
+            raise ValueError(
+                f"model.causal true on task {self.task!r} (a unidirectional encoder) is refused with "
+                f"{'; '.join(refused)}"
+            )
 
     def _check_stack(self):
         kind, stack = self.stack.kind, self.stack
@@ -588,9 +639,9 @@ class ModelConfig:
             )
         for ffn in sparse:
             if isinstance(ffn, MoEConfig):
-                ffn.check_causal(self.causal)
+                ffn.check_causal(bool(self.causal))
             elif isinstance(ffn, PKMConfig):
-                ffn.check_model(d_model=self.d_model, causal=self.causal)
+                ffn.check_model(d_model=self.d_model, causal=bool(self.causal))
             else:
                 ffn.check_model(d_model=self.d_model)
         self._check_token_ids(ffns)
@@ -836,8 +887,8 @@ class ModelConfig:
             if kind == "predictive" and self.causal:
                 raise ValueError(
                     f"stack.attention_maps='predictive' convolves the previous layer's maps over the query axis, "
-                    f"so a query would read later queries' rows: tasks classify and retrieval only; got "
-                    f"task {self.task!r}"
+                    f"so a query would read later queries' rows: tasks classify and retrieval only; got task "
+                    f"{self.task!r}" + (", model.causal true (a unidirectional encoder)" if self.causal_encoder else "")
                 )
             for index in range(self._blocks()):
                 check_maps(kind, self._bound[index], f"block {index}'s attention")
