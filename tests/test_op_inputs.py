@@ -20,6 +20,8 @@ NAMES = [n for n in registry.names() if registry.get(n).op.__module__.startswith
 
 def call(name, q, k, v, **kwargs):
     bound = registry.bind(name, **FACTS[name].variants[0])
+    if bound.spec.causal_only:  # the delta rules exist only as causal self-attention
+        kwargs.setdefault("causal", True)
     arrays = bound.init_arrays(jax.random.key(0), heads=q.shape[1], kv_heads=k.shape[1], d_k=q.shape[2], d_v=v.shape[2])
     return bound(q, k, v, arrays=arrays, **kwargs)
 
