@@ -18,6 +18,7 @@ from suites import forward_and_grad
 
 from jxformers import ModelConfig, build_model, registry
 from jxformers.ops import delta_attention, delta_rule, dpfp_features, gated_delta_attention, linear_attention
+from jxformers.ops.delta import _unit_lower_inverse as unit_lower_inverse
 from jxformers.ops.delta import beta_params, gated_delta_gates, gated_delta_params
 
 # 13 tokens: chunks of 5 leave a tail of 3; grouped queries (two query heads per key head)
@@ -289,3 +290,18 @@ def test_a_language_model_from_its_config_trains_its_gates():
     _, grads = eqx.filter_jit(forward_and_grad)(model, jnp.arange(8) % 11)
     for name, g in grads.blocks[0].attention.token_params.items():
         assert np.all(np.isfinite(g)) and float(jnp.abs(g).max()) > 0, f"{name}: no gradient"
+
+
+def test_the_chunked_form_and_its_gradient_use_no_triangular_solve():
+    """jax 0.10.2's CPU backend sometimes never finishes a program with the gradient of a
+    batched `lax.linalg.triangular_solve` (the attention benchmark hung at N = 1024): the
+    chunk's (I + A)^-1 is forward substitution instead, checked against numpy."""
+    q = jax.random.normal(jax.random.key(0), (40, 2, 4))
+
+    def loss(q):
+        return jnp.sum(delta_rule(q, q, q, jnp.full((40, 2), 0.5), form="chunked", chunk_size=8))
+
+    assert "triangular_solve" not in str(jax.make_jaxpr(jax.grad(loss))(q))
+    a = np.tril(np.random.default_rng(0).normal(size=(3, 6, 6)), -1)
+    inverse = np.asarray(unit_lower_inverse(jnp.asarray(a, jnp.float32)))
+    assert_close(inverse, np.linalg.inv(np.eye(6) + a), atol=1e-4)

@@ -83,6 +83,22 @@ def _recurrent(q, k, v, beta, log_alpha):
     return out, final
 
 
+def _unit_lower_inverse(a: Float[Array, "*batch C C"]) -> Float[Array, "*batch C C"]:
+    """(I + a)^-1 for a strictly lower-triangular `a`, by forward substitution one row at a
+    time (row i = e_i - sum_{j<i} a_ij row j), as flash-linear-attention's chunk kernels
+    invert it. Not `lax.linalg.triangular_solve`: under jax 0.10.2 on CPU its gradient's
+    program sometimes never finishes (a batched solve with its gradient, run 300 times,
+    hung in 3 of 3 runs; the forward alone never did)."""
+    size = a.shape[-1]
+    eye = jnp.eye(size, dtype=a.dtype)
+
+    def row(i, t):  # rows >= i of t are still the identity's, and a_ij = 0 for j >= i
+        e_i = jnp.broadcast_to(eye[i], (*a.shape[:-2], size))
+        return t.at[..., i, :].set(e_i - jnp.einsum("...j,...jk->...k", a[..., i, :], t))
+
+    return jax.lax.fori_loop(1, size, row, jnp.broadcast_to(eye, a.shape))
+
+
 @functools.partial(jax.jit, static_argnums=5)
 def _chunked(q, k, v, beta, log_alpha, chunk):
     """`_recurrent` chunk by chunk (WY representation). Inside chunk c, with S_0 the
@@ -101,7 +117,6 @@ def _chunked(q, k, v, beta, log_alpha, chunk):
     decay = jnp.where(lower, jnp.exp(jnp.minimum(diff, 0.0)), 0.0)  # gamma_t / gamma_s for s <= t
     kk = jnp.einsum("cthm,cshm->chts", kc, kc)
     a = jnp.where(strict, jnp.moveaxis(bc, 2, 1)[..., None] * decay * kk, 0.0)
-    eye = jnp.eye(chunk, dtype=jnp.float32)[None, None]
     rhs = jnp.concatenate(
         [
             jnp.moveaxis(bc[..., None] * vc, 2, 1),  # beta v: [nc, h, C, dv]
@@ -109,7 +124,7 @@ def _chunked(q, k, v, beta, log_alpha, chunk):
         ],
         axis=-1,
     )
-    solved = jax.lax.linalg.triangular_solve(eye + a, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = jnp.einsum("chts,chsd->chtd", _unit_lower_inverse(a), rhs)
     u0, w = solved[..., :dv], solved[..., dv:]  # u = u0 - w S_0
     scores = jnp.einsum("cthgm,cshm->chgts", qc, kc) * decay[:, :, None]  # decay is 0 above the diagonal
     q_decayed = qc * jnp.exp(c)[..., None, None]  # the state decays up to each query
