@@ -182,9 +182,13 @@ def decoded(model, tokens, max_len):
     state = model.init_decode_state(max_len)
     steps = []
     for token in tokens:
-        logits, state = model.decode_step(token, state)
+        logits, state = _decode_step(model, token, state)
         steps.append(logits)
     return jnp.stack(steps)
+
+
+# One compilation per model structure (eagerly, every primitive of a step compiles on its own).
+_decode_step = eqx.filter_jit(lambda model, token, state: model.decode_step(token, state))
 
 
 def test_decoding_steps_match_the_full_forward_for_every_placement():
@@ -307,6 +311,12 @@ def admin_lm(layers=3, **overrides):
     return build_model(config, key=jax.random.key(5))
 
 
+@eqx.filter_jit
+def _branch(module, x, rows):
+    """A block's attention (reading the real rows) or FFN on x, compiled once per structure."""
+    return module(x, kv_mask=rows) if isinstance(module, Attention) else module(x, inference=True)
+
+
 def reference_omegas(model, tokens, mask):
     """The authors' profile, walked by hand: w_1 = 1, then per branch in order
     w_{i+1} = sqrt(Var[x_{i-1} w_i] + Var[f_i(x_{i-1})]), numpy variances over every
@@ -318,9 +328,9 @@ def reference_omegas(model, tokens, mask):
     for b in model.blocks:
         for i in range(2):
             omegas.append(w)
-            f = b.attention if i == 0 else (lambda h, ffn=b.ffn, **_: ffn(h, inference=True))
+            branch = b.attention if i == 0 else b.ffn
             outs = [
-                np.asarray(f(jnp.asarray(x, jnp.float32), kv_mask=jnp.asarray(r)), np.float64)
+                np.asarray(_branch(branch, jnp.asarray(x, jnp.float32), jnp.asarray(r)), np.float64)
                 for x, r in zip(xs, rows, strict=True)
             ]
             skips = [x * w for x in xs]
@@ -351,7 +361,7 @@ def test_admins_profile_sets_each_weight_from_the_variances_before_it():
     # w_{i+1}^2 - w_i^2 = Var[f_i] (the norm's output has variance ~1): the paper's running sum
     assert all(want[i + 1] ** 2 > want[i] ** 2 for i in range(len(want) - 1))
     # the weights then train: gradients reach them, finite
-    grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(tokens, mask) ** 2))(profiled)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(tokens, mask) ** 2)))(profiled)
     leaves = [g for b in grads.blocks for g in b.omegas]
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
     assert all(float(jnp.abs(g).max()) > 0 for g in leaves)
