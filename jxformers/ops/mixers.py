@@ -3,8 +3,10 @@
 al. 2021, "MLP-Mixer: An all-MLP Architecture for Vision") and gMLP's spatial gating unit
 (Liu, Dai, So & Le 2021, "Pay Attention to MLPs").
 
-Both sit in the attention slot and mix the values V (the module's W_V x): q and k are not
-read. Their weights are indexed by position, so a hyper-parameter `max_len` sizes them
+Both sit in the attention slot and q and k are not read. The mixer is registered
+`mixes_input`, so in a model it mixes the layer input itself (no W_Q, W_K, W_V, W_O, as the
+paper); gMLP mixes the values V (the module's W_V x). Their weights are indexed by
+position, so a hyper-parameter `max_len` sizes them
 (the registry's `covers_length`: models fill it with their own `max_len`), and a sequence
 shorter than `max_len` uses the leading rows and columns, as Linformer's E and F do.
 Padded positions are zeroed before mixing and never reach the real outputs.
@@ -81,7 +83,8 @@ def mixer_attention(
     Each channel c of V (a column of `[n, kv_heads * d_v]`) goes through one MLP across
     the positions, U_{:,c} = W2 GELU(W1 V_{:,c} + b1) + b2, with W1 `[hidden, max_len]`
     and W2 `[max_len, hidden]` shared by every channel and every head (the paper shares
-    them across its channels; heads are channels here). q and k are not read.
+    them across its channels; heads are channels here). q and k are not read. In a model
+    (registered `mixes_input`) v is the layer input itself, one "head" of width d_model.
 
     Arguments:
         q, k, v: as `softmax_attention`, self-attention only (q_len == kv_len <= max_len).
