@@ -1,7 +1,8 @@
 """The `jxformers` command: `list` prints the attention registry and the model stacks,
 `bench` runs the attention benchmark, `train` / `eval` / `generate` run experiments,
-`data build` writes an experiment's splits to disk, `convert` turns a BERT checkpoint into
-a jxformers model, `describe` says what an experiment key means and `schema` prints the
+`data build` writes an experiment's splits to disk, `compare` and `lra` train many models
+on one task or on the Long Range Arena, `convert` turns a BERT checkpoint into a jxformers
+model, `describe` says what an experiment key means and `schema` prints the
 experiment file's JSON Schema (see each `--help`)."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ commands:
   convert   a BERT checkpoint (config.json + model.safetensors) to a jxformers model: convert BERT_DIR --out DIR
             [--experiment CONFIG: DIR is then a run at step 0, for eval and train]
   compare   train an experiment once per registered attention; one table and one plot (--help)
+  lra       the Long Range Arena: tasks x attentions x seeds at a preset, one table in LRA's layout (--help)
   describe  what an experiment key means: type, default, allowed values, doc: describe [KEY]
   schema    the JSON Schema of an experiment file, for editors
 """
@@ -596,6 +598,12 @@ def _compare(rest: list[str]) -> int:
     return compare.main(rest)
 
 
+def _lra(rest: list[str]) -> int:
+    from jxformers.tools import lra
+
+    return lra.main(rest)
+
+
 def _demo(rest: list[str]) -> int:
     from jxformers.tools import demo
 
@@ -656,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": _data,
         "convert": _convert,
         "compare": _compare,
+        "lra": _lra,
     }
     if command in commands:
         try:
