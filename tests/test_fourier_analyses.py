@@ -1,13 +1,22 @@
 """The Fourier Transformer's analyses (He et al. 2023): the spectrum math in
 `jxformers.ops.fourier` (`dct_power`, `cumulative_energy`, `energy_share`) against an
-explicit DCT-II matrix."""
+explicit DCT-II matrix, and scripts/fourier_keep_ratio.py's candidates and table on fake
+rows (nothing is trained here; scripts/fourier_spectrum.py's page writing too)."""
 
 import math
+import pathlib
+import sys
 
 import numpy as np
 import pytest
 
 from jxformers import ops
+
+ROOT = pathlib.Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import fourier_keep_ratio  # noqa: E402  (a script, importable once scripts/ is on the path)
+import fourier_spectrum  # noqa: E402
 
 
 def dct_matrix(n: int) -> np.ndarray:
@@ -50,3 +59,39 @@ def test_energy_share_counts_the_bins_the_filter_keeps_and_refuses_negative_powe
         ops.cumulative_energy(np.array([1.0, -2.0], np.float32))
     with pytest.raises(ValueError, match="keep_ratio"):
         ops.energy_share(flat, 0.0)
+
+
+def test_keep_ratio_candidates_and_their_table():
+    runs = fourier_keep_ratio.sweep([0.5, 0.1])
+    assert runs == {
+        "no filter": [],
+        "r = 0.1": ["model.stack.filters={0: 0.1}"],
+        "r = 0.5": ["model.stack.filters={0: 0.5}"],
+    }
+    assert fourier_keep_ratio.parse_args(["--seeds", "3", "--set", "preset=tiny"]).overrides == ["preset=tiny"]
+    with pytest.raises(SystemExit):
+        fourier_keep_ratio.parse_args(["--ratios", "0.2", "1.5"])
+
+    def row(acc, speed):
+        return {"eval_accuracy": acc, "steps_per_s": speed, "step_temp_mib": 8.0, "flops_per_token": 4e5}
+
+    rows = {
+        "no filter": [row(0.5, 10.0), row(0.7, 10.0)],
+        "r = 0.1": [row(0.2, 30.0), row(0.2, 30.0)],
+        "r = 0.5": [{"skipped": "does not build: no"}],
+    }
+    lines = fourier_keep_ratio.sweep_table(rows).splitlines()
+    assert lines[2].startswith("| no filter | 0.600 ± 0.141 | 10.00 ± 0.00 | 1.00 | 8.0 | 1.00 |")
+    assert lines[3].startswith("| r = 0.1 | 0.200 ± 0.000 | 30.00 ± 0.00 | 3.00 |")
+    assert "skipped: does not build: no" in lines[4]
+    alone = fourier_keep_ratio.sweep_table({"no filter": rows["r = 0.5"], "r = 0.1": rows["r = 0.1"]})
+    assert alone.splitlines()[3] == "| r = 0.1 | 0.200 ± 0.000 | 30.00 ± 0.00 | - | 8.0 | - |"  # nothing to relate to
+
+
+def test_a_generated_section_replaces_only_what_its_markers_hold(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- spectrum:start -->\nold\n<!-- spectrum:end -->\nmore\n")
+    fourier_spectrum.write_section(page, "spectrum", "new table\n")
+    assert page.read_text() == "intro\n<!-- spectrum:start -->\nnew table\n<!-- spectrum:end -->\nmore\n"
+    with pytest.raises(ValueError, match="keep-ratio:start"):
+        fourier_spectrum.write_section(page, "keep-ratio", "x")
