@@ -26,7 +26,8 @@ Per-example shapes (batch with `jax.vmap`): `q [q_len, heads, d_k]`,
     lowrank.py     linformer_attention, synthesizer_attention, nystrom_attention
     memory.py      induced_attention, latent_attention, luna_causal_pack (Luna's causal pack),
                    funnel_pool and funnel_attention
-    fourier.py     dct, idct, fourier_downsample(_padded), nearest_upsample, fnet_mixing, fnet_attention
+    fourier.py     dct, idct, fourier_downsample(_padded), nearest_upsample, fnet_mixing, fnet_attention,
+                   dct_power, cumulative_energy, energy_share (the spectrum of hidden states)
     mixers.py      mixer_attention (MLP-Mixer's token MLP), gmlp_attention (gMLP's spatial gating unit,
                    spatial_gating)
     learnable.py   lsh_attention (Reformer), routing_attention, sinkhorn_attention, clusterformer_attention,

@@ -1,7 +1,10 @@
 """The Fourier family: the orthonormal DCT-II and its inverse computed with the FFT, the
 Fourier Transformer's spectral filter (He et al. 2023, "Fourier Transformer: Fast Long
 Range Modeling by Removing Sequence Redundancy with FFT Operator", arXiv 2305.15099) and
-FNet token mixing (Lee-Thorp et al., 2021).
+FNet token mixing (Lee-Thorp et al., 2021), and the paper's spectrum analysis (its
+Figure 1): `dct_power`, the power per DCT frequency of hidden states along the sequence,
+and `cumulative_energy` / `energy_share`, the share of that power in the lowest
+frequencies (what the filter keeps).
 
 `dct` follows He et al.'s eq. 1-6: interleave even and (reversed) odd samples, take an FFT,
 rotate by exp(-i pi k / 2N) and keep the real part, O(N log N) for any length.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax.core import Tracer
 from jaxtyping import Array, Bool, Float, Int
 
 from jxformers._typing import ArrayLike
@@ -20,7 +24,10 @@ from jxformers.registry import register
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
+    "cumulative_energy",
     "dct",
+    "dct_power",
+    "energy_share",
     "fnet_attention",
     "fnet_mixing",
     "fourier_downsample",
@@ -125,6 +132,44 @@ def fourier_downsample(
     m = kept_length(n, keep_ratio)
     y = idct(jnp.take(dct(x, axis), jnp.arange(m), axis=axis), axis)
     return (y * math.sqrt(m / n) if rescale else y).astype(x.dtype)
+
+
+def dct_power(x: Float[ArrayLike, " ..."], axis: int = 0) -> Float[Array, " n"]:
+    """Power spectrum along `axis` (He et al. 2023, section 3.2 and Figure 1, with the DCT-II
+    in place of the paper's FFT): `dct(x, axis) ** 2` averaged over every other axis (the
+    channels, and the windows of a batch `[windows, n, d]` with `axis=1`).
+
+    The DCT is orthonormal, so the powers sum to the mean over those axes of
+    `sum_n x_n ** 2` (Parseval); bin 0 is the mean along `axis` (times sqrt(N)), bin k
+    the cosine of k half-periods.
+
+    Returns:
+        `[n]` float32 (float64 for float64 input), n = x.shape[axis].
+    """
+    axis = _check_axis(x, axis)
+    y = jnp.moveaxis(dct(x, axis), axis, -1)
+    return jnp.mean(jnp.square(y).reshape(-1, y.shape[-1]), axis=0)
+
+
+def cumulative_energy(power: Float[ArrayLike, " ... n"]) -> Float[Array, " ... n"]:
+    """Share of the total power in bins 0..k, for each k, along the last axis (ends at 1);
+    `power` must be non-negative with a positive total (a ValueError otherwise, when
+    concrete)."""
+    power = jnp.asarray(power)
+    if power.ndim == 0 or power.shape[-1] == 0:
+        raise ValueError(f"power needs a non-empty last axis; got shape {power.shape}")
+    total = jnp.sum(power, axis=-1, keepdims=True)
+    if not isinstance(power, Tracer) and (bool(jnp.any(power < 0)) or bool(jnp.any(total <= 0))):
+        raise ValueError(f"power must be >= 0 with a positive total; got min {power.min()}, totals {total.ravel()}")
+    return jnp.cumsum(power, axis=-1) / total
+
+
+def energy_share(power: Float[ArrayLike, " ... n"], keep_ratio: float) -> Float[Array, " ..."]:
+    """Share of the power in the lowest `kept_length(n, keep_ratio)` = ceil(r n) bins along
+    the last axis: the energy the spectral filter at keep ratio r keeps
+    (`fourier_downsample` keeps those DCT coefficients). White noise gives about r."""
+    power = jnp.asarray(power)
+    return cumulative_energy(power)[..., kept_length(power.shape[-1], keep_ratio) - 1]
 
 
 # Bluestein's chirps need j^2 mod 4L for j < 2L: exact in uint32 while (2n)^2 < 2^32.
