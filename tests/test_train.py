@@ -64,7 +64,7 @@ def losses(workdir):
 
 REAL_DATA = {
     "fmnist_classify", "fmnist_generate", "glam", "shakespeare_lm", "shakespeare_moe", "shakespeare_txl",
-    "shakespeare_scene",
+    "shakespeare_scene", "lra_text", "lra_retrieval",
 }  # fmt: skip
 
 
@@ -115,7 +115,13 @@ def _real_data_fixtures(tmp_path):
     scenes.mkdir()
     for play in PLAY_GENRE:
         (scenes / f"{play}_gut.txt").write_text("Scene I. A room.\n\nHam.\nTo be.\n\nOph.\nOr not.\n")
+    speeches = tmp_path / "speeches"  # every Folio play, one speech of 9,100 bytes: two of LRA's windows
+    speeches.mkdir()
+    for play in PLAY_GENRE:
+        (speeches / f"{play}_gut.txt").write_text("Ham.\n" + "to be or not " * 700 + "\n")
     return {
+        "lra_text": speeches,
+        "lra_retrieval": speeches,
         "shakespeare_scene": scenes,
         "fmnist_classify": fm,
         "fmnist_generate": fm,

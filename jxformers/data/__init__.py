@@ -6,6 +6,8 @@ pathfinder_check.py  Pathfinder's shortcut baselines (features a model should no
 real.py     Fashion-MNIST (idx files) and Shakespeare (texts) readers; Shakespeare as row streams
 genre.py    Shakespeare's speeches, and windows of a scene's speeches (documents), labelled by
             their play's genre (comedy, tragedy, history)
+lra_text.py  LRA Text and Retrieval stand-ins from Shakespeare's plays (genre of an excerpt;
+            are two excerpts from one play), split by play
 tasks.py    sources: ListOps, Pathfinder, Copy, AssociativeRecall, Documents, Transduction
             (seq2seq), FashionMNIST, ShakespeareBytes, ShakespeareStream
 loader.py   grain DataLoader: seeded shuffle, per-process sharding, worker processes, batching

@@ -16,6 +16,11 @@ Record layouts (numpy, one example):
   and its row i predicts `target[i + 1]`, counted in the loss where `target_mask[i + 1]`
   is True: every y_j and the EOS, never the BOS. Ids 0 (padding), `BOS` (1) and `EOS` (2)
   are the same in every seq2seq task (a source's `bos_id`, `eos_id`).
+* retrieval (model task retrieval, a dual-tower `DualClassifier`): two documents,
+  `tokens`, `mask` the first and `other [max_len] int32`, `other_mask [max_len] bool` the
+  second (each padded alone, its mask True for real tokens), and `label int32` (e.g.
+  `lra_retrieval`: 1 when both come from one play). The model reads `apply(tokens,
+  other, mask, other_mask)`.
 
 `TASKS` maps a task name to its source class; each class says its vocabulary size,
 number of classes (classification) and model task.
@@ -29,6 +34,7 @@ import numpy as np
 
 from jxformers.data import listops, pathfinder
 from jxformers.data.genre import ShakespeareGenre, ShakespeareScene, document_record
+from jxformers.data.lra_text import LRARetrieval, LRAText
 from jxformers.data.real import FashionMNIST, ShakespeareBytes, ShakespeareStream
 
 BOS, EOS = 1, 2  # a seq2seq target's first and last token (0 pads)
@@ -372,6 +378,8 @@ TASKS = {
     "shakespeare_genre": ShakespeareGenre,
     "documents": Documents,
     "shakespeare_scene": ShakespeareScene,
+    "lra_text": LRAText,
+    "lra_retrieval": LRARetrieval,
 }
 
 

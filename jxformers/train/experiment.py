@@ -36,6 +36,7 @@ from jxformers.data import make_source
 from jxformers.nn import ModelConfig
 from jxformers.nn.config import legacy
 from jxformers.nn.config.components import CompressiveStack
+from jxformers.nn.config.model import ENCODER_TASKS
 from jxformers.nn.transformer_xl import MEMORY_ARCHITECTURES
 from jxformers.train.optim import OPTIMIZERS, SCHEDULES, default_warmup_steps
 from jxformers.validate import check_at_least, check_fields, from_mapping, setting
@@ -464,23 +465,29 @@ def training_source(source: str | os.PathLike | Mapping, overrides: Sequence[str
     return make_source(data.task, seed=data.seed, size=data.train_size, **data.settings)
 
 
+def _data_gives(train_source) -> dict[str, Any]:
+    """What the data decides of a model: its task, vocab_size and, for an encoder task
+    (classify; retrieval, the dual tower over pair records), num_classes."""
+    given = {"task": train_source.model_task, "vocab_size": train_source.vocab_size}
+    if train_source.model_task in ENCODER_TASKS:
+        given["num_classes"] = train_source.num_classes
+    return given
+
+
 def _model_values(model_values: dict[str, Any], train_source, data: DataConfig) -> dict[str, Any]:
     """The model section with what the data gives it (task, vocab_size, num_classes, and
     max_len unless set)."""
     for fixed in ("task", "vocab_size", "num_classes"):
         if fixed in model_values:
             raise ValueError(f"model.{fixed} comes from the data task; do not set it")
-    given = {"task": train_source.model_task, "vocab_size": train_source.vocab_size}
-    if train_source.model_task == "classify":
-        given["num_classes"] = train_source.num_classes
-    model_values |= given
+    model_values |= _data_gives(train_source)
     head = _head_kind(model_values)
     embedding = model_values.get("embedding")
     extra = embedding.get("extra_tokens", 0) if isinstance(embedding, Mapping) else 0  # memory, registers
     model_values.setdefault(
         "max_len",
         train_source.max_len
-        + (1 if head in (None, "cls") and train_source.model_task == "classify" else 0)
+        + (1 if head in (None, "cls") and train_source.model_task in ENCODER_TASKS else 0)
         + (extra if isinstance(extra, int) else 0),
     )
     if head == "mixture_of_logistics" and not getattr(train_source, "pixel_values", False):
@@ -494,10 +501,7 @@ def _model_values(model_values: dict[str, Any], train_source, data: DataConfig) 
 def _check_given_model(model: ModelConfig, train_source, task: str) -> None:
     """A model given to `load_experiment` must be the one the data needs: its task,
     vocabulary and classes, and a max_len that holds the data's records."""
-    given = {"task": train_source.model_task, "vocab_size": train_source.vocab_size}
-    if train_source.model_task == "classify":
-        given["num_classes"] = train_source.num_classes
-    for name, value in given.items():
+    for name, value in _data_gives(train_source).items():
         if getattr(model, name) != value:
             hint = " (a tokenized task: is data.settings.tokenizer the checkpoint's?)" if name == "vocab_size" else ""
             raise ValueError(

@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from jxformers._terminal import stderr_is_terminal
 from jxformers.data import make_loader
-from jxformers.data.baselines import baselines
+from jxformers.data.baselines import SCORED_TASKS, baselines
 from jxformers.nn import redraw, residual
 from jxformers.train import distributed
 from jxformers.train.batch_wait import BatchFetcher, Position
@@ -147,7 +147,7 @@ def evaluate_checkpoint(
     experiment: Experiment, workdir: str | pathlib.Path, *, batches: int | str | None = None, best: bool = False
 ):
     """Eval metrics of the newest (or the best) checkpoint on the eval split; for a
-    classification task also `eval_examples` and `baselines` ({name: accuracy} of the
+    classification or retrieval task also `eval_examples` and `baselines` ({name: accuracy} of the
     task's cheap predictors on the same examples, see `jxformers.data.baselines`).
 
     `batches`: None (the default) evaluates the first `train.eval_batches` batches, the
@@ -166,7 +166,7 @@ def evaluate_checkpoint(
         "step": int(state.step),
         **evaluate(make_eval_step(static), state, loader, n, **_eval_kind(experiment)),
     }
-    if experiment.model.task != "classify":
+    if experiment.model.task not in SCORED_TASKS:
         return metrics
     return metrics | {
         "eval_examples": n * batch,
@@ -180,8 +180,9 @@ def _eval_kind(experiment: Experiment) -> dict[str, bool]:
 
 
 def _real_tokens(batch) -> int:
-    """The real tokens of a batch: its masks' (a seq2seq batch's source and target)."""
-    return int(batch["mask"].sum()) + int(batch["target_mask"].sum() if "target_mask" in batch else 0)
+    """The real tokens of a batch: its masks' (a seq2seq batch's source and target, a
+    retrieval batch's two documents)."""
+    return int(batch["mask"].sum()) + sum(int(batch[m].sum()) for m in ("target_mask", "other_mask") if m in batch)
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -672,7 +673,8 @@ def train(
         log = stack.enter_context(contextlib.closing(_MetricsLog(workdir) if distributed.is_main() else _NoLog()))
         if changes:  # a rerun changed resumable settings: the log says from which step
             log({"step": start, "config_changed": {k: list(v) for k, v in changes.items()}})
-        padded = t.batch_size * train_source.max_len * (2 if experiment.model.task == "seq2seq" else 1)  # + targets
+        # + the targets (seq2seq) or the second documents (retrieval)
+        padded = t.batch_size * train_source.max_len * (2 if experiment.model.task in ("seq2seq", "retrieval") else 1)
         report = _StepReport(log, experiment, schedule, start, padded, checkpointer.steps)
         show = stack.enter_context(contextlib.closing(_Progress(experiment, start, progress and distributed.is_main())))
         if start >= t.steps:  # a rerun of a finished run: say so rather than summarise nothing

@@ -82,9 +82,12 @@ def model_inputs(batch) -> tuple:
     """The positional arguments of `model.apply` for a batch (each with a leading batch
     axis): (tokens, mask); for a seq2seq batch (`target`, `jxformers.data.tasks`) (source,
     target[:-1], source mask, target_mask[:-1]): the decoder reads the target but its last
-    token (teacher forcing)."""
+    token (teacher forcing); for a retrieval batch (pair records: `other`) (tokens, other,
+    mask, other_mask), the dual tower's two documents."""
     if "target" in batch:
         return batch["tokens"], batch["target"][:, :-1], batch["mask"], batch["target_mask"][:, :-1]
+    if "other" in batch:
+        return batch["tokens"], batch["other"], batch["mask"], batch["other_mask"]
     return batch["tokens"], batch["mask"]
 
 
