@@ -17,6 +17,14 @@ positions or steps, the Feedback and Universal Transformers, is undercounted) an
 evaluation metric the model logs (`eval_act_steps`, `eval_exit_depth` of adaptive-depth
 models).
 
+Each attention trains with its hyper-parameters for the experiment's max_len
+(`jxformers.registry.scaled`: sparse or low-rank at that length, within its paper's
+ratios; the defaults were chosen for thousands of tokens), stated in the table's header; a
+`--set model.attention.KEY=VALUE` of the user's wins for every attention that takes KEY.
+One that cannot be sparse at all at that length is not trained (a dense copy of softmax)
+but listed as skipped with the reason. `candidates(names, max_len=...)` gives the runs
+(`jxformers lra` takes the same).
+
 Each candidate trains in WORKDIR/NAME (WORKDIR/NAME/seedS with several seeds; a rerun
 resumes or reuses finished runs). A candidate that does not fit the task (it cannot
 build this model, or fails while training) is listed under the table as skipped with
