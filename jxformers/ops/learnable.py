@@ -513,8 +513,8 @@ register(
     },
     dense_width=("its chunks (2 chunk_size keys per hash round)", lambda hp, n: 2 * hp["chunk_size"]),
     scaled=(
-        "chunk_size = min(default, N / 8): about N / 8 buckets' worth of chunks, so 8 buckets hold a chunk each "
-        "(Kitaev et al. 2020: chunks of 64 at 4,096 and more)",
+        "chunk_size = min(default, N / 8): at least eight chunks of the sorted order, a query reading two of "
+        "them a round (Kitaev et al. 2020: chunks of 64 at 4,096 and more)",
         lambda d, n: {"chunk_size": fraction(n, 8, cap=d["chunk_size"])},
     ),
 )
