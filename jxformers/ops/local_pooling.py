@@ -270,8 +270,11 @@ register(
     summary="Poolingformer: window attention, then its output attends pooled keys of a larger window; y + z",
     limits={"window": 0, "pool_window": 1, "pool_size": 1, "pool_stride": 1},
     scaled=(
-        "window = min(default, N / 16) and pool_window = min(default, N / 4) keys each side: both levels local "
-        "(Zhang et al. 2021: 64 and 256 at 4,096)",
-        lambda d, n: {"window": fraction(n, 16, cap=d["window"]), "pool_window": fraction(n, 4, cap=d["pool_window"])},
+        "window = min(default, N / 16) and pool_window = min(default, N / 4) keys each side, at least pool_size "
+        "(the op's rule): both levels local (Zhang et al. 2021: 64 and 256 at 4,096)",
+        lambda d, n: {
+            "window": fraction(n, 16, cap=d["window"]),
+            "pool_window": fraction(n, 4, cap=d["pool_window"], minimum=d["pool_size"]),
+        },
     ),
 )
