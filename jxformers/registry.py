@@ -19,7 +19,9 @@ modules need to know about the attention: a doc line, the allowed choices and nu
 (`limits`) of each hyper-parameter, the capabilities, the decoder, the hyper-parameter
 that must cover a model's length (`covers_length`), its row of the op table of docs/guide/ops.md
 (`summary`, `complexity`: `markdown_table()`), how far one query reaches (`dense_width`,
-for the warning where it is dense) and the width of the grid it reads (`grid_width`).
+for the warning where it is dense), its hyper-parameters for a given length (`scaled`:
+`scaled(name, max_len)`, which `jxformers compare` trains with) and the width of the grid
+it reads (`grid_width`).
 Unknown names, unknown, ill-typed or out-of-range hyper-parameters and unsupported
 capabilities are ValueErrors listing what exists or is allowed.
 """
@@ -274,6 +276,13 @@ class AttentionSpec:
             into), `fn(hyper_parameters, max_len) -> int`, and that reach in words; a model
             whose max_len it reaches warns that the attention is dense there
             (`nn.config.ShortSequenceWarning`). None: no such width (softmax).
+        scaled: `(words, fn)`: its hyper-parameters for a model of max_len N, sparse (or
+            low-rank) there and within its paper's usual ratios, `fn(defaults, max_len) ->
+            {name: value}` (the settings that differ from the defaults with the length; the
+            defaults are passed so that a rule reads them rather than copying them), and the
+            rule in words. `scaled(name, max_len)` checks the result against `dense_width` and
+            raises `DenseAtLength` where even these settings reach every key. None: its
+            defaults hold at every length (softmax; an op with no width, or dense by design).
         grid_width: the hyper-parameter giving the row width of the 2-D grid the op reads
             the sequence as (axial's and Image Transformer's `width`); an experiment on
             images warns when it is not the images' width.
@@ -307,6 +316,7 @@ class AttentionSpec:
     update_arrays_fn: Callable[..., dict[str, Any]] | None = None
     summary: str = ""
     dense_width: tuple[str, Callable[[Mapping[str, Any], int], int]] | None = None
+    scaled: tuple[str, Callable[[Mapping[str, Any], int], dict[str, Any]]] | None = None
     grid_width: str | None = None
     causal_refusal: Callable[[Mapping[str, Any]], str | None] | None = None
     layer_shared: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
@@ -555,6 +565,7 @@ def register(
     limits: Mapping[str, Limits | int | float] | None = None,
     summary: str = "",
     dense_width: tuple[str, Callable[[Mapping[str, Any], int], int]] | None = None,
+    scaled: tuple[str, Callable[[Mapping[str, Any], int], dict[str, Any]]] | None = None,
     grid_width: str | None = None,
     causal_refusal: Callable[[Mapping[str, Any]], str | None] | None = None,
     layer_shared: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None,
@@ -566,8 +577,8 @@ def register(
     line, the allowed values of a string one, the allowed numbers of a numeric one (a
     `jxformers.validate.Limits`, or a bare number: the minimum). Every int or float
     hyper-parameter declares its limits, so that `bind` refuses what the op would refuse
-    at its first call. `summary`, `dense_width`, `grid_width` and `layer_shared`: see
-    `AttentionSpec`."""
+    at its first call. `summary`, `dense_width`, `scaled`, `grid_width` and `layer_shared`:
+    see `AttentionSpec`."""
     if name in _REGISTRY:
         raise ValueError(f"attention {name!r} is already registered")
     op_params = inspect.signature(op).parameters
@@ -598,6 +609,10 @@ def register(
         dataclasses.replace(p, doc=docs.get(n, ""), choices=choices.get(n), limits=bounds.get(n))
         for n, p in found.items()
     )
+    if scaled is not None:  # its rule names hyper-parameters of this op (checked on a long sequence)
+        made = scaled[1]({p.name: p.default for p in params if not p.required}, 4096)
+        for extra in sorted(set(made) - set(found)):
+            raise ValueError(f"{name}: scaled gives {extra!r}, not a hyper-parameter of its op; found {sorted(found)}")
     unlimited = [p.name for p in params if p.numeric and p.limits is None]
     if unlimited:
         raise ValueError(
@@ -639,6 +654,7 @@ def register(
         update_arrays_fn=update_arrays,
         summary=summary,
         dense_width=dense_width,
+        scaled=scaled,
         grid_width=grid_width,
         causal_refusal=causal_refusal,
         layer_shared=layer_shared,
@@ -683,6 +699,44 @@ def get(name: str) -> AttentionSpec:
 def bind(name: str, **hyper_parameters) -> BoundAttention:
     """`get(name).bind(**hyper_parameters)`."""
     return get(name).bind(**hyper_parameters)
+
+
+# ----------------------------------------------------------------------------- settings for a length
+
+
+class DenseAtLength(ValueError):
+    """No settings of an attention are sparser than softmax at a length: even its scaled
+    hyper-parameters (the spec's `scaled`) reach every key (`scaled`). `jxformers compare`
+    lists such an attention as skipped with this reason instead of training a dense copy."""
+
+
+def fraction(max_len: int, ratio: int, *, cap: int, minimum: int = 1) -> int:
+    """`max_len // ratio`, at most `cap` (the default, kept once the length is long enough)
+    and at least `minimum`: the usual rule of a `scaled` registration."""
+    return min(cap, max(minimum, max_len // ratio))
+
+
+def scaled(name: str, max_len: int) -> dict[str, Any]:
+    """The hyper-parameters attention `name` runs with in a model of `max_len` positions
+    (what `jxformers compare` and `jxformers lra` train): its registration's `scaled` rule,
+    which keeps it sparse or low-rank there (`dense_width` below max_len) within its paper's
+    usual ratios; {} for one whose defaults hold at every length (softmax, the exact and
+    parameter-free ones). Validated (`bind`). DenseAtLength (a ValueError) when even these
+    settings reach every key at max_len (local attention at max_len 2)."""
+    spec = get(name)
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int; got {max_len!r}")
+    settings = {} if spec.scaled is None else dict(spec.scaled[1](spec.defaults(), max_len))
+    bound = spec.bind(**settings)
+    width = bound.width(max_len)
+    if width is not None and width >= max_len:
+        assert spec.dense_width is not None  # width() is None without it
+        raise DenseAtLength(
+            f"{name} cannot be sparse at max_len {max_len}: {spec.dense_width[0]} spans {width} >= {max_len} even "
+            f"with its settings for this length {settings or spec.defaults()} "
+            f"({spec.scaled[0] if spec.scaled else 'its defaults'})"
+        )
+    return settings
 
 
 # ----------------------------------------------------------------------------- listing
@@ -740,6 +794,8 @@ def describe(name: str) -> str:
     ]
     if s.dense_width is not None:
         lines.append(f"  dense (a ShortSequenceWarning) at a max_len no longer than {s.dense_width[0]}")
+    if s.scaled is not None:
+        lines.append(f"  at a max_len N (jxformers compare): {s.scaled[0]}")
     lines.append("  hyper-parameters:" if s.hyper_parameters else "  hyper-parameters: none")
     for p in s.hyper_parameters:
         default = "required" if p.required else f"= {p.default!r}"

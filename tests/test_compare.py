@@ -58,6 +58,7 @@ def test_compare_writes_one_table_and_plot_and_lists_failures(tmp_path, monkeypa
     assert cli.main(args + [x for kv in TINY for x in ("--set", kv)]) == 0
     text = (tmp_path / "compare.md").read_text()
     assert "| softmax |" in text and "| fourier_transformer |" in text and "| linear |" not in text
+    assert "Attention settings scale with the length" in text and "at their defaults: softmax, linear" in text
     assert "* linear: failed in training: FloatingPointError: made to fail" in text
     assert "baseline: majority class" in text and "baseline: root operator" in text
     assert (tmp_path / "compare.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0

@@ -13,6 +13,8 @@ every position reaches its whole causal past.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
@@ -123,4 +125,8 @@ register(
     limits={"width": 1},
     dense_width=("its row and column (width + max_len / width keys)", lambda hp, n: hp["width"] + -(-n // hp["width"])),
     grid_width="width",
+    scaled=(
+        "width = isqrt(N): the square grid (Ho et al. 2019), whose row and column are the fewest keys (2 sqrt N)",
+        lambda d, n: {"width": max(1, math.isqrt(n))},
+    ),
 )

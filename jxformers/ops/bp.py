@@ -185,4 +185,9 @@ register(
         "its partition nodes (1 + 2 k (log2 max_len + 1))",
         lambda hp, n: 1 + 2 * hp["neighbours"] * ((n - 1).bit_length() + 1),
     ),
+    scaled=(
+        "neighbours = min(default, the largest k whose nodes 1 + 2 k (log2 N + 1) are at most N / 2): Ye et al. "
+        "2019's k = 4 once N reaches 128",
+        lambda d, n: {"neighbours": min(d["neighbours"], max(1, (n // 2 - 1) // (2 * ((n - 1).bit_length() + 1))))},
+    ),
 )

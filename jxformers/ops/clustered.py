@@ -31,7 +31,7 @@ from jxformers.ops._common import (
     softmax_parts,
     zero_padded,
 )
-from jxformers.registry import register
+from jxformers.registry import fraction, register
 from jxformers.validate import Limits
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
@@ -274,6 +274,10 @@ register(
     ),
     limits=_LIMITS,
     dense_width=("its clusters (C centroid rows)", lambda hp, n: hp["clusters"]),
+    scaled=(
+        "clusters = min(default, N / 8): fewer clusters than queries (Vyas et al. 2020: 100 or 200 at up to 4,096)",
+        lambda d, n: {"clusters": fraction(n, 8, cap=d["clusters"])},
+    ),
 )
 
 register(
@@ -293,4 +297,9 @@ register(
     limits=_LIMITS | {"topk": 1},
     # C centroid rows attend every key: as costly as softmax once C reaches the length, as are k top keys
     dense_width=("its clusters or top keys (max(C, topk))", lambda hp, n: max(hp["clusters"], hp["topk"])),
+    scaled=(
+        "clusters and topk = min(default, N / 8): fewer clusters than queries, fewer top keys than keys (Vyas et "
+        "al. 2020: 100 clusters, top 32)",
+        lambda d, n: {"clusters": fraction(n, 8, cap=d["clusters"]), "topk": fraction(n, 8, cap=d["topk"])},
+    ),
 )

@@ -10,6 +10,8 @@ equals dense softmax under the criss-cross mask at O(N (W + N / W)) cost.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
@@ -148,4 +150,9 @@ register(
     dense_width=("its row and column (width + max_len / width keys)", lambda hp, n: hp["width"] + -(-n // hp["width"])),
     grid_width="width",
     causal_refusal=_causal_refusal,
+    scaled=(
+        "width = isqrt(N): the square grid (Huang et al. 2019's feature maps), whose row and column are the "
+        "fewest keys (2 sqrt N)",
+        lambda d, n: {"width": max(1, math.isqrt(n))},
+    ),
 )

@@ -35,7 +35,7 @@ from jxformers.ops._common import (
     window_block,
     zero_padded,
 )
-from jxformers.registry import register
+from jxformers.registry import fraction, register
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
@@ -233,5 +233,10 @@ register(
     dense_width=(
         "its local radius and global tokens (2 local_radius + 1 + num_global keys per long token)",
         lambda hp, n: 2 * hp["local_radius"] + 1 + hp["num_global"],
+    ),
+    scaled=(
+        "local_radius = min(default, N / 16) keys each side: the local window a quarter to an eighth of the keys "
+        "(Ainslie et al. 2020: radius 84 at 4,096)",
+        lambda d, n: {"local_radius": fraction(n, 16, cap=d["local_radius"])},
     ),
 )

@@ -49,7 +49,7 @@ from jxformers.ops._common import (
     to_blocks,
     zero_padded,
 )
-from jxformers.registry import TokenInputs, register
+from jxformers.registry import TokenInputs, fraction, register
 from jxformers.validate import Limits
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
@@ -710,6 +710,11 @@ register(
     summary="FAVOR+ positive (or sin/cos) orthogonal random features, or a ReLU kernel, stabilised",
     limits={"chunk_size": 1, "num_features": 1},
     dense_width=("its random features (num_features)", lambda hp, n: hp["num_features"]),
+    scaled=(
+        "num_features = min(default, N / 2): fewer random features than keys, or the feature map costs more than "
+        "softmax's N x N (Choromanski et al. 2021's m = 256 for N >= 512)",
+        lambda d, n: {"num_features": fraction(n, 2, cap=d["num_features"])},
+    ),
 )
 
 
@@ -943,4 +948,8 @@ register(
     summary="random Fourier features with learned scale, optional input-dependent gate",
     limits={"chunk_size": 1, "num_features": 1, "sigma": Limits(above=0)},
     dense_width=("its random features (num_features)", lambda hp, n: hp["num_features"]),
+    scaled=(
+        "num_features = min(default, N / 2): fewer random features than keys (Peng et al. 2021's 128 at N >= 256)",
+        lambda d, n: {"num_features": fraction(n, 2, cap=d["num_features"])},
+    ),
 )

@@ -48,7 +48,7 @@ from jxformers.ops._common import (
 )
 from jxformers.ops.local import local_attention
 from jxformers.ops.softmax import softmax_attention
-from jxformers.registry import Decoder, register
+from jxformers.registry import Decoder, fraction, register
 from jxformers.validate import Limits
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
@@ -512,6 +512,11 @@ register(
         "chunk_size": 1,
     },
     dense_width=("its chunks (2 chunk_size keys per hash round)", lambda hp, n: 2 * hp["chunk_size"]),
+    scaled=(
+        "chunk_size = min(default, N / 8): at least eight chunks of the sorted order, a query reading two of "
+        "them a round (Kitaev et al. 2020: chunks of 64 at 4,096 and more)",
+        lambda d, n: {"chunk_size": fraction(n, 8, cap=d["chunk_size"])},
+    ),
 )
 
 
@@ -747,6 +752,11 @@ register(
     ),
     limits={"n_clusters": 1, "local_heads": 0, "local_window": 0, "max_len": 1, "decay": Limits(minimum=0, below=1)},
     dense_width=("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
+    scaled=(
+        "n_clusters kept (ceil(N / k) keys a cluster: sparse at any N); local_window = min(default, N / 8) keys "
+        "each side, as local attention's",
+        lambda d, n: {"local_window": fraction(n, 8, cap=d["local_window"])},
+    ),
 )
 
 
@@ -1008,6 +1018,11 @@ register(
     ),
     limits={"block_size": 1, "max_len": 1, "sinkhorn_iters": 1, "temperature": Limits(above=0), "sortcut_blocks": 0},
     dense_width=("its own and sorted blocks (2 block_size keys)", lambda hp, n: 2 * hp["block_size"]),
+    scaled=(
+        "block_size = min(default, N / 8): at least eight blocks to sort (Tay et al. 2020: blocks of 64 at 1,024 "
+        "and more); max_len is the model's",
+        lambda d, n: {"block_size": fraction(n, 8, cap=d["block_size"])},
+    ),
 )
 
 
@@ -1103,4 +1118,8 @@ register(
     summary="Cluster-Former: nearest k-means centroid, sorted by (cluster, position), attention within chunks",
     limits={"n_clusters": 1, "chunk_size": 1, "decay": Limits(minimum=0, below=1)},
     dense_width=("its chunks (chunk_size keys)", lambda hp, n: hp["chunk_size"]),
+    scaled=(
+        "chunk_size = min(default, N / 8): at least eight chunks of the sorted order (Wang et al. 2020)",
+        lambda d, n: {"chunk_size": fraction(n, 8, cap=d["chunk_size"])},
+    ),
 )

@@ -9,6 +9,8 @@ attention; these group contiguous ones, as the papers say.)
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +44,7 @@ from jxformers.ops._common import (
     zero_padded,
 )
 from jxformers.ops.softmax import softmax_attention
-from jxformers.registry import Decoder, register
+from jxformers.registry import Decoder, fraction, register
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
@@ -127,6 +129,10 @@ register(
     summary="|i - j| <= window (0 <= i - j <= window causal)",
     limits={"window": 0},
     dense_width=("its window (2 window + 1 keys)", lambda hp, n: 2 * hp["window"] + 1),
+    scaled=(
+        "window = min(default, N / 8) keys each side (Beltagy et al. 2020: 512 at 4,096): a quarter of the keys",
+        lambda d, n: {"window": fraction(n, 8, cap=d["window"])},
+    ),
 )
 
 
@@ -232,6 +238,10 @@ register(
     summary="i // b == j // b (contiguous blocks); per head, (i // b + shift) mod n_b == j // b",
     limits={"block_size": 1, "head_shifts": 0},
     dense_width=("its block (block_size keys)", lambda hp, n: hp["block_size"]),
+    scaled=(
+        "block_size = min(default, N / 8): at least eight blocks (Parmar et al. 2018's blocks of 256 at 2,048)",
+        lambda d, n: {"block_size": fraction(n, 8, cap=d["block_size"])},
+    ),
 )
 
 
@@ -303,6 +313,10 @@ register(
     docs={"window": "attended keys each side", "dilation": "stride between attended keys"} | LOCAL_IMPL_DOC,
     summary="(i - j) % dilation == 0 and |i - j| <= window * dilation",
     limits={"window": 0, "dilation": 1},
+    scaled=(
+        "window = min(default, N / (8 dilation)) keys each side: it reaches N / 8 each side, as local's window",
+        lambda d, n: {"window": fraction(n, 8 * d["dilation"], cap=d["window"])},
+    ),
 )
 
 
@@ -496,6 +510,23 @@ def _image_local_2d_step(q, k, v, state: KVCache, *, hyper_parameters, arrays, b
     return out.astype(q.dtype), state
 
 
+def _image_local_2d_scaled(defaults, max_len: int) -> dict[str, int]:
+    """Image Transformer 2-D's settings at max_len N (its registration's `scaled`): a
+    square grid of width isqrt(N), rounded down to a multiple of its query blocks of
+    q = min(default, width / 4) (query_width must divide the width), and memory of q rows
+    above and q columns each side: the defaults (32, 8, 8, 8, 8) at N = 1,024, a memory
+    block of 6 q^2 pixels (at most 0.375 N)."""
+    side = max(1, math.isqrt(max_len))
+    block = min(defaults["query_width"], max(1, side // 4))
+    return {
+        "width": side - side % block,
+        "query_height": block,
+        "query_width": block,
+        "memory_height": block,
+        "memory_width": block,
+    }
+
+
 register(
     "image_local_2d",
     image_local_2d_attention,
@@ -520,4 +551,9 @@ register(
         lambda hp, n: (hp["memory_height"] + hp["query_height"]) * (hp["query_width"] + 2 * hp["memory_width"]),
     ),
     grid_width="width",
+    scaled=(
+        "a square grid: width = isqrt(N) rounded down to a multiple of q = min(default, width / 4), query and "
+        "memory blocks of q (the defaults at 32 x 32 = 1,024 pixels, Parmar et al. 2018): 6 q^2 <= 0.375 N pixels",
+        _image_local_2d_scaled,
+    ),
 )

@@ -47,7 +47,7 @@ from jxformers.ops._common import (
     weighted_values,
     zero_padded,
 )
-from jxformers.registry import Decoder, register
+from jxformers.registry import Decoder, fraction, register
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
@@ -263,4 +263,9 @@ register(
         "one softmax; causal: recent window + per-segment projections of earlier segments"
     ),
     limits={"window": 1, "segment_size": 1, "rank": 1},
+    scaled=(
+        "window, segment_size and rank = min(default, N / 8): a window a quarter of the keys and fewer projected "
+        "keys than keys (Zhu et al. 2021: window 128, rank 16 at 4,096)",
+        lambda d, n: {k: fraction(n, 8, cap=d[k]) for k in ("window", "segment_size", "rank")},
+    ),
 )

@@ -41,7 +41,7 @@ from jxformers.ops._common import (
     zero_padded,
 )
 from jxformers.ops.local import local_attention
-from jxformers.registry import register
+from jxformers.registry import fraction, register
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
@@ -269,4 +269,12 @@ register(
     },
     summary="Poolingformer: window attention, then its output attends pooled keys of a larger window; y + z",
     limits={"window": 0, "pool_window": 1, "pool_size": 1, "pool_stride": 1},
+    scaled=(
+        "window = min(default, N / 16) and pool_window = min(default, N / 4) keys each side, at least pool_size "
+        "(the op's rule): both levels local (Zhang et al. 2021: 64 and 256 at 4,096)",
+        lambda d, n: {
+            "window": fraction(n, 16, cap=d["window"]),
+            "pool_window": fraction(n, 4, cap=d["pool_window"], minimum=d["pool_size"]),
+        },
+    ),
 )

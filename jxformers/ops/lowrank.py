@@ -31,7 +31,7 @@ from jxformers.ops._common import (
     zero_padded,
 )
 from jxformers.ops.softmax import softmax_attention
-from jxformers.registry import TokenInputs, register
+from jxformers.registry import TokenInputs, fraction, register
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
@@ -156,6 +156,11 @@ register(
     summary="keys/values projected along the length by E, F",
     limits={"proj_len": 1, "max_len": 1},
     dense_width=("its projected length (proj_len)", lambda hp, n: hp["proj_len"]),
+    scaled=(
+        "proj_len = min(default, N / 4) (Wang et al. 2020: k = 256 for n of 512 to 4,096, k = n / 4 at 1,024); "
+        "max_len is the model's",
+        lambda d, n: {"proj_len": fraction(n, 4, cap=d["proj_len"])},
+    ),
 )
 
 
@@ -527,6 +532,17 @@ def nystrom_arrays(key: PRNGKeyArray, *, kv_heads: int, conv_kernel_size: int = 
     return {"conv_weight": jax.random.uniform(key, (conv_kernel_size, kv_heads), minval=-bound, maxval=bound)}
 
 
+def _nystrom_scaled(defaults, max_len: int) -> dict[str, int]:
+    """Nystromformer's settings at max_len N (its registration's `scaled`): landmarks
+    min(default, N / 8), and a convolution skip on V of min(default, N / 4) taps, odd
+    (0 stays 0: no skip), so that it mixes a neighbourhood, not the whole sequence."""
+    taps = min(defaults["conv_kernel_size"], max(1, max_len // 4))
+    return {
+        "num_landmarks": fraction(max_len, 8, cap=defaults["num_landmarks"]),
+        "conv_kernel_size": taps - (1 - taps % 2) if taps else 0,
+    }
+
+
 register(
     "nystrom",
     nystrom_attention,
@@ -544,4 +560,9 @@ register(
     summary="Nystrom landmarks (segment means), an iterative pseudo-inverse and a convolution skip on V",
     limits={"num_landmarks": 1, "pinv_iterations": 0, "conv_kernel_size": 0},
     dense_width=("its landmarks (num_landmarks)", lambda hp, n: hp["num_landmarks"]),
+    scaled=(
+        "num_landmarks = min(default, N / 8) (Xiong et al. 2021: 64 at 512 to 4,096); conv_kernel_size = min(default, "
+        "the odd number at most N / 4), so that the skip on V stays local",
+        _nystrom_scaled,
+    ),
 )

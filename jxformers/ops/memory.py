@@ -28,7 +28,7 @@ from jxformers.ops._common import (
     zero_padded,
 )
 from jxformers.ops.softmax import softmax_attention
-from jxformers.registry import register
+from jxformers.registry import fraction, register
 
 # ----------------------------------------------------------------------------- inducing points
 
@@ -100,6 +100,10 @@ register(
     ),
     limits={"num_inducing": 1},
     dense_width=("its inducing points (num_inducing)", lambda hp, n: hp["num_inducing"]),
+    scaled=(
+        "num_inducing = min(default, N / 8): fewer inducing points than keys (Lee et al. 2019's m = 16 or 32)",
+        lambda d, n: {"num_inducing": fraction(n, 8, cap=d["num_inducing"])},
+    ),
 )
 
 

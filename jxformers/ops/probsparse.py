@@ -158,4 +158,8 @@ register(
     ),
     limits={"factor": 1},
     dense_width=("its selected queries (u = factor ceil(ln N))", lambda hp, n: probsparse_counts(n, hp["factor"])),
+    scaled=(
+        "factor = min(default, the largest c whose u = c ceil(ln N) is at most N / 2) (Zhou et al. 2021: c = 5)",
+        lambda d, n: {"factor": min(d["factor"], max(1, (n // 2) // max(1, math.ceil(math.log(n)))))},
+    ),
 )

@@ -71,7 +71,7 @@ from jxformers.ops._scores import (
     sink_part,
     top_k_mask,
 )
-from jxformers.registry import register
+from jxformers.registry import fraction, register
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
 __all__ = [
@@ -660,4 +660,9 @@ register(
     },
     summary="same as softmax, online softmax over chunks (Rabe & Staats)",
     limits={"chunk_size": 1, **{n: SCORE_OPTION_LIMITS[n] for n in ("softcap", "persistent_kv")}, **PRIOR_LIMITS},
+    scaled=(
+        "chunk_size = min(default, max(16, N / 4)): exact at any chunk; chunks shorter than N keep its memory at "
+        "O(N chunk) (Rabe & Staats 2021)",
+        lambda d, n: {"chunk_size": fraction(n, 4, cap=d["chunk_size"], minimum=16)},
+    ),
 )

@@ -50,7 +50,7 @@ from jxformers.ops._common import (
 )
 from jxformers.ops.local import IMPL_DOC
 from jxformers.ops.softmax import softmax_attention
-from jxformers.registry import TokenInputs, register
+from jxformers.registry import TokenInputs, fraction, register
 from jxformers.validate import Limits
 
 # What jxformers.ops exports from this family (the package imports it with `*`).
@@ -302,6 +302,10 @@ register(
         "its pattern (stride + max_len / stride keys)",
         lambda hp, n: hp["stride"] + -(-n // hp["stride"]) * (hp["num_summary"] if hp["pattern"] == "fixed" else 1),
     ),
+    scaled=(
+        "stride = min(default, isqrt(N)) (Child et al. 2019: about sqrt N): about 2 sqrt N keys",
+        lambda d, n: {"stride": min(d["stride"], max(1, math.isqrt(n)))},
+    ),
 )
 
 
@@ -536,6 +540,10 @@ register(
         "its window and globals (2 window + 1 + globals keys)",
         lambda hp, n: 2 * hp["window"] + 1 + len(hp["global_indices"]),
     ),
+    scaled=(
+        "window = min(default, N / 8) keys each side (Beltagy et al. 2020: 512 at 4,096), its global tokens kept",
+        lambda d, n: {"window": fraction(n, 8, cap=d["window"])},
+    ),
 )
 
 
@@ -768,6 +776,11 @@ register(
         "its blocks (block_size x (window + global + random blocks) keys)",
         lambda hp, n: hp["block_size"] * (hp["num_window_blocks"] + hp["num_global_blocks"] + hp["num_random_blocks"]),
     ),
+    scaled=(
+        "block_size = min(default, N / 16): at least 16 blocks, of which a query block reads its 8 "
+        "(Zaheer et al. 2020: blocks of 64 at 4,096)",
+        lambda d, n: {"block_size": fraction(n, 16, cap=d["block_size"])},
+    ),
 )
 
 
@@ -931,5 +944,9 @@ register(
     dense_width=(
         "its random blocks (block_size x num_random_blocks keys)",
         lambda hp, n: hp["block_size"] * hp["num_random_blocks"],
+    ),
+    scaled=(
+        "block_size = min(default, N / 16), as BigBird's: at least 16 blocks, 3 of them read",
+        lambda d, n: {"block_size": fraction(n, 16, cap=d["block_size"])},
     ),
 )

@@ -17,6 +17,14 @@ positions or steps, the Feedback and Universal Transformers, is undercounted) an
 evaluation metric the model logs (`eval_act_steps`, `eval_exit_depth` of adaptive-depth
 models).
 
+Each attention trains with its hyper-parameters for the experiment's max_len
+(`jxformers.registry.scaled`: sparse or low-rank at that length, within its paper's
+ratios; the defaults were chosen for thousands of tokens), stated in the table's header; a
+`--set model.attention.KEY=VALUE` of the user's wins for every attention that takes KEY.
+One that cannot be sparse at all at that length is not trained (a dense copy of softmax)
+but listed as skipped with the reason. `candidates(names, max_len=...)` gives the runs
+(`jxformers lra` takes the same).
+
 Each candidate trains in WORKDIR/NAME (WORKDIR/NAME/seedS with several seeds; a rerun
 resumes or reuses finished runs). A candidate that does not fit the task (it cannot
 build this model, or fails while training) is listed under the table as skipped with
@@ -31,30 +39,99 @@ are not in it), since a CPU reports no device peak.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import statistics
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jxformers import registry
 from jxformers.data.baselines import baselines
 from jxformers.tools.demo import _step_stats, eval_examples
 from jxformers.tools.plot import plot_runs, plot_tradeoff, read_metrics
 from jxformers.train import load_experiment, train
+from jxformers.train.experiment import parse_override
 
 # The seed paper's model: softmax attention, the DCT filter before block 0 keeping 20%.
 FOURIER = ("fourier_transformer", ["model.stack.filters={0: 0.2}"])
 
 
-def candidates(names: list[str], *, fourier: bool = True) -> dict[str, list[str]]:
-    """label -> the overrides that make its model ("all": every registered attention)."""
+class Candidates(dict[str, list[str]]):
+    """label -> the overrides that make its model, with what `jxformers compare` and
+    `jxformers lra` say about them: `settings` (label -> the attention's hyper-parameters
+    for this length and the user's, as trained) and `skipped` (label -> why it is not
+    trained: no settings of it are sparse at this length, `registry.DenseAtLength`)."""
+
+    def __init__(self, runs=(), *, settings=None, skipped=None):
+        super().__init__(runs)
+        self.settings: dict[str, dict[str, Any]] = dict(settings or {})
+        self.skipped: dict[str, str] = dict(skipped or {})
+
+    def describe(self, max_len: int) -> str:
+        """The settings in words, for the table's header."""
+        changed = {k: v for k, v in self.settings.items() if v and k in self}
+        same = [k for k in self if k in registry.names() and not self.settings.get(k)]
+        words = ", ".join(f"{k} ({', '.join(f'{n}={v!r}' for n, v in hp.items())})" for k, hp in changed.items())
+        text = (
+            f"Attention settings scale with the length (`jxformers.registry.scaled`, at max_len {max_len}), so "
+            "that each efficient attention is sparse or low-rank there; an explicit `--set "
+            "model.attention.KEY=VALUE` wins"
+        )
+        text += f": {words}" if words else ""
+        text += f"; at their defaults: {', '.join(same)}" if same else ""
+        return text + "."
+
+
+def _given(overrides: Sequence[str]) -> dict[str, Any]:
+    """The attention settings a user's `--set` gives (`model.attention.KEY=VALUE`,
+    `model.attention={KEY: VALUE}`, `model.attention_kwargs...`), the name left out."""
+    given: dict[str, Any] = {}
+    for path, value in (parse_override(o) for o in overrides):
+        if path[:1] != ["model"] or len(path) < 2 or path[1] not in ("attention", "attention_kwargs"):
+            continue
+        if len(path) == 3:
+            given[path[2]] = value
+        elif len(path) == 2 and isinstance(value, Mapping):
+            given |= {k: v for k, v in value.items() if k != "name"}
+    return given
+
+
+def candidates(
+    names: list[str], *, fourier: bool = True, max_len: int | None = None, overrides: Sequence[str] = ()
+) -> Candidates:
+    """label -> the overrides that make its model ("all": every registered attention).
+
+    `max_len`: the model's length; each attention then trains with its hyper-parameters
+    for that length (`registry.scaled`), and one that cannot be sparse there is in
+    `.skipped` with the reason instead. `overrides`: the user's `--set` ones; the attention
+    settings among them (`model.attention.KEY=VALUE`) win over the scaled ones, for each
+    attention that takes KEY (a KEY no attention takes, e.g. `impl`, goes to all)."""
     if names == ["all"]:
         names = registry.names()
     for name in names:
         registry.get(name)  # an unknown name is a ValueError listing the registered ones
-    runs = {name: [f"model.attention={name}"] for name in names}
-    return runs | (dict([FOURIER]) if fourier else {})
+    given = _given(overrides)
+    taken = {p.name for n in registry.names() for p in registry.get(n).hyper_parameters}
+    runs, settings, skipped = {}, {}, {}
+    for name in names:
+        own = {p.name for p in registry.get(name).hyper_parameters}
+        mine = {k: v for k, v in given.items() if k in own or k not in taken}
+        try:
+            scaled = {} if max_len is None else registry.scaled(name, max_len)
+        except registry.DenseAtLength as e:
+            if not set(mine) & own:  # the user's own settings are tried as given
+                skipped[name] = str(e)
+                continue
+            scaled = {}
+        settings[name] = scaled | mine
+        if settings[name]:
+            runs[name] = [f"model.attention={json.dumps({'name': name} | settings[name])}"]
+        else:
+            runs[name] = [f"model.attention={name}"]
+    runs |= dict([FOURIER]) if fourier else {}
+    return Candidates(runs, settings=settings, skipped=skipped)
 
 
 def model_candidates(models: list[list[str]]) -> dict[str, list[str]]:
@@ -214,9 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.seeds < 1:
             raise ValueError(f"--seeds must be at least 1; got {args.seeds}")
         attentions = args.attentions or ([] if args.models else ["all"])
-        runs = candidates(attentions, fourier=not args.no_fourier) if attentions else {}
-        runs |= model_candidates(args.models)
         experiment = load_experiment(args.config, args.overrides)
+        max_len = experiment.model.max_len
+        runs = Candidates()
+        if attentions:
+            runs = candidates(attentions, fourier=not args.no_fourier, max_len=max_len, overrides=args.overrides)
+        runs |= model_candidates(args.models)
     except ValueError as e:
         p.error(str(e))
     root = pathlib.Path(args.workdir)
@@ -231,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.seeds > 1:
         intro = intro.replace(f"seed {t.seed},", f"seeds {t.seed}-{t.seed + args.seeds - 1} (mean ± sd),")
-    rows: dict[str, list[dict]] = {}
+    if attentions:
+        intro += runs.describe(max_len) + "\n\n"
+    rows: dict[str, list[dict]] = {name: [{"skipped": why}] for name, why in runs.skipped.items()}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "compare.md").write_text(intro + table(rows, scores) + "\n")  # also when every candidate is skipped
     for i, (name, overrides) in enumerate(runs.items()):
         rows[name] = []
         for seed in range(t.seed, t.seed + args.seeds):
