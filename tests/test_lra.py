@@ -61,7 +61,7 @@ def test_the_suite_writes_lra_table_json_and_plot_and_resumes_without_retraining
     assert f"| softmax | {100 * mean:.2f} ± " in text
     assert "| baseline: majority class |" in text and "| baseline: root operator |" in text
     assert "| softmax | Transformer | 36.37 |" in text  # the published row, for reference
-    assert "model.attention=softmax" in text  # the settings each model ran with
+    assert "Attention settings scale with the length" in text  # the settings each model ran with
     assert (tmp_path / "lra.png").stat().st_size > 0
     assert (tmp_path / "listops" / "baselines.json").is_file()
 
@@ -87,8 +87,10 @@ def test_the_fourier_transformer_joins_unless_left_out():
     args = lra.parser().parse_args(["--tasks", "listops", "--preset", "tiny", "--attentions", "softmax"])
     plan = lra._plan(args)
     assert list(plan["listops"][2]) == ["softmax", "fourier_transformer"]
+    args.attentions = ["local"]  # at the tiny preset's 65 tokens, local runs with a window that fits them
+    assert plan and lra._plan(args)["listops"][2].settings["local"]["window"] < 32
     args.no_fourier = True
-    assert list(lra._plan(args)["listops"][2]) == ["softmax"]
+    assert list(lra._plan(args)["listops"][2]) == ["local"]
 
 
 def test_published_numbers_agree_with_their_printed_averages():

@@ -14,7 +14,8 @@ plays for IMDB reviews and the ACL Anthology Network's papers, Fashion-MNIST for
 Presets: `cpu` (each task learnable in minutes on a 2-core CPU, at shorter lengths than
 LRA's), `paper` (LRA's per-task models and training, for a GPU) and `tiny` (a miniature
 for tests). Each attention runs with the hyper-parameters the registry gives for the
-task's length (`compare.candidates`), stated in the table's header.
+task's length (`registry.scaled`, through `compare.candidates`), stated under the table;
+one that cannot be sparse at a task's length is listed as skipped there, not run dense.
 """
 
 from __future__ import annotations
@@ -168,12 +169,10 @@ def table(results: dict) -> str:
             cells.append(f"{c['step_ms']:.1f}" if "step_ms" in c else "-")
             cells.append(f"{c['step_temp_mib']:.1f}" if "step_temp_mib" in c else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Settings (each task's experiment, preset and overrides; each model's own):", ""]
+    lines += ["", "Settings (each task's experiment at the preset, its length and budget, each attention's settings):", ""]
     for t in tasks:
         entry = results["tasks"][t]
-        lines.append(f"* {_title(t)}: `{entry['experiment']}`, max_len {entry['max_len']}, {entry['budget']}")
-        for name, overrides in entry["candidates"].items():
-            lines.append(f"  * {name}: {' '.join(overrides) or '(as configured)'}")
+        lines.append(f"* {_title(t)}: `{entry['experiment']}`, max_len {entry['max_len']}, {entry['budget']}. {entry['settings']}")
     skipped = [(n, t, c["skipped"]) for n in ranked for t, c in rows[n].items() if "skipped" in c]
     if skipped:
         lines += ["", "Skipped:", ""] + [f"* {n} on {t}: {why}" for n, t, why in skipped]
@@ -288,7 +287,9 @@ def _plan(args) -> dict:
             experiment = load_experiment(config, [f"preset={args.preset}", *args.overrides])
         except ValueError as e:
             raise ValueError(f"task {task} ({config}): {e}") from e
-        runs = candidates(args.attentions, fourier=not args.no_fourier)
+        runs = candidates(
+            args.attentions, fourier=not args.no_fourier, max_len=experiment.model.max_len, overrides=args.overrides
+        )
         plan[task] = (config, experiment, runs)
     return plan
 
@@ -328,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             "max_len": experiment.model.max_len,
             "budget": f"{t.steps} steps of batch {t.batch_size}, {eval_examples(experiment)} eval examples",
             "baselines": scores,
-            "candidates": runs,
-            "runs": {},
+            "candidates": dict(runs),
+            "settings": runs.describe(experiment.model.max_len),
+            "runs": {name: [{"skipped": why}] for name, why in runs.skipped.items()},
         }
     for task, (config, experiment, runs) in plan.items():
         entry = results["tasks"][task]
