@@ -169,10 +169,15 @@ def table(results: dict) -> str:
             cells.append(f"{c['step_ms']:.1f}" if "step_ms" in c else "-")
             cells.append(f"{c['step_temp_mib']:.1f}" if "step_temp_mib" in c else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Settings (each task's experiment at the preset, its length and budget, each attention's settings):", ""]
+    lines += [
+        "",
+        "Settings (each task's experiment at the preset, its length and budget, each attention's settings):",
+        "",
+    ]
     for t in tasks:
         entry = results["tasks"][t]
-        lines.append(f"* {_title(t)}: `{entry['experiment']}`, max_len {entry['max_len']}, {entry['budget']}. {entry['settings']}")
+        where = f"`{entry['experiment']}`, max_len {entry['max_len']}, {entry['budget']}"
+        lines.append(f"* {_title(t)}: {where}. {entry['settings']}")
     skipped = [(n, t, c["skipped"]) for n in ranked for t, c in rows[n].items() if "skipped" in c]
     if skipped:
         lines += ["", "Skipped:", ""] + [f"* {n} on {t}: {why}" for n, t, why in skipped]
