@@ -10,6 +10,10 @@ eval split, to print next to a model's.
   expression and scores about 0.37 at LRA lengths, the published LRA Transformer's level.
 * Pathfinder: the best of its geometric shortcuts (`pathfinder_check`: marker distance,
   ink, components, ink near the markers, all together), which the generator keeps at chance.
+* Fashion-MNIST (LRA Image's stand-in): `nearest_centroid`, the class whose mean image
+  (over the first `FIT_RECORDS` training records) is nearest in pixel space, a cheap
+  predictor a sequence model must beat; and `mean_intensity`, the label most frequent in
+  each of 16 quantile bins of the image's mean pixel alone (how far ink alone goes).
 
 A shortcut is a function of (train records, eval records), each a dict of stacked
 arrays (`tokens [n, max_len]`, `label [n]`, ...), returning {name: accuracy}.
@@ -23,11 +27,13 @@ import numpy as np
 
 from jxformers.data import pathfinder_check
 from jxformers.data.loader import make_loader
+from jxformers.data.real import FashionMNIST
 from jxformers.data.tasks import ListOps, Pathfinder
 
 # Training records a fitted shortcut learns from (enough for a table of a few cells).
 FIT_RECORDS = 2000
 MIN_SHORTCUT_RECORDS = 40
+INTENSITY_BINS = 16  # quantile bins of the mean pixel (as pathfinder_check's one-feature rules)
 
 Records = dict[str, np.ndarray]
 
@@ -70,10 +76,29 @@ def pathfinder_shortcut(train: Records, eval_records: Records) -> dict[str, floa
     return {"best_shortcut": max(scores[name] for name in (*pathfinder_check.SHORTCUTS, "all shortcuts together"))}
 
 
+def image_baselines(train: Records, eval_records: Records) -> dict[str, float]:
+    """Fashion-MNIST: nearest class centroid on the pixels, and the mean intensity alone
+    (the label most frequent in its quantile bin), both fitted on the train records."""
+    x_train, x_eval = train["tokens"].astype(np.float64), eval_records["tokens"].astype(np.float64)
+    y_train = train["label"]
+    classes = np.unique(y_train)
+    centroids = np.stack([x_train[y_train == c].mean(axis=0) for c in classes])
+    # squared distances up to the same |x|^2 for every class
+    nearest = classes[np.argmin((centroids**2).sum(axis=1) - 2 * x_eval @ centroids.T, axis=1)]
+    ink_train, ink_eval = x_train.mean(axis=1), x_eval.mean(axis=1)
+    edges = np.unique(np.quantile(ink_train, np.linspace(0, 1, INTENSITY_BINS + 1)[1:-1]))
+    by_ink = predict_by_key(np.searchsorted(edges, ink_train), y_train, np.searchsorted(edges, ink_eval))
+    return {
+        "nearest_centroid": float(np.mean(nearest == eval_records["label"])),
+        "mean_intensity": float(np.mean(by_ink == eval_records["label"])),
+    }
+
+
 # A task's source class -> its shortcuts beyond the majority class.
 SHORTCUTS: dict[type, Callable[[Records, Records], dict[str, float]]] = {
     ListOps: root_operator,
     Pathfinder: pathfinder_shortcut,
+    FashionMNIST: image_baselines,
 }
 
 
