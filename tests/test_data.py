@@ -2,6 +2,7 @@
 determinism), the copy and recall tasks, and the grain loader's resumable order."""
 
 import gzip
+import pathlib
 
 import numpy as np
 import pytest
@@ -189,6 +190,66 @@ def test_fashion_mnist_reads_debians_idx_files(tmp_path):
     assert g["loss_mask"].sum() == 784 and not g["loss_mask"][-1]
     with pytest.raises(ValueError, match="apt install dataset-fashion-mnist"):
         make_source("fashion_mnist", seed=0, size=1, path=str(tmp_path / "nowhere"))
+
+
+def test_fashion_mnist_as_lra_image_pads_to_32x32(tmp_path):
+    rng = np.random.default_rng(1)
+    pictures = {"train": rng.integers(1, 256, (5, 28, 28)), "t10k": rng.integers(1, 256, (3, 28, 28))}
+    for split, images in pictures.items():
+        _write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz", images)
+        _write_idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", np.arange(len(images)) + 4)
+    src = make_source("fashion_mnist", seed=0, size=5, path=str(tmp_path), image_size=32, split="valid")
+    assert src.max_len == 1024 and src.vocab_size == 256 and src.num_classes == 10
+    r = src[2]
+    image = r["tokens"].reshape(32, 32)
+    assert r["tokens"].shape == (1024,) and r["mask"].all() and int(r["label"]) == 6  # zeros are data too
+    assert np.array_equal(image[2:30, 2:30], pictures["t10k"][2])  # centred
+    border = np.ones((32, 32), bool)
+    border[2:30, 2:30] = False
+    assert not image[border].any()  # 2 rows and columns of zeros on each side
+    gen = make_source("fashion_mnist", seed=0, size=2, path=str(tmp_path), image_size=32, mode="generate")
+    assert gen[0]["tokens"].shape == (1025,) and gen[0]["loss_mask"].sum() == 1024
+    with pytest.raises(ValueError, match=r"image_size must be one of \(28, 32\); got 30"):
+        make_source("fashion_mnist", seed=0, size=1, path=str(tmp_path), image_size=30)
+    with pytest.raises(ValueError, match="scripts/fetch_fashion_mnist.sh"):
+        make_source("fashion_mnist", seed=0, size=1, path=str(tmp_path / "nowhere"), image_size=32)
+
+
+def test_image_baselines_on_a_fixture():
+    """Nearest class centroid and mean intensity against a numpy reference of their own."""
+    from jxformers.data.baselines import image_baselines
+
+    rng = np.random.default_rng(0)
+    y_train, y_eval = np.arange(40) % 4, rng.integers(0, 4, 24)
+    # class c: pixels around 60 c (so both its centroid and its ink say c), noise of sd 50
+    x_train, x_eval = (np.clip(60 * y[:, None] + rng.normal(0, 50, (len(y), 16)), 0, 255) for y in (y_train, y_eval))
+    got = image_baselines({"tokens": x_train, "label": y_train}, {"tokens": x_eval, "label": y_eval})
+    centroids = np.stack([x_train[y_train == c].mean(0) for c in range(4)])
+    nearest = np.linalg.norm(x_eval[:, None] - centroids[None], axis=-1).argmin(1)
+    assert got["nearest_centroid"] == pytest.approx(np.mean(nearest == y_eval))
+    assert got["nearest_centroid"] > 0.5 and 0.25 < got["mean_intensity"] <= 1.0
+
+
+FASHION_MNIST = pathlib.Path(__file__).parents[1] / "data" / "fashion-mnist"
+
+
+@pytest.mark.skipif(
+    not (FASHION_MNIST / "t10k-images-idx3-ubyte.gz").exists(),
+    reason=f"Fashion-MNIST not at {FASHION_MNIST} (bash scripts/fetch_fashion_mnist.sh data)",
+)
+def test_image_baselines_on_fashion_mnist():
+    """The LRA Image stand-in's baselines on 2,000 eval images, fitted on 2,000 training
+    images (docs/data.md: 0.10, 0.68, 0.26 on all 10,000 eval images)."""
+    from jxformers.data.baselines import baselines
+
+    train, valid = (
+        make_source("fashion_mnist", seed=0, size=n, path=str(FASHION_MNIST), image_size=32, split=split)
+        for n, split in ((60000, "train"), (10000, "valid"))
+    )
+    got = baselines(train, valid, records=2000)
+    assert got["majority_class"] <= 0.12, got
+    assert 0.60 <= got["nearest_centroid"] <= 0.75, got
+    assert 0.20 <= got["mean_intensity"] <= 0.33, got
 
 
 def test_shakespeare_bytes_split_by_play(tmp_path):

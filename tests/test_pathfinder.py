@@ -68,6 +68,26 @@ def test_records_are_a_pure_function_of_seed_and_index():
 
 def test_lra_clutter():
     assert [pathfinder.default_distractors(32, n) for n in (6, 9, 14)] == [10, 6, 5]  # 20 // (n // 3)
+    # LRA's budgets of distractor steps by size (22, 35, 30 at 64, 128, 256 px); area-scaled below 32
+    assert [pathfinder.default_distractors(s, 14) for s in (16, 64, 128, 256)] == [1, 5, 8, 7]
+
+
+def test_path_x_records_render():
+    """Path-X (128x128, contour length 14, LRA's clutter): 16,384-pixel records, labels
+    alternating, both markers present and connected exactly when the label is 1."""
+    from jxformers.data import make_source
+
+    source = make_source("pathfinder", seed=0, size=2, image_size=128, contour_length=14)
+    records = source.__getitems__([0, 1])
+    assert source.max_len == 16384
+    for index, record in enumerate(records):
+        assert record["tokens"].shape == (16384,) and record["mask"].all() and int(record["label"]) == index % 2
+        image = record["tokens"].reshape(128, 128).astype(np.uint8)
+        assert len(marker_centres(image)) == 2
+        labelled, count = ndimage.label(image > 0, np.ones((3, 3), bool))
+        assert count == 2 + pathfinder.default_distractors(128, 14)  # every contour one stroke, none touch
+        (y0, x0), (y1, x1) = marker_centres(image)
+        assert (labelled[y0, x0] == labelled[y1, x1]) == bool(record["label"])
 
 
 def test_features_count_grey_ink_as_ink():

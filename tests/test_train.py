@@ -64,7 +64,7 @@ def losses(workdir):
 
 REAL_DATA = {
     "fmnist_classify", "fmnist_generate", "glam", "shakespeare_lm", "shakespeare_moe", "shakespeare_txl",
-    "shakespeare_scene", "lra_text", "lra_retrieval",
+    "shakespeare_scene", "lra_text", "lra_retrieval", "lra_image",
 }  # fmt: skip
 
 
@@ -125,6 +125,7 @@ def _real_data_fixtures(tmp_path):
         "shakespeare_scene": scenes,
         "fmnist_classify": fm,
         "fmnist_generate": fm,
+        "lra_image": fm,
         "shakespeare_lm": texts,
         "shakespeare_moe": texts,
         "glam": streams,  # the paper preset reads 1025-byte records

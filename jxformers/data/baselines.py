@@ -16,6 +16,10 @@ eval split, to print next to a model's.
 * `ngram_overlap` (LRA Retrieval's stand-in, `lra_retrieval`, and any retrieval task):
   the Jaccard similarity of the two documents' sets of character n-grams, "same" above a
   threshold; n (of `OVERLAP_ORDERS`) and the threshold fitted on the training records.
+* Fashion-MNIST (LRA Image's stand-in): `nearest_centroid`, the class whose mean image
+  (over the first `FIT_RECORDS` training records) is nearest in pixel space, a cheap
+  predictor a sequence model must beat; and `mean_intensity`, the label most frequent in
+  each of 16 quantile bins of the image's mean pixel alone (how far ink alone goes).
 
 A shortcut is a function of (train records, eval records), each a dict of stacked
 arrays (`tokens [n, max_len]`, `label [n]`, ...), returning {name: accuracy}. `baselines`
@@ -31,6 +35,7 @@ import numpy as np
 from jxformers.data import pathfinder_check
 from jxformers.data.loader import make_loader
 from jxformers.data.lra_text import LRARetrieval, LRAText
+from jxformers.data.real import FashionMNIST
 from jxformers.data.tasks import ListOps, Pathfinder
 
 # Training records a fitted shortcut learns from (enough for a table of a few cells).
@@ -39,6 +44,7 @@ MIN_SHORTCUT_RECORDS = 40
 NGRAM_BUCKETS = 2**20  # byte_ngram_bayes's hashed features: trigrams alone have 2^24 codes
 BAYES_ORDERS = (1, 2, 3)
 OVERLAP_ORDERS = (3, 4, 5, 6, 7)  # a 7-gram's code (7 bytes) fits an int64
+INTENSITY_BINS = 16  # quantile bins of the mean pixel (as pathfinder_check's one-feature rules)
 
 Records = dict[str, np.ndarray]
 
@@ -156,12 +162,31 @@ def ngram_overlap(train: Records, eval_records: Records) -> dict[str, float]:
     return {"ngram_overlap": float(np.mean(predicted == eval_records["label"].astype(bool)))}
 
 
+def image_baselines(train: Records, eval_records: Records) -> dict[str, float]:
+    """Fashion-MNIST: nearest class centroid on the pixels, and the mean intensity alone
+    (the label most frequent in its quantile bin), both fitted on the train records."""
+    x_train, x_eval = train["tokens"].astype(np.float64), eval_records["tokens"].astype(np.float64)
+    y_train = train["label"]
+    classes = np.unique(y_train)
+    centroids = np.stack([x_train[y_train == c].mean(axis=0) for c in classes])
+    # squared distances up to the same |x|^2 for every class
+    nearest = classes[np.argmin((centroids**2).sum(axis=1) - 2 * x_eval @ centroids.T, axis=1)]
+    ink_train, ink_eval = x_train.mean(axis=1), x_eval.mean(axis=1)
+    edges = np.unique(np.quantile(ink_train, np.linspace(0, 1, INTENSITY_BINS + 1)[1:-1]))
+    by_ink = predict_by_key(np.searchsorted(edges, ink_train), y_train, np.searchsorted(edges, ink_eval))
+    return {
+        "nearest_centroid": float(np.mean(nearest == eval_records["label"])),
+        "mean_intensity": float(np.mean(by_ink == eval_records["label"])),
+    }
+
+
 # A task's source class -> its shortcuts beyond the majority class.
 SHORTCUTS: dict[type, Callable[[Records, Records], dict[str, float]]] = {
     ListOps: root_operator,
     Pathfinder: pathfinder_shortcut,
     LRAText: byte_ngram_bayes,
     LRARetrieval: ngram_overlap,
+    FashionMNIST: image_baselines,
 }
 # Tasks whose records `baselines` scores: those with a `label` per record.
 SCORED_TASKS = ("classify", "retrieval")

