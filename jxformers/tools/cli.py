@@ -15,6 +15,8 @@ import os
 import sys
 import warnings
 
+from jxformers.tools.help_text import add_overrides
+
 USAGE = """usage: jxformers COMMAND [ARGS]   (jxformers --version prints the version)
 
 commands:
@@ -64,13 +66,9 @@ def _experiment_parser(
     else:
         p.add_argument("config", help="an experiment name in experiments/ (e.g. copy) or a YAML path")
     p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and config.yaml go here")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.steps=100 --set preset=tiny"
+    add_overrides(
+        p,
+        "override a config value, e.g. --set train.steps=100 --set preset=tiny"
         + ("; for eval / generate only settings outside the model" if run_config else ""),
     )
     return p

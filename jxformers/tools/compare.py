@@ -50,6 +50,7 @@ from typing import Any
 from jxformers import registry
 from jxformers.data.baselines import baselines
 from jxformers.tools.demo import _step_stats, eval_examples
+from jxformers.tools.help_text import add_overrides
 from jxformers.tools.plot import plot_runs, plot_tradeoff, read_metrics
 from jxformers.train import load_experiment, train
 from jxformers.train.experiment import parse_override
@@ -272,14 +273,7 @@ def parser() -> argparse.ArgumentParser:
         help="one sub-directory per model; compare.md, "
         "compare.png (accuracy against steps/s) and curves.png go here (default %(default)s)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="overrides for every run, e.g. --set preset=tiny --set train.steps=100",
-    )
+    add_overrides(p, "overrides for every run, e.g. --set preset=tiny --set train.steps=100")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 

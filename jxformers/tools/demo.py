@@ -38,6 +38,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jxformers import registry
 from jxformers.data.baselines import baselines
+from jxformers.tools.help_text import add_overrides
 from jxformers.tools.plot import plot_runs
 from jxformers.train import NonFiniteError, load_experiment, train
 from jxformers.train.workdir import read_metrics_log
@@ -203,14 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         help="training seeds per model (train.seed 0, 1, ...); the table shows mean ± standard "
         "deviation over them (default %(default)s)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra overrides for every run, e.g. train.steps=50",
-    )
+    add_overrides(p, "extra overrides for every run, e.g. train.steps=50")
     p.add_argument(
         "--attention",
         dest="attentions",

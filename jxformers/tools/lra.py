@@ -32,7 +32,7 @@ import sys
 from jxformers.data.baselines import baselines
 from jxformers.tools.compare import FOURIER, candidates, run_one
 from jxformers.tools.demo import eval_examples
-from jxformers.tools.help_text import description
+from jxformers.tools.help_text import add_overrides, description
 from jxformers.tools.plot import plot_tradeoff
 from jxformers.train import load_experiment
 
@@ -265,14 +265,7 @@ def parser() -> argparse.ArgumentParser:
         default="runs/lra",
         help="TASK/MODEL/seedS run directories, lra.md, lra.json and lra.png go here (default %(default)s)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="overrides for every run of every task, e.g. --set train.steps=100",
-    )
+    add_overrides(p, "overrides for every run of every task, e.g. --set train.steps=100")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
