@@ -125,8 +125,13 @@ def table(results: dict) -> str:
         "",
         f"Command: `{results['command']}`  ",
         f"Machine: {results['machine']}  ",
-        f"Seeds {results['first_seed']}..{results['first_seed'] + seeds - 1} per model and task; accuracy on each "
-        "task's eval split (mean ± sd over seeds); Avg. is the mean over the tasks, given only where every task "
+        (
+            f"Seeds {results['first_seed']}..{results['first_seed'] + seeds - 1} per model and task; accuracy on each "
+            "task's eval split (mean ± sd over seeds)"
+            if seeds > 1
+            else f"Seed {results['first_seed']} alone; accuracy on each task's eval split"
+        )
+        + "; Avg. is the mean over the tasks, given only where every task "
         "finished. * marks a stand-in task (below): compare its numbers with the published ones as other data.",
         "",
     ]
@@ -142,7 +147,8 @@ def table(results: dict) -> str:
         for t in tasks:
             c = rows[name].get(t, {})
             if "accuracy" in c:
-                cells.append(f"{100 * c['accuracy']:.2f} ± {100 * c['accuracy_sd']:.2f}")
+                spread = f" ± {100 * c['accuracy_sd']:.2f}" if seeds > 1 else ""
+                cells.append(f"{100 * c['accuracy']:.2f}{spread}")
             else:
                 cells.append("skipped" if "skipped" in c else "-")
         avg = _average(rows[name], tasks)
