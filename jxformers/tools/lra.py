@@ -30,7 +30,7 @@ import statistics
 import sys
 
 from jxformers.data.baselines import baselines
-from jxformers.tools.compare import FOURIER, candidates, run_one
+from jxformers.tools.compare import FOURIER, _summarised, candidates, run_one
 from jxformers.tools.demo import eval_examples
 from jxformers.tools.help_text import add_overrides, description
 from jxformers.tools.plot import plot_tradeoff
@@ -79,27 +79,16 @@ PUBLISHED = {
 }
 
 
-def _stat(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def summary(results: dict) -> dict[str, dict[str, dict[str, float]]]:
-    """candidate -> task -> {accuracy, accuracy_sd, step_ms, step_temp_mib, seeds} over the
-    seeds that finished (a candidate skipped on a task: {"skipped": reason})."""
+    """candidate -> task -> its seeds as one row (`compare`'s: each metric's mean and, under
+    "<metric>_sd", its standard deviation), with `accuracy` / `accuracy_sd` for the eval
+    accuracy; a candidate skipped on a task: {"skipped": reason}; not run yet: {}."""
     out: dict[str, dict[str, dict]] = {}
     for task, entry in results["tasks"].items():
         for name, rows in entry["runs"].items():
-            cell: dict = {}
-            skipped = [r["skipped"] for r in rows if "skipped" in r]
-            done = [r for r in rows if "eval_accuracy" in r]
-            if skipped:
-                cell = {"skipped": skipped[0]}
-            elif done:
-                cell["accuracy"], cell["accuracy_sd"] = _stat([r["eval_accuracy"] for r in done])
-                for key in ("step_ms", "step_temp_mib"):
-                    if all(key in r for r in done):
-                        cell[key] = statistics.fmean(r[key] for r in done)
-                cell["seeds"] = len(done)
+            cell = _summarised(rows) if rows else {}
+            if "eval_accuracy" in cell:
+                cell["accuracy"], cell["accuracy_sd"] = cell["eval_accuracy"], cell["eval_accuracy_sd"]
             out.setdefault(name, {})[task] = cell
     return out
 
