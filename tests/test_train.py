@@ -15,6 +15,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 import yaml
 
@@ -150,6 +152,9 @@ def _real_data_fixtures(tmp_path):
         (["train.learning_rate=nan"], r"train.learning_rate must be > 0; got nan"),
         (["train.weight_decay=-0.1"], r"train.weight_decay must be >= 0; got -0.1"),
         (["train.clip_norm=-1"], r"train.clip_norm must be > 0, or 0 or null"),
+        (["train.adam_b2=1"], r"train.adam_b2 must be in \[0, 1\); got 1"),
+        (["train.adam_b1=-0.5"], r"train.adam_b1 must be in \[0, 1\); got -0.5"),
+        (["train.adam_eps=0"], r"train.adam_eps must be > 0; got 0"),
         (["train.warmup_steps=13"], r"train.warmup_steps=13 exceeds train.steps=12: .* at most 12"),
         (["train.steps=1"], r"train.warmup_steps=2 exceeds train.steps=1"),  # the file's warm-up is set too
         (["colour=red"], "unknown section"),
@@ -252,6 +257,38 @@ def test_weight_decay_skips_vectors_and_schedules_warm_up():
     ) == pytest.approx(0.5, rel=1e-3)
     radam, _ = make_optimizer(optimizer="radam", learning_rate=1e-2, weight_decay=0.1)
     assert radam.update(zero, radam.init(params), params)[0]["w"].shape == (3, 3)
+
+
+def test_the_experiments_adam_decays_reach_the_optimizer(tmp_path):
+    # Adam's second step differs with b2 and eps (its first is sign-like whatever b2): two
+    # steps of the experiment's optimizer against optax.adamw with the same decays
+    from jxformers.train.state import make_experiment_optimizer
+
+    params = {"w": jnp.ones((2, 2))}
+    grads = [{"w": jnp.array([[1.0, -2.0], [0.5, 3.0]])}, {"w": jnp.array([[-1.0, 0.1], [2.0, 0.2]])}]
+
+    def two_steps(opt):
+        state, out = opt.init(params), []
+        for g in grads:
+            update, state = opt.update(g, state, params)
+            out.append(update["w"])
+        return out[-1]
+
+    settings = ["preset=tiny", "train.clip_norm=0", "train.weight_decay=0", "train.schedule=constant"]
+    settings += [
+        "train.optimizer=adamw",
+        "train.warmup_steps=0",
+        "train.adam_b1=0.5",
+        "train.adam_b2=0.98",
+        "train.adam_eps=0.1",
+    ]
+    experiment = load_experiment("copy", settings)
+    ours, _ = make_experiment_optimizer(experiment)
+    lr = experiment.train.learning_rate
+    want = two_steps(optax.adamw(lr, b1=0.5, b2=0.98, eps=0.1, weight_decay=0.0))
+    np.testing.assert_allclose(two_steps(ours), want, rtol=1e-6)
+    for other in ({"b2": 0.999, "eps": 0.1}, {"b2": 0.98, "eps": 1e-8}):  # each setting matters here
+        assert not np.allclose(want, two_steps(optax.adamw(lr, b1=0.5, weight_decay=0.0, **other)), rtol=1e-3)
 
 
 # ----------------------------------------------------------------------------- training

@@ -112,6 +112,13 @@ class TrainConfig(_Section):
     )
     schedule: str = setting("cosine", "the decay after warm-up", choices=SCHEDULES)
     weight_decay: float = setting(0.01, "decoupled weight decay (not on norms, biases, embeddings)")
+    adam_b1: float = setting(0.9, "Adam's (and RAdam's) decay of the gradient's running mean, in [0, 1)")
+    adam_b2: float = setting(
+        0.999, "Adam's (and RAdam's) decay of the squared gradient's running mean, in [0, 1) (LRA's code: 0.98)"
+    )
+    adam_eps: float = setting(
+        1e-8, "Adam's (and RAdam's) epsilon added to the update's denominator, > 0 (LRA's code: 1e-9)"
+    )
     clip_norm: float | None = setting(1.0, "global gradient norm clipping (0 or null: none)")
     grad_accum: int = setting(1, "micro-batches per step (divides batch_size)")
     eval_every: int = setting(500, "evaluate every this many steps")
@@ -148,6 +155,11 @@ class TrainConfig(_Section):
             )
         if not self.learning_rate > 0:  # a negative rate would ascend the loss; `not >` catches NaN
             raise ValueError(f"train.learning_rate must be > 0; got {self.learning_rate}")
+        for name in ("adam_b1", "adam_b2"):  # 1 would never forget; `not <` catches NaN
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be in [0, 1); got {getattr(self, name)}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"train.adam_eps must be > 0; got {self.adam_eps}")
         if self.clip_norm is not None and not self.clip_norm >= 0:
             raise ValueError(f"train.clip_norm must be > 0, or 0 or null for no clipping; got {self.clip_norm}")
         if self.batch_size % self.grad_accum:

@@ -51,6 +51,7 @@ def make_optimizer(
     clip_norm: float | None = 1.0,
     b1: float = 0.9,
     b2: float = 0.999,
+    eps: float = 1e-8,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer and its learning-rate schedule (for logging); `warmup_steps` None:
     `default_warmup_steps(total_steps)`."""
@@ -59,10 +60,10 @@ def make_optimizer(
     lr = learning_rate_schedule(peak=learning_rate, warmup_steps=warmup_steps, total_steps=total_steps, kind=schedule)
     parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
     if optimizer == "adamw":
-        parts.append(optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
+        parts.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
     else:
         parts += [  # RAdam with decoupled weight decay, as AdamW decouples it from Adam
-            optax.scale_by_radam(b1=b1, b2=b2),
+            optax.scale_by_radam(b1=b1, b2=b2, eps=eps),
             optax.add_decayed_weights(weight_decay, mask=decay_mask),
             optax.scale_by_learning_rate(lr),
         ]

@@ -79,6 +79,9 @@ def make_experiment_optimizer(experiment) -> tuple[optax.GradientTransformation,
         schedule=t.schedule,
         weight_decay=t.weight_decay,
         clip_norm=t.clip_norm,
+        b1=t.adam_b1,
+        b2=t.adam_b2,
+        eps=t.adam_eps,
     )
 
 
