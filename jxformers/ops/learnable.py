@@ -753,9 +753,12 @@ register(
     limits={"n_clusters": 1, "local_heads": 0, "local_window": 0, "max_len": 1, "decay": Limits(minimum=0, below=1)},
     dense_width=("its clusters (max_len / n_clusters keys)", lambda hp, n: -(-n // hp["n_clusters"])),
     scaled=(
-        "n_clusters kept (ceil(N / k) keys a cluster: sparse at any N); local_window = min(default, N / 8) keys "
-        "each side, as local attention's",
-        lambda d, n: {"local_window": fraction(n, 8, cap=d["local_window"])},
+        "n_clusters = max(default, floor(sqrt(N))): Roy et al. 2021's k about sqrt(N), so a cluster holds about "
+        "sqrt(N) keys at any length; local_window = min(default, N / 8) keys each side, as local attention's",
+        lambda d, n: {
+            "n_clusters": max(d["n_clusters"], math.isqrt(n)),
+            "local_window": fraction(n, 8, cap=d["local_window"]),
+        },
     ),
 )
 
