@@ -244,9 +244,10 @@ class _CompiledStep:
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float], float]:
         if self.compiled is None:
             began = time.perf_counter()
-            self.compiled = self.jitted.lower(state, batch).compile()
+            lowered = self.jitted.lower(state, batch)
+            self.compiled = lowered.compile()
             self.compile_seconds = time.perf_counter() - began
-            cost = cost_of(self.compiled)
+            cost = cost_of(self.compiled, lowered)
             self.temp_bytes, self.flops = cost.temp_bytes, cost.flops
         began = time.perf_counter()
         state, metrics = self.compiled(state, batch)
