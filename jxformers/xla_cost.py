@@ -2,11 +2,12 @@
 temporary memory from its memory analysis. One place reads both (benchmarks, tests,
 the train loop), because their return shapes differ across jax versions and backends.
 
-FLOPs are counted on the lowered program (before the backend's passes) when it is at
-hand: a GPU's compiled program calls cuBLAS and cuDNN for its matrix products, and XLA's
-cost analysis of the compiled program leaves those calls out. The LRA ListOps model of
-LRA's size counted 2.9 MFLOP a token on an H200 that way, where its own ops (and the
-CPU's count of the same step) are 192 MFLOP a token."""
+On a GPU the FLOP count is too low: the compiled program hands its matrix products to
+cuBLAS and cuDNN, and XLA's cost analysis leaves those calls out (the LRA ListOps model
+of LRA's size counted 2.9 MFLOP a token on an H200, 192 on a CPU). Counting the lowered
+program instead includes them but counts a cumulative sum as the quadratic reduce-window
+it is written as (the causal linear attentions' FLOPs then grow as N^2), so neither is
+used there yet; GPU tables mark their FLOP columns."""
 
 from __future__ import annotations
 
@@ -28,17 +29,11 @@ class Cost:
     argument_bytes: int = 0
 
 
-def _flops(stage) -> float:
-    analysis = stage.cost_analysis()
+def cost_of(compiled) -> Cost:
+    """The cost of an already compiled program (`jax.jit(f).lower(...).compile()`)."""
+    analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-    return float((analysis or {}).get("flops", float("nan")))
-
-
-def cost_of(compiled, lowered=None) -> Cost:
-    """The cost of an already compiled program (`jax.jit(f).lower(...).compile()`);
-    with `lowered` (the `.lower(...)` it was compiled from) its FLOPs are counted there,
-    library calls included (see the module docstring)."""
-    flops = _flops(compiled if lowered is None else lowered)
+    flops = float((analysis or {}).get("flops", float("nan")))
     memory = compiled.memory_analysis()
     temp = int(getattr(memory, "temp_size_in_bytes", 0)) if memory is not None else 0
     arguments = int(getattr(memory, "argument_size_in_bytes", 0)) if memory is not None else 0
@@ -48,6 +43,5 @@ def cost_of(compiled, lowered=None) -> Cost:
 def compile_with_cost(fn: Callable, *args) -> tuple[Callable, Cost]:
     """Compile `fn` for `args` (arrays or `jax.ShapeDtypeStruct`s) once; return the
     compiled callable and its cost."""
-    lowered = jax.jit(fn).lower(*args)
-    compiled = lowered.compile()
-    return compiled, cost_of(compiled, lowered)
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, cost_of(compiled)

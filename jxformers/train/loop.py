@@ -244,10 +244,9 @@ class _CompiledStep:
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float], float]:
         if self.compiled is None:
             began = time.perf_counter()
-            lowered = self.jitted.lower(state, batch)
-            self.compiled = lowered.compile()
+            self.compiled = self.jitted.lower(state, batch).compile()
             self.compile_seconds = time.perf_counter() - began
-            cost = cost_of(self.compiled, lowered)
+            cost = cost_of(self.compiled)
             self.temp_bytes, self.flops = cost.temp_bytes, cost.flops
         began = time.perf_counter()
         state, metrics = self.compiled(state, batch)
