@@ -164,3 +164,11 @@ def test_compiled_kernel_lowers_for_hopper(dtype, d, block_q, masked):
     mask = jax.ShapeDtypeStruct((n,), jnp.bool_) if masked else None
     lowered = jax.jit(attend).trace(q, k, k, mask).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_softcap_and_sinks_are_refused_by_name():
+    # Not in this forward yet: backend="gpu" (Triton) and "tpu" compute them.
+    q, k, v = qkv(9, 64, heads=1, kv_heads=1, d=64, dv=64, dtype=jnp.bfloat16)
+    for kw in (dict(softcap=30.0), dict(sinks="zero")):
+        with pytest.raises(ValueError, match="backend='mosaic_gpu' has no softcap or sinks yet"):
+            _run(Band(), q, k, v, 64, **kw)

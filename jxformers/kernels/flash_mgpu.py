@@ -337,11 +337,17 @@ def _pad_last(x, size: int):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
+def forward(q, k, v, kv_mask, slopes, sinks, rows: VisitLists, static):
     """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key):
     `flash_gpu.forward`'s contract, so the Triton backward runs on them unchanged."""
     if static.has_segments or slopes is not None:
         raise ValueError("backend='mosaic_gpu' has no segment_ids or ALiBi yet; use backend='gpu'")
+    if static.softcap is not None or sinks is not None:
+        raise ValueError(
+            f"backend='mosaic_gpu' has no softcap or sinks yet (got softcap={static.softcap}, sinks "
+            f"{'given' if sinks is not None else 'none'}); use backend='gpu' (Triton) or 'tpu', "
+            "whose kernels compute both"
+        )
     lq, heads, d_k = q.shape
     lk, kv_heads, d_v = v.shape
     bq, bk = static.sizes.block_q, static.sizes.block_k
