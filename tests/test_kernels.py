@@ -442,6 +442,20 @@ def test_softcap_and_sinks_bf16_track_float32():
     assert_close(got, jitted_call(ops.softmax_attention, q, k, v, impl="xla", **kw), atol=3e-2, rtol=3e-2)
 
 
+def test_auto_keeps_xla_for_softcap_and_sinks_until_they_run_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(impl, "device_backend", lambda: "gpu")
+    monkeypatch.setattr(impl, "_gpu_capability", lambda: 9.0)
+    q, k, v = qkv(17, 256)
+
+    def kernels(**kw):  # traced, not run: the choice is made while the op traces
+        return str(jax.make_jaxpr(lambda q: eager_ops.softmax_attention(q, k, v, causal=True, **kw))(q)).count(
+            "pallas_call"
+        )
+
+    assert kernels(softcap=30.0) == 0 and kernels(sinks="zero") == 0
+    assert kernels(softcap=30.0, impl="pallas") == kernels(impl="auto") == 1
+
+
 def test_score_options_the_kernels_lack_are_refused_by_name():
     q, k, v = qkv(16, N)
     with pytest.raises(ValueError, match=r"cannot run this call: score options \['top_k'\]"):

@@ -182,8 +182,8 @@ def softmax_attention(
         impl: one of `jxformers.kernels.IMPLS` (`jxformers.kernels.impl`):
             the flash-attention kernel (O(N) memory) takes calls without `mask`, with no
             bias or an `Alibi` one, and of the score options only `softcap` and `sinks`
-            (`KERNEL_SCORE_OPTIONS`); cuDNN bf16/fp16 calls without any mask, bias or score
-            option.
+            (`KERNEL_SCORE_OPTIONS`; "auto" keeps XLA for those until they have run on a
+            GPU); cuDNN bf16/fp16 calls without any mask, bias or score option.
 
     Returns:
         `[q_len, heads, d_v]`. A query with every key masked returns zeros.
@@ -303,6 +303,10 @@ def _softmax(
         or True
     )
     choice = choose_kernel(impl, unsupported=unsupported, what="softmax attention", q_len=q_len, cudnn=cudnn)
+    if impl == "auto" and options:
+        # The kernels' soft-cap and sinks have not run on a GPU yet: "auto" keeps the XLA
+        # op for them until they are checked there (explicit impl="pallas" runs them).
+        choice = None
     if choice is not None and choice.backend == "cudnn":
         return cudnn_attention(q, k, v, causal=causal, scale=scale)
     if choice is not None:
