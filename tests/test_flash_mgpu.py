@@ -1,7 +1,8 @@
 """The Mosaic GPU forward of the block-sparse flash kernel (`kernels/flash_mgpu.py`,
 `backend="mosaic_gpu"`) in JAX's GPU interpret mode on CPU, against the dense reference:
 out and log-sum-exp for dense, causal, a sliding window with a kv_mask, an odd length
-and rows that see no key, a window united with global keys, grouped-query heads, bf16
+and rows that see no key, a window united with global keys, soft-capping and learned
+sinks (with their gradient), grouped-query heads, bf16
 and fp16, one and two consumer warpgroups, visit lists longer than the K/V ring, vmap;
 gradients through it (its out and lse feed the Triton backward); and the compiled
 kernel lowered for CUDA (Mosaic GPU's layout checks) without a GPU.
@@ -140,7 +141,7 @@ def test_refuses_what_it_does_not_take():
 
 
 @pytest.mark.parametrize("dtype,d,block_q,masked", [(jnp.bfloat16, 128, 128, False), (jnp.float16, 64, 64, True)])
-def test_compiled_kernel_lowers_for_hopper(dtype, d, block_q, masked):
+def test_compiled_kernel_lowers_for_hopper(dtype, d, block_q, masked):  # the masked case with softcap and sinks
     # Interpret mode runs neither layouts nor P fed to wgmma from registers: lowering the
     # compiled kernel for CUDA on this CPU runs Mosaic GPU's layout inference and checks
     # on that path (a wrong broadcast layout fails here), short of ptxas and the GPU.
@@ -159,8 +160,39 @@ def test_compiled_kernel_lowers_for_hopper(dtype, d, block_q, masked):
             backend="mosaic_gpu",
             return_lse=True,
             block_sizes=BlockSizes(block_q, 64),
+            softcap=30.0 if masked else None,
+            sinks="learned" if masked else "none",
+            sink_logits=jnp.zeros(2) if masked else None,
         )
 
     mask = jax.ShapeDtypeStruct((n,), jnp.bool_) if masked else None
     lowered = jax.jit(attend).trace(q, k, k, mask).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_softcap_and_learned_sinks_with_gradients():
+    # Soft-capped logits and a learned sink per query head (GQA: 2 on 1 kv head), a
+    # window with padding (rows from 110 on see no key: zeros, lse = the sink's logit);
+    # the gradients of q, k, v and the sink logits through the Triton backward.
+    n = 128
+    q, k, v = qkv(5, n, heads=2, kv_heads=1, d=64, dv=64, dtype=jnp.bfloat16)
+    pattern = Band(-20, 20)
+    kw = dict(kv_mask=jnp.arange(n) < 90, softcap=2.0, sinks="learned")
+    w = jax.random.normal(jax.random.key(9), (n, 2, 64), jnp.bfloat16)
+
+    @jax.jit
+    def outputs_and_gradients(q, k, v, sinks, w):
+        (out, lse), vjp = jax.vjp(lambda *x: _run(pattern, *x[:3], 64, sink_logits=x[3], **kw), q, k, v, sinks)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        ref = lambda *x: block_sparse_reference(*x[:3], pattern, sink_logits=x[3], **kw)  # noqa: E731
+        (want_out, want_lse), want_vjp = jax.vjp(ref, *f32, sinks)
+        got = vjp((w, jnp.zeros_like(lse)))
+        want = want_vjp((w.astype(jnp.float32), jnp.zeros_like(want_lse)))
+        return out, lse, got, want_out, want_lse, want
+
+    out, lse, got, want_out, want_lse, want = outputs_and_gradients(q, k, v, jnp.array([1.0, -0.5]), w)
+    assert_close(out, want_out, atol=2e-2, rtol=2e-2)
+    assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+    assert not jnp.any(out[110:]) and np.isfinite(np.asarray(lse)).all()
+    for g, h in zip(got, want, strict=True):
+        assert_close(g, h, atol=5e-2, rtol=5e-2)

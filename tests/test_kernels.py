@@ -347,6 +347,127 @@ def test_alibi_in_the_kernel_equals_the_dense_bias(is_causal, q_len):
     assert float(jnp.abs(want_grads[3]).min()) > 1e-3  # the slopes' gradient is not trivially zero
 
 
+# Soft-capping and sinks in the kernel's tiles: each case one compilation of the kernel
+# path and one of the XLA op, gradients of q, k, v and the sink logits included.
+SINK_LOGITS = jnp.array([1.5, -1.0, 0.0, 0.5])  # one per query head (4 heads on 2 kv heads)
+SCORE_CASES = {
+    "softcap_dense": dict(softcap=0.8),
+    "zero_sink_causal": dict(sinks="zero", causal=True),
+    # Rows 0..29 see no key (causal, padding first): zeros, finite gradients.
+    "softcap_learned_sink_padded": dict(softcap=0.8, sinks="learned", causal=True, kv_mask=jnp.arange(N) >= 30),
+}
+
+
+def _grads_with_sinks(impl, q, k, v, sink_logits, **kw):
+    """The op's output and the gradients of <output, w> w.r.t. q, k, v and the sink logits."""
+    learned = kw.get("sinks") == "learned"
+
+    @jax.jit
+    def run(q, k, v, sink_logits):
+        f = lambda q, k, v, s: eager_ops.softmax_attention(  # noqa: E731
+            q, k, v, sink_logits=s if learned else None, impl=impl, **kw
+        )
+        out, vjp = jax.vjp(f, q, k, v, sink_logits)
+        return out, vjp(jax.random.normal(jax.random.key(9), out.shape, out.dtype))
+
+    return run(q, k, v, sink_logits)
+
+
+@pytest.mark.parametrize("name", SCORE_CASES)
+def test_softcap_and_sinks_in_the_kernel_equal_the_xla_op(name):
+    q, k, v = qkv(13, N)
+    kw = SCORE_CASES[name]
+    sinks = {"sink_logits": SINK_LOGITS} if kw.get("sinks") == "learned" else {}
+    traced = jax.make_jaxpr(lambda q, k, v: eager_ops.softmax_attention(q, k, v, impl="interpret", **kw, **sinks))
+    assert "pallas_call" in str(traced(q, k, v))  # the options run in the kernel, not on a fallback
+    got, got_grads = _grads_with_sinks("interpret", q, k, v, SINK_LOGITS, **kw)
+    want, want_grads = _grads_with_sinks("xla", q, k, v, SINK_LOGITS, **kw)
+    assert_close(got, want, atol=2e-6)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert_close(a, b, atol=2e-5)
+    if kw.get("sinks") == "learned":
+        assert float(jnp.abs(want_grads[3]).min()) > 1e-3  # the sinks' gradient is not trivially zero
+    if "kv_mask" in kw:
+        assert not jnp.any(got[:30]) and all(bool(jnp.isfinite(g).all()) for g in got_grads)
+
+
+def test_softcap_and_sinks_on_a_window_equal_the_reference():
+    """A sparse pattern (a sliding window, PARTIAL tiles), cross attention of odd lengths,
+    softcap with ALiBi and learned sinks: the kernel's out, lse (with the sink) and the
+    gradients of q, k, v, the slopes and the sink logits against the dense reference."""
+    q, k, v = qkv(14, 20, kv_len=N)
+    pattern = Band(-5, 5)
+    sizes = BlockSizes(16, 16, block_q_bwd=16, block_k_bwd=16)
+
+    def run(fn):
+        @jax.jit
+        def go(q, k, v, slopes, sink_logits):
+            f = lambda *args: fn(*args[:3], alibi=Alibi(args[3]), softcap=1.0, sinks="learned", sink_logits=args[4])  # noqa: E731
+            (out, lse), vjp = jax.vjp(f, q, k, v, slopes, sink_logits)
+            w = jax.random.normal(jax.random.key(9), out.shape), jax.random.normal(jax.random.key(8), lse.shape)
+            return out, lse, vjp(w)
+
+        return go(q, k, v, jnp.array([0.5, 0.25, 0.1, 0.02]), SINK_LOGITS)
+
+    got = run(
+        lambda q, k, v, **kw: block_sparse_attention(
+            q, k, v, pattern, interpret=True, block_sizes=sizes, return_lse=True, **kw
+        )
+    )
+    want = run(lambda q, k, v, **kw: block_sparse_reference(q, k, v, pattern, **kw))
+    assert_close(got[0], want[0], atol=2e-6)
+    assert_close(got[1], want[1], atol=2e-6)
+    for a, b in zip(got[2], want[2], strict=True):
+        assert_close(a, b, atol=5e-5, rtol=2e-5)
+    # The reference is the XLA op with the pattern as a dense mask.
+    xla = ops.softmax_attention(
+        q,
+        k,
+        v,
+        mask=jnp.asarray(dense_mask(pattern, 20, N)),
+        bias=Alibi(jnp.array([0.5, 0.25, 0.1, 0.02])),
+        softcap=1.0,
+        sinks="learned",
+        sink_logits=SINK_LOGITS,
+        impl="xla",
+    )
+    assert_close(want[0], xla, atol=2e-6)
+
+
+def test_softcap_and_sinks_bf16_track_float32():
+    q, k, v = qkv(15, N, d=16, dv=16)
+    kw = dict(causal=True, softcap=1.0, sinks="learned", sink_logits=SINK_LOGITS)
+    got = jitted_call(ops.softmax_attention, *(x.astype(jnp.bfloat16) for x in (q, k, v)), impl="interpret", **kw)
+    assert got.dtype == jnp.bfloat16
+    assert_close(got, jitted_call(ops.softmax_attention, q, k, v, impl="xla", **kw), atol=3e-2, rtol=3e-2)
+
+
+def test_auto_keeps_xla_for_softcap_and_sinks_until_they_run_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(impl, "device_backend", lambda: "gpu")
+    monkeypatch.setattr(impl, "_gpu_capability", lambda: 9.0)
+    q, k, v = qkv(17, 256)
+
+    def kernels(**kw):  # traced, not run: the choice is made while the op traces
+        return str(jax.make_jaxpr(lambda q: eager_ops.softmax_attention(q, k, v, causal=True, **kw))(q)).count(
+            "pallas_call"
+        )
+
+    assert kernels(softcap=30.0) == 0 and kernels(sinks="zero") == 0
+    assert kernels(softcap=30.0, impl="pallas") == kernels(impl="auto") == 1
+
+
+def test_score_options_the_kernels_lack_are_refused_by_name():
+    q, k, v = qkv(16, N)
+    with pytest.raises(ValueError, match=r"cannot run this call: score options \['top_k'\]"):
+        eager_ops.softmax_attention(q, k, v, softcap=1.0, top_k=3, impl="interpret")
+    with pytest.raises(ValueError, match="cannot run this call: score options"):
+        eager_ops.softmax_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), sinks="zero", impl="cudnn")
+    with pytest.raises(ValueError, match=r"sinks='learned' needs sink_logits of shape \(4,\)"):
+        block_sparse_attention(q, k, v, Band(), sinks="learned", interpret=True)
+    with pytest.raises(ValueError, match="softcap must be a number > 0"):
+        block_sparse_attention(q, k, v, Band(), softcap=0.0, interpret=True)
+
+
 def test_alibi_models_run_the_kernel_without_an_n_by_n_bias():
     n = 256
     tokens = jnp.arange(n) % 50
@@ -567,8 +688,12 @@ def test_the_gpu_kernels_lower_for_cuda_through_triton():
     q, k, v = (jnp.ones((n, h, 64), jnp.bfloat16) for h in (4, 2, 2))
     slopes = alibi_slopes(4)
     calls = {
-        "segment ids + kv_mask + alibi": dict(
-            segment_ids=(jnp.arange(n) // 70,) * 2, kv_mask=jnp.arange(n) < 190, alibi=Alibi(slopes)
+        "segment ids + kv_mask + alibi + softcap + sinks": dict(
+            segment_ids=(jnp.arange(n) // 70,) * 2,
+            kv_mask=jnp.arange(n) < 190,
+            alibi=Alibi(slopes),
+            softcap=30.0,
+            sinks="zero",
         ),
         "extra blocks": dict(extra_blocks=jnp.zeros((4, 2), jnp.int32), block_sizes=BlockSizes(64, 64, 64, 64)),
     }

@@ -1,7 +1,8 @@
 """The block-sparse flash-attention kernel's TPU variant (`flash_tpu`, Mosaic TPU), run
 in TPU interpret mode on CPU, against the dense reference: outputs, lse and gradients
 for dense, causal, windowed, Longformer-like, dilated, grouped-query, padded,
-odd-length, packed (segment ids), bf16, ALiBi and BigBird (run-time extra blocks, under vmap) patterns; that the
+odd-length, packed (segment ids), bf16, ALiBi, soft-capped, sink (zero and learned, with
+the sink logits' gradient) and BigBird (run-time extra blocks, under vmap) patterns; that the
 kernels pass Pallas's TPU lowering (block shapes, primitives); and that
 `impl="pallas"` picks it on TPUs.
 
@@ -83,6 +84,8 @@ def _check(
     batch=None,
     alibi=None,
     segment_ids=None,
+    softcap=None,
+    sinks="none",
 ):
     """The kernel against the reference on one example, or on `batch` examples under
     `jax.vmap` (as the models run it; kv_mask and extra_blocks then per example)."""
@@ -106,6 +109,9 @@ def _check(
             return_lse=True,
             alibi=alibi,
             segment_ids=segment_ids,
+            softcap=softcap,
+            sinks=sinks,
+            sink_logits=_sink_logits(heads, sinks),
         )
 
     def reference(q, k, v, kv_mask, extra_blocks):
@@ -119,6 +125,9 @@ def _check(
             block_size=block_size,
             alibi=alibi,
             segment_ids=segment_ids,
+            softcap=softcap,
+            sinks=sinks,
+            sink_logits=_sink_logits(heads, sinks),
         )
 
     if batch:
@@ -131,6 +140,10 @@ def _check(
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (*got[:2], *got[2]), (*want[:2], *want[2]), strict=True):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         _close(a, b, tol, name)
+
+
+def _sink_logits(heads, sinks):
+    return jnp.linspace(-1.0, 1.5, heads) if sinks == "learned" else None
 
 
 W = 40  # window half-width: several partial blocks per row at 64-wide tiles
@@ -173,6 +186,8 @@ CASES = {
         kv_mask=jnp.arange(256) < 250,
         alibi=Alibi(jnp.array([0.5, 0.25, 0.1, 0.02]), 56),
     ),
+    # Soft-capped logits with a zero sink, causal, two query heads on one kv head.
+    "softcap_zero_sink": dict(pattern=causal(256, 256), heads=2, kv_heads=1, sizes=MIXED, softcap=1.0, sinks="zero"),
 }
 
 
@@ -195,6 +210,33 @@ def test_tpu_kernel_alibi_slope_gradient():
     )
     want = slope_grad(lambda s: block_sparse_reference(q, k, v, Band(-W, W), alibi=Alibi(s))[0])
     _close(got, want, 2e-5, "d_slopes")
+
+
+def test_tpu_kernel_softcap_and_learned_sinks_with_their_gradient():
+    """A window with padding (rows 0..59 see no key: zeros and lse = the sink's logit),
+    an odd length, GQA, ALiBi under the cap, learned sinks: out, lse and the gradients of
+    q, k, v against the reference, then those of the sink logits and the slopes."""
+    kv_mask = jnp.arange(200) >= 100
+    alibi = Alibi(jnp.array([0.5, 0.25, 0.1, 0.02]))
+    kw = dict(kv_mask=kv_mask, alibi=alibi, softcap=1.0, sinks="learned")
+    _check(Band(-W, W), q_len=200, heads=4, kv_heads=2, sizes=MIXED, **kw)
+    q, k, v = qkv(5, 200, heads=4, kv_heads=2, d=32, dv=32)
+    w = jax.random.normal(jax.random.key(6), (200, 4, 32))
+
+    def grads(fn):
+        loss = lambda slopes, sinks: jnp.sum(fn(slopes, sinks) * w)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(alibi.slopes, _sink_logits(4, "learned"))
+
+    kw = dict(kv_mask=kv_mask, softcap=1.0, sinks="learned")
+    got = grads(
+        lambda a, s: block_sparse_attention(
+            q, k, v, Band(-W, W), alibi=Alibi(a), sink_logits=s, block_sizes=MIXED, backend="tpu", interpret=True, **kw
+        )
+    )
+    want = grads(lambda a, s: block_sparse_reference(q, k, v, Band(-W, W), alibi=Alibi(a), sink_logits=s, **kw)[0])
+    _close(got[0], want[0], 2e-5, "d_slopes")
+    _close(got[1], want[1], 2e-5, "d_sink_logits")
+    assert float(jnp.abs(want[1]).min()) > 1e-3  # not trivially zero
 
 
 def test_tpu_kernel_bigbird_extra_blocks_under_vmap():
@@ -228,7 +270,7 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
     q, k, v = qkv(0, 200, heads=4, kv_heads=2, d=128, dv=64, dtype=jnp.bfloat16)  # both head layouts
     pattern = union(Band(-W, W, step=2), KeyRange(0, 8), QueryRange(0, 8))
 
-    def loss(q, k, v, kv_mask, extra_blocks, sizes, alibi=None, segment_ids=None):
+    def loss(q, k, v, kv_mask, extra_blocks, sizes, alibi=None, segment_ids=None, softcap=None, sinks=None):
         out = block_sparse_attention(
             q,
             k,
@@ -240,6 +282,9 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
             backend="tpu",
             alibi=alibi,
             segment_ids=segment_ids,
+            softcap=softcap,
+            sinks="none" if sinks is None else "learned",
+            sink_logits=sinks,
         )
         return jnp.sum(out.astype(jnp.float32))
 
@@ -256,6 +301,15 @@ def test_tpu_kernels_lower_to_mosaic(monkeypatch):
                 v,
             ),
             lower(lambda q, k, v: grad(q, k, v, None, None, MIXED, segment_ids=(jnp.arange(200) // 70,) * 2), q, k, v),
+            # Soft-cap and learned sinks (a third scalar-prefetch argument) with ALiBi.
+            lower(
+                lambda q, k, v: grad(
+                    q, k, v, None, None, B64, Alibi(jnp.linspace(0.5, 0.1, 4)), softcap=30.0, sinks=jnp.zeros(4)
+                ),
+                q,
+                k,
+                v,
+            ),
             # Batched, with per-example run-time blocks: vmap adds a grid axis and
             # batches the scalar-prefetch visit lists.
             lower(

@@ -169,8 +169,8 @@ def test_bad_options_are_refused_with_their_values():
         registry.bind("softmax", softcap=-1.0)
     with pytest.raises(ValueError, match="top_k"):
         registry.bind("chunked", top_k=2)  # needs whole rows: the dense op's alone
-    with pytest.raises(ValueError, match="score options"):
-        ops.softmax_attention(q, k, v, softcap=2.0, impl="interpret")  # the kernel computes plain softmax
+    with pytest.raises(ValueError, match=r"score options \['top_k'\]"):
+        ops.softmax_attention(q, k, v, softcap=2.0, top_k=2, impl="interpret")  # the kernel has softcap, not top_k
 
 
 def test_a_model_config_names_the_options_and_learns_the_sinks():

@@ -6,6 +6,8 @@
 * `pattern`, `block_mask`: static attention patterns as position rules, and the
   block-sparse metadata (visit lists) computed from them at trace time.
 * `alibi`: ALiBi as slopes and an offset (`Alibi`), which the flash kernels compute per tile.
+* `scores`: logit soft-capping and attention sinks, which the flash kernels compute per
+  tile: the formula, the `SINKS` vocabulary and their checks (the XLA ops read them too).
 * `flash`: block-sparse flash attention (`block_sparse_attention`) with its custom VJP,
   its dense reference and `merge_attentions` (disjoint key sets merged by their
   log-sum-exps); `flash_gpu` (Triton lowering) and `flash_tpu` (Mosaic TPU) hold the

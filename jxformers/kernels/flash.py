@@ -7,7 +7,8 @@ equals `block_sparse_reference(q, k, v, pattern, ...)` (dense masked softmax) fo
 `Pattern`, length and grouped-query layout, with cost proportional to the pattern's
 visited blocks. Forward saves only q, k, v, the output and one log-sum-exp per row
 (O(N) per head); the backward recomputes each tile. Rows that see no key return zeros,
-as every op of the library does.
+as every op of the library does. Logit soft-capping and attention sinks
+(`jxformers.kernels.scores`) are computed in the kernels' tiles.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,7 @@ from jxformers.kernels.alibi import Alibi, check_alibi
 from jxformers.kernels.block_mask import add_full_blocks, block_kinds, ceil_div, visit_lists
 from jxformers.kernels.impl import KernelChoice
 from jxformers.kernels.pattern import Pattern, dense_mask
+from jxformers.kernels.scores import capped, check_sinks, check_softcap, sink_logit_vector
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -108,6 +111,8 @@ class _Static:
     backend: str
     interpret: bool
     alibi_offset: int | None = None  # ALiBi's q_offset; None: no ALiBi
+    softcap: float | None = None  # c of c * tanh(s / c); None: uncapped
+    sinks: bool = False  # the kernels get a sink logit per query head
 
     @property
     def padded(self) -> tuple[int, int]:
@@ -129,11 +134,14 @@ def block_sparse_reference(
     extra_blocks=None,
     block_size: int | None = None,
     alibi: Alibi | None = None,
+    softcap: float | None = None,
+    sinks: str = "none",
+    sink_logits=None,
 ):
     """Dense masked softmax attention under `pattern` (and `kv_mask`, `segment_ids`, the
-    FULL `extra_blocks` of `block_size`, the `alibi` bias), computed with an N x N mask:
-    the reference the kernels are tested against. Returns `(out [q_len, heads, d_v],
-    lse [q_len, heads])`."""
+    FULL `extra_blocks` of `block_size`, the `alibi` bias, the `softcap` and the sink),
+    computed with an N x N mask: the reference the kernels are tested against. Returns
+    `(out [q_len, heads, d_v], lse [q_len, heads])` (the lse with the sink in it)."""
     q_len, heads, d_k = q.shape
     kv_len, kv_heads, _ = k.shape
     k, v = zero_padded(k, v, kv_mask)  # padding's values (NaN, inf) never reach real outputs
@@ -152,8 +160,14 @@ def block_sparse_reference(
     s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), jnp.repeat(k, g, axis=1).astype(jnp.float32)) * scale
     if alibi is not None:
         s = s + alibi.dense(q_len, kv_len)
-    s = jnp.where(mask[None], s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
+    s = jnp.where(mask[None], capped(s, softcap), -jnp.inf)
+    sink = sink_logit_vector(sinks, sink_logits, heads)
+    if sink is None:
+        lse = jax.nn.logsumexp(s, axis=-1)
+    else:  # one more term, of logit sink[h] and value 0, in each row of head h
+        sink = jnp.broadcast_to(sink[:, None], s.shape[:2])
+        top = jax.lax.stop_gradient(jnp.maximum(jnp.max(s, axis=-1), sink))  # finite: no 0 * inf in a gradient
+        lse = top + jnp.log(jnp.sum(jnp.exp(s - top[..., None]), axis=-1) + jnp.exp(sink - top))
     seen = lse != -jnp.inf  # a NaN lse (a non-finite key the row reads) stays NaN
     p = jnp.where(seen[..., None], jnp.exp(s - jnp.where(seen, lse, 0.0)[..., None]), 0.0)
     out = read_values("hqk,khd->qhd", p, jnp.repeat(v, g, axis=1).astype(jnp.float32))
@@ -191,19 +205,19 @@ def _forward_kernels(static):
     return _kernels(static)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, kv_mask, extra_blocks, slopes, static):
-    return _flash_fwd_rule(q, k, v, kv_mask, extra_blocks, slopes, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q, k, v, kv_mask, extra_blocks, slopes, sinks, static):
+    return _flash_fwd_rule(q, k, v, kv_mask, extra_blocks, slopes, sinks, static)[0]
 
 
-def _flash_fwd_rule(q, k, v, kv_mask, extra_blocks, slopes, static):
+def _flash_fwd_rule(q, k, v, kv_mask, extra_blocks, slopes, sinks, static):
     rows, _ = _metadata(static, extra_blocks, static.sizes.block_q, static.sizes.block_k)
-    out, lse = _forward_kernels(static).forward(q, k, v, kv_mask, slopes, rows, static)
-    return (out, lse), (q, k, v, kv_mask, extra_blocks, slopes, out, lse)
+    out, lse = _forward_kernels(static).forward(q, k, v, kv_mask, slopes, sinks, rows, static)
+    return (out, lse), (q, k, v, kv_mask, extra_blocks, slopes, sinks, out, lse)
 
 
 def _flash_bwd_rule(static, residuals, cotangents):
-    q, k, v, kv_mask, extra_blocks, slopes, out, lse = residuals
+    q, k, v, kv_mask, extra_blocks, slopes, sinks, out, lse = residuals
     d_out, d_lse = cotangents
     rows, cols = _metadata(static, extra_blocks, *static.sizes.backward)
     # d lse_i / d s_ij = p_ij: a cotangent on the lse shifts delta (FlashAttention's D_i).
@@ -219,7 +233,11 @@ def _flash_bwd_rule(static, residuals, cotangents):
         return x.reshape(x.shape[0], kv_heads, group, x.shape[2]).sum(axis=2).astype(like.dtype)
 
     d_slopes = None if slopes is None else d_slope_rows.sum(axis=1)
-    return dq, fold(dk, k), fold(dv, v), None, None, d_slopes
+    # The sink is one more logit with value 0 in each row's softmax, so its gradient is
+    # p_sink * (0 - delta) summed over the head's rows (p_sink = exp(sink - lse); the
+    # saved lse has the sink in it). Padded query rows have delta = 0.
+    d_sinks = None if sinks is None else -jnp.sum(jnp.exp(sinks[:, None] - lse) * delta, axis=1)
+    return dq, fold(dk, k), fold(dv, v), None, None, d_slopes, d_sinks
 
 
 _flash.defvjp(_flash_fwd_rule, _flash_bwd_rule)
@@ -273,6 +291,9 @@ def block_sparse_attention(
     scale: float | None = None,
     extra_blocks=None,
     alibi: Alibi | None = None,
+    softcap: float | None = None,
+    sinks: str = "none",
+    sink_logits=None,
     block_sizes: BlockSizes | None = None,
     backend: str = "gpu",
     interpret: bool = False,
@@ -295,6 +316,12 @@ def block_sparse_attention(
         alibi: optional `Alibi(slopes [heads], q_offset)`: adds -slopes[h] * |i +
             q_offset - j| to the scaled logits, computed on each visited tile (no
             N x N bias); differentiable in the slopes.
+        softcap: c: the logits (scaled, ALiBi added) become c * tanh(s / c) before the
+            mask (Gemma 2), in every tile; None: uncapped.
+        sinks: "none"; "zero": a key of logit 0 and value 0 joins every row's softmax;
+            "learned": its logit is `sink_logits [heads]` (one per query head, float;
+            differentiable). `jxformers.kernels.scores` holds the vocabulary. A row that
+            sees no key returns zeros either way.
         block_sizes: `BlockSizes` (clipped to short sequences).
         backend: "gpu" (Triton lowering) or "tpu" (Mosaic TPU) kernel variant;
             "mosaic_gpu": the forward on Pallas Mosaic GPU (`flash_mgpu`, Hopper; bf16/fp16,
@@ -302,7 +329,9 @@ def block_sparse_attention(
         interpret: run the kernels in Pallas interpret mode (any device).
         return_lse: also return the natural-log log-sum-exp `[q_len, heads]` of each
             row's logits (+inf where a row sees no key); it is differentiable, so
-            partial attentions over disjoint key sets can be merged exactly.
+            partial attentions over disjoint key sets can be merged exactly. With a
+            sink it has the sink's term in it (finite in every row): merge parts that
+            have no sink, or only one part with it.
 
     Returns:
         `[q_len, heads, d_v]` in q's dtype (and the lse when asked).
@@ -323,6 +352,8 @@ def block_sparse_attention(
             raise ValueError(f"extra_blocks must be [num_q_blocks={want[0]}, r]; got {tuple(extra_blocks.shape)}")
     if segment_ids is not None:
         _check_segments(segment_ids, q_len, kv_len)
+    check_softcap(softcap)
+    check_sinks(heads, sinks, sink_logits)
     slopes = None
     if alibi is not None:
         check_alibi(alibi, heads)
@@ -339,6 +370,8 @@ def block_sparse_attention(
         backend,
         interpret,
         None if alibi is None else int(alibi.q_offset),
+        None if softcap is None else float(softcap),
+        sinks != "none",
     )
     lq, lk = static.padded
     dk_pad, dv_pad = _pow2(d_k), _pow2(d_v)
@@ -354,7 +387,9 @@ def block_sparse_attention(
     else:
         mask = _pad_axis(tags, 0, lk) if kv_mask is not None else None
     extra = None if extra_blocks is None else jnp.asarray(extra_blocks, jnp.int32)
-    out, lse = _flash(qp, kp, vp, mask, extra, slopes, static)
+    sink = sink_logit_vector(sinks, sink_logits, heads)
+    # custom_vjp hides the rule's return type from the type checker.
+    out, lse = typing.cast("tuple[jax.Array, jax.Array]", _flash(qp, kp, vp, mask, extra, slopes, sink, static))
     out = out[:q_len, :, :d_v]
     if return_lse:
         return out, lse[:, :q_len].T
@@ -372,6 +407,9 @@ def pattern_attention(
     scale: float | None = None,
     extra_blocks=None,
     alibi: Alibi | None = None,
+    softcap: float | None = None,
+    sinks: str = "none",
+    sink_logits=None,
     block_sizes: BlockSizes | None = None,
     return_lse: bool = False,
 ):
@@ -388,6 +426,9 @@ def pattern_attention(
         scale=scale,
         extra_blocks=extra_blocks,
         alibi=alibi,
+        softcap=softcap,
+        sinks=sinks,
+        sink_logits=sink_logits,
         block_sizes=block_sizes,
         backend=choice.backend,
         interpret=choice.interpret,

@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jxformers.kernels.alibi import tile_distances
 from jxformers.kernels.block_mask import VisitLists
+from jxformers.kernels.scores import cap_slope, tanh_cap
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -58,11 +59,18 @@ def _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags=None, slop
     """Base-2 logits of one tile, masked: -inf where not allowed (the pattern's rule is
     evaluated on `partial` tiles only). `kvm_ref` holds key tags (0: padding; with
     segments, segment + 1), `q_tags [bq]` the queries' segment + 1; `slope` the head's
-    ALiBi slope (the bias is computed here, on every visited tile)."""
+    ALiBi slope (the bias is computed here, on every visited tile); with a soft-cap,
+    c tanh(s / c) of the natural-log logits (bias added), then in base 2."""
     bq, bk = q.shape[0], k.shape[0]
-    s = _dot(q, k, trans_b=True) * (static.scale * LOG2E)
-    if slope is not None:
-        s = s - (slope * LOG2E) * _distances(static, q_start, k_start, bq, bk)
+    if static.softcap is None:
+        s = _dot(q, k, trans_b=True) * (static.scale * LOG2E)
+        if slope is not None:
+            s = s - (slope * LOG2E) * _distances(static, q_start, k_start, bq, bk)
+    else:
+        s = _dot(q, k, trans_b=True) * static.scale
+        if slope is not None:
+            s = s - slope * _distances(static, q_start, k_start, bq, bk)
+        s = tanh_cap(s, static.softcap, LOG2E)
     if kvm_ref is not None:
         tags = kvm_ref[pl.ds(k_start, bk)]
         keep = tags[None, :] != 0 if q_tags is None else q_tags[:, None] == tags[None, :]
@@ -101,6 +109,23 @@ def _extra_refs(rest, static):
     return kvm_ref, qt_ref, slope
 
 
+def _sink_start(rest, static, bq):
+    """The online softmax's starting (m, l) of a block's rows, base 2: the sink's logit
+    and exp(0) = 1 when there is a sink (the forward's input after the slopes), else
+    (-inf, 0)."""
+    if not static.sinks:
+        return jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32)
+    at = int(static.has_kv_mask) + int(static.has_segments) + int(static.alibi_offset is not None)
+    sink = rest[at][pl.program_id(0)] * LOG2E
+    return jnp.full((bq,), sink, jnp.float32), jnp.ones((bq,), jnp.float32)
+
+
+def _capped_grad(ds, s, static):
+    """dL/d(logit before the cap) from dL/d(capped logit) `ds` and the tile's base-2
+    capped logits `s` (unchanged without a cap)."""
+    return ds if static.softcap is None else ds * cap_slope(s, static.softcap, LOG2E)
+
+
 def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, static, bq, bk, contiguous):
     kvm_ref, qt_ref, slope = _extra_refs(rest, static)
     o_ref, lse_ref = rest[-2:]
@@ -123,11 +148,7 @@ def _forward_kernel(index_ref, full_ref, count_ref, q_ref, k_ref, v_ref, *rest, 
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    init = (
-        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
-        jnp.full((bq,), -jnp.inf, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-    )
+    init = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), *_sink_start(rest, static, bq))
     acc, m, l = _visit(index_ref, full_ref, count_ref, qb, body, init, contiguous=contiguous)
     seen = jnp.logical_not(l <= 0)  # a NaN sum (a non-finite key the row reads) stays NaN, not a silent 0
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
@@ -142,21 +163,22 @@ def _full_spec(x):
     return pl.BlockSpec(x.shape, lambda h, b: (0,) * x.ndim)
 
 
-def _extras(kv_mask, slopes, static):
+def _extras(kv_mask, slopes, static, sinks=None):
     """The trailing inputs: key tags alone, or (key tags, query tags) with segments; then
-    the ALiBi slopes `[heads]`."""
+    the ALiBi slopes `[heads]`, and (the forward's) sink logits `[heads]`."""
     tags = [] if not static.has_kv_mask else list(kv_mask) if static.has_segments else [kv_mask]
-    return tags + ([slopes] if static.alibi_offset is not None else [])
+    return tags + ([slopes] if static.alibi_offset is not None else []) + ([sinks] if sinks is not None else [])
 
 
-def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
-    """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key)."""
+def forward(q, k, v, kv_mask, slopes, sinks, rows: VisitLists, static):
+    """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key, the
+    sink's logit with a sink); `sinks` the sink logits `[heads]` or None."""
     lq, heads, dk = q.shape
     lk, kv_heads, dv = v.shape
     group = heads // kv_heads
     bq, bk = static.sizes.block_q, static.sizes.block_k
     meta = [jnp.asarray(rows.index), jnp.asarray(rows.full), jnp.asarray(rows.count)]
-    tags = _extras(kv_mask, slopes, static)
+    tags = _extras(kv_mask, slopes, static, sinks)
     inputs = [*meta, q, k, v, *tags]
     in_specs = [
         *map(_full_spec, meta),
@@ -198,7 +220,7 @@ def _dq_kernel(
         s = _logits2(static, q, k, partial, q_start, k_start, kvm_ref, q_tags, slope)
         p = jnp.exp2(s - lse2[:, None])
         dp = _dot(do, v, trans_b=True)
-        ds = p * (dp - delta[:, None])  # dL/d(scaled logit + bias)
+        ds = _capped_grad(p * (dp - delta[:, None]), s, static)  # dL/d(scaled logit + bias)
         if alibi:  # the bias is -slope * distance; masked entries have ds = 0
             d_slope = d_slope - jnp.sum(ds * _distances(static, q_start, k_start, bq, bk), axis=1)
         return dq + _dot(ds.astype(k.dtype), k), d_slope
@@ -231,7 +253,7 @@ def _dkv_kernel(
         p = jnp.exp2(s - lse2[:, None])
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         dp = _dot(do, v, trans_b=True)
-        ds = p * (dp - delta[:, None])
+        ds = _capped_grad(p * (dp - delta[:, None]), s, static)
         dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 

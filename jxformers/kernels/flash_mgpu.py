@@ -18,7 +18,8 @@ asynchronous units the way FlashAttention-3 (and JAX's bundled `attention_mgpu`)
 Only the forward lives here: `jxformers.kernels.flash` dispatches to it for
 `backend="mosaic_gpu"` and runs the Triton backward (`flash_gpu.backward`) on this
 forward's out `[Lq, H, dv]` and natural-log lse `[H, Lq]` (+inf for rows that see no
-key), the layout `flash_gpu.forward` returns.
+key), the layout `flash_gpu.forward` returns. Soft-capping (`_capped2`) and sinks (each
+row's running max and sum start from the sink's logit and 1) as in `flash_gpu`'s forward.
 
 K enters transposed (`[kv_heads, d_k, Lk]`, one XLA transpose per call) so that both
 matmuls read their B operand as a plain `[K, N]` tile: GPU interpret mode (how the CPU
@@ -145,8 +146,19 @@ def _pv(acc, p, v_tile, p_smem, *, interpret: bool):
     return acc + pl.run_scoped(body, plgpu.ACC(acc.shape, jnp.float32))
 
 
+def _capped2(s, softcap: float):
+    """c tanh(s / c) in base 2 (times log2 e), tanh(u) written as 1 - 2 / (1 + 2^(2 u log2 e)):
+    `approx_math` makes `jnp.tanh` PTX's tanh.approx (relative error ~2^-11: 0.015 at c = 30,
+    against which the Triton backward's exact tanh would recompute p 1.5% off), while ex2
+    and the reciprocal stay near float32 rounding. +-inf in the exponent gives +-1 exactly.
+    The same function as `scores.tanh_cap(s, softcap, LOG2E)`, which the backward uses."""
+    e = jnp.exp2(s * jnp.float32(2.0 * LOG2E / softcap))
+    return jnp.float32(softcap * LOG2E) * (1.0 - 2.0 / (1.0 + e))
+
+
 def _kernel(index_ref, full_ref, count_ref, q_ref, kt_ref, v_ref, *rest, static, group, consumers, slots, interpret):
     tags_ref = rest[0] if static.has_kv_mask else None
+    sinks_ref = rest[int(static.has_kv_mask)] if static.sinks else None
     out_ref, lse_ref = rest[-2:]
     dtype = q_ref.dtype
     dk = q_ref.shape[-1]
@@ -171,7 +183,7 @@ def _kernel(index_ref, full_ref, count_ref, q_ref, kt_ref, v_ref, *rest, static,
         plgpu.Barrier(num_arrivals=consumers, num_barriers=slots),
         plgpu.Barrier(num_arrivals=consumers) if consumers == 2 else None,  # the ping-pong
     ]
-    refs = (index_ref, full_ref, count_ref, q_ref, kt_ref, v_ref, tags_ref, out_ref, lse_ref)
+    refs = (index_ref, full_ref, count_ref, q_ref, kt_ref, v_ref, tags_ref, sinks_ref, out_ref, lse_ref)
     pl.run_scoped(
         lambda *scoped: _body(
             *refs, *scoped, static=static, group=group, consumers=consumers, slots=slots, interpret=interpret
@@ -190,6 +202,7 @@ def _body(
     kt_ref,
     v_ref,
     tags_ref,
+    sinks_ref,
     out_ref,
     lse_ref,
     q_smem,
@@ -234,8 +247,10 @@ def _body(
         full = full_ref[row]
         cast = functools.partial(_layout, interpret=interpret)
         wgmma_layout = plgpu.Layout.WGMMA
-        m = cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), wgmma_layout.reduce(1))
-        l = cast(jnp.full((WG_ROWS,), 0.0, jnp.float32), wgmma_layout.reduce(1))
+        # A sink starts every row: running max its logit (base 2), running sum exp(0) = 1.
+        sink = -jnp.inf if sinks_ref is None else sinks_ref[head] * LOG2E
+        m = cast(jnp.full((WG_ROWS,), sink, jnp.float32), wgmma_layout.reduce(1))
+        l = cast(jnp.full((WG_ROWS,), 0.0 if sinks_ref is None else 1.0, jnp.float32), wgmma_layout.reduce(1))
         acc = cast(jnp.full((WG_ROWS, dv), 0.0, jnp.float32), wgmma_layout)
 
         def rows_to(x, shape):
@@ -256,7 +271,8 @@ def _body(
                     take_turn()
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32)) * (static.scale * LOG2E)
+            s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+            s = s * (static.scale * LOG2E) if static.softcap is None else _capped2(s * static.scale, static.softcap)
             if tags_ref is not None:  # kv_mask: tag 0 marks a padded key
                 plgpu.barrier_wait(tag_bar.at[slot])
                 tags = cast(tag_smem.at[slot][...], wgmma_layout.reduce(0))
@@ -337,7 +353,7 @@ def _pad_last(x, size: int):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
+def forward(q, k, v, kv_mask, slopes, sinks, rows: VisitLists, static):
     """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key):
     `flash_gpu.forward`'s contract, so the Triton backward runs on them unchanged."""
     if static.has_segments or slopes is not None:
@@ -361,6 +377,7 @@ def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
             )
     meta = [jnp.asarray(rows.index, jnp.int32), jnp.asarray(rows.full, jnp.int32), jnp.asarray(rows.count, jnp.int32)]
     tags = [] if kv_mask is None else [jnp.asarray(kv_mask, jnp.int32)]
+    sink_logits = [] if sinks is None else [jnp.asarray(sinks, jnp.float32)]
     consumers = bq // WG_ROWS
     kernel = plgpu.kernel(
         functools.partial(
@@ -374,5 +391,5 @@ def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=params,
     )
-    out, lse = kernel(*meta, q, kt, v, *tags)
+    out, lse = kernel(*meta, q, kt, v, *tags, *sink_logits)
     return out[..., :d_v], lse

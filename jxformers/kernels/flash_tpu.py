@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jxformers.kernels.alibi import tile_distances
 from jxformers.kernels.block_mask import VisitLists
+from jxformers.kernels.scores import cap_slope, capped
 from jxformers.kernels.tpu_interpret import with_semantics
 
 # Lanes of a TPU vreg: per-row statistics are kept broadcast across a full lane row
@@ -83,15 +84,15 @@ def _visited(index, row, t):
     return index[row * pl.num_programs(2) + t]
 
 
-def _call(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch, static):
+def _call(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch, static, sinks=False):
     """The pallas_call of a kernel whose scalar-prefetch arguments are the visit lists
-    (`_prefetch`) and, with ALiBi, the head slopes."""
+    (`_prefetch`), with ALiBi the head slopes, and with `sinks` the sink logits."""
 
     def build(semantics):
         return pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3 + _alibi(static),
+                num_scalar_prefetch=3 + _alibi(static) + sinks,
                 grid=grid,
                 in_specs=in_specs,
                 out_specs=out_specs,
@@ -153,11 +154,18 @@ def _split_slope(refs, static):
     return refs[0][pl.program_id(0)], refs[1:]
 
 
-def _with_bias(s, static, slope, q_start, k_start, q_axis):
-    """Scaled logits plus ALiBi's -slope * |i + offset - j| (queries along `q_axis`)."""
-    if slope is None:
-        return s
-    return s - slope * tile_distances(static.alibi_offset, q_start, k_start, s.shape, q_axis)
+def _logits(s, static, slope, q_start, k_start, q_axis):
+    """Scaled logits plus ALiBi's -slope * |i + offset - j| (queries along `q_axis`),
+    soft-capped when asked (the cap acts on the biased logits, before any mask)."""
+    if slope is not None:
+        s = s - slope * tile_distances(static.alibi_offset, q_start, k_start, s.shape, q_axis)
+    return capped(s, static.softcap)
+
+
+def _capped_grad(ds, s, static):
+    """dL/d(logit before the cap) from dL/d(capped logit) `ds` and the tile's capped,
+    masked logits `s` (unchanged without a cap)."""
+    return ds if static.softcap is None else ds * cap_slope(s, static.softcap)
 
 
 def _tile_mask(static, q_start, k_start, shape, q_axis):
@@ -231,7 +239,9 @@ def _mask_tags(s, kvm_ref, qt_ref):
 
 
 def _forward_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
-    slope, (q_ref, k_ref, v_ref, *rest) = _split_slope(refs, static)
+    slope, refs = _split_slope(refs, static)
+    # The sink logits: the scalar-prefetch argument after the slopes.
+    sink, (q_ref, k_ref, v_ref, *rest) = (refs[0][pl.program_id(0)], refs[1:]) if static.sinks else (None, refs)
     kvm_ref = rest[0] if static.has_kv_mask else None
     qt_ref = rest[1] if static.has_segments else None
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest[-5:]
@@ -239,14 +249,15 @@ def _forward_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
 
     @pl.when(t == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        # A sink starts every row: running max its logit, running sum exp(0) = 1.
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf if sink is None else sink, jnp.float32)
+        l_ref[...] = jnp.full(l_ref.shape, 0.0 if sink is None else 1.0, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def step(partial):
         k_start = _visited(index_ref, qb, t) * bk
         s = _mask_tags(
-            _with_bias(_dot(q_ref[...], k_ref[...], _NT) * static.scale, static, slope, qb * bq, k_start, 0),
+            _logits(_dot(q_ref[...], k_ref[...], _NT) * static.scale, static, slope, qb * bq, k_start, 0),
             kvm_ref,
             qt_ref,
         )
@@ -275,12 +286,13 @@ def _forward_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
         lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
 
 
-def _scalars(lists: VisitLists, slopes, static):
-    return [*_prefetch(lists), *([slopes] if _alibi(static) else [])]
+def _scalars(lists: VisitLists, slopes, static, sinks=None):
+    return [*_prefetch(lists), *([slopes] if _alibi(static) else []), *([sinks] if sinks is not None else [])]
 
 
-def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
-    """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key)."""
+def forward(q, k, v, kv_mask, slopes, sinks, rows: VisitLists, static):
+    """out `[Lq, H, dv]`, lse `[H, Lq]` (natural log; +inf for rows that see no key, the
+    sink's logit with a sink); `sinks` the sink logits `[heads]` or None."""
     lq, heads, dk = q.shape
     lk, kv_heads, dv = v.shape
     group = heads // kv_heads
@@ -314,7 +326,8 @@ def forward(q, k, v, kv_mask, slopes, rows: VisitLists, static):
             pltpu.VMEM((bq, dv), jnp.float32),
         ],
         static=static,
-    )(*_scalars(rows, slopes, static), *inputs)
+        sinks=sinks is not None,
+    )(*_scalars(rows, slopes, static, sinks), *inputs)
     return oh.take(out), lse[:, :, 0]
 
 
@@ -336,14 +349,14 @@ def _dq_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
         k, v = k_ref[...], v_ref[...]
         k_start = _visited(index_ref, qb, t) * bk
         s = _mask_tags(
-            _with_bias(_dot(q_ref[...], k, _NT) * static.scale, static, slope, qb * bq, k_start, 0), kvm_ref, qt_ref
+            _logits(_dot(q_ref[...], k, _NT) * static.scale, static, slope, qb * bq, k_start, 0), kvm_ref, qt_ref
         )
         if partial:
             s = jnp.where(_tile_mask(static, qb * bq, k_start, (bq, bk), 0), s, -jnp.inf)
         # Row vectors (1, bq) to columns (bq, 1), as splash's dq kernel reads them.
         p = jnp.exp(s - lse_ref[0][:, None])  # lse = +inf (no visible key) gives p = 0
         dp = _dot(do_ref[...], v, _NT)
-        ds = p * (dp - delta_ref[0][:, None])  # dL/d(scaled logit + bias)
+        ds = _capped_grad(p * (dp - delta_ref[0][:, None]), s, static)  # dL/d(scaled logit + bias)
         acc_ref[...] += _dot(ds.astype(k.dtype), k, _NN)
         if slope is not None:  # the bias is -slope * distance; masked entries have ds = 0
             dist = tile_distances(static.alibi_offset, qb * bq, k_start, (bq, bk))
@@ -375,7 +388,7 @@ def _dkv_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
     def step(partial):
         q, do = q_ref[...], do_ref[...]
         q_start = _visited(index_ref, kb, t) * bq
-        s = _with_bias(_dot(k_ref[...], q, _NT) * static.scale, static, slope, q_start, kb * bk, 1)
+        s = _logits(_dot(k_ref[...], q, _NT) * static.scale, static, slope, q_start, kb * bk, 1)
         if qt_ref is not None:  # segments must be masked per tile; padding alone is zeroed at the end
             s = jnp.where(kvm_ref[...] == qt_ref[...], s, -jnp.inf)
         if partial:
@@ -383,7 +396,7 @@ def _dkv_kernel(index_ref, full_ref, count_ref, *refs, static, bq, bk):
         p = jnp.exp(s - lse_ref[...])  # lse = +inf (no visible key) gives p = 0
         dv_acc[...] += _dot(p.astype(do.dtype), do, _NN)
         dp = _dot(v_ref[...], do, _NT)
-        ds = p * (dp - delta_ref[...])
+        ds = _capped_grad(p * (dp - delta_ref[...]), s, static)
         dk_acc[...] += _dot(ds.astype(q.dtype), q, _NN)
 
     _run_slot(step, full_ref, count_ref, kb, t)

@@ -24,6 +24,9 @@ the logits can take as keywords (`softmax_attention` and `chunked_attention` tod
               (Sukhbaatar et al. 2019, "Augmenting Self-attention with Persistent Memory",
               arXiv 1907.01470, section 4: the all-attention layer's persistent vectors).
 
+Soft-capping and the sinks are also computed inside the flash kernels: their formula,
+their vocabulary (`SINKS`) and their checks live in `jxformers.kernels.scores`.
+
 Each option is a static hyper-parameter of the op (the learned sink logits an array
 from its `init_arrays`), so a model config names it beside the attention
 (`attention: {name: softmax, softcap: 30, sinks: learned}`), and decoding passes it on.
@@ -38,9 +41,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from jxformers._typing import ArrayLike
+from jxformers.kernels.scores import check_sinks, check_softcap
 from jxformers.validate import Limits
 
-SINKS = ("none", "zero", "learned")
 # Every score option's hyper-parameters and arrays: what a kv-cache decoder passes on.
 SCORE_OPTIONS = (
     "softcap",
@@ -82,20 +85,10 @@ def check_score_options(
     kv_heads: int | None = None,
 ) -> list[str]:
     """The names of the options in use; ValueError naming a bad one."""
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap must be a number > 0 or None; got {softcap!r}")
+    check_softcap(softcap)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be an int >= 1 or None; got {top_k!r}")
-    if sinks not in SINKS:
-        raise ValueError(f"sinks must be one of {SINKS}; got {sinks!r}")
-    if sinks == "learned":
-        if sink_logits is None or jnp.shape(sink_logits) != (heads,):
-            raise ValueError(
-                f"sinks='learned' needs sink_logits of shape ({heads},) (one per query head); got "
-                f"{None if sink_logits is None else jnp.shape(sink_logits)}"
-            )
-    elif sink_logits is not None:
-        raise ValueError(f"sink_logits are read only with sinks='learned'; got {sinks=}")
+    check_sinks(heads, sinks, sink_logits)
     mixers = {"talking_logits": talking_logits, "talking_weights": talking_weights}
     if talking_heads:
         for name, mixer in mixers.items():
@@ -124,13 +117,6 @@ def check_score_options(
         "persistent_kv": persistent_kv > 0,
     }
     return [name for name, on in used.items() if on]
-
-
-def capped(s: Float[Array, "*n"], softcap: float | None) -> Float[Array, "*n"]:
-    """c * tanh(s / c), or s itself without a cap."""
-    if softcap is None:
-        return s
-    return jnp.float32(softcap) * jnp.tanh(s / jnp.float32(softcap))
 
 
 def top_k_mask(s: Float[Array, "*n q k"], allowed: Bool[ArrayLike, "*#n #q k"], top_k: int) -> Bool[Array, "*n q k"]:

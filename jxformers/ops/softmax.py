@@ -26,6 +26,7 @@ from jxformers.kernels import pattern as kp
 from jxformers.kernels.alibi import Alibi, check_alibi
 from jxformers.kernels.cudnn import cudnn_attention, cudnn_unsupported
 from jxformers.kernels.flash import pattern_attention
+from jxformers.kernels.scores import SINKS, capped
 from jxformers.ops._common import (
     causal_never_reads_non_finite_future,
     ceil_div,
@@ -62,8 +63,6 @@ from jxformers.ops._scores import (
     SCORE_OPTION_DOCS,
     SCORE_OPTION_LIMITS,
     SCORE_OPTIONS,
-    SINKS,
-    capped,
     check_score_options,
     init_score_arrays,
     mix_heads,
@@ -80,6 +79,10 @@ __all__ = [
     "softmax_attention",
     "softmax_weights",
 ]
+
+
+# The score options the flash kernels compute in their tiles (`jxformers.kernels.scores`).
+KERNEL_SCORE_OPTIONS = ("softcap", "sinks")
 
 
 def causal_mask(q_len: int, kv_len: int) -> Bool[Array, "q_len kv_len"]:
@@ -177,9 +180,10 @@ def softmax_attention(
             p itself) times a^V, so no `[q_len, kv_len, d_v]` array is formed. The logit
             side, q_i . a^K_ij, arrives as `bias` (`jxformers.nn.relative`).
         impl: one of `jxformers.kernels.IMPLS` (`jxformers.kernels.impl`):
-            the flash-attention kernel (O(N) memory) takes calls without `mask`, score
-            options and with no bias or an `Alibi` one; cuDNN bf16/fp16 calls without any
-            mask, bias or score option.
+            the flash-attention kernel (O(N) memory) takes calls without `mask`, with no
+            bias or an `Alibi` one, and of the score options only `softcap` and `sinks`
+            (`KERNEL_SCORE_OPTIONS`; "auto" keeps XLA for those until they have run on a
+            GPU); cuDNN bf16/fp16 calls without any mask, bias or score option.
 
     Returns:
         `[q_len, heads, d_v]`. A query with every key masked returns zeros.
@@ -289,15 +293,35 @@ def _softmax(
     unsupported = None
     if mask is not None or (bias is not None and alibi is None):
         unsupported = "a dense mask or a dense bias (use kv_mask, causal and an Alibi bias)"
-    if options:
-        unsupported = f"score options {options} (the kernels compute plain softmax)"
-    cudnn = unsupported or cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask, mask=mask, bias=bias) or True
+    beyond = [name for name in options if name not in KERNEL_SCORE_OPTIONS]
+    if beyond:
+        unsupported = f"score options {beyond} (the kernels compute softmax with {list(KERNEL_SCORE_OPTIONS)} only)"
+    cudnn = (
+        unsupported
+        or (f"score options {options}" if options else None)
+        or cudnn_unsupported(q, k, v, causal=causal, kv_mask=kv_mask, mask=mask, bias=bias)
+        or True
+    )
     choice = choose_kernel(impl, unsupported=unsupported, what="softmax attention", q_len=q_len, cudnn=cudnn)
+    if impl == "auto" and options:
+        # The kernels' soft-cap and sinks have not run on a GPU yet: "auto" keeps the XLA
+        # op for them until they are checked there (explicit impl="pallas" runs them).
+        choice = None
     if choice is not None and choice.backend == "cudnn":
         return cudnn_attention(q, k, v, causal=causal, scale=scale)
     if choice is not None:
         return pattern_attention(
-            q, k, v, softmax_pattern(q_len, kv_len, causal=causal), choice, kv_mask=kv_mask, scale=scale, alibi=alibi
+            q,
+            k,
+            v,
+            softmax_pattern(q_len, kv_len, causal=causal),
+            choice,
+            kv_mask=kv_mask,
+            scale=scale,
+            alibi=alibi,
+            softcap=softcap,
+            sinks=sinks,
+            sink_logits=sink_logits,
         ).astype(out_dtype(q, k, v))
     if alibi is not None:
         bias = alibi.dense(q_len, kv_len)
