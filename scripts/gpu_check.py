@@ -133,12 +133,79 @@ def main(argv=None) -> int:
                     f"rel err out/dq/dk/dv = {' '.join(f'{e:.1e}' for e in errors)}"
                 )
     failures += check_non_finite(args.backend, BlockSizes(*args.block))
+    failures += check_score_options(args.backend, BlockSizes(*args.block))
     if args.backend != "mosaic_gpu":  # the routes and training run the ops' default kernel
         failures += check_routes()
         if not args.no_training:
             failures += check_training()
     print(f"{failures} failure(s)")
     return 1 if failures else 0
+
+
+# Logit soft-capping and attention sinks (the XLA op's options, in every flash kernel):
+# (label, keyword arguments); "learned" sinks also take sink_logits, whose gradient is checked.
+SCORE_OPTIONS = (
+    ("softcap 30", {"softcap": 30.0}),
+    ("sink zero", {"sinks": "zero"}),
+    ("sink learned", {"sinks": "learned"}),
+    ("softcap+learned", {"softcap": 30.0, "sinks": "learned"}),
+)
+
+
+def check_score_options(backend: str, block_sizes: BlockSizes, n: int = 509) -> int:
+    """Soft-capping and sinks on the hardware: outputs and gradients (q, k, v and the sink
+    logits) against the float32 reference, causal and a causal window, grouped-query heads,
+    padding, an odd length `n`, in bf16 (and float32 on the Triton kernels)."""
+    heads, kv_heads, d = 4, 2, 64
+    kv_mask = jnp.arange(n) < n - 7
+
+    def kernel_fn(q, k, v, pattern, **kw):
+        return block_sparse_attention(q, k, v, pattern, kv_mask=kv_mask, backend=backend, block_sizes=block_sizes, **kw)
+
+    def reference_fn(q, k, v, pattern, **kw):
+        return block_sparse_reference(q, k, v, pattern, kv_mask=kv_mask, **kw)[0]
+
+    def run(fn, q, k, v, b, do, pattern, options):
+        def attend(q, k, v, b):  # b, the sink logits, is read only by the learned sinks
+            return fn(q, k, v, pattern, **options, **({"sink_logits": b} if options.get("sinks") == "learned" else {}))
+
+        out, vjp = jax.vjp(attend, q, k, v, b)
+        return (out, *vjp(do.astype(out.dtype)))
+
+    failures = 0
+    dtypes = ((jnp.bfloat16, 2e-2),) if backend == "mosaic_gpu" else ((jnp.float32, 2e-4), (jnp.bfloat16, 2e-2))
+    patterns = (("causal", causal(n, n)), ("causal_window64", intersect(Band(-64, 64), causal(n, n))))
+    for dtype, tol in dtypes:
+        keys = jax.random.split(jax.random.PRNGKey(7), 5)
+        q = 3 * jax.random.normal(keys[0], (n, heads, d), dtype)  # large logits, so the cap bites
+        k = jax.random.normal(keys[1], (n, kv_heads, d), dtype)
+        v = jax.random.normal(keys[2], (n, kv_heads, d), dtype)
+        do = jax.random.normal(keys[3], (n, heads, d), dtype)
+        sink_logits = jax.random.normal(keys[4], (heads,), jnp.float32)
+        for name, pattern in patterns:
+            for label, options in SCORE_OPTIONS:
+                learned = options.get("sinks") == "learned"
+                kernel = jax.jit(lambda *a, p=pattern, o=options: run(kernel_fn, *a, p, o))
+                reference = jax.jit(lambda *a, p=pattern, o=options: run(reference_fn, *a, p, o))
+                try:
+                    got = kernel(q, k, v, sink_logits, do)
+                except Exception as e:  # noqa: BLE001 - one failing case is reported; the rest still run
+                    failures += 1
+                    print(f"FAIL {jnp.dtype(dtype).name:8s} {name} {label}: raised {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                with jax.default_matmul_precision("highest"):
+                    want = reference(*(x.astype(jnp.float32) for x in (q, k, v)), sink_logits, do)
+                count = 5 if learned else 4  # without learned sinks, sink_logits gets no gradient
+                errors = [rel(a, b) for a, b in zip(got[:count], want[:count], strict=True)]
+                finite = all(bool(jnp.isfinite(x).all()) for x in got[:count])
+                ok = finite and max(errors) < tol
+                failures += not ok
+                print(
+                    f"{'ok  ' if ok else 'FAIL'} {jnp.dtype(dtype).name:8s} n={n} h={heads}/{kv_heads} d={d} "
+                    f"{name:16s} {label:16s} rel err out/dq/dk/dv{'/dsink' if learned else ''} = "
+                    + " ".join(f"{e:.1e}" for e in errors)
+                )
+    return failures
 
 
 def check_non_finite(backend: str, block_sizes: BlockSizes) -> int:
