@@ -10,10 +10,15 @@ on the chunked algorithm's count (per token and head: 2 (C m + C d_v + 2 m d_v) 
 2 (3 C m + 2 C d_v + 6 m d_v) more backward, C the chunk (--chunk); the XLA forms are counted on the same
 work); softmax rows on 2 N^2 d per head forward (causal), 3.5x that forward+backward.
 The closing lines state the crossover: the shortest length at which the linear kernel
-beats the faster of the two softmax baselines.
+beats the faster of the two softmax baselines. `--block-v 32 64` adds "linear causal"
+rows of the kernel called directly with its state walks split over d_v blocks
+(`block_v`), beside the same call unsplit (`block_v=d`); `--impls` keeps only the rows
+whose impl starts with one of its names.
 
     python scripts/bench_linear_kernels.py --out docs/kernel_runs/linear_h100.md   # GPU
     python scripts/bench_linear_kernels.py --quick --out /tmp/linear.md             # CPU smoke run
+    python scripts/bench_linear_kernels.py --lengths 16384 --head-dims 128 --only 'linear causal' \
+        --impls 'pallas block_v' --block-v 32 64 --no-fla                           # split against unsplit
 """
 
 from __future__ import annotations
@@ -51,8 +56,10 @@ def linear_flops(n: int, m: int, dv: int, chunk: int = CHUNK) -> tuple[float, fl
     return fwd, fwd + 2.0 * n * (3 * chunk * m + 2 * chunk * dv + 6 * m * dv)
 
 
-def configs(kernel_impl: str, chunk: int = CHUNK):
-    """name -> {impl label: attend(q, k, v) on one example}."""
+def configs(kernel_impl: str, chunk: int = CHUNK, d: int = 0, block_vs: tuple[int, ...] = ()):
+    """name -> {impl label: attend(q, k, v) on one example}; with `block_vs`, "linear
+    causal" also has the kernel's own call with each block_v up to the head size `d` and
+    with block_v = d (unsplit), so the split is timed against the same call."""
     elu = FEATURE_MAPS["elu"]
 
     def linear(impl, form="chunked", causal=True):
@@ -74,10 +81,18 @@ def configs(kernel_impl: str, chunk: int = CHUNK):
 
         return attend
 
-    yield (
-        "linear causal",
-        {"pallas": linear(kernel_impl), "xla chunked": linear("xla"), "xla scan": linear("xla", "scan")},
-    )
+    def split(block_v):  # the ops take no block_v: the kernel's API
+        def attend(q, k, v):
+            return chunked_linear_attention(
+                elu(q), elu(k), v, chunk_size=chunk, block_v=block_v, interpret=kernel_impl == "interpret"
+            )
+
+        return attend
+
+    causal_rows = {"pallas": linear(kernel_impl), "xla chunked": linear("xla"), "xla scan": linear("xla", "scan")}
+    if block_vs:
+        causal_rows |= {f"pallas block_v={bv}": split(bv) for bv in sorted({d, *block_vs}, reverse=True) if bv <= d}
+    yield "linear causal", causal_rows
     yield "linear gated", {"pallas": gated(kernel_impl), "xla chunked": gated("xla"), "xla scan": gated("xla", "scan")}
 
     def per_feature(q, k, v, gate_logits):  # gated linear attention's decay per feature (the kernel's API only)
@@ -251,6 +266,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--only", nargs="*", help="config names to run (default: all)")
     parser.add_argument("--chunk", type=int, default=CHUNK, help="chunk of the kernel and the XLA chunked form")
+    parser.add_argument(
+        "--block-v",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time 'linear causal' with the state walks split over d_v blocks of these sizes (and unsplit)",
+    )
+    parser.add_argument("--impls", nargs="*", help="impls to run, by prefix (default: all)")
     parser.add_argument("--scan-max", type=int, default=4096, help="skip the token-by-token XLA scan above this N")
     parser.add_argument(
         "--time-limit",
@@ -311,10 +334,12 @@ def main(argv=None) -> int:
                 24.0 * n * d * heads_total * dtype.itemsize / 2,
             )
             measured, errors = {}, {}
-            for name, impls in configs(kernel_impl, args.chunk):
+            for name, impls in configs(kernel_impl, args.chunk, d, tuple(args.block_v)):
                 if args.only and name not in args.only:
                     continue
                 for impl, fn in impls.items():
+                    if args.impls and not any(impl.startswith(prefix) for prefix in args.impls):
+                        continue
                     if time.perf_counter() - started > args.time_limit:
                         note = (
                             f"Stopped at the time limit ({args.time_limit:.0f} s) before "
@@ -334,7 +359,7 @@ def main(argv=None) -> int:
                         continue
                     measured[(name, impl)] = (ms, ms_all)
                     reference = next((r for r in ("xla chunked", "xla") if r in impls), None)
-                    if impl == "pallas" and reference is not None and not args.no_check:
+                    if impl.startswith("pallas") and reference is not None and not args.no_check:
                         errors[(name, impl)] = check(name, fwd, grad, inputs, do, impls[reference])
                 if note:
                     break

@@ -18,7 +18,8 @@
 #   triton  gpu_check of the Triton kernels (patterns, cuDNN/segment/ALiBi routes,
 #           training), and the rows not yet timed: causal ALiBi, Sparse Transformer parts
 #   linear  the chunked linear-attention kernel beside flash-linear-attention (carried
-#           wheels) and causal softmax
+#           wheels) and causal softmax; then its state walks split over d_v blocks
+#           (block_v 32, 64) against the same call unsplit, at 16K (420 + 120 s)
 #   check   gpu_check of the Triton kernels (no training curves) and the Mosaic GPU forward,
 #           non-finite keys and values included, and what the non-finite pass costs
 #   models  the MoE benchmark in bf16, whole-image generation (Katharopoulos et al.) and
@@ -75,6 +76,9 @@ phase_linear() {
     # fla's backward autotunes for over 5 minutes on its first call: forward only here.
     step 420 linear $PY scripts/bench_linear_kernels.py --lengths 4096 16384 --head-dims 128 --repeat 5 \
         --scan-max 0 --fla-forward-only --time-limit 300 --out "$OUT/linear_${DEV}_fla.md"
+    # The state walks split over d_v blocks: never timed before; the pair shows whether it pays.
+    step 120 linear $PY scripts/bench_linear_kernels.py --lengths 16384 --head-dims 128 --only "linear causal" \
+        --impls "pallas block_v" --block-v 32 64 --repeat 5 --no-fla --time-limit 90 --out "$OUT/linear_${DEV}_split.md"
 }
 
 phase_check() {

@@ -1,7 +1,8 @@
 """The chunked linear-attention kernels (jxformers/kernels/linear*.py) in Pallas
 interpret mode against the XLA forms of `kernel_attention` (quadratic, scan, chunked):
 outputs and gradients, causal and not, every feature map, gate on and off (per token, and
-per feature against a dense reference), padding, odd lengths, grouped-query heads, bf16; the
+per feature against a dense reference), padding, odd lengths, grouped-query heads, bf16,
+the state walks split over d_v blocks (`block_v`, against the reference and unsplit); the
 recurrent decoder's state; bf16 stability at
 64K tokens against float64. Shapes are small and shared so that few kernels compile."""
 
@@ -35,14 +36,20 @@ def _features(seed, n=N, heads=4, kv_heads=2, m=12, dv=10):
     return fq, fk, v, gate
 
 
-@pytest.mark.parametrize("causal,gated", [(True, False), (True, True), (False, False)])
-def test_kernel_equals_the_quadratic_form_with_gradients_and_final_state(causal, gated):
+@pytest.mark.parametrize(
+    "causal,gated,block_v",
+    [(True, False, None), (True, True, None), (False, False, None), (True, True, 16), (False, False, 16)],
+)
+def test_kernel_equals_the_quadratic_form_with_gradients_and_final_state(causal, gated, block_v):
     # Odd length, feature and value sizes not powers of two (padded), grouped heads;
-    # the final state (the decoder's) and its gradient, the log-gate's gradient.
-    fq, fk, v, gate = _features(0)
+    # the final state (the decoder's) and its gradient, the log-gate's gradient. With
+    # block_v, d_v = 40 (padded to 64) walks in four blocks of 16 columns (the last all
+    # padding): against the reference and the unsplit kernel.
+    dv = 10 if block_v is None else 40
+    fq, fk, v, gate = _features(0, dv=dv)
     log_gate = jnp.log(gate) if gated else None
-    cot = jax.random.normal(jax.random.key(9), (N, 4, 10))
-    cot_s = jax.random.normal(jax.random.key(10), (2, 12, 10))
+    cot = jax.random.normal(jax.random.key(9), (N, 4, dv))
+    cot_s = jax.random.normal(jax.random.key(10), (2, 12, dv))
 
     def ref(fq, fk, v, lg):
         out = kernel_attention(fq, fk, v, causal=causal, form="quadratic", gate=None if lg is None else jnp.exp(lg))
@@ -50,9 +57,9 @@ def test_kernel_equals_the_quadratic_form_with_gradients_and_final_state(causal,
         s = jnp.einsum("nhm,nhd,nh->hmd", fk, v, decay)
         return out, s, jnp.einsum("nhm,nh->hm", fk, decay)
 
-    def ker(fq, fk, v, lg):
+    def ker(fq, fk, v, lg, block_v=block_v):
         out, (s, z) = chunked_linear_attention(
-            fq, fk, v, causal=causal, log_gate=lg, chunk_size=CHUNK, interpret=True, return_state=True
+            fq, fk, v, causal=causal, log_gate=lg, chunk_size=CHUNK, interpret=True, return_state=True, block_v=block_v
         )
         return out, s, z
 
@@ -68,6 +75,10 @@ def test_kernel_equals_the_quadratic_form_with_gradients_and_final_state(causal,
         assert_close(a, b, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_ker, g_ref, strict=True):
         assert_close(a, b, atol=2e-5, rtol=1e-4)
+    if block_v is not None:  # the same float32 sums per column as the unsplit walk
+        g_one, o_one = loss(functools.partial(ker, block_v=None))(fq, fk, v, log_gate)
+        for a, b in zip((*o_ker, *g_ker), (*o_one, *g_one), strict=True):
+            assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_the_forward_saves_no_chunk_states(capsys):
@@ -90,15 +101,18 @@ def test_the_forward_saves_no_chunk_states(capsys):
     assert len(sizes) == 8 and max(sizes) == n * 2 * m, shapes
 
 
-def test_per_feature_gates_equal_a_dense_reference_without_overflow():
+@pytest.mark.parametrize("block_v", [None, 16])
+def test_per_feature_gates_equal_a_dense_reference_without_overflow(block_v):
     # Gated linear attention's decay per feature, S_i = diag(g_i) S_{i-1} + phi(k_i) v_i^T:
     # against the N x N x m reference, with gates down to exp(-30) per token (a chunk's
-    # decay far beyond float32's range when split into query and key factors).
-    fq, fk, v, _ = _features(20)
+    # decay far beyond float32's range when split into query and key factors); with
+    # block_v, d_v = 40 walks in blocks of 16 columns.
+    dv = 10 if block_v is None else 40
+    fq, fk, v, _ = _features(20, dv=dv)
     log_gate = jax.nn.log_sigmoid(8.0 * jax.random.normal(jax.random.key(21), fk.shape))
     assert float(log_gate.min()) < -20
-    cot = jax.random.normal(jax.random.key(22), (N, 4, 10))
-    cot_s = jax.random.normal(jax.random.key(23), (2, 12, 10))
+    cot = jax.random.normal(jax.random.key(22), (N, 4, dv))
+    cot_s = jax.random.normal(jax.random.key(23), (2, 12, dv))
 
     # Log-decays summed over (j, i] directly: differences of global cumulative sums
     # (down to -170 here) would cost the reference float32's precision, not the kernel.
@@ -111,13 +125,13 @@ def test_per_feature_gates_equal_a_dense_reference_without_overflow():
         log_decay = jnp.einsum("ijt,thm->ijhm", between, lg)
         decay = jnp.where((j[..., 0] <= i[..., 0])[:, :, None, None], jnp.exp(log_decay), 0.0)
         w = jnp.einsum("ihgm,jhm,ijhm->ihgj", fq.reshape(N, 2, 2, 12), fk, decay)
-        out = (jnp.einsum("ihgj,jhd->ihgd", w, v) / w.sum(-1)[..., None]).reshape(N, 4, 10)
+        out = (jnp.einsum("ihgj,jhd->ihgd", w, v) / w.sum(-1)[..., None]).reshape(N, 4, dv)
         tail = fk * jnp.exp(log_decay[-1])
         return out, jnp.einsum("jhm,jhd->hmd", tail, v), tail.sum(0)
 
     def ker(fq, fk, v, lg):
         out, (s, z) = chunked_linear_attention(
-            fq, fk, v, log_gate=lg, chunk_size=CHUNK, interpret=True, return_state=True
+            fq, fk, v, log_gate=lg, chunk_size=CHUNK, interpret=True, return_state=True, block_v=block_v
         )
         return out, s, z
 
@@ -352,6 +366,11 @@ def test_kernel_choices_and_errors(monkeypatch):
     monkeypatch.undo()  # impl="pallas" on a TPU: tests/test_linear_kernels_tpu.py
     with pytest.raises(ValueError, match="chunk_size must be a power of two >= 16 for the kernel; got 24"):
         chunked_linear_attention(q, k, v, chunk_size=24, interpret=True)
+    for bad in (8, 24, 32):  # below 16, not a power of two, beyond d_v = 16 (padded: 16)
+        with pytest.raises(ValueError, match=rf"block_v must be None, d_v or a power of two .*block_v={bad}, d_v=16"):
+            chunked_linear_attention(q, k, v, block_v=bad, interpret=True)
+    with pytest.raises(ValueError, match=r"block_v splits the Triton kernels' .* block_v=16, backend='tpu'"):
+        chunked_linear_attention(q, k, jnp.concatenate([v, v], -1), block_v=16, backend="tpu", interpret=True)
     with pytest.raises(ValueError, match=r"log_gate must have shape \(20, 2\) .* or \(20, 2, 16\) .*; got \(20, 4\)"):
         chunked_linear_attention(q, k, v, log_gate=jnp.zeros((20, 4)), interpret=True)
     assert registry.get("rfa").bind(impl="xla").hyper_parameters["impl"] == "xla"
@@ -363,10 +382,19 @@ def test_the_kernels_lower_for_cuda_through_triton():
     # the forward or backward kernels fails here, not first on the GPU.
     n, m = 128, 64
     fq, fk, v = (jnp.ones((n, h, m), jnp.bfloat16) for h in (4, 2, 2))
-    for causal, log_gate in ((True, jnp.zeros((n, 2))), (True, jnp.zeros((n, 2, m))), (True, None), (False, None)):
+    cases = (
+        (True, jnp.zeros((n, 2)), None),
+        (True, jnp.zeros((n, 2, m)), None),
+        (True, None, None),
+        (False, None, None),
+        (True, jnp.zeros((n, 2)), 16),  # the state walks split over d_v blocks
+        (False, None, 32),
+    )
+    for causal, log_gate, block_v in cases:
 
         def loss(fq, fk, v, log_gate):
-            return jnp.sum(chunked_linear_attention(fq, fk, v, causal=causal, log_gate=log_gate).astype(jnp.float32))  # noqa: B023 - called within this iteration
+            out = chunked_linear_attention(fq, fk, v, causal=causal, log_gate=log_gate, block_v=block_v)  # noqa: B023 - called within this iteration
+            return jnp.sum(out.astype(jnp.float32))
 
         try:
             with cuda_target():

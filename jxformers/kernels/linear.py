@@ -51,6 +51,7 @@ class _Static:
     per_feature: bool  # the log-gates are [n, kv_heads, m] (one decay per feature), else [kv_heads, n]
     group: int  # query heads per kv head
     mma: jnp.dtype  # operand dtype of the products of float32 intermediates (states, weights)
+    block_v: int  # columns of the state per program of the state walks ("gpu" only; the padded d_v: unsplit)
     num_warps: int  # Triton settings (the "gpu" backend only)
     num_stages: int
     interpret: bool
@@ -174,6 +175,24 @@ def check_inputs(phi_q, phi_k, v, log_gate=None, *, causal: bool, chunk_size: in
             )
 
 
+def _check_block_v(block_v: int | None, d_v: int, backend: str) -> int:
+    """The state walks' columns per program for `block_v` (None or `d_v`: the whole padded
+    d_v, unsplit); ValueError naming the value for one the kernels cannot split by."""
+    dv_pad = _pow2(d_v)
+    if block_v is None or block_v == d_v:
+        return dv_pad
+    if backend != "gpu":
+        raise ValueError(
+            f"block_v splits the Triton kernels' state walks (backend='gpu') only; got {block_v=}, {backend=}"
+        )
+    if not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1) or block_v > dv_pad:
+        raise ValueError(
+            f"block_v must be None, d_v or a power of two >= 16 dividing the padded d_v "
+            f"(d_v rounded up to a power of two >= 16); got {block_v=!r}, {d_v=}, padded d_v={dv_pad}"
+        )
+    return block_v
+
+
 def chunked_linear_attention(
     phi_q,
     phi_k,
@@ -185,6 +204,7 @@ def chunked_linear_attention(
     return_state: bool = False,
     backend: str = "gpu",
     interpret: bool = False,
+    block_v: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     dtype=None,
@@ -212,6 +232,13 @@ def chunked_linear_attention(
             through Pallas's TPU lowering on CPU, not yet on a TPU).
         interpret: run in Pallas interpret mode (any device; tests): GPU interpret mode
             for "gpu", TPU interpret mode (`pltpu.InterpretParams`) for "tpu".
+        block_v: columns of the d_k x d_v state each program of the two state walks
+            (chunk states forward, state gradients backward) carries, "gpu" only: their
+            grid gains a d_v-block axis, (heads, d_v / block_v) programs instead of one per
+            head (each column of S recurs on its own; z, the same in every block, is
+            computed by each and stored by the first). None or d_v: unsplit; else a power
+            of two >= 16 dividing the padded d_v. The output and input-gradient kernels,
+            parallel over (head, chunk) already, stay unsplit. Not yet timed on a GPU.
         num_warps, num_stages: Triton settings, "gpu" only (default warps: 4 up to m,
             d_v <= 64, else 8).
         dtype: of the result (default: the inputs' promoted dtype).
@@ -222,6 +249,7 @@ def chunked_linear_attention(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)} (the kernel variants); got backend={backend!r}")
     check_inputs(phi_q, phi_k, v, log_gate, causal=causal, chunk_size=chunk_size)
+    block_v = _check_block_v(block_v, v.shape[2], backend)
     in_dtype = jnp.result_type(phi_q, phi_k, v)
     dtype = in_dtype if dtype is None else dtype
     if backend == "tpu" and in_dtype == jnp.float16:
@@ -251,6 +279,7 @@ def chunked_linear_attention(
         gated=log_gate is not None,
         per_feature=per_feature,
         group=heads // kv_heads,
+        block_v=block_v if backend == "gpu" else dv_pad,
         mma=jnp.dtype(jnp.bfloat16 if in_dtype == jnp.bfloat16 else jnp.float32),
         num_warps=num_warps or (4 if max(m_pad, dv_pad) <= 64 else 8),
         num_stages=num_stages,

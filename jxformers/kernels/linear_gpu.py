@@ -4,15 +4,17 @@ The design of flash-linear-attention's chunk kernels, with linear attention's no
 carried beside the state. For chunks of C tokens, b the within-chunk cumulative log-gate
 (zero without a gate) and B its last value:
 
-* `states`: one program per (kv head) walks the chunks in order, carrying the float32
-  state S [m, dv] and normaliser z [m]: S <- exp(B) S + sum_j exp(B - b_j) phi(k_j) v_j^T.
+* `states`: one program per (kv head, d_v block) walks the chunks in order, carrying
+  the float32 state's columns S[:, block] [m, block_v] and the normaliser z [m]:
+  S <- exp(B) S + sum_j exp(B - b_j) phi(k_j) v_j^T, column by column independent, so
+  d_v splits over programs as in flash-linear-attention (`block_v`; unsplit by default).
   Causal: it stores the state entering each chunk ([kv_heads, chunks * m, dv]); always
   the final state (the recurrent decoder's layout, [kv_heads, m, dv] and [kv_heads, m]).
 * `output`: one program per (query head, chunk), all parallel: the masked, decayed
   (phi(q) phi(k)^T) v of the chunk plus exp(b_i) phi(q_i) S; the same for the
   denominator; the output and the denominator (the backward's only extra residual).
-* `dstates`: one program per query head walks the chunks backwards carrying dS, dz
-  (the gradients of the state leaving each chunk).
+* `dstates`: one program per (query head, d_v block) walks the chunks backwards
+  carrying dS[:, block], dz (the gradients of the state leaving each chunk).
 * `grads`: one program per (query head, chunk): dq, dk, dv of the chunk from its
   recomputed state and the dS, dz after it.
 
@@ -67,16 +69,46 @@ def _decay(b, c):
     return jnp.where(_tril(c), jnp.exp(jnp.minimum(b[:, None] - b[None, :], 0.0)), 0.0)
 
 
-def _kv_spec(n, d, group):
-    return pl.BlockSpec((n, None, d), lambda h: (0, h // group, 0))
+def _kv_spec(n, d, group, split=False):
+    """A head's whole sequence of [n, heads, d] for a (head, d_v block) program: all of d,
+    or (`split`) the program's block of d columns."""
+    return pl.BlockSpec((n, None, d), lambda h, j: (0, h // group, j if split else 0))
 
 
 def _gate_spec(static, n, m, group):
     """A head's whole within-chunk cumulative log-gates: [kv_heads, n] (scalar) or
-    [n, kv_heads, m] (per feature)."""
+    [n, kv_heads, m] (per feature), for a (head, d_v block) program."""
     if static.per_feature:
         return _kv_spec(n, m, group)
-    return pl.BlockSpec((None, n), lambda h: (h // group, 0))
+    return pl.BlockSpec((None, n), lambda h, j: (h // group, 0))
+
+
+def _walk_specs(static, rows):
+    """BlockSpecs of a state walk's (S, z) outputs (or inputs) [heads, rows, dv] and
+    [heads, rows] for a (head, d_v block) program: its block of S's columns, all of z."""
+    return [
+        pl.BlockSpec((None, rows, static.block_v), lambda h, j: (h, 0, j)),
+        pl.BlockSpec((None, rows), lambda h, j: (h, 0)),
+    ]
+
+
+def _first_block(split):
+    """Whether this program holds the first d_v block (None when d_v is not split). Read
+    at the kernel's top: the interpreter replaces `program_id` there, not inside loops."""
+    return pl.program_id(1) == 0 if split else None
+
+
+def _store_z(first, ref, index, z):
+    """ref[index] = z, the normaliser (the same in every d_v block's program): stored by
+    the first block's program only when d_v is split (`first` not None)."""
+
+    def store():
+        ref[index] = z
+
+    if first is None:
+        store()
+    else:
+        pl.when(first)(store)
 
 
 def _chunk_gate_spec(static, c_len, m, group):
@@ -94,20 +126,21 @@ def _rows(c_len, j):
 # ----------------------------------------------------------------------------- forward
 
 
-def _states_kernel(k_ref, v_ref, *rest, static):
+def _states_kernel(k_ref, v_ref, *rest, static, split):
     b_ref = rest[0] if static.gated else None
     if static.causal:
         s_ref, z_ref, sf_ref, zf_ref = rest[-4:]
     else:
         sf_ref, zf_ref = rest[-2:]
     c_len, m = static.chunk, k_ref.shape[-1]
+    first = _first_block(split)
 
     def body(c, carry):
         s, z = carry
         start = c * c_len
         if static.causal:
             s_ref[pl.ds(c * m, m), :] = s
-            z_ref[pl.ds(c * m, m)] = z
+            _store_z(first, z_ref, pl.ds(c * m, m), z)
         k = k_ref[pl.ds(start, c_len), :]
         v = v_ref[pl.ds(start, c_len), :]
         kf = k.astype(jnp.float32)
@@ -128,31 +161,30 @@ def _states_kernel(k_ref, v_ref, *rest, static):
     init = (jnp.zeros(sf_ref.shape, jnp.float32), jnp.zeros(zf_ref.shape, jnp.float32))
     s, z = lax.fori_loop(0, static.n // c_len, body, init)
     sf_ref[...] = s
-    zf_ref[...] = z
+    _store_z(first, zf_ref, slice(None), z)
 
 
 def states(k, v, b, static):
     """Per kv head: (state entering each chunk [kv_heads, chunks * m, dv], its
-    normaliser [kv_heads, chunks * m]; causal only) and the final (S, z)."""
+    normaliser [kv_heads, chunks * m]; causal only) and the final (S, z). One program per
+    (kv head, block of `static.block_v` columns of the state)."""
     n, kv_heads, m = k.shape
     dv = v.shape[-1]
     nc = n // static.chunk
     inputs = [k, v] + ([b] if static.gated else [])
-    in_specs = [_kv_spec(n, m, 1), _kv_spec(n, dv, 1)] + ([_gate_spec(static, n, m, 1)] if static.gated else [])
-    out_specs = [pl.BlockSpec((None, m, dv), lambda h: (h, 0, 0)), pl.BlockSpec((None, m), lambda h: (h, 0))]
+    in_specs = [_kv_spec(n, m, 1), _kv_spec(n, static.block_v, 1, split=True)]
+    in_specs += [_gate_spec(static, n, m, 1)] if static.gated else []
+    out_specs = _walk_specs(static, m)
     out_shape = [jax.ShapeDtypeStruct((kv_heads, m, dv), jnp.float32), jax.ShapeDtypeStruct((kv_heads, m), jnp.float32)]
     if static.causal:
-        out_specs = [
-            pl.BlockSpec((None, nc * m, dv), lambda h: (h, 0, 0)),
-            pl.BlockSpec((None, nc * m), lambda h: (h, 0)),
-        ] + out_specs
+        out_specs = _walk_specs(static, nc * m) + out_specs
         out_shape = [
             jax.ShapeDtypeStruct((kv_heads, nc * m, dv), jnp.float32),
             jax.ShapeDtypeStruct((kv_heads, nc * m), jnp.float32),
         ] + out_shape
     result = pl.pallas_call(
-        functools.partial(_states_kernel, static=static),
-        grid=(kv_heads,),
+        functools.partial(_states_kernel, static=static, split=static.block_v < dv),
+        grid=(kv_heads, dv // static.block_v),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -256,13 +288,14 @@ def output(q, k, v, s, z, b, static):
 # ----------------------------------------------------------------------------- backward
 
 
-def _dstates_kernel(q_ref, g_ref, r_ref, ds0_ref, dz0_ref, *rest, static):
+def _dstates_kernel(q_ref, g_ref, r_ref, ds0_ref, dz0_ref, *rest, static, split):
     b_ref = rest[0] if static.gated else None
     if static.causal:
         ds_ref, dz_ref = rest[-2:]
     else:
         dsf_ref, dzf_ref = rest[-2:]
     c_len, m = static.chunk, q_ref.shape[-1]
+    first = _first_block(split)
     nc = static.n // c_len
 
     def body(t, carry):
@@ -271,7 +304,7 @@ def _dstates_kernel(q_ref, g_ref, r_ref, ds0_ref, dz0_ref, *rest, static):
         start = c * c_len
         if static.causal:  # the gradient of the state leaving chunk c
             ds_ref[pl.ds(c * m, m), :] = acc
-            dz_ref[pl.ds(c * m, m)] = accz
+            _store_z(first, dz_ref, pl.ds(c * m, m), accz)
         qd = q_ref[pl.ds(start, c_len), :].astype(jnp.float32)
         g = g_ref[pl.ds(start, c_len), :]
         r = r_ref[pl.ds(start, c_len)]
@@ -292,32 +325,32 @@ def _dstates_kernel(q_ref, g_ref, r_ref, ds0_ref, dz0_ref, *rest, static):
     acc, accz = lax.fori_loop(0, nc, body, (ds0_ref[...], dz0_ref[...]))
     if not static.causal:
         dsf_ref[...] = acc
-        dzf_ref[...] = accz
+        _store_z(first, dzf_ref, slice(None), accz)
 
 
 def dstates(q, g, r, ds0, dz0, b, static):
     """Per query head: the gradients of the state leaving each chunk (causal:
-    `[heads, chunks * m, dv]`, `[heads, chunks * m]`) or of the final state."""
+    `[heads, chunks * m, dv]`, `[heads, chunks * m]`) or of the final state. One program
+    per (query head, block of `static.block_v` columns)."""
     n, heads, m = q.shape
     dv = g.shape[-1]
     nc = n // static.chunk
     in_specs = [
         _kv_spec(n, m, 1),
-        _kv_spec(n, dv, 1),
-        pl.BlockSpec((None, n), lambda h: (h, 0)),
-        pl.BlockSpec((None, m, dv), lambda h: (h, 0, 0)),
-        pl.BlockSpec((None, m), lambda h: (h, 0)),
+        _kv_spec(n, static.block_v, 1, split=True),
+        pl.BlockSpec((None, n), lambda h, j: (h, 0)),
+        *_walk_specs(static, m),
     ]
     inputs = [q, g, r, ds0, dz0]
     if static.gated:
         in_specs.append(_gate_spec(static, n, m, static.group))
         inputs.append(b)
     rows = nc * m if static.causal else m
-    out_specs = [pl.BlockSpec((None, rows, dv), lambda h: (h, 0, 0)), pl.BlockSpec((None, rows), lambda h: (h, 0))]
+    out_specs = _walk_specs(static, rows)
     out_shape = [jax.ShapeDtypeStruct((heads, rows, dv), jnp.float32), jax.ShapeDtypeStruct((heads, rows), jnp.float32)]
     return pl.pallas_call(
-        functools.partial(_dstates_kernel, static=static),
-        grid=(heads,),
+        functools.partial(_dstates_kernel, static=static, split=static.block_v < dv),
+        grid=(heads, dv // static.block_v),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
