@@ -56,6 +56,8 @@ def test_the_suite_writes_lra_table_json_and_plot_and_resumes_without_retraining
     runs = results["tasks"]["listops"]["runs"]
     assert set(runs) == {"softmax"} and len(runs["softmax"]) == 2
     assert all(0.0 <= row["eval_accuracy"] <= 1.0 and row["step_ms"] > 0 for r in runs.values() for row in r)
+    # the reused seed-0 run keeps what only its training summary held: parameters and FLOPs
+    assert all(row["parameters"] > 0 and row["flops_per_token"] > 0 for row in runs["softmax"])
     text = (tmp_path / "lra.md").read_text()
     mean = statistics.fmean(r["eval_accuracy"] for r in runs["softmax"])
     assert f"| softmax | {100 * mean:.2f} ± " in text

@@ -305,7 +305,10 @@ def test_tiny_training_run_logs_evaluates_and_checkpoints(tmp_path):
     first = next(r for r in records if "loss" in r)
     assert first["tokens_per_s"] > 0 and first["step_temp_bytes"] > 0
     assert [r["step"] for r in records if "compile_seconds" in r] == [1]  # the first step's compile, once
-    assert next(r for r in records if "compile_seconds" in r)["compile_seconds"] > 0
+    first = next(r for r in records if "compile_seconds" in r)
+    assert first["compile_seconds"] > 0
+    # what the summary says of the train step is logged too, for a finished run read back
+    assert first["parameters"] == summary["parameters"] and first["train_step_flops"] == summary["train_step_flops"]
     assert summary["compile_seconds"] > 0
     assert not any("resumed_from_step" in r for r in records)  # a fresh run
     kept = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())

@@ -170,6 +170,10 @@ def run_one(config: str, overrides: list[str], workdir: pathlib.Path, *, progres
         if type(e) is ValueError:  # the library's word for a setting it refuses (checked while building)
             return {"skipped": f"does not build: {first_line}"}
         return {"skipped": f"failed in training: {type(e).__name__}: {first_line}"}
+    logged = read_metrics(workdir)  # a finished run reused returns no summary: its final record has these
+    for key in ("parameters", "train_step_flops"):
+        if not summary.get(key) and logged.get(key):
+            summary[key] = logged[key][max(logged[key])]
     stats = _step_stats(workdir)
     row = _final_eval(workdir) | stats
     if stats.get("step_ms"):

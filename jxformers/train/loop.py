@@ -11,8 +11,9 @@ steps (default 1000; see `TrainConfig`), log (each logged step is one JSON objec
 non-finite numbers as the strings "NaN" / "Infinity" that float() reads, and TensorBoard
 scalars in `workdir/tensorboard/`; tokens_per_s counts real tokens, padded_tokens_per_s
 all), evaluate every `eval_every` steps, checkpoint every `checkpoint.every` steps (logging
-`checkpoint_save_ms`, the time the step path waited for the save; `compile_seconds` at
-the first step; `resumed_from_step` first when resuming), and
+`checkpoint_save_ms`, the time the step path waited for the save; `compile_seconds`,
+`parameters` and XLA's `train_step_flops` at the first step; `resumed_from_step` first when
+resuming), and
 on SIGTERM or SIGINT save a checkpoint and exit (with several processes, all after
 the same step: JAX's preemption sync point). A non-finite loss or gradient is
 reported with its step and either stops the run or skips the update (`train.on_nonfinite`).
@@ -719,7 +720,12 @@ def train(
                 step, report.step_temp_bytes = int(state.step), run_step.temp_bytes
                 consistent = True
                 if step == start + 1:  # the first step of this process compiled the train step
-                    log({"step": step, "compile_seconds": run_step.compile_seconds})
+                    # with what the summary reports of it, so a finished run reused can be read back
+                    parameters = sum(int(x.size) for x in jax.tree.leaves(state.params))
+                    log(
+                        {"step": step, "compile_seconds": run_step.compile_seconds, "parameters": parameters}
+                        | ({"train_step_flops": run_step.flops} if run_step.flops is not None else {})
+                    )
                 report(step, m, elapsed, tokens)
                 if _due(step, t.eval_every, t.steps):
                     last_eval = run_eval(state)
