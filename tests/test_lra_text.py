@@ -123,6 +123,12 @@ def test_retrieval_within_puts_a_positives_two_windows_in_one_passage(tmp_path):
         assert ((np.abs(g) >= 64) & (np.abs(g) <= 64 + within)).all()  # no overlap, at most `within` apart
     assert (np.abs(gaps(50)) > 64).any()
     assert (np.abs(gaps(None)) > 64 + 50).any()  # None: anywhere in the play
+    # the repr a checkpoint keeps is the one from before `within` existed, unless it is set
+    old = f"LRARetrieval(seed=0, size=1, path={str(tmp_path)!r}, split='train', max_len=64)"
+    assert repr(make_source("lra_retrieval", seed=0, size=1, path=str(tmp_path), max_len=64)) == old
+    assert repr(make_source("lra_retrieval", seed=0, size=1, path=str(tmp_path), max_len=64, within=5)) == (
+        old[:-1] + ", within=5)"
+    )
     with pytest.raises(ValueError, match="within is a byte count"):
         make_source("lra_retrieval", seed=0, size=1, path=str(tmp_path), max_len=64, within=-1)
     with pytest.raises(ValueError, match="at most within 100000 bytes apart"):

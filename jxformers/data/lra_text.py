@@ -176,6 +176,13 @@ class LRARetrieval(_Excerpts):
                 f"lra_retrieval: a negative pairs two plays of a genre; split {self.split!r} has one {alone}"
             )
 
+    def __repr__(self) -> str:
+        # A checkpoint stores its data source's repr, and restoring refuses a different one:
+        # `within`, added after runs were checkpointed, is left out at its default (None), so
+        # those runs still resume. The parent's repr names this class and the older fields.
+        base = super().__repr__()
+        return base if self.within is None else f"{base[:-1]}, within={self.within!r})"
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         plays = play_bytes(self.path, self.split)
         rng = np.random.default_rng([self.seed, int(index)])
