@@ -54,6 +54,7 @@ from jxformers.tools.help_text import add_overrides
 from jxformers.tools.plot import plot_runs, plot_tradeoff, read_metrics
 from jxformers.train import load_experiment, train
 from jxformers.train.experiment import parse_override
+from jxformers.train.workdir import METRICS, check_rerun
 
 # The seed paper's model: softmax attention, the DCT filter before block 0 keeping 20%.
 FOURIER = ("fourier_transformer", ["model.stack.filters={0: 0.2}"])
@@ -156,6 +157,20 @@ def _final_eval(workdir: pathlib.Path) -> dict[str, float]:
     return {key: values[max(values)] for key, values in series.items() if key.startswith("eval_") and values}
 
 
+def _finished(experiment, workdir: pathlib.Path) -> bool:
+    """Whether `workdir` holds this experiment's run trained and evaluated to its last
+    step, its config unchanged: its row is then read from its log without restoring a
+    checkpoint (one written by an older version of the library may not restore)."""
+    if not (workdir / METRICS).is_file():
+        return False
+    try:
+        if check_rerun(workdir, experiment):  # an accepted change (more steps, ...): train goes on
+            return False
+    except ValueError:  # a refused change: train() says what differs
+        return False
+    return experiment.train.steps in read_metrics(workdir).get("eval_loss", {})
+
+
 def run_one(config: str, overrides: list[str], workdir: pathlib.Path, *, progress: bool) -> dict:
     """Train one model; returns its row, or {"skipped": reason} when it cannot run."""
     try:
@@ -163,7 +178,7 @@ def run_one(config: str, overrides: list[str], workdir: pathlib.Path, *, progres
     except ValueError as e:  # the attention does not fit this model or task
         return {"skipped": f"does not build: {e}"}
     try:
-        summary = train(experiment, workdir, progress=progress) or {}
+        summary = {} if _finished(experiment, workdir) else train(experiment, workdir, progress=progress) or {}
     except Exception as e:  # noqa: BLE001 -- one failing attention must not end the comparison
         traceback.print_exc(file=sys.stderr)
         first_line = str(e).splitlines()[0] if str(e) else ""
